@@ -1,0 +1,16 @@
+"""The harness that keeps ``posttrain`` working while its upstreams move.
+
+* :mod:`harness.devices` sets the JAX device source (N fake CPU devices, or the
+  real accelerators) before JAX starts, and reports the environment.
+* :mod:`harness.pytest_plugin` applies it to every pytest run (``--devices``),
+  registers the markers and hypothesis profiles and reports versions.
+* :mod:`harness.cli` is the ``posttrain-harness`` command (``devices``, ``gate``).
+
+Importing this package imports no JAX and changes no global state.
+"""
+
+from __future__ import annotations
+
+from harness.devices import configure_devices
+
+__all__ = ["configure_devices"]

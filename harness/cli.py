@@ -1,0 +1,310 @@
+"""The ``posttrain-harness`` command.
+
+Subcommands:
+    devices: configure the device source (``--devices N|real``) and print the
+        backend, device count and devices JAX then sees.
+    gate: the pre-merge gate. Runs pytest (same interpreter, xdist ``-n auto``,
+        ``--strict-skips``, ``-m "not slow"`` unless ``--slow``) with a JUnit
+        report, prints a one-screen summary parsed from it and writes
+        ``gate-summary.json`` beside it. Arguments after ``--`` go to pytest.
+        Exit status: pytest's, except that a run that ran no test (pytest exit
+        5, or every test skipped) is 1 with the message "gate ran no tests".
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.devices import configure_devices, device_facts
+
+PYTEST_NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+JUNIT_NAME = "junit-gate.xml"
+SUMMARY_NAME = "gate-summary.json"
+MAX_LISTED = 20  # failures / skip reasons printed; the JSON summary has them all
+MESSAGE_WIDTH = 160
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="posttrain-harness",
+        description="Harness of the posttrain stack: device setup and the pre-merge gate.",
+        allow_abbrev=False,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    devices = commands.add_parser(
+        "devices", help="print the backend, device count and devices", allow_abbrev=False
+    )
+    devices.add_argument(
+        "--devices",
+        metavar="N|real",
+        default=None,
+        help="N fake CPU devices or 'real' (default: $POSTTRAIN_DEVICES or 8)",
+    )
+
+    gate = commands.add_parser(
+        "gate",
+        help="run the pre-merge gate (pytest args after --)",
+        description="Run the pre-merge gate. Arguments after -- are passed to pytest.",
+        allow_abbrev=False,
+    )
+    gate.add_argument("--jobs", "-j", default="auto", help="xdist workers (default: auto)")
+    gate.add_argument(
+        "--report-dir", default="reports", type=Path, help="where the JUnit and JSON reports go"
+    )
+    gate.add_argument("--slow", action="store_true", help="also run tests marked slow")
+    gate.add_argument(
+        "--devices", metavar="N|real", default=None, help="passed to pytest's --devices"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1 :]
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "gate":
+        return run_gate(args, passthrough)
+    if passthrough:
+        parser.error("arguments after -- are for 'gate' only")
+    return show_devices(args.devices)
+
+
+def show_devices(devices: str | None) -> int:
+    """Prints backend, device count and devices after configuring ``devices``."""
+    try:
+        configure_devices(devices)
+    except (ValueError, RuntimeError) as error:
+        print(f"posttrain-harness devices: {error}", file=sys.stderr)
+        return 2
+    facts = device_facts()
+    print(f"backend: {facts['backend']}")
+    print(f"device_count: {facts['device_count']}")
+    print("devices:")
+    for device in facts["devices"]:
+        print(f"  {device}")
+    return 0
+
+
+def gate_command(args: argparse.Namespace, junit: Path, extra: Sequence[str]) -> list[str]:
+    """The pytest command line the gate runs."""
+    command = [sys.executable, "-m", "pytest"]
+    if importlib.util.find_spec("xdist") is not None:
+        command += ["-n", str(args.jobs)]
+    else:
+        print("gate: pytest-xdist is not installed; running tests in one process", flush=True)
+    command += ["--strict-skips", f"--junitxml={junit}"]
+    if not args.slow:
+        command += ["-m", "not slow"]
+    if args.devices is not None:
+        command += ["--devices", str(args.devices)]
+    return [*command, *extra]  # extra last: a later -m/-n overrides ours
+
+
+def run_gate(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    """Runs the gate; returns its exit status (see the module docstring)."""
+    report_dir: Path = args.report_dir
+    report_dir.mkdir(parents=True, exist_ok=True)
+    junit = report_dir / JUNIT_NAME
+    junit.unlink(missing_ok=True)  # never summarise a stale report
+    command = gate_command(args, junit, extra)
+    print(f"gate: {shlex.join(command)}", flush=True)
+    start = time.monotonic()
+    pytest_code = subprocess.call(command)
+    wall_time = time.monotonic() - start
+
+    summary = summarize_junit(junit) if junit.is_file() else empty_summary()
+    executed = sum(summary["counts"][key] for key in ("passed", "failed", "errors"))
+    status, message = gate_exit_status(pytest_code, executed)
+    if not junit.is_file():
+        message += ", no JUnit report written"
+    summary.update(
+        result="passed" if status == 0 else "failed",
+        message=message,
+        exit_code=status,
+        pytest_exit_code=pytest_code,
+        wall_time_s=round(wall_time, 2),
+        command=command,
+        junit=str(junit) if junit.is_file() else None,
+    )
+    summary_path = report_dir / SUMMARY_NAME
+    write_atomic(summary_path, json.dumps(summary, indent=2) + "\n")
+    print(format_summary(summary, summary_path), flush=True)
+    return status
+
+
+def gate_exit_status(pytest_code: int, executed: int) -> tuple[int, str]:
+    """The gate's exit status and message from pytest's code and the tests that ran.
+
+    Args:
+        pytest_code: pytest's exit status.
+        executed: tests that passed, failed or errored (skips excluded).
+    """
+    if pytest_code == PYTEST_NO_TESTS_COLLECTED or (pytest_code == 0 and executed == 0):
+        return 1, "gate ran no tests"
+    if pytest_code == 0:
+        return 0, "gate passed"
+    return pytest_code, f"gate failed (pytest exit {pytest_code})"
+
+
+def empty_summary() -> dict[str, Any]:
+    """A summary with no results, for a run that wrote no JUnit report."""
+    return {
+        "counts": {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "total": 0},
+        "failures": [],
+        "skip_reasons": {},
+        "junit_time_s": 0.0,
+        "properties": {},
+    }
+
+
+def summarize_junit(path: Path, root: Path | None = None) -> dict[str, Any]:
+    """Counts, failing tests and skip reasons of a pytest JUnit XML report.
+
+    Each testcase counts once: failed if it has a ``failure``, else errors if it
+    has an ``error`` (setup, teardown or collection), else skipped (xfail
+    included), else passed.
+
+    Args:
+        path: the JUnit XML file.
+        root: directory test ids are resolved against (default: the current
+            directory, pytest's rootdir when run from the repository root).
+
+    Returns:
+        ``counts`` (passed, failed, errors, skipped, total), ``failures`` (each
+        ``id``, ``outcome`` and first ``message`` line), ``skip_reasons``
+        (first line -> count), ``junit_time_s`` and the testsuite ``properties``.
+    """
+    root = Path.cwd() if root is None else root
+    summary = empty_summary()
+    counts = summary["counts"]
+    skip_reasons: collections.Counter[str] = collections.Counter()
+    top = ET.parse(path).getroot()
+    suites = [top] if top.tag == "testsuite" else top.findall("testsuite")
+    for suite in suites:
+        summary["junit_time_s"] += float(suite.get("time") or 0.0)
+        for prop in suite.findall("properties/property"):
+            summary["properties"][prop.get("name", "")] = prop.get("value", "")
+        for case in suite.iter("testcase"):
+            outcome, element = _outcome(case)
+            counts[outcome] += 1
+            if outcome == "skipped":
+                skip_reasons[_first_line(element)] += 1
+            elif outcome in ("failed", "errors"):
+                summary["failures"].append(
+                    {
+                        "id": junit_test_id(case, root),
+                        "outcome": "failed" if outcome == "failed" else "error",
+                        "message": _first_line(element),
+                    }
+                )
+    counts["total"] = sum(counts[key] for key in ("passed", "failed", "errors", "skipped"))
+    summary["junit_time_s"] = round(summary["junit_time_s"], 2)
+    summary["skip_reasons"] = dict(skip_reasons.most_common())
+    return summary
+
+
+def _outcome(case: ET.Element) -> tuple[str, ET.Element | None]:
+    for tag, outcome in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+        element = case.find(tag)
+        if element is not None:
+            return outcome, element
+    return "passed", None
+
+
+def _first_line(element: ET.Element | None) -> str:
+    """First non-empty line of the element's message (else its text), shortened."""
+    if element is None:
+        return ""
+    for text in (element.get("message"), element.text):
+        for line in (text or "").splitlines():
+            if line.strip():
+                line = line.strip()
+                return line if len(line) <= MESSAGE_WIDTH else line[: MESSAGE_WIDTH - 3] + "..."
+    return ""
+
+
+def junit_test_id(case: ET.Element, root: Path) -> str:
+    """The pytest node id of a JUnit testcase, e.g. ``tests/test_a.py::TestB::test_c[x]``.
+
+    pytest writes ``classname="tests.test_a.TestB" name="test_c[x]"`` (a
+    collection error: ``classname="" name="tests.test_a"``); the longest dotted
+    prefix naming a file under ``root`` is the module. Falls back to
+    ``classname::name`` when no such file exists.
+    """
+    classname, name = case.get("classname", ""), case.get("name", "")
+    parts, tail = (classname.split("."), [name]) if classname else (name.split("."), [])
+    for cut in range(len(parts), 0, -1):
+        module = Path(*parts[:cut]).with_suffix(".py")
+        if (root / module).is_file():
+            return "::".join([module.as_posix(), *parts[cut:], *tail])
+    return "::".join(part for part in (classname, name) if part)
+
+
+def format_summary(summary: dict[str, Any], summary_path: Path) -> str:
+    """The one-screen gate summary; its last line is ``gate: N passed, N failed, N skipped``."""
+    counts = summary["counts"]
+    lines = [
+        "-" * 24 + " posttrain-harness gate " + "-" * 24,
+        f"{summary['message']} in {summary['wall_time_s']:.1f} s "
+        f"(tests {summary['junit_time_s']:.1f} s)",
+        f"passed {counts['passed']}, failed {counts['failed']}, errors {counts['errors']}, "
+        f"skipped {counts['skipped']} (of {counts['total']})",
+    ]
+    failures = summary["failures"]
+    if failures:
+        lines.append("failures and errors:")
+        for failure in failures[:MAX_LISTED]:
+            label = "FAILED" if failure["outcome"] == "failed" else "ERROR "
+            lines.append(f"  {label} {failure['id']}: {failure['message']}")
+        if len(failures) > MAX_LISTED:
+            lines.append(f"  ... and {len(failures) - MAX_LISTED} more in {summary_path}")
+    if summary["skip_reasons"]:
+        lines.append("skip reasons:")
+        for reason, count in list(summary["skip_reasons"].items())[:MAX_LISTED]:
+            lines.append(f"  {count:4d} x {reason}")
+    reports = ", ".join(str(p) for p in (summary["junit"], summary_path) if p is not None)
+    lines.append(f"reports: {reports}")
+    failed = counts["failed"] + counts["errors"]
+    lines.append(f"gate: {counts['passed']} passed, {failed} failed, {counts['skipped']} skipped")
+    return "\n".join(lines)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The JAX device source, set once before JAX starts, and the facts reports name.
+
+Tests and tools run on ``N`` fake CPU devices (XLA's
+``--xla_force_host_platform_device_count``) or on the real accelerators
+(``real``), with the same code: only the device source differs. XLA reads the
+flag when JAX creates its CPU backend, and JAX reads ``JAX_PLATFORMS`` when it is
+imported, so :func:`configure_devices` must run before ``import jax``; it
+refuses (``RuntimeError``) when it is too late to take effect.
+
+Importing this module imports no JAX and changes no global state; only calling
+:func:`configure_devices` changes the environment, and :func:`device_facts`
+imports JAX.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+ENV_VAR = "POSTTRAIN_DEVICES"
+DEFAULT_DEVICES = 8
+REAL = "real"
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# The distributions whose versions every report names, in report order.
+DISTRIBUTIONS: tuple[str, ...] = (
+    "jax",
+    "jaxlib",
+    "flax",
+    "optax",
+    "orbax-checkpoint",
+    "qwix",
+    "google-tunix",
+    "transformers",
+    "torch",
+)
+
+_FLAG_TOKEN = re.compile(re.escape(DEVICE_COUNT_FLAG) + r"(?:=(?P<value>\S*))?")
+
+
+def parse_device_count(value: int | str) -> int:
+    """The device count a ``--devices`` / ``POSTTRAIN_DEVICES`` value names.
+
+    Args:
+        value: a positive integer (fake CPU devices), or ``"real"`` / ``0``
+            (the real devices of whatever platform JAX finds).
+
+    Returns:
+        The count, ``0`` meaning real devices.
+
+    Raises:
+        ValueError: the value is neither a non-negative integer nor ``real``.
+    """
+    text = str(value).strip().lower()
+    if text == REAL:
+        return 0
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"device count {value!r} must be a positive integer or {REAL!r}")
+    return count
+
+
+def forced_device_count(xla_flags: str) -> int | None:
+    """The value of the last device-count flag in ``xla_flags``; None if absent."""
+    value = None
+    for token in xla_flags.split():
+        match = _FLAG_TOKEN.fullmatch(token)
+        if match:
+            value = match.group("value")
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
+def with_device_count(xla_flags: str, count: int) -> str:
+    """``xla_flags`` with every device-count flag replaced by one naming ``count``."""
+    kept = [token for token in xla_flags.split() if not _FLAG_TOKEN.fullmatch(token)]
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={count}"])
+
+
+def _effective_cpu_device_count(environ: Mapping[str, str]) -> int | None:
+    """The fake CPU device count JAX would use; ``JAX_NUM_CPU_DEVICES`` wins over the flag."""
+    jax_count = environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+    if jax_count.lstrip("-").isdigit() and int(jax_count) >= 0:
+        return int(jax_count)
+    return forced_device_count(environ.get("XLA_FLAGS", ""))
+
+
+def configure_devices(count: int | str | None = None) -> int:
+    """Sets the JAX device source for this process and its children; call before ``import jax``.
+
+    A positive count ``N`` selects ``N`` fake CPU devices: ``JAX_PLATFORMS=cpu``
+    (unless already set) and ``--xla_force_host_platform_device_count=N`` in
+    ``XLA_FLAGS`` (replacing any earlier occurrence; ``JAX_NUM_CPU_DEVICES``,
+    which JAX prefers over the flag, is rewritten too when present). ``real``
+    (or ``0``) leaves the platform alone, for runs on real TPUs or GPUs.
+    ``POSTTRAIN_DEVICES`` is set to the choice so subprocesses agree. Calling it
+    again with the same count is a no-op.
+
+    Args:
+        count: the device count, ``"real"``/``0``, or None for the environment
+            variable ``POSTTRAIN_DEVICES`` (default 8).
+
+    Returns:
+        The number of fake CPU devices set, ``0`` for real devices.
+
+    Raises:
+        ValueError: the count is not a positive integer or ``real``.
+        RuntimeError: JAX was imported before, with a different device count.
+    """
+    if count is None:
+        count = os.environ.get(ENV_VAR, "").strip() or DEFAULT_DEVICES
+    devices = parse_device_count(count)
+    if devices == 0:
+        os.environ[ENV_VAR] = REAL
+        return 0
+    if "jax" in sys.modules and _effective_cpu_device_count(os.environ) != devices:
+        raise RuntimeError(
+            f"JAX was imported before the harness could set {devices} devices "
+            f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}); load the harness first "
+            "(pytest plugin, or harness.configure_devices before importing jax)"
+        )
+    os.environ["XLA_FLAGS"] = with_device_count(os.environ.get("XLA_FLAGS", ""), devices)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "JAX_NUM_CPU_DEVICES" in os.environ:
+        os.environ["JAX_NUM_CPU_DEVICES"] = str(devices)
+    os.environ[ENV_VAR] = str(devices)
+    return devices
+
+
+def device_facts() -> dict[str, Any]:
+    """Backend, device count and devices of this process's JAX (imports jax).
+
+    Call after :func:`configure_devices`: the first call starts JAX's backends.
+    """
+    import jax
+
+    devices = jax.devices()
+    return {
+        "backend": jax.default_backend(),
+        "device_count": len(devices),
+        "devices": [f"{device!r} kind={device.device_kind!r}" for device in devices],
+    }
+
+
+def package_versions() -> dict[str, str]:
+    """Installed version of each of :data:`DISTRIBUTIONS`, ``"absent"`` when missing.
+
+    Reads package metadata only: nothing is imported (torch stays unloaded).
+    """
+    versions = {}
+    for name in DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions

@@ -1,0 +1,225 @@
+"""pytest plugin of the harness: device source, markers, environment report, profiles.
+
+Loaded through the ``pytest11`` entry point ``posttrain_harness``, so before any
+conftest or test module imports JAX. ``--devices`` is applied in
+``pytest_load_initial_conftests`` (before conftests are imported) and again,
+idempotently, in ``pytest_configure``; pytest-xdist workers load this plugin and
+parse the same command line, so they set the same device count. Nothing here
+imports JAX at module level; the hooks that need it import it after the device
+source is set.
+
+Markers:
+    devices(n): needs at least n devices; skipped when fewer exist, failed under
+        ``--strict-skips`` (the gate), where a silent skip would hide a test.
+    tpu, gpu, accelerator: needs that real backend (several: any of them).
+    slow: left out of the gate unless ``--slow``.
+    reference: needs torch and transformers.
+    contract(name): pins upstream symbol ``name``; recorded as the JUnit
+        testcase property ``contract`` for the reports.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from harness import devices as _devices
+
+MARKERS: tuple[str, ...] = (
+    "devices(n): needs at least n JAX devices; skipped when fewer exist "
+    "(a failure under --strict-skips)",
+    "tpu: needs a real TPU backend",
+    "gpu: needs a real GPU backend",
+    "accelerator: needs a real accelerator backend (TPU or GPU)",
+    "slow: slow test; the gate leaves it out unless --slow",
+    "reference: needs torch and transformers (HF reference implementations)",
+    "contract(name): pins the upstream symbol `name`; reports group results by it",
+)
+# Backend markers -> the jax.default_backend() values they accept.
+BACKEND_MARKERS: dict[str, tuple[str, ...]] = {
+    "tpu": ("tpu",),
+    "gpu": ("gpu",),
+    "accelerator": ("tpu", "gpu"),
+}
+REFERENCE_MODULES: tuple[str, ...] = ("torch", "transformers")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("posttrain-harness")
+    group.addoption(
+        "--devices",
+        dest="posttrain_devices",
+        metavar="N|real",
+        default=None,
+        help=f"N fake CPU devices, or 'real' for the real accelerators "
+        f"(default: ${_devices.ENV_VAR} or {_devices.DEFAULT_DEVICES})",
+    )
+    group.addoption(
+        "--strict-skips",
+        dest="strict_skips",
+        action="store_true",
+        default=False,
+        help="fail, instead of skipping, a test whose devices(n) marker asks for more "
+        "devices than exist (the gate sets this)",
+    )
+
+
+def _apply_devices(value: str | None) -> int:
+    try:
+        return _devices.configure_devices(value)
+    except (ValueError, RuntimeError) as error:
+        raise pytest.UsageError(f"posttrain-harness: {error}") from None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(
+    early_config: pytest.Config, parser: pytest.Parser, args: list[str]
+) -> None:
+    # Before conftests are imported: one that imports jax then sees the devices.
+    _apply_devices(early_config.known_args_namespace.posttrain_devices)
+
+
+@pytest.hookimpl(tryfirst=True)  # before hypothesis's plugin loads --hypothesis-profile
+def pytest_configure(config: pytest.Config) -> None:
+    _apply_devices(config.getoption("posttrain_devices"))
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    _load_hypothesis_profile(config)
+
+
+def _load_hypothesis_profile(config: pytest.Config) -> None:
+    """Registers the ci/dev/thorough profiles and loads the one the environment names.
+
+    ``HYPOTHESIS_PROFILE`` names it; otherwise ``ci`` when ``CI`` is set, else
+    ``dev``. hypothesis's own ``--hypothesis-profile`` option wins over both.
+    """
+    try:
+        from hypothesis import HealthCheck, settings
+    except ImportError:  # the plugin works without hypothesis installed
+        return
+    # A new profile inherits from the loaded one; start from hypothesis's defaults,
+    # not from the "ci" profile hypothesis itself loads when it detects CI.
+    settings.load_profile("default")
+    # deadline=None everywhere: XLA compile times are spiky, a deadline only flakes.
+    settings.register_profile(
+        "ci",
+        derandomize=True,
+        deadline=None,
+        max_examples=20,
+        print_blob=True,
+        database=None,  # derandomized: a database would only replay the same examples
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    settings.register_profile("dev", deadline=None, max_examples=10)
+    settings.register_profile("thorough", deadline=None, max_examples=200)
+    if config.getoption("hypothesis_profile", None):
+        return
+    name = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+    try:
+        settings.load_profile(name)
+    except Exception as error:  # hypothesis.errors.InvalidArgument for an unknown name
+        raise pytest.UsageError(f"HYPOTHESIS_PROFILE={name!r}: {error}") from None
+
+
+@functools.cache
+def environment_facts() -> dict[str, str]:
+    """Backend, device count and upstream versions of this process, as strings.
+
+    Imports jax (after the device source is set); cached per process.
+    """
+    try:
+        facts = _devices.device_facts()
+        found = {"backend": str(facts["backend"]), "device_count": str(facts["device_count"])}
+    except Exception as error:  # a broken jax install must still be reported, not crash
+        found = {"backend": f"unavailable ({type(error).__name__}: {error})", "device_count": "0"}
+    for name, version in _devices.package_versions().items():
+        found[f"version.{name}"] = version
+    return found
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    facts = environment_facts()
+    requested = os.environ.get(_devices.ENV_VAR, "?")
+    strict = "on" if config.getoption("strict_skips") else "off"
+    versions = ", ".join(f"{name} {facts[f'version.{name}']}" for name in _devices.DISTRIBUTIONS)
+    return [
+        f"posttrain-harness: backend {facts['backend']}, {facts['device_count']} devices "
+        f"(--devices {requested}), strict skips {strict}",
+        f"versions: {versions}",
+    ]
+
+
+def _junit_xml(config: pytest.Config) -> Any:
+    """The junitxml plugin's report object, when this process writes one."""
+    try:  # record_testsuite_property is a no-op under xdist; the stash key is not.
+        from _pytest.junitxml import xml_key
+    except ImportError:
+        return None
+    return config.stash.get(xml_key, None)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    xml = _junit_xml(session.config)
+    if xml is None:  # no --junitxml, or an xdist worker (the controller writes it)
+        return
+    xml.add_global_property("devices_option", os.environ.get(_devices.ENV_VAR, "?"))
+    xml.add_global_property("strict_skips", str(session.config.getoption("strict_skips")))
+    for name, value in environment_facts().items():
+        xml.add_global_property(name, value)
+
+
+def _marker_int(marker: pytest.Mark) -> int:
+    args: Sequence[object] = marker.args
+    if len(args) != 1 or marker.kwargs or type(args[0]) is not int or args[0] < 1:
+        pytest.fail(f"devices marker takes one positive int, got {marker}", pytrace=False)
+    return args[0]
+
+
+def _contract_name(marker: pytest.Mark) -> str:
+    args: Sequence[object] = marker.args
+    if len(args) != 1 or marker.kwargs or not isinstance(args[0], str) or not args[0]:
+        pytest.fail(f"contract marker takes one non-empty name, got {marker}", pytrace=False)
+    return args[0]
+
+
+@functools.cache
+def _missing_reference_modules() -> tuple[str, ...]:
+    # find_spec, not import: importing torch costs seconds and is the test's business.
+    return tuple(name for name in REFERENCE_MODULES if importlib.util.find_spec(name) is None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    contract = item.get_closest_marker("contract")
+    if contract is not None:
+        item.user_properties.append(("contract", _contract_name(contract)))
+
+    wanted = [name for name in BACKEND_MARKERS if item.get_closest_marker(name) is not None]
+    if wanted:
+        backend = environment_facts()["backend"]
+        if not any(backend in BACKEND_MARKERS[name] for name in wanted):
+            pytest.skip(f"needs a real {' or '.join(wanted)} backend; running on {backend}")
+
+    markers = list(item.iter_markers("devices"))
+    if markers:
+        needed = max(_marker_int(marker) for marker in markers)
+        available = int(environment_facts()["device_count"])
+        if available < needed:
+            reason = f"needs {needed} devices, {available} available"
+            if item.config.getoption("strict_skips"):
+                pytest.fail(
+                    f"{reason} (--strict-skips: a devices skip fails the gate; "
+                    f"run with --devices {needed} or more)",
+                    pytrace=False,
+                )
+            pytest.skip(f"{reason} (--devices {needed} runs it)")
+
+    if item.get_closest_marker("reference") is not None and _missing_reference_modules():
+        missing = ", ".join(_missing_reference_modules())
+        pytest.skip(f"reference test needs torch and transformers; not importable: {missing}")

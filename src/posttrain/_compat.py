@@ -1,0 +1,53 @@
+"""Every upstream-version shim of the library, detected by feature.
+
+Each entry names the upstream version where the behaviour changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+
+def make_mesh(shape: Sequence[int], axis_names: Sequence[str], devices) -> Mesh:
+    """A mesh with ``AxisType.Auto`` axes where JAX has axis types (jax >= 0.5)."""
+    device_array = np.asarray(devices, dtype=object).reshape(tuple(shape))
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    if axis_type is not None:
+        try:
+            return Mesh(device_array, tuple(axis_names), axis_types=(axis_type.Auto,) * len(shape))
+        except TypeError:  # jax < 0.5: Mesh takes no axis_types
+            pass
+    return Mesh(device_array, tuple(axis_names))
+
+
+def set_mesh(mesh: Mesh):
+    """Context manager making ``mesh`` JAX's current mesh.
+
+    ``jax.set_mesh`` appeared in jax 0.7; before it, ``with mesh:``.
+    """
+    if hasattr(jax, "set_mesh"):
+        return jax.set_mesh(mesh)
+    if hasattr(jax.sharding, "use_mesh"):  # jax 0.5-0.6
+        return jax.sharding.use_mesh(mesh)
+    return mesh if isinstance(mesh, contextlib.AbstractContextManager) else contextlib.nullcontext()
+
+
+def module_list(modules):
+    """A list of modules stored as graph data: ``nnx.List`` (flax >= 0.12), else a list."""
+    return nnx.List(modules) if hasattr(nnx, "List") else list(modules)
+
+
+def variable_value(variable: nnx.Variable):
+    """The raw value of a variable (also abstract ones).
+
+    flax 0.12.8 deprecates ``Variable.value`` in favour of ``get_value()``;
+    older releases only have ``.value``.
+    """
+    getter = getattr(variable, "get_value", None)
+    return getter() if getter is not None else variable.value

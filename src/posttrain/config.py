@@ -1,0 +1,331 @@
+"""Model configuration: frozen keyword-only dataclasses that validate themselves.
+
+Dimension legend (STYLE.md): B batch, T seq, D d_model, N num_heads,
+K num_kv_heads, H head_dim, F d_ff / moe_d_ff, E num_experts, R top_k,
+V vocab_size, L num_layers.
+
+HF names (``hidden_size``, ``intermediate_size``, ``num_local_experts`` ...)
+are translated in one place, ``posttrain.conversion`` (``from_hf_config``); this
+module only uses the field's standard terms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Literal
+
+from posttrain import sharding
+
+RopeKind = Literal["default", "llama3", "yarn", "proportional"]
+LayerType = Literal["full", "sliding"]
+Activation = Literal["silu", "gelu_tanh", "clamped_swiglu"]
+RematPolicy = Literal["none", "full", "save_dots"]
+MoEAlgorithm = Literal["dense", "sorted", "ragged"]
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary position embedding, half-split ("rotate_half", NeoX) layout.
+
+    Attributes:
+      kind: ``default`` (theta^(-2i/H)); ``llama3`` (Llama 3.1 band scaling,
+        HF ``_compute_llama3_parameters``); ``yarn`` (YaRN, Peng et al. 2023,
+        HF ``_compute_yarn_parameters``); ``proportional`` (Gemma 4: only the
+        first ``floor(partial_rotary_factor * H / 2)`` frequencies rotate, HF
+        ``_compute_proportional_rope_parameters``).
+      theta: base of the frequencies.
+      factor: context extension factor (llama3, yarn).
+      low_freq_factor, high_freq_factor: llama3 band edges.
+      original_max_position_embeddings: pre-extension context length (llama3, yarn).
+      beta_fast, beta_slow: yarn correction range, in rotations.
+      truncate: yarn rounds the correction range to integers when true.
+      partial_rotary_factor: fraction of head_dim that rotates (proportional).
+    """
+
+    kind: RopeKind = "default"
+    theta: float = 10_000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.kind not in ("default", "llama3", "yarn", "proportional"):
+            _fail(f"rope kind={self.kind!r} must be one of default, llama3, yarn, proportional")
+        if self.theta <= 0:
+            _fail(f"rope theta={self.theta} must be > 0")
+        if self.factor <= 0:
+            _fail(f"rope factor={self.factor} must be > 0")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            _fail(f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]")
+        if self.partial_rotary_factor != 1.0 and self.kind != "proportional":
+            _fail(
+                f"partial_rotary_factor={self.partial_rotary_factor} is only supported "
+                f"with kind='proportional', got kind={self.kind!r}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """Grouped-query attention of one layer type.
+
+    Attributes:
+      num_heads: query heads N.
+      num_kv_heads: key/value heads K; N must divide by K (query head h reads
+        KV head h // (N/K), HF ``repeat_kv``).
+      head_dim: H.
+      rope: rotary embedding of q and k.
+      sliding_window: W keys visible to each query, itself included (HF tests
+        ``kv > q - W``); ``None`` for full attention.
+      qk_norm: per-head RMSNorm with a learned scale on q and k before RoPE (Qwen3, Gemma 4).
+      v_norm: RMSNorm without a scale on v (Gemma 4).
+      k_eq_v: v is the k projection before k_norm and RoPE; no v_proj (Gemma 4 full layers).
+      bias: biases on q/k/v/o projections (GPT-OSS).
+      sinks: one learned sink logit per query head joins the softmax (GPT-OSS).
+      scale: attention logit scale; ``None`` means head_dim^-1/2 (Gemma 4 uses 1.0).
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeConfig = RopeConfig()
+    sliding_window: int | None = None
+    qk_norm: bool = False
+    v_norm: bool = False
+    k_eq_v: bool = False
+    bias: bool = False
+    sinks: bool = False
+    scale: float | None = None
+
+    def __post_init__(self):
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                _fail(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            _fail(
+                f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            _fail(f"head_dim={self.head_dim} must be even for half-split RoPE")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            _fail(f"sliding_window={self.sliding_window} must be >= 1 or None")
+
+    @property
+    def logit_scale(self) -> float:
+        return self.head_dim**-0.5 if self.scale is None else self.scale
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Routed Mixture-of-Experts block (see ``posttrain.layers.moe``).
+
+    Attributes:
+      num_experts: E.
+      top_k: R experts per token.
+      moe_d_ff: expert FFN width F.
+      scoring: ``softmax`` or ``sigmoid`` of the router logits.
+      score_order: ``score_then_topk`` (Mixtral, Qwen3-MoE, Gemma 4: score all E,
+        keep the top R) or ``topk_then_score`` (GPT-OSS: top R of the logits,
+        softmax over those R).
+      renormalize: divide the R kept weights by their sum (``norm_topk_prob``).
+      router_bias: learned bias on the router logits (GPT-OSS).
+      router_input_norm: weightless RMSNorm of the router input times a learned
+        per-channel ``scale`` and d_model^-1/2 (Gemma 4 ``Gemma4TextRouter``).
+      per_expert_scale: learned [E] scale multiplied into each selected weight
+        after renormalisation (Gemma 4 ``router.per_expert_scale``).
+      fuse_expert_scales: apply the per-expert scale by folding it into the
+        experts' ``down_proj`` kernel instead of the routing weights (same result,
+        one multiply fewer per token).
+      expert_bias: biases on expert projections (GPT-OSS).
+      capacity_factor: ``None`` is dropless; otherwise each expert keeps at most
+        ``ceil(capacity_factor * T * R / E)`` assignments, in token order.
+      shared_expert_d_ff: width of an always-on shared expert; ``None`` for none.
+      algorithm: ``dense`` (every expert on every token, einsum on the module
+        parameters: the path Qwix LoRA can adapt), ``sorted`` (block-sorted
+        grouped matmul, fast on CPU), ``ragged`` (``jax.lax.ragged_dot``, for
+        accelerators with ragged kernels).
+      block_size: token rows per block in the ``sorted`` algorithm; ``None``
+        picks one from the number of assignments per expert.
+      aux_loss_weight: weight of the load-balancing loss (Switch Transformer).
+    """
+
+    num_experts: int
+    top_k: int
+    moe_d_ff: int
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    score_order: Literal["score_then_topk", "topk_then_score"] = "score_then_topk"
+    renormalize: bool = True
+    router_bias: bool = False
+    router_input_norm: bool = False
+    per_expert_scale: bool = False
+    fuse_expert_scales: bool = False
+    expert_bias: bool = False
+    capacity_factor: float | None = None
+    shared_expert_d_ff: int | None = None
+    algorithm: MoEAlgorithm = "sorted"
+    block_size: int | None = None
+    aux_loss_weight: float = 0.0
+
+    def __post_init__(self):
+        if self.num_experts < 1:
+            _fail(f"num_experts={self.num_experts} must be >= 1")
+        if not 1 <= self.top_k <= self.num_experts:
+            _fail(f"top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.moe_d_ff < 1:
+            _fail(f"moe_d_ff={self.moe_d_ff} must be >= 1")
+        if self.scoring not in ("softmax", "sigmoid"):
+            _fail(f"scoring={self.scoring!r} must be softmax or sigmoid")
+        if self.score_order not in ("score_then_topk", "topk_then_score"):
+            _fail(f"score_order={self.score_order!r} must be score_then_topk or topk_then_score")
+        if self.algorithm not in ("dense", "sorted", "ragged"):
+            _fail(f"algorithm={self.algorithm!r} must be dense, sorted or ragged")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            _fail(f"capacity_factor={self.capacity_factor} must be > 0 or None")
+        if self.fuse_expert_scales and not self.per_expert_scale:
+            _fail("fuse_expert_scales=True needs per_expert_scale=True")
+        if self.block_size is not None and self.block_size < 1:
+            _fail(f"block_size={self.block_size} must be >= 1 or None")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only causal LM.
+
+    Attributes:
+      family: preset family name (for conversion tables and messages).
+      vocab_size: V.
+      d_model: D.
+      num_layers: L.
+      d_ff: dense MLP width F; ``0`` when layers have no dense MLP.
+      layer_types: one of ``full``/``sliding`` per layer; defaults to all full.
+        The period of this pattern is the unit of layer scanning.
+      attention: attention config per layer type present in ``layer_types``.
+      activation: ``silu`` (SwiGLU), ``gelu_tanh`` (GeGLU) or ``clamped_swiglu``
+        (GPT-OSS: gate clamped above at ``swiglu_limit``, up clamped to
+        +-limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+      mlp_bias: biases on dense MLP projections.
+      moe: MoE config; ``None`` for a dense model.
+      dense_mlp_with_moe: Gemma 4 layer: a dense MLP runs beside the experts,
+        with sandwich norms (``post_feedforward_layernorm_1/2``).
+      norm_eps: RMSNorm epsilon.
+      sandwich_norm: normalise each sub-block's output before the residual add
+        (Gemma 4 ``post_attention_layernorm`` / ``post_feedforward_layernorm``).
+      layer_scalar: a learned scalar multiplying each layer's output (Gemma 4).
+      embed_scale: multiply embeddings by sqrt(d_model) (Gemma).
+      final_logit_softcap: c in c * tanh(logits / c); ``None`` for none.
+      tie_word_embeddings: logits use the embedding table transposed.
+      scan_layers: stack layers and run them with ``jax.lax.scan``.
+      remat: ``none``, ``full`` (save nothing) or ``save_dots`` (save matmul
+        outputs without batch dims, ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``).
+      dtype: activation dtype name; param_dtype: parameter dtype name.
+    """
+
+    family: str = "custom"
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    d_ff: int = 0
+    layer_types: tuple[LayerType, ...] = ()
+    attention: Mapping[LayerType, AttentionConfig]
+    activation: Activation = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    mlp_bias: bool = False
+    moe: MoEConfig | None = None
+    dense_mlp_with_moe: bool = False
+    norm_eps: float = 1e-6
+    sandwich_norm: bool = False
+    layer_scalar: bool = False
+    embed_scale: bool = False
+    final_logit_softcap: float | None = None
+    tie_word_embeddings: bool = False
+    scan_layers: bool = False
+    remat: RematPolicy = "none"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers"):
+            if getattr(self, name) < 1:
+                _fail(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "attention", dict(self.attention))
+        if len(self.layer_types) != self.num_layers:
+            _fail(
+                f"layer_types has {len(self.layer_types)} entries but num_layers={self.num_layers}"
+            )
+        for t in self.layer_types:
+            if t not in ("full", "sliding"):
+                _fail(f"layer type {t!r} must be full or sliding")
+            if t not in self.attention:
+                _fail(f"layer type {t!r} has no attention config; got {sorted(self.attention)}")
+        if "sliding" in self.layer_types and self.attention["sliding"].sliding_window is None:
+            _fail("sliding layers need attention['sliding'].sliding_window")
+        if self.moe is None and self.d_ff < 1:
+            _fail(f"d_ff={self.d_ff} must be >= 1 for a dense model")
+        if self.dense_mlp_with_moe and (self.moe is None or self.d_ff < 1):
+            _fail("dense_mlp_with_moe=True needs a moe config and d_ff >= 1")
+        if self.activation not in ("silu", "gelu_tanh", "clamped_swiglu"):
+            _fail(f"activation={self.activation!r} must be silu, gelu_tanh or clamped_swiglu")
+        if self.remat not in ("none", "full", "save_dots"):
+            _fail(f"remat={self.remat!r} must be none, full or save_dots")
+        if self.final_logit_softcap is not None and self.final_logit_softcap <= 0:
+            _fail(f"final_logit_softcap={self.final_logit_softcap} must be > 0 or None")
+        if self.scan_layers and self.num_layers % self.layer_period:
+            _fail(
+                f"scan_layers=True needs num_layers={self.num_layers} divisible by the "
+                f"layer_types period {self.layer_period}"
+            )
+
+    @property
+    def layer_period(self) -> int:
+        """Length of the shortest repeating block of ``layer_types``."""
+        types = self.layer_types
+        for p in range(1, len(types) + 1):
+            if len(types) % p == 0 and types == types[:p] * (len(types) // p):
+                return p
+        return len(types)
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def check_mesh(self, mesh_shape: Mapping[str, int], rules=sharding.DEFAULT_RULES) -> None:
+        """Checks that every sharded model dimension divides by its mesh axes.
+
+        Raises:
+          ValueError: naming the dimension, e.g. "num_kv_heads=2 is not divisible
+            by mesh axes tensor=4".
+        """
+        table = sharding.rules_dict(rules)
+
+        def check(label: str, size: int, logical: str) -> None:
+            axes = [a for a in table.get(logical, ()) if mesh_shape.get(a, 1) > 1]
+            n = sharding.axis_product(mesh_shape, axes)
+            if size % n:
+                _fail(f"{label}={size} is not divisible by mesh axes {'x'.join(axes)}={n}")
+
+        check("vocab_size", self.vocab_size, "vocab")
+        check("d_model", self.d_model, "embed")
+        for t in sorted(set(self.layer_types)):
+            attn = self.attention[t]
+            check("num_heads", attn.num_heads, "heads")
+            check("num_kv_heads", attn.num_kv_heads, "kv_heads")
+        if self.d_ff:
+            check("d_ff", self.d_ff, "mlp")
+        if self.moe is not None:
+            check("num_experts", self.moe.num_experts, "exp")
+            check("moe_d_ff", self.moe.moe_d_ff, "mlp")
+            if self.moe.shared_expert_d_ff:
+                check("shared_expert_d_ff", self.moe.shared_expert_d_ff, "mlp")

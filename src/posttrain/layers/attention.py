@@ -1,0 +1,146 @@
+"""Grouped-query self-attention with RoPE, optional qk-norm, v-norm, k-as-v, biases and sinks.
+
+Reference: HF ``LlamaAttention`` / ``Qwen3Attention`` / ``Gemma4TextAttention``
+/ ``GptOssAttention`` with ``eager_attention_forward`` (transformers 5.24).
+Query head h reads KV head h // (N / K) (HF ``repeat_kv``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain import sharding
+from posttrain.config import AttentionConfig
+from posttrain.layers.norms import RMSNorm, rms_normalize
+from posttrain.layers.rope import apply_rope
+
+_KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
+_OUT_KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2)
+
+
+def attention_mask(
+    batch: int,
+    seq: int,
+    padding_mask: jax.Array | None,
+    sliding_window: int | None,
+) -> jax.Array:
+    """Boolean mask ``[batch, seq, seq]``: True where query t may attend key s.
+
+    Args:
+      padding_mask: ``[batch, seq, seq]`` bool from the caller (Tunix passes a
+        causal-and-padding mask), or ``None`` for plain causal.
+      sliding_window: W keys visible to each query, itself included
+        (``t - s < W``, HF ``sliding_window_causal``); ``None`` for full.
+    """
+    t = jnp.arange(seq)[:, None]  # [T, 1]
+    s = jnp.arange(seq)[None, :]  # [1, S]
+    mask = s <= t  # [T, S]
+    if sliding_window is not None:
+        mask &= (t - s) < sliding_window
+    mask = jnp.broadcast_to(mask, (batch, seq, seq))  # [B, T, S]
+    if padding_mask is not None:
+        mask &= padding_mask.astype(bool)
+    return mask
+
+
+class HeadProjection(nnx.Module):
+    """``[B, T, D] -> [B, T, heads, head_dim]``: kernel ``[D, heads, head_dim]``, optional bias."""
+
+    def __init__(self, d_model: int, heads: int, head_dim: int, heads_axis: str, *,
+                 use_bias: bool, rngs: nnx.Rngs, dtype, param_dtype):
+        self.dtype = dtype
+        self.kernel = sharding.param(rngs, _KERNEL_INIT, (d_model, heads, head_dim),
+                                     ("embed", heads_axis, "head_dim"), param_dtype)
+        self.bias = (sharding.param(rngs, nnx.initializers.zeros, (heads, head_dim),
+                                    (heads_axis, "head_dim"), param_dtype) if use_bias else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("btd,dnh->btnh", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y  # [B, T, heads, H]
+
+
+class OutProjection(nnx.Module):
+    """``[B, T, N, H] -> [B, T, D]``: kernel ``[N, H, D]``, optional bias ``[D]``."""
+
+    def __init__(self, heads: int, head_dim: int, d_model: int, *, use_bias: bool,
+                 rngs: nnx.Rngs, dtype, param_dtype):
+        self.dtype = dtype
+        self.kernel = sharding.param(rngs, _OUT_KERNEL_INIT, (heads, head_dim, d_model),
+                                     ("heads", "head_dim", "embed"), param_dtype)
+        self.bias = (sharding.param(rngs, nnx.initializers.zeros, (d_model,), ("embed",),
+                                    param_dtype) if use_bias else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("btnh,nhd->btd", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y  # [B, T, D]
+
+
+class Attention(nnx.Module):
+    """Self-attention of one layer type; ``[B, T, D] -> [B, T, D]``.
+
+    Parameters (HF names): ``q_proj`` ``[D, N, H]``, ``k_proj`` ``[D, K, H]``,
+    ``v_proj`` ``[D, K, H]`` (absent with ``k_eq_v``), ``o_proj`` ``[N, H, D]``,
+    ``q_norm`` / ``k_norm`` ``[H]`` with ``qk_norm``, ``sinks`` ``[N]`` with ``sinks``.
+
+    Steps: project; qk-norm (before RoPE, Qwen3/Gemma 4); v = k projection
+    before norm/RoPE when ``k_eq_v``; weightless v-norm; RoPE on q and k;
+    logits = q.k * scale in float32; mask; softmax over keys (and the sink
+    column, dropped afterwards, GPT-OSS); weighted sum of v; o_proj.
+    """
+
+    def __init__(self, d_model: int, cfg: AttentionConfig, *, norm_eps: float, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        self.cfg = cfg
+        self.norm_eps = norm_eps
+        self.dtype = dtype
+        n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        kw = dict(use_bias=cfg.bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = HeadProjection(d_model, n, h, "heads", **kw)
+        self.k_proj = HeadProjection(d_model, k, h, "kv_heads", **kw)
+        self.v_proj = None if cfg.k_eq_v else HeadProjection(d_model, k, h, "kv_heads", **kw)
+        self.o_proj = OutProjection(n, h, d_model, **kw)
+        norm_kw = dict(eps=norm_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_norm = RMSNorm(h, **norm_kw) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(h, **norm_kw) if cfg.qk_norm else None
+        self.sinks = (sharding.param(rngs, nnx.initializers.zeros, (n,), ("heads",), param_dtype)
+                      if cfg.sinks else None)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        """Args: x ``[B, T, D]``; cos/sin ``[B, T, H]`` float32; mask ``[B, T, T]`` bool."""
+        cfg = self.cfg
+        batch, seq, _ = x.shape
+        groups = cfg.num_heads // cfg.num_kv_heads
+        q = self.q_proj(x)  # [B, T, N, H]
+        k = self.k_proj(x)  # [B, T, K, H]
+        v = k if self.v_proj is None else self.v_proj(x)  # [B, T, K, H]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.v_norm:
+            v = rms_normalize(v, self.norm_eps).astype(self.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = sharding.constrain(q, ("activation_batch", "activation_length", "activation_heads", None))
+        k = sharding.constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
+
+        q = q.reshape(batch, seq, cfg.num_kv_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
+        logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
+        logits = logits * cfg.logit_scale  # [B, K, G, T, S] float32: softmax range needs it
+        big_negative = jnp.finfo(jnp.float32).min
+        logits = jnp.where(mask[:, None, None, :, :], logits, big_negative)
+        if self.sinks is not None:
+            sink = self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, groups)  # [K, G]
+            sink = jnp.broadcast_to(sink[None, :, :, None, None], (*logits.shape[:-1], 1))
+            logits = jnp.concatenate([logits, sink], axis=-1)  # [B, K, G, T, S + 1]
+        probs = jax.nn.softmax(logits, axis=-1)
+        if self.sinks is not None:
+            probs = probs[..., :seq]  # [B, K, G, T, S]: rows sum to < 1
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32)).astype(self.dtype)
+        out = out.reshape(batch, seq, cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
+        out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
+        return self.o_proj(out)
+

@@ -1,0 +1,93 @@
+"""Gated feed-forward block and the gated activations shared with the MoE experts.
+
+Reference: HF ``LlamaMLP`` (SiLU(gate) * up -> down), ``Gemma4TextMLP``
+(GELU-tanh), ``GptOssExperts._apply_gate`` (clamped SwiGLU), transformers 5.24.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain import sharding
+
+_KERNEL_INIT = nnx.initializers.lecun_normal()
+
+
+def gated_activation(
+    gate: jax.Array,
+    up: jax.Array,
+    kind: str,
+    *,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> jax.Array:
+    """Combines gate and up projections ``[..., d_ff]`` into the hidden ``[..., d_ff]``.
+
+    Args:
+      gate, up: same shape and dtype.
+      kind: ``silu`` -> silu(gate) * up; ``gelu_tanh`` -> gelu_tanh(gate) * up;
+        ``clamped_swiglu`` (GPT-OSS) -> gate clipped above at ``limit``, up to
+        [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
+
+    Raises:
+      ValueError: unknown ``kind``.
+    """
+    if kind == "silu":
+        return jax.nn.silu(gate) * up
+    if kind == "gelu_tanh":
+        return jax.nn.gelu(gate, approximate=True) * up
+    if kind == "clamped_swiglu":
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
+    raise ValueError(f"activation {kind!r} must be silu, gelu_tanh or clamped_swiglu")
+
+
+class Linear(nnx.Module):
+    """``y = x @ kernel (+ bias)`` with logical axes on both parameters.
+
+    Args:
+      in_dim, out_dim: kernel is ``[in_dim, out_dim]``.
+      axes: logical names of (in, out).
+      use_bias: adds ``bias`` ``[out_dim]`` with logical axis ``axes[1]``.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, axes, *, use_bias: bool = False,
+                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.dtype = dtype
+        self.kernel = sharding.param(rngs, _KERNEL_INIT, (in_dim, out_dim), tuple(axes), param_dtype)
+        self.bias = (
+            sharding.param(rngs, nnx.initializers.zeros, (out_dim,), (axes[1],), param_dtype)
+            if use_bias else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class MLP(nnx.Module):
+    """Gated MLP: ``down(act(gate(x), up(x)))``, ``[B, T, D] -> [B, T, D]``.
+
+    Parameters ``gate_proj.kernel`` / ``up_proj.kernel`` ``[d_model, d_ff]``
+    (embed, mlp) and ``down_proj.kernel`` ``[d_ff, d_model]`` (mlp, embed).
+    """
+
+    def __init__(self, d_model: int, d_ff: int, activation: str, *, use_bias: bool = False,
+                 alpha: float = 1.702, limit: float = 7.0, rngs: nnx.Rngs,
+                 dtype=jnp.float32, param_dtype=jnp.float32):
+        self.activation, self.alpha, self.limit = activation, alpha, limit
+        kw = dict(use_bias=use_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear(d_model, d_ff, ("embed", "mlp"), **kw)
+        self.up_proj = Linear(d_model, d_ff, ("embed", "mlp"), **kw)
+        self.down_proj = Linear(d_ff, d_model, ("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = gated_activation(self.gate_proj(x), self.up_proj(x), self.activation,
+                                  alpha=self.alpha, limit=self.limit)
+        hidden = sharding.constrain(hidden, ("activation_batch", "activation_length", "activation_mlp"))
+        return self.down_proj(hidden)

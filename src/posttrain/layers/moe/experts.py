@@ -1,0 +1,180 @@
+"""Stage 3 of the MoE block: the routed experts, computed by one of three algorithms.
+
+All three compute ``sum_r weights[t, r] * expert_{ids[t, r]}(x[t])`` with
+``expert_e(x) = down_e(act(gate_e(x), up_e(x)))`` and agree to float32 rounding:
+
+* ``dense``: every expert on every token, einsums directly on the module
+  parameters, combined with a ``[tokens, num_experts]`` weight matrix. E / R
+  times the useful FLOPs, but the only path Qwix LoRA can adapt (Qwix intercepts
+  einsums whose operand is a parameter).
+* ``sorted``: assignments sorted by expert into blocks of ``block_size`` rows
+  that each belong to one expert; a batched matmul over blocks with each block's
+  gathered expert weights. Near the useful FLOPs on any backend.
+* ``ragged``: ``jax.lax.ragged_dot`` over the assignments sorted by expert, for
+  accelerators with ragged-matmul kernels.
+
+The algorithm is ``MoEConfig.algorithm``, never chosen by platform.
+
+Dimension legend (STYLE.md): T tokens, D d_model, F moe_d_ff, E num_experts,
+R top_k, A = T*R assignments, NB blocks, S block_size.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain import sharding
+from posttrain.config import MoEConfig
+from posttrain.layers.mlp import gated_activation
+from posttrain.layers.moe import dispatch
+
+# lecun_normal per expert: fan_in is the input axis only, not E * in.
+_KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+class Experts(nnx.Module):
+    """E gated MLPs ``[d_model] -> [moe_d_ff] -> [d_model]`` stacked on a leading axis.
+
+    Parameters: ``gate_proj``, ``up_proj`` ``[E, d_model, moe_d_ff]`` (exp, embed,
+    mlp); ``down_proj`` ``[E, moe_d_ff, d_model]`` (exp, mlp, embed); when
+    ``moe.expert_bias`` (GPT-OSS) also ``gate_proj_bias``, ``up_proj_bias``
+    ``[E, moe_d_ff]`` (exp, mlp) and ``down_proj_bias`` ``[E, d_model]`` (exp, embed).
+
+    Args:
+      d_model: D.
+      moe: the MoE config (``num_experts``, ``moe_d_ff``, ``expert_bias``,
+        ``algorithm``, ``block_size``).
+      activation: ``silu``, ``gelu_tanh`` or ``clamped_swiglu`` (see
+        :func:`posttrain.layers.mlp.gated_activation`).
+      alpha, limit: clamped-SwiGLU constants.
+      rngs: parameter RNGs.
+      dtype: compute dtype; param_dtype: parameter dtype.
+    """
+
+    def __init__(self, d_model: int, moe: MoEConfig, activation: str, *, alpha: float = 1.702,
+                 limit: float = 7.0, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        e, f = moe.num_experts, moe.moe_d_ff
+        self.moe, self.activation, self.alpha, self.limit = moe, activation, alpha, limit
+        self.dtype = dtype
+
+        def kernel(shape, axes):
+            return sharding.param(rngs, _KERNEL_INIT, shape, axes, param_dtype)
+
+        def bias(shape, axes):
+            if not moe.expert_bias:
+                return None
+            return sharding.param(rngs, nnx.initializers.zeros, shape, axes, param_dtype)
+
+        self.gate_proj = kernel((e, d_model, f), ("exp", "embed", "mlp"))
+        self.up_proj = kernel((e, d_model, f), ("exp", "embed", "mlp"))
+        self.down_proj = kernel((e, f, d_model), ("exp", "mlp", "embed"))
+        self.gate_proj_bias = bias((e, f), ("exp", "mlp"))
+        self.up_proj_bias = bias((e, f), ("exp", "mlp"))
+        self.down_proj_bias = bias((e, d_model), ("exp", "embed"))
+
+    def __call__(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array, *,
+                 down_scale: jax.Array | None = None) -> jax.Array:
+        """Weighted sum of the selected experts' outputs.
+
+        Args:
+          x: ``[tokens, d_model]`` expert input, any float dtype (cast to ``dtype``).
+          weights: ``[tokens, top_k]`` float32 routing weights (0 drops an assignment).
+          expert_ids: ``[tokens, top_k]`` int selected experts.
+          down_scale: ``[num_experts]`` or ``None``; multiplies ``down_proj`` and
+            ``down_proj_bias`` of expert e (the fused per-expert scale).
+
+        Returns:
+          ``[tokens, d_model]`` float32.
+        """
+        p = self._params(down_scale)
+        x = x.astype(self.dtype)
+        if self.moe.algorithm == "dense":
+            return self._dense(x, weights, expert_ids, p)
+        if self.moe.algorithm == "sorted":
+            return self._sorted(x, weights, expert_ids, p)
+        return self._ragged(x, weights, expert_ids, p)
+
+    def _params(self, down_scale: jax.Array | None) -> dict[str, jax.Array | None]:
+        def value(v):
+            return None if v is None else v[...].astype(self.dtype)
+
+        p = {name: value(getattr(self, name)) for name in (
+            "gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias",
+            "down_proj_bias")}
+        if down_scale is not None:  # fused per-expert scale: the only place it is applied
+            scale = down_scale.astype(self.dtype)
+            p["down_proj"] = p["down_proj"] * scale[:, None, None]  # [E, F, D]
+            if p["down_proj_bias"] is not None:
+                p["down_proj_bias"] = p["down_proj_bias"] * scale[:, None]  # [E, D]
+        return p
+
+    def _act(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        return gated_activation(gate, up, self.activation, alpha=self.alpha, limit=self.limit)
+
+    def _dense(self, x, weights, expert_ids, p) -> jax.Array:
+        num_tokens = x.shape[0]
+        combine = jnp.zeros((num_tokens, self.moe.num_experts), jnp.float32)
+        combine = combine.at[jnp.arange(num_tokens)[:, None], expert_ids].add(weights)  # [T, E]
+        gate = jnp.einsum("td,edf->tef", x, p["gate_proj"])  # [T, E, F]
+        up = jnp.einsum("td,edf->tef", x, p["up_proj"])  # [T, E, F]
+        if p["gate_proj_bias"] is not None:
+            gate, up = gate + p["gate_proj_bias"], up + p["up_proj_bias"]
+        hidden = self._act(gate, up) * combine[:, :, None].astype(self.dtype)  # [T, E, F]
+        out = jnp.einsum("tef,efd->td", hidden, p["down_proj"],
+                         preferred_element_type=jnp.float32)  # [T, D]
+        if p["down_proj_bias"] is not None:
+            out = out + jnp.einsum("te,ed->td", combine, p["down_proj_bias"].astype(jnp.float32))
+        return out
+
+    def _block_mlp(self, rows: jax.Array, w: dict[str, jax.Array | None]) -> jax.Array:
+        """One expert on one block: rows ``[S, D]`` -> ``[S, D]`` with that expert's weights."""
+        gate, up = rows @ w["gate_proj"], rows @ w["up_proj"]  # [S, F]
+        if w["gate_proj_bias"] is not None:
+            gate, up = gate + w["gate_proj_bias"], up + w["up_proj_bias"]
+        out = self._act(gate, up) @ w["down_proj"]  # [S, D]
+        if w["down_proj_bias"] is not None:
+            out = out + w["down_proj_bias"]
+        return out
+
+    def _sorted(self, x, weights, expert_ids, p) -> jax.Array:
+        num_assignments, num_experts = expert_ids.size, self.moe.num_experts
+        size = self.moe.block_size or dispatch.default_block_size(num_assignments, num_experts)
+        layout = dispatch.block_layout(expert_ids, num_experts, size)
+        num_blocks, d_model = layout.block_expert.shape[0], x.shape[-1]
+        rows = x[layout.row_token].reshape(num_blocks, size, d_model)  # [NB, S, D]
+
+        def skip(rows, w):
+            return jnp.zeros((size, d_model), rows.dtype)
+
+        def block(carry, inputs):
+            # A scan over blocks slices expert e's weights in place; a batched einsum
+            # over gathered [NB, D, F] weights copies them per block and ran 3-5x
+            # slower on CPU. Blocks past num_used_blocks (up to E of them, from the
+            # static bound) skip the matmuls. The slices are taken outside the cond
+            # so its gradient is [D, F]-sized, not a full [E, D, F] per block.
+            block_rows, e, b = inputs  # [S, D], scalar, scalar
+            w = {n: None if v is None else v[e] for n, v in p.items()}  # expert e's weights
+            used = b < layout.num_used_blocks
+            return carry, jax.lax.cond(used, self._block_mlp, skip, block_rows, w)  # [S, D]
+
+        block_ids = jnp.arange(num_blocks, dtype=jnp.int32)  # [NB]
+        _, out = jax.lax.scan(block, None, (rows, layout.block_expert, block_ids))  # [NB, S, D]
+        out = out.reshape(num_blocks * size, d_model)  # [NB * S, D]
+        return dispatch.combine_rows(out, layout.assignment_row, weights)
+
+    def _ragged(self, x, weights, expert_ids, p) -> jax.Array:
+        top_k = expert_ids.shape[1]
+        s = dispatch.sort_by_expert(expert_ids, self.moe.num_experts)
+        rows = x[s.order // top_k]  # [A, D] sorted by expert
+        gate = jax.lax.ragged_dot(rows, p["gate_proj"], s.group_sizes)  # [A, F]
+        up = jax.lax.ragged_dot(rows, p["up_proj"], s.group_sizes)  # [A, F]
+        if p["gate_proj_bias"] is not None:
+            gate = gate + p["gate_proj_bias"][s.sorted_ids]
+            up = up + p["up_proj_bias"][s.sorted_ids]
+        hidden = self._act(gate, up)  # [A, F]
+        out = jax.lax.ragged_dot(hidden, p["down_proj"], s.group_sizes)  # [A, D]
+        if p["down_proj_bias"] is not None:
+            out = out + p["down_proj_bias"][s.sorted_ids]
+        return dispatch.combine_rows(out, s.position, weights)

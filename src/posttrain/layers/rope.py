@@ -1,0 +1,95 @@
+"""Rotary position embeddings (Su et al. 2021) in the half-split layout.
+
+Every supported family uses HF's ``rotate_half`` convention: cos/sin are built
+from ``cat(freqs, freqs)`` and dim ``d`` pairs with ``d + head_dim/2``.
+
+Reference: ``transformers/modeling_rope_utils.py`` (transformers 5.12-5.24):
+``_compute_default_rope_parameters``, ``_compute_llama3_parameters``,
+``_compute_yarn_parameters``, ``_compute_proportional_rope_parameters``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posttrain.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
+    """Inverse frequencies ``[head_dim // 2]`` (float64 numpy) and the cos/sin scale.
+
+    The scale is YaRN's attention factor ``0.1 * ln(factor) + 1`` (1.0 for the
+    other kinds); HF multiplies both cos and sin by it.
+    """
+    half = head_dim // 2
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim  # [H/2]
+    base = rope.theta**-exponents  # [H/2]
+    if rope.kind == "default":
+        return base, 1.0
+    if rope.kind == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / base
+        scaled = np.where(wavelen > low_wavelen, base / rope.factor, base)
+        smooth = (old / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled), 1.0
+    if rope.kind == "yarn":
+        def correction_dim(rotations: float) -> float:
+            return (head_dim * math.log(rope.original_max_position_embeddings
+                                        / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+        low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # HF: prevents a division by zero
+        ramp = np.clip((np.arange(half, dtype=np.float64) - low) / (high - low), 0, 1)  # [H/2]
+        extrapolation = 1 - ramp
+        inv = base / rope.factor * (1 - extrapolation) + base * extrapolation
+        scale = 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
+        return inv, scale
+    if rope.kind == "proportional":
+        rotated = int(rope.partial_rotary_factor * head_dim // 2)
+        inv = np.where(np.arange(half) < rotated, base, 0.0) / rope.factor  # [H/2]
+        return inv, 1.0
+    raise ValueError(f"rope kind {rope.kind!r} is not supported")
+
+
+def rope_tables(
+    positions: jax.Array, rope: RopeConfig, head_dim: int
+) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables for ``positions``.
+
+    Args:
+      positions: ``[batch, seq]`` int token positions.
+
+    Returns:
+      ``(cos, sin)``, each ``[batch, seq, head_dim]`` float32, already scaled by
+      the kind's attention factor.
+    """
+    inv, scale = inverse_frequencies(rope, head_dim)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv, jnp.float32)  # [B, T, H/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, H]
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates ``x`` ``[batch, seq, heads, head_dim]`` by the tables ``[batch, seq, head_dim]``.
+
+    Computed in float32, returned in ``x.dtype``.
+    """
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)  # [B, T, N, H]
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]  # [B, T, N, H]
+    return out.astype(x.dtype)

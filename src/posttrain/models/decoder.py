@@ -1,0 +1,184 @@
+"""The decoder stack: embeddings, layers (a Python loop or ``jax.lax.scan``), final norm.
+
+Layers are grouped by the period P of ``layer_types`` (P = 1 for homogeneous
+models, 2 for GPT-OSS and the tiny Gemma 4). Unscanned, ``layers.{i}`` holds
+layer i. Scanned, ``blocks.{p}`` holds layers p, p + P, p + 2P ... stacked on a
+leading axis of size L / P (logical axis ``layers``), and one scan step runs one
+period of layers in order. :func:`stack_layers` / :func:`unstack_layers`
+convert between the two parameter layouts.
+
+Each layer runs through ``nnx.split`` / ``nnx.merge`` around a pure function,
+so remat (``jax.checkpoint``) and scan are plain JAX transforms: no NNX
+transform is nested inside the ``nnx.jit`` / ``value_and_grad`` of a trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain import _compat, sharding
+from posttrain.config import ModelConfig
+from posttrain.layers.attention import attention_mask
+from posttrain.layers.embeddings import Embed
+from posttrain.layers.norms import RMSNorm
+from posttrain.layers.rope import rope_tables
+from posttrain.models.decoder_layer import ACTIVATION_AXES, DecoderLayer
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _stacked_layers(cfg: ModelConfig, layer_type: str, count: int, rngs: nnx.Rngs) -> DecoderLayer:
+    """``count`` layers of one type with parameters stacked on a new leading ``layers`` axis."""
+    keys = jax.random.split(rngs.params(), count)
+    abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_type, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract)
+    state = jax.vmap(lambda key: nnx.state(DecoderLayer(cfg, layer_type, rngs=nnx.Rngs(key))))(keys)
+
+    def add_layers_axis(variable):
+        axes = sharding.variable_logical_axes(variable)
+        return variable if axes is None else variable.replace(logical_axes=("layers", *axes))
+
+    state = jax.tree.map(add_layers_axis, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
+
+
+class Decoder(nnx.Module):
+    """Embeddings -> L decoder layers -> final RMSNorm.
+
+    ``__call__(tokens [B, T] int, positions [B, T] int, padding_mask [B, T, T] bool | None)``
+    returns ``(hidden [B, T, D] in cfg.dtype, moe_aux_loss scalar float32)``, the
+    aux loss summed over layers.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.d_model, scale_by_sqrt_dim=cfg.embed_scale,
+                                  rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        period = cfg.layer_period
+        if cfg.scan_layers:
+            self.blocks = _compat.module_list(
+                [_stacked_layers(cfg, cfg.layer_types[p], cfg.num_layers // period, rngs)
+                 for p in range(period)])
+            self.layers = None
+        else:
+            self.layers = _compat.module_list(
+                [DecoderLayer(cfg, t, rngs=rngs) for t in cfg.layer_types])
+            self.blocks = None
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, dtype=dtype,
+                            param_dtype=param_dtype)
+
+    def _tables(self, positions, padding_mask):
+        """cos/sin and mask per layer type present."""
+        batch, seq = positions.shape
+        out = {}
+        for t in sorted(set(self.cfg.layer_types)):
+            attn = self.cfg.attention[t]
+            cos, sin = rope_tables(positions, attn.rope, attn.head_dim)
+            mask = attention_mask(batch, seq, padding_mask,
+                                  attn.sliding_window if t == "sliding" else None)
+            out[t] = (cos, sin, mask)
+        return out
+
+    def __call__(self, tokens, positions, padding_mask=None):
+        cfg = self.cfg
+        x = sharding.constrain(self.embed_tokens(tokens), ACTIVATION_AXES)
+        tables = self._tables(positions, padding_mask)
+        policy = REMAT_POLICIES[cfg.remat]
+        period = cfg.layer_period
+        period_types = cfg.layer_types[:period]
+
+        def run_period(x, states, graphdefs):
+            aux = jnp.zeros((), jnp.float32)
+            for graphdef, state, t in zip(graphdefs, states, period_types, strict=True):
+                x, layer_aux = nnx.merge(graphdef, state)(x, *tables[t])
+                aux = aux + layer_aux
+            return x, aux
+
+        if cfg.scan_layers:
+            graphdefs, states = zip(*(nnx.split(b) for b in self.blocks), strict=True)
+
+            def body(carry, states):
+                return run_period(carry, states, graphdefs)
+
+            if cfg.remat != "none":
+                body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+            x, auxes = jax.lax.scan(body, x, tuple(states))
+            aux = jnp.sum(auxes)
+        else:
+            aux = jnp.zeros((), jnp.float32)
+            for i, layer in enumerate(self.layers):
+                graphdef, state = nnx.split(layer)
+                t = cfg.layer_types[i]
+
+                def one(x, state, graphdef=graphdef, t=t):
+                    return nnx.merge(graphdef, state)(x, *tables[t])
+
+                if cfg.remat != "none":
+                    one = jax.checkpoint(one, policy=policy)
+                x, layer_aux = one(x, state)
+                aux = aux + layer_aux
+        return self.norm(x), aux
+
+
+def _split_path(key: str) -> list[str]:
+    return key.split(".")
+
+
+def stack_layers(params: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Unscanned flat params (``layers.{i}.<rest>``) -> scanned (``blocks.{p}.<rest>``).
+
+    Args:
+      params: flat dict, dotted path -> array; non-layer entries pass through.
+      cfg: the model config (its ``layer_period`` P and ``num_layers`` L).
+
+    Returns:
+      A new flat dict where ``blocks.{p}.<rest>`` is ``[L / P, ...]``, stacking
+      layers p, p + P, ... in order.
+    """
+    period = cfg.layer_period
+    out: dict[str, np.ndarray] = {}
+    grouped: dict[tuple[int, str], list[tuple[int, np.ndarray]]] = {}
+    for key, value in params.items():
+        parts = _split_path(key)
+        if "layers" in parts and parts[parts.index("layers") + 1].isdigit():
+            at = parts.index("layers")
+            i = int(parts[at + 1])
+            prefix = ".".join(parts[:at])
+            rest = ".".join(parts[at + 2:])
+            grouped.setdefault((i % period, f"{prefix}|{rest}"), []).append((i, value))
+        else:
+            out[key] = value
+    for (p, joined), items in grouped.items():
+        prefix, rest = joined.split("|")
+        items.sort(key=lambda item: item[0])
+        name = ".".join(x for x in (prefix, "blocks", str(p), rest) if x)
+        out[name] = np.stack([np.asarray(v) for _, v in items])
+    return out
+
+
+def unstack_layers(params: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Inverse of :func:`stack_layers`."""
+    period = cfg.layer_period
+    out: dict[str, np.ndarray] = {}
+    for key, value in params.items():
+        parts = _split_path(key)
+        if "blocks" in parts and parts[parts.index("blocks") + 1].isdigit():
+            at = parts.index("blocks")
+            p = int(parts[at + 1])
+            for j, layer_value in enumerate(np.asarray(value)):
+                name = ".".join(x for x in (*parts[:at], "layers", str(j * period + p),
+                                            *parts[at + 2:]) if x)
+                out[name] = layer_value
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,109 @@
+"""Flat views of a model's parameters (dotted path -> array), and building a placed model.
+
+Paths are the attribute paths of the NNX module tree, e.g.
+``model.layers.0.self_attn.q_proj.kernel`` (unscanned) or
+``model.blocks.0.self_attn.q_proj.kernel`` (scanned, leading ``layers`` axis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from posttrain import _compat, sharding
+from posttrain.config import ModelConfig
+from posttrain.models.causal_lm import CausalLM
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
+    """Every ``nnx.Param`` of ``model`` as a host numpy array, by dotted path."""
+    state = nnx.state(model, nnx.Param)
+    out = {}
+    for path, variable in jax.tree_util.tree_leaves_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    ):
+        out[_path_name(path)] = np.asarray(jax.device_get(_compat.variable_value(variable)))
+    return out
+
+
+def load_flat_params(model: nnx.Module, params: Mapping[str, np.ndarray]) -> nnx.Module:
+    """Replaces the values of ``model``'s params from a flat dict, in place.
+
+    Each value keeps the sharding of the parameter it replaces.
+
+    Raises:
+      ValueError: a path is missing from or unknown to the model, or a shape or
+        dtype differs (the message names the path and both values).
+    """
+    state = nnx.state(model, nnx.Param)
+    wanted = set(params)
+    seen = set()
+
+    def one(path, variable):
+        name = _path_name(path)
+        if name not in params:
+            raise ValueError(f"parameter {name} is missing from the given params")
+        new = np.asarray(params[name])
+        old = _compat.variable_value(variable)
+        if new.shape != old.shape or new.dtype != old.dtype:
+            raise ValueError(
+                f"parameter {name}: got {new.dtype}{list(new.shape)}, "
+                f"expected {old.dtype}{list(old.shape)}"
+            )
+        seen.add(name)
+        return variable.replace(jax.device_put(new, getattr(old, "sharding", None)))
+
+    new_state = jax.tree_util.tree_map_with_path(
+        one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    extra = sorted(wanted - seen)
+    if extra:
+        raise ValueError(f"params {extra[:5]} (of {len(extra)}) are not in the model")
+    nnx.update(model, new_state)
+    return model
+
+
+_INITIALIZERS: dict[str, object] = {}
+
+
+def _initializer(cfg: ModelConfig):
+    """One compiled initialiser per config (cached by ``repr(cfg)``).
+
+    Compiling the whole init once beats one eager dispatch and compile per
+    parameter (about 24 s for a tiny model on 2 CPU cores), and the ``rbg`` key
+    compiles about 5x faster than threefry on XLA:CPU; values differ from a
+    threefry init but the distributions are the same.
+    """
+    key = repr(cfg)
+    if key not in _INITIALIZERS:
+        _INITIALIZERS[key] = nnx.jit(lambda rng: CausalLM(cfg, rngs=nnx.Rngs(rng)))
+    return _INITIALIZERS[key]
+
+
+def build_model(
+    cfg: ModelConfig,
+    mesh: Mesh | None = None,
+    *,
+    seed: int = 0,
+    rules: sharding.Rules = sharding.DEFAULT_RULES,
+) -> CausalLM:
+    """Creates a :class:`CausalLM` and places it on ``mesh`` per its logical axes.
+
+    The mesh is checked against the config first, so an unusable mesh fails
+    with a one-line ``ValueError`` (e.g. "num_kv_heads=4 is not divisible by
+    mesh axes tensor=8") before JAX sees it.
+    """
+    if mesh is not None:
+        cfg.check_mesh(dict(mesh.shape), rules)
+    model = _initializer(cfg)(jax.random.key(seed, impl="rbg"))
+    if mesh is not None:
+        sharding.shard_model(model, mesh, rules)
+    return model

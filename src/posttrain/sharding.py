@@ -1,0 +1,343 @@
+"""Mesh axes, logical-axis rules, mesh creation, and the two sharding helpers.
+
+This is the only module that names physical mesh axes. Layers speak logical axis
+names (the vocabulary in STYLE.md: ``activation_batch``, ``embed``, ``mlp``,
+``exp`` ...) through exactly two helpers:
+
+* :func:`param` creates every parameter and records its logical axes in the
+  ``logical_axes`` metadata of the ``nnx.Param``;
+* :func:`constrain` puts a sharding constraint on an activation, resolved against
+  the mesh and rules made current by :func:`use_mesh` (a no-op when none is).
+
+Resolution (:func:`logical_to_spec`) maps each dimension's logical name to the
+mesh axes its rule lists, skipping axes of size 1 and axes an earlier dimension of
+the same array already took (MaxText's convention, ``maxtext/layers``), and
+raises ``ValueError`` naming the dimension, its size and the axes when the size
+does not divide by the product of those axes.
+
+Mesh axes are always the full set :data:`MESH_AXES`; unused axes have size 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from posttrain import _compat
+
+MESH_AXES: tuple[str, ...] = (
+    "data",
+    "fsdp",
+    "fsdp_transpose",
+    "expert",
+    "tensor",
+    "tensor_sequence",
+    "context",
+)
+"""Every mesh this package builds has exactly these axes, in this order."""
+
+BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "fsdp_transpose", "expert")
+"""Axes that shard the activation batch dimension under :data:`DEFAULT_RULES`."""
+
+SEQUENCE_AXES: tuple[str, ...] = ("tensor_sequence", "context")
+"""Axes that shard the activation sequence dimension under :data:`DEFAULT_RULES`."""
+
+LogicalAxes = tuple[str | None, ...]
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+DEFAULT_RULES: Rules = (
+    # activations
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", SEQUENCE_AXES),
+    ("activation_embed", ()),
+    ("activation_heads", ("tensor",)),
+    ("activation_kv_heads", ("tensor",)),
+    ("activation_mlp", ("tensor",)),
+    ("activation_exp", ("expert",)),
+    ("activation_vocab", ("tensor",)),
+    # parameters
+    ("vocab", ("tensor",)),
+    ("embed", ("fsdp",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("head_dim", ()),
+    ("mlp", ("fsdp_transpose", "tensor")),
+    ("exp", ("expert",)),
+    ("layers", ()),
+    ("norm", ()),
+)
+"""Logical name -> mesh axes. Read top to bottom; an absent name is replicated."""
+
+
+def rules_dict(rules: Rules = DEFAULT_RULES) -> dict[str, tuple[str, ...]]:
+    """Returns ``rules`` as a dict, checking each mesh axis name is known.
+
+    Raises:
+      ValueError: a rule names an axis outside :data:`MESH_AXES`.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for name, axes in rules:
+        for axis in axes:
+            if axis not in MESH_AXES:
+                raise ValueError(
+                    f"rule {name!r} names mesh axis {axis!r}; expected one of {MESH_AXES}"
+                )
+        out[name] = tuple(axes)
+    return out
+
+
+def axis_product(mesh_shape: Mapping[str, int], axes: Sequence[str]) -> int:
+    """Product of the sizes of ``axes`` in ``mesh_shape`` (absent axes count 1)."""
+    return math.prod(int(mesh_shape.get(a, 1)) for a in axes)
+
+
+def data_parallel_size(mesh: Mesh | Mapping[str, int], rules: Rules = DEFAULT_RULES) -> int:
+    """Number of shards of the activation batch: ``data x fsdp x fsdp_transpose x expert``.
+
+    Derived from the rule for ``activation_batch`` (not a fixed axis list), so a
+    new axis added to that rule is counted here too. A global batch must be a
+    multiple of this number.
+    """
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    return axis_product(shape, rules_dict(rules).get("activation_batch", ()))
+
+
+def sequence_parallel_size(mesh: Mesh | Mapping[str, int], rules: Rules = DEFAULT_RULES) -> int:
+    """Number of shards of the activation sequence: ``tensor_sequence x context``.
+
+    Derived from the rule for ``activation_length``; sequence lengths fed to the
+    model must be multiples of it.
+    """
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    return axis_product(shape, rules_dict(rules).get("activation_length", ()))
+
+
+def parse_mesh_spec(spec: str) -> dict[str, int]:
+    """Parses ``"data=2,fsdp=4"`` into ``{"data": 2, "fsdp": 4}``.
+
+    Raises:
+      ValueError: an entry is not ``axis=int`` or names an unknown axis.
+    """
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, size = part.partition("=")
+        if not sep or not size.strip().isdigit():
+            raise ValueError(f"mesh entry {part!r} must look like axis=INT, e.g. fsdp=4")
+        if name.strip() not in MESH_AXES:
+            raise ValueError(f"mesh axis {name.strip()!r} is unknown; expected one of {MESH_AXES}")
+        out[name.strip()] = int(size)
+    return out
+
+
+def make_mesh(
+    axis_sizes: Mapping[str, int] | None = None,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds a mesh over all of :data:`MESH_AXES` from the sizes of any subset.
+
+    Args:
+      axis_sizes: sizes by axis name; absent axes get 1. ``None`` puts every
+        device on ``fsdp``.
+      devices: devices to use; defaults to ``jax.devices()``.
+
+    Returns:
+      A ``Mesh`` with axes :data:`MESH_AXES` in that order, each of
+      ``AxisType.Auto`` where the installed JAX has axis types.
+
+    Raises:
+      ValueError: an unknown axis name, a size < 1, or a product of sizes that
+        differs from the device count (the message names both).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = dict(axis_sizes or {"fsdp": len(devices)})
+    for name, size in sizes.items():
+        if name not in MESH_AXES:
+            raise ValueError(f"mesh axis {name!r} is unknown; expected one of {MESH_AXES}")
+        if int(size) < 1:
+            raise ValueError(f"mesh axis {name}={size} must be >= 1")
+    shape = tuple(int(sizes.get(a, 1)) for a in MESH_AXES)
+    if math.prod(shape) != len(devices):
+        described = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, shape, strict=True) if s > 1)
+        raise ValueError(
+            f"mesh {{{described or 'all axes 1'}}} has {math.prod(shape)} devices "
+            f"but {len(devices)} devices are available; the product must equal the device count"
+        )
+    return _compat.make_mesh(shape, MESH_AXES, devices)
+
+
+def logical_to_spec(
+    logical_axes: LogicalAxes,
+    shape: Sequence[int] | None,
+    mesh_shape: Mapping[str, int],
+    rules: Rules = DEFAULT_RULES,
+) -> PartitionSpec:
+    """Resolves logical axes of one array to a ``PartitionSpec`` on a mesh.
+
+    Args:
+      logical_axes: one logical name (or ``None``) per dimension.
+      shape: the array shape, checked for divisibility; ``None`` skips the check.
+      mesh_shape: mesh axis name -> size.
+      rules: logical name -> mesh axes.
+
+    Raises:
+      ValueError: ``shape`` and ``logical_axes`` differ in length, or a dimension
+        does not divide by the product of the mesh axes that shard it.
+    """
+    table = rules_dict(rules)
+    if shape is not None and len(shape) != len(logical_axes):
+        raise ValueError(
+            f"logical axes {logical_axes} have {len(logical_axes)} names "
+            f"but the array has shape {tuple(shape)}"
+        )
+    used: set[str] = set()
+    entries: list[str | tuple[str, ...] | None] = []
+    for dim, name in enumerate(logical_axes):
+        axes = tuple(
+            a
+            for a in (table.get(name, ()) if name else ())
+            if a not in used and mesh_shape.get(a, 1) > 1
+        )
+        used.update(axes)
+        if shape is not None and axes:
+            n = axis_product(mesh_shape, axes)
+            if shape[dim] % n:
+                raise ValueError(
+                    f"dimension {dim} ({name}) of size {shape[dim]} is not divisible by "
+                    f"mesh axes {'x'.join(axes)}={n}"
+                )
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+# --- the current mesh and rules, for activation constraints --------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshContext:
+    mesh: Mesh
+    rules: Rules
+
+
+_CURRENT: contextvars.ContextVar[MeshContext | None] = contextvars.ContextVar(
+    "posttrain_mesh", default=None
+)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh]:
+    """Makes ``mesh`` and ``rules`` current for :func:`constrain` (and JAX's mesh context).
+
+    The context is read when a function is traced, so trace (first call of a
+    jitted function) inside it.
+    """
+    token = _CURRENT.set(MeshContext(mesh, rules))
+    try:
+        with _compat.set_mesh(mesh):
+            yield mesh
+    finally:
+        _CURRENT.reset(token)
+
+
+def current() -> MeshContext | None:
+    """The :class:`MeshContext` set by :func:`use_mesh`, or ``None``."""
+    return _CURRENT.get()
+
+
+def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
+    """Constrains activation ``x`` to the sharding its logical axes resolve to.
+
+    Returns ``x`` unchanged outside :func:`use_mesh`. Raises ``ValueError`` (from
+    :func:`logical_to_spec`) when a dimension does not divide by its mesh axes.
+    """
+    ctx = _CURRENT.get()
+    if ctx is None:
+        return x
+    spec = logical_to_spec(logical_axes, x.shape, dict(ctx.mesh.shape), ctx.rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+
+
+# --- parameters -----------------------------------------------------------------
+
+Initializer = Callable[[jax.Array, Sequence[int], jax.typing.DTypeLike], jax.Array]
+
+
+def param(
+    rngs: nnx.Rngs,
+    init: Initializer,
+    shape: Sequence[int],
+    logical_axes: LogicalAxes,
+    dtype: jax.typing.DTypeLike = np.float32,
+) -> nnx.Param:
+    """Creates a parameter and records its logical axes (metadata ``logical_axes``).
+
+    Raises:
+      ValueError: ``logical_axes`` does not have one name per dimension of ``shape``.
+    """
+    if len(shape) != len(logical_axes):
+        raise ValueError(f"param of shape {tuple(shape)} got logical axes {logical_axes}")
+    return nnx.Param(init(rngs.params(), tuple(shape), dtype), logical_axes=tuple(logical_axes))
+
+
+def variable_logical_axes(variable: nnx.Variable) -> LogicalAxes | None:
+    """The ``logical_axes`` metadata of a variable, or ``None`` when it has none."""
+    return variable.get_metadata().get("logical_axes")
+
+
+def state_shardings(
+    state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES
+) -> nnx.State:
+    """Maps each variable of ``state`` to its ``NamedSharding`` on ``mesh``.
+
+    The result has the structure of ``state`` (each variable holding a
+    ``NamedSharding``), so it can be passed to ``jax.device_put`` or as jit
+    ``out_shardings``.
+
+    Variables without ``logical_axes`` metadata are replicated.
+
+    Raises:
+      ValueError: a parameter dimension does not divide by its mesh axes; the
+        message starts with the parameter path.
+    """
+    mesh_shape = dict(mesh.shape)
+
+    def one(path, variable):
+        if not isinstance(variable, nnx.Variable):
+            return NamedSharding(mesh, PartitionSpec())
+        axes = variable_logical_axes(variable)
+        spec = PartitionSpec()
+        if axes is not None:
+            try:
+                spec = logical_to_spec(axes, np.shape(_compat.variable_value(variable)), mesh_shape, rules)
+            except ValueError as e:
+                name = ".".join(str(getattr(k, "key", k)) for k in path)
+                raise ValueError(f"{name}: {e}") from None
+        return variable.replace(NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(
+        one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
+    """Places every variable of ``model`` on ``mesh`` per its logical axes, in place.
+
+    Returns the same model for chaining.
+
+    Raises:
+      ValueError: as :func:`state_shardings`.
+    """
+    state = nnx.state(model)
+    shardings = state_shardings(state, mesh, rules)
+    nnx.update(model, jax.device_put(state, shardings))
+    return model

@@ -1,0 +1,471 @@
+"""Tests of the harness: device setup, the pytest plugin and the gate."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from harness import cli, pytest_plugin
+from harness.devices import DEVICE_COUNT_FLAG, configure_devices, forced_device_count
+
+DEVICE_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "POSTTRAIN_DEVICES")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No device variables and no jax in sys.modules (both restored afterwards)."""
+    for name in DEVICE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delitem(sys.modules, "jax", raising=False)
+    return monkeypatch
+
+
+def _subprocess_env(**extra: str) -> dict[str, str]:
+    """This environment without the outer pytest/xdist run's variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "HYPOTHESIS_"))}
+    return {**env, **extra}
+
+
+# --- configure_devices --------------------------------------------------------------
+
+
+def test_count_selects_cpu_and_sets_the_flag(clean_env: pytest.MonkeyPatch) -> None:
+    """A positive count sets JAX_PLATFORMS=cpu, the XLA flag and POSTTRAIN_DEVICES."""
+    assert configure_devices(4) == 4
+    assert os.environ["XLA_FLAGS"] == f"{DEVICE_COUNT_FLAG}=4"
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    assert os.environ["POSTTRAIN_DEVICES"] == "4"
+
+
+def test_existing_flag_is_replaced_and_other_flags_kept(clean_env: pytest.MonkeyPatch) -> None:
+    """Every earlier device-count flag is replaced by one; other XLA flags survive."""
+    clean_env.setenv(
+        "XLA_FLAGS",
+        f"--xla_cpu_a=1 {DEVICE_COUNT_FLAG}=2 --xla_b {DEVICE_COUNT_FLAG}=3",
+    )
+    configure_devices("16")
+    tokens = os.environ["XLA_FLAGS"].split()
+    assert tokens.count(f"{DEVICE_COUNT_FLAG}=16") == 1
+    assert [t for t in tokens if t.startswith(DEVICE_COUNT_FLAG)] == [f"{DEVICE_COUNT_FLAG}=16"]
+    assert {"--xla_cpu_a=1", "--xla_b"} <= set(tokens)
+
+
+def test_env_var_then_default_eight(clean_env: pytest.MonkeyPatch) -> None:
+    """Without an argument the count comes from POSTTRAIN_DEVICES, else 8."""
+    assert configure_devices() == 8
+    assert forced_device_count(os.environ["XLA_FLAGS"]) == 8
+    clean_env.setenv("POSTTRAIN_DEVICES", "3")
+    assert configure_devices() == 3
+    assert forced_device_count(os.environ["XLA_FLAGS"]) == 3
+
+
+def test_existing_platform_and_jax_num_cpu_devices(clean_env: pytest.MonkeyPatch) -> None:
+    """JAX_PLATFORMS already set is kept; JAX_NUM_CPU_DEVICES (which wins in JAX) is rewritten."""
+    clean_env.setenv("JAX_PLATFORMS", "cpu,tpu")
+    clean_env.setenv("JAX_NUM_CPU_DEVICES", "2")
+    configure_devices(5)
+    assert os.environ["JAX_PLATFORMS"] == "cpu,tpu"
+    assert os.environ["JAX_NUM_CPU_DEVICES"] == "5"
+
+
+@pytest.mark.parametrize("value", ["real", " REAL ", 0, "0"])
+def test_real_leaves_the_platform_alone(clean_env: pytest.MonkeyPatch, value: object) -> None:
+    """'real' (or 0) returns 0 and touches neither XLA_FLAGS nor JAX_PLATFORMS."""
+    clean_env.setenv("XLA_FLAGS", "--xla_other=1")
+    assert configure_devices(value) == 0  # type: ignore[arg-type]
+    assert os.environ["XLA_FLAGS"] == "--xla_other=1"
+    assert "JAX_PLATFORMS" not in os.environ
+    assert os.environ["POSTTRAIN_DEVICES"] == "real"
+
+
+@pytest.mark.parametrize("value", ["-1", "eight", "2.5", ""])
+def test_invalid_count_is_rejected(clean_env: pytest.MonkeyPatch, value: str) -> None:
+    """A count that is neither a non-negative integer nor 'real' raises ValueError."""
+    with pytest.raises(ValueError, match="must be a positive integer or 'real'"):
+        configure_devices(value)
+
+
+def test_jax_imported_with_another_count_raises(clean_env: pytest.MonkeyPatch) -> None:
+    """Too late to take effect: RuntimeError names the count; the environment is unchanged."""
+    clean_env.setitem(sys.modules, "jax", types.ModuleType("jax"))
+    clean_env.setenv("XLA_FLAGS", f"{DEVICE_COUNT_FLAG}=4")
+    with pytest.raises(RuntimeError, match="JAX was imported before the harness could set 8"):
+        configure_devices(8)
+    assert os.environ["XLA_FLAGS"] == f"{DEVICE_COUNT_FLAG}=4"
+    assert "JAX_PLATFORMS" not in os.environ
+    clean_env.delenv("XLA_FLAGS")
+    with pytest.raises(RuntimeError, match="could set 2 devices"):
+        configure_devices(2)  # no flag at all: JAX got its default single device
+
+
+def test_jax_imported_with_the_same_count_is_a_no_op(clean_env: pytest.MonkeyPatch) -> None:
+    """Configuring again with the count JAX already has succeeds (pytest calls it twice)."""
+    clean_env.setitem(sys.modules, "jax", types.ModuleType("jax"))
+    clean_env.setenv("XLA_FLAGS", f"{DEVICE_COUNT_FLAG}=8")
+    assert configure_devices(8) == 8
+    assert configure_devices("real") == 0
+
+
+def test_importing_the_harness_changes_nothing() -> None:
+    """Importing every harness module imports no jax and leaves the environment alone."""
+    code = (
+        "import os, sys; before = dict(os.environ)\n"
+        "import harness, harness.devices, harness.pytest_plugin, harness.cli\n"
+        "print('jax' in sys.modules, dict(os.environ) == before)\n"
+    )
+    env = _subprocess_env()
+    for name in DEVICE_ENV:
+        env.pop(name, None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "True"]
+
+
+# --- the pytest plugin ----------------------------------------------------------------
+
+
+def test_report_header_names_device_count_and_versions(request: pytest.FixtureRequest) -> None:
+    """The header names the backend, JAX's device count and the installed jax version."""
+    import jax
+
+    lines = pytest_plugin.pytest_report_header(request.config)
+    assert 1 <= len(lines) <= 2
+    assert f"backend {jax.default_backend()}, {jax.device_count()} devices" in lines[0]
+    assert f"jax {importlib.metadata.version('jax')}," in lines[1]
+    assert "torch " in lines[1]  # named even when absent, without importing it
+
+
+MARKED_TESTS = """
+    import pytest
+
+    def test_plain():
+        pass
+
+    @pytest.mark.devices(10_000)
+    def test_needs_many_devices():
+        pass
+
+    @pytest.mark.devices(1)
+    def test_needs_one_device():
+        pass
+
+    @pytest.mark.tpu
+    def test_tpu_only():
+        pass
+
+    @pytest.mark.accelerator
+    def test_any_accelerator():
+        pass
+
+    @pytest.mark.reference
+    def test_reference():
+        pass
+
+    @pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.train_step")
+    def test_contract():
+        pass
+"""
+
+
+@pytest.fixture(scope="module")
+def jax_started():
+    """JAX imported and its backend started before any (function-scoped) pytester fixture.
+
+    pytester drops the modules an in-process run imported; jax first imported
+    inside one would be imported a second time afterwards, which aborts.
+    """
+    import jax
+
+    jax.devices()
+    pytest_plugin.environment_facts()
+    return jax
+
+
+def _device_count() -> int:
+    import jax
+
+    return jax.device_count()
+
+
+def _backend() -> str:
+    import jax
+
+    return jax.default_backend()
+
+
+def test_markers_skip_with_reasons(jax_started, pytester: pytest.Pytester, monkeypatch) -> None:
+    """devices/tpu/accelerator/reference skip with reasons naming what is missing."""
+    monkeypatch.setattr(pytest_plugin, "_missing_reference_modules", lambda: ("torch",))
+    backend = _backend()
+    backend_skips = [
+        name
+        for name, accepted in (("tpu", ("tpu",)), ("accelerator", ("tpu", "gpu")))
+        if backend not in accepted
+    ]
+    pytester.makepyfile(MARKED_TESTS)
+    result = pytester.runpytest("-rs", "--strict-markers")
+    result.assert_outcomes(passed=5 - len(backend_skips), skipped=2 + len(backend_skips))
+    result.stdout.fnmatch_lines_random(
+        [
+            f"*needs 10000 devices, {_device_count()} available*",
+            "*needs torch and transformers; not importable: torch*",
+            *(f"*needs a real {name} backend; running on {backend}*" for name in backend_skips),
+        ]
+    )
+
+
+def test_strict_skips_turn_a_devices_skip_into_a_failure(
+    jax_started, pytester: pytest.Pytester
+) -> None:
+    """Under --strict-skips the devices skip fails (in setup: an error); backend skips stay."""
+    pytester.makepyfile(MARKED_TESTS)
+    result = pytester.runpytest("--strict-skips", "-p", "no:cacheprovider")
+    outcomes = result.parseoutcomes()
+    assert outcomes["errors"] == 1
+    # Only the devices skip fails: backend and reference skips stay skips.
+    assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 6
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_needs_many_devices*",
+            f"needs 10000 devices, {_device_count()} available (--strict-skips*",
+        ]
+    )
+
+
+def test_invalid_marker_arguments_fail(jax_started, pytester: pytest.Pytester) -> None:
+    """A devices marker without a positive int, or a contract without a name, fails the test."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.devices("8")
+        def test_bad_devices():
+            pass
+
+        @pytest.mark.contract()
+        def test_bad_contract():
+            pass
+        """
+    )
+    result = pytester.runpytest()
+    result.assert_outcomes(errors=2)
+    result.stdout.fnmatch_lines_random(
+        ["*devices marker takes one positive int*", "*contract marker takes one non-empty name*"]
+    )
+
+
+def test_junit_has_environment_and_contract_properties(
+    jax_started, pytester: pytest.Pytester
+) -> None:
+    """The JUnit report carries backend, device count and versions, and each contract name."""
+    pytester.makepyfile(MARKED_TESTS)
+    pytester.runpytest("--junitxml=out.xml")
+    root = ET.parse(pytester.path / "out.xml").getroot()
+    props = {p.get("name"): p.get("value") for p in root.iter("property")}
+    assert props["device_count"] == str(_device_count())
+    assert props["backend"] == _backend()
+    assert props["version.jax"] == importlib.metadata.version("jax")
+    assert props["contract"] == "tunix.sft.peft_trainer.PeftTrainer.train_step"
+
+
+def test_devices_too_late_is_a_usage_error(jax_started, pytester: pytest.Pytester) -> None:
+    """Asking for another device count once JAX is up is refused with a one-line error."""
+    other = _device_count() + 1
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest("--devices", str(other))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*JAX was imported before the harness could set {other}*"])
+
+
+@pytest.fixture
+def restore_hypothesis_profile():
+    from hypothesis import settings
+
+    name = settings.get_current_profile_name()
+    yield settings
+    settings.load_profile(name)
+
+
+@pytest.mark.parametrize(
+    ("env", "profile", "max_examples"),
+    [
+        ({"CI": "true"}, "ci", 20),
+        ({}, "dev", 10),
+        ({"CI": "true", "HYPOTHESIS_PROFILE": "thorough"}, "thorough", 200),
+    ],
+    ids=["ci-from-CI", "dev-default", "env-names-thorough"],
+)
+def test_hypothesis_profile_follows_the_environment(
+    monkeypatch, restore_hypothesis_profile, env, profile, max_examples
+) -> None:
+    """HYPOTHESIS_PROFILE names the profile; else ci when CI is set, else dev."""
+    for name in ("CI", "HYPOTHESIS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings = restore_hypothesis_profile
+    # As under CI, where hypothesis loads its own derandomized profile on import:
+    # ours must not inherit from it.
+    settings.register_profile("loaded-before", derandomize=True, max_examples=3)
+    settings.load_profile("loaded-before")
+    config = types.SimpleNamespace(getoption=lambda name, default=None: None)
+    pytest_plugin._load_hypothesis_profile(config)  # type: ignore[arg-type]
+    assert settings.get_current_profile_name() == profile
+    assert settings.default.max_examples == max_examples
+    assert settings.default.deadline is None
+    assert settings.default.derandomize is (profile == "ci")
+
+
+# --- the gate -------------------------------------------------------------------------
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="2" failures="1" skipped="2" tests="7" time="3.25">
+  <properties><property name="backend" value="cpu"/><property name="device_count" value="8"/>
+  </properties>
+  <testcase classname="tests.test_a" name="test_ok" time="0.1"/>
+  <testcase classname="tests.test_a.TestGroup" name="test_bad[x.y-2]" time="0.2">
+    <failure message="AssertionError: assert 1 == 2&#10;second line">tb</failure></testcase>
+  <testcase classname="tests.test_a" name="test_setup_error" time="0.0">
+    <error message="failed on setup with &quot;ValueError: boom&quot;">tb</error></testcase>
+  <testcase classname="" name="tests.test_broken" time="0.0">
+    <error message="collection failure">ImportError: no module</error></testcase>
+  <testcase classname="tests.test_a" name="test_skip" time="0.0">
+    <skipped type="pytest.skip" message="needs a real tpu backend; running on cpu">s</skipped>
+  </testcase>
+  <testcase classname="tests.test_a" name="test_xfail" time="0.0">
+    <skipped type="pytest.xfail" message="known bug"/></testcase>
+  <testcase classname="gone.module" name="test_elsewhere" time="0.0"/>
+</testsuite></testsuites>
+"""
+
+
+def test_summary_parser_counts_and_names_failures(tmp_path: Path) -> None:
+    """Counts, readable node ids, first message lines and suite properties come from the XML."""
+    (tmp_path / "tests").mkdir()
+    for name in ("test_a.py", "test_broken.py"):
+        (tmp_path / "tests" / name).write_text("")
+    junit = tmp_path / "junit.xml"
+    junit.write_text(JUNIT)
+    summary = cli.summarize_junit(junit, root=tmp_path)
+    assert summary["counts"] == {
+        "passed": 2,
+        "failed": 1,
+        "errors": 2,
+        "skipped": 2,
+        "total": 7,
+    }
+    assert summary["failures"] == [
+        {
+            "id": "tests/test_a.py::TestGroup::test_bad[x.y-2]",
+            "outcome": "failed",
+            "message": "AssertionError: assert 1 == 2",
+        },
+        {
+            "id": "tests/test_a.py::test_setup_error",
+            "outcome": "error",
+            "message": 'failed on setup with "ValueError: boom"',
+        },
+        {"id": "tests/test_broken.py", "outcome": "error", "message": "collection failure"},
+    ]
+    assert summary["skip_reasons"] == {
+        "needs a real tpu backend; running on cpu": 1,
+        "known bug": 1,
+    }
+    assert summary["properties"] == {"backend": "cpu", "device_count": "8"}
+    assert summary["junit_time_s"] == 3.25
+
+
+@pytest.mark.parametrize(
+    ("pytest_code", "executed", "expected"),
+    [
+        (5, 0, (1, "gate ran no tests")),
+        (0, 0, (1, "gate ran no tests")),
+        (0, 4, (0, "gate passed")),
+        (1, 4, (1, "gate failed (pytest exit 1)")),
+        (2, 0, (2, "gate failed (pytest exit 2)")),
+    ],
+    ids=["no-tests-collected", "all-skipped", "passed", "failed", "interrupted"],
+)
+def test_gate_exit_status(pytest_code, executed, expected) -> None:
+    """pytest's status passes through, except that running no test is a failure (1)."""
+    assert cli.gate_exit_status(pytest_code, executed) == expected
+
+
+def test_write_atomic_leaves_no_temporary(tmp_path: Path) -> None:
+    """The file has the new text and no temporary file is left beside it."""
+    target = tmp_path / "out" / "summary.json"
+    cli.write_atomic(target, "first")
+    cli.write_atomic(target, "second")
+    assert target.read_text() == "second"
+    assert [p.name for p in target.parent.iterdir()] == ["summary.json"]
+
+
+def _run_gate(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "harness.cli", "gate", *args],
+        cwd=cwd,
+        env=_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_gate_on_no_tests_exits_1(tmp_path: Path) -> None:
+    """pytest's exit 5 (nothing collected) becomes gate exit 1, said and recorded."""
+    (tmp_path / "empty").mkdir()
+    run = _run_gate(tmp_path, "--jobs", "0", "--", "-p", "no:cacheprovider", "empty")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "gate ran no tests" in run.stdout
+    summary = json.loads((tmp_path / "reports" / "gate-summary.json").read_text())
+    assert (summary["exit_code"], summary["pytest_exit_code"]) == (1, 5)
+    assert run.stdout.rstrip().splitlines()[-1] == "gate: 0 passed, 0 failed, 0 skipped"
+
+
+def test_gate_fails_a_devices_skip_and_summarises_it(tmp_path: Path) -> None:
+    """Under xdist the gate deselects slow tests, fails a devices skip and lists the failure."""
+    (tmp_path / "test_gate_sample.py").write_text(
+        textwrap.dedent(
+            """
+            import pytest
+
+            def test_ok():
+                pass
+
+            @pytest.mark.devices(10_000)
+            def test_needs_many_devices():
+                pass
+
+            @pytest.mark.slow
+            def test_slow():
+                raise AssertionError("slow tests are not in the gate")
+            """
+        )
+    )
+    run = _run_gate(tmp_path, "--jobs", "2", "--devices", "8", "--", "-p", "no:cacheprovider")
+    assert run.returncode == 1, run.stdout + run.stderr
+    summary = json.loads((tmp_path / "reports" / "gate-summary.json").read_text())
+    assert summary["counts"] == {
+        "passed": 1,
+        "failed": 0,
+        "errors": 1,  # failed in setup, before any fixture ran
+        "skipped": 0,
+        "total": 2,
+    }
+    [failure] = summary["failures"]
+    assert failure["id"] == "test_gate_sample.py::test_needs_many_devices"
+    assert "needs 10000 devices, 8 available" in failure["message"]
+    assert summary["properties"]["device_count"] == "8"  # written by the xdist controller
+    assert "ERROR  test_gate_sample.py::test_needs_many_devices: failed on setup" in run.stdout
+    assert run.stdout.rstrip().splitlines()[-1] == "gate: 1 passed, 1 failed, 0 skipped"
