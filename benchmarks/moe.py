@@ -52,8 +52,13 @@ def _time_interleaved(calls: dict, repeats: int) -> dict[str, float]:
 
 
 def _block_forward(args, algorithm: str, x: jax.Array):
-    cfg = MoEConfig(num_experts=args.experts, top_k=args.top_k, moe_d_ff=args.d_ff,
-                    algorithm=algorithm, block_size=args.block_size)
+    cfg = MoEConfig(
+        num_experts=args.experts,
+        top_k=args.top_k,
+        moe_d_ff=args.d_ff,
+        algorithm=algorithm,
+        block_size=args.block_size,
+    )
     block = MoEBlock(args.d_model, cfg, "silu", rngs=nnx.Rngs(0))
     graph, state = nnx.split(block)
 
@@ -88,18 +93,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="sorted block size; default: posttrain's default_block_size")
-    parser.add_argument("--algorithms", default="dense,sorted,ragged",
-                        help="comma-separated subset of dense,sorted,ragged")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="sorted block size; default: posttrain's default_block_size",
+    )
+    parser.add_argument(
+        "--algorithms",
+        default="dense,sorted,ragged",
+        help="comma-separated subset of dense,sorted,ragged",
+    )
     args = parser.parse_args(argv)
 
     x = jax.random.normal(jax.random.key(0), (1, args.tokens, args.d_model), jnp.float32)
     useful_gflop = 6 * args.tokens * args.top_k * args.d_model * args.d_ff / 1e9
     block = args.block_size or default_block_size(args.tokens * args.top_k, args.experts)
-    print(f"backend={jax.default_backend()} devices={jax.device_count()} T={args.tokens} "
-          f"D={args.d_model} F={args.d_ff} E={args.experts} R={args.top_k} "
-          f"block_size={block} repeats={args.repeats} useful={useful_gflop:.2f} GFLOP")
+    print(
+        f"backend={jax.default_backend()} devices={jax.device_count()} T={args.tokens} "
+        f"D={args.d_model} F={args.d_ff} E={args.experts} R={args.top_k} "
+        f"block_size={block} repeats={args.repeats} useful={useful_gflop:.2f} GFLOP"
+    )
 
     blocks = {a: _block_forward(args, a, x) for a in args.algorithms.split(",") if a}
     # sorted and the baseline take turns; dense and ragged (seconds each, GBs of

@@ -1,10 +1,13 @@
 """The ``posttrain`` command.
 
 Subcommands:
-  forward   build a preset on a mesh, run a jitted forward, print shardings and figures.
+  forward       build a preset on a mesh, run a jitted forward, print shardings and figures.
+  convert       HF checkpoint directory <-> native checkpoint directory (streamed, atomic).
+  check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
+                tokens; print max |delta logit|, mean KL(HF || native), top-1 agreement.
 
-``sft``, ``convert`` and ``check-logits`` arrive with the trainer and conversion
-packages. Errors in the arguments print one line and exit with status 2.
+``sft`` arrives with the trainer package. Errors in the arguments or inputs print
+one line and exit with status 2; check-logits exits with 1 past its thresholds.
 """
 
 from __future__ import annotations
@@ -75,6 +78,51 @@ def _forward(args: argparse.Namespace) -> int:
     return 0
 
 
+def _byte_size(text: str) -> int:
+    """``4GB``, ``500MB``, ``1GiB`` or a plain number of bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
+             "gb": 10**9, "b": 1}
+    lower = text.strip().lower()
+    for unit, factor in units.items():
+        if lower.endswith(unit) and lower[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            return int(float(lower[: -len(unit)]) * factor)
+    if lower.isdigit():
+        return int(lower)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4GB, 500MB or 1GiB")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from posttrain import conversion
+
+    if (args.source_format, args.target_format) == ("hf", "native"):
+        overrides = {"scan_layers": True} if args.scan else {}
+        summary = conversion.convert_hf_to_native(args.src, args.dst,
+                                                  max_shard_bytes=args.max_shard_size,
+                                                  **overrides)
+    elif (args.source_format, args.target_format) == ("native", "hf"):
+        summary = conversion.convert_native_to_hf(args.src, args.dst, layout=args.layout,
+                                                  prefix=args.prefix,
+                                                  max_shard_bytes=args.max_shard_size)
+    else:
+        raise ValueError(f"--from {args.source_format} --to {args.target_format}: "
+                         "convert goes hf -> native or native -> hf")
+    print(summary.line())
+    print(f"wrote {args.dst}")
+    return 0
+
+
+def _check_logits(args: argparse.Namespace) -> int:
+    from posttrain.conversion.parity import check_logits
+
+    parity = check_logits(args.hf_dir, args.native_dir, seq=args.seq, seed=args.seed)
+    print(parity.line())
+    if parity.ok(args.max_kl, args.atol):
+        return 0
+    limits = f"--max-kl {args.max_kl:g}" + (f", --atol {args.atol:g}" if args.atol else "")
+    print(f"posttrain: check-logits: FAILED ({limits})", file=sys.stderr)
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,17 +138,48 @@ def build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--remat", default="none", choices=("none", "full", "save_dots"))
     fwd.add_argument("--repeats", type=int, default=5)
     fwd.add_argument("--seed", type=int, default=0)
+
+    conv = sub.add_parser("convert", help="convert a checkpoint between HF and native formats")
+    conv.add_argument("--from", dest="source_format", choices=("hf", "native"), required=True)
+    conv.add_argument("--to", dest="target_format", choices=("hf", "native"), required=True)
+    conv.add_argument("src", help="source directory")
+    conv.add_argument("dst", help="destination directory (must not exist)")
+    conv.add_argument("--scan", action="store_true",
+                      help="hf -> native: store layers stacked for scan_layers=True")
+    conv.add_argument("--layout", choices=("hub", "fused"), default=None,
+                      help="native -> hf: hub (per-expert tensors, default) or fused experts")
+    conv.add_argument("--prefix", default=None,
+                      help="native -> hf: key prefix, model. (default) or model.language_model.")
+    conv.add_argument("--max-shard-size", type=_byte_size, default=4 << 30,
+                      help="largest output shard (default 4GiB)")
+
+    chk = sub.add_parser("check-logits", help="compare HF and native logits (fp32, CPU)")
+    chk.add_argument("hf_dir")
+    chk.add_argument("native_dir")
+    chk.add_argument("--max-kl", type=float, default=1e-6,
+                     help="fail above this mean KL(HF || native) (default %(default)g)")
+    chk.add_argument("--atol", type=float, default=None,
+                     help="fail above this max |delta logit| (default: not checked)")
+    chk.add_argument("--seq", type=int, default=16)
+    chk.add_argument("--seed", type=int, default=7)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _set_devices(args.devices)
         if args.command == "forward":
+            _set_devices(args.devices)
             if args.per_device_batch_size < 1 or args.seq < 1 or args.repeats < 1:
                 raise ValueError("--per-device-batch-size, --seq and --repeats must be >= 1")
             return _forward(args)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion and parity are CPU work
+        if args.command == "convert":
+            return _convert(args)
+        if args.command == "check-logits":
+            if args.seq < 8:
+                raise ValueError(f"--seq {args.seq} must be >= 8 (the batch pads 7 tokens)")
+            return _check_logits(args)
     except ValueError as e:
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2

@@ -39,10 +39,13 @@ class MoEBlock(nnx.Module):
     2. **Dispatch** (capacity): with ``moe.capacity_factor`` each expert keeps its
        first ``ceil(cf * T * R / E)`` assignments in token order; dropped ones get
        weight 0 (:func:`~posttrain.layers.moe.dispatch.capacity_mask`).
-    3. **Experts**: ``Experts`` by ``moe.algorithm`` (dense, sorted, ragged). On
-       the fused path (``moe.fuse_expert_scales``) the per-expert scale multiplies
-       ``down_proj`` and ``down_proj_bias`` of each expert instead; it is applied
-       in exactly one of these two places.
+    3. **Experts**: ``Experts`` by ``moe.algorithm`` (dense, sorted, ragged;
+       sorted blocks hold ``moe.block_size`` rows, by default
+       :func:`~posttrain.layers.moe.dispatch.default_block_size`: the power of
+       two at or below T * R / (2E), clamped to [8, 512]). On the fused path
+       (``moe.fuse_expert_scales``) the per-expert scale multiplies ``down_proj``
+       and ``down_proj_bias`` of each expert instead; it is applied in exactly
+       one of these two places.
     4. **Combine**: the weighted sum of each token's expert outputs (inside the
        experts), plus the shared expert on ``x``.
 
@@ -61,23 +64,51 @@ class MoEBlock(nnx.Module):
       ValueError: ``activation`` is not one of the three kinds.
     """
 
-    def __init__(self, d_model: int, moe: MoEConfig, activation: str, *,
-                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, norm_eps: float = 1e-6,
-                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        d_model: int,
+        moe: MoEConfig,
+        activation: str,
+        *,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        norm_eps: float = 1e-6,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation={activation!r} must be one of {', '.join(_ACTIVATIONS)}")
         self.moe = moe
         self.router = Router(d_model, moe, norm_eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
-        self.experts = Experts(d_model, moe, activation, alpha=swiglu_alpha, limit=swiglu_limit,
-                               rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.experts = Experts(
+            d_model,
+            moe,
+            activation,
+            alpha=swiglu_alpha,
+            limit=swiglu_limit,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         self.shared_expert = (
-            MLP(d_model, moe.shared_expert_d_ff, activation, alpha=swiglu_alpha,
-                limit=swiglu_limit, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-            if moe.shared_expert_d_ff else None
+            MLP(
+                d_model,
+                moe.shared_expert_d_ff,
+                activation,
+                alpha=swiglu_alpha,
+                limit=swiglu_limit,
+                rngs=rngs,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+            if moe.shared_expert_d_ff
+            else None
         )
 
-    def __call__(self, x: jax.Array,
-                 router_input: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, x: jax.Array, router_input: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """Applies the block.
 
         Args:
@@ -103,8 +134,9 @@ class MoEBlock(nnx.Module):
         scale = self.router.per_expert_scale
         scale = None if scale is None else scale[...]  # [E]
         fused = self.moe.fuse_expert_scales  # the scale goes to route or to the experts, never both
-        weights, expert_ids, probs = route(logits, self.moe,
-                                           per_expert_scale=None if fused else scale)  # [B*T, R]
+        weights, expert_ids, probs = route(
+            logits, self.moe, per_expert_scale=None if fused else scale
+        )  # [B*T, R]
         aux_loss = load_balancing_loss(probs, expert_ids)
 
         # 2. dispatch: capacity drops become zero weights
@@ -112,8 +144,9 @@ class MoEBlock(nnx.Module):
         weights = jnp.where(keep, weights, 0.0)  # [B*T, R]
 
         # 3. experts and 4. combine
-        routed = self.experts(tokens, weights, expert_ids,
-                              down_scale=scale if fused else None)  # [B*T, D] float32
+        routed = self.experts(
+            tokens, weights, expert_ids, down_scale=scale if fused else None
+        )  # [B*T, D] float32
         y = routed.reshape(batch, seq, d_model)  # [B, T, D]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x).astype(jnp.float32)

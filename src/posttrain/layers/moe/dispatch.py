@@ -6,7 +6,7 @@ slot). Every layout here has static shapes computed from T, R, E and the block
 size, so the stages jit once per input shape.
 
 Dimension legend (STYLE.md): T tokens, D d_model, E num_experts, R top_k,
-A = T*R assignments, P padded rows, NB blocks, S block_size.
+A = T*R assignments, NB blocks, S block_size.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def expert_capacity(num_assignments: int, num_experts: int, capacity_factor: flo
     return math.ceil(capacity_factor * num_assignments / num_experts)
 
 
-def capacity_mask(expert_ids: jax.Array, num_experts: int,
-                  capacity_factor: float | None) -> jax.Array:
+def capacity_mask(
+    expert_ids: jax.Array, num_experts: int, capacity_factor: float | None
+) -> jax.Array:
     """Which assignments an expert with limited capacity keeps.
 
     Each expert keeps its first :func:`expert_capacity` assignments in token
@@ -87,21 +88,21 @@ def sort_by_expert(expert_ids: jax.Array, num_experts: int) -> SortedAssignments
     arange = jnp.arange(flat.size, dtype=jnp.int32)  # [A]
     position = jnp.zeros_like(arange).at[order].set(arange, unique_indices=True)  # [A]
     rank = position - group_starts[flat]  # [A]
-    return SortedAssignments(order, sorted_ids, group_sizes, group_starts,
-                             rank.reshape(shape), position.reshape(shape))  # [T, R]
+    rank, position = rank.reshape(shape), position.reshape(shape)  # [T, R]
+    return SortedAssignments(order, sorted_ids, group_sizes, group_starts, rank, position)
 
 
 def default_block_size(num_assignments: int, num_experts: int) -> int:
     """Rows per block of the ``sorted`` algorithm when ``MoEConfig.block_size`` is None.
 
     The power of two at or below half the mean assignments per expert, A / (2E),
-    clamped to [8, 512]. Each expert pads its rows to whole blocks, wasting about
-    half a block per expert (E * S / 2 rows, ~A / 4 here), while larger blocks
-    make larger, more efficient matmuls; A / (2E) was the fastest of A / E,
-    A / (2E) and A / (4E) in ``benchmarks/moe.py`` on a 2-core CPU (T=4096, E=64,
-    R=2: S=64). The clamp keeps tiny inputs from making 1-row blocks and huge
-    ones from making blocks that are mostly padding for cold experts. Static: it
-    depends only on shapes.
+    clamped to [8, 512]. Each expert pads its rows to whole blocks (about half a
+    block of padding per expert, E * S / 2 rows, ~A / 4 here), while larger blocks
+    make more efficient matmuls. In ``benchmarks/moe.py`` on a 2-core CPU, S =
+    A / E, A / (2E) and A / (4E) were within measurement noise (~15 %) of each
+    other for E = 16, 64, 128; A / (2E) is the middle choice. The clamp keeps tiny
+    inputs from making 1-row blocks and huge ones from making blocks that are
+    mostly padding for cold experts. Static: it depends only on shapes.
     """
     mean = max(num_assignments / (2 * num_experts), 1.0)
     size = 2 ** int(math.floor(math.log2(mean)))
@@ -146,6 +147,11 @@ def block_layout(expert_ids: jax.Array, num_experts: int, block_size: int) -> Bl
     ``ceil(count_e / block_size)`` whole blocks, so every block belongs to one
     expert. The number of blocks is the static :func:`num_blocks_bound`.
 
+    Args:
+      expert_ids: ``[tokens, top_k]`` int expert of each assignment.
+      num_experts: E.
+      block_size: S, rows per block.
+
     Reference: the block-sparse layout of MegaBlocks (Gale et al. 2022), with
     dense per-block matmuls instead of block-sparse kernels.
     """
@@ -158,22 +164,30 @@ def block_layout(expert_ids: jax.Array, num_experts: int, block_size: int) -> Bl
     flat_ids = expert_ids.reshape(-1)  # [A]
     assignment_row = padded_starts[flat_ids] + s.rank.reshape(-1)  # [A]
     tokens = jnp.arange(expert_ids.size, dtype=jnp.int32) // top_k  # [A]
-    row_token = jnp.zeros((num_blocks * block_size,), jnp.int32).at[assignment_row].set(
-        tokens, unique_indices=True)  # [NB * S]
+    row_token = (
+        jnp.zeros((num_blocks * block_size,), jnp.int32)
+        .at[assignment_row]
+        .set(tokens, unique_indices=True)
+    )  # [NB * S]
     block_ids = jnp.arange(num_blocks, dtype=jnp.int32)  # [NB]
-    # expert of block b = number of experts whose blocks end at or before b; an
-    # [NB, E] comparison is cheaper to compile and run than searchsorted's loop
+    # expert of block b = number of experts whose blocks end at or before b
+    # (searchsorted as one [NB, E] comparison)
     ended = block_ends[None, :] <= block_ids[:, None]  # [NB, E]
     block_expert = jnp.minimum(jnp.sum(ended, axis=1), num_experts - 1).astype(jnp.int32)  # [NB]
-    return BlockLayout(row_token, block_expert, block_ends[-1],
-                       assignment_row.reshape(num_tokens, top_k), block_size)
+    return BlockLayout(
+        row_token,
+        block_expert,
+        block_ends[-1],
+        assignment_row.reshape(num_tokens, top_k),
+        block_size,
+    )
 
 
 def combine_rows(rows: jax.Array, assignment_row: jax.Array, weights: jax.Array) -> jax.Array:
     """Weighted sum, per token, of the expert output rows of its assignments.
 
-    A gather (each token reads its R rows) rather than a scatter-add, which is
-    the faster of the two on CPU and deterministic everywhere.
+    A gather (each token reads its R rows) rather than a scatter-add of rows
+    into tokens, so the float32 sum has a fixed order: deterministic.
 
     Args:
       rows: ``[rows, d_model]`` expert outputs, any float dtype.

@@ -5,13 +5,18 @@ All three compute ``sum_r weights[t, r] * expert_{ids[t, r]}(x[t])`` with
 
 * ``dense``: every expert on every token, einsums directly on the module
   parameters, combined with a ``[tokens, num_experts]`` weight matrix. E / R
-  times the useful FLOPs, but the only path Qwix LoRA can adapt (Qwix intercepts
-  einsums whose operand is a parameter).
+  times the useful FLOPs, but the only path Qwix LoRA can adapt: Qwix intercepts
+  einsums whose operand is a parameter, so the parameter must reach the einsum
+  unchanged (``param_dtype == dtype``; a fused per-expert scale makes
+  ``down_proj`` a product, which LoRA then cannot see). With qwix 0.1.8,
+  ``apply_lora_to_model`` gives ``dense`` LoRA on all three projections, gives
+  ``sorted`` none (silently), and fails on ``ragged`` (``TraceContextError``).
 * ``sorted``: assignments sorted by expert into blocks of ``block_size`` rows
-  that each belong to one expert; a batched matmul over blocks with each block's
-  gathered expert weights. Near the useful FLOPs on any backend.
+  that each belong to one expert; a scan over blocks multiplies each block by
+  its expert's weights (sliced in place, not gathered per block). Near the
+  useful FLOPs on any backend (``benchmarks/moe.py``).
 * ``ragged``: ``jax.lax.ragged_dot`` over the assignments sorted by expert, for
-  accelerators with ragged-matmul kernels.
+  accelerators with ragged-matmul kernels (on CPU it is slower than ``dense``).
 
 The algorithm is ``MoEConfig.algorithm``, never chosen by platform.
 
@@ -32,6 +37,14 @@ from posttrain.layers.moe import dispatch
 
 # lecun_normal per expert: fan_in is the input axis only, not E * in.
 _KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+_PARAM_NAMES = (
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_proj_bias",
+    "up_proj_bias",
+    "down_proj_bias",
+)
 
 
 class Experts(nnx.Module):
@@ -53,8 +66,18 @@ class Experts(nnx.Module):
       dtype: compute dtype; param_dtype: parameter dtype.
     """
 
-    def __init__(self, d_model: int, moe: MoEConfig, activation: str, *, alpha: float = 1.702,
-                 limit: float = 7.0, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        d_model: int,
+        moe: MoEConfig,
+        activation: str,
+        *,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
         e, f = moe.num_experts, moe.moe_d_ff
         self.moe, self.activation, self.alpha, self.limit = moe, activation, alpha, limit
         self.dtype = dtype
@@ -74,8 +97,14 @@ class Experts(nnx.Module):
         self.up_proj_bias = bias((e, f), ("exp", "mlp"))
         self.down_proj_bias = bias((e, d_model), ("exp", "embed"))
 
-    def __call__(self, x: jax.Array, weights: jax.Array, expert_ids: jax.Array, *,
-                 down_scale: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        weights: jax.Array,
+        expert_ids: jax.Array,
+        *,
+        down_scale: jax.Array | None = None,
+    ) -> jax.Array:
         """Weighted sum of the selected experts' outputs.
 
         Args:
@@ -100,9 +129,7 @@ class Experts(nnx.Module):
         def value(v):
             return None if v is None else v[...].astype(self.dtype)
 
-        p = {name: value(getattr(self, name)) for name in (
-            "gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias",
-            "down_proj_bias")}
+        p = {name: value(getattr(self, name)) for name in _PARAM_NAMES}
         if down_scale is not None:  # fused per-expert scale: the only place it is applied
             scale = down_scale.astype(self.dtype)
             p["down_proj"] = p["down_proj"] * scale[:, None, None]  # [E, F, D]
@@ -122,8 +149,9 @@ class Experts(nnx.Module):
         if p["gate_proj_bias"] is not None:
             gate, up = gate + p["gate_proj_bias"], up + p["up_proj_bias"]
         hidden = self._act(gate, up) * combine[:, :, None].astype(self.dtype)  # [T, E, F]
-        out = jnp.einsum("tef,efd->td", hidden, p["down_proj"],
-                         preferred_element_type=jnp.float32)  # [T, D]
+        out = jnp.einsum(
+            "tef,efd->td", hidden, p["down_proj"], preferred_element_type=jnp.float32
+        )  # [T, D]
         if p["down_proj_bias"] is not None:
             out = out + jnp.einsum("te,ed->td", combine, p["down_proj_bias"].astype(jnp.float32))
         return out
@@ -150,10 +178,11 @@ class Experts(nnx.Module):
 
         def block(carry, inputs):
             # A scan over blocks slices expert e's weights in place; a batched einsum
-            # over gathered [NB, D, F] weights copies them per block and ran 3-5x
-            # slower on CPU. Blocks past num_used_blocks (up to E of them, from the
-            # static bound) skip the matmuls. The slices are taken outside the cond
-            # so its gradient is [D, F]-sized, not a full [E, D, F] per block.
+            # over gathered [NB, D, F] weights copies them per block and ran ~4x
+            # slower on CPU (benchmarks/moe.py shape). Blocks past num_used_blocks
+            # (up to E of them, from the static bound) skip the matmuls. The slices
+            # are taken outside the cond so its gradient is [D, F]-sized, not a
+            # full [E, D, F] per block.
             block_rows, e, b = inputs  # [S, D], scalar, scalar
             w = {n: None if v is None else v[e] for n, v in p.items()}  # expert e's weights
             used = b < layout.num_used_blocks

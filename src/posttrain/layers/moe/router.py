@@ -57,18 +57,28 @@ class Router(nnx.Module):
       param_dtype: parameter dtype.
     """
 
-    def __init__(self, d_model: int, moe: MoEConfig, *, norm_eps: float = 1e-6,
-                 rngs: nnx.Rngs, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        d_model: int,
+        moe: MoEConfig,
+        *,
+        norm_eps: float = 1e-6,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+    ):
         e = moe.num_experts
         self.d_model, self.norm_eps = d_model, norm_eps
-        self.kernel = sharding.param(rngs, _KERNEL_INIT, (d_model, e), ("embed", "exp"), param_dtype)
-        self.bias = (sharding.param(rngs, nnx.initializers.zeros, (e,), ("exp",), param_dtype)
-                     if moe.router_bias else None)
-        self.scale = (sharding.param(rngs, nnx.initializers.ones, (d_model,), ("norm",), param_dtype)
-                      if moe.router_input_norm else None)
+
+        def param(init, shape, axes):
+            return sharding.param(rngs, init, shape, axes, param_dtype)
+
+        self.kernel = param(_KERNEL_INIT, (d_model, e), ("embed", "exp"))
+        self.bias = param(nnx.initializers.zeros, (e,), ("exp",)) if moe.router_bias else None
+        self.scale = (
+            param(nnx.initializers.ones, (d_model,), ("norm",)) if moe.router_input_norm else None
+        )
         self.per_expert_scale = (
-            sharding.param(rngs, nnx.initializers.ones, (e,), ("exp",), param_dtype)
-            if moe.per_expert_scale else None
+            param(nnx.initializers.ones, (e,), ("exp",)) if moe.per_expert_scale else None
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -98,17 +108,21 @@ def _score(x: jax.Array, scoring: str) -> jax.Array:
     return jax.nn.sigmoid(x)
 
 
-def route(logits: jax.Array, cfg: MoEConfig, *,
-          per_expert_scale: jax.Array | None = None) -> Routing:
+def route(
+    logits: jax.Array, cfg: MoEConfig, *, per_expert_scale: jax.Array | None = None
+) -> Routing:
     """Selects ``top_k`` experts per token and their weights.
 
     Steps: ``score_then_topk`` scores all E logits (softmax or sigmoid) and keeps
-    the top R scores; ``topk_then_score`` (GPT-OSS) keeps the top R logits and
-    scores only those (softmax over the R). Then, if ``cfg.renormalize``, the R
-    weights are divided by their sum (sigmoid included). Then, if
-    ``per_expert_scale`` is given, each weight is multiplied by the scale of its
-    expert (Gemma 4, after renormalisation); the block passes it only on the
-    unfused path.
+    the scores of the top R; ``topk_then_score`` (GPT-OSS) scores only the top R
+    logits (softmax over the R). Then, if ``cfg.renormalize``, the R weights are
+    divided by their sum (sigmoid included). Then, if ``per_expert_scale`` is
+    given, each weight is multiplied by the scale of its expert (Gemma 4, after
+    renormalisation); the block passes it only on the unfused path.
+
+    The top R are always chosen on the logits: softmax and sigmoid are monotonic,
+    so this is the top R of the scores, without the ties that a saturated sigmoid
+    or an underflowed softmax creates among distinct logits.
 
     Args:
       logits: ``[tokens, num_experts]`` router logits, any float dtype.
@@ -119,15 +133,16 @@ def route(logits: jax.Array, cfg: MoEConfig, *,
       :class:`Routing` (weights ``[tokens, top_k]`` float32, expert_ids
       ``[tokens, top_k]`` int32, probs ``[tokens, num_experts]`` float32).
 
-    Reference: HF ``MixtralTopKRouter.forward``, ``Gemma4TextRouter.forward``,
-    ``GptOssTopKRouter.forward`` (transformers 5.24).
+    Reference: HF ``MixtralTopKRouter.forward``, ``Qwen3MoeTopKRouter.forward``,
+    ``Gemma4TextRouter.forward``, ``GptOssTopKRouter.forward`` (transformers 5.24).
     """
     # Scores and top-k in float32: bf16 rounding creates ties, and ties reorder top_k.
     logits = logits.astype(jnp.float32)  # [T, E]
+    top_logits, expert_ids = jax.lax.top_k(logits, cfg.top_k)  # [T, R]
     if cfg.score_order == "score_then_topk":
-        weights, expert_ids = jax.lax.top_k(_score(logits, cfg.scoring), cfg.top_k)  # [T, R]
+        scores = _score(logits, cfg.scoring)  # [T, E]
+        weights = jnp.take_along_axis(scores, expert_ids, axis=-1)  # [T, R]
     else:
-        top_logits, expert_ids = jax.lax.top_k(logits, cfg.top_k)  # [T, R]
         weights = _score(top_logits, cfg.scoring)  # [T, R]
     if cfg.renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)

@@ -1,0 +1,252 @@
+"""Streaming safetensors I/O: a lazy checkpoint reader, a writer with fixed headers, atomic dirs.
+
+Reader: ``<stem>.safetensors`` or the shards named by
+``<stem>.safetensors.index.json`` (never a glob), opened with
+``safetensors.safe_open`` (which checks every header and file length, so a
+truncated or corrupted file fails on open); tensors are read one at a time,
+or one leading-axis slice at a time.
+
+Writer: the names, dtypes and shapes of every output tensor are known before
+conversion starts, so each shard's header is written first and tensors (or
+slices of stacked tensors) are written into their byte ranges as they are
+produced. Peak memory is a few tensors, not the model.
+
+Format: https://github.com/huggingface/safetensors (8-byte little-endian header
+length, JSON header with ``dtype``, ``shape``, ``data_offsets``, then the data).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from posttrain.conversion.errors import ConversionError
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}
+CODES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
+DEFAULT_SHARD_BYTES = 4 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what it is, read from a header."""
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors code, e.g. "F32"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+def _open(path: pathlib.Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="numpy")
+    except Exception as error:  # SafetensorError, OSError: one line naming the file
+        raise ConversionError(f"{path}: not a readable safetensors file "
+                              f"({str(error).splitlines()[0]})") from None
+
+
+class CheckpointReader:
+    """The tensors of a safetensors checkpoint directory.
+
+    Args:
+      directory: holds ``<stem>.safetensors`` or ``<stem>.safetensors.index.json`` + shards.
+      stem: ``model`` for HF checkpoints, ``params`` for native ones.
+
+    Raises:
+      ConversionError: no checkpoint file, an unreadable shard, or an index that
+        disagrees with the shards (the message names the file and tensor).
+    """
+
+    def __init__(self, directory: str | os.PathLike, stem: str = "model"):
+        self.directory = pathlib.Path(directory)
+        index = self.directory / f"{stem}.safetensors.index.json"
+        single = self.directory / f"{stem}.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as error:
+                raise ConversionError(f"{index}: not a safetensors index ({error})") from None
+            files = sorted(set(weight_map.values()))
+        elif single.is_file():
+            weight_map, files = None, [single.name]
+        else:
+            raise ConversionError(f"{self.directory}: no {single.name} or {index.name}")
+        self._handles = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        for name in files:
+            path = self.directory / name
+            if not path.is_file():
+                raise ConversionError(f"{index}: shard {name} does not exist")
+            handle = self._handles[name] = _open(path)
+            for key in handle.keys():
+                if key in self.tensors:
+                    raise ConversionError(f"tensor {key} is in both {self.tensors[key].file} "
+                                          f"and {name}")
+                if weight_map is not None and weight_map.get(key) != name:
+                    raise ConversionError(f"tensor {key} is in {name} but the index maps it "
+                                          f"to {weight_map.get(key)}")
+                sl = handle.get_slice(key)
+                dtype = sl.get_dtype()
+                if dtype not in DTYPES:
+                    raise ConversionError(f"tensor {key} in {name}: dtype {dtype} unsupported")
+                self.tensors[key] = TensorInfo(name, tuple(sl.get_shape()), dtype)
+        for key, name in (weight_map or {}).items():
+            if key not in self.tensors:
+                raise ConversionError(f"{index}: tensor {key} is missing from shard {name}")
+
+    def read(self, key: str, index: int | None = None) -> np.ndarray:
+        """Tensor ``key``, or its ``index``-th slice along axis 0."""
+        info = self.tensors[key]
+        handle = self._handles[info.file]
+        try:
+            out = handle.get_tensor(key) if index is None else handle.get_slice(key)[index]
+        except Exception as error:
+            raise ConversionError(f"tensor {key} in {info.file}: unreadable "
+                                  f"({str(error).splitlines()[0]})") from None
+        return np.asarray(out)
+
+    def close(self) -> None:
+        for handle in self._handles.values():
+            with contextlib.suppress(Exception):
+                handle.__exit__(None, None, None)
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSpec:
+    """One output tensor: name, safetensors dtype code, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+class CheckpointWriter:
+    """Writes the tensors of ``specs`` into shards of at most ``max_shard_bytes`` (a larger
+    tensor gets a shard of its own), in ``specs`` order.
+
+    ``write(name, array)`` writes a whole tensor, ``write(name, array, index=k)``
+    the k-th slice of its leading axis. ``finish()`` checks that every byte was
+    written, writes the index (several shards) and returns the file names.
+    """
+
+    def __init__(self, directory: pathlib.Path, stem: str, specs: Sequence[OutputSpec],
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                 metadata: Mapping[str, str] | None = None):
+        self.directory, self.stem = pathlib.Path(directory), stem
+        shards: list[list[OutputSpec]] = [[]]
+        size = 0
+        for spec in specs:
+            if shards[-1] and size + spec.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(spec)
+            size += spec.nbytes
+        n = len(shards)
+        self.files = [f"{stem}.safetensors"] if n == 1 else [
+            f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        self._where: dict[str, tuple[int, int, OutputSpec]] = {}  # name -> (shard, start, spec)
+        self._written: dict[str, int] = {}
+        self._handles = []
+        meta = {"format": "pt", **(metadata or {})}
+        for k, shard in enumerate(shards):
+            header: dict[str, object] = {"__metadata__": meta}
+            offset = 0
+            for spec in shard:
+                header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                                     "data_offsets": [offset, offset + spec.nbytes]}
+                self._where[spec.name] = (k, offset, spec)
+                offset += spec.nbytes
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # data aligned to 8 bytes, as safetensors does
+            handle = open(self.directory / self.files[k], "wb")  # noqa: SIM115 (closed in finish)
+            handle.write(len(raw).to_bytes(8, "little") + raw)
+            handle.truncate(8 + len(raw) + offset)
+            self._handles.append((handle, 8 + len(raw)))
+
+    def write(self, name: str, array: np.ndarray, index: int | None = None) -> None:
+        shard, start, spec = self._where[name]
+        want = spec.shape if index is None else spec.shape[1:]
+        if tuple(array.shape) != want or CODES.get(array.dtype) != spec.dtype:
+            raise ConversionError(f"tensor {name}: produced {array.dtype}{list(array.shape)}, "
+                                  f"expected {spec.dtype}{list(want)}")
+        data = np.ascontiguousarray(array)
+        handle, base = self._handles[shard]
+        handle.seek(base + start + (0 if index is None else index * data.nbytes))
+        handle.write(data.reshape(-1).view(np.uint8).data)
+        self._written[name] = self._written.get(name, 0) + data.nbytes
+
+    def finish(self) -> list[str]:
+        for name, (_, _, spec) in self._where.items():
+            if self._written.get(name, 0) != spec.nbytes:
+                raise ConversionError(f"tensor {name}: wrote {self._written.get(name, 0)} of "
+                                      f"{spec.nbytes} bytes")
+        for handle, _ in self._handles:
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        if len(self.files) > 1:
+            index = {"metadata": {"total_size": sum(s.nbytes for _, _, s in self._where.values())},
+                     "weight_map": {name: self.files[k] for name, (k, _, _) in
+                                    sorted(self._where.items())}}
+            (self.directory / f"{self.stem}.safetensors.index.json").write_text(
+                json.dumps(index, indent=2) + "\n")
+        return list(self.files)
+
+    def abort(self) -> None:
+        for handle, _ in self._handles:
+            handle.close()
+
+
+@contextlib.contextmanager
+def atomic_directory(dst: str | os.PathLike) -> Iterator[pathlib.Path]:
+    """Yields a temporary sibling of ``dst``, renamed to ``dst`` when the block succeeds.
+
+    Raises:
+      ConversionError: ``dst`` exists, or its parent does not (nothing is written).
+    """
+    dst = pathlib.Path(dst)
+    if dst.exists():
+        raise ConversionError(f"output directory {dst} exists; give a new path")
+    if not dst.parent.is_dir():
+        raise ConversionError(f"output parent directory {dst.parent} does not exist")
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        if dst.exists():
+            raise ConversionError(f"output directory {dst} appeared during conversion")
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
