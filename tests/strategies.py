@@ -51,3 +51,66 @@ def mesh_id(mesh_shape: dict[str, int]) -> str:
 
 
 ALL_AXES = sharding.MESH_AXES
+
+
+CONVERSION_FAMILIES: tuple[str, ...] = ("llama3", "qwen3", "qwen3_moe", "mixtral", "gemma4",
+                                        "gpt_oss")
+
+
+@st.composite
+def tiny_model_configs(draw, family: str) -> ModelConfig:
+    """Tiny ``ModelConfig``s of ``family`` that its HF config can express.
+
+    Guarantees: 1-4 layers (GPT-OSS alternating sliding/full from layer 0, Gemma 4
+    any sliding/full pattern ending in full, as HF forces); num_heads divisible by
+    num_kv_heads; even head_dim; 2-6 experts with 1 <= top_k <= experts (MoE
+    families); ``scan_layers`` only when the layer-type period divides the layers;
+    tied or untied embeddings; float32 or bfloat16 parameters. Dimensions are small
+    (d_model <= 56), so a conversion example runs in well under a second.
+    """
+    import dataclasses
+
+    from posttrain.config import AttentionConfig
+    from posttrain.models import get_config
+
+    cfg = get_config(f"{family}-tiny")
+    layers = draw(st.integers(1, 4))
+    if family == "gpt_oss":
+        types = tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
+    elif family == "gemma4":
+        types = (*draw(st.lists(st.sampled_from(("sliding", "full")), min_size=layers - 1,
+                                max_size=layers - 1)), "full")
+    else:
+        types = ("full",) * layers
+    heads = draw(st.sampled_from((2, 4, 6)))
+    kv = draw(st.sampled_from([k for k in (1, 2, 3, 6) if heads % k == 0]))
+    head_dim = draw(st.sampled_from((4, 6, 10)))
+    attention = {}
+    for t in sorted(set(types)):
+        base = cfg.attention.get(t, next(iter(cfg.attention.values())))
+        if family == "gemma4" and t == "full":
+            k_eq_v = draw(st.booleans())
+            attention[t] = dataclasses.replace(
+                base, num_heads=heads, head_dim=draw(st.sampled_from((4, 8, 12))),
+                num_kv_heads=draw(st.sampled_from([k for k in (1, 2) if heads % k == 0]))
+                if k_eq_v else kv, k_eq_v=k_eq_v)
+        else:
+            attention[t] = dataclasses.replace(base, num_heads=heads, num_kv_heads=kv,
+                                               head_dim=head_dim)
+    assert all(isinstance(a, AttentionConfig) for a in attention.values())
+    changes = dict(num_layers=layers, layer_types=types, attention=attention,
+                   d_model=draw(st.sampled_from((24, 40, 56))),
+                   vocab_size=draw(st.sampled_from((40, 66))),
+                   tie_word_embeddings=draw(st.booleans()),
+                   param_dtype=draw(st.sampled_from(("float32", "bfloat16"))))
+    changes["dtype"] = changes["param_dtype"]
+    if cfg.d_ff:
+        changes["d_ff"] = draw(st.sampled_from((20, 36)))
+    if cfg.moe is not None:
+        experts = draw(st.integers(2, 6))
+        changes["moe"] = dataclasses.replace(
+            cfg.moe, num_experts=experts, top_k=draw(st.integers(1, experts)),
+            moe_d_ff=draw(st.sampled_from((12, 28))))
+    cfg = cfg.replace(**changes)
+    scan = draw(st.booleans()) and layers % cfg.layer_period == 0
+    return cfg.replace(scan_layers=scan)

@@ -33,6 +33,9 @@ SHARDED_ATOL = 1e-5
 # recomputation differently: fp32 reassociation, observed <= 2.1e-6 on grads ~0.4.
 REMAT_GRAD_ATOL = 1e-5
 BATCH, SEQ = 8, 16
+# Each mesh costs a sharded compile (~5 s on 2 cores): a few per family in the
+# `ci` profile (20 examples), many more under `thorough` (200).
+MESH_EXAMPLES = max(3, settings().max_examples // 7)
 
 
 def tokens_for(cfg, batch=BATCH, seq=SEQ, seed=0):
@@ -76,7 +79,7 @@ def test_forward_shapes_and_tunix_convention(name):
 
 @pytest.mark.devices(8)
 @pytest.mark.parametrize("name", TINY_PRESETS)
-@settings(max_examples=3)
+@settings(max_examples=MESH_EXAMPLES)
 @given(data=st.data())
 def test_sharded_forward_equals_single_device(name, data):
     """On any 8-device mesh the config allows, logits equal the single-device logits."""

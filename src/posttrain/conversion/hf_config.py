@@ -150,6 +150,18 @@ def from_hf_config(config: Mapping[str, Any], **overrides) -> ModelConfig:
       ConversionError: unknown architecture, or a field with a value the native
         model does not support (the message names the field).
     """
+    try:
+        cfg = _from_hf_config(config)
+    except KeyError as error:
+        raise ConversionError(f"config.json {error.args[0]}: missing") from None
+    except ConversionError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"config.json: {error}") from None
+    return cfg.replace(**overrides) if overrides else cfg
+
+
+def _from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
     family = family_of(config)
     if config.get("quantization_config") is not None:
         method = config["quantization_config"].get("quant_method", "?")
@@ -177,11 +189,9 @@ def from_hf_config(config: Mapping[str, Any], **overrides) -> ModelConfig:
     attn = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
                 bias=bool(c.get("attention_bias", family == "gpt_oss")))
     if family == "gemma4":
-        cfg = _gemma4(c, base, attn, max_pos)
-    else:
-        rope = _rope(rope_parameters(c, family), _DEFAULT_THETA[family], max_pos, "rope_parameters")
-        cfg = _decoder(c, family, base, dict(attn, rope=rope))
-    return cfg.replace(**overrides) if overrides else cfg
+        return _gemma4(c, base, attn, max_pos)
+    rope = _rope(rope_parameters(c, family), _DEFAULT_THETA[family], max_pos, "rope_parameters")
+    return _decoder(c, family, base, dict(attn, rope=rope))
 
 
 def _sliding(c: Mapping[str, Any], family: str) -> tuple[tuple[str, ...], int | None]:

@@ -104,10 +104,27 @@ def native_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 def check_logits(hf_dir: str | os.PathLike, native_dir: str | os.PathLike, *, seq: int = 16,
                  seed: int = 7) -> Parity:
-    """Runs both checkpoints on :func:`make_batch` in float32 and compares them."""
+    """Runs both checkpoints on :func:`make_batch` in float32 and compares them.
+
+    Raises:
+      ConversionError: the HF config does not describe the native model.
+    """
+    import json
+
+    from posttrain.conversion.hf_config import from_hf_config, hf_view
     from posttrain.conversion.native import NativeMeta, load_native
 
     meta = NativeMeta.read(native_dir)
+    path = pathlib.Path(hf_dir) / "config.json"
+    try:
+        hf_cfg = from_hf_config(json.loads(path.read_text()))
+    except (OSError, ValueError) as error:
+        raise ConversionError(f"{path}: {error}") from None
+    if hf_view(hf_cfg) != hf_view(meta.cfg):
+        diff = [f.name for f in dataclasses.fields(hf_cfg)
+                if getattr(hf_view(hf_cfg), f.name) != getattr(hf_view(meta.cfg), f.name)]
+        raise ConversionError(f"{path} does not describe the model in {native_dir}: "
+                              f"fields {diff} differ")
     model = load_native(native_dir, dtype="float32", param_dtype="float32")
     tokens, mask = make_batch(meta.cfg.vocab_size, seq, seed)
     return compare(hf_logits(hf_dir, tokens, mask), native_logits(model, tokens, mask), mask)

@@ -10,11 +10,16 @@ convert between the two parameter layouts.
 Each layer runs through ``nnx.split`` / ``nnx.merge`` around a pure function,
 so remat (``jax.checkpoint``) and scan are plain JAX transforms: no NNX
 transform is nested inside the ``nnx.jit`` / ``value_and_grad`` of a trainer.
+That runs a *copy* of each layer, so a pass that adds variables to the modules
+it runs in (Qwix creating LoRA params or quantised kernels on its first call)
+runs inside :func:`unrolled_layers` instead, which keeps what the layers add.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +33,65 @@ from posttrain.layers.embeddings import Embed
 from posttrain.layers.norms import RMSNorm
 from posttrain.layers.rope import rope_tables
 from posttrain.models.decoder_layer import ACTIVATION_AXES, DecoderLayer
+
+_UNROLLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "posttrain_unrolled_layers", default=False)
+
+
+@contextlib.contextmanager
+def unrolled_layers() -> Iterator[None]:
+    """Runs decoder layers as plain calls on layer modules, keeping variables they add.
+
+    For one initialisation pass (eager or under ``nnx.eval_shape``), not for
+    training: there is no scan and no remat. Unscanned layers are called
+    directly. A scanned block is cut into one module per layer; afterwards the
+    variables those modules gained are stacked on a new leading ``layers`` axis
+    and the block is rebuilt with them, so the scan sees them in later calls.
+    Qwix's first call (``qwix.apply_lora_to_model``) needs this: it adds LoRA
+    params to the module it finds in the calling frame, which under the usual
+    ``nnx.merge`` path is a discarded copy.
+    """
+    token = _UNROLLED.set(True)
+    try:
+        yield
+    finally:
+        _UNROLLED.reset(token)
+
+
+def _is_stacked(path, variable) -> bool:
+    axes = sharding.variable_logical_axes(variable) if isinstance(variable, nnx.Variable) else None
+    return bool(axes) and axes[0] == "layers"
+
+
+def _cut_block(block: DecoderLayer, count: int) -> list[DecoderLayer]:
+    """The ``count`` layers of a scanned block as separate modules (layer j = slice j)."""
+    graphdef, stacked, rest = nnx.split(block, _is_stacked, ...)
+
+    def layer_slice(j):
+        def one(v):
+            return v.replace(_compat.variable_value(v)[j],
+                             logical_axes=sharding.variable_logical_axes(v)[1:])
+        return jax.tree.map(one, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    return [nnx.merge(graphdef, layer_slice(j), rest) for j in range(count)]
+
+
+def _restack(block: DecoderLayer, layers: list[DecoderLayer]) -> DecoderLayer:
+    """``block`` plus the variables ``layers`` gained, stacked on a leading ``layers`` axis."""
+    old = dict(nnx.to_flat_state(nnx.state(block)))
+    per_layer = [dict(nnx.to_flat_state(nnx.state(m))) for m in layers]
+    graphdef = nnx.graphdef(layers[0])
+    flat = {}
+    for path, first in per_layer[0].items():
+        if path in old:
+            flat[path] = old[path]
+            continue
+        value = jnp.stack([_compat.variable_value(p[path]) for p in per_layer])  # [L/P, ...]
+        axes = sharding.variable_logical_axes(first)
+        flat[path] = first.replace(value, **({} if axes is None else
+                                              {"logical_axes": ("layers", *axes)}))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
 
 REMAT_POLICIES = {
     "none": None,
@@ -89,10 +153,31 @@ class Decoder(nnx.Module):
             out[t] = (cos, sin, mask)
         return out
 
+    def _call_unrolled(self, x, tables):
+        """The layers as plain module calls (see :func:`unrolled_layers`)."""
+        cfg, aux = self.cfg, jnp.zeros((), jnp.float32)
+        if self.blocks is None:
+            for layer, t in zip(self.layers, cfg.layer_types, strict=True):
+                x, layer_aux = layer(x, *tables[t])
+                aux = aux + layer_aux
+            return x, aux
+        steps = cfg.num_layers // cfg.layer_period
+        cut = [_cut_block(block, steps) for block in self.blocks]
+        for j in range(steps):
+            for layers, t in zip(cut, cfg.layer_types, strict=False):
+                x, layer_aux = layers[j](x, *tables[t])
+                aux = aux + layer_aux
+        for p, layers in enumerate(cut):
+            self.blocks[p] = _restack(self.blocks[p], layers)
+        return x, aux
+
     def __call__(self, tokens, positions, padding_mask=None):
         cfg = self.cfg
         x = sharding.constrain(self.embed_tokens(tokens), ACTIVATION_AXES)
         tables = self._tables(positions, padding_mask)
+        if _UNROLLED.get():
+            x, aux = self._call_unrolled(x, tables)
+            return self.norm(x), aux
         policy = REMAT_POLICIES[cfg.remat]
         period = cfg.layer_period
         period_types = cfg.layer_types[:period]

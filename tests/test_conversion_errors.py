@@ -1,0 +1,209 @@
+"""Bad input to ``posttrain convert``: one-line errors naming the tensor or file, exit 2,
+nothing written, input untouched; and transform misuse caught by construction (no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+from posttrain import cli, conversion
+from posttrain.conversion import ConversionError, to_hf_config
+from posttrain.conversion import transforms as tf
+from posttrain.conversion.tables import TABLES
+from posttrain.models import get_config
+from tests.test_conversion_roundtrip import hf_checkpoint, read_dir, write_hf_dir
+
+FAMILY = "qwen3_moe"  # MoE: router, experts and per-expert keys are all in play
+
+
+def digest(directory) -> str:
+    h = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A valid two-shard hub-layout Qwen3-MoE checkpoint directory."""
+    cfg = get_config(f"{FAMILY}-tiny")
+    return write_hf_dir(tmp_path / "hf", hf_checkpoint(cfg, "hub", seed=0), to_hf_config(cfg),
+                        max_shard_bytes=400_000)
+
+
+def shard_of(directory, key) -> str:
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    return index["weight_map"][key]
+
+
+def replace_checkpoint(directory, tensors) -> None:
+    """Rewrites the checkpoint in ``directory`` with ``tensors``, same config."""
+    config = json.loads((directory / "config.json").read_text())
+    for path in directory.iterdir():
+        path.unlink()
+    directory.rmdir()
+    write_hf_dir(directory, tensors, config, max_shard_bytes=400_000)
+
+
+def rewrite(directory, drop=(), add=None, change=None) -> None:
+    """Rewrites the checkpoint in ``directory`` without ``drop``, with ``add`` / ``change``."""
+    tensors = read_dir(directory)
+    for key in drop:
+        del tensors[key]
+    tensors.update(add or {})
+    tensors.update(change or {})
+    replace_checkpoint(directory, tensors)
+
+
+EXPERT_KEY = "model.layers.1.mlp.experts.3.up_proj.weight"
+
+
+def corrupt(kind):
+    def apply(directory):
+        if kind == "missing":
+            rewrite(directory, drop=[EXPERT_KEY])
+        elif kind == "unexpected":
+            rewrite(directory, add={"model.layers.0.mlp.shared_expert.weight":
+                                    np.zeros((3, 3), np.float32)})
+        elif kind == "shape":
+            rewrite(directory, change={EXPERT_KEY: np.zeros((72, 56), np.float32)})
+        elif kind == "architecture":
+            config = json.loads((directory / "config.json").read_text())
+            config["architectures"] = ["DeepseekV3ForCausalLM"]
+            (directory / "config.json").write_text(json.dumps(config))
+        elif kind == "truncated":
+            path = directory / shard_of(directory, EXPERT_KEY)
+            path.write_bytes(path.read_bytes()[:-100])
+        elif kind == "corrupted":
+            path = directory / shard_of(directory, EXPERT_KEY)
+            data = bytearray(path.read_bytes())
+            data[8:40] = b"\xff" * 32  # inside the JSON header
+            path.write_bytes(bytes(data))
+        elif kind == "prefix":  # a wrong prefix must never load as random weights
+            replace_checkpoint(directory, {k.replace("model.", "language_model.model.", 1): v
+                                           for k, v in read_dir(directory).items()})
+        elif kind == "mxfp4":
+            rewrite(directory, add={"model.layers.0.mlp.experts.gate_up_proj_blocks":
+                                    np.zeros((2, 2), np.uint8)})
+        elif kind == "missing_shard":
+            (directory / shard_of(directory, EXPERT_KEY)).unlink()
+    return apply
+
+
+# (corruption, what the one-line message must name)
+BAD_INPUTS = {
+    "missing": "missing tensor model.layers.1.mlp.experts.3.up_proj.weight",
+    "unexpected": "unexpected tensor model.layers.0.mlp.shared_expert.weight",
+    "shape": "model.layers.1.mlp.experts.3.up_proj.weight in model-0000",
+    "architecture": "unknown architecture 'DeepseekV3ForCausalLM'",
+    "truncated": "not a readable safetensors file",
+    "corrupted": "not a readable safetensors file",
+    "prefix": "missing tensor model.embed_tokens.weight",
+    "mxfp4": "MXFP4",
+    "missing_shard": "does not exist",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_INPUTS))
+def test_bad_hf_input_is_one_line_exit_2_nothing_written(kind, hf_dir, capsys):
+    """A bad checkpoint: exit status 2, one stderr line naming the problem, no output dir,
+    no temporary dir left, input unchanged."""
+    corrupt(kind)(hf_dir)
+    before = digest(hf_dir)
+    dst = hf_dir.parent / "native"
+    status = cli.main(["convert", "--from", "hf", "--to", "native", str(hf_dir), str(dst)])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.count("\n") == 1 and err.startswith("posttrain: error: ")
+    assert BAD_INPUTS[kind] in err
+    if kind == "shape":
+        assert "expected [56, 72]" in err
+    assert sorted(p.name for p in hf_dir.parent.iterdir()) == ["hf"]
+    assert digest(hf_dir) == before
+
+
+def test_existing_output_directory_is_refused(hf_dir, capsys):
+    """An existing destination is an error before anything is read or written."""
+    dst = hf_dir.parent / "native"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    status = cli.main(["convert", "--from", "hf", "--to", "native", str(hf_dir), str(dst)])
+    assert status == 2
+    assert f"output directory {dst} exists" in capsys.readouterr().err
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+
+
+def test_bad_native_input_names_the_parameter(hf_dir, capsys):
+    """native -> HF with a parameter missing from the native dir: exit 2 naming it."""
+    native = hf_dir.parent / "native"
+    assert cli.main(["convert", "--from", "hf", "--to", "native", str(hf_dir), str(native)]) == 0
+    meta, params = conversion.read_native_params(native)
+    del params["model.layers.1.mlp.router.kernel"]
+    broken = hf_dir.parent / "broken"
+    broken.mkdir()
+    from posttrain.conversion import safetensors_io as sio
+
+    specs = [sio.OutputSpec(k, "F32", v.shape) for k, v in sorted(params.items())]
+    writer = sio.CheckpointWriter(broken, "params", specs)
+    for spec in specs:
+        writer.write(spec.name, params[spec.name])
+    writer.finish()
+    meta.write(broken)
+    capsys.readouterr()
+    status = cli.main(["convert", "--from", "native", "--to", "hf", str(broken),
+                       str(hf_dir.parent / "out")])
+    assert status == 2
+    assert "missing tensor model.layers.1.mlp.router.kernel" in capsys.readouterr().err
+    assert not (hf_dir.parent / "out").exists()
+
+
+def with_row(family: str, hf_suffix: str, transform: tf.Transform):
+    """``TABLES`` where the row whose HF key ends with ``hf_suffix`` uses ``transform``."""
+    table = TABLES[family]
+    rows = tuple(dataclasses.replace(r, transform=transform) if r.hf.endswith(hf_suffix) else r
+                 for r in table.rows)
+    assert rows != table.rows
+    return {**TABLES, family: dataclasses.replace(table, rows=rows)}
+
+
+# Mixtral rows per layout: (experts down_proj key, router key)
+DOWN = {"hub": "experts.{j}.w2.weight", "fused": "mlp.experts.down_proj"}
+ROUTER = {"hub": "block_sparse_moe.gate.weight", "fused": "mlp.gate.weight"}
+SWAPS = {  # name -> (row keys per layout, wrong transform, error per layout)
+    "experts-as-2d-transpose": (DOWN, tf.TRANSPOSE, {
+        "hub": "needs a per-expert transform, got transpose",
+        "fused": "transform transpose needs 2-D native tensors"}),
+    "router-as-expert-transpose": (ROUTER, tf.EXPERTS_T, {
+        "hub": "transform experts_transpose needs 3-D native tensors",
+        "fused": "transform experts_transpose needs 3-D native tensors"}),
+    "router-as-expert-stack": (ROUTER, tf.EXPERTS_STACK_T, {
+        "hub": "per-expert transform needs {j}", "fused": "per-expert transform needs {j}"}),
+}
+
+
+@pytest.mark.parametrize("swap", sorted(SWAPS))
+@pytest.mark.parametrize("layout", ["hub", "fused"])
+def test_expert_and_router_transforms_cannot_be_swapped(swap, layout, monkeypatch):
+    """Teeth: a table that gives experts the 2-D transpose, or the router an expert
+    transform, fails to plan (ndim and arity checked by every transform), in both layouts."""
+    keys, transform, messages = SWAPS[swap]
+    cfg = get_config("mixtral-tiny")
+    tensors = hf_checkpoint(cfg, layout, seed=0)
+    monkeypatch.setattr("posttrain.conversion.engine.TABLES",
+                        with_row("mixtral", keys[layout], transform))
+    with pytest.raises(ConversionError) as info:
+        conversion.hf_to_native_params(tensors, to_hf_config(cfg))
+    assert messages[layout] in str(info.value)
+
+
+@pytest.mark.parametrize("array_shape", [(6, 72), (6, 72, 56)])
+def test_transforms_check_ndim_at_call_time(array_shape):
+    """Belt and braces: the transforms themselves refuse arrays of the wrong ndim."""
+    wrong = tf.EXPERTS_T if len(array_shape) == 2 else tf.TRANSPOSE
+    with pytest.raises(ConversionError, match=f"needs {wrong.hf_ndim}-D HF tensors"):
+        wrong.to_native([np.zeros(array_shape, np.float32)], [array_shape[::-1]], ["x"])

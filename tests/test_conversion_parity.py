@@ -1,0 +1,148 @@
+"""Converted checkpoints give transformers' logits (fp32, CPU), and the parity check has teeth.
+
+Every model here is built by transformers itself (``tests/hf_tiny.py``: fixed
+seed, float32, constant tensors perturbed away from 1 / 0, distinct dims),
+saved with ``save_pretrained`` in each on-disk layout, converted, and run on
+one batch with a full row, a right-padded row and a left-padded row
+(``attention_mask``). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from posttrain import cli, conversion
+from posttrain.conversion import parity
+from posttrain.conversion import transforms as tf
+from posttrain.conversion.tables import TABLES
+
+pytestmark = pytest.mark.reference
+
+# float32 on both sides: observed mean KL <= 2e-13 and max |delta logit| <= 5e-6 on logits
+# of magnitude ~3 (reassociation noise), and top-1 agreement 1.0, so MoE routing is the
+# same on every token (no near-ties on this batch). The issue's bounds leave ~20x headroom.
+MAX_KL = 1e-6
+MAX_ABS = 1e-4
+
+FAMILIES = ("llama3", "qwen3", "qwen3_moe", "mixtral", "gemma4", "gpt_oss")
+CASES = [(f, layout) for f in FAMILIES for layout in ("hub", "fused")] + [
+    ("gemma4", "multimodal")]
+
+
+@pytest.fixture(scope="module")
+def hf_tiny():
+    from tests import hf_tiny
+
+    import torch
+
+    torch.set_num_threads(1)  # steady timings on a shared CPU
+    return hf_tiny
+
+
+def saved(hf_tiny, tmp_path, family, layout, **overrides):
+    model = hf_tiny.build(family, layout, **overrides)
+    return hf_tiny.save(model, tmp_path / f"hf-{layout}", "fused" if layout == "fused" else "hub")
+
+
+def read(directory, stem="model"):
+    with conversion.safetensors_io.CheckpointReader(directory, stem) as reader:
+        return {k: reader.read(k) for k in reader.tensors}
+
+
+@pytest.mark.parametrize(("family", "layout"), CASES, ids=[f"{f}-{lay}" for f, lay in CASES])
+def test_converted_logits_match_transformers(hf_tiny, tmp_path, family, layout):
+    """HF -> native logits match transformers (KL <= 1e-6, |delta| <= 1e-4, padded batch), and
+    native -> HF writes the source's tensors bit for bit in a directory transformers loads."""
+    src = saved(hf_tiny, tmp_path, family, layout)
+    scan = layout == "fused"  # both layer layouts, without doubling the cases
+    summary = conversion.convert_hf_to_native(src, tmp_path / "native", scan_layers=scan)
+    assert summary.layout == ("fused" if layout == "fused" and family in ("mixtral", "qwen3_moe")
+                              else "hub")
+    result = parity.check_logits(src, tmp_path / "native")
+    assert result.tokens == 36
+    assert result.mean_kl <= MAX_KL, result.line()
+    assert result.max_abs <= MAX_ABS, result.line()
+    assert result.top1 == 1.0, result.line()
+
+    conversion.convert_native_to_hf(tmp_path / "native", tmp_path / "back", layout=summary.layout)
+    source, back = read(src), read(tmp_path / "back")
+    assert sorted(source) == sorted(back)
+    assert all(source[k].tobytes() == back[k].tobytes() for k in source)
+    tokens, mask = parity.make_batch(264)
+    np.testing.assert_array_equal(parity.hf_logits(tmp_path / "back", tokens, mask),
+                                  parity.hf_logits(src, tokens, mask))
+
+
+VARIANTS = {  # config features the default tiny models leave off
+    "qwen3_moe-no-renorm": ("qwen3_moe", dict(norm_topk_prob=False)),
+    "gemma4-separate-v": ("gemma4", dict(attention_k_eq_v=False)),
+    "gemma4-dense": ("gemma4", dict(enable_moe_block=False)),
+    "llama3-biases-tied": ("llama3", dict(attention_bias=True, mlp_bias=True,
+                                          tie_word_embeddings=True)),
+    "qwen3-sliding": ("qwen3", dict(use_sliding_window=True, sliding_window=6,
+                                    max_window_layers=1)),
+    "mixtral-sliding": ("mixtral", dict(sliding_window=6)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_match_transformers(hf_tiny, tmp_path, variant):
+    """Optional features (biases, tying, sliding windows, no renormalisation, separate v,
+    dense Gemma 4) convert and match transformers."""
+    family, overrides = VARIANTS[variant]
+    src = saved(hf_tiny, tmp_path, family, "hub", **overrides)
+    conversion.convert_hf_to_native(src, tmp_path / "native")
+    result = parity.check_logits(src, tmp_path / "native")
+    assert result.ok(MAX_KL, MAX_ABS) and result.top1 == 1.0, result.line()
+
+
+def test_dropping_per_expert_scale_fails_parity(hf_tiny, tmp_path, capsys):
+    """Teeth: a Gemma 4 native checkpoint whose per_expert_scale is reset to 1 fails
+    check-logits (exit 1), while the faithful one passes (exit 0)."""
+    src = saved(hf_tiny, tmp_path, "gemma4", "hub")
+    assert cli.main(["convert", "--from", "hf", "--to", "native", str(src),
+                     str(tmp_path / "native")]) == 0
+    assert cli.main(["check-logits", str(src), str(tmp_path / "native"), "--atol", "1e-4"]) == 0
+    meta, params = conversion.read_native_params(tmp_path / "native")
+    dropped = {k: np.ones_like(v) if k.endswith("per_expert_scale") else v
+               for k, v in params.items()}
+    assert sum(k.endswith("per_expert_scale") for k in dropped) == 2
+    conversion.save_native(dropped, meta.cfg, tmp_path / "dropped", hf_config=meta.hf_config)
+    capsys.readouterr()
+    assert cli.main(["check-logits", str(src), str(tmp_path / "dropped")]) == 1
+    out = capsys.readouterr()
+    assert "mean KL(HF||native)" in out.out and "FAILED" in out.err
+    assert parity.check_logits(src, tmp_path / "dropped").mean_kl > 1e3 * MAX_KL
+
+
+def test_interleaved_split_on_a_concatenated_checkpoint_fails_parity(hf_tiny, tmp_path,
+                                                                      monkeypatch):
+    """Teeth: splitting Mixtral's concatenated gate_up_proj as if interleaved has the right
+    shapes, so only parity can catch it; it does."""
+    src = saved(hf_tiny, tmp_path, "mixtral", "fused")
+    table = TABLES["mixtral"]
+    wrong = tuple(dataclasses.replace(r, transform=tf.dataclasses.replace(
+        tf.GATE_UP_INTERLEAVED, hf_ndim=3))
+        if r.transform is tf.GATE_UP_CONCAT_T else r for r in table.rows)
+    monkeypatch.setattr("posttrain.conversion.engine.TABLES",
+                        {**TABLES, "mixtral": dataclasses.replace(table, rows=wrong)})
+    conversion.convert_hf_to_native(src, tmp_path / "native")
+    result = parity.check_logits(src, tmp_path / "native")
+    assert not result.ok(MAX_KL, MAX_ABS), result.line()
+
+
+def test_check_logits_refuses_a_different_model(hf_tiny, tmp_path, capsys):
+    """check-logits on an HF dir and a native dir of different models: exit 2, one line."""
+    src = saved(hf_tiny, tmp_path, "llama3", "hub")
+    other = saved(hf_tiny, tmp_path / "o", "qwen3", "hub") if (tmp_path / "o").mkdir() is None \
+        else None
+    conversion.convert_hf_to_native(other, tmp_path / "native")
+    capsys.readouterr()
+    assert cli.main(["check-logits", str(src), str(tmp_path / "native")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not describe the model" in err
+    assert json.loads((src / "config.json").read_text())["model_type"] == "llama"
