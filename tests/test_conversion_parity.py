@@ -62,7 +62,10 @@ def test_converted_logits_match_transformers(hf_tiny, tmp_path, family, layout):
     summary = conversion.convert_hf_to_native(src, tmp_path / "native", scan_layers=scan)
     assert summary.layout == ("fused" if layout == "fused" and family in ("mixtral", "qwen3_moe")
                               else "hub")
-    result = parity.check_logits(src, tmp_path / "native")
+    tokens, mask = parity.make_batch(264)
+    reference = parity.hf_logits(src, tokens, mask)
+    model = parity.load_checked(src, tmp_path / "native")
+    result = parity.compare(reference, parity.native_logits(model, tokens, mask), mask)
     assert result.tokens == 36
     assert result.mean_kl <= MAX_KL, result.line()
     assert result.max_abs <= MAX_ABS, result.line()
@@ -72,9 +75,7 @@ def test_converted_logits_match_transformers(hf_tiny, tmp_path, family, layout):
     source, back = read(src), read(tmp_path / "back")
     assert sorted(source) == sorted(back)
     assert all(source[k].tobytes() == back[k].tobytes() for k in source)
-    tokens, mask = parity.make_batch(264)
-    np.testing.assert_array_equal(parity.hf_logits(tmp_path / "back", tokens, mask),
-                                  parity.hf_logits(src, tokens, mask))
+    np.testing.assert_array_equal(parity.hf_logits(tmp_path / "back", tokens, mask), reference)
 
 
 VARIANTS = {  # config features the default tiny models leave off
@@ -124,10 +125,13 @@ def test_interleaved_split_on_a_concatenated_checkpoint_fails_parity(hf_tiny, tm
     """Teeth: splitting Mixtral's concatenated gate_up_proj as if interleaved has the right
     shapes, so only parity can catch it; it does."""
     src = saved(hf_tiny, tmp_path, "mixtral", "fused")
+    interleaved = dataclasses.replace(  # [E, 2F, D] -> [E, D, 2F] -> even / odd columns
+        tf.GATE_UP_CONCAT_T, name="wrong_split",
+        to_native_fn=lambda a, s: [np.swapaxes(a[0], 1, 2)[..., 0::2],
+                                   np.swapaxes(a[0], 1, 2)[..., 1::2]])
     table = TABLES["mixtral"]
-    wrong = tuple(dataclasses.replace(r, transform=tf.dataclasses.replace(
-        tf.GATE_UP_INTERLEAVED, hf_ndim=3))
-        if r.transform is tf.GATE_UP_CONCAT_T else r for r in table.rows)
+    wrong = tuple(dataclasses.replace(r, transform=interleaved)
+                  if r.transform is tf.GATE_UP_CONCAT_T else r for r in table.rows)
     monkeypatch.setattr("posttrain.conversion.engine.TABLES",
                         {**TABLES, "mixtral": dataclasses.replace(table, rows=wrong)})
     conversion.convert_hf_to_native(src, tmp_path / "native")
@@ -138,8 +142,8 @@ def test_interleaved_split_on_a_concatenated_checkpoint_fails_parity(hf_tiny, tm
 def test_check_logits_refuses_a_different_model(hf_tiny, tmp_path, capsys):
     """check-logits on an HF dir and a native dir of different models: exit 2, one line."""
     src = saved(hf_tiny, tmp_path, "llama3", "hub")
-    other = saved(hf_tiny, tmp_path / "o", "qwen3", "hub") if (tmp_path / "o").mkdir() is None \
-        else None
+    (tmp_path / "other").mkdir()
+    other = saved(hf_tiny, tmp_path / "other", "qwen3", "hub")
     conversion.convert_hf_to_native(other, tmp_path / "native")
     capsys.readouterr()
     assert cli.main(["check-logits", str(src), str(tmp_path / "native")]) == 2

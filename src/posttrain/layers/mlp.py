@@ -15,6 +15,16 @@ from posttrain import sharding
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 
 
+def cast_kernel(kernel, dtype):
+    """``kernel`` (a parameter's value) in ``dtype`` for a matmul; already ``dtype``: untouched.
+
+    Skipping the no-op cast matters for QLoRA: Qwix replaces a quantised kernel by
+    its ``WithAux`` wrapper, which must reach the einsum as it is (its ``astype``
+    fails on the quantised array, qwix 0.1.8). So QLoRA needs ``dtype == param_dtype``.
+    """
+    return kernel if kernel.dtype == dtype else kernel.astype(dtype)
+
+
 def gated_activation(
     gate: jax.Array,
     up: jax.Array,
@@ -64,7 +74,7 @@ class Linear(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), cast_kernel(self.kernel[...], self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

@@ -32,7 +32,7 @@ from flax import nnx
 
 from posttrain import sharding
 from posttrain.config import MoEConfig
-from posttrain.layers.mlp import gated_activation
+from posttrain.layers.mlp import cast_kernel, gated_activation
 from posttrain.layers.moe import dispatch
 
 # lecun_normal per expert: fan_in is the input axis only, not E * in.
@@ -127,7 +127,7 @@ class Experts(nnx.Module):
 
     def _params(self, down_scale: jax.Array | None) -> dict[str, jax.Array | None]:
         def value(v):
-            return None if v is None else v[...].astype(self.dtype)
+            return None if v is None else cast_kernel(v[...], self.dtype)
 
         p = {name: value(getattr(self, name)) for name in _PARAM_NAMES}
         if down_scale is not None:  # fused per-expert scale: the only place it is applied

@@ -1,0 +1,1 @@
+"""Supervised fine-tuning on Tunix's ``PeftTrainer``. The only package that imports Tunix."""

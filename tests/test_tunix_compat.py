@@ -1,0 +1,102 @@
+"""The train-step convention detector reads Tunix's own code, not a version string."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import textwrap
+
+import pytest
+
+from posttrain.sft import tunix_compat
+
+JIT_UNBOUND = """
+def jit_train_and_eval_step(self, skip_jit=False):
+    train_step = self.create_train_step_fn()
+    self._jitted_train_step_fn = nnx.jit(train_step, donate_argnames=("optimizer",))
+    return self._jitted_train_step_fn, None
+"""
+
+JIT_BOUND = """
+def jit_train_and_eval_step(self, skip_jit=False, cache_nnx_graph=False):
+    train_step = self.create_train_step_fn()
+    self._jitted_train_step_fn = nnx.jit(train_step, donate_argnames=({donated}))
+    self._jitted_train_step_fn = maybe_cache_and_partial(
+        self._jitted_train_step_fn, {bound}
+    )
+    return self._jitted_train_step_fn, None
+"""
+
+TRAIN = """
+def train(self, train_ds, eval_ds=None, skip_jit=False):
+    train_step, eval_step = self.jit_train_and_eval_step(skip_jit)
+    for train_example in train_ds:
+        {call}
+"""
+
+
+def sources(call: str, bound: str | None, donated: str = '"optimizer",'):
+    jit = JIT_UNBOUND if bound is None else JIT_BOUND.format(bound=bound, donated=donated)
+    return textwrap.dedent(TRAIN.format(call=call)), textwrap.dedent(jit)
+
+
+@pytest.mark.parametrize(
+    ("call", "bound", "expected"),
+    [
+        ("train_loss, aux = train_step(self.model, self.optimizer, train_example)", None,
+         "positional3"),
+        ("train_loss, aux, grad_norm = train_step(train_example)",
+         "self.model, self.optimizer", "bound2"),
+        ("train_loss, aux, grad_norm = train_step(train_example, "
+         "is_update_step=jnp.array(is_update, dtype=jnp.bool_))",
+         "self.model, self.optimizer, self.grad_accumulator", "bound3_update"),
+    ],
+    ids=["tunix-0.1.5-positional3", "tunix-0.1.7-bound2", "tunix-main-bound3-update"],
+)
+def test_known_shapes_are_recognised(call, bound, expected):
+    """Each of the three documented call shapes maps to its convention name."""
+    got = tunix_compat.detect_from_source(*sources(call, bound))
+    assert got.name == expected
+
+
+def test_main_convention_step_parameters():
+    """On main the step needs parameters named optimizer and grad_accumulator (donated by name)."""
+    got = tunix_compat.detect_from_source(*sources(
+        "loss, aux, g = train_step(train_example, is_update_step=flag)",
+        "self.model, self.optimizer, self.grad_accumulator"))
+    assert got.step_parameters == ("model", "optimizer", "grad_accumulator", "inputs",
+                                   "is_update_step")
+
+
+@pytest.mark.parametrize(
+    ("call", "bound", "found"),
+    [
+        ("loss, aux, g, extra = train_step(train_example)", "self.model, self.optimizer",
+         "unpacks 4 values"),
+        ("loss, aux, g = train_step(train_example, micro_step=i)", "self.model, self.optimizer",
+         "micro_step=..."),
+        ("loss, aux, g = train_step(train_example)", "self.model", "binds (model)"),
+    ],
+    ids=["four-returns", "new-keyword", "model-only-bound"],
+)
+def test_a_fourth_shape_is_an_error_naming_it(call, bound, found, tmp_path):
+    """A shape outside the known table is reported with what was found, not a TypeError later."""
+    convention = tunix_compat.detect_from_source(*sources(call, bound))
+    assert convention.name == "unknown"
+    assert found in convention.describe()
+
+    train_src, jit_src = sources(call, bound)
+    body = textwrap.indent(train_src + jit_src, "    ")
+    path = tmp_path / "fake_tunix.py"
+    path.write_text(f"class PeftTrainer:\n{body}\n")
+    spec = importlib.util.spec_from_file_location("fake_tunix", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(tunix_compat.UnknownConventionError, match=re.escape(found)):
+        tunix_compat.detect(module.PeftTrainer)
+
+
+def test_source_without_a_step_call_is_an_error():
+    """A train() that never calls train_step is reported, not guessed."""
+    with pytest.raises(tunix_compat.UnknownConventionError, match="no `... = train_step"):
+        tunix_compat.detect_from_source("def train(self):\n    pass\n", JIT_UNBOUND)
