@@ -15,7 +15,7 @@ from posttrain.conversion import ConversionError, to_hf_config
 from posttrain.conversion import transforms as tf
 from posttrain.conversion.tables import TABLES
 from posttrain.models import get_config
-from tests.test_conversion_roundtrip import hf_checkpoint, read_dir, write_hf_dir
+from tests.checkpoints import hf_checkpoint, read_dir, write_hf_dir
 
 FAMILY = "qwen3_moe"  # MoE: router, experts and per-expert keys are all in play
 

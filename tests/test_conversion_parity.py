@@ -35,9 +35,9 @@ CASES = [(f, layout) for f in FAMILIES for layout in ("hub", "fused")] + [
 
 @pytest.fixture(scope="module")
 def hf_tiny():
-    from tests import hf_tiny
-
     import torch
+
+    from tests import hf_tiny
 
     torch.set_num_threads(1)  # steady timings on a shared CPU
     return hf_tiny
@@ -116,8 +116,9 @@ def test_dropping_per_expert_scale_fails_parity(hf_tiny, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["check-logits", str(src), str(tmp_path / "dropped")]) == 1
     out = capsys.readouterr()
-    assert "mean KL(HF||native)" in out.out and "FAILED" in out.err
-    assert parity.check_logits(src, tmp_path / "dropped").mean_kl > 1e3 * MAX_KL
+    assert "FAILED" in out.err
+    kl = float(out.out.split("mean KL(HF||native) ")[1].split(",")[0])
+    assert kl > 1e3 * MAX_KL, out.out  # observed 4e-3
 
 
 def test_interleaved_split_on_a_concatenated_checkpoint_fails_parity(hf_tiny, tmp_path,

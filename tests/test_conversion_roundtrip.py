@@ -1,4 +1,4 @@
-"""HF <-> native conversion round trips, properties over hypothesis-drawn tiny configs (no torch)."""
+"""HF <-> native conversion round trips: properties over hypothesis-drawn tiny configs, no torch."""
 
 from __future__ import annotations
 
@@ -14,47 +14,18 @@ from posttrain.conversion import ConversionError, NativeMeta, from_hf_config, to
 from posttrain.conversion import safetensors_io as sio
 from posttrain.conversion.hf_config import hf_view
 from posttrain.models import get_config
+from tests.checkpoints import (
+    assert_bit_identical,
+    hf_checkpoint,
+    random_array,
+    read_dir,
+    write_hf_dir,
+)
 from tests.strategies import CONVERSION_FAMILIES, tiny_model_configs
 
 # Each example converts files twice (~0.5 s); 3 per family and direction keeps the module
 # near 30 s on 2 cores while every family, layout, scan and dtype choice still gets drawn.
 FILE_EXAMPLES = 3
-
-
-def random_array(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
-    return rng.standard_normal(shape, dtype=np.float32).astype(sio.DTYPES[dtype])
-
-
-def hf_checkpoint(cfg, layout: str, seed: int, prefix: str = "model.") -> dict[str, np.ndarray]:
-    """Random HF tensors named and shaped by the table rows for ``cfg`` in ``layout``."""
-    infos = {k: sio.OutputSpec(k, sio.CODES[np.dtype(v.dtype)], tuple(v.shape))
-             for k, v in conversion.abstract_params(cfg).items()}
-    plan = conversion.plan_to_hf(NativeMeta(cfg), infos, layout=layout, prefix=prefix)
-    rng = np.random.default_rng(seed)
-    return {s.name: random_array(rng, s.shape, s.dtype) for s in plan.outputs}
-
-
-def write_hf_dir(path, tensors, config, max_shard_bytes=sio.DEFAULT_SHARD_BYTES):
-    path.mkdir()
-    specs = [sio.OutputSpec(k, sio.CODES[v.dtype], v.shape) for k, v in sorted(tensors.items())]
-    writer = sio.CheckpointWriter(path, "model", specs, max_shard_bytes)
-    for spec in specs:
-        writer.write(spec.name, tensors[spec.name])
-    writer.finish()
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
-def read_dir(path, stem="model") -> dict[str, np.ndarray]:
-    with sio.CheckpointReader(path, stem) as reader:
-        return {k: reader.read(k) for k in reader.tensors}
-
-
-def assert_bit_identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert (a[key].dtype, a[key].shape) == (b[key].dtype, b[key].shape), key
-        assert a[key].tobytes() == b[key].tobytes(), key
 
 
 @pytest.mark.parametrize("family", CONVERSION_FAMILIES)
@@ -157,7 +128,7 @@ RELATIVE = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "mixtral", "gpt_oss"])
 def test_legacy_rope_theta_and_rope_scaling_load(family):
-    """Top-level ``rope_theta`` + ``rope_scaling`` (older config.json) equals ``rope_parameters``."""
+    """Top-level ``rope_theta`` + ``rope_scaling`` (older config.json) equal ``rope_parameters``."""
     new = to_hf_config(get_config(f"{family}-tiny"))
     old = dict(new)
     params = dict(old.pop("rope_parameters"))

@@ -13,6 +13,7 @@ one line and exit with status 2; check-logits exits with 1 past its thresholds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -98,11 +99,12 @@ def _convert(args: argparse.Namespace) -> int:
         overrides = {"scan_layers": True} if args.scan else {}
         summary = conversion.convert_hf_to_native(args.src, args.dst,
                                                   max_shard_bytes=args.max_shard_size,
-                                                  **overrides)
+                                                  fsync=not args.no_fsync, **overrides)
     elif (args.source_format, args.target_format) == ("native", "hf"):
         summary = conversion.convert_native_to_hf(args.src, args.dst, layout=args.layout,
                                                   prefix=args.prefix,
-                                                  max_shard_bytes=args.max_shard_size)
+                                                  max_shard_bytes=args.max_shard_size,
+                                                  fsync=not args.no_fsync)
     else:
         raise ValueError(f"--from {args.source_format} --to {args.target_format}: "
                          "convert goes hf -> native or native -> hf")
@@ -114,6 +116,10 @@ def _convert(args: argparse.Namespace) -> int:
 def _check_logits(args: argparse.Namespace) -> int:
     from posttrain.conversion.parity import check_logits
 
+    with contextlib.suppress(ImportError):  # entry point: keep stderr for errors only
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     parity = check_logits(args.hf_dir, args.native_dir, seq=args.seq, seed=args.seed)
     print(parity.line())
     if parity.ok(args.max_kl, args.atol):
@@ -152,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="native -> hf: key prefix, model. (default) or model.language_model.")
     conv.add_argument("--max-shard-size", type=_byte_size, default=4 << 30,
                       help="largest output shard (default 4GiB)")
+    conv.add_argument("--no-fsync", action="store_true",
+                      help="skip flushing the shards to disk before the atomic rename")
 
     chk = sub.add_parser("check-logits", help="compare HF and native logits (fp32, CPU)")
     chk.add_argument("hf_dir")

@@ -212,7 +212,8 @@ def plan_to_hf(meta: NativeMeta, tensors: Mapping[str, Any], *, layout: str | No
         inputs = tuple(scanned_name(k, cfg) for k in e.native_keys)
         dtypes = {_tensor_info(tensors, name)[1] for name, _ in inputs}
         if len(dtypes) > 1:
-            raise ConversionError(f"tensors {[n for n, _ in inputs]}: mixed dtypes {sorted(dtypes)}")
+            raise ConversionError(f"tensors {[n for n, _ in inputs]}: mixed dtypes "
+                                  f"{sorted(dtypes)}")
         dtype = dtypes.pop()
         hf_shapes = e.transform.hf_shapes(nshapes, e.native_keys, num_experts)
         outs = tuple((prefix + k[len(CANONICAL):] if k.startswith(CANONICAL) else k, None)
@@ -223,17 +224,40 @@ def plan_to_hf(meta: NativeMeta, tensors: Mapping[str, Any], *, layout: str | No
     return Plan("to_hf", cfg, table, layout, prefix, steps, list(outputs.values()), [])
 
 
+def _slot(slot: int | None, expert: int):
+    return expert if slot is None else (slot, expert)
+
+
+def _per_expert(step: Step, direction: str, reader, writer) -> None:
+    """One expert at a time: HF ``experts.{j}`` <-> slice j of the native tensor."""
+    t = step.entry.transform
+    if direction == "to_native":
+        ((native, slot),) = step.outputs
+        for j, (hf, _) in enumerate(step.inputs):
+            writer.write(native, t.expert(reader.read(hf), hf), _slot(slot, j))
+    else:
+        ((native, slot),) = step.inputs
+        for j, (hf, _) in enumerate(step.outputs):
+            writer.write(hf, t.expert(reader.read(native, _slot(slot, j)), native))
+
+
 def execute(plan: Plan, reader, writer) -> None:
-    """Runs ``plan``: ``reader.read(key, slot)`` -> transform -> ``writer.write(key, array, slot)``."""
+    """Runs ``plan``: ``reader.read(key, slot)`` -> transform -> ``writer.write(key, array,
+    slot)``, one entry at a time (per-expert entries one expert at a time)."""
     for step in plan.steps:
+        if step.entry.transform.per_expert:
+            _per_expert(step, plan.direction, reader, writer)
+            continue
         arrays = [reader.read(key, slot) for key, slot in step.inputs]
         names = [key for key, _ in step.inputs]
         if plan.direction == "to_native":
             out = step.entry.transform.to_native(arrays, step.native_shapes, names)
         else:
             out = step.entry.transform.to_hf(arrays, names)
+        del arrays  # outputs may be views of the inputs; nothing else holds them
         for (key, slot), array in zip(step.outputs, out, strict=True):
             writer.write(key, array, slot)
+        del out
 
 
 class _ArrayInfo:
@@ -272,7 +296,8 @@ def hf_to_native_params(hf_tensors: Mapping[str, np.ndarray], hf_config: Mapping
 
 
 def native_to_hf_params(params: Mapping[str, np.ndarray], cfg: ModelConfig, *,
-                        layout: str | None = None, prefix: str = CANONICAL) -> dict[str, np.ndarray]:
+                        layout: str | None = None,
+                        prefix: str = CANONICAL) -> dict[str, np.ndarray]:
     """In memory: native flat params of ``cfg`` -> HF tensors (by key)."""
     plan = plan_to_hf(NativeMeta(cfg), {k: _ArrayInfo(v) for k, v in params.items()},
                       layout=layout, prefix=prefix)
@@ -312,10 +337,10 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
         raise ConversionError(f"{path}: not valid JSON ({error})") from None
 
 
-def _run(plan: Plan, reader, dst, stem: str, write_config, max_shard_bytes: int,
+def _run(plan: Plan, reader, dst, stem: str, write_config, max_shard_bytes: int, fsync: bool,
          started: float, tensors_in: int) -> Summary:
     with sio.atomic_directory(dst) as tmp:
-        writer = sio.CheckpointWriter(tmp, stem, plan.outputs, max_shard_bytes)
+        writer = sio.CheckpointWriter(tmp, stem, plan.outputs, max_shard_bytes, fsync=fsync)
         try:
             execute(plan, reader, writer)
             files = writer.finish()
@@ -329,10 +354,13 @@ def _run(plan: Plan, reader, dst, stem: str, write_config, max_shard_bytes: int,
 
 
 def convert_hf_to_native(src: str | os.PathLike, dst: str | os.PathLike, *,
-                         max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES, **overrides) -> Summary:
+                         max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES, fsync: bool = True,
+                         **overrides) -> Summary:
     """HF checkpoint directory ``src`` -> new native directory ``dst`` (streamed, atomic).
 
     Args:
+      max_shard_bytes: largest output shard (a larger tensor gets a shard of its own).
+      fsync: flush the shards to disk before the atomic rename.
       overrides: native-only config fields, e.g. ``scan_layers=True``.
 
     Raises:
@@ -344,7 +372,7 @@ def convert_hf_to_native(src: str | os.PathLike, dst: str | os.PathLike, *,
     with sio.CheckpointReader(src, "model") as reader:
         plan = plan_to_native(hf_config, reader.tensors, str(src), **overrides)
         meta = NativeMeta(plan.cfg, hf_config, plan.layout, plan.prefix)
-        return _run(plan, reader, dst, STEM, meta.write, max_shard_bytes, started,
+        return _run(plan, reader, dst, STEM, meta.write, max_shard_bytes, fsync, started,
                     len(reader.tensors))
 
 
@@ -377,12 +405,14 @@ def default_prefix(meta: NativeMeta) -> str:
 
 def convert_native_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *,
                          layout: str | None = None, prefix: str | None = None,
-                         max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES) -> Summary:
+                         max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES,
+                         fsync: bool = True) -> Summary:
     """Native directory ``src`` -> new HF directory ``dst`` that ``from_pretrained`` loads.
 
     Args:
       layout: ``hub`` (default: per-expert tensors where HF has them) or ``fused``.
       prefix: HF key prefix; default :func:`default_prefix`.
+      max_shard_bytes, fsync: as in :func:`convert_hf_to_native`.
     """
     started = time.perf_counter()
     meta = NativeMeta.read(src)
@@ -394,5 +424,5 @@ def convert_native_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *,
         def write_config(directory: pathlib.Path) -> None:
             (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-        return _run(plan, reader, dst, "model", write_config, max_shard_bytes, started,
+        return _run(plan, reader, dst, "model", write_config, max_shard_bytes, fsync, started,
                     len(reader.tensors))

@@ -183,7 +183,8 @@ def _from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
     max_pos = c.get("max_position_embeddings")
     base = dict(family=family, vocab_size=c["vocab_size"], d_model=c["hidden_size"],
-                num_layers=c["num_hidden_layers"], norm_eps=c.get("rms_norm_eps", _DEFAULT_EPS[family]),
+                num_layers=c["num_hidden_layers"],
+                norm_eps=c.get("rms_norm_eps", _DEFAULT_EPS[family]),
                 tie_word_embeddings=c.get("tie_word_embeddings", family == "gemma4"),
                 dtype=dtype, param_dtype=dtype)
     attn = dict(num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,

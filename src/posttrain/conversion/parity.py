@@ -13,6 +13,7 @@ wheel is enough).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 
@@ -94,6 +95,13 @@ def _forward(model, tokens, positions, padding):
     return model.forward(tokens, positions, padding)[0]
 
 
+@functools.cache
+def _jitted_forward():
+    from flax import nnx
+
+    return nnx.jit(_forward)  # one wrapper, so same-config models share its compile cache
+
+
 def native_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Float32 logits of a native :class:`~posttrain.models.CausalLM`, with the same padding
     (keys that are padding are masked, like HF's 4-D mask) and positions.
@@ -102,11 +110,10 @@ def native_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     which compiles every primitive on first use (11-19 s).
     """
     import jax.numpy as jnp
-    from flax import nnx
 
     keys = mask.astype(bool)[:, None, :]  # [B, 1, S]
     padding = np.broadcast_to(keys, (mask.shape[0], mask.shape[1], mask.shape[1]))  # [B, T, S]
-    logits = nnx.jit(_forward)(model, jnp.asarray(tokens), jnp.asarray(positions_for(mask)),
+    logits = _jitted_forward()(model, jnp.asarray(tokens), jnp.asarray(positions_for(mask)),
                                jnp.asarray(padding))
     return np.asarray(logits)
 
@@ -122,8 +129,8 @@ def check_logits(hf_dir: str | os.PathLike, native_dir: str | os.PathLike, *, se
 
     meta = NativeMeta.read(native_dir)
     tokens, mask = make_batch(meta.cfg.vocab_size, seq, seed)
-    return compare(hf_logits(hf_dir, tokens, mask),
-                   native_logits(load_checked(hf_dir, native_dir), tokens, mask), mask)
+    model = load_checked(hf_dir, native_dir)  # before torch: a mismatch fails fast
+    return compare(hf_logits(hf_dir, tokens, mask), native_logits(model, tokens, mask), mask)
 
 
 def load_checked(hf_dir: str | os.PathLike, native_dir: str | os.PathLike):

@@ -41,6 +41,8 @@ class Transform:
       to_native_fn: ``(hf arrays, native shapes) -> native arrays``.
       to_hf_fn: ``native arrays -> hf arrays``.
       hf_shapes_fn: ``native shapes -> hf shapes`` (the plan checks files against it).
+      expert_fn: per-expert transforms only: one expert's HF array <-> its slice of the
+        native tensor (its own inverse), so the engine streams one expert at a time.
     """
 
     name: str
@@ -51,6 +53,7 @@ class Transform:
     to_native_fn: Callable[[Sequence[np.ndarray], Sequence[Shape]], list[np.ndarray]]
     to_hf_fn: Callable[[Sequence[np.ndarray]], list[np.ndarray]]
     hf_shapes_fn: Callable[[Sequence[Shape]], list[Shape]]
+    expert_fn: Callable[[np.ndarray], np.ndarray] | None = None
 
     def _check(self, side: str, want: int | None, shapes: Sequence[Shape], names) -> None:
         for shape, name in zip(shapes, names, strict=True):
@@ -83,6 +86,13 @@ class Transform:
     def to_hf(self, arrays: Sequence[np.ndarray], native_names: Sequence[str]) -> list[np.ndarray]:
         self._check("native", self.native_ndim, [a.shape for a in arrays], native_names)
         return self.to_hf_fn(arrays)
+
+    def expert(self, array: np.ndarray, name: str) -> np.ndarray:
+        """One expert: HF ``[out, in]`` <-> native slice ``[in, out]`` (either direction)."""
+        if self.expert_fn is None:
+            raise ConversionError(f"transform {self.name} is not per-expert ({name})")
+        self._check("per-expert", self.hf_ndim, [array.shape], [name])
+        return self.expert_fn(array)
 
 
 def _t(x: np.ndarray) -> np.ndarray:
@@ -148,6 +158,7 @@ EXPERTS_STACK_T = Transform(
     to_native_fn=lambda a, s: [_t(np.stack(a))],  # E x [out, in] -> [E, out, in] -> [E, in, out]
     to_hf_fn=lambda a: list(_t(a[0])),  # [E, in, out] -> E x [out, in]
     hf_shapes_fn=lambda s: [(s[0][2], s[0][1])] * s[0][0],
+    expert_fn=lambda a: a.T,  # [out, in] <-> [in, out]
 )
 """Per-expert 2-D weights ``experts.{j}.*`` (hub layout), j = 0..E-1 in numeric order,
 <-> ``[E, in, out]``."""
