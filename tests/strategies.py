@@ -111,3 +111,17 @@ def tiny_model_configs(draw, family: str) -> ModelConfig:
     cfg = cfg.replace(**changes)
     scan = draw(st.booleans()) and layers % cfg.layer_period == 0
     return cfg.replace(scan_layers=scan)
+
+
+@st.composite
+def presets_and_meshes(draw, devices: int = 8, axes: tuple[str, ...] = ALL_AXES):
+    """``(preset, scan, mesh_shape)``: any ``<family>-tiny`` preset, scanned or not, and a mesh
+    over exactly ``devices`` devices on ``axes`` (default: all seven) that the preset's config
+    accepts (see :func:`meshes`; shrinks towards the first preset, unscanned, fewest axes)."""
+    from posttrain.models import get_config
+    from posttrain.models.presets import TINY_PRESETS
+
+    preset = draw(st.sampled_from(TINY_PRESETS), label="preset")
+    scan = draw(st.booleans(), label="scan")
+    mesh_shape = draw(meshes(get_config(preset), devices, axes), label="mesh")
+    return preset, scan, mesh_shape

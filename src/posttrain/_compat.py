@@ -51,3 +51,24 @@ def variable_value(variable: nnx.Variable):
     """
     getter = getattr(variable, "get_value", None)
     return getter() if getter is not None else variable.value
+
+
+def iter_modules(module: nnx.Module):
+    """``(path, module)`` pairs of every module in ``module``'s graph.
+
+    ``nnx.iter_modules`` from flax 0.12.x; before, the ``Module.iter_modules``
+    method (deprecated in flax 0.12.8).
+    """
+    fn = getattr(nnx, "iter_modules", None)
+    return fn(module) if fn is not None else module.iter_modules()
+
+
+def qwix_takes_rngs(apply_lora_to_model) -> bool:
+    """Whether Qwix's ``apply_lora_to_model`` / ``quantize_model`` accept ``rngs=``.
+
+    Before qwix 0.1.5 ``apply_lora_to_model`` is a plain alias of
+    ``quantize_model`` (its ``__name__`` says so) and ``rngs=`` is passed on to
+    the model call (TypeError); from 0.1.5 both pop it and set the modules'
+    ``qwix_rngs``. Takes the function so this module does not import Qwix.
+    """
+    return getattr(apply_lora_to_model, "__name__", "") != "quantize_model"

@@ -13,7 +13,7 @@ from flax import nnx
 
 from posttrain import sharding
 from posttrain.config import AttentionConfig
-from posttrain.layers.mlp import cast_kernel
+from posttrain.layers.mlp import kernel_value
 from posttrain.layers.norms import RMSNorm, rms_normalize
 from posttrain.layers.rope import apply_rope
 
@@ -58,7 +58,7 @@ class HeadProjection(nnx.Module):
                                     (heads_axis, "head_dim"), param_dtype) if use_bias else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("btd,dnh->btnh", x.astype(self.dtype), cast_kernel(self.kernel[...], self.dtype))
+        y = jnp.einsum("btd,dnh->btnh", x.astype(self.dtype), kernel_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y  # [B, T, heads, H]
@@ -76,7 +76,7 @@ class OutProjection(nnx.Module):
                                     param_dtype) if use_bias else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("btnh,nhd->btd", x.astype(self.dtype), cast_kernel(self.kernel[...], self.dtype))
+        y = jnp.einsum("btnh,nhd->btd", x.astype(self.dtype), kernel_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y  # [B, T, D]

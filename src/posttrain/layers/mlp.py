@@ -15,14 +15,19 @@ from posttrain import sharding
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 
 
-def cast_kernel(kernel, dtype):
-    """``kernel`` (a parameter's value) in ``dtype`` for a matmul; already ``dtype``: untouched.
+def kernel_value(kernel, dtype):
+    """The value of weight ``kernel`` (an ``nnx.Param``) in ``dtype``, for a matmul.
 
-    Skipping the no-op cast matters for QLoRA: Qwix replaces a quantised kernel by
-    its ``WithAux`` wrapper, which must reach the einsum as it is (its ``astype``
-    fails on the quantised array, qwix 0.1.8). So QLoRA needs ``dtype == param_dtype``.
+    QLoRA replaces a quantised weight by Qwix's ``WithAux`` wrapper (not a
+    ``Variable``); it is returned as the module holds it: qwix 0.1.8 finds the
+    weight by the wrapper's identity (same-shaped weights such as the experts'
+    gate and up are otherwise ambiguous) and its ``astype`` fails. A value
+    already in ``dtype`` is not cast. So QLoRA needs ``dtype == param_dtype``.
     """
-    return kernel if kernel.dtype == dtype else kernel.astype(dtype)
+    if not isinstance(kernel, nnx.Variable):
+        return kernel
+    value = kernel[...]
+    return value if value.dtype == dtype else value.astype(dtype)
 
 
 def gated_activation(
@@ -74,7 +79,7 @@ class Linear(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), cast_kernel(self.kernel[...], self.dtype))
+        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

@@ -164,7 +164,7 @@ class Decoder(nnx.Module):
         steps = cfg.num_layers // cfg.layer_period
         cut = [_cut_block(block, steps) for block in self.blocks]
         for j in range(steps):
-            for layers, t in zip(cut, cfg.layer_types, strict=False):
+            for layers, t in zip(cut, cfg.layer_types[: cfg.layer_period], strict=True):
                 x, layer_aux = layers[j](x, *tables[t])
                 aux = aux + layer_aux
         for p, layers in enumerate(cut):

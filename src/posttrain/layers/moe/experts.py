@@ -32,7 +32,7 @@ from flax import nnx
 
 from posttrain import sharding
 from posttrain.config import MoEConfig
-from posttrain.layers.mlp import cast_kernel, gated_activation
+from posttrain.layers.mlp import gated_activation, kernel_value
 from posttrain.layers.moe import dispatch
 
 # lecun_normal per expert: fan_in is the input axis only, not E * in.
@@ -127,7 +127,7 @@ class Experts(nnx.Module):
 
     def _params(self, down_scale: jax.Array | None) -> dict[str, jax.Array | None]:
         def value(v):
-            return None if v is None else cast_kernel(v[...], self.dtype)
+            return None if v is None else kernel_value(v, self.dtype)
 
         p = {name: value(getattr(self, name)) for name in _PARAM_NAMES}
         if down_scale is not None:  # fused per-expert scale: the only place it is applied
@@ -153,7 +153,10 @@ class Experts(nnx.Module):
             "tef,efd->td", hidden, p["down_proj"], preferred_element_type=jnp.float32
         )  # [T, D]
         if p["down_proj_bias"] is not None:
-            out = out + jnp.einsum("te,ed->td", combine, p["down_proj_bias"].astype(jnp.float32))
+            # A product and sum, not an einsum: Qwix would treat the bias as a weight
+            # (LoRA adapters and QLoRA quantisation on a bias).
+            bias = p["down_proj_bias"].astype(jnp.float32)  # [E, D]
+            out = out + jnp.sum(combine[:, :, None] * bias[None], axis=1)  # [T, D]
         return out
 
     def _block_mlp(self, rows: jax.Array, w: dict[str, jax.Array | None]) -> jax.Array:

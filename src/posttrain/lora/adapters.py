@@ -1,0 +1,183 @@
+"""Adapter files: the native format (save / load) and Hugging Face PEFT export.
+
+Native: a directory with ``lora_config.json`` (the LoRA config and the model
+it was made for) and ``lora_adapter.safetensors`` (every ``nnx.LoRAParam`` by
+dotted path). Loading checks the config against the model's and lists every
+difference; an adapter saved from a scanned model loads into an unscanned one
+and back (``stack_layers`` / ``unstack_layers``).
+
+PEFT: ``adapter_config.json`` and ``adapter_model.safetensors`` as
+``peft.PeftModel.from_pretrained`` reads them (peft 0.x LoRA, not rsLoRA: the
+scale is ``lora_alpha / r``, the same as Qwix's). Module names come from the
+conversion tables (``posttrain.conversion.tables``): a native weight maps to an
+HF ``nn.Linear`` whose ``weight`` is ``[out, in]``; ``lora_A.weight`` is
+``[r, in]`` and ``lora_B.weight`` ``[out, r]``, with the native dims flattened
+in the order the table's transform flattens them (``heads_in``, ``heads_out``,
+``transpose``). Adapters on routed experts have no PEFT ``nn.Linear`` and are
+refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jax
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+
+from posttrain import _compat
+from posttrain.conversion.rows import expand
+from posttrain.conversion.safetensors_io import atomic_directory
+from posttrain.conversion.tables import TABLES
+from posttrain.lora import layout
+from posttrain.models.decoder import stack_layers, unstack_layers
+
+CONFIG_FILE, ADAPTER_FILE = "lora_config.json", "lora_adapter.safetensors"
+PEFT_CONFIG_FILE, PEFT_ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"
+FORMAT = "posttrain-lora"
+_CHECKED = ("family", "num_layers", "rank", "alpha", "target", "weight_qtype", "tile_size")
+_PEFT_TRANSFORMS = ("heads_in", "heads_out", "transpose")
+
+
+def _describe(model: nnx.Module) -> dict:
+    config = getattr(model, "lora_config", None)
+    if config is None:
+        raise ValueError("model has no lora_config; build it with posttrain.lora.apply_lora")
+    cfg = model.config
+    return {"format": FORMAT, "version": 1, "family": cfg.family, "num_layers": cfg.num_layers,
+            "scan_layers": cfg.scan_layers, "rank": config.rank, "alpha": float(config.alpha),
+            "dropout": config.dropout, "target": config.target_regex,
+            "weight_qtype": config.weight_qtype, "tile_size": config.tile_size}
+
+
+def _host(model) -> dict[str, np.ndarray]:
+    state = nnx.state(model, nnx.LoRAParam)
+    return {layout.dotted(p): np.asarray(jax.device_get(_compat.variable_value(v)))
+            for p, v in nnx.to_flat_state(state)}
+
+
+def save_adapter(model: nnx.Module, directory: str | os.PathLike) -> pathlib.Path:
+    """Writes ``model``'s adapters and LoRA config to a new ``directory`` (atomically).
+
+    Raises:
+      ValueError: the model was not built by ``apply_lora``.
+      ConversionError: ``directory`` exists or its parent does not.
+    """
+    meta = _describe(model)
+    with atomic_directory(directory) as tmp:
+        safetensors.numpy.save_file(_host(model), str(tmp / ADAPTER_FILE),
+                                    metadata={"format": FORMAT})
+        (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    return pathlib.Path(directory)
+
+
+def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
+    """Loads adapters saved by :func:`save_adapter` into ``model`` in place (keeping shardings).
+
+    Returns:
+      ``model``.
+
+    Raises:
+      ValueError: the saved config differs from the model's in family,
+        num_layers, rank, alpha, target, weight_qtype or tile_size (the message
+        lists each difference), or the tensors do not match the model's
+        adapters (names or shapes).
+    """
+    directory = pathlib.Path(directory)
+    saved = json.loads((directory / CONFIG_FILE).read_text())
+    if saved.get("format") != FORMAT:
+        raise ValueError(f"{directory / CONFIG_FILE} is not a {FORMAT} config")
+    want = _describe(model)
+    diffs = [f"{k} {saved.get(k)!r} (adapter) != {want[k]!r} (model)" for k in _CHECKED
+             if saved.get(k) != want[k]]
+    if diffs:
+        raise ValueError(f"adapter {directory} does not fit this model: {'; '.join(diffs)}")
+    tensors = safetensors.numpy.load_file(str(directory / ADAPTER_FILE))
+    if saved["scan_layers"] != want["scan_layers"]:
+        cfg = model.config
+        tensors = stack_layers(tensors, cfg) if cfg.scan_layers else unstack_layers(tensors, cfg)
+    state = nnx.state(model, nnx.LoRAParam)
+    names = {layout.dotted(p) for p, _ in nnx.to_flat_state(state)}
+    missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
+    if missing or extra:
+        raise ValueError(f"adapter {directory}: missing {missing[:4]}, unexpected {extra[:4]} "
+                         f"({len(missing)} missing, {len(extra)} unexpected)")
+
+    def one(path, var):
+        old, new = _compat.variable_value(var), tensors[layout.dotted(path)]
+        if new.shape != old.shape:
+            raise ValueError(f"adapter {layout.dotted(path)}: shape {list(new.shape)} != "
+                             f"{list(old.shape)} in the model")
+        return var.replace(jax.device_put(new.astype(old.dtype), old.sharding))
+
+    nnx.update(model, nnx.from_flat_state([(p, one(p, v)) for p, v in nnx.to_flat_state(state)]))
+    return model
+
+
+def _per_layer(model) -> list[tuple[str, np.ndarray, np.ndarray, tuple[int, ...]]]:
+    """``(native weight key, A, B, a_dims)`` per layer (scanned blocks unstacked)."""
+    cfg = model.config
+    period, out = cfg.layer_period, []
+    for ad in layout.iter_adapters(model):
+        a, b = np.asarray(jax.device_get(ad.a)), np.asarray(jax.device_get(ad.b))
+        if not ad.stacked:
+            out.append((ad.key, a, b, ad.a_dims))
+            continue
+        parts = ad.key.split(".")
+        at = parts.index("blocks")
+        p = int(parts[at + 1])
+        for j in range(a.shape[0]):
+            key = ".".join([*parts[:at], "layers", str(j * period + p), *parts[at + 2:]])
+            out.append((key, a[j], b[j], ad.a_dims))
+    return out
+
+
+def export_peft(model: nnx.Module, directory: str | os.PathLike, *,
+                base_model_name_or_path: str | None = None) -> pathlib.Path:
+    """Writes ``model``'s adapters as a PEFT LoRA adapter of the HF model to a new ``directory``.
+
+    Raises:
+      ValueError: an adapter sits on a weight with no HF ``nn.Linear`` in the
+        family's conversion table (e.g. routed experts), or the family has no table.
+    """
+    cfg, meta = model.config, _describe(model)
+    if cfg.family not in TABLES:
+        raise ValueError(f"family {cfg.family!r} has no conversion table; PEFT export needs one")
+    table = TABLES[cfg.family]
+    entries = expand(table.rows, cfg.replace(scan_layers=False), table.layouts[0])
+    by_native = {e.native_keys[0]: e for e in entries if len(e.native_keys) == 1}
+    rank, tensors, modules = meta["rank"], {}, set()
+    for key, a, b, a_dims in _per_layer(model):
+        entry = by_native.get(key)
+        if entry is None or entry.transform.name not in _PEFT_TRANSFORMS:
+            how = "no row" if entry is None else f"transform {entry.transform.name}"
+            raise ValueError(f"PEFT export supports adapters on attention and dense MLP "
+                             f"projections (HF nn.Linear); {key} has {how} in the "
+                             f"{cfg.family} table")
+        if a_dims != tuple(range(len(a_dims))):
+            raise ValueError(f"{key}: adapter A covers dims {a_dims}, not the leading input dims")
+        module = entry.hf_keys[0].removesuffix(".weight")
+        modules.add(module)
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.reshape(-1, rank).T  # [r, in]
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.reshape(rank, -1).T  # [out, r]
+    targets = []
+    for short in sorted({m.rsplit(".", 1)[-1] for m in modules}):
+        every = {e.hf_keys[0].removesuffix(".weight") for e in by_native.values()
+                 if e.hf_keys[0].removesuffix(".weight").rsplit(".", 1)[-1] == short}
+        ours = {m for m in modules if m.rsplit(".", 1)[-1] == short}
+        targets += [short] if ours == every else sorted(ours)
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": meta["alpha"],
+        "lora_dropout": meta["dropout"], "target_modules": targets, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "base_model_name_or_path": base_model_name_or_path, "revision": None,
+    }
+    with atomic_directory(directory) as tmp:
+        safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                                    str(tmp / PEFT_ADAPTER_FILE), metadata={"format": "pt"})
+        (tmp / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return pathlib.Path(directory)
