@@ -72,3 +72,16 @@ def qwix_takes_rngs(apply_lora_to_model) -> bool:
     ``qwix_rngs``. Takes the function so this module does not import Qwix.
     """
     return getattr(apply_lora_to_model, "__name__", "") != "quantize_model"
+
+
+def global_norm(tree) -> jax.Array:
+    """L2 norm over all leaves: ``optax.tree.norm`` (optax >= 0.2.5), else ``optax.global_norm``.
+
+    optax 0.2.8 deprecates ``global_norm`` with a DeprecationWarning.
+    """
+    import optax
+
+    tree_api = getattr(optax, "tree", None)
+    if tree_api is not None and hasattr(tree_api, "norm"):
+        return tree_api.norm(tree)
+    return optax.global_norm(tree)

@@ -1,12 +1,13 @@
 """The ``posttrain`` command.
 
 Subcommands:
+  sft           supervised fine-tuning (SFTTrainer on Tunix); no arguments: the embedded run.
   forward       build a preset on a mesh, run a jitted forward, print shardings and figures.
   convert       HF checkpoint directory <-> native checkpoint directory (streamed, atomic).
   check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
                 tokens; print max |delta logit|, mean KL(HF || native), top-1 agreement.
 
-``sft`` arrives with the trainer package. Errors in the arguments or inputs print
+Errors in the arguments or inputs print
 one line and exit with status 2; check-logits exits with 1 past its thresholds.
 """
 
@@ -129,9 +130,73 @@ def _check_logits(args: argparse.Namespace) -> int:
     return 1
 
 
+def _sft(args: argparse.Namespace) -> int:
+    from posttrain import sharding
+    from posttrain.sft.run import SFTConfig, run_sft
+
+    cfg = SFTConfig(
+        model=args.model, data=args.data, tokenizer=args.tokenizer,
+        mesh=sharding.parse_mesh_spec(args.mesh) if args.mesh else None,
+        per_device_batch_size=args.per_device_batch_size, grad_accum=args.grad_accum,
+        steps=args.steps, max_target_length=args.max_target_length, packing=not args.no_packing,
+        overflow=args.overflow, learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+        remat=args.remat, scan_layers=args.scan, seed=args.seed, save_every=args.save_every,
+        stop_after=args.stop_after,
+        output=args.output)
+    cfg.check()
+    # Tunix's tqdm bar shows on a terminal only; elsewhere print ~10 progress lines.
+    log_every = None if sys.stderr.isatty() else max(1, cfg.steps // 10)
+    result = run_sft(cfg, log_every=log_every)
+    if log_every is None:
+        print(f"model {cfg.model}: {result.params:,} params, {result.trainable:,} trained; "
+              f"global batch {result.global_batch}; Tunix convention {result.convention}")
+    print(result.summary())
+    print(f"checkpoint step {result.checkpoint_step} in {result.output / 'checkpoints'}; "
+          f"metrics in {result.output / 'metrics.jsonl'}")
+    for path in result.exported:
+        print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sft = sub.add_parser("sft", help="supervised fine-tuning; no arguments: the embedded run",
+                         description="SFT with SFTTrainer (a Tunix PeftTrainer). Defaults: "
+                         "qwen3-tiny on the embedded pydoc_data Q/A set, byte tokenizer, "
+                         "every device on fsdp.")
+    sft.add_argument("--model", default="qwen3-tiny",
+                     help="preset name or HF checkpoint directory (default %(default)s)")
+    sft.add_argument("--data", default=None, help="chat JSONL file (default: embedded pydoc_data)")
+    sft.add_argument("--tokenizer", default=None,
+                     help="tokenizer.json (default: the HF dir's, else the byte tokenizer)")
+    sft.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,fsdp=4 "
+                     "(default: every device on fsdp)")
+    sft.add_argument("--devices", default=os.environ.get("POSTTRAIN_DEVICES", "8"),
+                     help="fake CPU devices, or 'real' (default %(default)s)")
+    sft.add_argument("--per-device-batch-size", type=int, default=1,
+                     help="global batch = this x data-parallel size (default %(default)s)")
+    sft.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    sft.add_argument("--steps", type=int, default=60, help="optimizer steps (default %(default)s)")
+    sft.add_argument("--max-target-length", type=int, default=256, help="tokens per row")
+    sft.add_argument("--no-packing", action="store_true", help="one conversation per row")
+    sft.add_argument("--overflow", choices=("truncate", "reject"), default="truncate",
+                     help="conversations longer than a row (default %(default)s)")
+    sft.add_argument("--learning-rate", type=float, default=3e-3)
+    sft.add_argument("--warmup-steps", type=int, default=5)
+    sft.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    sft.add_argument("--lora-alpha", type=float, default=None, help="default 2 x rank")
+    sft.add_argument("--remat", default="none", choices=("none", "full", "save_dots"))
+    sft.add_argument("--scan", action="store_true", help="scan_layers=True")
+    sft.add_argument("--seed", type=int, default=0)
+    sft.add_argument("--save-every", type=int, default=50, help="checkpoint interval (steps)")
+    sft.add_argument("--stop-after", type=int, default=None,
+                     help="stop at this step; rerun with the same --output to resume")
+    sft.add_argument("--output", default="runs/sft",
+                     help="run directory; a rerun resumes from its checkpoint "
+                     "(default %(default)s)")
+
     fwd = sub.add_parser("forward", help="build a preset on a mesh and run a forward pass")
     fwd.add_argument("--model", default="qwen3_moe-tiny", help="preset name (default %(default)s)")
     fwd.add_argument("--mesh", default="fsdp=4,tensor=2",
@@ -176,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "sft":
+            _set_devices(args.devices)
+            return _sft(args)
         if args.command == "forward":
             _set_devices(args.devices)
             if args.per_device_batch_size < 1 or args.seq < 1 or args.repeats < 1:

@@ -1,1 +1,13 @@
-"""Supervised fine-tuning on Tunix's ``PeftTrainer``. The only package that imports Tunix."""
+"""Supervised fine-tuning on Tunix's ``PeftTrainer``. The only package that imports Tunix.
+
+Modules, in data-flow order:
+
+* :mod:`.tokenizer`: an HF ``tokenizers`` JSON file, or the embedded byte tokenizer;
+* :mod:`.default_data`: the embedded dataset (Q/A from CPython's ``pydoc_data``);
+* :mod:`.data`: chat JSONL -> ChatML tokens + assistant loss mask -> padded or
+  packed rows -> micro-batches carrying the step's target-token count;
+* :mod:`.loss`: masked next-token NLL, packing masks, the step objective;
+* :mod:`.tunix_compat`: which train-step convention the installed Tunix uses;
+* :mod:`.trainer`: ``SFTTrainer`` (imports Tunix);
+* :mod:`.run`: ``SFTConfig`` / ``run_sft``, what ``posttrain sft`` runs.
+"""

@@ -104,7 +104,8 @@ def _bound_attributes(jit_fn: ast.FunctionDef) -> tuple[str, ...]:
         call = node.value
         if not isinstance(call, ast.Call):
             continue
-        name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+        func = call.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
         if name in ("jit", "nnx.jit"):
             continue
         return tuple(a.attr for a in call.args[1:] if isinstance(a, ast.Attribute))

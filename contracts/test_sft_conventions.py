@@ -1,0 +1,162 @@
+"""SFTTrainer under every Tunix train-step convention: the installed release for real,
+the others through emulated ``PeftTrainer`` classes (``tunix_emulation.py``) that call
+the step exactly as those releases' ``train()`` does."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
+
+from contracts import tunix_emulation as te  # noqa: E402
+from posttrain import sharding  # noqa: E402
+from posttrain.models import build_model, get_config  # noqa: E402
+from posttrain.sft import data, default_data, tokenizer, tunix_compat  # noqa: E402
+from posttrain.sft.trainer import SFTTrainer, sft_trainer_class  # noqa: E402
+
+# installed: whatever release is installed (bound2 on 0.1.6/0.1.7, positional3 before).
+BASES = {"installed": None, "positional3": te.Positional3PeftTrainer,
+         "bound3_update": te.MainPeftTrainer}
+MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}  # 8 fake devices by default
+
+
+@functools.cache
+def rows():
+    examples = data.encode_dataset(default_data.pydoc_conversations()[:60],
+                                   tokenizer.byte_tokenizer(), 64)
+    return data.to_rows(examples, 64, packing=True)
+
+
+def make_trainer(base, ga, *, tx=None, steps=2, seed=0):
+    mesh = sharding.make_mesh(MESH)
+    model = build_model(get_config("qwen3-tiny"), mesh, seed=seed)
+    cls = SFTTrainer if base is None else sft_trainer_class(base)
+    config = tunix.TrainingConfig(eval_every_n_steps=10_000, max_steps=steps,
+                                  gradient_accumulation_steps=ga if ga > 1 else None)
+    return cls(model, tx or optax.sgd(0.1), config, mesh=mesh), mesh
+
+
+def params(model) -> dict[str, np.ndarray]:
+    return {"/".join(map(str, p)): np.asarray(v[...])
+            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.create_train_step_fn")
+@pytest.mark.parametrize("name", BASES)
+def test_step_parameters_are_the_names_tunix_donates(name):
+    """nnx.jit donates by name: (model, optimizer[, grad_accumulator], inputs[, is_update_step])."""
+    base = BASES[name] or tunix.PeftTrainer
+    convention = tunix_compat.detect(base)
+    trainer = object.__new__(sft_trainer_class(base))
+    trainer.convention = convention
+    trainer._step_body = None
+    step = trainer.create_train_step_fn()
+    assert tuple(inspect.signature(step).parameters) == convention.step_parameters
+    own = tuple(inspect.signature(base._train_step).parameters)[1:]  # Tunix's own step
+    assert own == convention.step_parameters
+
+
+@pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.train")
+@pytest.mark.parametrize("name", BASES)
+def test_steps_run_and_params_change_only_on_update_steps(name):
+    trainer, mesh = make_trainer(BASES[name], ga=2)
+    convention = trainer.convention
+    batches = data.batches(rows(), jax.device_count(), 2)
+    snapshots = [params(trainer.model)]
+    with sharding.use_mesh(mesh):
+        step, _ = trainer.jit_train_and_eval_step()
+        for micro in range(4):
+            batch = trainer._prepare_inputs(next(batches))
+            if convention.name == "positional3":
+                out = step(trainer.model, trainer.optimizer, batch)
+            elif convention.name == "bound2":
+                out = step(batch)
+            else:
+                out = step(batch, is_update_step=jnp.array(micro % 2 == 1, jnp.bool_))
+            assert len(out) == convention.returns
+            assert np.isfinite(float(out[0]))
+            snapshots.append(params(trainer.model))
+
+    def changed(a, b):
+        return any(not np.array_equal(a[k], b[k]) for k in a)
+
+    assert [changed(a, b) for a, b in zip(snapshots, snapshots[1:], strict=False)] == [
+        False, True, False, True]
+
+
+@functools.cache
+def one_large_batch(name):
+    """Reference: 2 optimizer steps of one 24-row batch each."""
+    trainer, mesh = make_trainer(BASES[name], ga=1)
+    with sharding.use_mesh(mesh):
+        trainer.train(data.batches(rows(), 24, 1))
+    return params(trainer.model), [r["loss"] for r in trainer.history]
+
+
+def accumulated(name, accumulator=None):
+    """2 optimizer steps of 3 micro-batches of 8 rows (the same rows, in the same order)."""
+    trainer, mesh = make_trainer(BASES[name], ga=3)
+    if accumulator is not None:
+        trainer.grad_accumulator = accumulator(trainer.model, nnx.Param)
+    with sharding.use_mesh(mesh):
+        trainer.train(data.batches(rows(), 8, 3))
+    return params(trainer.model), [r["loss"] for r in trainer.history]
+
+
+@pytest.mark.contract("tunix gradient accumulation (optax.MultiSteps / GradientAccumulator)")
+@pytest.mark.parametrize("name", BASES)
+def test_accumulated_steps_equal_one_large_batch(name):
+    """k micro-steps == one step on the concatenated batch, from the first micro-step on."""
+    want, want_losses = one_large_batch(name)
+    got, got_losses = accumulated(name)
+    assert len(got_losses) == len(want_losses) == 2
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+    assert any(not np.allclose(want[k], params(build_model(
+        get_config("qwen3-tiny"), seed=0))[k]) for k in want)  # training moved them
+
+
+class SkipsWhenEmpty(te.GradientAccumulator):
+    """The old bypass: ``add`` does nothing while the accumulator looks empty."""
+
+    def add(self, grads, denom=None):
+        empty = self.denom[...] == 0
+        for buf, g in zip(self.grads, jax.tree.leaves(grads), strict=True):
+            buf[...] = jnp.where(empty, buf[...], buf[...] + g.astype(buf[...].dtype))
+        self.denom[...] = self.denom[...] + (1.0 if denom is None else denom)
+
+
+@pytest.mark.contract("tunix.sft.peft_trainer.GradientAccumulator (main)")
+def test_the_equality_check_catches_the_empty_accumulator_bypass():
+    want, _ = one_large_batch("bound3_update")
+    got, _ = accumulated("bound3_update", accumulator=SkipsWhenEmpty)
+    worst = max(float(np.abs(got[k] - want[k]).max()) for k in want)
+    assert worst > 1e-4, worst
+
+
+class FourthConvention(tunix.PeftTrainer):
+    """A made-up future release: the step gets a step counter as a second argument."""
+
+    def train(self, train_ds, eval_ds=None, skip_jit=False):
+        train_step, _ = self.jit_train_and_eval_step(skip_jit)
+        for train_example in train_ds:
+            train_loss, aux, grad_norm, stats = train_step(train_example, self._iter_steps)
+
+
+@pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.train")
+def test_an_unknown_convention_fails_at_construction_naming_what_was_found():
+    cls = sft_trainer_class(FourthConvention)
+    with pytest.raises(tunix_compat.UnknownConventionError) as e:
+        cls(None, optax.sgd(0.1), tunix.TrainingConfig(eval_every_n_steps=1), mesh=None)
+    message = str(e.value)
+    assert "calls step(train_example, self._iter_steps)" in message
+    assert "unpacks 4 values" in message and "\n" not in message

@@ -1,0 +1,216 @@
+"""Chat JSONL -> token ids + loss mask -> padded or packed rows -> sharded-ready batches.
+
+Input format, one conversation per line::
+
+    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+
+Template: ChatML (Qwen's chat template, without tools)::
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n
+
+Loss mask: the content of assistant turns and their ``<|im_end|>`` are targets;
+role headers, system and user turns are not. Each piece is tokenised on its own
+and concatenated, so the mask boundaries are exact for any tokenizer.
+
+Rows are ``max_target_length`` long. ``packing=True`` fills each row greedily
+with whole conversations in order (segment ids 1.., positions restart per
+segment); otherwise one conversation per row, right-padded (segment 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant")
+Messages = list[dict[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One tokenised conversation: ``tokens`` int32 ``[len]``, ``loss_mask`` bool ``[len]``."""
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+
+
+def read_chat_jsonl(path: str | os.PathLike) -> list[Messages]:
+    """Reads and validates a chat JSONL file (blank lines are skipped).
+
+    Raises:
+      ValueError: naming the file and line: not JSON, no ``messages`` list, a
+        message without string ``role``/``content``, an unknown role, a
+        conversation without an assistant turn; or the file has no conversations.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--data {path!r} does not exist; expected a chat JSONL file")
+    conversations = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+            conversations.append(validate_messages(record, where=f"{path}, line {lineno}"))
+    if not conversations:
+        raise ValueError(f"{path}: no conversations (empty dataset)")
+    return conversations
+
+
+def validate_messages(record, *, where: str) -> Messages:
+    """Checks one ``{"messages": [...]}`` record; returns its messages.
+
+    Raises:
+      ValueError: as :func:`read_chat_jsonl`, prefixed with ``where``.
+    """
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f'{where}: expected {{"messages": [{{"role", "content"}}, ...]}}, '
+                         f"got {str(record)[:80]!r}")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError(f"{where}: message {i} needs string 'role' and 'content', got {m!r}")
+        if m["role"] not in ROLES:
+            raise ValueError(f"{where}: message {i} has unknown role {m['role']!r}; "
+                             f"expected one of {', '.join(ROLES)}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: no assistant message, so nothing to train on")
+    return messages
+
+
+def encode_chat(messages: Messages, tokenizer) -> Example:
+    """ChatML token ids and the assistant loss mask of one conversation."""
+    ids: list[int] = []
+    mask: list[bool] = []
+
+    def add(text: str, target: bool) -> None:
+        piece = tokenizer.encode(text, add_special_tokens=False).ids
+        ids.extend(piece)
+        mask.extend([target] * len(piece))
+
+    for m in messages:
+        add(f"<|im_start|>{m['role']}\n", False)
+        target = m["role"] == "assistant"
+        add(m["content"], target)
+        add("<|im_end|>", target)
+        add("\n", False)
+    return Example(np.asarray(ids, np.int32), np.asarray(mask, bool))
+
+
+def encode_dataset(
+    conversations: Sequence[Messages],
+    tokenizer,
+    max_target_length: int,
+    *,
+    overflow: str = "truncate",
+) -> list[Example]:
+    """Encodes conversations; longer than ``max_target_length`` is truncated or rejected.
+
+    Conversations left without a target token after truncation are dropped.
+
+    Raises:
+      ValueError: ``overflow="reject"`` and a conversation is too long (naming
+        its index and length), an unknown ``overflow``, or no examples remain.
+    """
+    if overflow not in ("truncate", "reject"):
+        raise ValueError(f"overflow={overflow!r}; expected 'truncate' or 'reject'")
+    if max_target_length < 2:
+        raise ValueError(f"max_target_length={max_target_length}; expected >= 2")
+    vocab = tokenizer.get_vocab_size()
+    examples = []
+    for i, messages in enumerate(conversations):
+        ex = encode_chat(messages, tokenizer)
+        if len(ex.tokens) > max_target_length:
+            if overflow == "reject":
+                raise ValueError(f"conversation {i} has {len(ex.tokens)} tokens, more than "
+                                 f"max_target_length={max_target_length} (overflow='reject')")
+            ex = Example(ex.tokens[:max_target_length], ex.loss_mask[:max_target_length])
+        if len(ex.tokens) and ex.tokens.max() >= vocab:
+            raise ValueError(f"conversation {i}: token id {ex.tokens.max()} >= vocab {vocab}")
+        if ex.loss_mask[1:].any():
+            examples.append(ex)
+    if not examples:
+        raise ValueError("no conversation has a target token within max_target_length "
+                         f"{max_target_length} (empty dataset)")
+    return examples
+
+
+def to_rows(examples: Iterable[Example], max_target_length: int, *, packing: bool,
+            pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Rows ``[rows, max_target_length]``: input_tokens, input_mask, positions, segment_ids."""
+    rows: list[list[Example]] = []
+    used = max_target_length  # forces a new row first
+    for ex in examples:
+        n = len(ex.tokens)
+        if not packing or used + n > max_target_length:
+            rows.append([])
+            used = 0
+        rows[-1].append(ex)
+        used += n
+    out = {
+        "input_tokens": np.full((len(rows), max_target_length), pad_id, np.int32),
+        "input_mask": np.zeros((len(rows), max_target_length), np.int32),
+        "positions": np.zeros((len(rows), max_target_length), np.int32),
+        "segment_ids": np.zeros((len(rows), max_target_length), np.int32),
+    }
+    for r, row in enumerate(rows):
+        start = 0
+        for seg, ex in enumerate(row, 1):
+            n = len(ex.tokens)
+            out["input_tokens"][r, start:start + n] = ex.tokens
+            out["input_mask"][r, start:start + n] = ex.loss_mask
+            out["positions"][r, start:start + n] = np.arange(n)
+            out["segment_ids"][r, start:start + n] = seg
+            start += n
+    return out
+
+
+def count_targets(rows: dict[str, np.ndarray]) -> np.ndarray:
+    """Target tokens per row (``posttrain.sft.loss.target_mask`` in NumPy)."""
+    seg = rows["segment_ids"]
+    same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    return (rows["input_mask"][:, 1:].astype(bool) & same).sum(axis=1)
+
+
+def batches(rows: dict[str, np.ndarray], global_batch: int, grad_accum_steps: int = 1, *,
+            seed: int = 0, epochs: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Micro-batches ``[global_batch, ...]``, rows reshuffled each epoch (seeded).
+
+    The stream of rows is the concatenation of shuffled epochs, cut into
+    optimizer steps of ``grad_accum_steps`` micro-batches; each micro-batch
+    carries ``step_target_tokens`` ``[global_batch]`` (the step's target count).
+    ``epochs=None`` repeats forever (the trainer stops at ``max_steps``).
+    Deterministic for a given seed, so a resumed run sees the same batches.
+    """
+    if global_batch < 1 or grad_accum_steps < 1:
+        raise ValueError(f"global_batch={global_batch}, grad_accum_steps={grad_accum_steps}; "
+                         "expected >= 1")
+    n = len(rows["input_tokens"])
+    targets = count_targets(rows)
+    rng = np.random.default_rng(seed)
+
+    def row_stream():
+        epoch = 0
+        while epochs is None or epoch < epochs:
+            yield from rng.permutation(n)
+            epoch += 1
+
+    stream = row_stream()
+    per_step = global_batch * grad_accum_steps
+    while True:
+        idx = np.fromiter((i for _, i in zip(range(per_step), stream, strict=False)), np.int64)
+        if len(idx) < per_step:
+            return
+        step_targets = np.int32(targets[idx].sum())
+        for micro in idx.reshape(grad_accum_steps, global_batch):
+            batch = {k: v[micro] for k, v in rows.items()}
+            batch["step_target_tokens"] = np.full((global_batch,), step_targets, np.int32)
+            yield batch

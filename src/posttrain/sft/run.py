@@ -1,0 +1,274 @@
+"""One SFT run end to end: model + tokenizer + data + mesh -> ``SFTTrainer`` -> outputs.
+
+``run_sft(SFTConfig())`` is what ``posttrain sft`` does with no arguments:
+``qwen3-tiny`` on the embedded ``pydoc_data`` Q/A set and the embedded byte
+tokenizer, on every device on ``fsdp``.
+
+Output directory (``SFTConfig.output``)::
+
+    checkpoints/      Tunix CheckpointManager (Orbax): params (LoRA only when LoRA is on)
+                      and optimizer state, every ``save_every`` steps and at the end;
+                      a rerun with the same output resumes from the latest step
+    metrics.jsonl     one record per optimizer step (SFTTrainerMixin.metrics_path)
+    tensorboard/      Tunix's MetricsLogger (loss, perplexity, grad_norm, learning_rate)
+    model-step<N>/    native safetensors of the final weights (LoRA merged) ...
+    adapter-step<N>/  ... and the adapters alone, when LoRA is on
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import tempfile
+import time
+
+import numpy as np
+
+from posttrain import sharding
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """Everything one run needs; defaults are the embedded run.
+
+    Attributes:
+      model: preset name (``posttrain.models.PRESETS``) or an HF checkpoint directory.
+      data: chat JSONL file; None for the embedded ``pydoc_data`` set.
+      tokenizer: ``tokenizer.json`` (or a directory holding one); None for the HF
+        directory's own, else the embedded byte tokenizer.
+      mesh: axis sizes (``{"fsdp": 4, "tensor": 2}``); None puts every device on fsdp.
+      per_device_batch_size: rows per data-parallel shard; global batch = this x
+        the data-parallel product of the mesh (MaxText's convention).
+      grad_accum: micro-batches per optimizer step.
+      steps: optimizer steps (``TrainingConfig.max_steps``).
+      max_target_length: tokens per row.
+      packing: pack several conversations per row (else one per row, padded).
+      overflow: ``truncate`` or ``reject`` conversations longer than a row.
+      learning_rate, warmup_steps: peak of a linear-warmup cosine schedule (to 10%).
+      lora_rank, lora_alpha: LoRA on the attention and MLP projections when rank > 0
+        (alpha defaults to 2 x rank).
+      remat, scan_layers: decoder options (``none``/``full``/``save_dots``).
+      seed: model init, adapter init and data order.
+      save_every: checkpoint interval in steps.
+      stop_after: stop at this step (the schedule still spans ``steps``); a rerun
+        with the same output resumes, as after an interruption.
+      output: run directory (see the module docstring).
+    """
+
+    model: str = "qwen3-tiny"
+    data: str | None = None
+    tokenizer: str | None = None
+    mesh: dict[str, int] | None = None
+    per_device_batch_size: int = 1
+    grad_accum: int = 1
+    steps: int = 60
+    max_target_length: int = 256
+    packing: bool = True
+    overflow: str = "truncate"
+    learning_rate: float = 3e-3
+    warmup_steps: int = 5
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    remat: str = "none"
+    scan_layers: bool = False
+    seed: int = 0
+    save_every: int = 50
+    stop_after: int | None = None
+    output: str = "runs/sft"
+
+    def check(self) -> None:
+        """Raises ValueError naming the first bad field."""
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"stop_after={self.stop_after}; expected >= 1")
+        for name in ("per_device_batch_size", "grad_accum", "steps", "save_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}; expected >= 1")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank}; expected >= 0 (0 = full fine-tuning)")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate={self.learning_rate}; expected > 0")
+        if self.remat not in ("none", "full", "save_dots"):
+            raise ValueError(f"remat={self.remat!r}; expected none, full or save_dots")
+        if self.overflow not in ("truncate", "reject"):
+            raise ValueError(f"overflow={self.overflow!r}; expected truncate or reject")
+
+
+@dataclasses.dataclass
+class SFTResult:
+    """What a run produced: per-step records and paths."""
+
+    history: list[dict]
+    output: pathlib.Path
+    checkpoint_step: int | None
+    exported: list[pathlib.Path]
+    convention: str
+    global_batch: int
+    params: int
+    trainable: int
+
+    def summary(self) -> str:
+        h = [r for r in self.history if r.get("loss") is not None]
+        if not h:
+            return f"no steps run (already at step {self.checkpoint_step})"
+        speeds = [r["tokens_per_s"] for r in h if r.get("tokens_per_s")]
+        speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
+        return (f"steps {h[0]['step']}-{h[-1]['step']}: loss {h[0]['loss']:.3f} -> "
+                f"{h[-1]['loss']:.3f} (perplexity {h[-1]['perplexity']:.1f}){speed}")
+
+
+def _load_model(cfg: SFTConfig, mesh):
+    """``(model, hf_dir or None)``: a preset built with ``seed``, or an HF directory converted."""
+    from posttrain.models import PRESETS, build_model, get_config
+
+    overrides = {"remat": cfg.remat, "scan_layers": cfg.scan_layers}
+    if cfg.model in PRESETS:
+        return build_model(get_config(cfg.model, **overrides), mesh, seed=cfg.seed), None
+    if not os.path.isdir(cfg.model):
+        raise ValueError(f"--model {cfg.model!r} is neither a preset ({', '.join(sorted(PRESETS))})"
+                         " nor an HF checkpoint directory")
+    from posttrain.conversion import convert_hf_to_native, load_native
+
+    with tempfile.TemporaryDirectory() as tmp:
+        convert_hf_to_native(cfg.model, os.path.join(tmp, "native"), fsync=False)
+        model = load_native(os.path.join(tmp, "native"), **overrides)
+    model.config.check_mesh(dict(mesh.shape), sharding.DEFAULT_RULES)
+    sharding.shard_model(model, mesh)
+    return model, cfg.model
+
+
+def _tokenizer(cfg: SFTConfig, hf_dir: str | None):
+    from posttrain.sft.tokenizer import load_tokenizer
+
+    path = cfg.tokenizer
+    if path is None and hf_dir and os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        path = hf_dir
+    return load_tokenizer(path)
+
+
+def _pad_id(tok) -> int:
+    for name in ("<|pad|>", "<|endoftext|>", "<pad>", "</s>"):
+        if tok.token_to_id(name) is not None:
+            return tok.token_to_id(name)
+    return 0
+
+
+def build_rows(cfg: SFTConfig, tok) -> dict[str, np.ndarray]:
+    """The dataset as padded / packed rows (``posttrain.sft.data.to_rows``)."""
+    from posttrain.sft import data
+    from posttrain.sft.default_data import pydoc_conversations
+
+    conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
+    examples = data.encode_dataset(conversations, tok, cfg.max_target_length,
+                                   overflow=cfg.overflow)
+    return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=_pad_id(tok))
+
+
+def _export(trainer, out: pathlib.Path, step: int) -> list[pathlib.Path]:
+    """Final weights as a native directory (LoRA merged) and the adapters; skips existing."""
+    from posttrain.conversion.native import save_native
+    from posttrain.models.params import flat_params
+
+    written = []
+    model = trainer.model
+    if trainer._lora_enabled:
+        from posttrain.lora import merge_lora, save_adapter
+
+        adapter = out / f"adapter-step{step}"
+        if not adapter.exists():
+            written.append(save_adapter(model, adapter))
+        model = merge_lora(model)
+    native = out / f"model-step{step}"
+    if not native.exists():
+        written.append(save_native(flat_params(model), model.config, native))
+    return written
+
+
+def run_sft(cfg: SFTConfig, *, trainer_class: type | None = None, on_built=None,
+            log_every: int | None = None) -> SFTResult:
+    """Runs (or resumes) one SFT run; see the module docstring for what it writes.
+
+    Args:
+      cfg: the run.
+      trainer_class: the trainer (default :class:`posttrain.sft.trainer.SFTTrainer`);
+        tests pass SFTTrainerMixin over an emulated Tunix convention.
+      on_built: called with the trainer before training (tests, benchmarks).
+      log_every: print a progress line every this many steps.
+
+    Raises:
+      ValueError: a bad config, mesh, model, tokenizer or dataset (one line naming it).
+    """
+    import jax
+    import optax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+    from tunix.sft import metrics_logger, peft_trainer
+
+    from posttrain.sft import data
+    from posttrain.sft.trainer import SFTTrainer
+
+    cfg.check()
+    mesh = sharding.make_mesh(cfg.mesh)
+    dp = sharding.data_parallel_size(mesh)
+    global_batch = cfg.per_device_batch_size * dp
+    sp = sharding.sequence_parallel_size(mesh)
+    if cfg.max_target_length % sp:
+        raise ValueError(f"max_target_length={cfg.max_target_length} is not divisible by the "
+                         f"sequence-parallel size {sp} of the mesh")
+    hf_dir = cfg.model if os.path.isdir(cfg.model) else None
+    tok = _tokenizer(cfg, hf_dir)
+    rows = build_rows(cfg, tok)  # bad data fails before the model is built
+    model, _ = _load_model(cfg, mesh)
+    if tok.get_vocab_size() > model.config.vocab_size:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids but the model's vocab_size "
+                         f"is {model.config.vocab_size}; pass a matching --tokenizer")
+    if cfg.lora_rank:
+        from posttrain.lora import LoraConfig, apply_lora
+
+        model = apply_lora(model, mesh, LoraConfig(
+            rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank, seed=cfg.seed))
+
+    out = pathlib.Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, min(cfg.warmup_steps, cfg.steps - 1), cfg.steps,
+        end_value=cfg.learning_rate * 0.1)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95,
+                                                                 weight_decay=0.0))
+    batch_axes = sharding.logical_to_spec(("activation_batch",), None, dict(mesh.shape))[0]
+    training_config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=cfg.steps + 1,
+        max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
+        gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
+        checkpoint_root_directory=str((out / "checkpoints").resolve()),
+        checkpointing_options=ocp.CheckpointManagerOptions(
+            save_interval_steps=cfg.save_every, max_to_keep=2),
+        metrics_logging_options=metrics_logger.MetricsLoggerOptions(
+            log_dir=str(out / "tensorboard"), flush_every_n_steps=10),
+        data_sharding_axis=(batch_axes,) if batch_axes else ("fsdp",),
+    )
+    cls = trainer_class or SFTTrainer
+    with sharding.use_mesh(mesh):
+        trainer = cls(model, tx, training_config, mesh=mesh, learning_rate_fn=schedule,
+                      metrics_path=out / "metrics.jsonl", log_every=log_every)
+        params = sum(int(np.prod(x.shape)) for x in
+                     jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
+        trainable = sum(int(np.prod(x.shape)) for x in
+                        jax.tree.leaves(nnx.state(trainer.model, trainer._wrt)))
+        if log_every:
+            print(f"model {cfg.model}: {params:,} params, {trainable:,} trained; "
+                  f"{len(rows['input_tokens']):,} rows of {cfg.max_target_length}; global batch "
+                  f"{global_batch} x grad_accum {cfg.grad_accum}; Tunix convention "
+                  f"{trainer.convention.name}", flush=True)
+        if on_built is not None:
+            on_built(trainer)
+        (out / "run.json").write_text(json.dumps(
+            {**dataclasses.asdict(cfg), "global_batch": global_batch, "rows": len(
+                rows["input_tokens"]), "convention": trainer.convention.name,
+             "started": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
+        trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
+    step = trainer.train_steps
+    exported = _export(trainer, out, step)
+    return SFTResult(trainer.history, out, step, exported, trainer.convention.name,
+                     global_batch, params, trainable)

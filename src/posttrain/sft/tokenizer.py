@@ -1,0 +1,66 @@
+"""Tokenizers for SFT: an HF ``tokenizers`` JSON file, or the embedded byte tokenizer.
+
+The embedded default is built in code with the ``tokenizers`` library (nothing
+downloaded, nothing shipped as a binary): a byte-level BPE with no merges, i.e.
+one token per UTF-8 byte (ids 0-255, GPT-2's byte-to-unicode alphabet) plus
+:data:`SPECIAL_TOKENS` (ids 256-263). Its 264 ids match the ``vocab_size`` of the
+``<family>-tiny`` presets.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+#: Special tokens of the embedded tokenizer, ids 256.. in this order. The chat
+#: markers are ChatML's (Qwen's chat template), so a user tokenizer that has
+#: them (Qwen2/3) gets the same template with single-token markers.
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>",
+    "<|reserved_0|>", "<|reserved_1|>", "<|reserved_2|>", "<|reserved_3|>",
+)
+
+
+def byte_tokenizer() -> Tokenizer:
+    """The embedded tokenizer: 256 byte tokens + 8 special tokens (vocab 264)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte symbols
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_byte_of))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
+def _byte_of(symbol: str) -> int:
+    """The byte GPT-2's byte-to-unicode map sends to ``symbol`` (so byte b gets id b)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table[symbol]
+
+
+def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
+    """``path`` (a ``tokenizer.json``, or a directory holding one), or the byte tokenizer.
+
+    Raises:
+      ValueError: the file does not exist or is not a ``tokenizers`` JSON file.
+    """
+    if path is None:
+        return byte_tokenizer()
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer {path!r} does not exist; expected a tokenizer.json file")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises its own Exception type
+        raise ValueError(f"tokenizer {path!r} is not a tokenizers JSON file: {e}") from None

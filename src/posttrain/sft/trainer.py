@@ -1,0 +1,234 @@
+"""``SFTTrainer``: Tunix's ``PeftTrainer`` with a train step that works under every
+calling convention Tunix has used, exact gradient accumulation and the SFT loss.
+
+The step body is written once (:meth:`SFTTrainerMixin._step_body`) and wrapped
+into the signature the installed Tunix expects (:mod:`posttrain.sft.tunix_compat`):
+
+- ``positional3`` (google-tunix 0.0.2-0.1.5): ``step(model, optimizer, inputs) -> (loss, aux)``;
+- ``bound2`` (0.1.6-0.1.7): same parameters, ``-> (loss, aux, grad_norm)``;
+- ``bound3_update`` (main since 659881fb): ``step(model, optimizer, grad_accumulator,
+  inputs, is_update_step) -> (loss, aux, grad_norm)``.
+
+Parameter names are fixed because ``nnx.jit`` donates by name (``optimizer``,
+``grad_accumulator``). Gradients: ``nnx.split`` the model into the trained
+variables (``nnx.LoRAParam`` when LoRA is on, else ``nnx.Param``) and the rest,
+``jax.value_and_grad`` a pure function that merges them; no NNX transform is
+nested inside Tunix's ``nnx.jit``.
+
+Gradient accumulation is exact: each micro-step differentiates its share of the
+step loss (:func:`posttrain.sft.loss.step_objective`, normalised by the step's
+target-token count), so the shares sum to the gradient of one large batch.
+With ``optax.MultiSteps`` (releases; it averages) the share is scaled by the
+accumulation count; with main's ``GradientAccumulator`` every micro-step is
+``add``-ed (also the first: an empty accumulator is never a reason to skip) and
+the optimizer runs only under ``is_update_step``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tunix.sft import peft_trainer
+
+from posttrain import _compat, sharding
+from posttrain.sft import loss as sft_loss
+from posttrain.sft import tunix_compat
+
+_AUX_KEYS = ("nll_sum", "target_tokens", "moe_aux_loss", "grad_norm", "tokens")
+
+
+class SFTTrainerMixin:
+    """The SFT step and metrics; mix in front of a Tunix ``PeftTrainer`` class.
+
+    Args (keyword-only, the rest go to ``PeftTrainer.__init__``):
+      mesh: the mesh the model lives on; batches are placed on its data-parallel
+        axes (from ``rules``), and JAX's mesh must be set (``sharding.use_mesh``)
+        while ``train`` traces.
+      rules: logical-axis rules (default :data:`posttrain.sharding.DEFAULT_RULES`).
+      moe_aux_loss_weight: weight of the MoE load-balancing loss (default: the
+        model config's ``moe.router_aux_loss_coef``, 0 for dense models).
+      learning_rate_fn: ``step -> learning rate``, only logged.
+      metrics_path: JSONL file, one record per optimizer step: ``step``, ``loss``
+        (exact: summed NLL / target tokens of the step), ``perplexity``,
+        ``grad_norm``, ``moe_aux_loss``, ``target_tokens``, ``tokens_per_s``,
+        ``step_time_s``, ``learning_rate``.
+      log_every: also print one line per this many steps to stdout (for logs
+        without a terminal, where Tunix's tqdm progress bar is off).
+      convention: a :class:`~posttrain.sft.tunix_compat.Convention`; default:
+        read from this class's ``train`` / ``jit_train_and_eval_step``.
+
+    Raises:
+      posttrain.sft.tunix_compat.UnknownConventionError: at construction, when
+        the trainer class calls its step in an unknown way.
+    """
+
+    def __init__(self, model, optimizer, training_config, *args, mesh: Mesh,
+                 rules: sharding.Rules = sharding.DEFAULT_RULES,
+                 moe_aux_loss_weight: float | None = None,
+                 learning_rate_fn: Callable[[int], float] | None = None,
+                 metrics_path: str | os.PathLike | None = None,
+                 log_every: int | None = None,
+                 convention: tunix_compat.Convention | None = None, **kwargs):
+        self.convention = convention or tunix_compat.detect(type(self))
+        super().__init__(model, optimizer, training_config, *args, **kwargs)
+        self.mesh = mesh
+        self.rules = rules
+        self.grad_accum_steps = training_config.gradient_accumulation_steps or 1
+        if moe_aux_loss_weight is None:
+            moe = getattr(model.config, "moe", None)
+            moe_aux_loss_weight = float(getattr(moe, "router_aux_loss_coef", 0.0) or 0.0)
+        self.moe_aux_loss_weight = moe_aux_loss_weight
+        self.learning_rate_fn = learning_rate_fn
+        self._wrt = nnx.LoRAParam if self._lora_enabled else nnx.Param
+        self.loss_fn = self.eval_loss_fn = sft_loss.eval_loss_fn
+        self._has_aux = True
+        batch_axes = sharding.logical_to_spec(("activation_batch",), None, dict(mesh.shape),
+                                              rules)[0]
+        self._batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
+        self._metrics_path = os.fspath(metrics_path) if metrics_path else None
+        self._log_every = log_every
+        self._micro: list[dict] = []
+        self._pending: dict | None = None
+        self._last_update_time: float | None = None
+        self.history: list[dict] = []  # the records written to metrics_path
+
+    # --- the step -------------------------------------------------------------------------
+    def _grads(self, model, inputs):
+        """``(terms, grads)``: the forward terms and d(step share)/d(trained variables)."""
+        graphdef, trained, rest = nnx.split(model, self._wrt, ...)
+        step_tokens = inputs.get("step_target_tokens")
+
+        def share(trained_state):
+            terms = sft_loss.sft_terms(nnx.merge(graphdef, trained_state, rest), **inputs)
+            objective = sft_loss.step_objective(
+                terms, step_tokens, moe_aux_weight=self.moe_aux_loss_weight,
+                grad_accum_steps=self.grad_accum_steps)
+            return objective, terms
+
+        (_, terms), grads = jax.value_and_grad(share, has_aux=True)(trained)
+        return terms, grads
+
+    def _step_body(self, model, optimizer, grad_accumulator, inputs, is_update_step):
+        """One micro-step; returns ``(reported loss, aux, grad_norm)``."""
+        inputs = self.gen_model_input_fn(inputs)
+        terms, grads = self._grads(model, inputs)
+        k = self.grad_accum_steps
+        if grad_accumulator is None or k == 1:
+            # MultiSteps (releases) averages k micro-gradients: scale each share by k so
+            # the applied update is their sum. k == 1 on main: update every call.
+            if k > 1:
+                grads = jax.tree.map(lambda g: g * k, grads)
+            grad_norm = _compat.global_norm(grads)
+            optimizer.update(model, grads)
+        else:
+            grad_accumulator.add(jax.tree.map(lambda g: g * k, grads))  # denom += 1
+
+            def apply(model, optimizer, grad_accumulator):
+                total = grad_accumulator.get()  # sum(k * share) / k
+                norm = _compat.global_norm(total).astype(jnp.float32)
+                optimizer.update(model, total)
+                grad_accumulator.reset()
+                return norm
+
+            def skip(model, optimizer, grad_accumulator):
+                return jnp.zeros((), jnp.float32)
+
+            grad_norm = nnx.cond(is_update_step, apply, skip, model, optimizer,
+                                 grad_accumulator)
+        tokens = jnp.sum(inputs["segment_ids"] > 0) if "segment_ids" in inputs else (
+            jnp.asarray(inputs["input_tokens"].size))
+        aux = {**terms, "grad_norm": grad_norm, "tokens": tokens.astype(jnp.float32)}
+        loss = terms["nll_sum"] / jnp.maximum(terms["target_tokens"], 1.0)
+        return loss, aux, grad_norm
+
+    def create_train_step_fn(self):
+        """The step in the installed convention's signature (see the module docstring)."""
+        name = self.convention.name
+        body = self._step_body
+        if name == "positional3":
+            def train_step(model, optimizer, inputs):
+                loss, aux, _ = body(model, optimizer, None, inputs, None)
+                return loss, aux
+        elif name == "bound2":
+            def train_step(model, optimizer, inputs):
+                return body(model, optimizer, None, inputs, None)
+        elif name == "bound3_update":
+            def train_step(model, optimizer, grad_accumulator, inputs, is_update_step=True):
+                return body(model, optimizer, grad_accumulator, inputs, is_update_step)
+        else:
+            raise tunix_compat.UnknownConventionError(
+                f"no step for convention {self.convention.describe()}")
+        return train_step
+
+    # --- inputs and metrics ---------------------------------------------------------------
+    def _prepare_inputs(self, input_data):
+        """Places each ``[batch, ...]`` leaf on the data-parallel axes (before Tunix's sharding)."""
+        input_data = super()._prepare_inputs(input_data)
+        return jax.tree.map(
+            lambda x: jax.device_put(np.asarray(x), self._batch_sharding)
+            if isinstance(x, np.ndarray | jax.Array) and np.ndim(x) >= 1 else x, input_data)
+
+    def _post_process_train_step(self, aux) -> None:
+        super()._post_process_train_step(aux)
+        if not isinstance(aux, dict):
+            return
+        self._micro.append({k: aux[k] for k in _AUX_KEYS if k in aux})
+        if len(self._micro) < self.grad_accum_steps:
+            return
+        now = time.perf_counter()
+        record = {"step": self._train_steps + 1, "_micro": self._micro,
+                  "_elapsed": None if self._last_update_time is None
+                  else now - self._last_update_time}
+        self._last_update_time = now
+        self._micro = []
+        self._flush()  # the previous step is done by now; keep this one's arrays in flight
+        self._pending = record
+
+    def _flush(self) -> None:
+        """Writes the pending step record (device values -> floats)."""
+        record, self._pending = self._pending, None
+        if record is None:
+            return
+        micro = jax.device_get(record.pop("_micro"))
+        elapsed = record.pop("_elapsed")
+        targets = float(sum(m["target_tokens"] for m in micro))
+        tokens = float(sum(m["tokens"] for m in micro))
+        loss = float(sum(m["nll_sum"] for m in micro)) / max(targets, 1.0)
+        record.update(
+            loss=loss, perplexity=math.exp(min(loss, 80.0)),
+            grad_norm=float(micro[-1]["grad_norm"]),
+            moe_aux_loss=float(np.mean([m["moe_aux_loss"] for m in micro])),
+            target_tokens=int(targets), tokens=int(tokens),
+            step_time_s=elapsed, tokens_per_s=None if not elapsed else tokens / elapsed,
+            learning_rate=None if self.learning_rate_fn is None
+            else float(self.learning_rate_fn(record["step"] - 1)))
+        self.history.append(record)
+        if self._log_every and record["step"] % self._log_every == 0:
+            speed = f", {record['tokens_per_s']:,.0f} tokens/s" if record["tokens_per_s"] else ""
+            print(f"step {record['step']}: loss {loss:.4f}, grad_norm {record['grad_norm']:.3f}"
+                  f"{speed}", flush=True)
+        if self._metrics_path:
+            with open(self._metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def close(self):
+        self._flush()
+        super().close()
+
+
+def sft_trainer_class(base: type) -> type:
+    """``SFTTrainerMixin`` over ``base`` (a ``PeftTrainer`` class, e.g. an emulated one)."""
+    return type(f"SFTTrainer[{base.__name__}]", (SFTTrainerMixin, base), {})
+
+
+class SFTTrainer(SFTTrainerMixin, peft_trainer.PeftTrainer):
+    __doc__ = SFTTrainerMixin.__doc__

@@ -1,0 +1,135 @@
+"""Chat JSONL -> tokens + loss mask -> rows -> batches; the embedded tokenizer and dataset."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from posttrain.sft import data, default_data, tokenizer
+
+TOK = tokenizer.byte_tokenizer()
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "Hey"}]
+
+
+def write_jsonl(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_byte_tokenizer_is_one_token_per_byte_plus_specials():
+    text = "naïve café ☕ <|im_start|>"
+    ids = TOK.encode(text, add_special_tokens=False).ids
+    assert ids[:-1] == list("naïve café ☕ ".encode())
+    assert ids[-1] == 256 + tokenizer.SPECIAL_TOKENS.index("<|im_start|>")
+    assert TOK.get_vocab_size() == 264
+    assert TOK.decode(ids, skip_special_tokens=False) == text
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns():
+    ex = data.encode_chat(CHAT, TOK)
+    decoded_targets = TOK.decode(ex.tokens[ex.loss_mask].tolist(), skip_special_tokens=False)
+    assert decoded_targets == "Hello!<|im_end|>Hey<|im_end|>"
+    full = TOK.decode(ex.tokens.tolist(), skip_special_tokens=False)
+    assert full == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+                    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n"
+                    "<|im_start|>assistant\nHey<|im_end|>\n")
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("{not json", "not valid JSON"),
+    ('{"text": "x"}', 'expected {"messages"'),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "unknown role 'robot'"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "needs string 'role' and 'content'"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant message"),
+])
+def test_bad_lines_are_named(tmp_path, line, message):
+    good = json.dumps({"messages": CHAT})
+    path = write_jsonl(tmp_path / "d.jsonl", [good, line])
+    with pytest.raises(ValueError) as e:
+        data.read_chat_jsonl(path)
+    assert str(e.value).startswith(f"{path}, line 2: ")
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_empty_and_missing_datasets(tmp_path):
+    with pytest.raises(ValueError, match="empty dataset"):
+        data.read_chat_jsonl(write_jsonl(tmp_path / "e.jsonl", ["", "  "]))
+    with pytest.raises(ValueError, match="does not exist"):
+        data.read_chat_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_overflow_truncates_or_rejects():
+    n = len(data.encode_chat(CHAT, TOK).tokens)
+    (ex,) = data.encode_dataset([CHAT], TOK, n - 5)
+    assert len(ex.tokens) == n - 5 and ex.loss_mask.sum() == data.encode_chat(
+        CHAT, TOK).loss_mask[: n - 5].sum()
+    with pytest.raises(ValueError, match=f"conversation 0 has {n} tokens, more than "
+                                         f"max_target_length={n - 5}"):
+        data.encode_dataset([CHAT], TOK, n - 5, overflow="reject")
+    # Truncated before any assistant token: nothing left to train on.
+    with pytest.raises(ValueError, match="empty dataset"):
+        data.encode_dataset([CHAT], TOK, 10)
+
+
+@given(lengths=st.lists(st.integers(2, 30), min_size=1, max_size=12), row=st.integers(30, 64),
+       packing=st.booleans())
+def test_rows_keep_every_token_once(lengths, row, packing):
+    rng = np.random.default_rng(len(lengths))
+    examples = [data.Example(rng.integers(1, 250, n).astype(np.int32), rng.random(n) < 0.5)
+                for n in lengths]
+    rows = data.to_rows(examples, row, packing=packing, pad_id=0)
+    seg = rows["segment_ids"]
+    # Every example appears once, contiguous, positions restart at 0 in each segment.
+    found = []
+    for r in range(len(seg)):
+        for s in range(1, seg[r].max() + 1):
+            where = np.flatnonzero(seg[r] == s)
+            assert (np.diff(where) == 1).all()
+            assert (rows["positions"][r, where] == np.arange(len(where))).all()
+            found.append(rows["input_tokens"][r, where].tolist())
+    assert found == [e.tokens.tolist() for e in examples]
+    assert (rows["input_mask"][seg == 0] == 0).all() and (rows["input_tokens"][seg == 0] == 0).all()
+    if not packing:
+        assert len(seg) == len(lengths)
+    else:  # greedy: no row could have taken the next row's first example
+        for r in range(len(seg) - 1):
+            first_next = np.sum(seg[r + 1] == 1)
+            assert np.sum(seg[r] > 0) + first_next > row
+
+
+def test_batches_carry_the_step_target_count_and_are_deterministic():
+    examples = data.encode_dataset(default_data.pydoc_conversations()[:40], TOK, 128)
+    rows = data.to_rows(examples, 128, packing=True)
+    per_row = data.count_targets(rows)
+    a = list(zip(range(6), data.batches(rows, 4, 3, seed=1), strict=False))
+    b = list(zip(range(6), data.batches(rows, 4, 3, seed=1), strict=False))
+    for (_, x), (_, y) in zip(a, b, strict=True):
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+    for step in (a[:3], a[3:]):
+        total = sum(int(data.count_targets(m).sum()) for _, m in step)
+        assert all((m["step_target_tokens"] == total).all() for _, m in step)
+    assert per_row.sum() > 0
+    # Accumulated micro-batches are the rows of the one large batch, in order.
+    (_, big), = list(zip(range(1), data.batches(rows, 12, 1, seed=1), strict=False))
+    micro = np.concatenate([m["input_tokens"] for _, m in a[:3]])
+    assert np.array_equal(micro, big["input_tokens"])
+
+
+def test_embedded_dataset_is_real_offline_text():
+    conversations = default_data.pydoc_conversations()
+    assert len(conversations) > 1000
+    from pydoc_data.topics import topics
+
+    corpus = " ".join(" ".join(text.split()) for text in topics.values())
+    answers = [c[1]["content"] for c in conversations]
+    assert all(0 < len(a) <= 160 and a in corpus for a in answers)  # cut, never altered
+    assert len(set(answers)) == len(answers)
+    for c in conversations[:50]:
+        data.validate_messages({"messages": c}, where="embedded")

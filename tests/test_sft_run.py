@@ -1,0 +1,87 @@
+"""End-to-end SFT runs: the CLI's embedded run, resume, determinism, LoRA-only checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
+
+from posttrain import cli  # noqa: E402
+from posttrain.conversion import load_native  # noqa: E402
+from posttrain.sft.run import SFTConfig, run_sft  # noqa: E402
+
+
+def records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cli_embedded_run_trains_and_writes_checkpoint_and_metrics(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert cli.main(["sft", "--steps", "30", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "steps 1-30: loss" in printed and "Tunix convention" in printed
+    history = records(out / "metrics.jsonl")
+    assert [r["step"] for r in history] == list(range(1, 31))
+    losses = np.array([r["loss"] for r in history])
+    assert losses[-5:].mean() < losses[:5].mean() - 1.0, losses  # it learns the text
+    assert losses[0] == pytest.approx(np.log(264), abs=0.3)  # starts near uniform
+    assert all(r["target_tokens"] > 0 and r["tokens"] >= r["target_tokens"] for r in history)
+    assert all(r["tokens_per_s"] > 0 for r in history[1:])
+    assert history[0]["learning_rate"] == 0.0 and history[5]["learning_rate"] == pytest.approx(3e-3)
+    assert (out / "checkpoints" / "30").is_dir()
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
+    model = load_native(out / "model-step30")
+    assert model.config.vocab_size == 264
+
+
+def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path):
+    mesh = {"data": 2, "fsdp": jax.device_count() // 4, "tensor": 2}
+    common = {"steps": 6, "grad_accum": 2, "max_target_length": 128, "save_every": 1,
+              "per_device_batch_size": 1, "mesh": mesh}
+    full = run_sft(SFTConfig(**common, output=str(tmp_path / "full")))
+    again = run_sft(SFTConfig(**common, output=str(tmp_path / "again")))
+    first = run_sft(SFTConfig(**common, stop_after=3, output=str(tmp_path / "cut")))
+    resumed = run_sft(SFTConfig(**common, output=str(tmp_path / "cut")))
+    loss = lambda result: [r["loss"] for r in result.history]  # noqa: E731
+    assert loss(full) == loss(again)  # same seed, same losses, bit for bit
+    assert [r["step"] for r in first.history] == [1, 2, 3]
+    assert [r["step"] for r in resumed.history] == [4, 5, 6]
+    np.testing.assert_allclose(loss(first) + loss(resumed), loss(full), rtol=1e-6, atol=0)
+    assert [r["step"] for r in records(tmp_path / "cut" / "metrics.jsonl")] == list(range(1, 7))
+
+
+def test_lora_run_checkpoints_only_the_adapters(tmp_path):
+    result = run_sft(SFTConfig(model="llama3-tiny", lora_rank=4, steps=2,
+                               max_target_length=64, output=str(tmp_path / "lora")))
+    assert 0 < result.trainable < result.params / 5
+    meta = json.loads((tmp_path / "lora" / "checkpoints" / "2" / "model_params" /
+                       "_METADATA").read_text())
+    keys = list(meta["tree_metadata"])
+    assert keys and all("_lora_a" in k or "_lora_b" in k for k in keys), keys[:4]
+    assert (tmp_path / "lora" / "adapter-step2").is_dir()
+    assert (tmp_path / "lora" / "model-step2").is_dir()  # merged weights
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--per-device-batch-size", "0"], "per_device_batch_size=0; expected >= 1"),
+    (["--mesh", "fsdp=3"], f"mesh {{fsdp=3}} has 3 devices but {jax.device_count()} devices"),
+    (["--model", "no-such-model"], "neither a preset"),
+    (["--data", "{bad}"], ", line 1: not valid JSON"),
+    (["--data", "{long}", "--overflow", "reject", "--max-target-length", "32"],
+     "more than max_target_length=32"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                             {"role": "assistant", "content": "a" * 100}]}) + "\n")
+    argv = [a.format(bad=bad, long=long) for a in argv]
+    assert cli.main(["sft", "--output", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("posttrain: error: ") and "\n" not in err and message in err, err
+    assert not (tmp_path / "out").exists()  # nothing written
