@@ -20,11 +20,16 @@ from contracts import tunix_emulation as te  # noqa: E402
 from posttrain import sharding  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.sft import data, default_data, tokenizer, tunix_compat  # noqa: E402
-from posttrain.sft.trainer import SFTTrainer, sft_trainer_class  # noqa: E402
+from posttrain.sft.trainer import (  # noqa: E402
+    OptimizerStateCheckpoints,
+    SFTTrainer,
+    sft_trainer_class,
+)
 
-# installed: whatever release is installed (bound2 on 0.1.6/0.1.7, positional3 before).
+# installed: the installed release's own train() (bound2 on 0.1.6/0.1.7, positional3
+# before); the others are emulated, so every convention runs whatever is installed.
 BASES = {"installed": None, "positional3": te.Positional3PeftTrainer,
-         "bound3_update": te.MainPeftTrainer}
+         "bound2": te.Bound2PeftTrainer, "bound3_update": te.MainPeftTrainer}
 MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}  # 8 fake devices by default
 
 
@@ -35,12 +40,13 @@ def rows():
     return data.to_rows(examples, 64, packing=True)
 
 
-def make_trainer(base, ga, *, tx=None, steps=2, seed=0):
+def make_trainer(base, ga, *, tx=None, steps=2, seed=0, checkpoint_root=None):
     mesh = sharding.make_mesh(MESH)
     model = build_model(get_config("qwen3-tiny"), mesh, seed=seed)
     cls = SFTTrainer if base is None else sft_trainer_class(base)
     config = tunix.TrainingConfig(eval_every_n_steps=10_000, max_steps=steps,
-                                  gradient_accumulation_steps=ga if ga > 1 else None)
+                                  gradient_accumulation_steps=ga if ga > 1 else None,
+                                  checkpoint_root_directory=checkpoint_root)
     return cls(model, tx or optax.sgd(0.1), config, mesh=mesh), mesh
 
 
@@ -160,3 +166,29 @@ def test_an_unknown_convention_fails_at_construction_naming_what_was_found():
     message = str(e.value)
     assert "calls step(train_example, self._iter_steps)" in message
     assert "unpacks 4 values" in message and "\n" not in message
+
+
+@pytest.mark.contract("tunix.sft.checkpoint_manager.CheckpointManager.save")
+def test_optimizer_state_checkpoints_fill_in_for_releases_that_skip_it(tmp_path):
+    """google-tunix <= 0.1.5 checkpoints params only; the wrapper saves and restores OptState."""
+    root = str(tmp_path / "checkpoints")
+    first, mesh = make_trainer(None, ga=2, tx=optax.adam(1e-2), checkpoint_root=root)
+    if not isinstance(first.checkpoint_manager, OptimizerStateCheckpoints):  # 0.1.6+: force it
+        first.checkpoint_manager = OptimizerStateCheckpoints(first.checkpoint_manager, root, first)
+    with sharding.use_mesh(mesh):
+        first.train(data.batches(rows(), 8, 2))  # 2 steps, saved at close()
+    def opt_state(trainer):
+        return nnx.state(trainer.optimizer, nnx.optimizer.OptState)
+
+    want = [np.asarray(x) for x in jax.tree.leaves(opt_state(first))]
+    second, _ = make_trainer(None, ga=2, tx=optax.adam(1e-2), checkpoint_root=root)
+    assert second.train_steps == 2
+    wrapper = OptimizerStateCheckpoints(second.checkpoint_manager, root, second)
+    nnx.update(second.optimizer, jax.tree.map(jnp.zeros_like, opt_state(second)))
+    wrapper.restore(2)
+    got = [np.asarray(x) for x in jax.tree.leaves(opt_state(second))]
+    assert len(got) == len(want) and any(np.abs(w).sum() > 0 for w in want)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(RuntimeError, match="has no optimizer state for it"):
+        wrapper.restore(7)

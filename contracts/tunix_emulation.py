@@ -1,6 +1,7 @@
 """Emulated Tunix ``PeftTrainer`` conventions that no installed release has.
 
-Only calling conventions are emulated; everything else is the installed Tunix.
+Only calling conventions are emulated; everything else is the installed Tunix, so
+every convention is exercised whichever release the environment has.
 Each class follows the observable behaviour recorded in
 ``shared/research/tunix-conventions.md`` (jit + donation, what is bound, how
 ``train()`` calls the step and unpacks it, who decides the update step):
@@ -9,6 +10,9 @@ Each class follows the observable behaviour recorded in
   not bound; ``train()`` calls ``train_step(model, optimizer, example)`` and
   unpacks 2 values; ``optax.MultiSteps`` (from the installed ``__init__``) does
   the accumulation.
+- :class:`Bound2PeftTrainer`: google-tunix 0.1.6-0.1.7. The jitted step is bound
+  to ``(model, optimizer)`` (``cached_partial``); ``train()`` calls
+  ``train_step(example)`` and unpacks 3 values; MultiSteps accumulates.
 - :class:`MainPeftTrainer`: Tunix main from 659881fb (2026-07-17) to c7d8950f.
   No MultiSteps; a :class:`GradientAccumulator` (``add``/``get``/``reset``) is
   bound with model and optimizer, donated by name, and ``train()`` calls
@@ -31,6 +35,7 @@ from flax import nnx
 from tunix.sft import peft_trainer
 
 from posttrain import _compat
+from posttrain.sft import tunix_compat
 
 
 class GradientAccumulator(nnx.Module):
@@ -87,10 +92,12 @@ def _step_loop(trainer, train_ds, call_step) -> None:
         trainer._post_process_train_step(aux)
         if update:
             trainer._train_steps += 1
-            trainer.checkpoint_manager.save(
-                trainer._train_steps, trainer.model, trainer.optimizer,
-                save_only_lora_params=trainer._lora_enabled,
-                custom_metadata=trainer.custom_checkpoint_metadata())
+            # The installed manager's save: the optimizer is its 3rd parameter from 0.1.6 on.
+            manager = trainer.checkpoint_manager
+            optimizer = ((trainer.optimizer,) if tunix_compat.checkpoint_saves_optimizer(
+                type(getattr(manager, "_inner", manager))) else ())
+            manager.save(trainer._train_steps, trainer.model, *optimizer,
+                         save_only_lora_params=trainer._lora_enabled)
     trainer.close()
 
 
@@ -113,6 +120,42 @@ class Positional3PeftTrainer(peft_trainer.PeftTrainer):
 
         def call(train_example):
             train_loss, aux = train_step(self.model, self.optimizer, train_example)
+            self._iter_steps += 1
+            return train_loss, aux, self._iter_steps % ga == 0
+
+        _step_loop(self, train_ds, call)
+
+
+class Bound2PeftTrainer(peft_trainer.PeftTrainer):
+    """google-tunix 0.1.6-0.1.7 (PT@v0.1.7:405-435, 707): (model, optimizer) bound, 3 results."""
+
+    def jit_train_and_eval_step(self, skip_jit: bool = False, cache_nnx_graph: bool = False):
+        train_step = self.create_train_step_fn()
+        eval_step = self.create_eval_step_fn()
+        if skip_jit:
+            return train_step, eval_step
+        if self._jitted_train_step_fn is None:
+            self._jitted_train_step_fn = nnx.jit(train_step, donate_argnames=("optimizer",))
+            self._jitted_eval_step_fn = nnx.jit(eval_step)
+
+            def maybe_cache_and_partial(f, *args):
+                if cache_nnx_graph:
+                    return functools.partial(nnx.cached_partial(f, *args))
+                return functools.partial(f, *args)
+
+            self._jitted_train_step_fn = maybe_cache_and_partial(
+                self._jitted_train_step_fn, self.model, self.optimizer)
+            self._jitted_eval_step_fn = maybe_cache_and_partial(
+                self._jitted_eval_step_fn, self.model)
+        return self._jitted_train_step_fn, self._jitted_eval_step_fn
+
+    def train(self, train_ds, eval_ds=None, skip_jit: bool = False, *,
+              cache_nnx_graph: bool = True) -> None:
+        train_step, _ = self.jit_train_and_eval_step(skip_jit, cache_nnx_graph)
+        ga = self.config.get_with_default("gradient_accumulation_steps", 1) or 1
+
+        def call(train_example):
+            train_loss, aux, grad_norm = train_step(train_example)
             self._iter_steps += 1
             return train_loss, aux, self._iter_steps % ga == 0
 

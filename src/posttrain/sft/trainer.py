@@ -100,6 +100,10 @@ class SFTTrainerMixin:
         self._pending: dict | None = None
         self._last_update_time: float | None = None
         self.history: list[dict] = []  # the records written to metrics_path
+        root = training_config.checkpoint_root_directory
+        if root and not tunix_compat.checkpoint_saves_optimizer(type(self.checkpoint_manager)):
+            self.checkpoint_manager = OptimizerStateCheckpoints(self.checkpoint_manager, root, self)
+            self.checkpoint_manager.restore(self._train_steps)
 
     # --- the step -------------------------------------------------------------------------
     def _grads(self, model, inputs):
@@ -223,6 +227,61 @@ class SFTTrainerMixin:
     def close(self):
         self._flush()
         super().close()
+
+
+class OptimizerStateCheckpoints:
+    """Tunix's checkpoint manager plus the optimizer state, for google-tunix <= 0.1.5.
+
+    Those releases save and restore only the params, so a resumed run would restart
+    Adam's moments and the MultiSteps counter and leave the uninterrupted run's
+    losses. This wrapper saves ``nnx.state(optimizer, OptState)`` with Orbax in
+    ``<checkpoint root>-optimizer/<step>`` whenever Tunix's manager saves a step,
+    and restores it for the step Tunix restored. Every other attribute is Tunix's.
+    """
+
+    def __init__(self, inner, root: str, trainer) -> None:
+        import orbax.checkpoint as ocp
+
+        self._inner = inner
+        self._trainer = trainer
+        self._ocp = ocp
+        self._manager = ocp.CheckpointManager(
+            os.fspath(root).rstrip("/") + "-optimizer",
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _state(self):
+        return nnx.state(self._trainer.optimizer, nnx.optimizer.OptState)
+
+    def save(self, step, model, *args, **kwargs):
+        saved = self._inner.save(step, model, *args, **kwargs)
+        if saved is None:  # releases that return nothing: compare steps
+            saved = self._inner.latest_step() == step
+        if saved and self._manager.latest_step() != step:
+            self._manager.save(step, args=self._ocp.args.PyTreeSave(self._state()), force=True)
+        return saved
+
+    def restore(self, step: int) -> None:
+        """Restores the optimizer state of ``step`` (the step Tunix restored), if saved."""
+        if not step:
+            return
+        if step not in self._manager.all_steps():
+            raise RuntimeError(
+                f"Tunix restored step {step} but {self._manager.directory} has no optimizer "
+                f"state for it (steps {sorted(self._manager.all_steps())}); resuming would "
+                "restart the optimizer")
+        target = self._state()
+        restored = self._manager.restore(step, args=self._ocp.args.PyTreeRestore(
+            item=target,
+            restore_args=self._ocp.checkpoint_utils.construct_restore_args(target=target)))
+        nnx.update(self._trainer.optimizer, restored)
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+        self._inner.close()
 
 
 def sft_trainer_class(base: type) -> type:

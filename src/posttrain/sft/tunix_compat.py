@@ -149,3 +149,17 @@ def detect(trainer_cls: type | None = None) -> Convention:
             f"convention: {found.describe()}; known: {sorted(KNOWN.values())}"
         )
     return found
+
+
+def checkpoint_saves_optimizer(manager_cls: type | None = None) -> bool:
+    """Whether Tunix's ``CheckpointManager.save`` takes the optimizer (google-tunix >= 0.1.6).
+
+    Up to 0.1.5 ``save(step, model, save_only_lora_params, force[, custom_metadata])``
+    writes the params only, so a resumed run restarts its optimizer state;
+    :class:`posttrain.sft.trainer.SFTTrainer` then checkpoints the optimizer itself.
+    """
+    if manager_cls is None:
+        from tunix.sft import checkpoint_manager
+
+        manager_cls = checkpoint_manager.CheckpointManager
+    return "optimizer" in inspect.signature(manager_cls.save).parameters
