@@ -27,9 +27,11 @@ from posttrain.sft.trainer import (  # noqa: E402
 )
 
 # installed: the installed release's own train() (bound2 on 0.1.6/0.1.7, positional3
-# before); the others are emulated, so every convention runs whatever is installed.
-BASES = {"installed": None, "positional3": te.Positional3PeftTrainer,
-         "bound2": te.Bound2PeftTrainer, "bound3_update": te.MainPeftTrainer}
+# before); the other conventions are emulated, so all of them run whatever is installed.
+EMULATED = {"positional3": te.Positional3PeftTrainer, "bound2": te.Bound2PeftTrainer,
+            "bound3_update": te.MainPeftTrainer}
+BASES = {"installed": None, **{name: cls for name, cls in EMULATED.items()
+                               if name != tunix_compat.detect().name}}
 MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}  # 8 fake devices by default
 
 

@@ -469,3 +469,14 @@ def test_gate_fails_a_devices_skip_and_summarises_it(tmp_path: Path) -> None:
     assert summary["properties"]["device_count"] == "8"  # written by the xdist controller
     assert "ERROR  test_gate_sample.py::test_needs_many_devices: failed on setup" in run.stdout
     assert run.stdout.rstrip().splitlines()[-1] == "gate: 1 passed, 1 failed, 0 skipped"
+
+
+def test_gate_compile_cache_env(tmp_path):
+    """The gate points JAX's persistent compilation cache at a kept directory, or nowhere."""
+    from harness.cli import compile_cache_env
+
+    assert compile_cache_env("off") == {}
+    env = compile_cache_env(str(tmp_path / "cache"))
+    assert env["JAX_COMPILATION_CACHE_DIR"] == str((tmp_path / "cache").resolve())
+    assert (tmp_path / "cache").is_dir()
+    assert float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) > 0

@@ -40,18 +40,20 @@ def test_cli_embedded_run_trains_and_writes_checkpoint_and_metrics(tmp_path, cap
 
 def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path):
     mesh = {"data": 2, "fsdp": jax.device_count() // 4, "tensor": 2}
-    common = {"steps": 6, "grad_accum": 2, "max_target_length": 128, "save_every": 1,
+    common = {"steps": 5, "grad_accum": 2, "max_target_length": 64, "save_every": 1,
               "per_device_batch_size": 1, "mesh": mesh}
     full = run_sft(SFTConfig(**common, output=str(tmp_path / "full")))
-    again = run_sft(SFTConfig(**common, output=str(tmp_path / "again")))
-    first = run_sft(SFTConfig(**common, stop_after=3, output=str(tmp_path / "cut")))
+    first = run_sft(SFTConfig(**common, stop_after=2, output=str(tmp_path / "cut")))
     resumed = run_sft(SFTConfig(**common, output=str(tmp_path / "cut")))
     loss = lambda result: [r["loss"] for r in result.history]  # noqa: E731
-    assert loss(full) == loss(again)  # same seed, same losses, bit for bit
-    assert [r["step"] for r in first.history] == [1, 2, 3]
-    assert [r["step"] for r in resumed.history] == [4, 5, 6]
-    np.testing.assert_allclose(loss(first) + loss(resumed), loss(full), rtol=1e-6, atol=0)
-    assert [r["step"] for r in records(tmp_path / "cut" / "metrics.jsonl")] == list(range(1, 7))
+    # Two fresh runs with the same seed (the cut one stops early): identical, bit for bit.
+    assert loss(first) == loss(full)[:2]
+    assert [r["step"] for r in first.history] == [1, 2]
+    assert [r["step"] for r in resumed.history] == [3, 4, 5]
+    # Resumed at step 2: params, optimizer state and data position restored, so the
+    # uninterrupted run's losses come back (Adam: a restarted optimizer would differ).
+    np.testing.assert_allclose(loss(resumed), loss(full)[2:], rtol=1e-6, atol=0)
+    assert [r["step"] for r in records(tmp_path / "cut" / "metrics.jsonl")] == list(range(1, 6))
 
 
 def test_lora_run_checkpoints_only_the_adapters(tmp_path):
