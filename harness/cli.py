@@ -9,6 +9,9 @@ Subcommands:
         ``gate-summary.json`` beside it. Arguments after ``--`` go to pytest.
         Exit status: pytest's, except that a run that ran no test (pytest exit
         5, or every test skipped) is 1 with the message "gate ran no tests".
+    matrix: the Tunix compatibility matrix (harness/matrix.py, harness/report.py):
+        one cached env per compat/entries.toml entry, contracts + a short SFT run
+        in each, reports/compat-matrix.{md,json,html}.
 """
 
 from __future__ import annotations
@@ -78,6 +81,23 @@ def _parser() -> argparse.ArgumentParser:
         help="JAX persistent compilation cache shared by the workers and kept between runs "
         "(default: $JAX_COMPILATION_CACHE_DIR or %(default)s); 'off' disables it",
     )
+    matrix = commands.add_parser(
+        "matrix",
+        help="run contracts + a short SFT run in one env per compat/ entry; write the report",
+        description="The Tunix compatibility matrix (compat/entries.toml). No options: the "
+        "default entries (newest releases and emulated main).",
+        allow_abbrev=False,
+    )
+    matrix.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="entry name or prefix (repeatable)")
+    matrix.add_argument("--all", action="store_true", help="every entry")
+    matrix.add_argument("--jobs", "-j", default="2", help="pytest-xdist workers per entry")
+    matrix.add_argument("--rebuild", action="store_true", help="rebuild the environments")
+    matrix.add_argument("--report-dir", default="reports", type=Path)
+    matrix.add_argument("--cache", default=None, type=Path,
+                        help="environment cache (default: $POSTTRAIN_MATRIX_CACHE or "
+                        "~/.cache/posttrain-harness/envs)")
+    matrix.add_argument("--entries", default=None, type=Path, help="entries file")
     return parser
 
 
@@ -92,9 +112,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "gate":
         return run_gate(args, passthrough)
+    if args.command == "matrix":
+        if passthrough:
+            parser.error("arguments after -- are for 'gate' only")
+        return run_matrix(args)
     if passthrough:
         parser.error("arguments after -- are for 'gate' only")
     return show_devices(args.devices)
+
+
+def run_matrix(args: argparse.Namespace) -> int:
+    """Runs the selected matrix entries and writes the report.
+
+    Exit status: 0 when every cell that ran passed, 1 otherwise, 2 for bad options.
+    """
+    import platform
+
+    from harness import matrix, report
+
+    try:
+        entries = matrix.load_entries(args.entries or matrix.ENTRIES_FILE)
+        chosen = matrix.select(entries, args.only, args.all)
+    except ValueError as error:
+        print(f"posttrain-harness matrix: {error}", file=sys.stderr)
+        return 2
+    cache = matrix.EnvCache(args.cache or matrix.DEFAULT_CACHE)
+    by_name = {e.name: e for e in entries}
+    rows = []
+    start = time.monotonic()
+    for i, entry in enumerate(chosen, 1):
+        env_entry = by_name[entry.base] if entry.emulated else entry
+        print(f"[{i}/{len(chosen)}] {entry.name}: environment {cache.path(env_entry).name}",
+              file=sys.stderr, flush=True)
+        env = (matrix.EnvResult(None, False, 0.0) if entry.broken
+               else cache.ensure(env_entry, rebuild=args.rebuild))
+        print(f"[{i}/{len(chosen)}] {entry.name}: "
+              f"{'env error: ' + env.error if env.error else 'running contracts and sft'}"
+              f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)",
+              file=sys.stderr, flush=True)
+        row = matrix.run_entry(entry, env, args.report_dir, args.jobs)
+        rows.append(row)
+        cells = [*row["contracts"].values(), *([row["sft"]] if row["sft"] else [])]
+        bad = [c for c in cells if c["status"] in ("fail", "error")]
+        print(f"[{i}/{len(chosen)}] {entry.name}: {len(cells) - len(bad)}/{len(cells)} cells "
+              f"pass{'; ' + row['error'] if row.get('error') else ''} ({row['seconds']:.0f} s)",
+              file=sys.stderr, flush=True)
+    machine = (f"{platform.node()}, {os.cpu_count()} cores, Python "
+               f"{platform.python_version()}, {len(rows)} entries in "
+               f"{time.monotonic() - start:.0f} s")
+    built = report.build(rows, machine)
+    paths = report.write(built, args.report_dir)
+    print(report.markdown(built))
+    print("report: " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    failed = any(row.get("error") for row in rows) or any(
+        c and c["status"] in ("fail", "error")
+        for row in rows for c in [*row["contracts"].values(), row["sft"]])
+    return 1 if failed else 0
 
 
 def show_devices(devices: str | None) -> int:
