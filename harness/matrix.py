@@ -165,9 +165,13 @@ def _first_error(text: str) -> str:
     """The most telling line of a failed command's output (``error:`` lines first)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for marker in ("error:", "Error:", "ERROR", "Traceback"):
-        hits = [line for line in lines if marker in line]
-        if hits:
-            return hits[-1][:300] if marker != "Traceback" else lines[-1][:300]
+        hits = [i for i, line in enumerate(lines) if marker in line]
+        if hits and marker == "Traceback":
+            return lines[-1][:300]
+        if hits:  # the error line and, for uv, its reason on the next line
+            i = hits[-1] if marker != "error:" else hits[0]
+            reason = lines[i + 1] if i + 1 < len(lines) and lines[i + 1][:1] in "╰│B" else ""
+            return " ".join(f"{lines[i]} {reason.lstrip('╰─▶│ ')}".split())[:300]
     return lines[-1][:300] if lines else "no output"
 
 
@@ -208,7 +212,8 @@ class EnvCache:
         python = str(path / "bin" / "python")
         if uv:
             steps = [[uv, "venv", "--quiet", "--python", sys.executable, str(path)],
-                     [uv, "pip", "install", "--quiet", "--python", python,
+                     # --no-config: this checkout's [tool.uv] pins the dev env's Tunix.
+                     [uv, "pip", "install", "--quiet", "--no-config", "--python", python,
                       "-e", f"{REPO}[train]", *entry.install_spec()]]
         else:
             steps = [[sys.executable, "-m", "venv", str(path)],
