@@ -53,7 +53,8 @@ def make_trainer(base, ga, *, tx=None, steps=2, seed=0, checkpoint_root=None):
     mesh = sharding.make_mesh(MESH)
     model = build_model(get_config("qwen3-tiny"), mesh, seed=seed)
     cls = SFTTrainer if base is None else sft_trainer_class(base)
-    config = tunix.TrainingConfig(eval_every_n_steps=10_000, max_steps=steps,
+    # eval_every_n_steps: google-tunix <= 0.1.2 requires a multiple of GA (no eval runs).
+    config = tunix.TrainingConfig(eval_every_n_steps=ga * 1000, max_steps=steps,
                                   gradient_accumulation_steps=ga if ga > 1 else None,
                                   checkpoint_root_directory=checkpoint_root)
     return cls(model, tx or optax.sgd(0.1), config, mesh=mesh), mesh

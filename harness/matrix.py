@@ -170,8 +170,13 @@ def _first_error(text: str) -> str:
             return lines[-1][:300]
         if hits:  # the error line and, for uv, its reason on the next line
             i = hits[-1] if marker != "error:" else hits[0]
-            reason = lines[i + 1] if i + 1 < len(lines) and lines[i + 1][:1] in "╰│B" else ""
-            return " ".join(f"{lines[i]} {reason.lstrip('╰─▶│ ')}".split())[:300]
+            reason = []
+            if i + 1 < len(lines) and lines[i + 1].startswith(("cause:", "╰", "Because")):
+                for line in lines[i + 1:i + 6]:
+                    if line.startswith(("hint:", "error:")):
+                        break
+                    reason.append(line.removeprefix("cause:").lstrip("╰─▶│ "))
+            return " ".join(" ".join([lines[i], *reason]).split())[:400]
     return lines[-1][:300] if lines else "no output"
 
 

@@ -238,7 +238,8 @@ def run_sft(cfg: SFTConfig, *, trainer_class: type | None = None, on_built=None,
                                                                  weight_decay=0.0))
     batch_axes = sharding.logical_to_spec(("activation_batch",), None, dict(mesh.shape))[0]
     training_config = peft_trainer.TrainingConfig(
-        eval_every_n_steps=cfg.steps + 1,
+        # No eval dataset; google-tunix <= 0.1.2 still requires a multiple of the GA steps.
+        eval_every_n_steps=(cfg.steps + 1) * cfg.grad_accum,
         max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
         gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
         checkpoint_root_directory=str((out / "checkpoints").resolve()),

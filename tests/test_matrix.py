@@ -1,0 +1,139 @@
+"""The compatibility-matrix runner and report (harness/matrix.py, harness/report.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from harness import matrix, report
+from posttrain.sft import tunix_compat
+
+RELEASES = ("0.0.2", "0.1.0", "0.1.1", "0.1.2", "0.1.3", "0.1.4", "0.1.5", "0.1.6", "0.1.7")
+
+
+def test_compat_entries_cover_every_release_in_both_flavours():
+    entries = matrix.load_entries()
+    for release in RELEASES:
+        flavours = {e.flavour for e in entries if e.tunix == release}
+        assert flavours == {"current", "era"}, release
+    main = [e for e in entries if e.emulated]
+    assert [e.convention for e in main] == ["bound3_update"]
+    assert {e.convention for e in entries} <= set(tunix_compat.KNOWN.values())
+    # The expected conventions agree with the contract that pins them per release.
+    from contracts.test_tunix_convention import EXPECTED
+
+    for e in entries:
+        if not e.emulated:
+            assert EXPECTED[e.tunix] == e.convention, e.name
+    assert {e.name for e in matrix.select(entries)} == {
+        "tunix-0.1.5", "tunix-0.1.7", "tunix-main-emulated"}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound9"\n',
+     "entry 0 (a): convention 'bound9'"),
+    ('[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound2"\npinz=[]\n',
+     "unknown field(s) ['pinz']"),
+    ('[[entry]]\nname="m"\ntunix="main"\nflavour="emulated"\nconvention="bound2"\n'
+     'emulated=true\nbase="nope"\n', "base 'nope' is not an entry"),
+])
+def test_bad_entries_are_named(tmp_path, text, message):
+    path = tmp_path / "entries.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        matrix.load_entries(path)
+
+
+def test_only_selects_by_name_or_prefix_and_rejects_unknown():
+    entries = matrix.load_entries()
+    assert [e.name for e in matrix.select(entries, ["tunix-0.1.6"])] == ["tunix-0.1.6"]
+    assert [e.name for e in matrix.select(entries, ["tunix-0.0", "tunix-0.1.7-era"])] == [
+        "tunix-0.0.2", "tunix-0.0.2-era", "tunix-0.1.7-era"]
+    assert len(matrix.select(entries, all_entries=True)) == len(entries)
+    with pytest.raises(ValueError, match="--only 'x' matches no entry"):
+        matrix.select(entries, ["x"])
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="the env build uses uv here")
+def test_an_environment_that_cannot_be_built_is_an_error_row(tmp_path):
+    entry = matrix.Entry(name="broken", tunix="0.0.0", flavour="current",
+                         convention="bound2")  # google-tunix==0.0.0 does not exist
+    env = matrix.EnvCache(tmp_path / "envs").ensure(entry)
+    assert env.path is None and "google-tunix" in env.error, env.error
+    assert not list((tmp_path / "envs").iterdir())  # nothing half-built is kept
+    row = matrix.run_entry(entry, env, tmp_path / "reports", "1")
+    assert row["error"].startswith("environment build failed") and row["contracts"] == {}
+    text = report.markdown(report.build([row], "test"))
+    assert "| broken |" in text and "environment build failed" in text
+
+
+def test_a_warm_cache_rebuilds_nothing(tmp_path):
+    calls = []
+
+    def fake_uv(command, env=None):  # stands in for uv: records the call, makes the env
+        calls.append(command)
+        if "venv" in command:
+            (tmp_path / "envs" / command[-1].rsplit("/", 1)[-1] / "bin").mkdir(parents=True)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    cache = matrix.EnvCache(tmp_path / "envs", run=fake_uv)
+    entry = matrix.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2")
+    first = cache.ensure(entry)
+    assert first.built and len(calls) == 2
+    again = cache.ensure(entry)
+    assert not again.built and again.path == first.path and len(calls) == 2
+    other = matrix.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2",
+                         pins=("qwix==0.1.5",))
+    assert cache.path(other) != cache.path(entry)  # pins are part of the key
+    cache.ensure(entry, rebuild=True)
+    assert len(calls) == 4
+
+
+def test_junit_cells_group_by_contract_and_keep_the_worst(tmp_path):
+    xml = """<testsuites><testsuite>
+      <testcase classname="c" name="test_a[x]"><properties>
+        <property name="contract" value="tunix.X"/></properties></testcase>
+      <testcase classname="c" name="test_b"><properties>
+        <property name="contract" value="tunix.X"/></properties>
+        <failure message="AssertionError: 2 != 3">long traceback</failure></testcase>
+      <testcase classname="c" name="test_c[p]"><skipped message="no tunix"/></testcase>
+    </testsuite></testsuites>"""
+    path = tmp_path / "junit.xml"
+    path.write_text(xml)
+    cells = matrix.junit_cells(path)
+    assert cells == {"tunix.X": {"status": "fail", "message": "AssertionError: 2 != 3"},
+                     "test_c": {"status": "skip", "message": "no tunix"}}
+
+
+def row(name, flavour, cells, sft="pass"):
+    return {"name": name, "tunix": name, "flavour": flavour, "convention": "bound2",
+            "emulated": False, "env": {"built": False, "seconds": 1.0, "error": None},
+            "versions": {"jax": "0.10.2"}, "seconds": 1.0,
+            "contracts": {k: {"status": v, "message": "" if v == "pass" else f"boom in {name}"}
+                          for k, v in cells.items()},
+            "sft": {"status": sft, "message": "ok" if sft == "pass" else "sft broke"}}
+
+
+def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
+    rows = [row("v1", "current", {"A": "fail", "B": "pass"}),
+            row("v2", "current", {"A": "pass", "B": "pass"}),
+            row("v3", "current", {"A": "fail", "B": "error"}, sft="fail"),
+            row("v1-era", "era", {"A": "pass", "B": "pass"})]
+    built = report.build(rows, "test machine")
+    firsts = {(f["flavour"], f["contract"]): f for f in built["first_failures"]}
+    assert firsts[("current", "A")]["first_failing"] == "v1"  # fails from the start
+    assert firsts[("current", "A")]["after_passing"] == ""
+    assert firsts[("current", "B")]["first_failing"] == "v3"
+    assert firsts[("current", "B")]["after_passing"] == "v2"
+    assert firsts[("current", "sft")]["error"] == "sft broke"
+    assert ("era", "A") not in firsts
+    paths = report.write(built, tmp_path)
+    md, js, page = (p.read_text() for p in paths)
+    assert "first fails in **v3** after passing in v2: boom in v3" in md
+    assert "| v3 | bound2 | jax 0.10.2 | cached 1 s | FAIL | ERROR | FAIL |" in md
+    assert json.loads(js)["columns"] == ["A", "B", "sft"]
+    assert "<b>v3</b>" in page and "boom in v3" in page
