@@ -114,19 +114,17 @@ ALL_BASES = {"installed": None, **EMULATED}
 @functools.cache
 def one_large_batch(name):
     """Reference: 2 optimizer steps of one 24-row batch each."""
-    trainer, mesh = make_trainer(ALL_BASES[name], ga=1)
-    with sharding.use_mesh(mesh):
-        trainer.train(data.batches(rows(), 24, 1))
+    trainer, _ = make_trainer(ALL_BASES[name], ga=1)
+    trainer.train(data.batches(rows(), 24, 1))  # train() makes the mesh current
     return params(trainer.model), [r["loss"] for r in trainer.history]
 
 
 def accumulated(name, accumulator=None):
     """2 optimizer steps of 3 micro-batches of 8 rows (the same rows, in the same order)."""
-    trainer, mesh = make_trainer(ALL_BASES[name], ga=3)
+    trainer, _ = make_trainer(ALL_BASES[name], ga=3)
     if accumulator is not None:
         trainer.grad_accumulator = accumulator(trainer.model, nnx.Param)
-    with sharding.use_mesh(mesh):
-        trainer.train(data.batches(rows(), 8, 3))
+    trainer.train(data.batches(rows(), 8, 3))
     return params(trainer.model), [r["loss"] for r in trainer.history]
 
 
@@ -185,11 +183,10 @@ def test_an_unknown_convention_fails_at_construction_naming_what_was_found():
 def test_optimizer_state_checkpoints_fill_in_for_releases_that_skip_it(tmp_path):
     """google-tunix <= 0.1.5 checkpoints params only; the wrapper saves and restores OptState."""
     root = str(tmp_path / "checkpoints")
-    first, mesh = make_trainer(None, ga=2, tx=optax.adam(1e-2), checkpoint_root=root)
+    first, _ = make_trainer(None, ga=2, tx=optax.adam(1e-2), checkpoint_root=root)
     if not isinstance(first.checkpoint_manager, OptimizerStateCheckpoints):  # 0.1.6+: force it
         first.checkpoint_manager = OptimizerStateCheckpoints(first.checkpoint_manager, root, first)
-    with sharding.use_mesh(mesh):
-        first.train(data.batches(rows(), 8, 2))  # 2 steps, saved at close()
+    first.train(data.batches(rows(), 8, 2))  # 2 steps, saved at close()
     def opt_state(trainer):
         return nnx.state(trainer.optimizer, nnx.optimizer.OptState)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import html
 import json
 import os
 import shutil
@@ -213,7 +212,7 @@ class EnvCache:
         return EnvResult(target, True, time.monotonic() - start)
 
     def _build(self, entry: Entry, path: Path) -> str | None:
-        uv = shutil.which("uv")
+        uv = shutil.which("uv") or os.environ.get("UV")  # `uv run` exports UV
         python = str(path / "bin" / "python")
         if uv:
             steps = [[uv, "venv", "--quiet", "--python", sys.executable, str(path)],
@@ -310,9 +309,9 @@ def run_entry(entry: Entry, env: EnvResult, report_dir: Path, jobs: str,
 def _sft(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         if entry.emulated:
-            code = ("import sys; sys.path.insert(0, %r)\n"
-                    "from harness.matrix import emulated_sft; emulated_sft(%r, %r)"
-                    % (str(REPO), entry.convention, tmp))
+            code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+                    f"from harness.matrix import emulated_sft; "
+                    f"emulated_sft({entry.convention!r}, {tmp!r})")
             command = [str(env.python), "-c", code]
         else:
             command = [str(env.python), "-m", "posttrain.cli", *SFT_ARGS, "--output", tmp]

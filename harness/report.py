@@ -69,7 +69,7 @@ def _versions(row: dict[str, Any]) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     rows, cols = report["entries"], report["columns"]
-    out = [f"# Tunix compatibility matrix\n",
+    out = ["# Tunix compatibility matrix\n",
            f"Generated {report['generated']} by `posttrain-harness matrix` on "
            f"{report['machine']}. Cells: pass, FAIL, ERROR, skip; the first error line of "
            "each failing cell is listed below the table.\n"]

@@ -235,15 +235,19 @@ _CURRENT: contextvars.ContextVar[MeshContext | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Iterator[Mesh]:
+def use_mesh(mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
+             jax_context: bool = True) -> Iterator[Mesh]:
     """Makes ``mesh`` and ``rules`` current for :func:`constrain` (and JAX's mesh context).
 
     The context is read when a function is traced, so trace (first call of a
-    jitted function) inside it.
+    jitted function) inside it. ``jax_context=False`` leaves JAX's own mesh
+    context alone (:func:`constrain` names the mesh explicitly): under
+    ``jax.set_mesh``, jax 0.7-0.8 rejects the eager single-device ops Orbax runs
+    while saving sharded arrays.
     """
     token = _CURRENT.set(MeshContext(mesh, rules))
     try:
-        with _compat.set_mesh(mesh):
+        with _compat.set_mesh(mesh) if jax_context else contextlib.nullcontext():
             yield mesh
     finally:
         _CURRENT.reset(token)

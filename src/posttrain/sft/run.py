@@ -249,26 +249,25 @@ def run_sft(cfg: SFTConfig, *, trainer_class: type | None = None, on_built=None,
             log_dir=str(out / "tensorboard"), flush_every_n_steps=10),
         data_sharding_axis=(batch_axes,) if batch_axes else ("fsdp",),
     )
-    cls = trainer_class or SFTTrainer
-    with sharding.use_mesh(mesh):
-        trainer = cls(model, tx, training_config, mesh=mesh, learning_rate_fn=schedule,
-                      metrics_path=out / "metrics.jsonl", log_every=log_every)
-        params = sum(int(np.prod(x.shape)) for x in
-                     jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
-        trainable = sum(int(np.prod(x.shape)) for x in
-                        jax.tree.leaves(nnx.state(trainer.model, trainer._wrt)))
-        if log_every:
-            print(f"model {cfg.model}: {params:,} params, {trainable:,} trained; "
-                  f"{len(rows['input_tokens']):,} rows of {cfg.max_target_length}; global batch "
-                  f"{global_batch} x grad_accum {cfg.grad_accum}; Tunix convention "
-                  f"{trainer.convention.name}", flush=True)
-        if on_built is not None:
-            on_built(trainer)
-        (out / "run.json").write_text(json.dumps(
-            {**dataclasses.asdict(cfg), "global_batch": global_batch, "rows": len(
-                rows["input_tokens"]), "convention": trainer.convention.name,
-             "started": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
-        trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
+    cls = trainer_class or SFTTrainer  # its train() makes the mesh current
+    trainer = cls(model, tx, training_config, mesh=mesh, learning_rate_fn=schedule,
+                  metrics_path=out / "metrics.jsonl", log_every=log_every)
+    params = sum(int(np.prod(x.shape)) for x in
+                 jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
+    trainable = sum(int(np.prod(x.shape)) for x in
+                    jax.tree.leaves(nnx.state(trainer.model, trainer._wrt)))
+    if log_every:
+        print(f"model {cfg.model}: {params:,} params, {trainable:,} trained; "
+              f"{len(rows['input_tokens']):,} rows of {cfg.max_target_length}; global batch "
+              f"{global_batch} x grad_accum {cfg.grad_accum}; Tunix convention "
+              f"{trainer.convention.name}", flush=True)
+    if on_built is not None:
+        on_built(trainer)
+    (out / "run.json").write_text(json.dumps(
+        {**dataclasses.asdict(cfg), "global_batch": global_batch, "rows": len(
+            rows["input_tokens"]), "convention": trainer.convention.name,
+         "started": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
+    trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
     step = trainer.train_steps
     exported = _export(trainer, out, step)
     return SFTResult(trainer.history, out, step, exported, trainer.convention.name,

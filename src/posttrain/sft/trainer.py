@@ -51,8 +51,7 @@ class SFTTrainerMixin:
 
     Args (keyword-only, the rest go to ``PeftTrainer.__init__``):
       mesh: the mesh the model lives on; batches are placed on its data-parallel
-        axes (from ``rules``), and JAX's mesh must be set (``sharding.use_mesh``)
-        while ``train`` traces.
+        axes (from ``rules``); ``train`` makes it current for tracing.
       rules: logical-axis rules (default :data:`posttrain.sharding.DEFAULT_RULES`).
       moe_aux_loss_weight: weight of the MoE load-balancing loss (default: the
         model config's ``moe.router_aux_loss_coef``, 0 for dense models).
@@ -78,7 +77,7 @@ class SFTTrainerMixin:
                  metrics_path: str | os.PathLike | None = None,
                  log_every: int | None = None,
                  convention: tunix_compat.Convention | None = None, **kwargs):
-        self.convention = convention or tunix_compat.detect(type(self))
+        self.convention = convention or tunix_compat.detect(tunix_base(type(self)))
         super().__init__(model, optimizer, training_config, *args, **kwargs)
         self.mesh = mesh
         self.rules = rules
@@ -224,9 +223,27 @@ class SFTTrainerMixin:
             with open(self._metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def train(self, *args, **kwargs):
+        """Tunix's ``train`` with this trainer's mesh and rules current for tracing.
+
+        Only :mod:`posttrain.sharding`'s context is set, not JAX's mesh context:
+        Tunix saves checkpoints inside ``train`` and Orbax's eager per-shard copies
+        fail under ``jax.set_mesh`` on jax 0.7-0.8. Callers need no mesh context.
+        """
+        with sharding.use_mesh(self.mesh, self.rules, jax_context=False):
+            return super().train(*args, **kwargs)
+
     def close(self):
         self._flush()
         super().close()
+
+
+def tunix_base(cls: type) -> type:
+    """The first class in ``cls``'s MRO, past the SFT mixin, that defines ``train``."""
+    for klass in cls.__mro__:
+        if "train" in vars(klass) and not issubclass(klass, SFTTrainerMixin):
+            return klass
+    raise TypeError(f"{cls.__name__} has no Tunix PeftTrainer base")
 
 
 class OptimizerStateCheckpoints:
