@@ -98,6 +98,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="environment cache (default: $POSTTRAIN_MATRIX_CACHE or "
                         "~/.cache/posttrain-harness/envs)")
     matrix.add_argument("--entries", default=None, type=Path, help="entries file")
+    matrix.add_argument("--update", action="store_true",
+                        help="merge these rows into the existing report (other rows kept)")
     return parser
 
 
@@ -160,6 +162,8 @@ def run_matrix(args: argparse.Namespace) -> int:
     machine = (f"{platform.node()}, {os.cpu_count()} cores, Python "
                f"{platform.python_version()}, {len(rows)} entries in "
                f"{time.monotonic() - start:.0f} s")
+    if args.update:
+        rows = report.merge(args.report_dir, rows, [e.name for e in entries])
     built = report.build(rows, machine)
     paths = report.write(built, args.report_dir)
     print(report.markdown(built))

@@ -140,6 +140,16 @@ def html_page(report: dict[str, Any]) -> str:
             f"{''.join(body)}</table><h2>First failures</h2><ul>{fails}</ul>\n")
 
 
+def merge(report_dir: Path, rows: list[dict[str, Any]], order: list[str]
+          ) -> list[dict[str, Any]]:
+    """``rows`` replacing same-named rows of the report in ``report_dir``, in ``order``."""
+    path = report_dir / "compat-matrix.json"
+    old = json.loads(path.read_text())["entries"] if path.is_file() else []
+    by_name = {r["name"]: r for r in old} | {r["name"]: r for r in rows}
+    rank = {name: i for i, name in enumerate(order)}
+    return sorted(by_name.values(), key=lambda r: rank.get(r["name"], len(rank)))
+
+
 def build(rows: list[dict[str, Any]], machine: str) -> dict[str, Any]:
     return {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "machine": machine, "entries": rows, "columns": columns(rows),

@@ -515,3 +515,15 @@ def test_peft_adapter_on_transformers_matches_native_lora(tmp_path, family, scan
     assert parity.mean_kl <= PEFT_MAX_KL, parity.line()
     base_parity = compare(out.logits.float().numpy(), native_logits(base, tokens, mask), mask)
     assert base_parity.mean_kl > 100 * PEFT_MAX_KL, "the adapter should change the logits"
+
+
+def test_iter_adapters_skips_non_string_attribute_keys(monkeypatch):
+    """flax 0.12.0's nnx.List keeps items under int keys (found by the matrix, tunix-0.1.1)."""
+    import types
+
+    from posttrain.lora import layout
+
+    list_like = types.SimpleNamespace()
+    vars(list_like)[0] = "an item"  # what vars(nnx.List) holds in flax 0.12.0
+    monkeypatch.setattr(layout._compat, "iter_modules", lambda model: [(("layers",), list_like)])
+    assert list(layout.iter_adapters(object())) == []

@@ -137,3 +137,12 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     assert "| v3 | bound2 | jax 0.10.2 | cached 1 s | FAIL | ERROR | FAIL |" in md
     assert json.loads(js)["columns"] == ["A", "B", "sft"]
     assert "<b>v3</b>" in page and "boom in v3" in page
+
+
+def test_update_merges_rerun_rows_into_the_report_in_entry_order(tmp_path):
+    report.write(report.build([row("v1", "current", {"A": "pass"}),
+                               row("v2", "current", {"A": "fail"})], "m"), tmp_path)
+    merged = report.merge(tmp_path, [row("v2", "current", {"A": "pass"}),
+                                     row("v0", "current", {"A": "pass"})], ["v0", "v1", "v2"])
+    assert [r["name"] for r in merged] == ["v0", "v1", "v2"]
+    assert merged[2]["contracts"]["A"]["status"] == "pass"

@@ -152,7 +152,9 @@ def iter_adapters(model: nnx.Module) -> Iterator[Adapter]:
     for path, module in _compat.iter_modules(model):
         names = vars(module)
         for name, a_var in names.items():
-            if not (name.endswith(LORA_A) and isinstance(a_var, nnx.LoRAParam)):
+            # str check: list-like modules (nnx.List in flax 0.12.0) have int attribute keys.
+            if not (isinstance(name, str) and name.endswith(LORA_A)
+                    and isinstance(a_var, nnx.LoRAParam)):
                 continue
             weight = name[: -len(LORA_A)]
             b_var, w = names[weight + LORA_B], names[weight]

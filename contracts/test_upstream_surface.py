@@ -1,0 +1,184 @@
+"""Contracts on the upstream surface posttrain uses: Tunix, Qwix, Flax NNX, Orbax.
+
+Each test names the symbol it pins (``contract`` marker), so that a rename or a
+changed behaviour in a new release is one readable failing cell in the matrix,
+not an AttributeError deep inside training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from posttrain import _compat, sharding
+
+
+# --- Tunix -----------------------------------------------------------------------------
+@pytest.mark.contract("tunix.sft.peft_trainer.TrainingConfig")
+def test_tunix_training_config_has_the_fields_we_set():
+    peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
+    fields = {f.name for f in dataclasses.fields(peft_trainer.TrainingConfig)}
+    used = {"eval_every_n_steps", "max_steps", "gradient_accumulation_steps",
+            "checkpoint_root_directory", "checkpointing_options", "metrics_logging_options",
+            "data_sharding_axis"}
+    assert used <= fields, sorted(used - fields)
+    config = peft_trainer.TrainingConfig(eval_every_n_steps=2)
+    assert config.get_with_default("gradient_accumulation_steps", 1) == 1
+
+
+@pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer")
+def test_tunix_peft_trainer_methods_we_call_or_override():
+    peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
+    cls = peft_trainer.PeftTrainer
+    for name in ("train", "jit_train_and_eval_step", "create_train_step_fn",
+                 "create_eval_step_fn", "_prepare_inputs", "_post_process_train_step",
+                 "close", "with_loss_fn", "with_gen_model_input_fn", "train_steps"):
+        assert hasattr(cls, name), name
+    assert tuple(inspect.signature(cls.__init__).parameters)[1:4] == (
+        "model", "optimizer", "training_config")
+    for name in ("_prepare_inputs", "_post_process_train_step"):
+        assert len(inspect.signature(getattr(cls, name)).parameters) == 2, name
+
+
+@pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.__init__")
+def test_tunix_trainer_state_we_read_and_lora_detection(tmp_path):
+    peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    trainer = peft_trainer.PeftTrainer(
+        model, optax.sgd(0.1), peft_trainer.TrainingConfig(eval_every_n_steps=2))
+    for name in ("model", "optimizer", "config", "checkpoint_manager", "_lora_enabled",
+                 "_train_steps", "_iter_steps", "loss_fn", "eval_loss_fn",
+                 "gen_model_input_fn", "_has_aux"):
+        assert hasattr(trainer, name), name
+    assert trainer._lora_enabled is False and trainer.train_steps == 0
+    assert trainer.with_loss_fn(lambda m, **kw: 0.0, has_aux=True) is trainer
+
+
+@pytest.mark.contract("tunix.sft.checkpoint_manager.CheckpointManager")
+def test_tunix_checkpoint_manager_surface():
+    checkpoint_manager = pytest.importorskip("tunix.sft.checkpoint_manager")
+    cls = checkpoint_manager.CheckpointManager
+    assert tuple(inspect.signature(cls.__init__).parameters)[1:3] == (
+        "root_directory", "options")
+    for name in ("save", "maybe_restore", "latest_step", "close"):
+        assert hasattr(cls, name), name
+    save = tuple(inspect.signature(cls.save).parameters)
+    assert save[1:3] == ("step", "model") and "save_only_lora_params" in save
+
+
+@pytest.mark.contract("tunix.sft.metrics_logger.MetricsLoggerOptions")
+def test_tunix_metrics_logger_options():
+    metrics_logger = pytest.importorskip("tunix.sft.metrics_logger")
+    options = metrics_logger.MetricsLoggerOptions(log_dir="/tmp/x", flush_every_n_steps=3)
+    assert options.log_dir == "/tmp/x" and options.flush_every_n_steps == 3
+
+
+# --- Qwix ------------------------------------------------------------------------------
+@pytest.mark.contract("qwix.LoraRule / qwix.apply_lora_to_model")
+def test_qwix_lora_creates_lora_params_on_the_targeted_module():
+    qwix = pytest.importorskip("qwix")
+    rule = inspect.signature(qwix.LoraRule).parameters
+    assert {"module_path", "rank", "alpha", "weight_qtype", "tile_size"} <= set(rule)
+
+    class Tiny(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(8, 4, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    provider = qwix.LoraProvider([qwix.LoraRule(module_path="a", rank=2, alpha=2.0)])
+    kwargs = ({"rngs": nnx.Rngs(0)} if _compat.qwix_takes_rngs(qwix.apply_lora_to_model)
+              else {})
+    model = qwix.apply_lora_to_model(Tiny(), provider, jnp.ones((2, 8)), **kwargs)
+    lora = {"/".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
+    assert sorted(lora) == ["a/kernel_lora_a", "a/kernel_lora_b"], sorted(lora)
+    shapes = {k: _compat.variable_value(v).shape for k, v in lora.items()}
+    assert shapes == {"a/kernel_lora_a": (8, 2), "a/kernel_lora_b": (2, 8)}
+
+
+@pytest.mark.contract("qwix QLoRA weight_qtype")
+def test_qwix_qlora_weight_types_we_offer():
+    qwix = pytest.importorskip("qwix")
+    from posttrain.lora.config import WEIGHT_QTYPES
+
+    x = jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32).reshape(8, 8)
+    for qtype in WEIGHT_QTYPES:
+        q = qwix.quantize(x, qtype)
+        back = qwix.dequantize(q)
+        assert back.shape == x.shape and float(jnp.abs(back - x).max()) < 0.25, qtype
+
+
+# --- Flax NNX --------------------------------------------------------------------------
+@pytest.mark.contract("flax.nnx split/merge/Optimizer(wrt=)/LoRAParam")
+def test_nnx_split_merge_and_optimizer_wrt_lora_only():
+    class WithLora(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((3, 3)))
+            self.lora = nnx.LoRAParam(jnp.zeros((3, 3)))
+
+    assert issubclass(nnx.LoRAParam, nnx.Param)
+    model = WithLora()
+    graphdef, lora, rest = nnx.split(model, nnx.LoRAParam, ...)
+    assert len(jax.tree.leaves(lora)) == 1 and len(jax.tree.leaves(rest)) == 1
+    merged = nnx.merge(graphdef, lora, rest)
+    assert np.array_equal(np.asarray(merged.w[...]), np.ones((3, 3)))
+    optimizer = nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.LoRAParam)
+    grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.LoRAParam))
+    optimizer.update(model, grads)
+    assert np.array_equal(np.asarray(model.lora[...]), -np.ones((3, 3)))
+    assert np.array_equal(np.asarray(model.w[...]), np.ones((3, 3)))
+
+
+@pytest.mark.contract("flax.nnx.cond / nnx.jit donate_argnames")
+def test_nnx_cond_mutates_graph_state_inside_a_donating_jit():
+    class Counter(nnx.Module):
+        def __init__(self):
+            self.n = nnx.Variable(jnp.zeros((), jnp.float32))
+
+    def step(optimizer, flag):
+        def bump(c):
+            c.n[...] = c.n[...] + 1.0
+            return jnp.ones(())
+
+        def keep(c):
+            return jnp.zeros(())
+
+        return nnx.cond(flag, bump, keep, optimizer)
+
+    counter = Counter()
+    jitted = nnx.jit(step, donate_argnames=("optimizer",))
+    for flag in (False, True, True, False):
+        jitted(counter, jnp.array(flag))
+    assert float(counter.n[...]) == 2.0
+
+
+# --- Orbax -----------------------------------------------------------------------------
+@pytest.mark.contract("orbax.checkpoint PyTreeSave/PyTreeRestore of sharded NNX state")
+def test_orbax_round_trip_keeps_values_and_shardings(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    mesh = sharding.make_mesh({"fsdp": jax.device_count()})
+    spec = jax.sharding.PartitionSpec("fsdp")
+    model = nnx.Linear(jax.device_count() * 2, 3, rngs=nnx.Rngs(0))
+    state = nnx.state(model)
+    state = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
+        mesh, spec if x.ndim == 2 else jax.sharding.PartitionSpec())), state)
+    manager = ocp.CheckpointManager(tmp_path / "ckpt",
+                                    options=ocp.CheckpointManagerOptions(create=True))
+    manager.save(1, args=ocp.args.PyTreeSave(state))
+    manager.wait_until_finished()
+    target = jax.tree.map(jnp.zeros_like, state)
+    restored = manager.restore(1, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target=target)))
+    manager.close()
+    for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.sharding.is_equivalent_to(want.sharding, want.ndim)
