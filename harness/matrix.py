@@ -261,13 +261,23 @@ def junit_cells(path: Path) -> dict[str, dict[str, str]]:
             node = case.find(tag)
             if node is not None:
                 status = state
-                text = (node.get("message") or node.text or "").strip()
-                message = text.splitlines()[0][:300] if text else tag
+                message = _cell_message(node, tag)
                 break
         old = cells.get(name)
         if old is None or rank[status] > rank[old["status"]]:
             cells[name] = {"status": status, "message": message}
     return cells
+
+
+def _cell_message(node: ET.Element, tag: str) -> str:
+    """The first error line: JUnit's message, or for a bare one ("collection failure")
+    the last ``E   ...`` line of the traceback."""
+    message = (node.get("message") or "").strip()
+    lines = [line[1:].strip() for line in (node.text or "").splitlines()
+             if line.startswith("E ")]
+    if lines and (not message or message in ("collection failure", "failed on setup")):
+        message = f"{message}: {lines[-1]}" if message else lines[-1]
+    return message.splitlines()[0][:300] if message else tag
 
 
 def run_entry(entry: Entry, env: EnvResult, report_dir: Path, jobs: str,

@@ -101,12 +101,17 @@ def test_junit_cells_group_by_contract_and_keep_the_worst(tmp_path):
         <property name="contract" value="tunix.X"/></properties>
         <failure message="AssertionError: 2 != 3">long traceback</failure></testcase>
       <testcase classname="c" name="test_c[p]"><skipped message="no tunix"/></testcase>
+      <testcase classname="" name="contracts.test_d"><error message="collection failure">x.py:16
+E   DeprecationWarning: old
+E   ImportError: cannot import name 'List'</error></testcase>
     </testsuite></testsuites>"""
     path = tmp_path / "junit.xml"
     path.write_text(xml)
     cells = matrix.junit_cells(path)
     assert cells == {"tunix.X": {"status": "fail", "message": "AssertionError: 2 != 3"},
-                     "test_c": {"status": "skip", "message": "no tunix"}}
+                     "test_c": {"status": "skip", "message": "no tunix"},
+                     "contracts.test_d": {"status": "error", "message": "collection failure: "
+                                          "ImportError: cannot import name 'List'"}}
 
 
 def row(name, flavour, cells, sft="pass"):
