@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -160,9 +161,16 @@ def _run(command: Sequence[str], env: dict[str, str] | None = None) -> subproces
     return subprocess.run(list(command), capture_output=True, text=True, env=env, check=False)
 
 
+_EXCEPTION = re.compile(r"^(posttrain: error: |[A-Za-z_][\w.]*(Error|Exception|Exit)\b:?)")
+
+
 def _first_error(text: str) -> str:
-    """The most telling line of a failed command's output (``error:`` lines first)."""
+    """The most telling line of a failed command's output: the last exception line of a
+    traceback (or ``posttrain: error:``), else ``error:`` lines with uv's reason."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _EXCEPTION.match(line):
+            return line[:300]
     for marker in ("error:", "Error:", "ERROR", "Traceback"):
         hits = [i for i, line in enumerate(lines) if marker in line]
         if hits and marker == "Traceback":

@@ -151,3 +151,14 @@ def test_update_merges_rerun_rows_into_the_report_in_entry_order(tmp_path):
                                      row("v0", "current", {"A": "pass"})], ["v0", "v1", "v2"])
     assert [r["name"] for r in merged] == ["v0", "v1", "v2"]
     assert merged[2]["contracts"]["A"]["status"] == "pass"
+
+
+def test_first_error_prefers_the_exception_line_over_progress_noise():
+    noisy = ("Training: 75%| WARNING:absl:Path x could not be identified. Got error: Expected\n"
+             "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+             "AttributeError: 'int' object has no attribute 'endswith'\n")
+    assert matrix._first_error(noisy) == "AttributeError: 'int' object has no attribute 'endswith'"
+    uv = ("error: No solution found when resolving dependencies\n"
+          "  cause: Because there is no version of google-tunix==0.0.0\n")
+    assert matrix._first_error(uv) == ("error: No solution found when resolving dependencies "
+                                       "Because there is no version of google-tunix==0.0.0")
