@@ -107,14 +107,49 @@ def test_qwix_lora_creates_lora_params_on_the_targeted_module():
 
 @pytest.mark.contract("qwix QLoRA weight_qtype")
 def test_qwix_qlora_weight_types_we_offer():
-    qwix = pytest.importorskip("qwix")
+    """Each offered type round-trips through Qwix's quantiser as ``apply_lora`` calls it
+    (``qwix.quantize`` from qwix 0.1.4, the internal ``qarray.quantize`` before, via
+    ``_compat``), per channel and in tiles."""
+    pytest.importorskip("qwix")
+    from qwix._src.core.qarray import HowToQuantize
+
     from posttrain.lora.config import WEIGHT_QTYPES
 
-    x = jnp.linspace(-1.0, 1.0, 64, dtype=jnp.float32).reshape(8, 8)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)), jnp.float32)
     for qtype in WEIGHT_QTYPES:
-        q = qwix.quantize(x, qtype)
-        back = qwix.dequantize(q)
-        assert back.shape == x.shape and float(jnp.abs(back - x).max()) < 0.25, qtype
+        for tiled_axes in ({}, {0: 4}):  # qwix 0.1.0 has no defaults for the last two
+            how = HowToQuantize(qtype=qtype, channelwise_axes=(1,), tiled_axes=tiled_axes,
+                                calibration_method="absmax")
+            back = _compat.qwix_dequantize(_compat.qwix_quantize(x, how))
+            # 4-bit types: half a level step over [-absmax, absmax] per channel; NF4's
+            # outer step is 0.28 of absmax (Dettmers et al. 2023, QLoRA, appendix E).
+            absmax = jnp.abs(x).max(axis=0)
+            assert back.shape == x.shape and bool((jnp.abs(back - x) <= 0.15 * absmax).all()), \
+                (qtype, how.tiled_axes, float(jnp.abs(back - x).max()))
+
+
+@pytest.mark.contract("qwix QLoRA weight_qtype")
+def test_qwix_qlora_applies_to_our_model():
+    """``apply_lora(weight_qtype=...)``: Qwix quantises every adapted base weight of a
+    tiny model and adds adapters; the dequantised weights are the float ones and the
+    model's logits are near the float model's (B = 0)."""
+    pytest.importorskip("qwix")
+    from posttrain.lora import LoraConfig, apply_lora, base_weights
+    from posttrain.models import build_model, flat_params, get_config
+
+    mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+    base = build_model(get_config("qwen3-tiny"), mesh)
+    want = flat_params(base)
+    model = apply_lora(base, mesh, LoraConfig(rank=2, alpha=4.0, weight_qtype="int8"))
+    assert [p for p, _ in nnx.to_flat_state(nnx.state(model)) if "qvalue" in p]
+    got = {".".join(map(str, p)): np.asarray(v) for p, v in base_weights(model).items()}
+    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
+    for key, w in want.items():  # int8 per channel: half a step is absmax / 254
+        np.testing.assert_allclose(got[key], w, atol=np.abs(w).max() / 200, err_msg=key)
+    tokens = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    with sharding.use_mesh(mesh):
+        logits, quantised_logits = (np.asarray(m(tokens)[0]) for m in (base, model))
+    np.testing.assert_allclose(quantised_logits, logits, atol=0.05 * np.abs(logits).max())
 
 
 # --- Flax NNX --------------------------------------------------------------------------

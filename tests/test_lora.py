@@ -29,7 +29,7 @@ import safetensors.numpy
 from flax import nnx
 from hypothesis import given, settings
 
-from posttrain import sharding
+from posttrain import _compat, sharding
 from posttrain.conversion.rows import expand
 from posttrain.conversion.tables import TABLES
 from posttrain.conversion.transforms import REGISTRY
@@ -45,7 +45,7 @@ from posttrain.lora import (
     save_adapter,
     unmerge_lora,
 )
-from posttrain.models import CausalLM, flat_params, get_config
+from posttrain.models import PRESETS, CausalLM, flat_params, get_config
 from tests.strategies import ALL_AXES, mesh_id, meshes, presets_and_meshes
 
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -151,6 +151,19 @@ def check_apply(preset: str, scan: bool, mesh_shape: dict[str, int], dummy_rule=
 
 
 # --- config -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", sorted(p for p in PRESETS if p.endswith("-tiny")))
+def test_only_variables_have_a_shape(preset):
+    """Qwix <= 0.1.4 (``flax_util.find_param``) takes every module attribute with a
+    ``shape`` as a param and reads ``.value``: a ``numpy.dtype`` attribute (``shape == ()``)
+    broke LoRA there (tunix-0.1.4-era). Only ``nnx.Variable``s may have a shape."""
+    model = nnx.eval_shape(lambda: CausalLM(get_config(preset), rngs=nnx.Rngs(0)))
+    offenders = [f"{type(module).__name__}.{name} ({type(value).__name__})"
+                 for _, module in _compat.iter_modules(model)
+                 for name, value in vars(module).items()
+                 if hasattr(value, "shape") and not isinstance(value, nnx.Variable)]
+    assert not offenders, offenders
 
 
 @pytest.mark.parametrize(

@@ -43,7 +43,7 @@ def tokens_for(cfg, batch=BATCH, seq=SEQ, seed=0):
                        dtype=jnp.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_logits(name: str) -> np.ndarray:
     cfg = get_config(name)
     model = build_model(cfg)

@@ -85,3 +85,72 @@ def global_norm(tree) -> jax.Array:
     if tree_api is not None and hasattr(tree_api, "norm"):
         return tree_api.norm(tree)
     return optax.global_norm(tree)
+
+
+def module_dtype(name) -> type:
+    """The JAX scalar type (``jnp.float32``, ``jnp.bfloat16``, ...) for a dtype name or dtype.
+
+    Modules keep their compute/param dtypes as these scalar types, as Flax's own
+    layers do, never as ``numpy.dtype`` instances: Qwix <= 0.1.4's
+    ``flax_util.find_param`` takes every module attribute with a ``shape`` as a
+    param and reads its ``.value``; a ``numpy.dtype`` has ``shape == ()``, so
+    LoRA's einsum interception raised ``AttributeError: 'numpy.dtypes.Float32DType'
+    object has no attribute 'value'`` (found by the matrix, tunix-0.1.4-era).
+
+    Raises:
+        TypeError: ``name`` is not a dtype JAX knows.
+    """
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(name)
+    scalar = getattr(jnp, dtype.name, None)
+    if scalar is None:
+        raise TypeError(f"dtype {name!r} has no jax.numpy scalar type")
+    return scalar
+
+
+def qwix_quantize(x: jax.Array, how):
+    """Quantises ``x`` per Qwix's ``HowToQuantize`` ``how`` into a ``QArray``.
+
+    ``qwix.quantize`` is public from qwix 0.1.4 (``qarray.quantize_api``); before,
+    only the internal ``qwix._src.core.qarray.quantize(array, how)`` exists
+    (qwix 0.1.0-0.1.3, the era pins of Tunix 0.1.0-0.1.3).
+    """
+    import qwix
+
+    if hasattr(qwix, "quantize"):
+        return qwix.quantize(x, how.qtype, channelwise_axes=how.channelwise_axes,
+                             tiled_axes=how.tiled_axes,
+                             calibration_method=how.calibration_method)
+    from qwix._src.core import qarray
+
+    return qarray.quantize(x, how)
+
+
+def qwix_dequantize(q) -> jax.Array:
+    """``qwix.dequantize`` (qwix >= 0.1.4), else ``qwix._src.core.qarray.dequantize``."""
+    import qwix
+
+    if hasattr(qwix, "dequantize"):
+        return qwix.dequantize(q)
+    from qwix._src.core import qarray
+
+    return qarray.dequantize(q)
+
+
+def quantised_weight(weight):
+    """A QLoRA weight (Qwix ``WithAux`` over a ``QArray`` of ``nnx.Param``) for an einsum.
+
+    qwix <= 0.1.5's ``core.einsum`` hands a ``QArray``'s qvalue to ``jnp.einsum`` and
+    finds it again by ``id`` in its ``dot_general``; with the qvalue still an
+    ``nnx.Param`` (flax >= 0.12), ``jnp.einsum`` converts it to a new array and Qwix
+    fails with "All qvalues should be consumed". There the leaves are unboxed into a
+    new wrapper. qwix >= 0.1.6 (opt_einsum contraction) takes the wrapper as is and
+    needs it to be the module's own object (it finds the weight by identity).
+    """
+    from qwix._src.core import einsum as qwix_einsum
+
+    if not hasattr(qwix_einsum, "opt_einsum"):  # qwix <= 0.1.5
+        return jax.tree.map(lambda v: v[...] if isinstance(v, nnx.Variable) else v, weight,
+                            is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return weight

@@ -322,7 +322,8 @@ def state_shardings(
         spec = PartitionSpec()
         if axes is not None:
             try:
-                spec = logical_to_spec(axes, np.shape(_compat.variable_value(variable)), mesh_shape, rules)
+                shape = np.shape(_compat.variable_value(variable))
+                spec = logical_to_spec(axes, shape, mesh_shape, rules)
             except ValueError as e:
                 name = ".".join(str(getattr(k, "key", k)) for k in path)
                 raise ValueError(f"{name}: {e}") from None

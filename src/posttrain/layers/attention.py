@@ -125,8 +125,10 @@ class Attention(nnx.Module):
         if cfg.v_norm:
             v = rms_normalize(v, self.norm_eps).astype(self.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q = sharding.constrain(q, ("activation_batch", "activation_length", "activation_heads", None))
-        k = sharding.constrain(k, ("activation_batch", "activation_length", "activation_kv_heads", None))
+        q = sharding.constrain(q, ("activation_batch", "activation_length", "activation_heads",
+                                   None))
+        k = sharding.constrain(k, ("activation_batch", "activation_length", "activation_kv_heads",
+                                   None))
 
         q = q.reshape(batch, seq, cfg.num_kv_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
         logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
@@ -142,6 +144,7 @@ class Attention(nnx.Module):
             probs = probs[..., :seq]  # [B, K, G, T, S]: rows sum to < 1
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32)).astype(self.dtype)
         out = out.reshape(batch, seq, cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
-        out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads", None))
+        out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads",
+                                       None))
         return self.o_proj(out)
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain import sharding
+from posttrain import _compat, sharding
 
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 
@@ -25,7 +25,7 @@ def kernel_value(kernel, dtype):
     already in ``dtype`` is not cast. So QLoRA needs ``dtype == param_dtype``.
     """
     if not isinstance(kernel, nnx.Variable):
-        return kernel
+        return _compat.quantised_weight(kernel)
     value = kernel[...]
     return value if value.dtype == dtype else value.astype(dtype)
 
@@ -72,7 +72,8 @@ class Linear(nnx.Module):
     def __init__(self, in_dim: int, out_dim: int, axes, *, use_bias: bool = False,
                  rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         self.dtype = dtype
-        self.kernel = sharding.param(rngs, _KERNEL_INIT, (in_dim, out_dim), tuple(axes), param_dtype)
+        self.kernel = sharding.param(rngs, _KERNEL_INIT, (in_dim, out_dim), tuple(axes),
+                                     param_dtype)
         self.bias = (
             sharding.param(rngs, nnx.initializers.zeros, (out_dim,), (axes[1],), param_dtype)
             if use_bias else None
@@ -104,5 +105,6 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         hidden = gated_activation(self.gate_proj(x), self.up_proj(x), self.activation,
                                   alpha=self.alpha, limit=self.limit)
-        hidden = sharding.constrain(hidden, ("activation_batch", "activation_length", "activation_mlp"))
+        hidden = sharding.constrain(hidden,
+                                    ("activation_batch", "activation_length", "activation_mlp"))
         return self.down_proj(hidden)

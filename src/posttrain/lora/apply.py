@@ -168,9 +168,7 @@ def _quantised_values(abstract, base_flat, kernels, mesh, rules) -> dict:
             how, stacked = hows[kernel_path]
 
             def one(x, how=how):
-                return qwix.quantize(x, how.qtype, channelwise_axes=how.channelwise_axes,
-                                     tiled_axes=how.tiled_axes,
-                                     calibration_method=how.calibration_method)
+                return _compat.qwix_quantize(x, how)
 
             q = jax.vmap(one)(w) if stacked else one(w)  # per layer, as in the scan body
             for path in kernels[kernel_path]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import qwix
 from flax import nnx
 
 from posttrain import _compat
@@ -65,7 +64,7 @@ def base_weights(model: nnx.Module) -> dict[tuple, jax.Array]:
         qarray = layout.walk(model, path).array
         values = jax.tree.map(_compat.variable_value, qarray,
                               is_leaf=lambda x: isinstance(x, nnx.Variable))
-        out[path] = qwix.dequantize(values)
+        out[path] = _compat.qwix_dequantize(values)
     return out
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain import sharding
+from posttrain import _compat, sharding
 from posttrain.config import ModelConfig
 from posttrain.layers.mlp import Linear
 from posttrain.models.decoder import Decoder
@@ -34,7 +34,8 @@ class CausalLM(nnx.Module):
         self.model = Decoder(cfg, rngs=rngs)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.d_model, cfg.vocab_size, ("embed", "vocab"), rngs=rngs,
-            dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype))
+            dtype=_compat.module_dtype(cfg.dtype),
+            param_dtype=_compat.module_dtype(cfg.param_dtype))
 
     def forward(
         self,

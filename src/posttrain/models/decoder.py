@@ -125,7 +125,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        dtype, param_dtype = _compat.module_dtype(cfg.dtype), _compat.module_dtype(cfg.param_dtype)
         self.embed_tokens = Embed(cfg.vocab_size, cfg.d_model, scale_by_sqrt_dim=cfg.embed_scale,
                                   rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         period = cfg.layer_period

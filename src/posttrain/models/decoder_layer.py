@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain import sharding
+from posttrain import _compat, sharding
 from posttrain.config import ModelConfig
 from posttrain.layers.attention import Attention
 from posttrain.layers.mlp import MLP
@@ -36,7 +36,7 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_type: str, *, rngs: nnx.Rngs):
-        dtype, param_dtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        dtype, param_dtype = _compat.module_dtype(cfg.dtype), _compat.module_dtype(cfg.param_dtype)
         self.sandwich = cfg.sandwich_norm
         self.has_dense_and_moe = cfg.dense_mlp_with_moe
 

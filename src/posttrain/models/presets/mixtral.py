@@ -1,4 +1,5 @@
-"""Mixtral (HF ``MixtralForCausalLM``): Llama attention, softmax router, top-k always renormalised."""
+"""Mixtral (HF ``MixtralForCausalLM``): Llama attention, softmax router, top-k always
+renormalised."""
 
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 
