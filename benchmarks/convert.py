@@ -46,12 +46,19 @@ def _config(args):
     import dataclasses
 
     return cfg.replace(
-        vocab_size=32_000, d_model=args.d_model, num_layers=args.layers,
+        vocab_size=32_000,
+        d_model=args.d_model,
+        num_layers=args.layers,
         layer_types=("full",) * args.layers,
-        attention={"full": dataclasses.replace(attn, num_heads=16, num_kv_heads=4,
-                                               head_dim=args.d_model // 16)},
+        attention={
+            "full": dataclasses.replace(
+                attn, num_heads=16, num_kv_heads=4, head_dim=args.d_model // 16
+            )
+        },
         moe=dataclasses.replace(cfg.moe, num_experts=args.experts, moe_d_ff=args.moe_d_ff),
-        dtype="bfloat16", param_dtype="bfloat16")
+        dtype="bfloat16",
+        param_dtype="bfloat16",
+    )
 
 
 def generate(args) -> None:
@@ -59,16 +66,20 @@ def generate(args) -> None:
     from posttrain.conversion import safetensors_io as sio
 
     cfg = _config(args)
-    infos = {k: sio.OutputSpec(k, "BF16", tuple(v.shape))
-             for k, v in conversion.abstract_params(cfg).items()}
+    infos = {
+        k: sio.OutputSpec(k, "BF16", tuple(v.shape))
+        for k, v in conversion.abstract_params(cfg).items()
+    }
     plan = conversion.plan_to_hf(conversion.NativeMeta(cfg), infos, layout="hub")
     src = pathlib.Path(args.dir) / "hf"
     src.mkdir(parents=True)
     writer = sio.CheckpointWriter(src, "model", plan.outputs, args.shard_mb << 20)
     rng = np.random.default_rng(0)
     for spec in plan.outputs:
-        writer.write(spec.name, (0.02 * rng.standard_normal(spec.shape, np.float32)).astype(
-            sio.DTYPES["BF16"]))
+        writer.write(
+            spec.name,
+            (0.02 * rng.standard_normal(spec.shape, np.float32)).astype(sio.DTYPES["BF16"]),
+        )
     writer.finish()
     (src / "config.json").write_text(json.dumps(conversion.to_hf_config(cfg)))
 
@@ -105,8 +116,7 @@ def phase(name: str, root: pathlib.Path) -> None:
     started = time.perf_counter()
     if name == "baseline":
         with sio.CheckpointReader(src) as reader:
-            conversion.plan_to_native(json.loads((src / "config.json").read_text()),
-                                      reader.tensors)
+            conversion.plan_to_native(json.loads((src / "config.json").read_text()), reader.tensors)
     elif name in ("copy", "copy_fsync"):
         (root / name).mkdir()
         for f in src.iterdir():
@@ -115,20 +125,31 @@ def phase(name: str, root: pathlib.Path) -> None:
                 with open(root / name / f.name, "rb+") as out:
                     os.fsync(out.fileno())
     elif name in ("to_native", "to_native_nofsync"):
-        conversion.convert_hf_to_native(src, root / name, max_shard_bytes=1 << 30,
-                                        fsync=name == "to_native")
+        conversion.convert_hf_to_native(
+            src, root / name, max_shard_bytes=1 << 30, fsync=name == "to_native"
+        )
     elif name == "to_native_scan":
-        conversion.convert_hf_to_native(src, root / "native_scan", scan_layers=True,
-                                        max_shard_bytes=1 << 30)
+        conversion.convert_hf_to_native(
+            src, root / "native_scan", scan_layers=True, max_shard_bytes=1 << 30
+        )
     elif name == "to_hf":
-        conversion.convert_native_to_hf(root / "to_native", root / "back",
-                                        max_shard_bytes=500 << 20)
+        conversion.convert_native_to_hf(
+            root / "to_native", root / "back", max_shard_bytes=500 << 20
+        )
     seconds = time.perf_counter() - started
     sampler.running = False
     sampler.join()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"phase": name, "seconds": seconds, "peak_rss": peak,
-                      "growth": sampler.peak - sampler.start_rss}))
+    print(
+        json.dumps(
+            {
+                "phase": name,
+                "seconds": seconds,
+                "peak_rss": peak,
+                "growth": sampler.peak - sampler.start_rss,
+            }
+        )
+    )
 
 
 def _largest(directory: pathlib.Path, stem: str) -> tuple[int, int, int]:
@@ -159,34 +180,55 @@ def main() -> None:
     t0 = time.perf_counter()
     generate(args)
     largest_in, total, shards = _largest(root / "hf", "model")
-    print(f"generated {total / 1e9:.2f} GB in {shards} shards, largest tensor "
-          f"{largest_in / 1e6:.1f} MB ({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"generated {total / 1e9:.2f} GB in {shards} shards, largest tensor "
+        f"{largest_in / 1e6:.1f} MB ({time.perf_counter() - t0:.0f} s)"
+    )
     results = {}
     try:
-        for name in ("baseline", "copy", "copy_fsync", "to_native", "to_native_nofsync",
-                     "to_native_scan", "to_hf"):
-            out = subprocess.run([sys.executable, __file__, "--dir", str(root), "--phase", name],
-                                 check=True, capture_output=True, text=True).stdout
+        for name in (
+            "baseline",
+            "copy",
+            "copy_fsync",
+            "to_native",
+            "to_native_nofsync",
+            "to_native_scan",
+            "to_hf",
+        ):
+            out = subprocess.run(
+                [sys.executable, __file__, "--dir", str(root), "--phase", name],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             results[name] = json.loads(out.strip().splitlines()[-1])
         base = results["baseline"]["peak_rss"]
-        largest = {"to_native": _largest(root / "to_native", "params")[0],
-                   "to_native_nofsync": _largest(root / "to_native", "params")[0],
-                   "to_native_scan": _largest(root / "native_scan", "params")[0],
-                   "to_hf": largest_in, "copy": largest_in, "copy_fsync": largest_in,
-                   "baseline": largest_in}
+        largest = {
+            "to_native": _largest(root / "to_native", "params")[0],
+            "to_native_nofsync": _largest(root / "to_native", "params")[0],
+            "to_native_scan": _largest(root / "native_scan", "params")[0],
+            "to_hf": largest_in,
+            "copy": largest_in,
+            "copy_fsync": largest_in,
+            "baseline": largest_in,
+        }
         copy_rate = total / results["copy_fsync"]["seconds"]
         for name, r in results.items():
             if name == "baseline":
-                print(f"baseline (import + plan) {r['seconds']:.1f} s, peak RSS "
-                      f"{r['peak_rss'] / 1e6:.0f} MB")
+                print(
+                    f"baseline (import + plan) {r['seconds']:.1f} s, peak RSS "
+                    f"{r['peak_rss'] / 1e6:.0f} MB"
+                )
                 continue
             rate = total / r["seconds"]
             big = max(largest[name], largest_in)
-            print(f"{name:17s} {r['seconds']:5.1f} s {rate / 1e6:5.0f} MB/s "
-                  f"({copy_rate / rate:3.1f}x copy+fsync time); peak RSS "
-                  f"{r['peak_rss'] / 1e6:4.0f} MB (baseline {base / 1e6:.0f}); growth while "
-                  f"converting {r['growth'] / 1e6:4.0f} MB = {r['growth'] / big:4.2f} x largest "
-                  f"tensor ({big / 1e6:.0f} MB)")
+            print(
+                f"{name:17s} {r['seconds']:5.1f} s {rate / 1e6:5.0f} MB/s "
+                f"({copy_rate / rate:3.1f}x copy+fsync time); peak RSS "
+                f"{r['peak_rss'] / 1e6:4.0f} MB (baseline {base / 1e6:.0f}); growth while "
+                f"converting {r['growth'] / 1e6:4.0f} MB = {r['growth'] / big:4.2f} x largest "
+                f"tensor ({big / 1e6:.0f} MB)"
+            )
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

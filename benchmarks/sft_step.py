@@ -38,8 +38,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.devices != "real":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={args.devices}"
+        )
 
     import jax
     import numpy as np
@@ -53,8 +55,9 @@ def main(argv=None) -> int:
 
     mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
     batch_size = args.per_device_batch_size * sharding.data_parallel_size(mesh)
-    examples = data.encode_dataset(default_data.pydoc_conversations(), tokenizer.byte_tokenizer(),
-                                   args.seq)
+    examples = data.encode_dataset(
+        default_data.pydoc_conversations(), tokenizer.byte_tokenizer(), args.seq
+    )
     rows = data.to_rows(examples, args.seq, packing=True)
     ours_batch = next(data.batches(rows, batch_size, args.grad_accum))
     tunix_batch = {k: ours_batch[k] for k in ("input_tokens", "input_mask", "positions")}
@@ -69,17 +72,23 @@ def main(argv=None) -> int:
 
             model = apply_lora(model, mesh, LoraConfig(rank=args.lora_rank, alpha=args.lora_rank))
         config = peft_trainer.TrainingConfig(
-            eval_every_n_steps=10**9, max_steps=10**9,
-            gradient_accumulation_steps=args.grad_accum if args.grad_accum > 1 else None)
+            eval_every_n_steps=10**9,
+            max_steps=10**9,
+            gradient_accumulation_steps=args.grad_accum if args.grad_accum > 1 else None,
+        )
         return cls(model, optax.adamw(1e-4), config, **kwargs)
 
     with sharding.use_mesh(mesh):
         ours = make(SFTTrainer, mesh=mesh)
         theirs = make(peft_trainer.PeftTrainer)
-        placed = {"SFTTrainer": ours._prepare_inputs(ours_batch),
-                  "PeftTrainer": ours._prepare_inputs(tunix_batch)}
-        steps = {"SFTTrainer": ours.jit_train_and_eval_step(False, True)[0],
-                 "PeftTrainer": theirs.jit_train_and_eval_step(False, True)[0]}
+        placed = {
+            "SFTTrainer": ours._prepare_inputs(ours_batch),
+            "PeftTrainer": ours._prepare_inputs(tunix_batch),
+        }
+        steps = {
+            "SFTTrainer": ours.jit_train_and_eval_step(False, True)[0],
+            "PeftTrainer": theirs.jit_train_and_eval_step(False, True)[0],
+        }
         times = {name: [] for name in steps}
         compile_s = {}
         for name, step in steps.items():
@@ -93,17 +102,23 @@ def main(argv=None) -> int:
                 times[name].append(time.perf_counter() - t0)
     median = {name: statistics.median(t) for name, t in times.items()}
     tokens = int((ours_batch["segment_ids"] > 0).sum())
-    print(f"model {args.model}, mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1)}, "
-          f"batch {batch_size} x {args.seq}, lora_rank {args.lora_rank}, "
-          f"grad_accum {args.grad_accum}, convention {ours.convention.name}, "
-          f"{jax.device_count()} {jax.devices()[0].platform} devices")
+    print(
+        f"model {args.model}, mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1)}, "
+        f"batch {batch_size} x {args.seq}, lora_rank {args.lora_rank}, "
+        f"grad_accum {args.grad_accum}, convention {ours.convention.name}, "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices"
+    )
     for name in steps:
-        print(f"  {name:12s} step {median[name] * 1e3:8.1f} ms (median of {args.repeats}), "
-              f"compile {compile_s[name]:.1f} s")
+        print(
+            f"  {name:12s} step {median[name] * 1e3:8.1f} ms (median of {args.repeats}), "
+            f"compile {compile_s[name]:.1f} s"
+        )
     ratio = median["SFTTrainer"] / median["PeftTrainer"]
     print(f"  ratio SFTTrainer / PeftTrainer step time: {ratio:.3f} (target <= 1.05)")
-    print(f"  SFTTrainer: {tokens / median['SFTTrainer']:,.0f} tokens/s "
-          f"({tokens} non-padding tokens per micro-step)")
+    print(
+        f"  SFTTrainer: {tokens / median['SFTTrainer']:,.0f} tokens/s "
+        f"({tokens} non-padding tokens per micro-step)"
+    )
     return 0
 
 

@@ -29,23 +29,32 @@ from posttrain.sft.trainer import (  # noqa: E402
 
 # installed: the installed release's own train() (bound2 on 0.1.6/0.1.7, positional3
 # before); the other conventions are emulated, so all of them run whatever is installed.
-EMULATED = {"positional3": te.Positional3PeftTrainer, "bound2": te.Bound2PeftTrainer,
-            "bound3_update": te.MainPeftTrainer}
-BASES = {"installed": None, **{name: cls for name, cls in EMULATED.items()
-                               if name != tunix_compat.detect().name}}
+EMULATED = {
+    "positional3": te.Positional3PeftTrainer,
+    "bound2": te.Bound2PeftTrainer,
+    "bound3_update": te.MainPeftTrainer,
+}
+BASES = {
+    "installed": None,
+    **{name: cls for name, cls in EMULATED.items() if name != tunix_compat.detect().name},
+}
 # The matrix runs only the installed release's own train() per release row, and only
 # the emulation for an emulated row: POSTTRAIN_CONTRACT_CONVENTIONS=installed|<name>,...
 if os.environ.get("POSTTRAIN_CONTRACT_CONVENTIONS"):
     _chosen = os.environ["POSTTRAIN_CONTRACT_CONVENTIONS"].split(",")
-    BASES = {"installed": None, **EMULATED} if "all" in _chosen else {
-        k: v for k, v in {"installed": None, **EMULATED}.items() if k in _chosen}
+    BASES = (
+        {"installed": None, **EMULATED}
+        if "all" in _chosen
+        else {k: v for k, v in {"installed": None, **EMULATED}.items() if k in _chosen}
+    )
 MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}  # 8 fake devices by default
 
 
 @functools.cache
 def rows():
-    examples = data.encode_dataset(default_data.pydoc_conversations()[:60],
-                                   tokenizer.byte_tokenizer(), 64)
+    examples = data.encode_dataset(
+        default_data.pydoc_conversations()[:60], tokenizer.byte_tokenizer(), 64
+    )
     return data.to_rows(examples, 64, packing=True)
 
 
@@ -54,15 +63,20 @@ def make_trainer(base, ga, *, tx=None, steps=2, seed=0, checkpoint_root=None):
     model = build_model(get_config("qwen3-tiny"), mesh, seed=seed)
     cls = SFTTrainer if base is None else sft_trainer_class(base)
     # eval_every_n_steps: google-tunix <= 0.1.2 requires a multiple of GA (no eval runs).
-    config = tunix.TrainingConfig(eval_every_n_steps=ga * 1000, max_steps=steps,
-                                  gradient_accumulation_steps=ga if ga > 1 else None,
-                                  checkpoint_root_directory=checkpoint_root)
+    config = tunix.TrainingConfig(
+        eval_every_n_steps=ga * 1000,
+        max_steps=steps,
+        gradient_accumulation_steps=ga if ga > 1 else None,
+        checkpoint_root_directory=checkpoint_root,
+    )
     return cls(model, tx or optax.sgd(0.1), config, mesh=mesh), mesh
 
 
 def params(model) -> dict[str, np.ndarray]:
-    return {"/".join(map(str, p)): np.asarray(v[...])
-            for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {
+        "/".join(map(str, p)): np.asarray(v[...])
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
 
 
 @pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.create_train_step_fn")
@@ -105,7 +119,11 @@ def test_steps_run_and_params_change_only_on_update_steps(name):
         return any(not np.array_equal(a[k], b[k]) for k in a)
 
     assert [changed(a, b) for a, b in zip(snapshots, snapshots[1:], strict=False)] == [
-        False, True, False, True]
+        False,
+        True,
+        False,
+        True,
+    ]
 
 
 ALL_BASES = {"installed": None, **EMULATED}
@@ -138,8 +156,10 @@ def test_accumulated_steps_equal_one_large_batch(name):
     np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
-    assert any(not np.allclose(want[k], params(build_model(
-        get_config("qwen3-tiny"), seed=0))[k]) for k in want)  # training moved them
+    assert any(
+        not np.allclose(want[k], params(build_model(get_config("qwen3-tiny"), seed=0))[k])
+        for k in want
+    )  # training moved them
 
 
 class SkipsWhenEmpty(te.GradientAccumulator):
@@ -187,6 +207,7 @@ def test_optimizer_state_checkpoints_fill_in_for_releases_that_skip_it(tmp_path)
     if not isinstance(first.checkpoint_manager, OptimizerStateCheckpoints):  # 0.1.6+: force it
         first.checkpoint_manager = OptimizerStateCheckpoints(first.checkpoint_manager, root, first)
     first.train(data.batches(rows(), 8, 2))  # 2 steps, saved at close()
+
     def opt_state(trainer):
         return nnx.state(trainer.optimizer, nnx.optimizer.OptState)
 

@@ -14,9 +14,15 @@ tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is no
 # Released versions -> expected convention (shared/research/tunix-conventions.md,
 # confirmed by running detect_from_source on each wheel's peft_trainer.py).
 EXPECTED = {
-    "0.0.2": "positional3", "0.1.0": "positional3", "0.1.1": "positional3",
-    "0.1.2": "positional3", "0.1.3": "positional3", "0.1.4": "positional3",
-    "0.1.5": "positional3", "0.1.6": "bound2", "0.1.7": "bound2",
+    "0.0.2": "positional3",
+    "0.1.0": "positional3",
+    "0.1.1": "positional3",
+    "0.1.2": "positional3",
+    "0.1.3": "positional3",
+    "0.1.4": "positional3",
+    "0.1.5": "positional3",
+    "0.1.6": "bound2",
+    "0.1.7": "bound2",
 }
 
 

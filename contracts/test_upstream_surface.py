@@ -25,9 +25,15 @@ from posttrain import _compat, sharding
 def test_tunix_training_config_has_the_fields_we_set():
     peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
     fields = {f.name for f in dataclasses.fields(peft_trainer.TrainingConfig)}
-    used = {"eval_every_n_steps", "max_steps", "gradient_accumulation_steps",
-            "checkpoint_root_directory", "checkpointing_options", "metrics_logging_options",
-            "data_sharding_axis"}
+    used = {
+        "eval_every_n_steps",
+        "max_steps",
+        "gradient_accumulation_steps",
+        "checkpoint_root_directory",
+        "checkpointing_options",
+        "metrics_logging_options",
+        "data_sharding_axis",
+    }
     assert used <= fields, sorted(used - fields)
     config = peft_trainer.TrainingConfig(eval_every_n_steps=2)
     assert config.get_with_default("gradient_accumulation_steps", 1) == 1
@@ -37,12 +43,24 @@ def test_tunix_training_config_has_the_fields_we_set():
 def test_tunix_peft_trainer_methods_we_call_or_override():
     peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
     cls = peft_trainer.PeftTrainer
-    for name in ("train", "jit_train_and_eval_step", "create_train_step_fn",
-                 "create_eval_step_fn", "_prepare_inputs", "_post_process_train_step",
-                 "close", "with_loss_fn", "with_gen_model_input_fn", "train_steps"):
+    for name in (
+        "train",
+        "jit_train_and_eval_step",
+        "create_train_step_fn",
+        "create_eval_step_fn",
+        "_prepare_inputs",
+        "_post_process_train_step",
+        "close",
+        "with_loss_fn",
+        "with_gen_model_input_fn",
+        "train_steps",
+    ):
         assert hasattr(cls, name), name
     assert tuple(inspect.signature(cls.__init__).parameters)[1:4] == (
-        "model", "optimizer", "training_config")
+        "model",
+        "optimizer",
+        "training_config",
+    )
     for name in ("_prepare_inputs", "_post_process_train_step"):
         assert len(inspect.signature(getattr(cls, name)).parameters) == 2, name
 
@@ -52,10 +70,21 @@ def test_tunix_trainer_state_we_read_and_lora_detection(tmp_path):
     peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     trainer = peft_trainer.PeftTrainer(
-        model, optax.sgd(0.1), peft_trainer.TrainingConfig(eval_every_n_steps=2))
-    for name in ("model", "optimizer", "config", "checkpoint_manager", "_lora_enabled",
-                 "_train_steps", "_iter_steps", "loss_fn", "eval_loss_fn",
-                 "gen_model_input_fn", "_has_aux"):
+        model, optax.sgd(0.1), peft_trainer.TrainingConfig(eval_every_n_steps=2)
+    )
+    for name in (
+        "model",
+        "optimizer",
+        "config",
+        "checkpoint_manager",
+        "_lora_enabled",
+        "_train_steps",
+        "_iter_steps",
+        "loss_fn",
+        "eval_loss_fn",
+        "gen_model_input_fn",
+        "_has_aux",
+    ):
         assert hasattr(trainer, name), name
     assert trainer._lora_enabled is False and trainer.train_steps == 0
     assert trainer.with_loss_fn(lambda m, **kw: 0.0, has_aux=True) is trainer
@@ -65,8 +94,7 @@ def test_tunix_trainer_state_we_read_and_lora_detection(tmp_path):
 def test_tunix_checkpoint_manager_surface():
     checkpoint_manager = pytest.importorskip("tunix.sft.checkpoint_manager")
     cls = checkpoint_manager.CheckpointManager
-    assert tuple(inspect.signature(cls.__init__).parameters)[1:3] == (
-        "root_directory", "options")
+    assert tuple(inspect.signature(cls.__init__).parameters)[1:3] == ("root_directory", "options")
     for name in ("save", "maybe_restore", "latest_step", "close"):
         assert hasattr(cls, name), name
     save = tuple(inspect.signature(cls.save).parameters)
@@ -96,8 +124,7 @@ def test_qwix_lora_creates_lora_params_on_the_targeted_module():
             return self.b(self.a(x))
 
     provider = qwix.LoraProvider([qwix.LoraRule(module_path="a", rank=2, alpha=2.0)])
-    kwargs = ({"rngs": nnx.Rngs(0)} if _compat.qwix_takes_rngs(qwix.apply_lora_to_model)
-              else {})
+    kwargs = {"rngs": nnx.Rngs(0)} if _compat.qwix_takes_rngs(qwix.apply_lora_to_model) else {}
     model = qwix.apply_lora_to_model(Tiny(), provider, jnp.ones((2, 8)), **kwargs)
     lora = {"/".join(map(str, p)): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))}
     assert sorted(lora) == ["a/kernel_lora_a", "a/kernel_lora_b"], sorted(lora)
@@ -118,14 +145,21 @@ def test_qwix_qlora_weight_types_we_offer():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)), jnp.float32)
     for qtype in WEIGHT_QTYPES:
         for tiled_axes in ({}, {0: 4}):  # qwix 0.1.0 has no defaults for the last two
-            how = HowToQuantize(qtype=qtype, channelwise_axes=(1,), tiled_axes=tiled_axes,
-                                calibration_method="absmax")
+            how = HowToQuantize(
+                qtype=qtype,
+                channelwise_axes=(1,),
+                tiled_axes=tiled_axes,
+                calibration_method="absmax",
+            )
             back = _compat.qwix_dequantize(_compat.qwix_quantize(x, how))
             # 4-bit types: half a level step over [-absmax, absmax] per channel; NF4's
             # outer step is 0.28 of absmax (Dettmers et al. 2023, QLoRA, appendix E).
             absmax = jnp.abs(x).max(axis=0)
-            assert back.shape == x.shape and bool((jnp.abs(back - x) <= 0.15 * absmax).all()), \
-                (qtype, how.tiled_axes, float(jnp.abs(back - x).max()))
+            assert back.shape == x.shape and bool((jnp.abs(back - x) <= 0.15 * absmax).all()), (
+                qtype,
+                how.tiled_axes,
+                float(jnp.abs(back - x).max()),
+            )
 
 
 @pytest.mark.contract("qwix QLoRA weight_qtype")
@@ -204,15 +238,25 @@ def test_orbax_round_trip_keeps_values_and_shardings(tmp_path):
     spec = jax.sharding.PartitionSpec("fsdp")
     model = nnx.Linear(jax.device_count() * 2, 3, rngs=nnx.Rngs(0))
     state = nnx.state(model)
-    state = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
-        mesh, spec if x.ndim == 2 else jax.sharding.PartitionSpec())), state)
-    manager = ocp.CheckpointManager(tmp_path / "ckpt",
-                                    options=ocp.CheckpointManagerOptions(create=True))
+    state = jax.tree.map(
+        lambda x: jax.device_put(
+            x,
+            jax.sharding.NamedSharding(mesh, spec if x.ndim == 2 else jax.sharding.PartitionSpec()),
+        ),
+        state,
+    )
+    manager = ocp.CheckpointManager(
+        tmp_path / "ckpt", options=ocp.CheckpointManagerOptions(create=True)
+    )
     manager.save(1, args=ocp.args.PyTreeSave(state))
     manager.wait_until_finished()
     target = jax.tree.map(jnp.zeros_like, state)
-    restored = manager.restore(1, args=ocp.args.PyTreeRestore(
-        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target=target)))
+    restored = manager.restore(
+        1,
+        args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target=target)
+        ),
+    )
     manager.close()
     for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -47,12 +47,14 @@ class GradientAccumulator(nnx.Module):
     ``allocate_grads=False`` the buffers are an empty dict.
     """
 
-    def __init__(self, model, wrt, *, allocate_grads: bool = True,
-                 accumulator_dtype=jnp.float32):
+    def __init__(self, model, wrt, *, allocate_grads: bool = True, accumulator_dtype=jnp.float32):
         leaves, self._treedef = jax.tree.flatten(nnx.state(model, wrt))  # static treedef
         self._dtypes = tuple(x.dtype for x in leaves)
-        self.grads = nnx.List([nnx.Variable(jnp.zeros_like(x, dtype=accumulator_dtype))
-                               for x in leaves] if allocate_grads else [])
+        self.grads = nnx.List(
+            [nnx.Variable(jnp.zeros_like(x, dtype=accumulator_dtype)) for x in leaves]
+            if allocate_grads
+            else []
+        )
         self.denom = nnx.Variable(jnp.zeros((), jnp.float32))
 
     def add(self, grads, denom=None) -> None:
@@ -63,9 +65,13 @@ class GradientAccumulator(nnx.Module):
     def get(self):
         d = self.denom[...]
         safe = jnp.where(d == 0, 1.0, d)
-        return jax.tree.unflatten(self._treedef, [
-            jnp.where(d == 0, 0.0, buf[...] / safe).astype(dt)
-            for buf, dt in zip(self.grads, self._dtypes, strict=True)])
+        return jax.tree.unflatten(
+            self._treedef,
+            [
+                jnp.where(d == 0, 0.0, buf[...] / safe).astype(dt)
+                for buf, dt in zip(self.grads, self._dtypes, strict=True)
+            ],
+        )
 
     def reset(self) -> None:
         for buf in self.grads:
@@ -94,10 +100,19 @@ def _step_loop(trainer, train_ds, call_step) -> None:
             trainer._train_steps += 1
             # The installed manager's save: the optimizer is its 3rd parameter from 0.1.6 on.
             manager = trainer.checkpoint_manager
-            optimizer = ((trainer.optimizer,) if tunix_compat.checkpoint_saves_optimizer(
-                type(getattr(manager, "_inner", manager))) else ())
-            manager.save(trainer._train_steps, trainer.model, *optimizer,
-                         save_only_lora_params=trainer._lora_enabled)
+            optimizer = (
+                (trainer.optimizer,)
+                if tunix_compat.checkpoint_saves_optimizer(
+                    type(getattr(manager, "_inner", manager))
+                )
+                else ()
+            )
+            manager.save(
+                trainer._train_steps,
+                trainer.model,
+                *optimizer,
+                save_only_lora_params=trainer._lora_enabled,
+            )
     trainer.close()
 
 
@@ -144,13 +159,16 @@ class Bound2PeftTrainer(peft_trainer.PeftTrainer):
                 return functools.partial(f, *args)
 
             self._jitted_train_step_fn = maybe_cache_and_partial(
-                self._jitted_train_step_fn, self.model, self.optimizer)
+                self._jitted_train_step_fn, self.model, self.optimizer
+            )
             self._jitted_eval_step_fn = maybe_cache_and_partial(
-                self._jitted_eval_step_fn, self.model)
+                self._jitted_eval_step_fn, self.model
+            )
         return self._jitted_train_step_fn, self._jitted_eval_step_fn
 
-    def train(self, train_ds, eval_ds=None, skip_jit: bool = False, *,
-              cache_nnx_graph: bool = True) -> None:
+    def train(
+        self, train_ds, eval_ds=None, skip_jit: bool = False, *, cache_nnx_graph: bool = True
+    ) -> None:
         train_step, _ = self.jit_train_and_eval_step(skip_jit, cache_nnx_graph)
         ga = self.config.get_with_default("gradient_accumulation_steps", 1) or 1
 
@@ -168,21 +186,26 @@ class MainPeftTrainer(peft_trainer.PeftTrainer):
     def __init__(self, model, optimizer, training_config, *args, **kwargs):
         # Main builds no MultiSteps: hide GA from the installed __init__, then restore it.
         ga = training_config.gradient_accumulation_steps
-        super().__init__(model, optimizer,
-                         dataclasses.replace(training_config, gradient_accumulation_steps=None),
-                         *args, **kwargs)
+        super().__init__(
+            model,
+            optimizer,
+            dataclasses.replace(training_config, gradient_accumulation_steps=None),
+            *args,
+            **kwargs,
+        )
         self.config = training_config
         self._iter_steps = self._train_steps * (ga or 1)
         wrt = nnx.LoRAParam if self._lora_enabled else nnx.Param
-        self.grad_accumulator = GradientAccumulator(
-            model, wrt, allocate_grads=(ga or 1) > 1)
+        self.grad_accumulator = GradientAccumulator(model, wrt, allocate_grads=(ga or 1) > 1)
 
     def _train_step(self, model, optimizer, grad_accumulator, inputs, is_update_step):
         """Main's own step (PT@c7d8950f:556-602), for the plain (non-LossOutput) loss."""
         inputs = self.gen_model_input_fn(inputs)
         grad_fn = nnx.value_and_grad(
-            self.loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam) if self._lora_enabled else 0,
-            has_aux=True)
+            self.loss_fn,
+            argnums=nnx.DiffState(0, nnx.LoRAParam) if self._lora_enabled else 0,
+            has_aux=True,
+        )
         out, grads = grad_fn(model, **inputs)
         loss, aux = out if self._has_aux else (out, None)
         if (self.config.gradient_accumulation_steps or 1) == 1:
@@ -211,7 +234,8 @@ class MainPeftTrainer(peft_trainer.PeftTrainer):
             return train_step, eval_step
         if self._jitted_train_step_fn is None:
             self._jitted_train_step_fn = nnx.jit(
-                train_step, donate_argnames=("optimizer", "grad_accumulator"))
+                train_step, donate_argnames=("optimizer", "grad_accumulator")
+            )
             self._jitted_eval_step_fn = nnx.jit(eval_step)
 
             def maybe_cache_and_partial(f, *args):
@@ -220,13 +244,16 @@ class MainPeftTrainer(peft_trainer.PeftTrainer):
                 return functools.partial(f, *args)
 
             self._jitted_train_step_fn = maybe_cache_and_partial(
-                self._jitted_train_step_fn, self.model, self.optimizer, self.grad_accumulator)
+                self._jitted_train_step_fn, self.model, self.optimizer, self.grad_accumulator
+            )
             self._jitted_eval_step_fn = maybe_cache_and_partial(
-                self._jitted_eval_step_fn, self.model)
+                self._jitted_eval_step_fn, self.model
+            )
         return self._jitted_train_step_fn, self._jitted_eval_step_fn
 
-    def train(self, train_ds, eval_ds=None, skip_jit: bool = False, *,
-              cache_nnx_graph: bool = True) -> None:
+    def train(
+        self, train_ds, eval_ds=None, skip_jit: bool = False, *, cache_nnx_graph: bool = True
+    ) -> None:
         train_step, _ = self.jit_train_and_eval_step(skip_jit, cache_nnx_graph)
         ga = self.config.get_with_default("gradient_accumulation_steps", 1) or 1
 
@@ -239,7 +266,8 @@ class MainPeftTrainer(peft_trainer.PeftTrainer):
                 flag = self._iter_steps % ga == 0
             is_update_step = bool(flag)
             train_loss, aux, grad_norm = train_step(
-                train_example, is_update_step=jnp.array(is_update_step, dtype=jnp.bool_))
+                train_example, is_update_step=jnp.array(is_update_step, dtype=jnp.bool_)
+            )
             return train_loss, aux, is_update_step
 
         _step_loop(self, train_ds, call)

@@ -88,18 +88,30 @@ def _parser() -> argparse.ArgumentParser:
         "default entries (newest releases and emulated main).",
         allow_abbrev=False,
     )
-    matrix.add_argument("--only", action="append", default=[], metavar="NAME",
-                        help="entry name or prefix (repeatable)")
+    matrix.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="entry name or prefix (repeatable)",
+    )
     matrix.add_argument("--all", action="store_true", help="every entry")
     matrix.add_argument("--jobs", "-j", default="2", help="pytest-xdist workers per entry")
     matrix.add_argument("--rebuild", action="store_true", help="rebuild the environments")
     matrix.add_argument("--report-dir", default="reports", type=Path)
-    matrix.add_argument("--cache", default=None, type=Path,
-                        help="environment cache (default: $POSTTRAIN_MATRIX_CACHE or "
-                        "~/.cache/posttrain-harness/envs)")
+    matrix.add_argument(
+        "--cache",
+        default=None,
+        type=Path,
+        help="environment cache (default: $POSTTRAIN_MATRIX_CACHE or "
+        "~/.cache/posttrain-harness/envs)",
+    )
     matrix.add_argument("--entries", default=None, type=Path, help="entries file")
-    matrix.add_argument("--update", action="store_true",
-                        help="merge these rows into the existing report (other rows kept)")
+    matrix.add_argument(
+        "--update",
+        action="store_true",
+        help="merge these rows into the existing report (other rows kept)",
+    )
     return parser
 
 
@@ -144,24 +156,38 @@ def run_matrix(args: argparse.Namespace) -> int:
     start = time.monotonic()
     for i, entry in enumerate(chosen, 1):
         env_entry = by_name[entry.base] if entry.emulated else entry
-        print(f"[{i}/{len(chosen)}] {entry.name}: environment {cache.path(env_entry).name}",
-              file=sys.stderr, flush=True)
-        env = (matrix.EnvResult(None, False, 0.0) if entry.broken
-               else cache.ensure(env_entry, rebuild=args.rebuild))
-        print(f"[{i}/{len(chosen)}] {entry.name}: "
-              f"{'env error: ' + env.error if env.error else 'running contracts and sft'}"
-              f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{i}/{len(chosen)}] {entry.name}: environment {cache.path(env_entry).name}",
+            file=sys.stderr,
+            flush=True,
+        )
+        env = (
+            matrix.EnvResult(None, False, 0.0)
+            if entry.broken
+            else cache.ensure(env_entry, rebuild=args.rebuild)
+        )
+        print(
+            f"[{i}/{len(chosen)}] {entry.name}: "
+            f"{'env error: ' + env.error if env.error else 'running contracts and sft'}"
+            f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
         row = matrix.run_entry(entry, env, args.report_dir, args.jobs)
         rows.append(row)
         cells = [*row["contracts"].values(), *([row["sft"]] if row["sft"] else [])]
         bad = [c for c in cells if c["status"] in ("fail", "error")]
-        print(f"[{i}/{len(chosen)}] {entry.name}: {len(cells) - len(bad)}/{len(cells)} cells "
-              f"pass{'; ' + row['error'] if row.get('error') else ''} ({row['seconds']:.0f} s)",
-              file=sys.stderr, flush=True)
-    machine = (f"{platform.node()}, {os.cpu_count()} cores, Python "
-               f"{platform.python_version()}, {len(rows)} entries in "
-               f"{time.monotonic() - start:.0f} s")
+        print(
+            f"[{i}/{len(chosen)}] {entry.name}: {len(cells) - len(bad)}/{len(cells)} cells "
+            f"pass{'; ' + row['error'] if row.get('error') else ''} ({row['seconds']:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    machine = (
+        f"{platform.node()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, {len(rows)} entries in "
+        f"{time.monotonic() - start:.0f} s"
+    )
     if args.update:
         rows = report.merge(args.report_dir, rows, [e.name for e in entries])
     built = report.build(rows, machine)
@@ -170,7 +196,9 @@ def run_matrix(args: argparse.Namespace) -> int:
     print("report: " + ", ".join(str(p) for p in paths), file=sys.stderr)
     failed = any(row.get("error") for row in rows) or any(
         c and c["status"] in ("fail", "error")
-        for row in rows for c in [*row["contracts"].values(), row["sft"]])
+        for row in rows
+        for c in [*row["contracts"].values(), row["sft"]]
+    )
     return 1 if failed else 0
 
 

@@ -42,13 +42,27 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRIES_FILE = REPO / "compat" / "entries.toml"
-DEFAULT_CACHE = Path(os.environ.get("POSTTRAIN_MATRIX_CACHE",
-                                    Path.home() / ".cache" / "posttrain-harness" / "envs"))
+DEFAULT_CACHE = Path(
+    os.environ.get("POSTTRAIN_MATRIX_CACHE", Path.home() / ".cache" / "posttrain-harness" / "envs")
+)
 CONVENTIONS = ("positional3", "bound2", "bound3_update")
 FLAVOURS = ("current", "era", "emulated")
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100")
-SFT_ARGS = ("sft", "--model", "qwen3-tiny", "--lora-rank", "4", "--grad-accum", "2",
-            "--steps", "4", "--max-target-length", "64", "--save-every", "2")
+SFT_ARGS = (
+    "sft",
+    "--model",
+    "qwen3-tiny",
+    "--lora-rank",
+    "4",
+    "--grad-accum",
+    "2",
+    "--steps",
+    "4",
+    "--max-target-length",
+    "64",
+    "--save-every",
+    "2",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +110,9 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
         if entry.flavour not in FLAVOURS:
             raise ValueError(f"{where}: flavour {entry.flavour!r}; expected one of {FLAVOURS}")
         if entry.convention not in CONVENTIONS:
-            raise ValueError(f"{where}: convention {entry.convention!r}; expected one of "
-                             f"{CONVENTIONS}")
+            raise ValueError(
+                f"{where}: convention {entry.convention!r}; expected one of {CONVENTIONS}"
+            )
         if any(e.name == entry.name for e in entries):
             raise ValueError(f"{where}: duplicate name")
         entries.append(entry)
@@ -108,8 +123,9 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
     return entries
 
 
-def select(entries: list[Entry], only: Sequence[str] = (), all_entries: bool = False
-           ) -> list[Entry]:
+def select(
+    entries: list[Entry], only: Sequence[str] = (), all_entries: bool = False
+) -> list[Entry]:
     """``--only`` names (or prefixes), else every entry with ``--all``, else the defaults.
 
     Raises:
@@ -119,10 +135,13 @@ def select(entries: list[Entry], only: Sequence[str] = (), all_entries: bool = F
         chosen = []
         for name in only:
             match = [e for e in entries if e.name == name] or [
-                e for e in entries if e.name.startswith(name)]
+                e for e in entries if e.name.startswith(name)
+            ]
             if not match:
-                raise ValueError(f"--only {name!r} matches no entry; entries: "
-                                 f"{', '.join(e.name for e in entries)}")
+                raise ValueError(
+                    f"--only {name!r} matches no entry; entries: "
+                    f"{', '.join(e.name for e in entries)}"
+                )
             chosen += [e for e in match if e not in chosen]
         return chosen
     return list(entries) if all_entries else [e for e in entries if e.default]
@@ -137,8 +156,14 @@ def project_requirements() -> list[str]:
 
 def env_key(entry: Entry) -> str:
     """Hash of what goes into the entry's environment."""
-    blob = json.dumps({"python": sys.version_info[:2], "spec": entry.install_spec(),
-                       "project": project_requirements()}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "python": sys.version_info[:2],
+            "spec": entry.install_spec(),
+            "project": project_requirements(),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -179,7 +204,7 @@ def _first_error(text: str) -> str:
             i = hits[-1] if marker != "error:" else hits[0]
             reason = []
             if i + 1 < len(lines) and lines[i + 1].startswith(("cause:", "╰", "Because")):
-                for line in lines[i + 1:i + 6]:
+                for line in lines[i + 1 : i + 6]:
                     if line.startswith(("hint:", "error:")):
                         break
                     reason.append(line.removeprefix("cause:").lstrip("╰─▶│ "))
@@ -215,22 +240,45 @@ class EnvCache:
         if error:
             shutil.rmtree(target, ignore_errors=True)
             return EnvResult(None, True, time.monotonic() - start, error)
-        marker.write_text(json.dumps(
-            {"entry": entry.name, "key": env_key(entry), "spec": entry.install_spec()}))
+        marker.write_text(
+            json.dumps({"entry": entry.name, "key": env_key(entry), "spec": entry.install_spec()})
+        )
         return EnvResult(target, True, time.monotonic() - start)
 
     def _build(self, entry: Entry, path: Path) -> str | None:
         uv = shutil.which("uv") or os.environ.get("UV")  # `uv run` exports UV
         python = str(path / "bin" / "python")
         if uv:
-            steps = [[uv, "venv", "--quiet", "--python", sys.executable, str(path)],
-                     # --no-config: this checkout's [tool.uv] pins the dev env's Tunix.
-                     [uv, "pip", "install", "--quiet", "--no-config", "--python", python,
-                      "-e", f"{REPO}[train]", *entry.install_spec()]]
+            steps = [
+                [uv, "venv", "--quiet", "--python", sys.executable, str(path)],
+                # --no-config: this checkout's [tool.uv] pins the dev env's Tunix.
+                [
+                    uv,
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--no-config",
+                    "--python",
+                    python,
+                    "-e",
+                    f"{REPO}[train]",
+                    *entry.install_spec(),
+                ],
+            ]
         else:
-            steps = [[sys.executable, "-m", "venv", str(path)],
-                     [python, "-m", "pip", "install", "--quiet",
-                      "-e", f"{REPO}[train]", *entry.install_spec()]]
+            steps = [
+                [sys.executable, "-m", "venv", str(path)],
+                [
+                    python,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "-e",
+                    f"{REPO}[train]",
+                    *entry.install_spec(),
+                ],
+            ]
         for step in steps:
             done = self.run(step, None)
             if done.returncode != 0:
@@ -242,11 +290,13 @@ def versions(python: Path, run: Runner = _run) -> dict[str, str]:
     """Installed versions of the report's distributions in the env."""
     from harness.devices import DISTRIBUTIONS
 
-    code = ("import importlib.metadata as m, json\n"
-            "def v(n):\n"
-            "    try: return m.version(n)\n"
-            "    except m.PackageNotFoundError: return None\n"
-            f"print(json.dumps({{n: v(n) for n in {list(DISTRIBUTIONS)!r}}}))")
+    code = (
+        "import importlib.metadata as m, json\n"
+        "def v(n):\n"
+        "    try: return m.version(n)\n"
+        "    except m.PackageNotFoundError: return None\n"
+        f"print(json.dumps({{n: v(n) for n in {list(DISTRIBUTIONS)!r}}}))"
+    )
     done = run([str(python), "-c", code], None)
     if done.returncode != 0:
         return {}
@@ -281,21 +331,28 @@ def _cell_message(node: ET.Element, tag: str) -> str:
     """The first error line: JUnit's message, or for a bare one ("collection failure")
     the last ``E   ...`` line of the traceback."""
     message = (node.get("message") or "").strip()
-    lines = [line[1:].strip() for line in (node.text or "").splitlines()
-             if line.startswith("E ")]
+    lines = [line[1:].strip() for line in (node.text or "").splitlines() if line.startswith("E ")]
     if lines and (not message or message in ("collection failure", "failed on setup")):
         message = f"{message}: {lines[-1]}" if message else lines[-1]
     return message.splitlines()[0][:300] if message else tag
 
 
-def run_entry(entry: Entry, env: EnvResult, report_dir: Path, jobs: str,
-              run: Runner = _run) -> dict[str, Any]:
+def run_entry(
+    entry: Entry, env: EnvResult, report_dir: Path, jobs: str, run: Runner = _run
+) -> dict[str, Any]:
     """Contracts and the SFT run of one entry in its env; the report row."""
     row: dict[str, Any] = {
-        "name": entry.name, "tunix": entry.tunix, "flavour": entry.flavour,
-        "convention": entry.convention, "emulated": entry.emulated,
+        "name": entry.name,
+        "tunix": entry.tunix,
+        "flavour": entry.flavour,
+        "convention": entry.convention,
+        "emulated": entry.emulated,
         "env": {"built": env.built, "seconds": round(env.seconds, 1), "error": env.error},
-        "versions": {}, "contracts": {}, "sft": None, "seconds": 0.0}
+        "versions": {},
+        "contracts": {},
+        "sft": None,
+        "seconds": 0.0,
+    }
     if env.error or entry.broken:
         row["error"] = env.error or f"not run: {entry.broken}"
         return row
@@ -304,12 +361,26 @@ def run_entry(entry: Entry, env: EnvResult, report_dir: Path, jobs: str,
     junit = report_dir / "matrix" / f"{entry.name}.xml"
     junit.parent.mkdir(parents=True, exist_ok=True)
     junit.unlink(missing_ok=True)
-    environ = {**os.environ, "POSTTRAIN_DEVICES": "8", "JAX_PLATFORMS": "cpu",
-               "POSTTRAIN_CONTRACT_CONVENTIONS": entry.convention if entry.emulated
-               else "installed", "PYTHONDONTWRITEBYTECODE": "1"}
+    environ = {
+        **os.environ,
+        "POSTTRAIN_DEVICES": "8",
+        "JAX_PLATFORMS": "cpu",
+        "POSTTRAIN_CONTRACT_CONVENTIONS": entry.convention if entry.emulated else "installed",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
     environ.pop("VIRTUAL_ENV", None)
-    command = [str(env.python), "-m", "pytest", str(REPO / "contracts"), "-q", "-p",
-               "no:cacheprovider", f"--junitxml={junit}", "--rootdir", str(REPO)]
+    command = [
+        str(env.python),
+        "-m",
+        "pytest",
+        str(REPO / "contracts"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={junit}",
+        "--rootdir",
+        str(REPO),
+    ]
     if jobs not in ("0", "1"):
         command += ["-n", jobs]
     # A release row: the installed train(); an emulated row: only what drives its convention.
@@ -327,19 +398,26 @@ def run_entry(entry: Entry, env: EnvResult, report_dir: Path, jobs: str,
 def _sft(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         if entry.emulated:
-            code = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
-                    f"from harness.matrix import emulated_sft; "
-                    f"emulated_sft({entry.convention!r}, {tmp!r})")
+            code = (
+                f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+                f"from harness.matrix import emulated_sft; "
+                f"emulated_sft({entry.convention!r}, {tmp!r})"
+            )
             command = [str(env.python), "-c", code]
         else:
             command = [str(env.python), "-m", "posttrain.cli", *SFT_ARGS, "--output", tmp]
         done = run(command, environ)
         metrics = Path(tmp) / "metrics.jsonl"
-        losses = ([json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-                  if metrics.is_file() else [])
+        losses = (
+            [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+            if metrics.is_file()
+            else []
+        )
     if done.returncode == 0 and losses and all(x == x and abs(x) < 1e6 for x in losses):
-        return {"status": "pass", "message": f"{len(losses)} steps, loss {losses[0]:.3f} -> "
-                                             f"{losses[-1]:.3f}"}
+        return {
+            "status": "pass",
+            "message": f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}",
+        }
     return {"status": "fail", "message": _first_error(done.stderr + done.stdout)}
 
 
@@ -352,9 +430,20 @@ def emulated_sft(convention: str, output: str) -> None:
     from posttrain.sft.run import SFTConfig, run_sft
     from posttrain.sft.trainer import sft_trainer_class
 
-    base = {"positional3": tunix_emulation.Positional3PeftTrainer,
-            "bound2": tunix_emulation.Bound2PeftTrainer,
-            "bound3_update": tunix_emulation.MainPeftTrainer}[convention]
-    run_sft(SFTConfig(model="qwen3-tiny", lora_rank=4, grad_accum=2, steps=4,
-                      max_target_length=64, save_every=2, output=output),
-            trainer_class=sft_trainer_class(base))
+    base = {
+        "positional3": tunix_emulation.Positional3PeftTrainer,
+        "bound2": tunix_emulation.Bound2PeftTrainer,
+        "bound3_update": tunix_emulation.MainPeftTrainer,
+    }[convention]
+    run_sft(
+        SFTConfig(
+            model="qwen3-tiny",
+            lora_rank=4,
+            grad_accum=2,
+            steps=4,
+            max_target_length=64,
+            save_every=2,
+            output=output,
+        ),
+        trainer_class=sft_trainer_class(base),
+    )

@@ -50,9 +50,15 @@ def first_failures(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
                 if c["status"] == "pass":
                     passed_in = row["name"]
                 elif c["status"] in ("fail", "error"):
-                    found.append({
-                        "flavour": flavour, "contract": column, "first_failing": row["name"],
-                        "after_passing": passed_in or "", "error": c.get("message", "")})
+                    found.append(
+                        {
+                            "flavour": flavour,
+                            "contract": column,
+                            "first_failing": row["name"],
+                            "after_passing": passed_in or "",
+                            "error": c.get("message", ""),
+                        }
+                    )
                     break
     return found
 
@@ -69,17 +75,25 @@ def _versions(row: dict[str, Any]) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     rows, cols = report["entries"], report["columns"]
-    out = ["# Tunix compatibility matrix\n",
-           f"Generated {report['generated']} by `posttrain-harness matrix` on "
-           f"{report['machine']}. Cells: pass, FAIL, ERROR, skip; the first error line of "
-           "each failing cell is listed below the table.\n"]
-    out.append("| entry | convention | versions | env | " +
-               " | ".join(f"{i + 1}" for i in range(len(cols))) + " |")
+    out = [
+        "# Tunix compatibility matrix\n",
+        f"Generated {report['generated']} by `posttrain-harness matrix` on "
+        f"{report['machine']}. Cells: pass, FAIL, ERROR, skip; the first error line of "
+        "each failing cell is listed below the table.\n",
+    ]
+    out.append(
+        "| entry | convention | versions | env | "
+        + " | ".join(f"{i + 1}" for i in range(len(cols)))
+        + " |"
+    )
     out.append("|---|---|---|---|" + "---|" * len(cols))
     notes = []
     for row in rows:
-        env = ("error" if row["env"].get("error") else
-               f"{'built' if row['env']['built'] else 'cached'} {row['env']['seconds']:.0f} s")
+        env = (
+            "error"
+            if row["env"].get("error")
+            else f"{'built' if row['env']['built'] else 'cached'} {row['env']['seconds']:.0f} s"
+        )
         name = row["name"] + (" (emulated)" if row.get("emulated") else "")
         cells = []
         for col in cols:
@@ -92,8 +106,11 @@ def markdown(report: dict[str, Any]) -> str:
                 notes.append(f"- {row['name']} / {col}: {c.get('message', '')}")
         if row.get("error"):
             notes.append(f"- {row['name']}: {row['error']}")
-        out.append(f"| {name} | {row['convention']} | {_versions(row)} | {env} | "
-                   + " | ".join(cells) + " |")
+        out.append(
+            f"| {name} | {row['convention']} | {_versions(row)} | {env} | "
+            + " | ".join(cells)
+            + " |"
+        )
     out.append("\nColumns: " + "; ".join(f"{i + 1} = `{c}`" for i, c in enumerate(cols)) + ".\n")
     if notes:
         out.append("## Errors\n")
@@ -104,10 +121,15 @@ def markdown(report: dict[str, Any]) -> str:
     if not failures:
         out.append("Every contract passes in every entry that ran it.\n")
     for f in failures:
-        after = (f"after passing in {f['after_passing']}" if f["after_passing"]
-                 else "from the first entry that ran it")
-        out.append(f"- [{f['flavour']}] `{f['contract']}`: first fails in "
-                   f"**{f['first_failing']}** {after}: {f['error']}")
+        after = (
+            f"after passing in {f['after_passing']}"
+            if f["after_passing"]
+            else "from the first entry that ran it"
+        )
+        out.append(
+            f"- [{f['flavour']}] `{f['contract']}`: first fails in "
+            f"**{f['first_failing']}** {after}: {f['error']}"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -123,25 +145,33 @@ def html_page(report: dict[str, Any]) -> str:
             if c is None:
                 tds.append("<td></td>")
                 continue
-            tds.append(f'<td style="background:{COLORS[c["status"]]}" '
-                       f'title="{esc(c.get("message", ""))}">{STATUS_MARK[c["status"]]}</td>')
-        error = f'<br><small>{esc(row["error"])}</small>' if row.get("error") else ""
-        body.append(f"<tr><th>{esc(row['name'])}{error}</th><td>{esc(row['convention'])}</td>"
-                    f"<td>{esc(_versions(row))}</td>{''.join(tds)}</tr>")
-    fails = "".join(f"<li>[{esc(f['flavour'])}] <code>{esc(f['contract'])}</code>: first fails "
-                    f"in <b>{esc(f['first_failing'])}</b>"
-                    f"{' after ' + esc(f['after_passing']) if f['after_passing'] else ''}: "
-                    f"{esc(f['error'])}</li>" for f in report["first_failures"])
-    return (f"<!doctype html><meta charset=utf-8><title>Tunix compatibility matrix</title>"
-            f"<style>td,th{{border:1px solid #ccc;padding:2px 6px;font:13px sans-serif}}"
-            f"table{{border-collapse:collapse}}</style><h1>Tunix compatibility matrix</h1>"
-            f"<p>Generated {esc(report['generated'])} on {esc(report['machine'])}.</p>"
-            f"<table><tr><th>entry</th><th>convention</th><th>versions</th>{head}</tr>"
-            f"{''.join(body)}</table><h2>First failures</h2><ul>{fails}</ul>\n")
+            tds.append(
+                f'<td style="background:{COLORS[c["status"]]}" '
+                f'title="{esc(c.get("message", ""))}">{STATUS_MARK[c["status"]]}</td>'
+            )
+        error = f"<br><small>{esc(row['error'])}</small>" if row.get("error") else ""
+        body.append(
+            f"<tr><th>{esc(row['name'])}{error}</th><td>{esc(row['convention'])}</td>"
+            f"<td>{esc(_versions(row))}</td>{''.join(tds)}</tr>"
+        )
+    fails = "".join(
+        f"<li>[{esc(f['flavour'])}] <code>{esc(f['contract'])}</code>: first fails "
+        f"in <b>{esc(f['first_failing'])}</b>"
+        f"{' after ' + esc(f['after_passing']) if f['after_passing'] else ''}: "
+        f"{esc(f['error'])}</li>"
+        for f in report["first_failures"]
+    )
+    return (
+        f"<!doctype html><meta charset=utf-8><title>Tunix compatibility matrix</title>"
+        f"<style>td,th{{border:1px solid #ccc;padding:2px 6px;font:13px sans-serif}}"
+        f"table{{border-collapse:collapse}}</style><h1>Tunix compatibility matrix</h1>"
+        f"<p>Generated {esc(report['generated'])} on {esc(report['machine'])}.</p>"
+        f"<table><tr><th>entry</th><th>convention</th><th>versions</th>{head}</tr>"
+        f"{''.join(body)}</table><h2>First failures</h2><ul>{fails}</ul>\n"
+    )
 
 
-def merge(report_dir: Path, rows: list[dict[str, Any]], order: list[str]
-          ) -> list[dict[str, Any]]:
+def merge(report_dir: Path, rows: list[dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
     """``rows`` replacing same-named rows of the report in ``report_dir``, in ``order``."""
     path = report_dir / "compat-matrix.json"
     old = json.loads(path.read_text())["entries"] if path.is_file() else []
@@ -151,9 +181,13 @@ def merge(report_dir: Path, rows: list[dict[str, Any]], order: list[str]
 
 
 def build(rows: list[dict[str, Any]], machine: str) -> dict[str, Any]:
-    return {"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": machine, "entries": rows, "columns": columns(rows),
-            "first_failures": first_failures(rows)}
+    return {
+        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine,
+        "entries": rows,
+        "columns": columns(rows),
+        "first_failures": first_failures(rows),
+    }
 
 
 def write(report: dict[str, Any], report_dir: Path) -> list[Path]:
@@ -162,8 +196,11 @@ def write(report: dict[str, Any], report_dir: Path) -> list[Path]:
 
     report_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for suffix, text in (("md", markdown(report)), ("json", json.dumps(report, indent=2) + "\n"),
-                         ("html", html_page(report))):
+    for suffix, text in (
+        ("md", markdown(report)),
+        ("json", json.dumps(report, indent=2) + "\n"),
+        ("html", html_page(report)),
+    ):
         path = report_dir / f"compat-matrix.{suffix}"
         write_atomic(path, text)
         paths.append(path)

@@ -17,8 +17,10 @@ def random_array(rng: np.random.Generator, shape, dtype: str) -> np.ndarray:
 
 def hf_checkpoint(cfg, layout: str, seed: int, prefix: str = "model.") -> dict[str, np.ndarray]:
     """Random HF tensors named and shaped by the table rows for ``cfg`` in ``layout``."""
-    infos = {k: sio.OutputSpec(k, sio.CODES[np.dtype(v.dtype)], tuple(v.shape))
-             for k, v in conversion.abstract_params(cfg).items()}
+    infos = {
+        k: sio.OutputSpec(k, sio.CODES[np.dtype(v.dtype)], tuple(v.shape))
+        for k, v in conversion.abstract_params(cfg).items()
+    }
     plan = conversion.plan_to_hf(NativeMeta(cfg), infos, layout=layout, prefix=prefix)
     rng = np.random.default_rng(seed)
     return {s.name: random_array(rng, s.shape, s.dtype) for s in plan.outputs}

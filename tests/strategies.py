@@ -54,8 +54,14 @@ def mesh_id(mesh_shape: dict[str, int]) -> str:
 ALL_AXES = sharding.MESH_AXES
 
 
-CONVERSION_FAMILIES: tuple[str, ...] = ("llama3", "qwen3", "qwen3_moe", "mixtral", "gemma4",
-                                        "gpt_oss")
+CONVERSION_FAMILIES: tuple[str, ...] = (
+    "llama3",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gemma4",
+    "gpt_oss",
+)
 
 
 @st.composite
@@ -76,8 +82,14 @@ def tiny_model_configs(draw, family: str) -> ModelConfig:
     if family == "gpt_oss":
         types = tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
     elif family == "gemma4":
-        types = (*draw(st.lists(st.sampled_from(("sliding", "full")), min_size=layers - 1,
-                                max_size=layers - 1)), "full")
+        types = (
+            *draw(
+                st.lists(
+                    st.sampled_from(("sliding", "full")), min_size=layers - 1, max_size=layers - 1
+                )
+            ),
+            "full",
+        )
     else:
         types = ("full",) * layers
     heads = draw(st.sampled_from((2, 4, 6)))
@@ -89,25 +101,38 @@ def tiny_model_configs(draw, family: str) -> ModelConfig:
         if family == "gemma4" and t == "full":
             k_eq_v = draw(st.booleans())
             attention[t] = dataclasses.replace(
-                base, num_heads=heads, head_dim=draw(st.sampled_from((4, 8, 12))),
+                base,
+                num_heads=heads,
+                head_dim=draw(st.sampled_from((4, 8, 12))),
                 num_kv_heads=draw(st.sampled_from([k for k in (1, 2) if heads % k == 0]))
-                if k_eq_v else kv, k_eq_v=k_eq_v)
+                if k_eq_v
+                else kv,
+                k_eq_v=k_eq_v,
+            )
         else:
-            attention[t] = dataclasses.replace(base, num_heads=heads, num_kv_heads=kv,
-                                               head_dim=head_dim)
-    changes = dict(num_layers=layers, layer_types=types, attention=attention,
-                   d_model=draw(st.sampled_from((24, 40, 56))),
-                   vocab_size=draw(st.sampled_from((40, 66))),
-                   tie_word_embeddings=draw(st.booleans()),
-                   param_dtype=draw(st.sampled_from(("float32", "bfloat16"))))
+            attention[t] = dataclasses.replace(
+                base, num_heads=heads, num_kv_heads=kv, head_dim=head_dim
+            )
+    changes = dict(
+        num_layers=layers,
+        layer_types=types,
+        attention=attention,
+        d_model=draw(st.sampled_from((24, 40, 56))),
+        vocab_size=draw(st.sampled_from((40, 66))),
+        tie_word_embeddings=draw(st.booleans()),
+        param_dtype=draw(st.sampled_from(("float32", "bfloat16"))),
+    )
     changes["dtype"] = changes["param_dtype"]
     if cfg.d_ff:
         changes["d_ff"] = draw(st.sampled_from((20, 36)))
     if cfg.moe is not None:
         experts = draw(st.integers(2, 6))
         changes["moe"] = dataclasses.replace(
-            cfg.moe, num_experts=experts, top_k=draw(st.integers(1, experts)),
-            moe_d_ff=draw(st.sampled_from((12, 28))))
+            cfg.moe,
+            num_experts=experts,
+            top_k=draw(st.integers(1, experts)),
+            moe_d_ff=draw(st.sampled_from((12, 28))),
+        )
     cfg = cfg.replace(**changes)
     scan = draw(st.booleans()) and layers % cfg.layer_period == 0
     return cfg.replace(scan_layers=scan)

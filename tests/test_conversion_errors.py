@@ -32,8 +32,12 @@ def digest(directory) -> str:
 def hf_dir(tmp_path):
     """A valid two-shard hub-layout Qwen3-MoE checkpoint directory."""
     cfg = get_config(f"{FAMILY}-tiny")
-    return write_hf_dir(tmp_path / "hf", hf_checkpoint(cfg, "hub", seed=0), to_hf_config(cfg),
-                        max_shard_bytes=400_000)
+    return write_hf_dir(
+        tmp_path / "hf",
+        hf_checkpoint(cfg, "hub", seed=0),
+        to_hf_config(cfg),
+        max_shard_bytes=400_000,
+    )
 
 
 def shard_of(directory, key) -> str:
@@ -68,8 +72,10 @@ def corrupt(kind):
         if kind == "missing":
             rewrite(directory, drop=[EXPERT_KEY])
         elif kind == "unexpected":
-            rewrite(directory, add={"model.layers.0.mlp.shared_expert.weight":
-                                    np.zeros((3, 3), np.float32)})
+            rewrite(
+                directory,
+                add={"model.layers.0.mlp.shared_expert.weight": np.zeros((3, 3), np.float32)},
+            )
         elif kind == "shape":
             rewrite(directory, change={EXPERT_KEY: np.zeros((72, 56), np.float32)})
         elif kind == "architecture":
@@ -85,13 +91,21 @@ def corrupt(kind):
             data[8:40] = b"\xff" * 32  # inside the JSON header
             path.write_bytes(bytes(data))
         elif kind == "prefix":  # a wrong prefix must never load as random weights
-            replace_checkpoint(directory, {k.replace("model.", "language_model.model.", 1): v
-                                           for k, v in read_dir(directory).items()})
+            replace_checkpoint(
+                directory,
+                {
+                    k.replace("model.", "language_model.model.", 1): v
+                    for k, v in read_dir(directory).items()
+                },
+            )
         elif kind == "mxfp4":
-            rewrite(directory, add={"model.layers.0.mlp.experts.gate_up_proj_blocks":
-                                    np.zeros((2, 2), np.uint8)})
+            rewrite(
+                directory,
+                add={"model.layers.0.mlp.experts.gate_up_proj_blocks": np.zeros((2, 2), np.uint8)},
+            )
         elif kind == "missing_shard":
             (directory / shard_of(directory, EXPERT_KEY)).unlink()
+
     return apply
 
 
@@ -155,8 +169,9 @@ def test_bad_native_input_names_the_parameter(hf_dir, capsys):
     writer.finish()
     meta.write(broken)
     capsys.readouterr()
-    status = cli.main(["convert", "--from", "native", "--to", "hf", str(broken),
-                       str(hf_dir.parent / "out")])
+    status = cli.main(
+        ["convert", "--from", "native", "--to", "hf", str(broken), str(hf_dir.parent / "out")]
+    )
     assert status == 2
     assert "missing tensor model.layers.1.mlp.router.kernel" in capsys.readouterr().err
     assert not (hf_dir.parent / "out").exists()
@@ -165,8 +180,10 @@ def test_bad_native_input_names_the_parameter(hf_dir, capsys):
 def with_row(family: str, hf_suffix: str, transform: tf.Transform):
     """``TABLES`` where the row whose HF key ends with ``hf_suffix`` uses ``transform``."""
     table = TABLES[family]
-    rows = tuple(dataclasses.replace(r, transform=transform) if r.hf.endswith(hf_suffix) else r
-                 for r in table.rows)
+    rows = tuple(
+        dataclasses.replace(r, transform=transform) if r.hf.endswith(hf_suffix) else r
+        for r in table.rows
+    )
     assert rows != table.rows
     return {**TABLES, family: dataclasses.replace(table, rows=rows)}
 
@@ -175,14 +192,27 @@ def with_row(family: str, hf_suffix: str, transform: tf.Transform):
 DOWN = {"hub": "experts.{j}.w2.weight", "fused": "mlp.experts.down_proj"}
 ROUTER = {"hub": "block_sparse_moe.gate.weight", "fused": "mlp.gate.weight"}
 SWAPS = {  # name -> (row keys per layout, wrong transform, error per layout)
-    "experts-as-2d-transpose": (DOWN, tf.TRANSPOSE, {
-        "hub": "needs a per-expert transform, got transpose",
-        "fused": "transform transpose needs 2-D native tensors"}),
-    "router-as-expert-transpose": (ROUTER, tf.EXPERTS_T, {
-        "hub": "transform experts_transpose needs 3-D native tensors",
-        "fused": "transform experts_transpose needs 3-D native tensors"}),
-    "router-as-expert-stack": (ROUTER, tf.EXPERTS_STACK_T, {
-        "hub": "per-expert transform needs {j}", "fused": "per-expert transform needs {j}"}),
+    "experts-as-2d-transpose": (
+        DOWN,
+        tf.TRANSPOSE,
+        {
+            "hub": "needs a per-expert transform, got transpose",
+            "fused": "transform transpose needs 2-D native tensors",
+        },
+    ),
+    "router-as-expert-transpose": (
+        ROUTER,
+        tf.EXPERTS_T,
+        {
+            "hub": "transform experts_transpose needs 3-D native tensors",
+            "fused": "transform experts_transpose needs 3-D native tensors",
+        },
+    ),
+    "router-as-expert-stack": (
+        ROUTER,
+        tf.EXPERTS_STACK_T,
+        {"hub": "per-expert transform needs {j}", "fused": "per-expert transform needs {j}"},
+    ),
 }
 
 
@@ -194,8 +224,9 @@ def test_expert_and_router_transforms_cannot_be_swapped(swap, layout, monkeypatc
     keys, transform, messages = SWAPS[swap]
     cfg = get_config("mixtral-tiny")
     tensors = hf_checkpoint(cfg, layout, seed=0)
-    monkeypatch.setattr("posttrain.conversion.engine.TABLES",
-                        with_row("mixtral", keys[layout], transform))
+    monkeypatch.setattr(
+        "posttrain.conversion.engine.TABLES", with_row("mixtral", keys[layout], transform)
+    )
     with pytest.raises(ConversionError) as info:
         conversion.hf_to_native_params(tensors, to_hf_config(cfg))
     assert messages[layout] in str(info.value)

@@ -29,8 +29,7 @@ MAX_KL = 1e-6
 MAX_ABS = 1e-4
 
 FAMILIES = ("llama3", "qwen3", "qwen3_moe", "mixtral", "gemma4", "gpt_oss")
-CASES = [(f, layout) for f in FAMILIES for layout in ("hub", "fused")] + [
-    ("gemma4", "multimodal")]
+CASES = [(f, layout) for f in FAMILIES for layout in ("hub", "fused")] + [("gemma4", "multimodal")]
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +59,9 @@ def test_converted_logits_match_transformers(hf_tiny, tmp_path, family, layout):
     src = saved(hf_tiny, tmp_path, family, layout)
     scan = layout == "fused"  # both layer layouts, without doubling the cases
     summary = conversion.convert_hf_to_native(src, tmp_path / "native", scan_layers=scan)
-    assert summary.layout == ("fused" if layout == "fused" and family in ("mixtral", "qwen3_moe")
-                              else "hub")
+    assert summary.layout == (
+        "fused" if layout == "fused" and family in ("mixtral", "qwen3_moe") else "hub"
+    )
     tokens, mask = parity.make_batch(264)
     reference = parity.hf_logits(src, tokens, mask)
     model = parity.load_checked(src, tmp_path / "native")
@@ -82,10 +82,14 @@ VARIANTS = {  # config features the default tiny models leave off
     "qwen3_moe-no-renorm": ("qwen3_moe", dict(norm_topk_prob=False)),
     "gemma4-separate-v": ("gemma4", dict(attention_k_eq_v=False)),
     "gemma4-dense": ("gemma4", dict(enable_moe_block=False)),
-    "llama3-biases-tied": ("llama3", dict(attention_bias=True, mlp_bias=True,
-                                          tie_word_embeddings=True)),
-    "qwen3-sliding": ("qwen3", dict(use_sliding_window=True, sliding_window=6,
-                                    max_window_layers=1)),
+    "llama3-biases-tied": (
+        "llama3",
+        dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    ),
+    "qwen3-sliding": (
+        "qwen3",
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    ),
     "mixtral-sliding": ("mixtral", dict(sliding_window=6)),
 }
 
@@ -105,12 +109,15 @@ def test_dropping_per_expert_scale_fails_parity(hf_tiny, tmp_path, capsys):
     """Teeth: a Gemma 4 native checkpoint whose per_expert_scale is reset to 1 fails
     check-logits (exit 1), while the faithful one passes (exit 0)."""
     src = saved(hf_tiny, tmp_path, "gemma4", "hub")
-    assert cli.main(["convert", "--from", "hf", "--to", "native", str(src),
-                     str(tmp_path / "native")]) == 0
+    assert (
+        cli.main(["convert", "--from", "hf", "--to", "native", str(src), str(tmp_path / "native")])
+        == 0
+    )
     assert cli.main(["check-logits", str(src), str(tmp_path / "native"), "--atol", "1e-4"]) == 0
     meta, params = conversion.read_native_params(tmp_path / "native")
-    dropped = {k: np.ones_like(v) if k.endswith("per_expert_scale") else v
-               for k, v in params.items()}
+    dropped = {
+        k: np.ones_like(v) if k.endswith("per_expert_scale") else v for k, v in params.items()
+    }
     assert sum(k.endswith("per_expert_scale") for k in dropped) == 2
     conversion.save_native(dropped, meta.cfg, tmp_path / "dropped", hf_config=meta.hf_config)
     capsys.readouterr()
@@ -121,20 +128,29 @@ def test_dropping_per_expert_scale_fails_parity(hf_tiny, tmp_path, capsys):
     assert kl > 1e3 * MAX_KL, out.out  # observed 4e-3
 
 
-def test_interleaved_split_on_a_concatenated_checkpoint_fails_parity(hf_tiny, tmp_path,
-                                                                      monkeypatch):
+def test_interleaved_split_on_a_concatenated_checkpoint_fails_parity(
+    hf_tiny, tmp_path, monkeypatch
+):
     """Teeth: splitting Mixtral's concatenated gate_up_proj as if interleaved has the right
     shapes, so only parity can catch it; it does."""
     src = saved(hf_tiny, tmp_path, "mixtral", "fused")
     interleaved = dataclasses.replace(  # [E, 2F, D] -> [E, D, 2F] -> even / odd columns
-        tf.GATE_UP_CONCAT_T, name="wrong_split",
-        to_native_fn=lambda a, s: [np.swapaxes(a[0], 1, 2)[..., 0::2],
-                                   np.swapaxes(a[0], 1, 2)[..., 1::2]])
+        tf.GATE_UP_CONCAT_T,
+        name="wrong_split",
+        to_native_fn=lambda a, s: [
+            np.swapaxes(a[0], 1, 2)[..., 0::2],
+            np.swapaxes(a[0], 1, 2)[..., 1::2],
+        ],
+    )
     table = TABLES["mixtral"]
-    wrong = tuple(dataclasses.replace(r, transform=interleaved)
-                  if r.transform is tf.GATE_UP_CONCAT_T else r for r in table.rows)
-    monkeypatch.setattr("posttrain.conversion.engine.TABLES",
-                        {**TABLES, "mixtral": dataclasses.replace(table, rows=wrong)})
+    wrong = tuple(
+        dataclasses.replace(r, transform=interleaved) if r.transform is tf.GATE_UP_CONCAT_T else r
+        for r in table.rows
+    )
+    monkeypatch.setattr(
+        "posttrain.conversion.engine.TABLES",
+        {**TABLES, "mixtral": dataclasses.replace(table, rows=wrong)},
+    )
     conversion.convert_hf_to_native(src, tmp_path / "native")
     result = parity.check_logits(src, tmp_path / "native")
     assert not result.ok(MAX_KL, MAX_ABS), result.line()

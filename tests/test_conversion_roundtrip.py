@@ -61,8 +61,10 @@ def test_native_hf_native_is_bit_exact(family, data, tmp_path_factory):
     cfg = data.draw(tiny_model_configs(family))
     layout = data.draw(st.sampled_from(("hub", "fused")))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    params = {k: random_array(rng, v.shape, sio.CODES[np.dtype(v.dtype)])
-              for k, v in conversion.abstract_params(cfg).items()}
+    params = {
+        k: random_array(rng, v.shape, sio.CODES[np.dtype(v.dtype)])
+        for k, v in conversion.abstract_params(cfg).items()
+    }
     tmp = tmp_path_factory.mktemp("rt")
     conversion.save_native(params, cfg, tmp / "native", max_shard_bytes=30_000)
     conversion.convert_native_to_hf(tmp / "native", tmp / "hf", layout=layout)
@@ -89,8 +91,9 @@ def test_scanned_round_trip_loads_into_the_model(tmp_path):
 
     cfg = get_config("gemma4-tiny", scan_layers=True)
     rng = np.random.default_rng(0)
-    params = {k: random_array(rng, v.shape, "F32")
-              for k, v in conversion.abstract_params(cfg).items()}
+    params = {
+        k: random_array(rng, v.shape, "F32") for k, v in conversion.abstract_params(cfg).items()
+    }
     conversion.save_native(params, cfg, tmp_path / "native")
     conversion.convert_native_to_hf(tmp_path / "native", tmp_path / "hf")
     conversion.convert_hf_to_native(tmp_path / "hf", tmp_path / "back", scan_layers=True)
@@ -106,24 +109,46 @@ def test_multimodal_prefix_reads_and_round_trips(tmp_path):
     cfg = get_config("gemma4-tiny")
     tensors = hf_checkpoint(cfg, "hub", seed=1, prefix="model.language_model.")
     tensors["model.vision_tower.encoder.weight"] = np.ones((3, 4), np.float32)
-    config = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
-              "text_config": to_hf_config(cfg), "vision_config": {"hidden_size": 4}}
+    config = {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": to_hf_config(cfg),
+        "vision_config": {"hidden_size": 4},
+    }
     src = write_hf_dir(tmp_path / "hf", tensors, config)
     summary = conversion.convert_hf_to_native(src, tmp_path / "native")
     assert (summary.prefix, summary.ignored) == ("model.language_model.", 1)
     conversion.convert_native_to_hf(tmp_path / "native", tmp_path / "back")
     back = read_dir(tmp_path / "back")
-    assert_bit_identical(back, {"model." + k[len("model.language_model."):]: v
-                                for k, v in tensors.items() if "language_model" in k})
+    assert_bit_identical(
+        back,
+        {
+            "model." + k[len("model.language_model.") :]: v
+            for k, v in tensors.items()
+            if "language_model" in k
+        },
+    )
     written = json.loads((tmp_path / "back" / "config.json").read_text())
     assert written["architectures"] == ["Gemma4ForCausalLM"]
 
 
-RELATIVE = {"llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
-            "gpt_oss": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
-                        "beta_slow": 1.0, "truncate": False,
-                        "original_max_position_embeddings": 16}}
+RELATIVE = {
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    },
+    "gpt_oss": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+    },
+}
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "mixtral", "gpt_oss"])
@@ -133,8 +158,9 @@ def test_legacy_rope_theta_and_rope_scaling_load(family):
     old = dict(new)
     params = dict(old.pop("rope_parameters"))
     old["rope_theta"] = params.pop("rope_theta")
-    old["rope_scaling"] = ({"type": params.pop("rope_type"), **params}
-                           if params["rope_type"] != "default" else None)
+    old["rope_scaling"] = (
+        {"type": params.pop("rope_type"), **params} if params["rope_type"] != "default" else None
+    )
     assert from_hf_config(old) == from_hf_config(new)
 
 
@@ -142,24 +168,42 @@ def test_gemma4_per_layer_config_matches_global_fields():
     """``per_layer_config`` (newer Gemma 4 config.json) gives the full layers' shapes."""
     new = to_hf_config(get_config("gemma4-tiny"))
     full = from_hf_config(new).attention["full"]
-    old = dict(new, global_head_dim=None, num_global_key_value_heads=None,
-               per_layer_config={"1": {"head_dim": full.head_dim,
-                                       "num_key_value_heads": full.num_kv_heads}})
+    old = dict(
+        new,
+        global_head_dim=None,
+        num_global_key_value_heads=None,
+        per_layer_config={
+            "1": {"head_dim": full.head_dim, "num_key_value_heads": full.num_kv_heads}
+        },
+    )
     assert from_hf_config(old) == from_hf_config(new)
 
 
-@pytest.mark.parametrize(("family", "field", "value"), [
-    ("qwen3_moe", "mlp_only_layers", [1]),
-    ("qwen3_moe", "decoder_sparse_step", 2),
-    ("gemma4", "hidden_size_per_layer_input", 16),
-    ("gemma4", "num_kv_shared_layers", 1),
-    ("llama3", "hidden_act", "gelu"),
-    ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"}),
-    ("llama3", "rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
-    ("gpt_oss", "rope_parameters", {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1e4,
-                                    "original_max_position_embeddings": 16, "mscale": 0.7}),
-    ("llama3", "architectures", ["FalconForCausalLM"]),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    ("family", "field", "value"),
+    [
+        ("qwen3_moe", "mlp_only_layers", [1]),
+        ("qwen3_moe", "decoder_sparse_step", 2),
+        ("gemma4", "hidden_size_per_layer_input", 16),
+        ("gemma4", "num_kv_shared_layers", 1),
+        ("llama3", "hidden_act", "gelu"),
+        ("gpt_oss", "quantization_config", {"quant_method": "mxfp4"}),
+        ("llama3", "rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+        (
+            "gpt_oss",
+            "rope_parameters",
+            {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 16,
+                "mscale": 0.7,
+            },
+        ),
+        ("llama3", "architectures", ["FalconForCausalLM"]),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_unsupported_config_is_rejected_by_name(family, field, value):
     """An unsupported HF feature is a one-line ConversionError naming its field."""
     config = dict(to_hf_config(get_config(f"{family}-tiny")), **{field: value})

@@ -71,8 +71,10 @@ def placed_model(cfg, mesh=None, seed: int = 0) -> CausalLM:
         cfg.check_mesh(dict(mesh.shape))
     graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(seed)
-    flat = [(p, v.replace(rng.normal(0.0, 0.05, v.shape).astype(v.dtype)))
-            for p, v in nnx.to_flat_state(state)]
+    flat = [
+        (p, v.replace(rng.normal(0.0, 0.05, v.shape).astype(v.dtype)))
+        for p, v in nnx.to_flat_state(state)
+    ]
     model = nnx.merge(graphdef, nnx.from_flat_state(flat))
     return model if mesh is None else sharding.shard_model(model, mesh)
 
@@ -94,8 +96,9 @@ def expected_adapters(cfg, experts: bool = False) -> int:
 
 def tokens_on(cfg, mesh, batch: int, seq: int, seed: int = 0) -> jax.Array:
     tokens = np.random.RandomState(seed).randint(0, cfg.vocab_size, (batch, seq)).astype(np.int32)
-    spec = sharding.logical_to_spec(("activation_batch", "activation_length"), (batch, seq),
-                                    dict(mesh.shape))
+    spec = sharding.logical_to_spec(
+        ("activation_batch", "activation_length"), (batch, seq), dict(mesh.shape)
+    )
     return jax.device_put(tokens, jax.sharding.NamedSharding(mesh, spec))
 
 
@@ -126,8 +129,14 @@ def randomise_adapters(model, seed: int = 1) -> None:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.LoRAParam)):
         value = var.get_value()
         noise = 0.1 * rng.standard_normal(value.shape)
-        flat.append((path, var.replace(jax.device_put(np.asarray(value) + noise.astype(value.dtype),
-                                                      value.sharding))))
+        flat.append(
+            (
+                path,
+                var.replace(
+                    jax.device_put(np.asarray(value) + noise.astype(value.dtype), value.sharding)
+                ),
+            )
+        )
     nnx.update(model, nnx.from_flat_state(flat))
 
 
@@ -159,10 +168,12 @@ def test_only_variables_have_a_shape(preset):
     ``shape`` as a param and reads ``.value``: a ``numpy.dtype`` attribute (``shape == ()``)
     broke LoRA there (tunix-0.1.4-era). Only ``nnx.Variable``s may have a shape."""
     model = nnx.eval_shape(lambda: CausalLM(get_config(preset), rngs=nnx.Rngs(0)))
-    offenders = [f"{type(module).__name__}.{name} ({type(value).__name__})"
-                 for _, module in _compat.iter_modules(model)
-                 for name, value in vars(module).items()
-                 if hasattr(value, "shape") and not isinstance(value, nnx.Variable)]
+    offenders = [
+        f"{type(module).__name__}.{name} ({type(value).__name__})"
+        for _, module in _compat.iter_modules(model)
+        for name, value in vars(module).items()
+        if hasattr(value, "shape") and not isinstance(value, nnx.Variable)
+    ]
     assert not offenders, offenders
 
 
@@ -179,8 +190,17 @@ def test_only_variables_have_a_shape(preset):
         (dict(rank=4, alpha=8.0, tile_size=32), "tile_size=32 needs weight_qtype"),
         (dict(rank=4, alpha=8.0, target=".*", experts=True), "experts=True only extends"),
     ],
-    ids=["rank0", "rank-neg", "alpha0", "alpha-neg", "dropout1", "bad-regex", "qtype",
-         "tile-no-qtype", "experts-with-target"],
+    ids=[
+        "rank0",
+        "rank-neg",
+        "alpha0",
+        "alpha-neg",
+        "dropout1",
+        "bad-regex",
+        "qtype",
+        "tile-no-qtype",
+        "experts-with-target",
+    ],
 )
 def test_lora_config_rejects_bad_values(kwargs, message):
     """Each invalid LoraConfig field fails with a one-line ValueError naming the value."""
@@ -193,8 +213,11 @@ def test_dummy_batch_shape_multiplies_the_rule_axes():
     and a rule gaining an axis is counted (the rules are read, not a fixed axis list)."""
     mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "expert": 2, "context": 2})
     assert dummy_batch_shape(mesh) == (4, 2)
-    rules = tuple((n, (*a, "tensor_sequence") if n == "activation_batch" else a)
-                  for n, a in sharding.DEFAULT_RULES if n != "activation_length")
+    rules = tuple(
+        (n, (*a, "tensor_sequence") if n == "activation_batch" else a)
+        for n, a in sharding.DEFAULT_RULES
+        if n != "activation_length"
+    )
     mesh = sharding.make_mesh({"fsdp": 2, "tensor_sequence": 2, "context": 2})
     assert dummy_batch_shape(mesh, rules) == (4, 1)
 
@@ -218,8 +241,7 @@ def _check_step(case) -> None:
     with sharding.use_mesh(mesh):
         loss, grads = lora_loss_and_grads(lora_model, tokens_on(cfg, mesh, batch, 2 * seq))
     assert np.isfinite(float(loss)), mesh_id(mesh_shape)
-    grads = {"/".join(map(str, p)): np.asarray(v) for p, v in
-             nnx.to_flat_state(grads)}
+    grads = {"/".join(map(str, p)): np.asarray(v) for p, v in nnx.to_flat_state(grads)}
     assert len(grads) == expected_adapters(cfg)
     assert all(k.endswith(("_lora_a", "_lora_b")) for k in grads)
     assert any(np.abs(g).max() > 0 for k, g in grads.items() if k.endswith("_lora_b"))
@@ -262,8 +284,14 @@ def test_apply_lora_on_16_device_meshes():
     """)
     env = {**os.environ, "POSTTRAIN_DEVICES": "16"}
     env.pop("XLA_FLAGS", None)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=os.path.dirname(os.path.dirname(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -273,8 +301,11 @@ def test_apply_lora_on_16_device_meshes():
 @pytest.mark.devices(8)
 def test_old_dummy_rule_fails_with_fsdp():
     """With the old rule (dummy batch = data axis) apply_lora fails on an fsdp=4 mesh."""
-    with pytest.raises(ValueError, match=r"activation_batch\) of size 1 is not divisible by "
-                                         r"mesh axes fsdp=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"activation_batch\) of size 1 is not divisible by "
+        r"mesh axes fsdp=4",
+    ):
         check_apply("llama3-tiny", False, {"fsdp": 4, "tensor": 2}, old_dummy_shape)
 
 
@@ -284,8 +315,11 @@ def test_old_dummy_rule_property_shrinks_to_minimal_mesh():
     (in the strategy's order) where the batch is sharded by more than the data axis."""
     cfg = get_config("llama3-tiny")
     strategy = meshes(cfg, 8, ALL_AXES)
-    shapes = strategy.wrapped_strategy.elements if hasattr(strategy, "wrapped_strategy") \
+    shapes = (
+        strategy.wrapped_strategy.elements
+        if hasattr(strategy, "wrapped_strategy")
         else strategy.elements
+    )
     minimal = next(m for m in shapes if sharding.data_parallel_size(m) != m.get("data", 1))
     failing = []
 
@@ -324,24 +358,30 @@ def test_zero_adapter_step_and_merge_roundtrip(preset, scan, experts):
     assert len(lora_params(lora_model)) == expected_adapters(cfg, experts)
     tokens = tokens_on(cfg, mesh, 4, 8)
     with sharding.use_mesh(mesh):
-        np.testing.assert_allclose(forward(lora_model, tokens), forward(base, tokens),
-                                   atol=ZERO_ADAPTER_ATOL)
-        before = {"/".join(map(str, p)): np.asarray(v) for p, v in
-                  nnx.to_flat_state(nnx.state(lora_model))}
+        np.testing.assert_allclose(
+            forward(lora_model, tokens), forward(base, tokens), atol=ZERO_ADAPTER_ATOL
+        )
+        before = {
+            "/".join(map(str, p)): np.asarray(v)
+            for p, v in nnx.to_flat_state(nnx.state(lora_model))
+        }
         tx = optax.sgd(0.5)
         lora_state = nnx.state(lora_model, nnx.LoRAParam)
         _, grads = lora_loss_and_grads(lora_model, tokens)
         updates, _ = tx.update(grads, tx.init(lora_state), lora_state)
         nnx.update(lora_model, optax.apply_updates(lora_state, updates))
-        after = {"/".join(map(str, p)): np.asarray(v) for p, v in
-                 nnx.to_flat_state(nnx.state(lora_model))}
+        after = {
+            "/".join(map(str, p)): np.asarray(v)
+            for p, v in nnx.to_flat_state(nnx.state(lora_model))
+        }
         changed = {k for k in before if not np.array_equal(before[k], after[k])}
         assert changed and all(k.endswith("_lora_b") for k in changed), sorted(changed)[:5]
 
         randomise_adapters(lora_model)
         merged = merge_lora(lora_model)
-        np.testing.assert_allclose(forward(merged, tokens), forward(lora_model, tokens),
-                                   atol=MERGED_ATOL)
+        np.testing.assert_allclose(
+            forward(merged, tokens), forward(lora_model, tokens), atol=MERGED_ATOL
+        )
     restored, original = flat_params(unmerge_lora(merged, lora_model)), flat_params(base)
     assert restored.keys() == original.keys()
     for key in original:
@@ -384,19 +424,43 @@ def test_qlora_scanned_runs_and_adapts(qtype, tile_size):
 @pytest.mark.parametrize(
     ("preset", "mesh_shape", "lora", "error", "message"),
     [
-        ("llama3-tiny", {"fsdp": 8}, LORA.replace(target=".*/no_such_module"), ValueError,
-         r"matches no module path of llama3; paths look like: .*model/layers/0/self_attn/q_proj"),
-        ("llama3-tiny", {"fsdp": 8}, LORA.replace(target=".*/self_attn"), ValueError,
-         r"matched 2 modules \(model/layers/0/self_attn, .*\) but Qwix created no nnx.LoRAParam"),
-        ("qwen3-tiny", {"tensor": 8}, LORA, ValueError,
-         "num_kv_heads=4 is not divisible by mesh axes tensor=8"),
-        ("qwen3_moe-tiny", {"fsdp": 8}, LORA.replace(experts=True), ValueError,
-         "LoRA on routed experts .* needs moe.algorithm='dense'"),
-        ("llama3-tiny", {"fsdp": 8}, LORA.replace(dropout=0.1), NotImplementedError,
-         "dropout=0.1"),
+        (
+            "llama3-tiny",
+            {"fsdp": 8},
+            LORA.replace(target=".*/no_such_module"),
+            ValueError,
+            r"matches no module path of llama3; paths look like: .*model/layers/0/self_attn/q_proj",
+        ),
+        (
+            "llama3-tiny",
+            {"fsdp": 8},
+            LORA.replace(target=".*/self_attn"),
+            ValueError,
+            r"matched 2 modules \(model/layers/0/self_attn, .*\) but Qwix created no nnx.LoRAParam",
+        ),
+        (
+            "qwen3-tiny",
+            {"tensor": 8},
+            LORA,
+            ValueError,
+            "num_kv_heads=4 is not divisible by mesh axes tensor=8",
+        ),
+        (
+            "qwen3_moe-tiny",
+            {"fsdp": 8},
+            LORA.replace(experts=True),
+            ValueError,
+            "LoRA on routed experts .* needs moe.algorithm='dense'",
+        ),
+        ("llama3-tiny", {"fsdp": 8}, LORA.replace(dropout=0.1), NotImplementedError, "dropout=0.1"),
     ],
-    ids=["target-matches-nothing", "target-without-weights", "mesh-does-not-divide",
-         "experts-sorted", "dropout"],
+    ids=[
+        "target-matches-nothing",
+        "target-without-weights",
+        "mesh-does-not-divide",
+        "experts-sorted",
+        "dropout",
+    ],
 )
 def test_apply_lora_rejects_bad_input(preset, mesh_shape, lora, error, message):
     """Unusable targets, meshes and options fail before any compile, saying what is wrong."""
@@ -414,8 +478,9 @@ def test_save_load_across_layouts_and_config_check(tmp_path):
     """An adapter saved from a scanned model loads into an unscanned one (same values,
     unstacked); loading into a model with another rank/alpha lists each difference."""
     mesh = sharding.make_mesh({"fsdp": 4, "data": 2})
-    scanned = apply_lora(placed_model(get_config("gemma4-tiny", scan_layers=True), mesh), mesh,
-                         LORA)
+    scanned = apply_lora(
+        placed_model(get_config("gemma4-tiny", scan_layers=True), mesh), mesh, LORA
+    )
     randomise_adapters(scanned)
     save_adapter(scanned, tmp_path / "adapter")
     plain = apply_lora(placed_model(get_config("gemma4-tiny"), mesh), mesh, LORA)
@@ -426,10 +491,14 @@ def test_save_load_across_layouts_and_config_check(tmp_path):
         i = int(parts[2])  # model.layers.{i}...
         block = ".".join(["model", "blocks", str(i % 2), *parts[3:]])
         np.testing.assert_array_equal(np.asarray(value), np.asarray(stacked[block])[i // 2])
-    other = apply_lora(placed_model(get_config("gemma4-tiny"), mesh), mesh,
-                       LoraConfig(rank=2, alpha=4.0))
-    with pytest.raises(ValueError, match=r"rank 4 \(adapter\) != 2 \(model\); "
-                                         r"alpha 8.0 \(adapter\) != 4.0 \(model\)"):
+    other = apply_lora(
+        placed_model(get_config("gemma4-tiny"), mesh), mesh, LoraConfig(rank=2, alpha=4.0)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"rank 4 \(adapter\) != 2 \(model\); "
+        r"alpha 8.0 \(adapter\) != 4.0 \(model\)",
+    ):
         load_adapter(other, tmp_path / "adapter")
 
 
@@ -446,11 +515,14 @@ def test_peft_export_matches_conversion_layout(tmp_path, preset):
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
     assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"} | (
-        {"gate_proj", "up_proj", "down_proj"} if cfg.moe is None else set())
+        {"gate_proj", "up_proj", "down_proj"} if cfg.moe is None else set()
+    )
     tensors = safetensors.numpy.load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     table = TABLES[cfg.family]
-    rows = {e.native_keys[0]: e for e in expand(table.rows, cfg.replace(scan_layers=False),
-                                                table.layouts[0])}
+    rows = {
+        e.native_keys[0]: e
+        for e in expand(table.rows, cfg.replace(scan_layers=False), table.layouts[0])
+    }
     deltas = lora_deltas(lora_model)
     checked = 0
     for key, delta in deltas.items():  # model.blocks.{p}.<rest>, stacked
@@ -464,8 +536,11 @@ def test_peft_export_matches_conversion_layout(tmp_path, preset):
             got = tensors[module + ".lora_B.weight"] @ tensors[module + ".lora_A.weight"]
             np.testing.assert_allclose(got * LORA.scale, hf, atol=1e-5, err_msg=native)
             checked += 1
-    assert checked == len(tensors) // 2 == expected_adapters(cfg) // 2 * cfg.num_layers // (
-        cfg.layer_period)
+    assert (
+        checked
+        == len(tensors) // 2
+        == expected_adapters(cfg) // 2 * cfg.num_layers // (cfg.layer_period)
+    )
 
 
 @pytest.mark.devices(8)
@@ -475,8 +550,11 @@ def test_peft_export_rejects_expert_adapters(tmp_path):
     cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, algorithm="dense"))
     mesh = sharding.make_mesh({"fsdp": 8})
     lora_model = apply_lora(placed_model(cfg, mesh), mesh, LORA.replace(experts=True))
-    with pytest.raises(ValueError, match=r"PEFT export supports adapters on attention and dense "
-                                         r"MLP projections .*experts\.(gate|up|down)_proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"PEFT export supports adapters on attention and dense "
+        r"MLP projections .*experts\.(gate|up|down)_proj",
+    ):
         export_peft(lora_model, tmp_path / "peft")
 
 
@@ -520,10 +598,12 @@ def test_peft_adapter_on_transformers_matches_native_lora(tmp_path, family, scan
     hf = hf_tiny.build(family)  # same seed: the weights saved above
     model = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
     with torch.no_grad():
-        out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long),
-                    attention_mask=torch.as_tensor(mask, dtype=torch.long),
-                    position_ids=torch.as_tensor(positions_for(mask), dtype=torch.long),
-                    use_cache=False)
+        out = model(
+            input_ids=torch.as_tensor(tokens, dtype=torch.long),
+            attention_mask=torch.as_tensor(mask, dtype=torch.long),
+            position_ids=torch.as_tensor(positions_for(mask), dtype=torch.long),
+            use_cache=False,
+        )
     parity = compare(out.logits.float().numpy(), native, mask)
     assert parity.mean_kl <= PEFT_MAX_KL, parity.line()
     base_parity = compare(out.logits.float().numpy(), native_logits(base, tokens, mask), mask)

@@ -29,22 +29,40 @@ def test_compat_entries_cover_every_release_in_both_flavours():
         if not e.emulated:
             assert EXPECTED[e.tunix] == e.convention, e.name
     assert {e.name for e in matrix.select(entries)} == {
-        "tunix-0.1.5", "tunix-0.1.7", "tunix-main-emulated"}
+        "tunix-0.1.5",
+        "tunix-0.1.7",
+        "tunix-main-emulated",
+    }
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ('[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound9"\n',
-     "entry 0 (a): convention 'bound9'"),
-    ('[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound2"\npinz=[]\n',
-     "unknown field(s) ['pinz']"),
-    ('[[entry]]\nname="m"\ntunix="main"\nflavour="emulated"\nconvention="bound2"\n'
-     'emulated=true\nbase="nope"\n', "base 'nope' is not an entry"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound9"\n',
+            "entry 0 (a): convention 'bound9'",
+        ),
+        (
+            '[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound2"\npinz=[]\n',
+            "unknown field(s) ['pinz']",
+        ),
+        (
+            '[[entry]]\nname="m"\ntunix="main"\nflavour="emulated"\nconvention="bound2"\n'
+            'emulated=true\nbase="nope"\n',
+            "base 'nope' is not an entry",
+        ),
+    ],
+)
 def test_bad_entries_are_named(tmp_path, text, message):
     path = tmp_path / "entries.toml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")
-                       .replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        ValueError,
+        match=message.replace("(", r"\(")
+        .replace(")", r"\)")
+        .replace("[", r"\[")
+        .replace("]", r"\]"),
+    ):
         matrix.load_entries(path)
 
 
@@ -52,7 +70,10 @@ def test_only_selects_by_name_or_prefix_and_rejects_unknown():
     entries = matrix.load_entries()
     assert [e.name for e in matrix.select(entries, ["tunix-0.1.6"])] == ["tunix-0.1.6"]
     assert [e.name for e in matrix.select(entries, ["tunix-0.0", "tunix-0.1.7-era"])] == [
-        "tunix-0.0.2", "tunix-0.0.2-era", "tunix-0.1.7-era"]
+        "tunix-0.0.2",
+        "tunix-0.0.2-era",
+        "tunix-0.1.7-era",
+    ]
     assert len(matrix.select(entries, all_entries=True)) == len(entries)
     with pytest.raises(ValueError, match="--only 'x' matches no entry"):
         matrix.select(entries, ["x"])
@@ -60,8 +81,9 @@ def test_only_selects_by_name_or_prefix_and_rejects_unknown():
 
 @pytest.mark.skipif(shutil.which("uv") is None, reason="the env build uses uv here")
 def test_an_environment_that_cannot_be_built_is_an_error_row(tmp_path):
-    entry = matrix.Entry(name="broken", tunix="0.0.0", flavour="current",
-                         convention="bound2")  # google-tunix==0.0.0 does not exist
+    entry = matrix.Entry(
+        name="broken", tunix="0.0.0", flavour="current", convention="bound2"
+    )  # google-tunix==0.0.0 does not exist
     env = matrix.EnvCache(tmp_path / "envs").ensure(entry)
     assert env.path is None and "google-tunix" in env.error, env.error
     assert not list((tmp_path / "envs").iterdir())  # nothing half-built is kept
@@ -86,8 +108,9 @@ def test_a_warm_cache_rebuilds_nothing(tmp_path):
     assert first.built and len(calls) == 2
     again = cache.ensure(entry)
     assert not again.built and again.path == first.path and len(calls) == 2
-    other = matrix.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2",
-                         pins=("qwix==0.1.5",))
+    other = matrix.Entry(
+        name="e", tunix="0.1.7", flavour="current", convention="bound2", pins=("qwix==0.1.5",)
+    )
     assert cache.path(other) != cache.path(entry)  # pins are part of the key
     cache.ensure(entry, rebuild=True)
     assert len(calls) == 4
@@ -108,26 +131,41 @@ E   ImportError: cannot import name 'List'</error></testcase>
     path = tmp_path / "junit.xml"
     path.write_text(xml)
     cells = matrix.junit_cells(path)
-    assert cells == {"tunix.X": {"status": "fail", "message": "AssertionError: 2 != 3"},
-                     "test_c": {"status": "skip", "message": "no tunix"},
-                     "contracts.test_d": {"status": "error", "message": "collection failure: "
-                                          "ImportError: cannot import name 'List'"}}
+    assert cells == {
+        "tunix.X": {"status": "fail", "message": "AssertionError: 2 != 3"},
+        "test_c": {"status": "skip", "message": "no tunix"},
+        "contracts.test_d": {
+            "status": "error",
+            "message": "collection failure: ImportError: cannot import name 'List'",
+        },
+    }
 
 
 def row(name, flavour, cells, sft="pass"):
-    return {"name": name, "tunix": name, "flavour": flavour, "convention": "bound2",
-            "emulated": False, "env": {"built": False, "seconds": 1.0, "error": None},
-            "versions": {"jax": "0.10.2"}, "seconds": 1.0,
-            "contracts": {k: {"status": v, "message": "" if v == "pass" else f"boom in {name}"}
-                          for k, v in cells.items()},
-            "sft": {"status": sft, "message": "ok" if sft == "pass" else "sft broke"}}
+    return {
+        "name": name,
+        "tunix": name,
+        "flavour": flavour,
+        "convention": "bound2",
+        "emulated": False,
+        "env": {"built": False, "seconds": 1.0, "error": None},
+        "versions": {"jax": "0.10.2"},
+        "seconds": 1.0,
+        "contracts": {
+            k: {"status": v, "message": "" if v == "pass" else f"boom in {name}"}
+            for k, v in cells.items()
+        },
+        "sft": {"status": sft, "message": "ok" if sft == "pass" else "sft broke"},
+    }
 
 
 def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
-    rows = [row("v1", "current", {"A": "fail", "B": "pass"}),
-            row("v2", "current", {"A": "pass", "B": "pass"}),
-            row("v3", "current", {"A": "fail", "B": "error"}, sft="fail"),
-            row("v1-era", "era", {"A": "pass", "B": "pass"})]
+    rows = [
+        row("v1", "current", {"A": "fail", "B": "pass"}),
+        row("v2", "current", {"A": "pass", "B": "pass"}),
+        row("v3", "current", {"A": "fail", "B": "error"}, sft="fail"),
+        row("v1-era", "era", {"A": "pass", "B": "pass"}),
+    ]
     built = report.build(rows, "test machine")
     firsts = {(f["flavour"], f["contract"]): f for f in built["first_failures"]}
     assert firsts[("current", "A")]["first_failing"] == "v1"  # fails from the start
@@ -145,20 +183,33 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
 
 
 def test_update_merges_rerun_rows_into_the_report_in_entry_order(tmp_path):
-    report.write(report.build([row("v1", "current", {"A": "pass"}),
-                               row("v2", "current", {"A": "fail"})], "m"), tmp_path)
-    merged = report.merge(tmp_path, [row("v2", "current", {"A": "pass"}),
-                                     row("v0", "current", {"A": "pass"})], ["v0", "v1", "v2"])
+    report.write(
+        report.build(
+            [row("v1", "current", {"A": "pass"}), row("v2", "current", {"A": "fail"})], "m"
+        ),
+        tmp_path,
+    )
+    merged = report.merge(
+        tmp_path,
+        [row("v2", "current", {"A": "pass"}), row("v0", "current", {"A": "pass"})],
+        ["v0", "v1", "v2"],
+    )
     assert [r["name"] for r in merged] == ["v0", "v1", "v2"]
     assert merged[2]["contracts"]["A"]["status"] == "pass"
 
 
 def test_first_error_prefers_the_exception_line_over_progress_noise():
-    noisy = ("Training: 75%| WARNING:absl:Path x could not be identified. Got error: Expected\n"
-             "Traceback (most recent call last):\n  File \"x.py\", line 1\n"
-             "AttributeError: 'int' object has no attribute 'endswith'\n")
+    noisy = (
+        "Training: 75%| WARNING:absl:Path x could not be identified. Got error: Expected\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1\n'
+        "AttributeError: 'int' object has no attribute 'endswith'\n"
+    )
     assert matrix._first_error(noisy) == "AttributeError: 'int' object has no attribute 'endswith'"
-    uv = ("error: No solution found when resolving dependencies\n"
-          "  cause: Because there is no version of google-tunix==0.0.0\n")
-    assert matrix._first_error(uv) == ("error: No solution found when resolving dependencies "
-                                       "Because there is no version of google-tunix==0.0.0")
+    uv = (
+        "error: No solution found when resolving dependencies\n"
+        "  cause: Because there is no version of google-tunix==0.0.0\n"
+    )
+    assert matrix._first_error(uv) == (
+        "error: No solution found when resolving dependencies "
+        "Because there is no version of google-tunix==0.0.0"
+    )

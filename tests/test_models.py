@@ -39,8 +39,9 @@ MESH_EXAMPLES = max(3, settings().max_examples // 7)
 
 
 def tokens_for(cfg, batch=BATCH, seq=SEQ, seed=0):
-    return jnp.asarray(np.random.RandomState(seed).randint(0, cfg.vocab_size, (batch, seq)),
-                       dtype=jnp.int32)
+    return jnp.asarray(
+        np.random.RandomState(seed).randint(0, cfg.vocab_size, (batch, seq)), dtype=jnp.int32
+    )
 
 
 @functools.cache
@@ -58,8 +59,12 @@ def sharded_logits(cfg, mesh_shape) -> np.ndarray:
         tokens = jax.device_put(
             tokens_for(cfg),
             jax.sharding.NamedSharding(
-                mesh, sharding.logical_to_spec(("activation_batch", "activation_length"),
-                                               (BATCH, SEQ), dict(mesh.shape))))
+                mesh,
+                sharding.logical_to_spec(
+                    ("activation_batch", "activation_length"), (BATCH, SEQ), dict(mesh.shape)
+                ),
+            ),
+        )
         logits, _ = nnx.jit(lambda m, t: m.forward(t))(model, tokens)
     return np.asarray(logits)
 
@@ -86,8 +91,9 @@ def test_sharded_forward_equals_single_device(name, data):
     cfg = get_config(name)
     mesh_shape = data.draw(meshes(cfg), label="mesh")
     got = sharded_logits(cfg, mesh_shape)
-    np.testing.assert_allclose(got, reference_logits(name), atol=SHARDED_ATOL,
-                               err_msg=f"{name} on {mesh_id(mesh_shape)}")
+    np.testing.assert_allclose(
+        got, reference_logits(name), atol=SHARDED_ATOL, err_msg=f"{name} on {mesh_id(mesh_shape)}"
+    )
 
 
 @pytest.mark.devices(8)
@@ -127,8 +133,9 @@ def test_scan_equals_unscanned(name):
     want, want_aux = plain.forward(tokens)
     got, got_aux = scanned.forward(tokens)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
-    np.testing.assert_allclose(float(got_aux["moe_aux_loss"]), float(want_aux["moe_aux_loss"]),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        float(got_aux["moe_aux_loss"]), float(want_aux["moe_aux_loss"]), rtol=1e-5
+    )
 
 
 def loss_and_grads(model: CausalLM, tokens):
@@ -153,13 +160,16 @@ def test_remat_policies_same_loss_and_grads(name, scan):
     if not scan:  # the dense expert path here, the default sorted path in the scanned case
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, algorithm="dense"))
     tokens = tokens_for(cfg, batch=2)
-    results = {policy: loss_and_grads(build_model(cfg.replace(remat=policy)), tokens)
-               for policy in ("none", "full", "save_dots")}
+    results = {
+        policy: loss_and_grads(build_model(cfg.replace(remat=policy)), tokens)
+        for policy in ("none", "full", "save_dots")
+    }
     loss0, grads0 = results["none"]
     for policy in ("full", "save_dots"):
         loss, grads = results[policy]
         assert loss == pytest.approx(loss0, rel=1e-6)
         assert grads.keys() == grads0.keys()
         for key in grads0:
-            np.testing.assert_allclose(grads[key], grads0[key], atol=REMAT_GRAD_ATOL,
-                                       err_msg=f"{policy} {key}")
+            np.testing.assert_allclose(
+                grads[key], grads0[key], atol=REMAT_GRAD_ATOL, err_msg=f"{policy} {key}"
+            )

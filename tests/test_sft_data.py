@@ -12,9 +12,13 @@ from hypothesis import strategies as st
 from posttrain.sft import data, default_data, tokenizer
 
 TOK = tokenizer.byte_tokenizer()
-CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
-        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Again"},
-        {"role": "assistant", "content": "Hey"}]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi?"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Again"},
+    {"role": "assistant", "content": "Hey"},
+]
 
 
 def write_jsonl(path, lines):
@@ -36,18 +40,23 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
     decoded_targets = TOK.decode(ex.tokens[ex.loss_mask].tolist(), skip_special_tokens=False)
     assert decoded_targets == "Hello!<|im_end|>Hey<|im_end|>"
     full = TOK.decode(ex.tokens.tolist(), skip_special_tokens=False)
-    assert full == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
-                    "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n"
-                    "<|im_start|>assistant\nHey<|im_end|>\n")
+    assert full == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n"
+        "<|im_start|>assistant\nHey<|im_end|>\n"
+    )
 
 
-@pytest.mark.parametrize(("line", "message"), [
-    ("{not json", "not valid JSON"),
-    ('{"text": "x"}', 'expected {"messages"'),
-    ('{"messages": [{"role": "robot", "content": "x"}]}', "unknown role 'robot'"),
-    ('{"messages": [{"role": "user", "content": 3}]}', "needs string 'role' and 'content'"),
-    ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant message"),
-])
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"text": "x"}', 'expected {"messages"'),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', "unknown role 'robot'"),
+        ('{"messages": [{"role": "user", "content": 3}]}', "needs string 'role' and 'content'"),
+        ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant message"),
+    ],
+)
 def test_bad_lines_are_named(tmp_path, line, message):
     good = json.dumps({"messages": CHAT})
     path = write_jsonl(tmp_path / "d.jsonl", [good, line])
@@ -68,22 +77,29 @@ def test_empty_and_missing_datasets(tmp_path):
 def test_overflow_truncates_or_rejects():
     n = len(data.encode_chat(CHAT, TOK).tokens)
     (ex,) = data.encode_dataset([CHAT], TOK, n - 5)
-    assert len(ex.tokens) == n - 5 and ex.loss_mask.sum() == data.encode_chat(
-        CHAT, TOK).loss_mask[: n - 5].sum()
-    with pytest.raises(ValueError, match=f"conversation 0 has {n} tokens, more than "
-                                         f"max_target_length={n - 5}"):
+    assert (
+        len(ex.tokens) == n - 5
+        and ex.loss_mask.sum() == data.encode_chat(CHAT, TOK).loss_mask[: n - 5].sum()
+    )
+    with pytest.raises(
+        ValueError, match=f"conversation 0 has {n} tokens, more than max_target_length={n - 5}"
+    ):
         data.encode_dataset([CHAT], TOK, n - 5, overflow="reject")
     # Truncated before any assistant token: nothing left to train on.
     with pytest.raises(ValueError, match="empty dataset"):
         data.encode_dataset([CHAT], TOK, 10)
 
 
-@given(lengths=st.lists(st.integers(2, 30), min_size=1, max_size=12), row=st.integers(30, 64),
-       packing=st.booleans())
+@given(
+    lengths=st.lists(st.integers(2, 30), min_size=1, max_size=12),
+    row=st.integers(30, 64),
+    packing=st.booleans(),
+)
 def test_rows_keep_every_token_once(lengths, row, packing):
     rng = np.random.default_rng(len(lengths))
-    examples = [data.Example(rng.integers(1, 250, n).astype(np.int32), rng.random(n) < 0.5)
-                for n in lengths]
+    examples = [
+        data.Example(rng.integers(1, 250, n).astype(np.int32), rng.random(n) < 0.5) for n in lengths
+    ]
     rows = data.to_rows(examples, row, packing=packing, pad_id=0)
     seg = rows["segment_ids"]
     # Every example appears once, contiguous, positions restart at 0 in each segment.
@@ -117,7 +133,7 @@ def test_batches_carry_the_step_target_count_and_are_deterministic():
         assert all((m["step_target_tokens"] == total).all() for _, m in step)
     assert per_row.sum() > 0
     # Accumulated micro-batches are the rows of the one large batch, in order.
-    (_, big), = list(zip(range(1), data.batches(rows, 12, 1, seed=1), strict=False))
+    ((_, big),) = list(zip(range(1), data.batches(rows, 12, 1, seed=1), strict=False))
     micro = np.concatenate([m["input_tokens"] for _, m in a[:3]])
     assert np.array_equal(micro, big["input_tokens"])
 

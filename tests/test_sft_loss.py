@@ -21,8 +21,9 @@ def model():
 
 def rows_for(lengths, row, seed=0, packing=True):
     rng = np.random.default_rng(seed)
-    examples = [data.Example(rng.integers(1, 250, n).astype(np.int32), rng.random(n) < 0.6)
-                for n in lengths]
+    examples = [
+        data.Example(rng.integers(1, 250, n).astype(np.int32), rng.random(n) < 0.6) for n in lengths
+    ]
     return examples, data.to_rows(examples, row, packing=packing, pad_id=0)
 
 
@@ -45,8 +46,11 @@ def test_nll_matches_a_hand_computed_value():
     _, rows = rows_for([7, 9, 5, 12], 32)
     m = model()
     terms = jax.jit(lambda r: loss.sft_terms(m, **r))({k: jnp.asarray(v) for k, v in rows.items()})
-    logits, _ = m.forward(jnp.asarray(rows["input_tokens"]), jnp.asarray(rows["positions"]),
-                          loss.packed_attention_mask(jnp.asarray(rows["segment_ids"])))
+    logits, _ = m.forward(
+        jnp.asarray(rows["input_tokens"]),
+        jnp.asarray(rows["positions"]),
+        loss.packed_attention_mask(jnp.asarray(rows["segment_ids"])),
+    )
     want, count = hand_nll(logits, rows)
     assert count == int(data.count_targets(rows).sum()) > 0
     assert float(terms["target_tokens"]) == count
@@ -77,8 +81,9 @@ def test_padding_never_contributes():
 
     @jax.jit
     def value_and_grad(r):
-        return jax.value_and_grad(
-            lambda p: loss.sft_terms(nnx.merge(graphdef, p), **r)["nll_sum"])(params)
+        return jax.value_and_grad(lambda p: loss.sft_terms(nnx.merge(graphdef, p), **r)["nll_sum"])(
+            params
+        )
 
     v1, g1 = value_and_grad({k: jnp.asarray(v) for k, v in rows.items()})
     v2, g2 = value_and_grad({k: jnp.asarray(v) for k, v in noisy.items()})
@@ -89,10 +94,18 @@ def test_padding_never_contributes():
 
 def test_step_objective_is_one_large_batch_not_a_mean_of_means():
     """Micro-batches with different target counts: the shares sum to total NLL / total tokens."""
-    terms = [{"nll_sum": jnp.float32(30.0), "target_tokens": jnp.float32(10.0),
-              "moe_aux_loss": jnp.float32(0.5)},
-             {"nll_sum": jnp.float32(4.0), "target_tokens": jnp.float32(2.0),
-              "moe_aux_loss": jnp.float32(1.5)}]
+    terms = [
+        {
+            "nll_sum": jnp.float32(30.0),
+            "target_tokens": jnp.float32(10.0),
+            "moe_aux_loss": jnp.float32(0.5),
+        },
+        {
+            "nll_sum": jnp.float32(4.0),
+            "target_tokens": jnp.float32(2.0),
+            "moe_aux_loss": jnp.float32(1.5),
+        },
+    ]
     step = jnp.full((4,), 12, jnp.int32)
     shares = [loss.step_objective(t, step, moe_aux_weight=0.1, grad_accum_steps=2) for t in terms]
     assert float(sum(shares)) == pytest.approx(34.0 / 12 + 0.1 * (0.5 + 1.5) / 2)

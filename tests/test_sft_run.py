@@ -40,8 +40,14 @@ def test_cli_embedded_run_trains_and_writes_checkpoint_and_metrics(tmp_path, cap
 
 def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path):
     mesh = {"data": 2, "fsdp": jax.device_count() // 4, "tensor": 2}
-    common = {"steps": 5, "grad_accum": 2, "max_target_length": 64, "save_every": 1,
-              "per_device_batch_size": 1, "mesh": mesh}
+    common = {
+        "steps": 5,
+        "grad_accum": 2,
+        "max_target_length": 64,
+        "save_every": 1,
+        "per_device_batch_size": 1,
+        "mesh": mesh,
+    }
     full = run_sft(SFTConfig(**common, output=str(tmp_path / "full")))
     first = run_sft(SFTConfig(**common, stop_after=2, output=str(tmp_path / "cut")))
     resumed = run_sft(SFTConfig(**common, output=str(tmp_path / "cut")))
@@ -57,31 +63,53 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
 
 
 def test_lora_run_checkpoints_only_the_adapters(tmp_path):
-    result = run_sft(SFTConfig(model="llama3-tiny", lora_rank=4, steps=2,
-                               max_target_length=64, output=str(tmp_path / "lora")))
+    result = run_sft(
+        SFTConfig(
+            model="llama3-tiny",
+            lora_rank=4,
+            steps=2,
+            max_target_length=64,
+            output=str(tmp_path / "lora"),
+        )
+    )
     assert 0 < result.trainable < result.params / 5
-    meta = json.loads((tmp_path / "lora" / "checkpoints" / "2" / "model_params" /
-                       "_METADATA").read_text())
+    meta = json.loads(
+        (tmp_path / "lora" / "checkpoints" / "2" / "model_params" / "_METADATA").read_text()
+    )
     keys = list(meta["tree_metadata"])
     assert keys and all("_lora_a" in k or "_lora_b" in k for k in keys), keys[:4]
     assert (tmp_path / "lora" / "adapter-step2").is_dir()
     assert (tmp_path / "lora" / "model-step2").is_dir()  # merged weights
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--per-device-batch-size", "0"], "per_device_batch_size=0; expected >= 1"),
-    (["--mesh", "fsdp=3"], f"mesh {{fsdp=3}} has 3 devices but {jax.device_count()} devices"),
-    (["--model", "no-such-model"], "neither a preset"),
-    (["--data", "{bad}"], ", line 1: not valid JSON"),
-    (["--data", "{long}", "--overflow", "reject", "--max-target-length", "32"],
-     "more than max_target_length=32"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--per-device-batch-size", "0"], "per_device_batch_size=0; expected >= 1"),
+        (["--mesh", "fsdp=3"], f"mesh {{fsdp=3}} has 3 devices but {jax.device_count()} devices"),
+        (["--model", "no-such-model"], "neither a preset"),
+        (["--data", "{bad}"], ", line 1: not valid JSON"),
+        (
+            ["--data", "{long}", "--overflow", "reject", "--max-target-length", "32"],
+            "more than max_target_length=32",
+        ),
+    ],
+)
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
     long = tmp_path / "long.jsonl"
-    long.write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
-                                             {"role": "assistant", "content": "a" * 100}]}) + "\n")
+    long.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a" * 100},
+                ]
+            }
+        )
+        + "\n"
+    )
     argv = [a.format(bad=bad, long=long) for a in argv]
     assert cli.main(["sft", "--output", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err.strip()

@@ -43,13 +43,22 @@ def sources(call: str, bound: str | None, donated: str = '"optimizer",'):
 @pytest.mark.parametrize(
     ("call", "bound", "expected"),
     [
-        ("train_loss, aux = train_step(self.model, self.optimizer, train_example)", None,
-         "positional3"),
-        ("train_loss, aux, grad_norm = train_step(train_example)",
-         "self.model, self.optimizer", "bound2"),
-        ("train_loss, aux, grad_norm = train_step(train_example, "
-         "is_update_step=jnp.array(is_update, dtype=jnp.bool_))",
-         "self.model, self.optimizer, self.grad_accumulator", "bound3_update"),
+        (
+            "train_loss, aux = train_step(self.model, self.optimizer, train_example)",
+            None,
+            "positional3",
+        ),
+        (
+            "train_loss, aux, grad_norm = train_step(train_example)",
+            "self.model, self.optimizer",
+            "bound2",
+        ),
+        (
+            "train_loss, aux, grad_norm = train_step(train_example, "
+            "is_update_step=jnp.array(is_update, dtype=jnp.bool_))",
+            "self.model, self.optimizer, self.grad_accumulator",
+            "bound3_update",
+        ),
     ],
     ids=["tunix-0.1.5-positional3", "tunix-0.1.7-bound2", "tunix-main-bound3-update"],
 )
@@ -61,20 +70,34 @@ def test_known_shapes_are_recognised(call, bound, expected):
 
 def test_main_convention_step_parameters():
     """On main the step needs parameters named optimizer and grad_accumulator (donated by name)."""
-    got = tunix_compat.detect_from_source(*sources(
-        "loss, aux, g = train_step(train_example, is_update_step=flag)",
-        "self.model, self.optimizer, self.grad_accumulator"))
-    assert got.step_parameters == ("model", "optimizer", "grad_accumulator", "inputs",
-                                   "is_update_step")
+    got = tunix_compat.detect_from_source(
+        *sources(
+            "loss, aux, g = train_step(train_example, is_update_step=flag)",
+            "self.model, self.optimizer, self.grad_accumulator",
+        )
+    )
+    assert got.step_parameters == (
+        "model",
+        "optimizer",
+        "grad_accumulator",
+        "inputs",
+        "is_update_step",
+    )
 
 
 @pytest.mark.parametrize(
     ("call", "bound", "found"),
     [
-        ("loss, aux, g, extra = train_step(train_example)", "self.model, self.optimizer",
-         "unpacks 4 values"),
-        ("loss, aux, g = train_step(train_example, micro_step=i)", "self.model, self.optimizer",
-         "micro_step=..."),
+        (
+            "loss, aux, g, extra = train_step(train_example)",
+            "self.model, self.optimizer",
+            "unpacks 4 values",
+        ),
+        (
+            "loss, aux, g = train_step(train_example, micro_step=i)",
+            "self.model, self.optimizer",
+            "micro_step=...",
+        ),
         ("loss, aux, g = train_step(train_example)", "self.model", "binds (model)"),
     ],
     ids=["four-returns", "new-keyword", "model-only-bound"],

@@ -119,9 +119,13 @@ def qwix_quantize(x: jax.Array, how):
     import qwix
 
     if hasattr(qwix, "quantize"):
-        return qwix.quantize(x, how.qtype, channelwise_axes=how.channelwise_axes,
-                             tiled_axes=how.tiled_axes,
-                             calibration_method=how.calibration_method)
+        return qwix.quantize(
+            x,
+            how.qtype,
+            channelwise_axes=how.channelwise_axes,
+            tiled_axes=how.tiled_axes,
+            calibration_method=how.calibration_method,
+        )
     from qwix._src.core import qarray
 
     return qarray.quantize(x, how)
@@ -151,6 +155,9 @@ def quantised_weight(weight):
     from qwix._src.core import einsum as qwix_einsum
 
     if not hasattr(qwix_einsum, "opt_einsum"):  # qwix <= 0.1.5
-        return jax.tree.map(lambda v: v[...] if isinstance(v, nnx.Variable) else v, weight,
-                            is_leaf=lambda v: isinstance(v, nnx.Variable))
+        return jax.tree.map(
+            lambda v: v[...] if isinstance(v, nnx.Variable) else v,
+            weight,
+            is_leaf=lambda v: isinstance(v, nnx.Variable),
+        )
     return weight

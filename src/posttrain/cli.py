@@ -25,8 +25,11 @@ def _set_devices(count: str) -> None:
     if count == "real":
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     flags.append(f"--xla_force_host_platform_device_count={int(count)}")
     os.environ["XLA_FLAGS"] = " ".join(flags)
 
@@ -52,16 +55,22 @@ def _forward(args: argparse.Namespace) -> int:
     built = time.perf_counter() - started
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     mesh_desc = ", ".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "single device"
-    print(f"model {args.model}: {n_params:,} params, {cfg.num_layers} layers, "
-          f"scan_layers={cfg.scan_layers}, remat={cfg.remat}")
-    print(f"mesh {mesh_desc} on {mesh.size} {jax.devices()[0].platform} devices; "
-          f"global batch {batch} = {args.per_device_batch_size} x data-parallel {dp}")
+    print(
+        f"model {args.model}: {n_params:,} params, {cfg.num_layers} layers, "
+        f"scan_layers={cfg.scan_layers}, remat={cfg.remat}"
+    )
+    print(
+        f"mesh {mesh_desc} on {mesh.size} {jax.devices()[0].platform} devices; "
+        f"global batch {batch} = {args.per_device_batch_size} x data-parallel {dp}"
+    )
     tokens = np.random.RandomState(args.seed).randint(0, cfg.vocab_size, (batch, args.seq))
     with sharding.use_mesh(mesh):
-        spec = sharding.logical_to_spec(("activation_batch", "activation_length"),
-                                        tokens.shape, dict(mesh.shape))
-        tokens = jax.device_put(jnp.asarray(tokens, jnp.int32),
-                                jax.sharding.NamedSharding(mesh, spec))
+        spec = sharding.logical_to_spec(
+            ("activation_batch", "activation_length"), tokens.shape, dict(mesh.shape)
+        )
+        tokens = jax.device_put(
+            jnp.asarray(tokens, jnp.int32), jax.sharding.NamedSharding(mesh, spec)
+        )
         step = nnx.jit(lambda m, t: m.forward(t))
         t0 = time.perf_counter()
         logits, aux = step(model, tokens)
@@ -73,17 +82,28 @@ def _forward(args: argparse.Namespace) -> int:
         logits.block_until_ready()
         per_step = (time.perf_counter() - t0) / args.repeats
     host = np.asarray(logits)
-    print(f"logits {list(host.shape)} float32: mean {host.mean():+.4f}, std {host.std():.4f}, "
-          f"finite {bool(np.isfinite(host).all())}; moe_aux_loss {float(aux['moe_aux_loss']):.4f}")
-    print(f"init {built:.2f} s, first forward (compile) {compiled:.2f} s, "
-          f"forward {per_step * 1e3:.1f} ms, {batch * args.seq / per_step:,.0f} tokens/s")
+    print(
+        f"logits {list(host.shape)} float32: mean {host.mean():+.4f}, std {host.std():.4f}, "
+        f"finite {bool(np.isfinite(host).all())}; moe_aux_loss {float(aux['moe_aux_loss']):.4f}"
+    )
+    print(
+        f"init {built:.2f} s, first forward (compile) {compiled:.2f} s, "
+        f"forward {per_step * 1e3:.1f} ms, {batch * args.seq / per_step:,.0f} tokens/s"
+    )
     return 0
 
 
 def _byte_size(text: str) -> int:
     """``4GB``, ``500MB``, ``1GiB`` or a plain number of bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6,
-             "gb": 10**9, "b": 1}
+    units = {
+        "kib": 1 << 10,
+        "mib": 1 << 20,
+        "gib": 1 << 30,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "b": 1,
+    }
     lower = text.strip().lower()
     for unit, factor in units.items():
         if lower.endswith(unit) and lower[: -len(unit)].strip().replace(".", "", 1).isdigit():
@@ -98,17 +118,27 @@ def _convert(args: argparse.Namespace) -> int:
 
     if (args.source_format, args.target_format) == ("hf", "native"):
         overrides = {"scan_layers": True} if args.scan else {}
-        summary = conversion.convert_hf_to_native(args.src, args.dst,
-                                                  max_shard_bytes=args.max_shard_size,
-                                                  fsync=not args.no_fsync, **overrides)
+        summary = conversion.convert_hf_to_native(
+            args.src,
+            args.dst,
+            max_shard_bytes=args.max_shard_size,
+            fsync=not args.no_fsync,
+            **overrides,
+        )
     elif (args.source_format, args.target_format) == ("native", "hf"):
-        summary = conversion.convert_native_to_hf(args.src, args.dst, layout=args.layout,
-                                                  prefix=args.prefix,
-                                                  max_shard_bytes=args.max_shard_size,
-                                                  fsync=not args.no_fsync)
+        summary = conversion.convert_native_to_hf(
+            args.src,
+            args.dst,
+            layout=args.layout,
+            prefix=args.prefix,
+            max_shard_bytes=args.max_shard_size,
+            fsync=not args.no_fsync,
+        )
     else:
-        raise ValueError(f"--from {args.source_format} --to {args.target_format}: "
-                         "convert goes hf -> native or native -> hf")
+        raise ValueError(
+            f"--from {args.source_format} --to {args.target_format}: "
+            "convert goes hf -> native or native -> hf"
+        )
     print(summary.line())
     print(f"wrote {args.dst}")
     return 0
@@ -135,25 +165,41 @@ def _sft(args: argparse.Namespace) -> int:
     from posttrain.sft.run import SFTConfig, run_sft
 
     cfg = SFTConfig(
-        model=args.model, data=args.data, tokenizer=args.tokenizer,
+        model=args.model,
+        data=args.data,
+        tokenizer=args.tokenizer,
         mesh=sharding.parse_mesh_spec(args.mesh) if args.mesh else None,
-        per_device_batch_size=args.per_device_batch_size, grad_accum=args.grad_accum,
-        steps=args.steps, max_target_length=args.max_target_length, packing=not args.no_packing,
-        overflow=args.overflow, learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-        remat=args.remat, scan_layers=args.scan, seed=args.seed, save_every=args.save_every,
+        per_device_batch_size=args.per_device_batch_size,
+        grad_accum=args.grad_accum,
+        steps=args.steps,
+        max_target_length=args.max_target_length,
+        packing=not args.no_packing,
+        overflow=args.overflow,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        remat=args.remat,
+        scan_layers=args.scan,
+        seed=args.seed,
+        save_every=args.save_every,
         stop_after=args.stop_after,
-        output=args.output)
+        output=args.output,
+    )
     cfg.check()
     # Tunix's tqdm bar shows on a terminal only; elsewhere print ~10 progress lines.
     log_every = None if sys.stderr.isatty() else max(1, cfg.steps // 10)
     result = run_sft(cfg, log_every=log_every)
     if log_every is None:
-        print(f"model {cfg.model}: {result.params:,} params, {result.trainable:,} trained; "
-              f"global batch {result.global_batch}; Tunix convention {result.convention}")
+        print(
+            f"model {cfg.model}: {result.params:,} params, {result.trainable:,} trained; "
+            f"global batch {result.global_batch}; Tunix convention {result.convention}"
+        )
     print(result.summary())
-    print(f"checkpoint step {result.checkpoint_step} in {result.output / 'checkpoints'}; "
-          f"metrics in {result.output / 'metrics.jsonl'}")
+    print(
+        f"checkpoint step {result.checkpoint_step} in {result.output / 'checkpoints'}; "
+        f"metrics in {result.output / 'metrics.jsonl'}"
+    )
     for path in result.exported:
         print(f"wrote {path}")
     return 0
@@ -162,27 +208,50 @@ def _sft(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sft = sub.add_parser("sft", help="supervised fine-tuning; no arguments: the embedded run",
-                         description="SFT with SFTTrainer (a Tunix PeftTrainer). Defaults: "
-                         "qwen3-tiny on the embedded pydoc_data Q/A set, byte tokenizer, "
-                         "every device on fsdp.")
-    sft.add_argument("--model", default="qwen3-tiny",
-                     help="preset name or HF checkpoint directory (default %(default)s)")
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning; no arguments: the embedded run",
+        description="SFT with SFTTrainer (a Tunix PeftTrainer). Defaults: "
+        "qwen3-tiny on the embedded pydoc_data Q/A set, byte tokenizer, "
+        "every device on fsdp.",
+    )
+    sft.add_argument(
+        "--model",
+        default="qwen3-tiny",
+        help="preset name or HF checkpoint directory (default %(default)s)",
+    )
     sft.add_argument("--data", default=None, help="chat JSONL file (default: embedded pydoc_data)")
-    sft.add_argument("--tokenizer", default=None,
-                     help="tokenizer.json (default: the HF dir's, else the byte tokenizer)")
-    sft.add_argument("--mesh", default=None, help="axis sizes, e.g. data=2,fsdp=4 "
-                     "(default: every device on fsdp)")
-    sft.add_argument("--devices", default=os.environ.get("POSTTRAIN_DEVICES", "8"),
-                     help="fake CPU devices, or 'real' (default %(default)s)")
-    sft.add_argument("--per-device-batch-size", type=int, default=1,
-                     help="global batch = this x data-parallel size (default %(default)s)")
+    sft.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer.json (default: the HF dir's, else the byte tokenizer)",
+    )
+    sft.add_argument(
+        "--mesh",
+        default=None,
+        help="axis sizes, e.g. data=2,fsdp=4 (default: every device on fsdp)",
+    )
+    sft.add_argument(
+        "--devices",
+        default=os.environ.get("POSTTRAIN_DEVICES", "8"),
+        help="fake CPU devices, or 'real' (default %(default)s)",
+    )
+    sft.add_argument(
+        "--per-device-batch-size",
+        type=int,
+        default=1,
+        help="global batch = this x data-parallel size (default %(default)s)",
+    )
     sft.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     sft.add_argument("--steps", type=int, default=60, help="optimizer steps (default %(default)s)")
     sft.add_argument("--max-target-length", type=int, default=256, help="tokens per row")
     sft.add_argument("--no-packing", action="store_true", help="one conversation per row")
-    sft.add_argument("--overflow", choices=("truncate", "reject"), default="truncate",
-                     help="conversations longer than a row (default %(default)s)")
+    sft.add_argument(
+        "--overflow",
+        choices=("truncate", "reject"),
+        default="truncate",
+        help="conversations longer than a row (default %(default)s)",
+    )
     sft.add_argument("--learning-rate", type=float, default=3e-3)
     sft.add_argument("--warmup-steps", type=int, default=5)
     sft.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
@@ -191,18 +260,30 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--scan", action="store_true", help="scan_layers=True")
     sft.add_argument("--seed", type=int, default=0)
     sft.add_argument("--save-every", type=int, default=50, help="checkpoint interval (steps)")
-    sft.add_argument("--stop-after", type=int, default=None,
-                     help="stop at this step; rerun with the same --output to resume")
-    sft.add_argument("--output", default="runs/sft",
-                     help="run directory; a rerun resumes from its checkpoint "
-                     "(default %(default)s)")
+    sft.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop at this step; rerun with the same --output to resume",
+    )
+    sft.add_argument(
+        "--output",
+        default="runs/sft",
+        help="run directory; a rerun resumes from its checkpoint (default %(default)s)",
+    )
 
     fwd = sub.add_parser("forward", help="build a preset on a mesh and run a forward pass")
     fwd.add_argument("--model", default="qwen3_moe-tiny", help="preset name (default %(default)s)")
-    fwd.add_argument("--mesh", default="fsdp=4,tensor=2",
-                     help="axis sizes, e.g. data=2,fsdp=2,expert=2 (default %(default)s)")
-    fwd.add_argument("--devices", default=os.environ.get("POSTTRAIN_DEVICES", "8"),
-                     help="fake CPU devices, or 'real' (default %(default)s)")
+    fwd.add_argument(
+        "--mesh",
+        default="fsdp=4,tensor=2",
+        help="axis sizes, e.g. data=2,fsdp=2,expert=2 (default %(default)s)",
+    )
+    fwd.add_argument(
+        "--devices",
+        default=os.environ.get("POSTTRAIN_DEVICES", "8"),
+        help="fake CPU devices, or 'real' (default %(default)s)",
+    )
     fwd.add_argument("--per-device-batch-size", type=int, default=1)
     fwd.add_argument("--seq", type=int, default=64)
     fwd.add_argument("--scan", action="store_true", help="scan_layers=True")
@@ -215,24 +296,49 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--to", dest="target_format", choices=("hf", "native"), required=True)
     conv.add_argument("src", help="source directory")
     conv.add_argument("dst", help="destination directory (must not exist)")
-    conv.add_argument("--scan", action="store_true",
-                      help="hf -> native: store layers stacked for scan_layers=True")
-    conv.add_argument("--layout", choices=("hub", "fused"), default=None,
-                      help="native -> hf: hub (per-expert tensors, default) or fused experts")
-    conv.add_argument("--prefix", default=None,
-                      help="native -> hf: key prefix, model. (default) or model.language_model.")
-    conv.add_argument("--max-shard-size", type=_byte_size, default=4 << 30,
-                      help="largest output shard (default 4GiB)")
-    conv.add_argument("--no-fsync", action="store_true",
-                      help="skip flushing the shards to disk before the atomic rename")
+    conv.add_argument(
+        "--scan",
+        action="store_true",
+        help="hf -> native: store layers stacked for scan_layers=True",
+    )
+    conv.add_argument(
+        "--layout",
+        choices=("hub", "fused"),
+        default=None,
+        help="native -> hf: hub (per-expert tensors, default) or fused experts",
+    )
+    conv.add_argument(
+        "--prefix",
+        default=None,
+        help="native -> hf: key prefix, model. (default) or model.language_model.",
+    )
+    conv.add_argument(
+        "--max-shard-size",
+        type=_byte_size,
+        default=4 << 30,
+        help="largest output shard (default 4GiB)",
+    )
+    conv.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="skip flushing the shards to disk before the atomic rename",
+    )
 
     chk = sub.add_parser("check-logits", help="compare HF and native logits (fp32, CPU)")
     chk.add_argument("hf_dir")
     chk.add_argument("native_dir")
-    chk.add_argument("--max-kl", type=float, default=1e-6,
-                     help="fail above this mean KL(HF || native) (default %(default)g)")
-    chk.add_argument("--atol", type=float, default=None,
-                     help="fail above this max |delta logit| (default: not checked)")
+    chk.add_argument(
+        "--max-kl",
+        type=float,
+        default=1e-6,
+        help="fail above this mean KL(HF || native) (default %(default)g)",
+    )
+    chk.add_argument(
+        "--atol",
+        type=float,
+        default=None,
+        help="fail above this max |delta logit| (default: not checked)",
+    )
     chk.add_argument("--seq", type=int, default=16)
     chk.add_argument("--seed", type=int, default=7)
     return parser

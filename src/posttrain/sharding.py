@@ -235,8 +235,9 @@ _CURRENT: contextvars.ContextVar[MeshContext | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules: Rules = DEFAULT_RULES, *,
-             jax_context: bool = True) -> Iterator[Mesh]:
+def use_mesh(
+    mesh: Mesh, rules: Rules = DEFAULT_RULES, *, jax_context: bool = True
+) -> Iterator[Mesh]:
     """Makes ``mesh`` and ``rules`` current for :func:`constrain` (and JAX's mesh context).
 
     The context is read when a function is traced, so trace (first call of a
@@ -298,9 +299,7 @@ def variable_logical_axes(variable: nnx.Variable) -> LogicalAxes | None:
     return variable.get_metadata().get("logical_axes")
 
 
-def state_shardings(
-    state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES
-) -> nnx.State:
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
     """Maps each variable of ``state`` to its ``NamedSharding`` on ``mesh``.
 
     The result has the structure of ``state`` (each variable holding a

@@ -74,9 +74,10 @@ def _canonical(table: Table, prefix: str, keys) -> tuple[dict[str, str], list[st
     """Canonical HF key -> file key under ``prefix``, and the keys skipped."""
     canon, ignored = {}, []
     for key in keys:
-        c = CANONICAL + key[len(prefix):] if key.startswith(prefix) else key
+        c = CANONICAL + key[len(prefix) :] if key.startswith(prefix) else key
         skip = key.endswith(ALWAYS_IGNORED) or (
-            prefix != CANONICAL and not key.startswith(prefix) and key.startswith(table.ignored))
+            prefix != CANONICAL and not key.startswith(prefix) and key.startswith(table.ignored)
+        )
         if skip:
             ignored.append(key)
         elif c in canon:
@@ -113,8 +114,10 @@ def _match(table: Table, cfg: ModelConfig, keys, source: str):
     score, layout, prefix, entries, canon, ignored, missing, extra = best
     if score:
         parts = [p for p in (_describe(missing, "missing"), _describe(extra, "unexpected")) if p]
-        raise ConversionError(f"{source}: {'; '.join(parts)} (closest match: {cfg.family} "
-                              f"{layout} layout, key prefix {prefix!r})")
+        raise ConversionError(
+            f"{source}: {'; '.join(parts)} (closest match: {cfg.family} "
+            f"{layout} layout, key prefix {prefix!r})"
+        )
     return layout, prefix, entries, canon, ignored
 
 
@@ -122,9 +125,11 @@ def _check_native_cover(entries: Sequence[Entry], native: Mapping[str, Any], tab
     produced = {k for e in entries for k in e.native_keys}
     missing, extra = set(native) - produced, produced - set(native)
     if missing or extra:
-        raise ConversionError(f"{table.family} table does not cover the model: "
-                              f"{_describe(missing, 'no row for native')}"
-                              f"{_describe(extra, ' rows name unknown native')}")
+        raise ConversionError(
+            f"{table.family} table does not cover the model: "
+            f"{_describe(missing, 'no row for native')}"
+            f"{_describe(extra, ' rows name unknown native')}"
+        )
 
 
 def _stacked(cfg: ModelConfig, name: str, slot: int | None, shape) -> tuple[int, ...]:
@@ -137,17 +142,23 @@ def _add_output(outputs: dict, cfg, name, slot, dtype, shape) -> None:
         raise ConversionError(f"tensor {name}: layers disagree ({outputs[name]} vs {spec})")
 
 
-def plan_to_native(hf_config: Mapping[str, Any], tensors: Mapping[str, Any],
-                   source: str = "checkpoint", **overrides) -> Plan:
+def plan_to_native(
+    hf_config: Mapping[str, Any],
+    tensors: Mapping[str, Any],
+    source: str = "checkpoint",
+    **overrides,
+) -> Plan:
     """Plan HF -> native. ``tensors``: key -> object with ``shape``, ``dtype`` (safetensors
     code) and optionally ``file``; ``overrides``: native-only config fields."""
     cfg = from_hf_config(hf_config, **overrides)
     table = TABLES[cfg.family]
     for key in tensors:
         if key.endswith(QUANTISED_SUFFIXES):
-            raise ConversionError(f"tensor {key}: MXFP4-quantised experts (*_blocks/*_scales) "
-                                  "are not supported; dequantise first (transformers "
-                                  "Mxfp4Config(dequantize=True), then save_pretrained)")
+            raise ConversionError(
+                f"tensor {key}: MXFP4-quantised experts (*_blocks/*_scales) "
+                "are not supported; dequantise first (transformers "
+                "Mxfp4Config(dequantize=True), then save_pretrained)"
+            )
     layout, prefix, entries, canon, ignored = _match(table, cfg, tensors, source)
     native = abstract_params(cfg.replace(scan_layers=False))
     _check_native_cover(entries, native, table)
@@ -161,9 +172,11 @@ def plan_to_native(hf_config: Mapping[str, Any], tensors: Mapping[str, Any],
         for key, shape in zip(files, want, strict=True):
             got, dtype, file = _tensor_info(tensors, key)
             if got != tuple(shape):
-                raise ConversionError(f"tensor {key} in {file}: shape {list(got)}, expected "
-                                      f"{list(shape)} (for native {e.native_keys[0]} "
-                                      f"{list(nshapes[0])})")
+                raise ConversionError(
+                    f"tensor {key} in {file}: shape {list(got)}, expected "
+                    f"{list(shape)} (for native {e.native_keys[0]} "
+                    f"{list(nshapes[0])})"
+                )
             dtypes.add(dtype)
         if len(dtypes) > 1:
             raise ConversionError(f"tensors {list(files)[:2]}: mixed dtypes {sorted(dtypes)}")
@@ -179,13 +192,21 @@ def plan_to_native(hf_config: Mapping[str, Any], tensors: Mapping[str, Any],
     return Plan("to_native", cfg, table, layout, prefix, steps, list(outputs.values()), ignored)
 
 
-def plan_to_hf(meta: NativeMeta, tensors: Mapping[str, Any], *, layout: str | None = None,
-               prefix: str = CANONICAL, source: str = "checkpoint") -> Plan:
+def plan_to_hf(
+    meta: NativeMeta,
+    tensors: Mapping[str, Any],
+    *,
+    layout: str | None = None,
+    prefix: str = CANONICAL,
+    source: str = "checkpoint",
+) -> Plan:
     """Plan native -> HF in ``layout`` (default: the table's first, the hub layout)."""
     cfg = meta.cfg
     if cfg.family not in TABLES:
-        raise ConversionError(f"{source}: family {cfg.family!r} has no conversion table; "
-                              f"supported: {', '.join(sorted(TABLES))}")
+        raise ConversionError(
+            f"{source}: family {cfg.family!r} has no conversion table; "
+            f"supported: {', '.join(sorted(TABLES))}"
+        )
     table = TABLES[cfg.family]
     layout = layout or table.layouts[0]
     if layout not in table.layouts:
@@ -203,8 +224,9 @@ def plan_to_hf(meta: NativeMeta, tensors: Mapping[str, Any], *, layout: str | No
     for key, shape in stored.items():
         got, _, file = _tensor_info(tensors, key)
         if got != shape:
-            raise ConversionError(f"tensor {key} in {file}: shape {list(got)}, expected "
-                                  f"{list(shape)}")
+            raise ConversionError(
+                f"tensor {key} in {file}: shape {list(got)}, expected {list(shape)}"
+            )
     num_experts = cfg.moe.num_experts if cfg.moe is not None else None
     steps, outputs = [], {}
     for e in entries:
@@ -212,12 +234,15 @@ def plan_to_hf(meta: NativeMeta, tensors: Mapping[str, Any], *, layout: str | No
         inputs = tuple(scanned_name(k, cfg) for k in e.native_keys)
         dtypes = {_tensor_info(tensors, name)[1] for name, _ in inputs}
         if len(dtypes) > 1:
-            raise ConversionError(f"tensors {[n for n, _ in inputs]}: mixed dtypes "
-                                  f"{sorted(dtypes)}")
+            raise ConversionError(
+                f"tensors {[n for n, _ in inputs]}: mixed dtypes {sorted(dtypes)}"
+            )
         dtype = dtypes.pop()
         hf_shapes = e.transform.hf_shapes(nshapes, e.native_keys, num_experts)
-        outs = tuple((prefix + k[len(CANONICAL):] if k.startswith(CANONICAL) else k, None)
-                     for k in e.hf_keys)
+        outs = tuple(
+            (prefix + k[len(CANONICAL) :] if k.startswith(CANONICAL) else k, None)
+            for k in e.hf_keys
+        )
         for (name, _), shape in zip(outs, hf_shapes, strict=True):
             _add_output(outputs, cfg, name, None, dtype, shape)
         steps.append(Step(e, inputs, outs, nshapes))
@@ -285,22 +310,27 @@ class _DictWriter:
             self.out[key][slot] = array
 
 
-def hf_to_native_params(hf_tensors: Mapping[str, np.ndarray], hf_config: Mapping[str, Any],
-                        **overrides) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+def hf_to_native_params(
+    hf_tensors: Mapping[str, np.ndarray], hf_config: Mapping[str, Any], **overrides
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """In memory: HF tensors (by key) -> ``(cfg, native flat params)``."""
-    plan = plan_to_native(hf_config, {k: _ArrayInfo(v) for k, v in hf_tensors.items()},
-                          **overrides)
+    plan = plan_to_native(hf_config, {k: _ArrayInfo(v) for k, v in hf_tensors.items()}, **overrides)
     writer = _DictWriter(plan.outputs)
     execute(plan, _DictReader(hf_tensors), writer)
     return plan.cfg, writer.out
 
 
-def native_to_hf_params(params: Mapping[str, np.ndarray], cfg: ModelConfig, *,
-                        layout: str | None = None,
-                        prefix: str = CANONICAL) -> dict[str, np.ndarray]:
+def native_to_hf_params(
+    params: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    *,
+    layout: str | None = None,
+    prefix: str = CANONICAL,
+) -> dict[str, np.ndarray]:
     """In memory: native flat params of ``cfg`` -> HF tensors (by key)."""
-    plan = plan_to_hf(NativeMeta(cfg), {k: _ArrayInfo(v) for k, v in params.items()},
-                      layout=layout, prefix=prefix)
+    plan = plan_to_hf(
+        NativeMeta(cfg), {k: _ArrayInfo(v) for k, v in params.items()}, layout=layout, prefix=prefix
+    )
     writer = _DictWriter(plan.outputs)
     execute(plan, _DictReader(params), writer)
     return writer.out
@@ -322,10 +352,12 @@ class Summary:
     seconds: float
 
     def line(self) -> str:
-        return (f"{self.direction}: {self.family} ({self.layout} layout, prefix {self.prefix!r}), "
-                f"{self.tensors_in} -> {self.tensors_out} tensors, {self.bytes_out / 1e6:.1f} MB "
-                f"in {len(self.files)} file(s), {self.ignored} ignored, {self.seconds:.2f} s "
-                f"({self.bytes_out / 1e6 / max(self.seconds, 1e-9):.0f} MB/s)")
+        return (
+            f"{self.direction}: {self.family} ({self.layout} layout, prefix {self.prefix!r}), "
+            f"{self.tensors_in} -> {self.tensors_out} tensors, {self.bytes_out / 1e6:.1f} MB "
+            f"in {len(self.files)} file(s), {self.ignored} ignored, {self.seconds:.2f} s "
+            f"({self.bytes_out / 1e6 / max(self.seconds, 1e-9):.0f} MB/s)"
+        )
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -337,8 +369,17 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
         raise ConversionError(f"{path}: not valid JSON ({error})") from None
 
 
-def _run(plan: Plan, reader, dst, stem: str, write_config, max_shard_bytes: int, fsync: bool,
-         started: float, tensors_in: int) -> Summary:
+def _run(
+    plan: Plan,
+    reader,
+    dst,
+    stem: str,
+    write_config,
+    max_shard_bytes: int,
+    fsync: bool,
+    started: float,
+    tensors_in: int,
+) -> Summary:
     with sio.atomic_directory(dst) as tmp:
         writer = sio.CheckpointWriter(tmp, stem, plan.outputs, max_shard_bytes, fsync=fsync)
         try:
@@ -348,14 +389,28 @@ def _run(plan: Plan, reader, dst, stem: str, write_config, max_shard_bytes: int,
             writer.abort()
             raise
         write_config(tmp)
-    return Summary(plan.direction, plan.cfg.family, plan.layout, plan.prefix, tensors_in,
-                   len(plan.outputs), sum(s.nbytes for s in plan.outputs), tuple(files),
-                   len(plan.ignored), time.perf_counter() - started)
+    return Summary(
+        plan.direction,
+        plan.cfg.family,
+        plan.layout,
+        plan.prefix,
+        tensors_in,
+        len(plan.outputs),
+        sum(s.nbytes for s in plan.outputs),
+        tuple(files),
+        len(plan.ignored),
+        time.perf_counter() - started,
+    )
 
 
-def convert_hf_to_native(src: str | os.PathLike, dst: str | os.PathLike, *,
-                         max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES, fsync: bool = True,
-                         **overrides) -> Summary:
+def convert_hf_to_native(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES,
+    fsync: bool = True,
+    **overrides,
+) -> Summary:
     """HF checkpoint directory ``src`` -> new native directory ``dst`` (streamed, atomic).
 
     Args:
@@ -372,8 +427,17 @@ def convert_hf_to_native(src: str | os.PathLike, dst: str | os.PathLike, *,
     with sio.CheckpointReader(src, "model") as reader:
         plan = plan_to_native(hf_config, reader.tensors, str(src), **overrides)
         meta = NativeMeta(plan.cfg, hf_config, plan.layout, plan.prefix)
-        return _run(plan, reader, dst, STEM, meta.write, max_shard_bytes, fsync, started,
-                    len(reader.tensors))
+        return _run(
+            plan,
+            reader,
+            dst,
+            STEM,
+            meta.write,
+            max_shard_bytes,
+            fsync,
+            started,
+            len(reader.tensors),
+        )
 
 
 def _hf_config_for(meta: NativeMeta, table: Table, prefix: str) -> dict[str, Any]:
@@ -385,28 +449,41 @@ def _hf_config_for(meta: NativeMeta, table: Table, prefix: str) -> dict[str, Any
         original = None  # the model changed since conversion (e.g. a new config)
     text = text_config(original) if original is not None else to_hf_config(cfg)
     if prefix == CANONICAL:
-        return dict(text, architectures=[table.architecture],
-                    model_type=hf_model_type(cfg.family))
+        return dict(text, architectures=[table.architecture], model_type=hf_model_type(cfg.family))
     if original is not None and "text_config" in original:
         return original
-    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",
-            "text_config": text, "vision_config": None, "audio_config": None,
-            "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": cfg.param_dtype}
+    return {
+        "architectures": ["Gemma4ForConditionalGeneration"],
+        "model_type": "gemma4",
+        "text_config": text,
+        "vision_config": None,
+        "audio_config": None,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "dtype": cfg.param_dtype,
+    }
 
 
 def default_prefix(meta: NativeMeta) -> str:
     """The source's key prefix when the source held nothing but the text model, else ``model.``."""
     hf = meta.hf_config or {}
-    if meta.hf_prefix != CANONICAL and hf.get("vision_config") is None \
-            and hf.get("audio_config") is None:
+    if (
+        meta.hf_prefix != CANONICAL
+        and hf.get("vision_config") is None
+        and hf.get("audio_config") is None
+    ):
         return meta.hf_prefix
     return CANONICAL
 
 
-def convert_native_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *,
-                         layout: str | None = None, prefix: str | None = None,
-                         max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES,
-                         fsync: bool = True) -> Summary:
+def convert_native_to_hf(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    layout: str | None = None,
+    prefix: str | None = None,
+    max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES,
+    fsync: bool = True,
+) -> Summary:
     """Native directory ``src`` -> new HF directory ``dst`` that ``from_pretrained`` loads.
 
     Args:
@@ -424,5 +501,14 @@ def convert_native_to_hf(src: str | os.PathLike, dst: str | os.PathLike, *,
         def write_config(directory: pathlib.Path) -> None:
             (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-        return _run(plan, reader, dst, "model", write_config, max_shard_bytes, fsync, started,
-                    len(reader.tensors))
+        return _run(
+            plan,
+            reader,
+            dst,
+            "model",
+            write_config,
+            max_shard_bytes,
+            fsync,
+            started,
+            len(reader.tensors),
+        )

@@ -48,8 +48,10 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
 def config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
     """Inverse of :func:`config_to_dict`."""
     d = dict(d)
-    d["attention"] = {t: AttentionConfig(**dict(a, rope=RopeConfig(**a["rope"])))
-                      for t, a in d["attention"].items()}
+    d["attention"] = {
+        t: AttentionConfig(**dict(a, rope=RopeConfig(**a["rope"])))
+        for t, a in d["attention"].items()
+    }
     d["layer_types"] = tuple(d["layer_types"])
     if d.get("moe") is not None:
         d["moe"] = MoEConfig(**d["moe"])
@@ -78,8 +80,10 @@ def abstract_params(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
         model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
         if len(_ABSTRACT) >= 64:
             _ABSTRACT.pop(next(iter(_ABSTRACT)))
-        _ABSTRACT[key] = {_path_name(p): _compat.variable_value(v)
-                          for p, v in _param_leaves(nnx.state(model, nnx.Param))}
+        _ABSTRACT[key] = {
+            _path_name(p): _compat.variable_value(v)
+            for p, v in _param_leaves(nnx.state(model, nnx.Param))
+        }
     return dict(_ABSTRACT[key])
 
 
@@ -92,7 +96,7 @@ def scanned_name(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
         return name, None
     at = parts.index("layers")
     i, period = int(parts[at + 1]), cfg.layer_period
-    return ".".join([*parts[:at], "blocks", str(i % period), *parts[at + 2:]]), i // period
+    return ".".join([*parts[:at], "blocks", str(i % period), *parts[at + 2 :]]), i // period
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +109,14 @@ class NativeMeta:
     hf_prefix: str = "model."
 
     def write(self, directory: pathlib.Path) -> None:
-        body = {"format": FORMAT, "format_version": FORMAT_VERSION,
-                "model_config": config_to_dict(self.cfg), "hf_config": self.hf_config,
-                "hf_layout": self.hf_layout, "hf_prefix": self.hf_prefix}
+        body = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "model_config": config_to_dict(self.cfg),
+            "hf_config": self.hf_config,
+            "hf_layout": self.hf_layout,
+            "hf_prefix": self.hf_prefix,
+        }
         (directory / "config.json").write_text(json.dumps(body, indent=2) + "\n")
 
     @classmethod
@@ -118,22 +127,31 @@ class NativeMeta:
         except (OSError, ValueError) as error:
             raise ConversionError(f"{path}: not readable JSON ({error})") from None
         if body.get("format") != FORMAT:
-            raise ConversionError(f"{path}: format is {body.get('format')!r}, expected "
-                                  f"{FORMAT!r} (is this an HF directory? use --from hf)")
+            raise ConversionError(
+                f"{path}: format is {body.get('format')!r}, expected "
+                f"{FORMAT!r} (is this an HF directory? use --from hf)"
+            )
         if body.get("format_version") != FORMAT_VERSION:
-            raise ConversionError(f"{path}: format_version {body.get('format_version')} is "
-                                  f"not {FORMAT_VERSION}")
+            raise ConversionError(
+                f"{path}: format_version {body.get('format_version')} is not {FORMAT_VERSION}"
+            )
         try:
             cfg = config_from_dict(body["model_config"])
         except (KeyError, TypeError, ValueError) as error:
             raise ConversionError(f"{path}: bad model_config ({error})") from None
-        return cls(cfg, body.get("hf_config"), body.get("hf_layout"),
-                   body.get("hf_prefix") or "model.")
+        return cls(
+            cfg, body.get("hf_config"), body.get("hf_layout"), body.get("hf_prefix") or "model."
+        )
 
 
-def save_native(params: Mapping[str, np.ndarray], cfg: ModelConfig, dst: str | os.PathLike,
-                *, hf_config: Mapping[str, Any] | None = None,
-                max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES) -> pathlib.Path:
+def save_native(
+    params: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    dst: str | os.PathLike,
+    *,
+    hf_config: Mapping[str, Any] | None = None,
+    max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES,
+) -> pathlib.Path:
     """Writes in-memory flat params (e.g. ``flat_params(model)``) as a native directory.
 
     Raises:
@@ -142,10 +160,13 @@ def save_native(params: Mapping[str, np.ndarray], cfg: ModelConfig, dst: str | o
     expected = abstract_params(cfg)
     if set(params) != set(expected):
         missing, extra = sorted(set(expected) - set(params)), sorted(set(params) - set(expected))
-        raise ConversionError(f"params do not match the config: missing {missing[:3]}, "
-                              f"unexpected {extra[:3]}")
-    specs = [sio.OutputSpec(k, sio.CODES[np.asarray(v).dtype], tuple(np.shape(v)))
-             for k, v in sorted(params.items())]
+        raise ConversionError(
+            f"params do not match the config: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
+    specs = [
+        sio.OutputSpec(k, sio.CODES[np.asarray(v).dtype], tuple(np.shape(v)))
+        for k, v in sorted(params.items())
+    ]
     with sio.atomic_directory(dst) as tmp:
         writer = sio.CheckpointWriter(tmp, STEM, specs, max_shard_bytes)
         for spec in specs:
@@ -192,13 +213,15 @@ def load_native(src: str | os.PathLike, **overrides) -> CausalLM:
             raise ConversionError(f"{src}: parameter {name} is missing")
         value = params[name]
         if tuple(value.shape) != tuple(want.shape):
-            raise ConversionError(f"{src}: parameter {name} is {list(value.shape)}, expected "
-                                  f"{list(want.shape)}")
+            raise ConversionError(
+                f"{src}: parameter {name} is {list(value.shape)}, expected {list(want.shape)}"
+            )
         seen.add(name)
         return variable.replace(jnp.asarray(value, dtype))
 
     state = jax.tree_util.tree_map_with_path(
-        fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        fill, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
     extra = sorted(set(params) - seen)
     if extra:
         raise ConversionError(f"{src}: parameters {extra[:3]} are not in the model")

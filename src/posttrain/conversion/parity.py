@@ -32,8 +32,10 @@ class Parity:
     tokens: int
 
     def line(self) -> str:
-        return (f"max |delta logit| {self.max_abs:.3e}, mean KL(HF||native) {self.mean_kl:.3e}, "
-                f"top-1 agreement {self.top1:.4f} over {self.tokens} tokens")
+        return (
+            f"max |delta logit| {self.max_abs:.3e}, mean KL(HF||native) {self.mean_kl:.3e}, "
+            f"top-1 agreement {self.top1:.4f} over {self.tokens} tokens"
+        )
 
     def ok(self, max_kl: float, atol: float | None) -> bool:
         return self.mean_kl <= max_kl and (atol is None or self.max_abs <= atol)
@@ -45,7 +47,7 @@ def make_batch(vocab_size: int, seq: int = 16, seed: int = 7) -> tuple[np.ndarra
     rng = np.random.RandomState(seed)
     tokens = rng.randint(1, vocab_size, size=(3, seq)).astype(np.int32)
     mask = np.ones((3, seq), np.int32)
-    mask[1, seq - 5:] = 0
+    mask[1, seq - 5 :] = 0
     mask[2, :7] = 0
     return np.where(mask == 1, tokens, 0).astype(np.int32), mask
 
@@ -63,8 +65,12 @@ def compare(hf: np.ndarray, native: np.ndarray, mask: np.ndarray) -> Parity:
     log_p = a - np.logaddexp.reduce(a, axis=-1, keepdims=True)
     log_q = b - np.logaddexp.reduce(b, axis=-1, keepdims=True)
     kl = np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)  # [tokens]
-    return Parity(float(np.max(np.abs(a - b))), float(np.mean(kl)),
-                  float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))), int(keep.sum()))
+    return Parity(
+        float(np.max(np.abs(a - b))),
+        float(np.mean(kl)),
+        float(np.mean(np.argmax(a, -1) == np.argmax(b, -1))),
+        int(keep.sum()),
+    )
 
 
 def hf_logits(hf_dir: str | os.PathLike, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -74,8 +80,10 @@ def hf_logits(hf_dir: str | os.PathLike, tokens: np.ndarray, mask: np.ndarray) -
         import torch
         import transformers
     except ImportError as error:
-        raise ConversionError(f"check-logits needs torch and transformers ({error}); "
-                              "pip install 'posttrain-harness[reference]' torch") from None
+        raise ConversionError(
+            f"check-logits needs torch and transformers ({error}); "
+            "pip install 'posttrain-harness[reference]' torch"
+        ) from None
     import json
 
     torch.set_num_threads(1)
@@ -84,10 +92,12 @@ def hf_logits(hf_dir: str | os.PathLike, tokens: np.ndarray, mask: np.ndarray) -
     cls = getattr(transformers, arch, None) or transformers.AutoModelForCausalLM
     model = cls.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
-        out = model(input_ids=torch.as_tensor(tokens, dtype=torch.long),
-                    attention_mask=torch.as_tensor(mask, dtype=torch.long),
-                    position_ids=torch.as_tensor(positions_for(mask), dtype=torch.long),
-                    use_cache=False)
+        out = model(
+            input_ids=torch.as_tensor(tokens, dtype=torch.long),
+            attention_mask=torch.as_tensor(mask, dtype=torch.long),
+            position_ids=torch.as_tensor(positions_for(mask), dtype=torch.long),
+            use_cache=False,
+        )
     return out.logits.float().numpy()
 
 
@@ -113,13 +123,15 @@ def native_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
     keys = mask.astype(bool)[:, None, :]  # [B, 1, S]
     padding = np.broadcast_to(keys, (mask.shape[0], mask.shape[1], mask.shape[1]))  # [B, T, S]
-    logits = _jitted_forward()(model, jnp.asarray(tokens), jnp.asarray(positions_for(mask)),
-                               jnp.asarray(padding))
+    logits = _jitted_forward()(
+        model, jnp.asarray(tokens), jnp.asarray(positions_for(mask)), jnp.asarray(padding)
+    )
     return np.asarray(logits)
 
 
-def check_logits(hf_dir: str | os.PathLike, native_dir: str | os.PathLike, *, seq: int = 16,
-                 seed: int = 7) -> Parity:
+def check_logits(
+    hf_dir: str | os.PathLike, native_dir: str | os.PathLike, *, seq: int = 16, seed: int = 7
+) -> Parity:
     """Runs both checkpoints on :func:`make_batch` in float32 and compares them.
 
     Raises:
@@ -152,8 +164,12 @@ def load_checked(hf_dir: str | os.PathLike, native_dir: str | os.PathLike):
     except (OSError, ValueError) as error:
         raise ConversionError(f"{path}: {error}") from None
     if hf_view(hf_cfg) != hf_view(meta.cfg):
-        diff = [f.name for f in dataclasses.fields(hf_cfg)
-                if getattr(hf_view(hf_cfg), f.name) != getattr(hf_view(meta.cfg), f.name)]
-        raise ConversionError(f"{path} does not describe the model in {native_dir}: "
-                              f"fields {diff} differ")
+        diff = [
+            f.name
+            for f in dataclasses.fields(hf_cfg)
+            if getattr(hf_view(hf_cfg), f.name) != getattr(hf_view(meta.cfg), f.name)
+        ]
+        raise ConversionError(
+            f"{path} does not describe the model in {native_dir}: fields {diff} differ"
+        )
     return load_native(native_dir, dtype="float32", param_dtype="float32")

@@ -107,8 +107,9 @@ def _hf_keys(row: Row, i: int | None, num_experts: int) -> tuple[str, ...]:
             raise ConversionError(f"row {row.hf}: per-expert transform needs {{j}} in the key")
         return tuple(row.hf.format(i=i, j=j) for j in range(num_experts))
     if "{j}" in row.hf:
-        raise ConversionError(f"row {row.hf}: {{j}} needs a per-expert transform, "
-                              f"got {row.transform.name}")
+        raise ConversionError(
+            f"row {row.hf}: {{j}} needs a per-expert transform, got {row.transform.name}"
+        )
     return (row.hf.format(i=i),)
 
 
@@ -124,17 +125,23 @@ def expand(rows: Sequence[Row], cfg: ModelConfig, layout: str) -> list[Entry]:
         if row.per_layer:
             for i, layer_type in enumerate(cfg.layer_types):
                 if row.when(Site(cfg, layout, layer_type)):
-                    entries.append(Entry(row, i, _hf_keys(row, i, num_experts),
-                                         tuple(t.format(i=i) for t in row.native_templates)))
+                    entries.append(
+                        Entry(
+                            row,
+                            i,
+                            _hf_keys(row, i, num_experts),
+                            tuple(t.format(i=i) for t in row.native_templates),
+                        )
+                    )
         elif row.when(Site(cfg, layout)):
-            entries.append(Entry(row, None, _hf_keys(row, None, num_experts),
-                                 row.native_templates))
+            entries.append(Entry(row, None, _hf_keys(row, None, num_experts), row.native_templates))
     for side in ("hf_keys", "native_keys"):
         seen: dict[str, Entry] = {}
         for entry in entries:
             for key in getattr(entry, side):
                 if key in seen:
-                    raise ConversionError(f"{key} is produced by two rows "
-                                          f"({seen[key].row.hf} and {entry.row.hf})")
+                    raise ConversionError(
+                        f"{key} is produced by two rows ({seen[key].row.hf} and {entry.row.hf})"
+                    )
                 seen[key] = entry
     return entries

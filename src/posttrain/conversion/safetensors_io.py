@@ -37,11 +37,18 @@ import numpy as np
 from posttrain.conversion.errors import ConversionError
 
 DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 CODES: dict[np.dtype, str] = {v: k for k, v in DTYPES.items()}
 DEFAULT_SHARD_BYTES = 4 << 30
@@ -66,8 +73,9 @@ def _open(path: pathlib.Path):
     try:
         return safe_open(str(path), framework="numpy")
     except Exception as error:  # SafetensorError, OSError: one line naming the file
-        raise ConversionError(f"{path}: not a readable safetensors file "
-                              f"({str(error).splitlines()[0]})") from None
+        raise ConversionError(
+            f"{path}: not a readable safetensors file ({str(error).splitlines()[0]})"
+        ) from None
 
 
 Index = int | tuple[int, ...] | None
@@ -132,11 +140,14 @@ class CheckpointReader:
                 self._files[name] = open(path, "rb")  # noqa: SIM115 (closed in close())
                 for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                     if key in self.tensors:
-                        raise ConversionError(f"tensor {key} is in both {self.tensors[key].file} "
-                                              f"and {name}")
+                        raise ConversionError(
+                            f"tensor {key} is in both {self.tensors[key].file} and {name}"
+                        )
                     if weight_map is not None and weight_map.get(key) != name:
-                        raise ConversionError(f"tensor {key} is in {name} but the index maps it "
-                                              f"to {weight_map.get(key)}")
+                        raise ConversionError(
+                            f"tensor {key} is in {name} but the index maps it "
+                            f"to {weight_map.get(key)}"
+                        )
                     sl = handle.get_slice(key)
                     dtype = sl.get_dtype()
                     if dtype not in DTYPES:
@@ -207,9 +218,15 @@ class CheckpointWriter:
     the file names.
     """
 
-    def __init__(self, directory: pathlib.Path, stem: str, specs: Sequence[OutputSpec],
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                 metadata: Mapping[str, str] | None = None, fsync: bool = True):
+    def __init__(
+        self,
+        directory: pathlib.Path,
+        stem: str,
+        specs: Sequence[OutputSpec],
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        metadata: Mapping[str, str] | None = None,
+        fsync: bool = True,
+    ):
         self.directory, self.stem, self.fsync = pathlib.Path(directory), stem, fsync
         shards: list[list[OutputSpec]] = [[]]
         size = 0
@@ -220,8 +237,11 @@ class CheckpointWriter:
             shards[-1].append(spec)
             size += spec.nbytes
         n = len(shards)
-        self.files = [f"{stem}.safetensors"] if n == 1 else [
-            f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        self.files = (
+            [f"{stem}.safetensors"]
+            if n == 1
+            else [f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        )
         self._where: dict[str, tuple[int, int, OutputSpec]] = {}  # name -> (shard, start, spec)
         self._written: dict[str, int] = {}
         self._handles = []
@@ -230,8 +250,11 @@ class CheckpointWriter:
             header: dict[str, object] = {"__metadata__": meta}
             offset = 0
             for spec in shard:
-                header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
-                                     "data_offsets": [offset, offset + spec.nbytes]}
+                header[spec.name] = {
+                    "dtype": spec.dtype,
+                    "shape": list(spec.shape),
+                    "data_offsets": [offset, offset + spec.nbytes],
+                }
                 self._where[spec.name] = (k, offset, spec)
                 offset += spec.nbytes
             raw = json.dumps(header, separators=(",", ":")).encode()
@@ -246,8 +269,10 @@ class CheckpointWriter:
         lead, flat = _flat_index(spec.shape, index)
         want = spec.shape[lead:]
         if tuple(array.shape) != want or CODES.get(array.dtype) != spec.dtype:
-            raise ConversionError(f"tensor {name}: produced {array.dtype}{list(array.shape)}, "
-                                  f"expected {spec.dtype}{list(want)}")
+            raise ConversionError(
+                f"tensor {name}: produced {array.dtype}{list(array.shape)}, "
+                f"expected {spec.dtype}{list(want)}"
+            )
         handle, base = self._handles[shard]
         handle.seek(base + start + flat * array.nbytes)
         if array.flags.c_contiguous or array.ndim == 0 or array.size == 0:
@@ -256,25 +281,30 @@ class CheckpointWriter:
             row_bytes = max(array.nbytes // array.shape[0], 1)
             step = max(1, _CHUNK_BYTES // row_bytes)
             for i in range(0, array.shape[0], step):
-                _write_bytes(handle, np.ascontiguousarray(array[i:i + step]))
+                _write_bytes(handle, np.ascontiguousarray(array[i : i + step]))
         self._written[name] = self._written.get(name, 0) + array.nbytes
 
     def finish(self) -> list[str]:
         for name, (_, _, spec) in self._where.items():
             if self._written.get(name, 0) != spec.nbytes:
-                raise ConversionError(f"tensor {name}: wrote {self._written.get(name, 0)} of "
-                                      f"{spec.nbytes} bytes")
+                raise ConversionError(
+                    f"tensor {name}: wrote {self._written.get(name, 0)} of {spec.nbytes} bytes"
+                )
         for handle, _ in self._handles:
             handle.flush()
             if self.fsync:
                 os.fsync(handle.fileno())
             handle.close()
         if len(self.files) > 1:
-            index = {"metadata": {"total_size": sum(s.nbytes for _, _, s in self._where.values())},
-                     "weight_map": {name: self.files[k] for name, (k, _, _) in
-                                    sorted(self._where.items())}}
+            index = {
+                "metadata": {"total_size": sum(s.nbytes for _, _, s in self._where.values())},
+                "weight_map": {
+                    name: self.files[k] for name, (k, _, _) in sorted(self._where.items())
+                },
+            }
             (self.directory / f"{self.stem}.safetensors.index.json").write_text(
-                json.dumps(index, indent=2) + "\n")
+                json.dumps(index, indent=2) + "\n"
+            )
         return list(self.files)
 
     def abort(self) -> None:

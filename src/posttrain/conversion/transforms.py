@@ -60,24 +60,34 @@ class Transform:
             if want is not None and len(shape) != want:
                 raise ConversionError(
                     f"transform {self.name} needs {want}-D {side} tensors; "
-                    f"{name} is {len(shape)}-D {list(shape)}")
+                    f"{name} is {len(shape)}-D {list(shape)}"
+                )
 
-    def hf_shapes(self, native_shapes: Sequence[Shape], native_names: Sequence[str],
-                  num_experts: int | None = None) -> list[Shape]:
+    def hf_shapes(
+        self,
+        native_shapes: Sequence[Shape],
+        native_names: Sequence[str],
+        num_experts: int | None = None,
+    ) -> list[Shape]:
         """HF shapes implied by native shapes; checks both ndims."""
         if len(native_shapes) != self.num_native:
-            raise ConversionError(f"transform {self.name} takes {self.num_native} native "
-                                  f"tensors, got {list(native_names)}")
+            raise ConversionError(
+                f"transform {self.name} takes {self.num_native} native "
+                f"tensors, got {list(native_names)}"
+            )
         self._check("native", self.native_ndim, native_shapes, native_names)
         shapes = self.hf_shapes_fn([tuple(s) for s in native_shapes])
         if self.per_expert and num_experts is not None and len(shapes) != num_experts:
-            raise ConversionError(f"transform {self.name}: {list(native_names)} has "
-                                  f"{len(shapes)} experts, expected {num_experts}")
+            raise ConversionError(
+                f"transform {self.name}: {list(native_names)} has "
+                f"{len(shapes)} experts, expected {num_experts}"
+            )
         self._check("HF", self.hf_ndim, shapes, [f"HF tensor for {native_names[0]}"] * len(shapes))
         return shapes
 
-    def to_native(self, arrays: Sequence[np.ndarray], native_shapes: Sequence[Shape],
-                  hf_names: Sequence[str]) -> list[np.ndarray]:
+    def to_native(
+        self, arrays: Sequence[np.ndarray], native_shapes: Sequence[Shape], hf_names: Sequence[str]
+    ) -> list[np.ndarray]:
         self._check("HF", self.hf_ndim, [a.shape for a in arrays], hf_names)
         out = self.to_native_fn(arrays, native_shapes)
         self._check("native", self.native_ndim, [a.shape for a in out], ["output"] * len(out))
@@ -105,7 +115,11 @@ def _split_half(x: np.ndarray) -> list[np.ndarray]:
 
 
 IDENTITY = Transform(
-    "identity", None, None, 1, False,
+    "identity",
+    None,
+    None,
+    1,
+    False,
     to_native_fn=lambda a, s: [a[0]],
     to_hf_fn=lambda a: [a[0]],
     hf_shapes_fn=lambda s: [s[0]],
@@ -114,7 +128,11 @@ IDENTITY = Transform(
 GPT-OSS expert tensors already stored ``[E, in, out]``."""
 
 TRANSPOSE = Transform(
-    "transpose", 2, 2, 1, False,
+    "transpose",
+    2,
+    2,
+    1,
+    False,
     to_native_fn=lambda a, s: [a[0].T],  # [out, in] -> [in, out]
     to_hf_fn=lambda a: [a[0].T],
     hf_shapes_fn=lambda s: [s[0][::-1]],
@@ -122,7 +140,11 @@ TRANSPOSE = Transform(
 """2-D linear weight ``[out, in]`` <-> kernel ``[in, out]`` (dense MLP, router, lm_head)."""
 
 HEADS_IN = Transform(
-    "heads_in", 2, 3, 1, False,
+    "heads_in",
+    2,
+    3,
+    1,
+    False,
     to_native_fn=lambda a, s: [a[0].T.reshape(s[0])],  # [N*H, D] -> [D, N*H] -> [D, N, H]
     to_hf_fn=lambda a: [a[0].reshape(a[0].shape[0], -1).T],  # [D, N, H] -> [N*H, D]
     hf_shapes_fn=lambda s: [(s[0][1] * s[0][2], s[0][0])],
@@ -130,7 +152,11 @@ HEADS_IN = Transform(
 """q/k/v projection ``[N*H, D]`` <-> kernel ``[D, N, H]`` (head-major rows, HF ``view(-1, H)``)."""
 
 HEADS_OUT = Transform(
-    "heads_out", 2, 3, 1, False,
+    "heads_out",
+    2,
+    3,
+    1,
+    False,
     to_native_fn=lambda a, s: [a[0].T.reshape(s[0])],  # [D, N*H] -> [N*H, D] -> [N, H, D]
     to_hf_fn=lambda a: [a[0].reshape(-1, a[0].shape[-1]).T],  # [N, H, D] -> [D, N*H]
     hf_shapes_fn=lambda s: [(s[0][2], s[0][0] * s[0][1])],
@@ -138,7 +164,11 @@ HEADS_OUT = Transform(
 """o projection ``[D, N*H]`` <-> kernel ``[N, H, D]``."""
 
 HEAD_BIAS = Transform(
-    "head_bias", 1, 2, 1, False,
+    "head_bias",
+    1,
+    2,
+    1,
+    False,
     to_native_fn=lambda a, s: [a[0].reshape(s[0])],  # [N*H] -> [N, H]
     to_hf_fn=lambda a: [a[0].reshape(-1)],
     hf_shapes_fn=lambda s: [(s[0][0] * s[0][1],)],
@@ -146,7 +176,11 @@ HEAD_BIAS = Transform(
 """q/k/v bias ``[N*H]`` <-> ``[N, H]``."""
 
 EXPERTS_T = Transform(
-    "experts_transpose", 3, 3, 1, False,
+    "experts_transpose",
+    3,
+    3,
+    1,
+    False,
     to_native_fn=lambda a, s: [_t(a[0])],  # [E, out, in] -> [E, in, out]
     to_hf_fn=lambda a: [_t(a[0])],
     hf_shapes_fn=lambda s: [(s[0][0], s[0][2], s[0][1])],
@@ -154,7 +188,11 @@ EXPERTS_T = Transform(
 """Fused expert tensor ``[E, out, in]`` <-> ``[E, in, out]``, expert axis kept first."""
 
 EXPERTS_STACK_T = Transform(
-    "experts_stack_transpose", 2, 3, 1, True,
+    "experts_stack_transpose",
+    2,
+    3,
+    1,
+    True,
     to_native_fn=lambda a, s: [_t(np.stack(a))],  # E x [out, in] -> [E, out, in] -> [E, in, out]
     to_hf_fn=lambda a: list(_t(a[0])),  # [E, in, out] -> E x [out, in]
     hf_shapes_fn=lambda s: [(s[0][2], s[0][1])] * s[0][0],
@@ -164,7 +202,11 @@ EXPERTS_STACK_T = Transform(
 <-> ``[E, in, out]``."""
 
 GATE_UP_CONCAT_T = Transform(
-    "gate_up_concat_transpose", 3, 3, 2, False,
+    "gate_up_concat_transpose",
+    3,
+    3,
+    2,
+    False,
     to_native_fn=lambda a, s: _split_half(_t(a[0])),  # [E, 2F, D] -> [E, D, 2F] -> 2 x [E, D, F]
     to_hf_fn=lambda a: [_t(np.concatenate(a, axis=-1))],  # 2 x [E, D, F] -> [E, 2F, D]
     hf_shapes_fn=lambda s: [(s[0][0], 2 * s[0][2], s[0][1])],
@@ -173,7 +215,11 @@ GATE_UP_CONCAT_T = Transform(
 Gemma 4) <-> gate, up ``[E, D, F]``."""
 
 GATE_UP_INTERLEAVED = Transform(
-    "gate_up_interleaved", 3, 3, 2, False,
+    "gate_up_interleaved",
+    3,
+    3,
+    2,
+    False,
     to_native_fn=lambda a, s: [a[0][..., 0::2], a[0][..., 1::2]],  # [E, D, 2F] -> 2 x [E, D, F]
     to_hf_fn=lambda a: [np.stack(a, axis=-1).reshape(*a[0].shape[:-1], -1)],  # g0 u0 g1 u1 ...
     hf_shapes_fn=lambda s: [(*s[0][:-1], 2 * s[0][-1])],
@@ -182,10 +228,23 @@ GATE_UP_INTERLEAVED = Transform(
 up in odd columns <-> gate, up ``[E, D, F]``."""
 
 GATE_UP_INTERLEAVED_BIAS = dataclasses.replace(
-    GATE_UP_INTERLEAVED, name="gate_up_interleaved_bias", hf_ndim=2, native_ndim=2)
+    GATE_UP_INTERLEAVED, name="gate_up_interleaved_bias", hf_ndim=2, native_ndim=2
+)
 """GPT-OSS ``gate_up_proj_bias`` ``[E, 2F]`` interleaved <-> gate, up biases ``[E, F]``."""
 
-REGISTRY: dict[str, Transform] = {t.name: t for t in (
-    IDENTITY, TRANSPOSE, HEADS_IN, HEADS_OUT, HEAD_BIAS, EXPERTS_T, EXPERTS_STACK_T,
-    GATE_UP_CONCAT_T, GATE_UP_INTERLEAVED, GATE_UP_INTERLEAVED_BIAS)}
+REGISTRY: dict[str, Transform] = {
+    t.name: t
+    for t in (
+        IDENTITY,
+        TRANSPOSE,
+        HEADS_IN,
+        HEADS_OUT,
+        HEAD_BIAS,
+        EXPERTS_T,
+        EXPERTS_STACK_T,
+        GATE_UP_CONCAT_T,
+        GATE_UP_INTERLEAVED,
+        GATE_UP_INTERLEAVED_BIAS,
+    )
+}
 """Every transform a table row may name."""

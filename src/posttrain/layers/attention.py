@@ -49,13 +49,37 @@ def attention_mask(
 class HeadProjection(nnx.Module):
     """``[B, T, D] -> [B, T, heads, head_dim]``: kernel ``[D, heads, head_dim]``, optional bias."""
 
-    def __init__(self, d_model: int, heads: int, head_dim: int, heads_axis: str, *,
-                 use_bias: bool, rngs: nnx.Rngs, dtype, param_dtype):
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        head_dim: int,
+        heads_axis: str,
+        *,
+        use_bias: bool,
+        rngs: nnx.Rngs,
+        dtype,
+        param_dtype,
+    ):
         self.dtype = dtype
-        self.kernel = sharding.param(rngs, _KERNEL_INIT, (d_model, heads, head_dim),
-                                     ("embed", heads_axis, "head_dim"), param_dtype)
-        self.bias = (sharding.param(rngs, nnx.initializers.zeros, (heads, head_dim),
-                                    (heads_axis, "head_dim"), param_dtype) if use_bias else None)
+        self.kernel = sharding.param(
+            rngs,
+            _KERNEL_INIT,
+            (d_model, heads, head_dim),
+            ("embed", heads_axis, "head_dim"),
+            param_dtype,
+        )
+        self.bias = (
+            sharding.param(
+                rngs,
+                nnx.initializers.zeros,
+                (heads, head_dim),
+                (heads_axis, "head_dim"),
+                param_dtype,
+            )
+            if use_bias
+            else None
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("btd,dnh->btnh", x.astype(self.dtype), kernel_value(self.kernel, self.dtype))
@@ -67,13 +91,30 @@ class HeadProjection(nnx.Module):
 class OutProjection(nnx.Module):
     """``[B, T, N, H] -> [B, T, D]``: kernel ``[N, H, D]``, optional bias ``[D]``."""
 
-    def __init__(self, heads: int, head_dim: int, d_model: int, *, use_bias: bool,
-                 rngs: nnx.Rngs, dtype, param_dtype):
+    def __init__(
+        self,
+        heads: int,
+        head_dim: int,
+        d_model: int,
+        *,
+        use_bias: bool,
+        rngs: nnx.Rngs,
+        dtype,
+        param_dtype,
+    ):
         self.dtype = dtype
-        self.kernel = sharding.param(rngs, _OUT_KERNEL_INIT, (heads, head_dim, d_model),
-                                     ("heads", "head_dim", "embed"), param_dtype)
-        self.bias = (sharding.param(rngs, nnx.initializers.zeros, (d_model,), ("embed",),
-                                    param_dtype) if use_bias else None)
+        self.kernel = sharding.param(
+            rngs,
+            _OUT_KERNEL_INIT,
+            (heads, head_dim, d_model),
+            ("heads", "head_dim", "embed"),
+            param_dtype,
+        )
+        self.bias = (
+            sharding.param(rngs, nnx.initializers.zeros, (d_model,), ("embed",), param_dtype)
+            if use_bias
+            else None
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = jnp.einsum("btnh,nhd->btd", x.astype(self.dtype), kernel_value(self.kernel, self.dtype))
@@ -95,8 +136,16 @@ class Attention(nnx.Module):
     column, dropped afterwards, GPT-OSS); weighted sum of v; o_proj.
     """
 
-    def __init__(self, d_model: int, cfg: AttentionConfig, *, norm_eps: float, rngs: nnx.Rngs,
-                 dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        d_model: int,
+        cfg: AttentionConfig,
+        *,
+        norm_eps: float,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
         self.cfg = cfg
         self.norm_eps = norm_eps
         self.dtype = dtype
@@ -109,8 +158,11 @@ class Attention(nnx.Module):
         norm_kw = dict(eps=norm_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.q_norm = RMSNorm(h, **norm_kw) if cfg.qk_norm else None
         self.k_norm = RMSNorm(h, **norm_kw) if cfg.qk_norm else None
-        self.sinks = (sharding.param(rngs, nnx.initializers.zeros, (n,), ("heads",), param_dtype)
-                      if cfg.sinks else None)
+        self.sinks = (
+            sharding.param(rngs, nnx.initializers.zeros, (n,), ("heads",), param_dtype)
+            if cfg.sinks
+            else None
+        )
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
         """Args: x ``[B, T, D]``; cos/sin ``[B, T, H]`` float32; mask ``[B, T, T]`` bool."""
@@ -125,10 +177,12 @@ class Attention(nnx.Module):
         if cfg.v_norm:
             v = rms_normalize(v, self.norm_eps).astype(self.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q = sharding.constrain(q, ("activation_batch", "activation_length", "activation_heads",
-                                   None))
-        k = sharding.constrain(k, ("activation_batch", "activation_length", "activation_kv_heads",
-                                   None))
+        q = sharding.constrain(
+            q, ("activation_batch", "activation_length", "activation_heads", None)
+        )
+        k = sharding.constrain(
+            k, ("activation_batch", "activation_length", "activation_kv_heads", None)
+        )
 
         q = q.reshape(batch, seq, cfg.num_kv_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
         logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
@@ -144,7 +198,7 @@ class Attention(nnx.Module):
             probs = probs[..., :seq]  # [B, K, G, T, S]: rows sum to < 1
         out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32)).astype(self.dtype)
         out = out.reshape(batch, seq, cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
-        out = sharding.constrain(out, ("activation_batch", "activation_length", "activation_heads",
-                                       None))
+        out = sharding.constrain(
+            out, ("activation_batch", "activation_length", "activation_heads", None)
+        )
         return self.o_proj(out)
-

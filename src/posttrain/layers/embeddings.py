@@ -20,13 +20,26 @@ class Embed(nnx.Module):
     ``attend``: ``[B, T, D]`` -> logits ``[B, T, V]`` (tied output head).
     """
 
-    def __init__(self, vocab_size: int, d_model: int, *, scale_by_sqrt_dim: bool = False,
-                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        *,
+        scale_by_sqrt_dim: bool = False,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.scale = float(d_model) ** 0.5 if scale_by_sqrt_dim else None
-        self.embedding = sharding.param(rngs, nnx.initializers.normal(0.02), (vocab_size, d_model),
-                                        ("vocab", "embed"), param_dtype)
+        self.embedding = sharding.param(
+            rngs,
+            nnx.initializers.normal(0.02),
+            (vocab_size, d_model),
+            ("vocab", "embed"),
+            param_dtype,
+        )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)  # [B, T, D]

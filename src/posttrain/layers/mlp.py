@@ -69,14 +69,25 @@ class Linear(nnx.Module):
       use_bias: adds ``bias`` ``[out_dim]`` with logical axis ``axes[1]``.
     """
 
-    def __init__(self, in_dim: int, out_dim: int, axes, *, use_bias: bool = False,
-                 rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        axes,
+        *,
+        use_bias: bool = False,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
         self.dtype = dtype
-        self.kernel = sharding.param(rngs, _KERNEL_INIT, (in_dim, out_dim), tuple(axes),
-                                     param_dtype)
+        self.kernel = sharding.param(
+            rngs, _KERNEL_INIT, (in_dim, out_dim), tuple(axes), param_dtype
+        )
         self.bias = (
             sharding.param(rngs, nnx.initializers.zeros, (out_dim,), (axes[1],), param_dtype)
-            if use_bias else None
+            if use_bias
+            else None
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -93,9 +104,19 @@ class MLP(nnx.Module):
     (embed, mlp) and ``down_proj.kernel`` ``[d_ff, d_model]`` (mlp, embed).
     """
 
-    def __init__(self, d_model: int, d_ff: int, activation: str, *, use_bias: bool = False,
-                 alpha: float = 1.702, limit: float = 7.0, rngs: nnx.Rngs,
-                 dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        activation: str,
+        *,
+        use_bias: bool = False,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        rngs: nnx.Rngs,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    ):
         self.activation, self.alpha, self.limit = activation, alpha, limit
         kw = dict(use_bias=use_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.gate_proj = Linear(d_model, d_ff, ("embed", "mlp"), **kw)
@@ -103,8 +124,10 @@ class MLP(nnx.Module):
         self.down_proj = Linear(d_ff, d_model, ("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = gated_activation(self.gate_proj(x), self.up_proj(x), self.activation,
-                                  alpha=self.alpha, limit=self.limit)
-        hidden = sharding.constrain(hidden,
-                                    ("activation_batch", "activation_length", "activation_mlp"))
+        hidden = gated_activation(
+            self.gate_proj(x), self.up_proj(x), self.activation, alpha=self.alpha, limit=self.limit
+        )
+        hidden = sharding.constrain(
+            hidden, ("activation_batch", "activation_length", "activation_mlp")
+        )
         return self.down_proj(hidden)

@@ -34,8 +34,9 @@ class RMSNorm(nnx.Module):
     dtype when ``None``); the multiply by ``scale`` happens in float32.
     """
 
-    def __init__(self, dim: int, *, eps: float, rngs: nnx.Rngs, dtype=None,
-                 param_dtype=jnp.float32):
+    def __init__(
+        self, dim: int, *, eps: float, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32
+    ):
         self.eps = eps
         self.dtype = dtype
         self.scale = sharding.param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)

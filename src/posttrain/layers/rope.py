@@ -43,9 +43,12 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, fl
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled), 1.0
     if rope.kind == "yarn":
+
         def correction_dim(rotations: float) -> float:
-            return (head_dim * math.log(rope.original_max_position_embeddings
-                                        / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+            return (
+                head_dim
+                * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            ) / (2 * math.log(rope.theta))
 
         low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
         if rope.truncate:

@@ -47,16 +47,27 @@ def _describe(model: nnx.Module) -> dict:
     if config is None:
         raise ValueError("model has no lora_config; build it with posttrain.lora.apply_lora")
     cfg = model.config
-    return {"format": FORMAT, "version": 1, "family": cfg.family, "num_layers": cfg.num_layers,
-            "scan_layers": cfg.scan_layers, "rank": config.rank, "alpha": float(config.alpha),
-            "dropout": config.dropout, "target": config.target_regex,
-            "weight_qtype": config.weight_qtype, "tile_size": config.tile_size}
+    return {
+        "format": FORMAT,
+        "version": 1,
+        "family": cfg.family,
+        "num_layers": cfg.num_layers,
+        "scan_layers": cfg.scan_layers,
+        "rank": config.rank,
+        "alpha": float(config.alpha),
+        "dropout": config.dropout,
+        "target": config.target_regex,
+        "weight_qtype": config.weight_qtype,
+        "tile_size": config.tile_size,
+    }
 
 
 def _host(model) -> dict[str, np.ndarray]:
     state = nnx.state(model, nnx.LoRAParam)
-    return {layout.dotted(p): np.asarray(jax.device_get(_compat.variable_value(v)))
-            for p, v in nnx.to_flat_state(state)}
+    return {
+        layout.dotted(p): np.asarray(jax.device_get(_compat.variable_value(v)))
+        for p, v in nnx.to_flat_state(state)
+    }
 
 
 def save_adapter(model: nnx.Module, directory: str | os.PathLike) -> pathlib.Path:
@@ -68,8 +79,9 @@ def save_adapter(model: nnx.Module, directory: str | os.PathLike) -> pathlib.Pat
     """
     meta = _describe(model)
     with atomic_directory(directory) as tmp:
-        safetensors.numpy.save_file(_host(model), str(tmp / ADAPTER_FILE),
-                                    metadata={"format": FORMAT})
+        safetensors.numpy.save_file(
+            _host(model), str(tmp / ADAPTER_FILE), metadata={"format": FORMAT}
+        )
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return pathlib.Path(directory)
 
@@ -91,8 +103,11 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
     if saved.get("format") != FORMAT:
         raise ValueError(f"{directory / CONFIG_FILE} is not a {FORMAT} config")
     want = _describe(model)
-    diffs = [f"{k} {saved.get(k)!r} (adapter) != {want[k]!r} (model)" for k in _CHECKED
-             if saved.get(k) != want[k]]
+    diffs = [
+        f"{k} {saved.get(k)!r} (adapter) != {want[k]!r} (model)"
+        for k in _CHECKED
+        if saved.get(k) != want[k]
+    ]
     if diffs:
         raise ValueError(f"adapter {directory} does not fit this model: {'; '.join(diffs)}")
     tensors = safetensors.numpy.load_file(str(directory / ADAPTER_FILE))
@@ -103,14 +118,18 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
     names = {layout.dotted(p) for p, _ in nnx.to_flat_state(state)}
     missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
     if missing or extra:
-        raise ValueError(f"adapter {directory}: missing {missing[:4]}, unexpected {extra[:4]} "
-                         f"({len(missing)} missing, {len(extra)} unexpected)")
+        raise ValueError(
+            f"adapter {directory}: missing {missing[:4]}, unexpected {extra[:4]} "
+            f"({len(missing)} missing, {len(extra)} unexpected)"
+        )
 
     def one(path, var):
         old, new = _compat.variable_value(var), tensors[layout.dotted(path)]
         if new.shape != old.shape:
-            raise ValueError(f"adapter {layout.dotted(path)}: shape {list(new.shape)} != "
-                             f"{list(old.shape)} in the model")
+            raise ValueError(
+                f"adapter {layout.dotted(path)}: shape {list(new.shape)} != "
+                f"{list(old.shape)} in the model"
+            )
         return var.replace(jax.device_put(new.astype(old.dtype), old.sharding))
 
     nnx.update(model, nnx.from_flat_state([(p, one(p, v)) for p, v in nnx.to_flat_state(state)]))
@@ -130,13 +149,14 @@ def _per_layer(model) -> list[tuple[str, np.ndarray, np.ndarray, tuple[int, ...]
         at = parts.index("blocks")
         p = int(parts[at + 1])
         for j in range(a.shape[0]):
-            key = ".".join([*parts[:at], "layers", str(j * period + p), *parts[at + 2:]])
+            key = ".".join([*parts[:at], "layers", str(j * period + p), *parts[at + 2 :]])
             out.append((key, a[j], b[j], ad.a_dims))
     return out
 
 
-def export_peft(model: nnx.Module, directory: str | os.PathLike, *,
-                base_model_name_or_path: str | None = None) -> pathlib.Path:
+def export_peft(
+    model: nnx.Module, directory: str | os.PathLike, *, base_model_name_or_path: str | None = None
+) -> pathlib.Path:
     """Writes ``model``'s adapters as a PEFT LoRA adapter of the HF model to a new ``directory``.
 
     Raises:
@@ -154,9 +174,11 @@ def export_peft(model: nnx.Module, directory: str | os.PathLike, *,
         entry = by_native.get(key)
         if entry is None or entry.transform.name not in _PEFT_TRANSFORMS:
             how = "no row" if entry is None else f"transform {entry.transform.name}"
-            raise ValueError(f"PEFT export supports adapters on attention and dense MLP "
-                             f"projections (HF nn.Linear); {key} has {how} in the "
-                             f"{cfg.family} table")
+            raise ValueError(
+                f"PEFT export supports adapters on attention and dense MLP "
+                f"projections (HF nn.Linear); {key} has {how} in the "
+                f"{cfg.family} table"
+            )
         if a_dims != tuple(range(len(a_dims))):
             raise ValueError(f"{key}: adapter A covers dims {a_dims}, not the leading input dims")
         module = entry.hf_keys[0].removesuffix(".weight")
@@ -165,19 +187,35 @@ def export_peft(model: nnx.Module, directory: str | os.PathLike, *,
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.reshape(rank, -1).T  # [out, r]
     targets = []
     for short in sorted({m.rsplit(".", 1)[-1] for m in modules}):
-        every = {e.hf_keys[0].removesuffix(".weight") for e in by_native.values()
-                 if e.hf_keys[0].removesuffix(".weight").rsplit(".", 1)[-1] == short}
+        every = {
+            e.hf_keys[0].removesuffix(".weight")
+            for e in by_native.values()
+            if e.hf_keys[0].removesuffix(".weight").rsplit(".", 1)[-1] == short
+        }
         ours = {m for m in modules if m.rsplit(".", 1)[-1] == short}
         targets += [short] if ours == every else sorted(ours)
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": meta["alpha"],
-        "lora_dropout": meta["dropout"], "target_modules": targets, "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-        "base_model_name_or_path": base_model_name_or_path, "revision": None,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": meta["alpha"],
+        "lora_dropout": meta["dropout"],
+        "target_modules": targets,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
     }
     with atomic_directory(directory) as tmp:
-        safetensors.numpy.save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
-                                    str(tmp / PEFT_ADAPTER_FILE), metadata={"format": "pt"})
+        safetensors.numpy.save_file(
+            {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+            str(tmp / PEFT_ADAPTER_FILE),
+            metadata={"format": "pt"},
+        )
         (tmp / PEFT_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return pathlib.Path(directory)

@@ -80,21 +80,27 @@ def _check(model, lora_config: LoraConfig, mesh: Mesh, rules, matched: list[str]
     if lora_config.dropout:
         raise NotImplementedError(
             f"dropout={lora_config.dropout}: LoRA dropout needs an RNG stream inside the "
-            f"decoder's split/merge layers, which is not implemented; use dropout=0.0")
+            f"decoder's split/merge layers, which is not implemented; use dropout=0.0"
+        )
     if lora_config.weight_qtype and cfg.dtype != cfg.param_dtype:
-        raise ValueError(f"QLoRA (weight_qtype={lora_config.weight_qtype!r}) needs dtype == "
-                         f"param_dtype, got {cfg.dtype} and {cfg.param_dtype}")
+        raise ValueError(
+            f"QLoRA (weight_qtype={lora_config.weight_qtype!r}) needs dtype == "
+            f"param_dtype, got {cfg.dtype} and {cfg.param_dtype}"
+        )
     experts = [p for p in matched if p.endswith("/experts")]
     if experts and cfg.moe is not None:
         if cfg.moe.algorithm != "dense":
             raise ValueError(
                 f"LoRA on routed experts ({experts[0]} ...) needs moe.algorithm='dense', the only "
                 f"expert path Qwix can intercept; got {cfg.moe.algorithm!r} ('sorted' would get no "
-                f"adapters, 'ragged' fails). Build the model with that algorithm or drop experts")
+                f"adapters, 'ragged' fails). Build the model with that algorithm or drop experts"
+            )
         if cfg.moe.fuse_expert_scales:
-            raise ValueError("LoRA on routed experts needs moe.fuse_expert_scales=False: the "
-                             "fused scale turns down_proj into a product Qwix adapts as if it "
-                             "were a weight")
+            raise ValueError(
+                "LoRA on routed experts needs moe.fuse_expert_scales=False: the "
+                "fused scale turns down_proj into a product Qwix adapts as if it "
+                "were a weight"
+            )
 
 
 def _qwix_pass(model, tokens, lora_config: LoraConfig):
@@ -104,14 +110,25 @@ def _qwix_pass(model, tokens, lora_config: LoraConfig):
     def rngs():
         return {"rngs": nnx.Rngs(lora_config.seed)} if takes_rngs else {}
 
-    rule = dict(module_path=lora_config.target_regex, weight_qtype=lora_config.weight_qtype,
-                tile_size=lora_config.tile_size)
+    rule = dict(
+        module_path=lora_config.target_regex,
+        weight_qtype=lora_config.weight_qtype,
+        tile_size=lora_config.tile_size,
+    )
     with unrolled_layers():
         if lora_config.weight_qtype:
             ptq = qwix.PtqProvider([qwix.QuantizationRule(**rule)])
             model = qwix.quantize_model(model, ptq, tokens, methods=("forward",), **rngs())
-        provider = qwix.LoraProvider([qwix.LoraRule(rank=lora_config.rank, alpha=lora_config.alpha,
-                                                    dropout=lora_config.dropout, **rule)])
+        provider = qwix.LoraProvider(
+            [
+                qwix.LoraRule(
+                    rank=lora_config.rank,
+                    alpha=lora_config.alpha,
+                    dropout=lora_config.dropout,
+                    **rule,
+                )
+            ]
+        )
         return qwix.apply_lora_to_model(model, provider, tokens, methods=("forward",), **rngs())
 
 
@@ -126,8 +143,9 @@ def _derived_axes(weight_axes, weight_shape, shape):
     """Axes of a quantised leaf: the weight's where the dim is unchanged, else None."""
     if weight_axes is None or len(shape) != len(weight_shape):
         return None
-    return tuple(a if s == w else None for a, s, w in zip(weight_axes, shape, weight_shape,
-                                                            strict=True))
+    return tuple(
+        a if s == w else None for a, s, w in zip(weight_axes, shape, weight_shape, strict=True)
+    )
 
 
 def _adapter_values(specs, seed: int, mesh, rules) -> dict:
@@ -158,8 +176,9 @@ def _quantised_values(abstract, base_flat, kernels, mesh, rules) -> dict:
         hows[kernel_path] = (layout.walk(abstract, kernel_path).how, stacked)
         inputs[kernel_path] = _compat.variable_value(base)
         for path, var in leaves.items():
-            axes = _derived_axes(sharding.variable_logical_axes(base), inputs[kernel_path].shape,
-                                 var.shape)
+            axes = _derived_axes(
+                sharding.variable_logical_axes(base), inputs[kernel_path].shape, var.shape
+            )
             out_specs[path] = (axes, _placed(axes, var.shape, mesh, rules))
 
     def quantise(weights):
@@ -191,8 +210,13 @@ def _adapter_specs(adapters, base_flat, abstract) -> dict:
         w_shape = np.shape(_compat.variable_value(w_var))
         a_shape = adapters[(*path[:-1], weight + layout.LORA_A)].shape
         b_shape = adapters[(*path[:-1], weight + layout.LORA_B)].shape
-        a_dims = layout.adapter_dims(layout.walk(abstract, path[:-1]), weight, w_shape[stacked:],
-                                     a_shape[stacked:-1], b_shape[stacked + 1:])
+        a_dims = layout.adapter_dims(
+            layout.walk(abstract, path[:-1]),
+            weight,
+            w_shape[stacked:],
+            a_shape[stacked:-1],
+            b_shape[stacked + 1 :],
+        )
         axes = layout.adapter_axes(w_axes, a_dims, stacked)[kind == "b"]
         specs[path] = (kind, tuple(var.shape), var.dtype, axes, stacked)
     return specs
@@ -208,18 +232,25 @@ def _materialise(model, abstract, lora_config: LoraConfig, mesh, rules):
             flat[path] = base_flat[path].replace(_compat.variable_value(base_flat[path]))
         elif isinstance(var, nnx.LoRAParam):
             adapters[path] = var
-        elif len(path) > 2 and path[-2] == "array" and path[-1] in _QARRAY_LEAVES \
-                and path[:-2] in base_flat:
+        elif (
+            len(path) > 2
+            and path[-2] == "array"
+            and path[-1] in _QARRAY_LEAVES
+            and path[:-2] in base_flat
+        ):
             kernels.setdefault(path[:-2], {})[path] = var
         else:
-            raise ValueError(f"Qwix added {layout.dotted(path)} ({type(var).__name__}), which "
-                             f"apply_lora does not know how to place")
+            raise ValueError(
+                f"Qwix added {layout.dotted(path)} ({type(var).__name__}), which "
+                f"apply_lora does not know how to place"
+            )
     specs = _adapter_specs(adapters, base_flat, abstract)
     for path, value in _adapter_values(specs, lora_config.seed, mesh, rules).items():
         flat[path] = adapters[path].replace(value, logical_axes=specs[path][3])
     if kernels:
-        for path, (value, axes) in _quantised_values(abstract, base_flat, kernels, mesh,
-                                                     rules).items():
+        for path, (value, axes) in _quantised_values(
+            abstract, base_flat, kernels, mesh, rules
+        ).items():
             flat[path] = kernels[path[:-2]][path].replace(value, logical_axes=axes)
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -263,19 +294,23 @@ def apply_lora(
     paths = module_paths(model)
     matched = [p for p in paths if re.fullmatch(target, p)]
     if not matched:
-        raise ValueError(f"LoRA target {target!r} matches no module path of {model.config.family}; "
-                         f"paths look like: {_example_paths(paths)}")
+        raise ValueError(
+            f"LoRA target {target!r} matches no module path of {model.config.family}; "
+            f"paths look like: {_example_paths(paths)}"
+        )
     _check(model, lora_config, mesh, rules, matched)
     batch, seq = dummy_shape or dummy_batch_shape(mesh, rules)
     tokens = jnp.zeros((batch, seq), jnp.int32)
     with sharding.use_mesh(mesh, rules):
-        abstract = nnx.eval_shape(functools.partial(_qwix_pass, tokens=tokens,
-                                                    lora_config=lora_config), model)
+        abstract = nnx.eval_shape(
+            functools.partial(_qwix_pass, tokens=tokens, lora_config=lora_config), model
+        )
     if not nnx.state(abstract, nnx.LoRAParam):
         raise ValueError(
             f"LoRA target {target!r} matched {len(matched)} modules ({', '.join(matched[:8])}"
             f"{' ...' if len(matched) > 8 else ''}) but Qwix created no nnx.LoRAParam: none of "
-            f"them multiplies a parameter in an einsum or dot_general Qwix intercepts")
+            f"them multiplies a parameter in an einsum or dot_general Qwix intercepts"
+        )
     lora_model = _materialise(model, abstract, lora_config, mesh, rules)
     lora_model.lora_config = lora_config
     _verify(lora_model)
@@ -286,5 +321,7 @@ def _verify(model: nnx.Module) -> None:
     """Only Param / LoRAParam variables remain (no RNG or quant-stat state from Qwix)."""
     for path, var in nnx.to_flat_state(nnx.state(model)):
         if type(var) not in (nnx.Param, nnx.LoRAParam):
-            raise ValueError(f"after apply_lora, {layout.dotted(path)} is a {type(var).__name__}; "
-                             f"only Param and LoRAParam are expected (Qwix left state behind)")
+            raise ValueError(
+                f"after apply_lora, {layout.dotted(path)} is a {type(var).__name__}; "
+                f"only Param and LoRAParam are expected (Qwix left state behind)"
+            )

@@ -75,15 +75,19 @@ class LoraConfig:
             _fail(f"dropout={self.dropout!r} must be in [0, 1)")
         if self.target is not None:
             if self.experts:
-                _fail(f"experts=True only extends the default target; with target={self.target!r} "
-                      f"add {EXPERTS_TARGET!r} to the regex instead")
+                _fail(
+                    f"experts=True only extends the default target; with target={self.target!r} "
+                    f"add {EXPERTS_TARGET!r} to the regex instead"
+                )
             try:
                 re.compile(self.target)
             except re.error as e:
                 _fail(f"target={self.target!r} is not a valid regex: {e}")
         if self.weight_qtype is not None and self.weight_qtype not in WEIGHT_QTYPES:
-            _fail(f"weight_qtype={self.weight_qtype!r} must be one of {', '.join(WEIGHT_QTYPES)} "
-                  f"or None")
+            _fail(
+                f"weight_qtype={self.weight_qtype!r} must be one of {', '.join(WEIGHT_QTYPES)} "
+                f"or None"
+            )
         if self.tile_size is not None:
             if self.weight_qtype is None:
                 _fail(f"tile_size={self.tile_size!r} needs weight_qtype (QLoRA)")

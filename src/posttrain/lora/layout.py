@@ -76,8 +76,9 @@ class Adapter:
 
     def delta(self, scale: float) -> jax.Array:
         """``scale * A.B`` in the base weight's layout (float32)."""
-        return weight_delta(self.a, self.b, self.a_dims, len(self.weight_shape) - self.stacked,
-                            self.stacked, scale)
+        return weight_delta(
+            self.a, self.b, self.a_dims, len(self.weight_shape) - self.stacked, self.stacked, scale
+        )
 
 
 def weight_delta(a, b, a_dims, ndim: int, stacked: bool, scale: float) -> jax.Array:
@@ -108,23 +109,32 @@ def adapter_dims(
 
     def fits(dims):
         rest = [d for d in range(ndim) if d not in dims]
-        return (tuple(weight_shape[d] for d in dims) == tuple(a_shape)
-                and tuple(weight_shape[d] for d in rest) == tuple(b_shape))
+        return tuple(weight_shape[d] for d in dims) == tuple(a_shape) and tuple(
+            weight_shape[d] for d in rest
+        ) == tuple(b_shape)
 
     name = (type(module).__name__, weight)
     listed = A_DIMS.get(name)
     if listed is not None:
         if not fits(listed):
-            raise ValueError(f"{name[0]}.{weight} {list(weight_shape)}: adapter A "
-                             f"{list(a_shape)} / B {list(b_shape)} do not match dims {listed} of "
-                             f"lora.layout.A_DIMS; did the layer's einsum change?")
+            raise ValueError(
+                f"{name[0]}.{weight} {list(weight_shape)}: adapter A "
+                f"{list(a_shape)} / B {list(b_shape)} do not match dims {listed} of "
+                f"lora.layout.A_DIMS; did the layer's einsum change?"
+            )
         return listed
-    found = [dims for k in range(1, ndim) for dims in itertools.combinations(range(ndim), k)
-             if fits(dims)]
+    found = [
+        dims
+        for k in range(1, ndim)
+        for dims in itertools.combinations(range(ndim), k)
+        if fits(dims)
+    ]
     if len(found) != 1:
-        raise ValueError(f"{name[0]}.{weight} {list(weight_shape)} is not in lora.layout.A_DIMS "
-                         f"and its adapters A {list(a_shape)} / B {list(b_shape)} fit "
-                         f"{len(found)} dim splits; add it to A_DIMS")
+        raise ValueError(
+            f"{name[0]}.{weight} {list(weight_shape)} is not in lora.layout.A_DIMS "
+            f"and its adapters A {list(a_shape)} / B {list(b_shape)} fit "
+            f"{len(found)} dim splits; add it to A_DIMS"
+        )
     return found[0]
 
 
@@ -153,8 +163,9 @@ def iter_adapters(model: nnx.Module) -> Iterator[Adapter]:
         names = vars(module)
         for name, a_var in names.items():
             # str check: list-like modules (nnx.List in flax 0.12.0) have int attribute keys.
-            if not (isinstance(name, str) and name.endswith(LORA_A)
-                    and isinstance(a_var, nnx.LoRAParam)):
+            if not (
+                isinstance(name, str) and name.endswith(LORA_A) and isinstance(a_var, nnx.LoRAParam)
+            ):
                 continue
             weight = name[: -len(LORA_A)]
             b_var, w = names[weight + LORA_B], names[weight]
@@ -164,6 +175,7 @@ def iter_adapters(model: nnx.Module) -> Iterator[Adapter]:
             a, b = _compat.variable_value(a_var), _compat.variable_value(b_var)
             stacked = is_stacked(w_axes)
             shape = weight_shape_of(w)
-            a_dims = adapter_dims(module, weight, shape[stacked:], a.shape[stacked:-1],
-                                  b.shape[stacked + 1:])
+            a_dims = adapter_dims(
+                module, weight, shape[stacked:], a.shape[stacked:-1], b.shape[stacked + 1 :]
+            )
             yield Adapter(tuple(path), weight, a, b, shape, stacked, a_dims)

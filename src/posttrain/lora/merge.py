@@ -62,8 +62,9 @@ def base_weights(model: nnx.Module) -> dict[tuple, jax.Array]:
             out[path] = _compat.variable_value(var)
     for path in sorted(quantised, key=str):
         qarray = layout.walk(model, path).array
-        values = jax.tree.map(_compat.variable_value, qarray,
-                              is_leaf=lambda x: isinstance(x, nnx.Variable))
+        values = jax.tree.map(
+            _compat.variable_value, qarray, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
         out[path] = _compat.qwix_dequantize(values)
     return out
 
@@ -76,17 +77,24 @@ def _plain_model(cfg, values: dict[tuple, jax.Array]) -> CausalLM:
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _shift(weights: dict[tuple, jax.Array], adapters: dict[str, layout.Adapter], scale: float,
-           sign: int) -> dict[tuple, jax.Array]:
+def _shift(
+    weights: dict[tuple, jax.Array], adapters: dict[str, layout.Adapter], scale: float, sign: int
+) -> dict[tuple, jax.Array]:
     by_key = {layout.dotted(path): path for path in weights}
     missing = sorted(set(adapters) - set(by_key))
     if missing:
         raise ValueError(f"adapted weights {missing[:4]} are not in the model")
-    specs = tuple((key, (ad.a_dims, len(ad.weight_shape) - ad.stacked, ad.stacked))
-                  for key, ad in adapters.items())
-    shifted = _shifted({k: weights[by_key[k]] for k in adapters},
-                       {k: (ad.a, ad.b) for k, ad in adapters.items()},
-                       specs=specs, scale=scale, sign=sign)
+    specs = tuple(
+        (key, (ad.a_dims, len(ad.weight_shape) - ad.stacked, ad.stacked))
+        for key, ad in adapters.items()
+    )
+    shifted = _shifted(
+        {k: weights[by_key[k]] for k in adapters},
+        {k: (ad.a, ad.b) for k, ad in adapters.items()},
+        specs=specs,
+        scale=scale,
+        sign=sign,
+    )
     return {**weights, **{by_key[k]: v for k, v in shifted.items()}}
 
 
@@ -107,7 +115,9 @@ def unmerge_lora(merged: CausalLM, lora_model: nnx.Module) -> CausalLM:
       merged: a plain model, e.g. from :func:`merge_lora`.
       lora_model: the LoRA model whose adapters to subtract.
     """
-    weights = {path: _compat.variable_value(var)
-               for path, var in nnx.to_flat_state(nnx.state(merged, nnx.Param))}
+    weights = {
+        path: _compat.variable_value(var)
+        for path, var in nnx.to_flat_state(nnx.state(merged, nnx.Param))
+    }
     weights = _shift(weights, _adapters(lora_model), _scale(lora_model), -1)
     return _plain_model(merged.config, weights)

@@ -32,10 +32,18 @@ class CausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.model = Decoder(cfg, rngs=rngs)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.d_model, cfg.vocab_size, ("embed", "vocab"), rngs=rngs,
-            dtype=_compat.module_dtype(cfg.dtype),
-            param_dtype=_compat.module_dtype(cfg.param_dtype))
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(
+                cfg.d_model,
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                rngs=rngs,
+                dtype=_compat.module_dtype(cfg.dtype),
+                param_dtype=_compat.module_dtype(cfg.param_dtype),
+            )
+        )
 
     def forward(
         self,

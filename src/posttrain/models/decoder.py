@@ -35,7 +35,8 @@ from posttrain.layers.rope import rope_tables
 from posttrain.models.decoder_layer import ACTIVATION_AXES, DecoderLayer
 
 _UNROLLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "posttrain_unrolled_layers", default=False)
+    "posttrain_unrolled_layers", default=False
+)
 
 
 @contextlib.contextmanager
@@ -69,8 +70,10 @@ def _cut_block(block: DecoderLayer, count: int) -> list[DecoderLayer]:
 
     def layer_slice(j):
         def one(v):
-            return v.replace(_compat.variable_value(v)[j],
-                             logical_axes=sharding.variable_logical_axes(v)[1:])
+            return v.replace(
+                _compat.variable_value(v)[j], logical_axes=sharding.variable_logical_axes(v)[1:]
+            )
+
         return jax.tree.map(one, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     return [nnx.merge(graphdef, layer_slice(j), rest) for j in range(count)]
@@ -88,8 +91,9 @@ def _restack(block: DecoderLayer, layers: list[DecoderLayer]) -> DecoderLayer:
             continue
         value = jnp.stack([_compat.variable_value(p[path]) for p in per_layer])  # [L/P, ...]
         axes = sharding.variable_logical_axes(first)
-        flat[path] = first.replace(value, **({} if axes is None else
-                                              {"logical_axes": ("layers", *axes)}))
+        flat[path] = first.replace(
+            value, **({} if axes is None else {"logical_axes": ("layers", *axes)})
+        )
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -126,20 +130,31 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         dtype, param_dtype = _compat.module_dtype(cfg.dtype), _compat.module_dtype(cfg.param_dtype)
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.d_model, scale_by_sqrt_dim=cfg.embed_scale,
-                                  rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            scale_by_sqrt_dim=cfg.embed_scale,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         period = cfg.layer_period
         if cfg.scan_layers:
             self.blocks = _compat.module_list(
-                [_stacked_layers(cfg, cfg.layer_types[p], cfg.num_layers // period, rngs)
-                 for p in range(period)])
+                [
+                    _stacked_layers(cfg, cfg.layer_types[p], cfg.num_layers // period, rngs)
+                    for p in range(period)
+                ]
+            )
             self.layers = None
         else:
             self.layers = _compat.module_list(
-                [DecoderLayer(cfg, t, rngs=rngs) for t in cfg.layer_types])
+                [DecoderLayer(cfg, t, rngs=rngs) for t in cfg.layer_types]
+            )
             self.blocks = None
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, dtype=dtype,
-                            param_dtype=param_dtype)
+        self.norm = RMSNorm(
+            cfg.d_model, eps=cfg.norm_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+        )
 
     def _tables(self, positions, padding_mask):
         """cos/sin and mask per layer type present."""
@@ -148,8 +163,9 @@ class Decoder(nnx.Module):
         for t in sorted(set(self.cfg.layer_types)):
             attn = self.cfg.attention[t]
             cos, sin = rope_tables(positions, attn.rope, attn.head_dim)
-            mask = attention_mask(batch, seq, padding_mask,
-                                  attn.sliding_window if t == "sliding" else None)
+            mask = attention_mask(
+                batch, seq, padding_mask, attn.sliding_window if t == "sliding" else None
+            )
             out[t] = (cos, sin, mask)
         return out
 
@@ -239,7 +255,7 @@ def stack_layers(params: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str
             at = parts.index("layers")
             i = int(parts[at + 1])
             prefix = ".".join(parts[:at])
-            rest = ".".join(parts[at + 2:])
+            rest = ".".join(parts[at + 2 :])
             grouped.setdefault((i % period, f"{prefix}|{rest}"), []).append((i, value))
         else:
             out[key] = value
@@ -261,8 +277,9 @@ def unstack_layers(params: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[s
             at = parts.index("blocks")
             p = int(parts[at + 1])
             for j, layer_value in enumerate(np.asarray(value)):
-                name = ".".join(x for x in (*parts[:at], "layers", str(j * period + p),
-                                            *parts[at + 2:]) if x)
+                name = ".".join(
+                    x for x in (*parts[:at], "layers", str(j * period + p), *parts[at + 2 :]) if x
+                )
                 out[name] = layer_value
         else:
             out[key] = value

@@ -41,20 +41,47 @@ class DecoderLayer(nnx.Module):
         self.has_dense_and_moe = cfg.dense_mlp_with_moe
 
         def norm():
-            return RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs, dtype=dtype,
-                           param_dtype=param_dtype)
+            return RMSNorm(
+                cfg.d_model, eps=cfg.norm_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+            )
 
-        mlp_kw = dict(alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, rngs=rngs, dtype=dtype,
-                      param_dtype=param_dtype)
+        mlp_kw = dict(
+            alpha=cfg.swiglu_alpha,
+            limit=cfg.swiglu_limit,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg.d_model, cfg.attention[layer_type], norm_eps=cfg.norm_eps,
-                                   rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.self_attn = Attention(
+            cfg.d_model,
+            cfg.attention[layer_type],
+            norm_eps=cfg.norm_eps,
+            rngs=rngs,
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
         self.post_attention_layernorm = norm()
-        dense = MLP(cfg.d_model, cfg.d_ff, cfg.activation, use_bias=cfg.mlp_bias, **mlp_kw) \
-            if (cfg.moe is None or cfg.dense_mlp_with_moe) else None
-        moe = MoEBlock(cfg.d_model, cfg.moe, cfg.activation, swiglu_alpha=cfg.swiglu_alpha,
-                       swiglu_limit=cfg.swiglu_limit, norm_eps=cfg.norm_eps, rngs=rngs,
-                       dtype=dtype, param_dtype=param_dtype) if cfg.moe is not None else None
+        dense = (
+            MLP(cfg.d_model, cfg.d_ff, cfg.activation, use_bias=cfg.mlp_bias, **mlp_kw)
+            if (cfg.moe is None or cfg.dense_mlp_with_moe)
+            else None
+        )
+        moe = (
+            MoEBlock(
+                cfg.d_model,
+                cfg.moe,
+                cfg.activation,
+                swiglu_alpha=cfg.swiglu_alpha,
+                swiglu_limit=cfg.swiglu_limit,
+                norm_eps=cfg.norm_eps,
+                rngs=rngs,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+            if cfg.moe is not None
+            else None
+        )
         if cfg.dense_mlp_with_moe:
             self.mlp, self.moe = dense, moe
         else:
@@ -66,8 +93,11 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm_1 = norm()
             self.pre_feedforward_layernorm_2 = norm()
             self.post_feedforward_layernorm_2 = norm()
-        self.layer_scalar = (sharding.param(rngs, nnx.initializers.ones, (1,), (None,),
-                                            param_dtype) if cfg.layer_scalar else None)
+        self.layer_scalar = (
+            sharding.param(rngs, nnx.initializers.ones, (1,), (None,), param_dtype)
+            if cfg.layer_scalar
+            else None
+        )
 
     def _mlp(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
         if isinstance(self.mlp, MoEBlock):

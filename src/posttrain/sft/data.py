@@ -72,15 +72,22 @@ def validate_messages(record, *, where: str) -> Messages:
     """
     messages = record.get("messages") if isinstance(record, dict) else None
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f'{where}: expected {{"messages": [{{"role", "content"}}, ...]}}, '
-                         f"got {str(record)[:80]!r}")
+        raise ValueError(
+            f'{where}: expected {{"messages": [{{"role", "content"}}, ...]}}, '
+            f"got {str(record)[:80]!r}"
+        )
     for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
             raise ValueError(f"{where}: message {i} needs string 'role' and 'content', got {m!r}")
         if m["role"] not in ROLES:
-            raise ValueError(f"{where}: message {i} has unknown role {m['role']!r}; "
-                             f"expected one of {', '.join(ROLES)}")
+            raise ValueError(
+                f"{where}: message {i} has unknown role {m['role']!r}; "
+                f"expected one of {', '.join(ROLES)}"
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant message, so nothing to train on")
     return messages
@@ -130,21 +137,26 @@ def encode_dataset(
         ex = encode_chat(messages, tokenizer)
         if len(ex.tokens) > max_target_length:
             if overflow == "reject":
-                raise ValueError(f"conversation {i} has {len(ex.tokens)} tokens, more than "
-                                 f"max_target_length={max_target_length} (overflow='reject')")
+                raise ValueError(
+                    f"conversation {i} has {len(ex.tokens)} tokens, more than "
+                    f"max_target_length={max_target_length} (overflow='reject')"
+                )
             ex = Example(ex.tokens[:max_target_length], ex.loss_mask[:max_target_length])
         if len(ex.tokens) and ex.tokens.max() >= vocab:
             raise ValueError(f"conversation {i}: token id {ex.tokens.max()} >= vocab {vocab}")
         if ex.loss_mask[1:].any():
             examples.append(ex)
     if not examples:
-        raise ValueError("no conversation has a target token within max_target_length "
-                         f"{max_target_length} (empty dataset)")
+        raise ValueError(
+            "no conversation has a target token within max_target_length "
+            f"{max_target_length} (empty dataset)"
+        )
     return examples
 
 
-def to_rows(examples: Iterable[Example], max_target_length: int, *, packing: bool,
-            pad_id: int = 0) -> dict[str, np.ndarray]:
+def to_rows(
+    examples: Iterable[Example], max_target_length: int, *, packing: bool, pad_id: int = 0
+) -> dict[str, np.ndarray]:
     """Rows ``[rows, max_target_length]``: input_tokens, input_mask, positions, segment_ids."""
     rows: list[list[Example]] = []
     used = max_target_length  # forces a new row first
@@ -165,10 +177,10 @@ def to_rows(examples: Iterable[Example], max_target_length: int, *, packing: boo
         start = 0
         for seg, ex in enumerate(row, 1):
             n = len(ex.tokens)
-            out["input_tokens"][r, start:start + n] = ex.tokens
-            out["input_mask"][r, start:start + n] = ex.loss_mask
-            out["positions"][r, start:start + n] = np.arange(n)
-            out["segment_ids"][r, start:start + n] = seg
+            out["input_tokens"][r, start : start + n] = ex.tokens
+            out["input_mask"][r, start : start + n] = ex.loss_mask
+            out["positions"][r, start : start + n] = np.arange(n)
+            out["segment_ids"][r, start : start + n] = seg
             start += n
     return out
 
@@ -180,8 +192,14 @@ def count_targets(rows: dict[str, np.ndarray]) -> np.ndarray:
     return (rows["input_mask"][:, 1:].astype(bool) & same).sum(axis=1)
 
 
-def batches(rows: dict[str, np.ndarray], global_batch: int, grad_accum_steps: int = 1, *,
-            seed: int = 0, epochs: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+def batches(
+    rows: dict[str, np.ndarray],
+    global_batch: int,
+    grad_accum_steps: int = 1,
+    *,
+    seed: int = 0,
+    epochs: int | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
     """Micro-batches ``[global_batch, ...]``, rows reshuffled each epoch (seeded).
 
     The stream of rows is the concatenation of shuffled epochs, cut into
@@ -191,8 +209,9 @@ def batches(rows: dict[str, np.ndarray], global_batch: int, grad_accum_steps: in
     Deterministic for a given seed, so a resumed run sees the same batches.
     """
     if global_batch < 1 or grad_accum_steps < 1:
-        raise ValueError(f"global_batch={global_batch}, grad_accum_steps={grad_accum_steps}; "
-                         "expected >= 1")
+        raise ValueError(
+            f"global_batch={global_batch}, grad_accum_steps={grad_accum_steps}; expected >= 1"
+        )
     n = len(rows["input_tokens"])
     targets = count_targets(rows)
     rng = np.random.default_rng(seed)

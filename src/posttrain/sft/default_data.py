@@ -33,8 +33,9 @@ def pydoc_conversations(max_chars: int = 160, min_chars: int = 60) -> list[Messa
     try:
         from pydoc_data.topics import topics
     except ImportError as e:  # some distributions strip it
-        raise RuntimeError("the embedded dataset needs CPython's pydoc_data module; "
-                           "pass --data FILE.jsonl instead") from e
+        raise RuntimeError(
+            "the embedded dataset needs CPython's pydoc_data module; pass --data FILE.jsonl instead"
+        ) from e
     conversations, seen = [], set()
     for name in sorted(topics):
         subject = name.replace("-", " ")
@@ -44,10 +45,15 @@ def pydoc_conversations(max_chars: int = 160, min_chars: int = 60) -> list[Messa
             if answer in seen:  # topics share sections; keep the first
                 continue
             seen.add(answer)
-            question = (f"What does the Python reference say about {subject}?" if i == 0 else
-                        f"Tell me more about {subject} in Python (part {i + 1}).")
-            conversations.append([
-                {"role": "user", "content": question},
-                {"role": "assistant", "content": answer},
-            ])
+            question = (
+                f"What does the Python reference say about {subject}?"
+                if i == 0
+                else f"Tell me more about {subject} in Python (part {i + 1})."
+            )
+            conversations.append(
+                [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": answer},
+                ]
+            )
     return conversations

@@ -71,8 +71,9 @@ def sft_terms(model, input_tokens, input_mask, positions=None, segment_ids=None,
     }
 
 
-def step_objective(terms: dict, step_target_tokens, *, moe_aux_weight: float,
-                   grad_accum_steps: int) -> jax.Array:
+def step_objective(
+    terms: dict, step_target_tokens, *, moe_aux_weight: float, grad_accum_steps: int
+) -> jax.Array:
     """This micro-batch's share of the step loss; the shares of a step sum to the step loss.
 
     ``step_target_tokens`` is the ``[batch]`` field (or None: then this

@@ -114,8 +114,10 @@ class SFTResult:
             return f"no steps run (already at step {self.checkpoint_step})"
         speeds = [r["tokens_per_s"] for r in h if r.get("tokens_per_s")]
         speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
-        return (f"steps {h[0]['step']}-{h[-1]['step']}: loss {h[0]['loss']:.3f} -> "
-                f"{h[-1]['loss']:.3f} (perplexity {h[-1]['perplexity']:.1f}){speed}")
+        return (
+            f"steps {h[0]['step']}-{h[-1]['step']}: loss {h[0]['loss']:.3f} -> "
+            f"{h[-1]['loss']:.3f} (perplexity {h[-1]['perplexity']:.1f}){speed}"
+        )
 
 
 def _load_model(cfg: SFTConfig, mesh):
@@ -126,8 +128,10 @@ def _load_model(cfg: SFTConfig, mesh):
     if cfg.model in PRESETS:
         return build_model(get_config(cfg.model, **overrides), mesh, seed=cfg.seed), None
     if not os.path.isdir(cfg.model):
-        raise ValueError(f"--model {cfg.model!r} is neither a preset ({', '.join(sorted(PRESETS))})"
-                         " nor an HF checkpoint directory")
+        raise ValueError(
+            f"--model {cfg.model!r} is neither a preset ({', '.join(sorted(PRESETS))})"
+            " nor an HF checkpoint directory"
+        )
     from posttrain.conversion import convert_hf_to_native, load_native
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,8 +164,7 @@ def build_rows(cfg: SFTConfig, tok) -> dict[str, np.ndarray]:
     from posttrain.sft.default_data import pydoc_conversations
 
     conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
-    examples = data.encode_dataset(conversations, tok, cfg.max_target_length,
-                                   overflow=cfg.overflow)
+    examples = data.encode_dataset(conversations, tok, cfg.max_target_length, overflow=cfg.overflow)
     return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=_pad_id(tok))
 
 
@@ -185,8 +188,13 @@ def _export(trainer, out: pathlib.Path, step: int) -> list[pathlib.Path]:
     return written
 
 
-def run_sft(cfg: SFTConfig, *, trainer_class: type | None = None, on_built=None,
-            log_every: int | None = None) -> SFTResult:
+def run_sft(
+    cfg: SFTConfig,
+    *,
+    trainer_class: type | None = None,
+    on_built=None,
+    log_every: int | None = None,
+) -> SFTResult:
     """Runs (or resumes) one SFT run; see the module docstring for what it writes.
 
     Args:
@@ -214,28 +222,42 @@ def run_sft(cfg: SFTConfig, *, trainer_class: type | None = None, on_built=None,
     global_batch = cfg.per_device_batch_size * dp
     sp = sharding.sequence_parallel_size(mesh)
     if cfg.max_target_length % sp:
-        raise ValueError(f"max_target_length={cfg.max_target_length} is not divisible by the "
-                         f"sequence-parallel size {sp} of the mesh")
+        raise ValueError(
+            f"max_target_length={cfg.max_target_length} is not divisible by the "
+            f"sequence-parallel size {sp} of the mesh"
+        )
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
     tok = _tokenizer(cfg, hf_dir)
     rows = build_rows(cfg, tok)  # bad data fails before the model is built
     model, _ = _load_model(cfg, mesh)
     if tok.get_vocab_size() > model.config.vocab_size:
-        raise ValueError(f"tokenizer has {tok.get_vocab_size()} ids but the model's vocab_size "
-                         f"is {model.config.vocab_size}; pass a matching --tokenizer")
+        raise ValueError(
+            f"tokenizer has {tok.get_vocab_size()} ids but the model's vocab_size "
+            f"is {model.config.vocab_size}; pass a matching --tokenizer"
+        )
     if cfg.lora_rank:
         from posttrain.lora import LoraConfig, apply_lora
 
-        model = apply_lora(model, mesh, LoraConfig(
-            rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank, seed=cfg.seed))
+        model = apply_lora(
+            model,
+            mesh,
+            LoraConfig(
+                rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank, seed=cfg.seed
+            ),
+        )
 
     out = pathlib.Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, min(cfg.warmup_steps, cfg.steps - 1), cfg.steps,
-        end_value=cfg.learning_rate * 0.1)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95,
-                                                                 weight_decay=0.0))
+        0.0,
+        cfg.learning_rate,
+        min(cfg.warmup_steps, cfg.steps - 1),
+        cfg.steps,
+        end_value=cfg.learning_rate * 0.1,
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.0)
+    )
     batch_axes = sharding.logical_to_spec(("activation_batch",), None, dict(mesh.shape))[0]
     training_config = peft_trainer.TrainingConfig(
         # No eval dataset; google-tunix <= 0.1.2 still requires a multiple of the GA steps.
@@ -244,31 +266,62 @@ def run_sft(cfg: SFTConfig, *, trainer_class: type | None = None, on_built=None,
         gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
         checkpoint_root_directory=str((out / "checkpoints").resolve()),
         checkpointing_options=ocp.CheckpointManagerOptions(
-            save_interval_steps=cfg.save_every, max_to_keep=2),
+            save_interval_steps=cfg.save_every, max_to_keep=2
+        ),
         metrics_logging_options=metrics_logger.MetricsLoggerOptions(
-            log_dir=str(out / "tensorboard"), flush_every_n_steps=10),
+            log_dir=str(out / "tensorboard"), flush_every_n_steps=10
+        ),
         data_sharding_axis=(batch_axes,) if batch_axes else ("fsdp",),
     )
     cls = trainer_class or SFTTrainer  # its train() makes the mesh current
-    trainer = cls(model, tx, training_config, mesh=mesh, learning_rate_fn=schedule,
-                  metrics_path=out / "metrics.jsonl", log_every=log_every)
-    params = sum(int(np.prod(x.shape)) for x in
-                 jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
-    trainable = sum(int(np.prod(x.shape)) for x in
-                    jax.tree.leaves(nnx.state(trainer.model, trainer._wrt)))
+    trainer = cls(
+        model,
+        tx,
+        training_config,
+        mesh=mesh,
+        learning_rate_fn=schedule,
+        metrics_path=out / "metrics.jsonl",
+        log_every=log_every,
+    )
+    params = sum(
+        int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param))
+    )
+    trainable = sum(
+        int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(trainer.model, trainer._wrt))
+    )
     if log_every:
-        print(f"model {cfg.model}: {params:,} params, {trainable:,} trained; "
-              f"{len(rows['input_tokens']):,} rows of {cfg.max_target_length}; global batch "
-              f"{global_batch} x grad_accum {cfg.grad_accum}; Tunix convention "
-              f"{trainer.convention.name}", flush=True)
+        print(
+            f"model {cfg.model}: {params:,} params, {trainable:,} trained; "
+            f"{len(rows['input_tokens']):,} rows of {cfg.max_target_length}; global batch "
+            f"{global_batch} x grad_accum {cfg.grad_accum}; Tunix convention "
+            f"{trainer.convention.name}",
+            flush=True,
+        )
     if on_built is not None:
         on_built(trainer)
-    (out / "run.json").write_text(json.dumps(
-        {**dataclasses.asdict(cfg), "global_batch": global_batch, "rows": len(
-            rows["input_tokens"]), "convention": trainer.convention.name,
-         "started": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
+    (out / "run.json").write_text(
+        json.dumps(
+            {
+                **dataclasses.asdict(cfg),
+                "global_batch": global_batch,
+                "rows": len(rows["input_tokens"]),
+                "convention": trainer.convention.name,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
     step = trainer.train_steps
     exported = _export(trainer, out, step)
-    return SFTResult(trainer.history, out, step, exported, trainer.convention.name,
-                     global_batch, params, trainable)
+    return SFTResult(
+        trainer.history,
+        out,
+        step,
+        exported,
+        trainer.convention.name,
+        global_batch,
+        params,
+        trainable,
+    )

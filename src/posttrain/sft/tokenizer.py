@@ -17,8 +17,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 #: markers are ChatML's (Qwen's chat template), so a user tokenizer that has
 #: them (Qwen2/3) gets the same template with single-token markers.
 SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>",
-    "<|reserved_0|>", "<|reserved_1|>", "<|reserved_2|>", "<|reserved_3|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|pad|>",
+    "<|reserved_0|>",
+    "<|reserved_1|>",
+    "<|reserved_2|>",
+    "<|reserved_3|>",
 )
 
 
@@ -35,8 +41,11 @@ def byte_tokenizer() -> Tokenizer:
 
 def _byte_of(symbol: str) -> int:
     """The byte GPT-2's byte-to-unicode map sends to ``symbol`` (so byte b gets id b)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {}, 0
     for b in range(256):
         if b in printable:

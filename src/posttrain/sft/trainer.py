@@ -70,13 +70,21 @@ class SFTTrainerMixin:
         the trainer class calls its step in an unknown way.
     """
 
-    def __init__(self, model, optimizer, training_config, *args, mesh: Mesh,
-                 rules: sharding.Rules = sharding.DEFAULT_RULES,
-                 moe_aux_loss_weight: float | None = None,
-                 learning_rate_fn: Callable[[int], float] | None = None,
-                 metrics_path: str | os.PathLike | None = None,
-                 log_every: int | None = None,
-                 convention: tunix_compat.Convention | None = None, **kwargs):
+    def __init__(
+        self,
+        model,
+        optimizer,
+        training_config,
+        *args,
+        mesh: Mesh,
+        rules: sharding.Rules = sharding.DEFAULT_RULES,
+        moe_aux_loss_weight: float | None = None,
+        learning_rate_fn: Callable[[int], float] | None = None,
+        metrics_path: str | os.PathLike | None = None,
+        log_every: int | None = None,
+        convention: tunix_compat.Convention | None = None,
+        **kwargs,
+    ):
         self.convention = convention or tunix_compat.detect(tunix_base(type(self)))
         super().__init__(model, optimizer, training_config, *args, **kwargs)
         self.mesh = mesh
@@ -90,8 +98,9 @@ class SFTTrainerMixin:
         self._wrt = nnx.LoRAParam if self._lora_enabled else nnx.Param
         self.loss_fn = self.eval_loss_fn = sft_loss.eval_loss_fn
         self._has_aux = True
-        batch_axes = sharding.logical_to_spec(("activation_batch",), None, dict(mesh.shape),
-                                              rules)[0]
+        batch_axes = sharding.logical_to_spec(("activation_batch",), None, dict(mesh.shape), rules)[
+            0
+        ]
         self._batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
         self._metrics_path = os.fspath(metrics_path) if metrics_path else None
         self._log_every = log_every
@@ -113,8 +122,11 @@ class SFTTrainerMixin:
         def share(trained_state):
             terms = sft_loss.sft_terms(nnx.merge(graphdef, trained_state, rest), **inputs)
             objective = sft_loss.step_objective(
-                terms, step_tokens, moe_aux_weight=self.moe_aux_loss_weight,
-                grad_accum_steps=self.grad_accum_steps)
+                terms,
+                step_tokens,
+                moe_aux_weight=self.moe_aux_loss_weight,
+                grad_accum_steps=self.grad_accum_steps,
+            )
             return objective, terms
 
         (_, terms), grads = jax.value_and_grad(share, has_aux=True)(trained)
@@ -145,10 +157,12 @@ class SFTTrainerMixin:
             def skip(model, optimizer, grad_accumulator):
                 return jnp.zeros((), jnp.float32)
 
-            grad_norm = nnx.cond(is_update_step, apply, skip, model, optimizer,
-                                 grad_accumulator)
-        tokens = jnp.sum(inputs["segment_ids"] > 0) if "segment_ids" in inputs else (
-            jnp.asarray(inputs["input_tokens"].size))
+            grad_norm = nnx.cond(is_update_step, apply, skip, model, optimizer, grad_accumulator)
+        tokens = (
+            jnp.sum(inputs["segment_ids"] > 0)
+            if "segment_ids" in inputs
+            else (jnp.asarray(inputs["input_tokens"].size))
+        )
         aux = {**terms, "grad_norm": grad_norm, "tokens": tokens.astype(jnp.float32)}
         loss = terms["nll_sum"] / jnp.maximum(terms["target_tokens"], 1.0)
         return loss, aux, grad_norm
@@ -158,18 +172,22 @@ class SFTTrainerMixin:
         name = self.convention.name
         body = self._step_body
         if name == "positional3":
+
             def train_step(model, optimizer, inputs):
                 loss, aux, _ = body(model, optimizer, None, inputs, None)
                 return loss, aux
         elif name == "bound2":
+
             def train_step(model, optimizer, inputs):
                 return body(model, optimizer, None, inputs, None)
         elif name == "bound3_update":
+
             def train_step(model, optimizer, grad_accumulator, inputs, is_update_step=True):
                 return body(model, optimizer, grad_accumulator, inputs, is_update_step)
         else:
             raise tunix_compat.UnknownConventionError(
-                f"no step for convention {self.convention.describe()}")
+                f"no step for convention {self.convention.describe()}"
+            )
         return train_step
 
     # --- inputs and metrics ---------------------------------------------------------------
@@ -177,8 +195,13 @@ class SFTTrainerMixin:
         """Places each ``[batch, ...]`` leaf on the data-parallel axes (before Tunix's sharding)."""
         input_data = super()._prepare_inputs(input_data)
         return jax.tree.map(
-            lambda x: jax.device_put(np.asarray(x), self._batch_sharding)
-            if isinstance(x, np.ndarray | jax.Array) and np.ndim(x) >= 1 else x, input_data)
+            lambda x: (
+                jax.device_put(np.asarray(x), self._batch_sharding)
+                if isinstance(x, np.ndarray | jax.Array) and np.ndim(x) >= 1
+                else x
+            ),
+            input_data,
+        )
 
     def _post_process_train_step(self, aux) -> None:
         super()._post_process_train_step(aux)
@@ -188,9 +211,11 @@ class SFTTrainerMixin:
         if len(self._micro) < self.grad_accum_steps:
             return
         now = time.perf_counter()
-        record = {"step": self._train_steps + 1, "_micro": self._micro,
-                  "_elapsed": None if self._last_update_time is None
-                  else now - self._last_update_time}
+        record = {
+            "step": self._train_steps + 1,
+            "_micro": self._micro,
+            "_elapsed": None if self._last_update_time is None else now - self._last_update_time,
+        }
         self._last_update_time = now
         self._micro = []
         self._flush()  # the previous step is done by now; keep this one's arrays in flight
@@ -207,18 +232,26 @@ class SFTTrainerMixin:
         tokens = float(sum(m["tokens"] for m in micro))
         loss = float(sum(m["nll_sum"] for m in micro)) / max(targets, 1.0)
         record.update(
-            loss=loss, perplexity=math.exp(min(loss, 80.0)),
+            loss=loss,
+            perplexity=math.exp(min(loss, 80.0)),
             grad_norm=float(micro[-1]["grad_norm"]),
             moe_aux_loss=float(np.mean([m["moe_aux_loss"] for m in micro])),
-            target_tokens=int(targets), tokens=int(tokens),
-            step_time_s=elapsed, tokens_per_s=None if not elapsed else tokens / elapsed,
-            learning_rate=None if self.learning_rate_fn is None
-            else float(self.learning_rate_fn(record["step"] - 1)))
+            target_tokens=int(targets),
+            tokens=int(tokens),
+            step_time_s=elapsed,
+            tokens_per_s=None if not elapsed else tokens / elapsed,
+            learning_rate=None
+            if self.learning_rate_fn is None
+            else float(self.learning_rate_fn(record["step"] - 1)),
+        )
         self.history.append(record)
         if self._log_every and record["step"] % self._log_every == 0:
             speed = f", {record['tokens_per_s']:,.0f} tokens/s" if record["tokens_per_s"] else ""
-            print(f"step {record['step']}: loss {loss:.4f}, grad_norm {record['grad_norm']:.3f}"
-                  f"{speed}", flush=True)
+            print(
+                f"step {record['step']}: loss {loss:.4f}, grad_norm {record['grad_norm']:.3f}"
+                f"{speed}",
+                flush=True,
+            )
         if self._metrics_path:
             with open(self._metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
@@ -264,7 +297,8 @@ class OptimizerStateCheckpoints:
         self._ocp = ocp
         self._manager = ocp.CheckpointManager(
             os.fspath(root).rstrip("/") + "-optimizer",
-            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+        )
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -288,11 +322,16 @@ class OptimizerStateCheckpoints:
             raise RuntimeError(
                 f"Tunix restored step {step} but {self._manager.directory} has no optimizer "
                 f"state for it (steps {sorted(self._manager.all_steps())}); resuming would "
-                "restart the optimizer")
+                "restart the optimizer"
+            )
         target = self._state()
-        restored = self._manager.restore(step, args=self._ocp.args.PyTreeRestore(
-            item=target,
-            restore_args=self._ocp.checkpoint_utils.construct_restore_args(target=target)))
+        restored = self._manager.restore(
+            step,
+            args=self._ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=self._ocp.checkpoint_utils.construct_restore_args(target=target),
+            ),
+        )
         nnx.update(self._trainer.optimizer, restored)
 
     def close(self) -> None:

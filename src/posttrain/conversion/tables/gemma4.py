@@ -36,14 +36,24 @@ LAYER_ROWS = (
     Row(M + "router.kernel", L + "router.proj.weight", TRANSPOSE, MOE),
     Row(M + "router.scale", L + "router.scale", IDENTITY, MOE),
     Row(M + "router.per_expert_scale", L + "router.per_expert_scale", IDENTITY, MOE),
-    Row((M + "experts.gate_proj", M + "experts.up_proj"), L + "experts.gate_up_proj",
-        GATE_UP_CONCAT_T, MOE),
+    Row(
+        (M + "experts.gate_proj", M + "experts.up_proj"),
+        L + "experts.gate_up_proj",
+        GATE_UP_CONCAT_T,
+        MOE,
+    ),
     Row(M + "experts.down_proj", L + "experts.down_proj", EXPERTS_T, MOE),
 )
 
 TABLE = Table(
-    "gemma4", GLOBAL_ROWS + ATTENTION_ROWS + DENSE_MLP_ROWS + LAYER_ROWS, "Gemma4ForCausalLM",
+    "gemma4",
+    GLOBAL_ROWS + ATTENTION_ROWS + DENSE_MLP_ROWS + LAYER_ROWS,
+    "Gemma4ForCausalLM",
     prefixes=("model.", "model.language_model."),
-    ignored=("model.vision_tower.", "model.audio_tower.", "model.embed_vision.",
-             "model.embed_audio."),
+    ignored=(
+        "model.vision_tower.",
+        "model.audio_tower.",
+        "model.embed_vision.",
+        "model.embed_audio.",
+    ),
 )

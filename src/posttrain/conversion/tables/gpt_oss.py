@@ -20,10 +20,16 @@ N = L + "mlp."
 MOE_ROWS = (
     Row(N + "router.kernel", N + "router.weight", TRANSPOSE),
     Row(N + "router.bias", N + "router.bias", IDENTITY),
-    Row((N + "experts.gate_proj", N + "experts.up_proj"), N + "experts.gate_up_proj",
-        GATE_UP_INTERLEAVED),
-    Row((N + "experts.gate_proj_bias", N + "experts.up_proj_bias"),
-        N + "experts.gate_up_proj_bias", GATE_UP_INTERLEAVED_BIAS),
+    Row(
+        (N + "experts.gate_proj", N + "experts.up_proj"),
+        N + "experts.gate_up_proj",
+        GATE_UP_INTERLEAVED,
+    ),
+    Row(
+        (N + "experts.gate_proj_bias", N + "experts.up_proj_bias"),
+        N + "experts.gate_up_proj_bias",
+        GATE_UP_INTERLEAVED_BIAS,
+    ),
     Row(N + "experts.down_proj", N + "experts.down_proj", IDENTITY),
     Row(N + "experts.down_proj_bias", N + "experts.down_proj_bias", IDENTITY),
 )

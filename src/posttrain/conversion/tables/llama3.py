@@ -2,5 +2,4 @@
 
 from posttrain.conversion.tables.common import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, Table
 
-TABLE = Table("llama3", GLOBAL_ROWS + ATTENTION_ROWS + DENSE_MLP_ROWS,
-              "LlamaForCausalLM")
+TABLE = Table("llama3", GLOBAL_ROWS + ATTENTION_ROWS + DENSE_MLP_ROWS, "LlamaForCausalLM")

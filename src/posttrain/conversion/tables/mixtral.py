@@ -24,10 +24,13 @@ MOE_ROWS = (
     Row(N + "experts.up_proj", HUB_E + "w3.weight", EXPERTS_STACK_T, HUB),
     Row(N + "experts.down_proj", HUB_E + "w2.weight", EXPERTS_STACK_T, HUB),
     Row(N + "router.kernel", L + "mlp.gate.weight", TRANSPOSE, FUSED),
-    Row((N + "experts.gate_proj", N + "experts.up_proj"), L + "mlp.experts.gate_up_proj",
-        GATE_UP_CONCAT_T, FUSED),
+    Row(
+        (N + "experts.gate_proj", N + "experts.up_proj"),
+        L + "mlp.experts.gate_up_proj",
+        GATE_UP_CONCAT_T,
+        FUSED,
+    ),
     Row(N + "experts.down_proj", L + "mlp.experts.down_proj", EXPERTS_T, FUSED),
 )
 
-TABLE = Table("mixtral", GLOBAL_ROWS + ATTENTION_ROWS + MOE_ROWS,
-              "MixtralForCausalLM")
+TABLE = Table("mixtral", GLOBAL_ROWS + ATTENTION_ROWS + MOE_ROWS, "MixtralForCausalLM")

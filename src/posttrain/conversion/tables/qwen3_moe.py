@@ -27,5 +27,4 @@ MOE_ROWS = (
     Row(E + "down_proj", E + "down_proj", EXPERTS_T, FUSED),
 )
 
-TABLE = Table("qwen3_moe", GLOBAL_ROWS + ATTENTION_ROWS + MOE_ROWS,
-              "Qwen3MoeForCausalLM")
+TABLE = Table("qwen3_moe", GLOBAL_ROWS + ATTENTION_ROWS + MOE_ROWS, "Qwen3MoeForCausalLM")

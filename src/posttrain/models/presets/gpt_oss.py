@@ -13,29 +13,55 @@ _MOE = dict(score_order="topk_then_score", renormalize=False, router_bias=True, 
 
 def gpt_oss_20b() -> ModelConfig:
     """gpt-oss-20b (openai/gpt-oss-20b config.json, experts dequantised from MXFP4)."""
-    rope = RopeConfig(kind="yarn", theta=150_000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
-                      original_max_position_embeddings=4096, truncate=False)
+    rope = RopeConfig(
+        kind="yarn",
+        theta=150_000.0,
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        original_max_position_embeddings=4096,
+        truncate=False,
+    )
     attn = dict(num_heads=64, num_kv_heads=8, head_dim=64, rope=rope, bias=True, sinks=True)
     return ModelConfig(
-        family="gpt_oss", vocab_size=201_088, d_model=2880, num_layers=24,
+        family="gpt_oss",
+        vocab_size=201_088,
+        d_model=2880,
+        num_layers=24,
         layer_types=("sliding", "full") * 12,
-        attention={"sliding": AttentionConfig(sliding_window=128, **attn),
-                   "full": AttentionConfig(**attn)},
+        attention={
+            "sliding": AttentionConfig(sliding_window=128, **attn),
+            "full": AttentionConfig(**attn),
+        },
         activation="clamped_swiglu",
         moe=MoEConfig(num_experts=32, top_k=4, moe_d_ff=2880, **_MOE),
-        norm_eps=1e-5, dtype="bfloat16", param_dtype="bfloat16",
+        norm_eps=1e-5,
+        dtype="bfloat16",
+        param_dtype="bfloat16",
     )
 
 
 def gpt_oss_tiny() -> ModelConfig:
-    rope = RopeConfig(kind="yarn", theta=150_000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
-                      original_max_position_embeddings=16, truncate=False)
+    rope = RopeConfig(
+        kind="yarn",
+        theta=150_000.0,
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        original_max_position_embeddings=16,
+        truncate=False,
+    )
     attn = dict(num_heads=8, num_kv_heads=4, head_dim=10, rope=rope, bias=True, sinks=True)
     return ModelConfig(
-        family="gpt_oss", vocab_size=264, d_model=72, num_layers=2,
+        family="gpt_oss",
+        vocab_size=264,
+        d_model=72,
+        num_layers=2,
         layer_types=("sliding", "full"),
-        attention={"sliding": AttentionConfig(sliding_window=8, **attn),
-                   "full": AttentionConfig(**attn)},
+        attention={
+            "sliding": AttentionConfig(sliding_window=8, **attn),
+            "full": AttentionConfig(**attn),
+        },
         activation="clamped_swiglu",
         moe=MoEConfig(num_experts=8, top_k=2, moe_d_ff=56, **_MOE),
         norm_eps=1e-5,
