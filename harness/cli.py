@@ -3,9 +3,9 @@
 Subcommands:
     devices: configure the device source (``--devices N|real``) and print the
         backend, device count and devices JAX then sees.
-    gate: the pre-merge gate. Runs pytest (same interpreter, xdist ``-n auto``,
-        ``--strict-skips``, ``-m "not slow"`` unless ``--slow``) with a JUnit
-        report, prints a one-screen summary parsed from it and writes
+    gate: the pre-merge gate. Runs pytest (same interpreter, xdist ``-n auto
+        --dist worksteal``, ``--strict-skips``, ``-m "not slow"`` unless ``--slow``)
+        with a JUnit report, prints a one-screen summary parsed from it and writes
         ``gate-summary.json`` beside it. Arguments after ``--`` go to pytest.
         Exit status: pytest's, except that a run that ran no test (pytest exit
         5, or every test skipped) is 1 with the message "gate ran no tests".
@@ -238,7 +238,9 @@ def gate_command(args: argparse.Namespace, junit: Path, extra: Sequence[str]) ->
     """The pytest command line the gate runs."""
     command = [sys.executable, "-m", "pytest"]
     if importlib.util.find_spec("xdist") is not None:
-        command += ["-n", str(args.jobs)]
+        # worksteal: an idle worker takes queued tests from a busy one, so a few long
+        # tests (SFT runs, MoE compiles) do not leave the other worker idle at the end.
+        command += ["-n", str(args.jobs), "--dist", "worksteal"]
     else:
         print("gate: pytest-xdist is not installed; running tests in one process", flush=True)
     command += ["--strict-skips", f"--junitxml={junit}"]

@@ -309,6 +309,7 @@ def test_old_dummy_rule_fails_with_fsdp():
         check_apply("llama3-tiny", False, {"fsdp": 4, "tensor": 2}, old_dummy_shape)
 
 
+@pytest.mark.slow  # ~25 apply_lora calls while hypothesis shrinks (~80 s on 2 cores)
 @pytest.mark.devices(8)
 def test_old_dummy_rule_property_shrinks_to_minimal_mesh():
     """The property run with the old rule fails, and hypothesis shrinks it to the first mesh

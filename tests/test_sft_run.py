@@ -41,10 +41,10 @@ def test_cli_embedded_run_trains_and_writes_checkpoint_and_metrics(tmp_path, cap
 def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path):
     mesh = {"data": 2, "fsdp": jax.device_count() // 4, "tensor": 2}
     common = {
-        "steps": 5,
+        "steps": 4,
         "grad_accum": 2,
         "max_target_length": 64,
-        "save_every": 1,
+        "save_every": 2,
         "per_device_batch_size": 1,
         "mesh": mesh,
     }
@@ -55,11 +55,11 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
     # Two fresh runs with the same seed (the cut one stops early): identical, bit for bit.
     assert loss(first) == loss(full)[:2]
     assert [r["step"] for r in first.history] == [1, 2]
-    assert [r["step"] for r in resumed.history] == [3, 4, 5]
+    assert [r["step"] for r in resumed.history] == [3, 4]
     # Resumed at step 2: params, optimizer state and data position restored, so the
     # uninterrupted run's losses come back (Adam: a restarted optimizer would differ).
     np.testing.assert_allclose(loss(resumed), loss(full)[2:], rtol=1e-6, atol=0)
-    assert [r["step"] for r in records(tmp_path / "cut" / "metrics.jsonl")] == list(range(1, 6))
+    assert [r["step"] for r in records(tmp_path / "cut" / "metrics.jsonl")] == list(range(1, 5))
 
 
 def test_lora_run_checkpoints_only_the_adapters(tmp_path):
