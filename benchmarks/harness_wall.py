@@ -42,16 +42,26 @@ def gate(tmp: Path, jobs: str) -> bool:
     clone = tmp / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     env = dict(os.environ, PYTHONPATH=f"{clone / 'src'}{os.pathsep}{clone}", CI="true")
-    command = [sys.executable, "-m", "harness.cli", "gate", "--jobs", jobs,
-               "--compile-cache", str(tmp / "jax-compile")]
+    command = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "gate",
+        "--jobs",
+        jobs,
+        "--compile-cache",
+        str(tmp / "jax-compile"),
+    ]
     times, ok = {}, True
     for label in ("cold", "warm"):
         seconds, status, last = timed(command, clone, env)
         times[label] = seconds
         ok &= status == 0
         print(f"gate {label}: {seconds:7.1f} s  exit {status}  {last}", flush=True)
-    print(f"gate warm / cold: {times['warm'] / times['cold']:.2f}  "
-          f"(targets: cold <= 300 s, warm <= 120 s)")
+    print(
+        f"gate warm / cold: {times['warm'] / times['cold']:.2f}  "
+        f"(targets: cold <= 300 s, warm <= 120 s)"
+    )
     return ok
 
 
@@ -59,14 +69,29 @@ def matrix(tmp: Path, entry: str, jobs: str) -> bool:
     cache, ok = tmp / "envs", True
     for label in ("cold", "warm"):
         reports = tmp / f"reports-{label}"
-        command = [sys.executable, "-m", "harness.cli", "matrix", "--only", entry, "--jobs", jobs,
-                   "--cache", str(cache), "--report-dir", str(reports)]
+        command = [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "matrix",
+            "--only",
+            entry,
+            "--jobs",
+            jobs,
+            "--cache",
+            str(cache),
+            "--report-dir",
+            str(reports),
+        ]
         seconds, status, last = timed(command, ROOT, dict(os.environ))
         ok &= status == 0
         row = next(iter(json.loads((reports / "compat-matrix.json").read_text())["entries"]), {})
         build = row.get("env", {}).get("seconds", 0.0)
-        print(f"matrix {entry} {label}: {seconds:7.1f} s wall (environment {build:.1f} s, "
-              f"built={row.get('env', {}).get('built')})  exit {status}  {last}", flush=True)
+        print(
+            f"matrix {entry} {label}: {seconds:7.1f} s wall (environment {build:.1f} s, "
+            f"built={row.get('env', {}).get('built')})  exit {status}  {last}",
+            flush=True,
+        )
     return ok
 
 

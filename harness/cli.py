@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.devices import configure_devices, device_facts
+from harness.devices import compile_cache_env, configure_devices, device_facts
 
 PYTEST_NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 JUNIT_NAME = "junit-gate.xml"
@@ -216,22 +216,6 @@ def show_devices(devices: str | None) -> int:
     for device in facts["devices"]:
         print(f"  {device}")
     return 0
-
-
-def compile_cache_env(cache: str) -> dict[str, str]:
-    """Environment for the pytest run: JAX's persistent compilation cache in ``cache``.
-
-    Every compile of at least 0.2 s is stored (XLA:CPU compiles dominate the gate),
-    so a second gate on the same checkout reuses them. ``off``: nothing is set.
-    """
-    if cache == "off":
-        return {}
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(Path(cache).resolve()),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-    }
 
 
 def gate_command(args: argparse.Namespace, junit: Path, extra: Sequence[str]) -> list[str]:

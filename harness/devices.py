@@ -19,6 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 ENV_VAR = "POSTTRAIN_DEVICES"
@@ -162,3 +163,21 @@ def package_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "absent"
     return versions
+
+
+def compile_cache_env(cache: str) -> dict[str, str]:
+    """Environment for the pytest run: JAX's persistent compilation cache in ``cache``.
+
+    Every compile of at least 0.2 s is stored (XLA:CPU compiles dominate the gate
+    and the matrix), so a second run reuses them; JAX keys entries by program,
+    backend and version, so one directory may serve several JAX versions.
+    ``off``: nothing is set.
+    """
+    if cache == "off":
+        return {}
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(Path(cache).resolve()),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }

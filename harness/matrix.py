@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.devices import DISTRIBUTIONS, compile_cache_env
+
 REPO = Path(__file__).resolve().parent.parent
 ENTRIES_FILE = REPO / "compat" / "entries.toml"
 DEFAULT_CACHE = Path(
@@ -288,8 +290,6 @@ class EnvCache:
 
 def versions(python: Path, run: Runner = _run) -> dict[str, str]:
     """Installed versions of the report's distributions in the env."""
-    from harness.devices import DISTRIBUTIONS
-
     code = (
         "import importlib.metadata as m, json\n"
         "def v(n):\n"
@@ -367,6 +367,9 @@ def run_entry(
         "JAX_PLATFORMS": "cpu",
         "POSTTRAIN_CONTRACT_CONVENTIONS": entry.convention if entry.emulated else "installed",
         "PYTHONDONTWRITEBYTECODE": "1",
+        # In the environment's folder: a warm environment is also a warm compile cache,
+        # and --rebuild (or a changed key) starts both afresh.
+        **compile_cache_env(str(env.path / "jax-compile")),
     }
     environ.pop("VIRTUAL_ENV", None)
     command = [

@@ -213,3 +213,21 @@ def test_first_error_prefers_the_exception_line_over_progress_noise():
         "error: No solution found when resolving dependencies "
         "Because there is no version of google-tunix==0.0.0"
     )
+
+
+def test_each_entry_runs_with_a_compile_cache_in_its_environment(tmp_path):
+    """A warm environment is a warm JAX compilation cache: every command of the entry gets
+    JAX_COMPILATION_CACHE_DIR inside the environment's folder (so --rebuild clears it)."""
+    seen = []
+
+    def fake_run(command, env=None):
+        seen.append(env or {})
+        return subprocess.CompletedProcess(command, 0, '{"jax": "0.10.2"}\n', "")
+
+    path = tmp_path / "envs" / "e-0123"
+    (path / "bin").mkdir(parents=True)
+    entry = matrix.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2")
+    env = matrix.EnvResult(path=path, built=False, seconds=0.0)
+    matrix.run_entry(entry, env, tmp_path / "reports", "1", run=fake_run)
+    cache_dirs = {e.get("JAX_COMPILATION_CACHE_DIR") for e in seen if "POSTTRAIN_DEVICES" in e}
+    assert cache_dirs == {str((path / "jax-compile").resolve())}, cache_dirs
