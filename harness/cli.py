@@ -37,7 +37,18 @@ from harness.devices import compile_cache_env, configure_devices, device_facts
 PYTEST_NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 JUNIT_NAME = "junit-gate.xml"
 SUMMARY_NAME = "gate-summary.json"
-DEFAULT_COMPILE_CACHE = ".cache/jax-compile"
+
+
+def default_compile_cache() -> str:
+    """``$XDG_CACHE_HOME`` (or ``~/.cache``) ``/posttrain-harness/jax-compile``.
+
+    Per user, not per checkout: fresh clones and worktrees on one machine share
+    compiles (JAX keys each entry by program, compile options, backend and version).
+    """
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(root / "posttrain-harness" / "jax-compile")
+
+
 MAX_LISTED = 20  # failures / skip reasons printed; the JSON summary has them all
 MESSAGE_WIDTH = 160
 
@@ -77,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     gate.add_argument(
         "--compile-cache",
         metavar="DIR|off",
-        default=os.environ.get("JAX_COMPILATION_CACHE_DIR", DEFAULT_COMPILE_CACHE),
+        default=os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_compile_cache(),
         help="JAX persistent compilation cache shared by the workers and kept between runs "
         "(default: $JAX_COMPILATION_CACHE_DIR or %(default)s); 'off' disables it",
     )

@@ -180,4 +180,6 @@ def compile_cache_env(cache: str) -> dict[str, str]:
         "JAX_COMPILATION_CACHE_DIR": str(Path(cache).resolve()),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+        # Least recently used entries go beyond 2 GiB (one gate writes ~25 MB).
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 * 1024**3),
     }

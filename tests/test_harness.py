@@ -480,3 +480,14 @@ def test_gate_compile_cache_env(tmp_path):
     assert env["JAX_COMPILATION_CACHE_DIR"] == str((tmp_path / "cache").resolve())
     assert (tmp_path / "cache").is_dir()
     assert float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) > 0
+    assert int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]) > 0  # bounded: it is kept per user
+
+
+def test_gate_default_compile_cache_is_per_user_not_per_checkout(monkeypatch, tmp_path):
+    """A fresh clone reuses the user's compiles: the default cache is outside the checkout."""
+    from harness import cli
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    args = cli._parser().parse_args(["gate"])
+    assert args.compile_cache == str(tmp_path / "posttrain-harness" / "jax-compile")
