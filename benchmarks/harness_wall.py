@@ -5,9 +5,10 @@ Usage::
     python benchmarks/harness_wall.py [--gate] [--matrix tunix-0.1.7] [--jobs auto]
 
 ``--gate``: clones this checkout into a temporary directory (what CI sees: no
-``.cache/``, no ``reports/``) and runs ``posttrain-harness gate`` there twice with
-this interpreter, first with an empty JAX persistent compilation cache (cold),
-then with the cache the first run filled (warm). ``--matrix ENTRY``: runs
+``reports/``, nothing untracked) and runs ``posttrain-harness gate`` there twice
+with this interpreter, first with an empty JAX persistent compilation cache in the
+temporary directory (cold; the user's cache is not touched), then with the cache
+the first run filled (warm). ``--matrix ENTRY``: runs
 ``posttrain-harness matrix --only ENTRY`` twice against an empty environment
 cache (cold: uv builds the environment) and then the filled one (warm). Prints
 each wall time in seconds and warm / cold ratios; the targets (issue 6) are gate

@@ -37,6 +37,8 @@ from harness.devices import compile_cache_env, configure_devices, device_facts
 PYTEST_NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 JUNIT_NAME = "junit-gate.xml"
 SUMMARY_NAME = "gate-summary.json"
+MAX_LISTED = 20  # failures / skip reasons printed; the JSON summary has them all
+MESSAGE_WIDTH = 160
 
 
 def default_compile_cache() -> str:
@@ -47,10 +49,6 @@ def default_compile_cache() -> str:
     """
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return str(root / "posttrain-harness" / "jax-compile")
-
-
-MAX_LISTED = 20  # failures / skip reasons printed; the JSON summary has them all
-MESSAGE_WIDTH = 160
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -156,7 +156,7 @@ def quantised_weight(weight):
 
     if not hasattr(qwix_einsum, "opt_einsum"):  # qwix <= 0.1.5
         return jax.tree.map(
-            lambda v: v[...] if isinstance(v, nnx.Variable) else v,
+            lambda v: variable_value(v) if isinstance(v, nnx.Variable) else v,
             weight,
             is_leaf=lambda v: isinstance(v, nnx.Variable),
         )

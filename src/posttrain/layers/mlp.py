@@ -19,10 +19,11 @@ def kernel_value(kernel, dtype):
     """The value of weight ``kernel`` (an ``nnx.Param``) in ``dtype``, for a matmul.
 
     QLoRA replaces a quantised weight by Qwix's ``WithAux`` wrapper (not a
-    ``Variable``); it is returned as the module holds it: qwix 0.1.8 finds the
-    weight by the wrapper's identity (same-shaped weights such as the experts'
-    gate and up are otherwise ambiguous) and its ``astype`` fails. A value
-    already in ``dtype`` is not cast. So QLoRA needs ``dtype == param_dtype``.
+    ``Variable``); it is returned uncast (its ``astype`` fails), as the module holds
+    it on qwix >= 0.1.6, which finds the weight by the wrapper's identity
+    (same-shaped weights such as the experts' gate and up are otherwise ambiguous),
+    and with unboxed leaves before (:func:`posttrain._compat.quantised_weight`). A
+    value already in ``dtype`` is not cast. So QLoRA needs ``dtype == param_dtype``.
     """
     if not isinstance(kernel, nnx.Variable):
         return _compat.quantised_weight(kernel)
