@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 from harness import cli, pytest_plugin
-from harness.devices import DEVICE_COUNT_FLAG, configure_devices, forced_device_count
+from harness.devices import (
+    BACKEND_OPT_FLAG,
+    DEVICE_COUNT_FLAG,
+    FUSION_EMITTERS_FLAG,
+    configure_devices,
+    forced_device_count,
+)
 
 DEVICE_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "POSTTRAIN_DEVICES")
 
@@ -39,9 +45,11 @@ def _subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def test_count_selects_cpu_and_sets_the_flag(clean_env: pytest.MonkeyPatch) -> None:
-    """A positive count sets JAX_PLATFORMS=cpu, the XLA flag and POSTTRAIN_DEVICES."""
+    """A positive count sets JAX_PLATFORMS=cpu, the XLA flags and POSTTRAIN_DEVICES."""
     assert configure_devices(4) == 4
-    assert os.environ["XLA_FLAGS"] == f"{DEVICE_COUNT_FLAG}=4"
+    assert os.environ["XLA_FLAGS"] == (
+        f"{DEVICE_COUNT_FLAG}=4 {BACKEND_OPT_FLAG}=0 {FUSION_EMITTERS_FLAG}=false"
+    )
     assert os.environ["JAX_PLATFORMS"] == "cpu"
     assert os.environ["POSTTRAIN_DEVICES"] == "4"
 
@@ -57,6 +65,24 @@ def test_existing_flag_is_replaced_and_other_flags_kept(clean_env: pytest.Monkey
     assert tokens.count(f"{DEVICE_COUNT_FLAG}=16") == 1
     assert [t for t in tokens if t.startswith(DEVICE_COUNT_FLAG)] == [f"{DEVICE_COUNT_FLAG}=16"]
     assert {"--xla_cpu_a=1", "--xla_b"} <= set(tokens)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [f"{BACKEND_OPT_FLAG}=2", BACKEND_OPT_FLAG, f"{FUSION_EMITTERS_FLAG}=true"],
+)
+def test_a_chosen_compile_flag_is_kept(clean_env: pytest.MonkeyPatch, given: str) -> None:
+    """Fake devices get the fast-compile flags, except one XLA_FLAGS already sets."""
+    clean_env.setenv("XLA_FLAGS", given)
+    configure_devices(2)
+    tokens = os.environ["XLA_FLAGS"].split()
+    flag = given.split("=")[0]
+    assert [t for t in tokens if t.split("=")[0] == flag] == [given]
+    others = {BACKEND_OPT_FLAG: "0", FUSION_EMITTERS_FLAG: "false"}
+    del others[flag]
+    assert [f"{f}={v}" for f, v in others.items()] == [
+        t for t in tokens if t.split("=")[0] in others
+    ]
 
 
 def test_env_var_then_default_eight(clean_env: pytest.MonkeyPatch) -> None:
