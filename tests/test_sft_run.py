@@ -21,7 +21,9 @@ def records(path):
 
 def test_cli_embedded_run_trains_and_writes_checkpoint_and_metrics(tmp_path, capsys):
     out = tmp_path / "run"
-    assert cli.main(["sft", "--steps", "30", "--output", str(out)]) == 0
+    # 128-token rows (the default is 256): the same learning signal in half the time.
+    argv = ["sft", "--steps", "30", "--max-target-length", "128", "--output", str(out)]
+    assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     assert "steps 1-30: loss" in printed and "Tunix convention" in printed
     history = records(out / "metrics.jsonl")

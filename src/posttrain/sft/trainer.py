@@ -190,6 +190,21 @@ class SFTTrainerMixin:
             )
         return train_step
 
+    def jit_train_and_eval_step(self, *args, **kwargs):
+        """Tunix's jitted steps, after placing every unplaced state array on the mesh.
+
+        Optax creates its counters (Adam's ``count``, ``MultiSteps``' ``mini_step``,
+        main's accumulator ``denom``) on one device; the first step returns them
+        replicated on the mesh, so the second call would trace and compile the step
+        again. google-tunix 0.1.5+ places the optimizer state itself
+        (``PeftTrainer._shard_optimizer``), but only from the legacy ``with mesh:``
+        context, which :meth:`train` does not enter, and older releases not at all.
+        """
+        for holder in (self.optimizer, getattr(self, "grad_accumulator", None)):
+            if holder is not None:
+                _replicate_unplaced(holder, self.mesh)
+        return super().jit_train_and_eval_step(*args, **kwargs)
+
     # --- inputs and metrics ---------------------------------------------------------------
     def _prepare_inputs(self, input_data):
         """Places each ``[batch, ...]`` leaf on the data-parallel axes (before Tunix's sharding)."""
@@ -269,6 +284,19 @@ class SFTTrainerMixin:
     def close(self):
         self._flush()
         super().close()
+
+
+def _replicate_unplaced(holder, mesh: Mesh) -> None:
+    """Replicates on ``mesh`` each array of ``holder``'s state not already on a named
+    sharding (in place); arrays placed on the mesh stay where they are."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        if isinstance(x, jax.Array) and not isinstance(x.sharding, NamedSharding):
+            return jax.device_put(x, replicated)
+        return x
+
+    nnx.update(holder, jax.tree.map(place, nnx.state(holder)))
 
 
 def tunix_base(cls: type) -> type:
