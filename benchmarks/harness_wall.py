@@ -8,8 +8,7 @@ Usage::
 ``reports/``, nothing untracked) and runs ``posttrain-harness gate`` there twice
 with this interpreter, first with an empty JAX persistent compilation cache in the
 temporary directory (cold; the user's cache is not touched), then with the cache
-the first run filled (warm; the tests also run longest first, by the durations the
-cold run recorded in the temporary directory). ``--matrix ENTRY``: runs
+the first run filled (warm). ``--matrix ENTRY``: runs
 ``posttrain-harness matrix --only ENTRY`` twice against an empty environment
 cache (cold: uv builds the environment) and then the filled one (warm). Prints
 each wall time in seconds and warm / cold ratios; the targets (issue 6) are gate
@@ -53,8 +52,6 @@ def gate(tmp: Path, jobs: str) -> bool:
         jobs,
         "--compile-cache",
         str(tmp / "jax-compile"),
-        "--durations-file",
-        str(tmp / "gate-durations.json"),
     ]
     times, ok = {}, True
     for label in ("cold", "warm"):

@@ -41,22 +41,14 @@ MAX_LISTED = 20  # failures / skip reasons printed; the JSON summary has them al
 MESSAGE_WIDTH = 160
 
 
-def _user_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "posttrain-harness"
-
-
 def default_compile_cache() -> str:
     """``$XDG_CACHE_HOME`` (or ``~/.cache``) ``/posttrain-harness/jax-compile``.
 
     Per user, not per checkout: fresh clones and worktrees on one machine share
     compiles (JAX keys each entry by program, compile options, backend and version).
     """
-    return str(_user_cache() / "jax-compile")
-
-
-def default_durations_file() -> str:
-    """``$XDG_CACHE_HOME`` (or ``~/.cache``) ``/posttrain-harness/gate-durations.json``."""
-    return str(_user_cache() / "gate-durations.json")
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(root / "posttrain-harness" / "jax-compile")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,14 +89,6 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_compile_cache(),
         help="JAX persistent compilation cache shared by the workers and kept between runs "
         "(default: $JAX_COMPILATION_CACHE_DIR or %(default)s); 'off' disables it",
-    )
-    gate.add_argument(
-        "--durations-file",
-        metavar="FILE|off",
-        default=default_durations_file(),
-        help="seconds per test of earlier runs ({node id: seconds}): the tests run longest "
-        "first (pytest --order-from) and this run's times are merged in (default: "
-        "%(default)s); 'off' keeps the collection order and records nothing",
     )
     matrix = commands.add_parser(
         "matrix",
@@ -257,9 +241,6 @@ def gate_command(args: argparse.Namespace, junit: Path, extra: Sequence[str]) ->
         command += ["-m", "not slow"]
     if args.devices is not None:
         command += ["--devices", str(args.devices)]
-    durations = getattr(args, "durations_file", "off")
-    if durations != "off" and Path(durations).is_file():
-        command += ["--order-from", str(durations)]
     return [*command, *extra]  # extra last: a later -m/-n overrides ours
 
 
@@ -277,8 +258,6 @@ def run_gate(args: argparse.Namespace, extra: Sequence[str]) -> int:
     wall_time = time.monotonic() - start
 
     summary = summarize_junit(junit) if junit.is_file() else empty_summary()
-    if junit.is_file() and args.durations_file != "off":
-        record_durations(junit, Path(args.durations_file))
     executed = sum(summary["counts"][key] for key in ("passed", "failed", "errors"))
     status, message = gate_exit_status(pytest_code, executed)
     if not junit.is_file():
@@ -367,28 +346,6 @@ def summarize_junit(path: Path, root: Path | None = None) -> dict[str, Any]:
     summary["junit_time_s"] = round(summary["junit_time_s"], 2)
     summary["skip_reasons"] = dict(skip_reasons.most_common())
     return summary
-
-
-def record_durations(junit: Path, path: Path, root: Path | None = None) -> dict[str, float]:
-    """Merges the seconds of each testcase of ``junit`` into the JSON file ``path``.
-
-    Tests of earlier runs that this one did not run keep their times (a ``-k`` run
-    forgets nothing). An unreadable old file is replaced. Written atomically.
-
-    Returns:
-        The merged ``{node id: seconds}``.
-    """
-    root = Path.cwd() if root is None else root
-    try:
-        merged = json.loads(path.read_text(encoding="utf-8"))
-        merged = merged if isinstance(merged, dict) else {}
-    except (OSError, ValueError):
-        merged = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        merged[junit_test_id(case, root)] = round(float(case.get("time") or 0.0), 3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(merged, indent=0, sort_keys=True) + "\n")
-    return merged
 
 
 def _outcome(case: ET.Element) -> tuple[str, ET.Element | None]:

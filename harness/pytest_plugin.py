@@ -22,11 +22,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
-import math
 import os
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -70,15 +67,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail, instead of skipping, a test whose devices(n) marker asks for more "
         "devices than exist (the gate sets this)",
     )
-    group.addoption(
-        "--order-from",
-        dest="order_from",
-        metavar="DURATIONS_JSON",
-        default=None,
-        help="run the tests longest first by the seconds in this JSON file "
-        "({node id: seconds}, written by the gate), dealt across the xdist workers; "
-        "a missing or unreadable file keeps the collection order",
-    )
 
 
 def _apply_devices(value: str | None) -> int:
@@ -94,36 +82,6 @@ def pytest_load_initial_conftests(
 ) -> None:
     # Before conftests are imported: one that imports jax then sees the devices.
     _apply_devices(early_config.known_args_namespace.posttrain_devices)
-
-
-def longest_first(ids: Sequence[str], seconds: Mapping[str, float], workers: int) -> list[int]:
-    """Indices of ``ids`` in longest-processing-time-first order, dealt to ``workers``.
-
-    Tests are sorted by their recorded ``seconds`` (a test without a record first:
-    it may be a new, long one), then dealt round robin into ``workers`` runs of
-    consecutive positions, because xdist's ``worksteal`` scheduler gives each
-    worker one contiguous share of the collection and steals from the end of a
-    share: every worker starts with the longest tests of its share, and what is
-    stolen or left at the end is short.
-    """
-    order = sorted(range(len(ids)), key=lambda i: (-seconds.get(ids[i], math.inf), i))
-    workers = max(1, workers)
-    return [i for w in range(workers) for i in order[w::workers]]
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    path = config.getoption("order_from", None)
-    if not path:
-        return
-    try:
-        seconds = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    if not isinstance(seconds, dict):
-        return
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    items[:] = [items[i] for i in longest_first([it.nodeid for it in items], seconds, workers)]
 
 
 @pytest.hookimpl(tryfirst=True)  # before hypothesis's plugin loads --hypothesis-profile

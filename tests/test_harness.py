@@ -353,36 +353,6 @@ def test_hypothesis_profile_follows_the_environment(
     assert settings.default.derandomize is (profile == "ci")
 
 
-@pytest.mark.parametrize(
-    ("workers", "expected"),
-    # seconds b 5 > d 4 > c 3 > a 1; e has no record, so it may be long: first.
-    [
-        (1, ["e", "b", "d", "c", "a"]),
-        (2, ["e", "d", "a", "b", "c"]),
-        (0, ["e", "b", "d", "c", "a"]),
-    ],
-)
-def test_longest_first_deals_the_longest_tests_to_every_worker(workers, expected) -> None:
-    """LPT order, dealt round robin into one contiguous share per xdist worker."""
-    ids = ["a", "b", "c", "d", "e"]
-    order = pytest_plugin.longest_first(ids, {"a": 1, "b": 5, "c": 3, "d": 4, "x": 9}, workers)
-    assert [ids[i] for i in order] == expected
-
-
-def test_order_from_runs_recorded_long_tests_first(pytester: pytest.Pytester) -> None:
-    """--order-from reorders the run; a broken file keeps the collection order."""
-    pytester.makepyfile(test_order="def test_a(): pass\ndef test_b(): pass\ndef test_c(): pass\n")
-    durations = pytester.path / "durations.json"
-    durations.write_text(json.dumps({"test_order.py::test_c": 2.0, "test_order.py::test_a": 1.0}))
-    result = pytester.runpytest("-v", "-p", "no:cacheprovider", "--order-from", str(durations))
-    ran = [line.split(" ")[0] for line in result.outlines if " PASSED" in line]
-    assert ran == ["test_order.py::test_b", "test_order.py::test_c", "test_order.py::test_a"]
-    durations.write_text("{not json")
-    result = pytester.runpytest("-v", "-p", "no:cacheprovider", "--order-from", str(durations))
-    ran = [line.split(" ")[0] for line in result.outlines if " PASSED" in line]
-    assert ran == ["test_order.py::test_a", "test_order.py::test_b", "test_order.py::test_c"]
-
-
 # --- the gate -------------------------------------------------------------------------
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -442,36 +412,6 @@ def test_summary_parser_counts_and_names_failures(tmp_path: Path) -> None:
     assert summary["junit_time_s"] == 3.25
 
 
-def test_record_durations_merges_into_the_file(tmp_path: Path) -> None:
-    """Each testcase's seconds land under its node id; earlier entries stay; junk is replaced."""
-    (tmp_path / "tests").mkdir()
-    (tmp_path / "tests" / "test_a.py").write_text("")
-    junit = tmp_path / "junit.xml"
-    junit.write_text(JUNIT)
-    path = tmp_path / "cache" / "durations.json"
-    path.parent.mkdir()
-    path.write_text(json.dumps({"tests/test_a.py::test_ok": 9.0, "tests/test_old.py::t": 4.0}))
-    merged = cli.record_durations(junit, path, root=tmp_path)
-    assert merged["tests/test_a.py::test_ok"] == 0.1  # this run's time replaces the old one
-    assert merged["tests/test_a.py::TestGroup::test_bad[x.y-2]"] == 0.2
-    assert merged["tests/test_old.py::t"] == 4.0  # not run this time: kept
-    assert json.loads(path.read_text()) == merged
-    path.write_text("[1, 2]")
-    assert "tests/test_old.py::t" not in cli.record_durations(junit, path, root=tmp_path)
-
-
-def test_gate_orders_by_the_durations_file_only_when_it_exists(tmp_path: Path) -> None:
-    """The gate passes --order-from for an existing durations file, never for 'off'."""
-    durations = tmp_path / "durations.json"
-    args = cli._parser().parse_args(["gate", "--durations-file", str(durations)])
-    assert "--order-from" not in cli.gate_command(args, tmp_path / "j.xml", [])
-    durations.write_text("{}")
-    command = cli.gate_command(args, tmp_path / "j.xml", [])
-    assert command[command.index("--order-from") + 1] == str(durations)
-    args = cli._parser().parse_args(["gate", "--durations-file", "off"])
-    assert "--order-from" not in cli.gate_command(args, tmp_path / "j.xml", [])
-
-
 @pytest.mark.parametrize(
     ("pytest_code", "executed", "expected"),
     [
@@ -511,9 +451,7 @@ def _run_gate(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def test_gate_on_no_tests_exits_1(tmp_path: Path) -> None:
     """pytest's exit 5 (nothing collected) becomes gate exit 1, said and recorded."""
     (tmp_path / "empty").mkdir()
-    run = _run_gate(
-        tmp_path, "--jobs", "0", "--durations-file", "off", "--", "-p", "no:cacheprovider", "empty"
-    )
+    run = _run_gate(tmp_path, "--jobs", "0", "--", "-p", "no:cacheprovider", "empty")
     assert run.returncode == 1, run.stdout + run.stderr
     assert "gate ran no tests" in run.stdout
     summary = json.loads((tmp_path / "reports" / "gate-summary.json").read_text())
@@ -541,17 +479,8 @@ def test_gate_fails_a_devices_skip_and_summarises_it(tmp_path: Path) -> None:
             """
         )
     )
-    durations = tmp_path / "durations.json"
-    run = _run_gate(
-        tmp_path,
-        *("--jobs", "2", "--devices", "8", "--durations-file", str(durations)),
-        *("--", "-p", "no:cacheprovider"),
-    )
+    run = _run_gate(tmp_path, "--jobs", "2", "--devices", "8", "--", "-p", "no:cacheprovider")
     assert run.returncode == 1, run.stdout + run.stderr
-    assert set(json.loads(durations.read_text())) == {
-        "test_gate_sample.py::test_ok",
-        "test_gate_sample.py::test_needs_many_devices",
-    }
     summary = json.loads((tmp_path / "reports" / "gate-summary.json").read_text())
     assert summary["counts"] == {
         "passed": 1,
