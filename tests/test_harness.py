@@ -460,7 +460,8 @@ def test_gate_on_no_tests_exits_1(tmp_path: Path) -> None:
 
 
 def test_gate_fails_a_devices_skip_and_summarises_it(tmp_path: Path) -> None:
-    """Under xdist the gate deselects slow tests, fails a devices skip and lists the failure."""
+    """Under xdist (one worker) the gate deselects slow tests, fails a devices skip and lists
+    the failure."""
     (tmp_path / "test_gate_sample.py").write_text(
         textwrap.dedent(
             """
@@ -479,7 +480,7 @@ def test_gate_fails_a_devices_skip_and_summarises_it(tmp_path: Path) -> None:
             """
         )
     )
-    run = _run_gate(tmp_path, "--jobs", "2", "--devices", "8", "--", "-p", "no:cacheprovider")
+    run = _run_gate(tmp_path, "--jobs", "1", "--devices", "8", "--", "-p", "no:cacheprovider")
     assert run.returncode == 1, run.stdout + run.stderr
     summary = json.loads((tmp_path / "reports" / "gate-summary.json").read_text())
     assert summary["counts"] == {
