@@ -200,11 +200,14 @@ def compile_cache_env(cache: str) -> dict[str, str]:
     Every compile of at least 0.2 s is stored (XLA:CPU compiles dominate the gate
     and the matrix), so a second run reuses them; JAX keys entries by program,
     backend and version, so one directory may serve several JAX versions.
-    ``off``: nothing is set.
+    Entries beyond 2 GiB are evicted least recently used first; entries written
+    without that limit get their access-time files first
+    (:func:`add_missing_access_times`). ``off``: nothing is set.
     """
     if cache == "off":
         return {}
     Path(cache).mkdir(parents=True, exist_ok=True)
+    add_missing_access_times(Path(cache))
     return {
         "JAX_COMPILATION_CACHE_DIR": str(Path(cache).resolve()),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
@@ -212,3 +215,29 @@ def compile_cache_env(cache: str) -> dict[str, str]:
         # Least recently used entries go beyond 2 GiB (one gate writes ~25 MB).
         "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 * 1024**3),
     }
+
+
+def add_missing_access_times(cache: Path) -> list[Path]:
+    """Writes the access-time file JAX's size-limited cache expects beside each entry.
+
+    With ``JAX_COMPILATION_CACHE_MAX_SIZE`` set, JAX (``jax._src.lru_cache``) keeps
+    ``<key>-atime`` (8 bytes, little-endian nanoseconds) beside each ``<key>-cache``
+    and reads every one of them before each write; an entry written by a run
+    without the limit has none, and every later write then fails with a
+    ``FileNotFoundError`` warning (an error under ``-W error``: the matrix's
+    tunix-0.1.7 environment had 26 such entries). Each missing file gets the
+    entry's modification time.
+
+    Returns:
+        The access-time files written.
+    """
+    written = []
+    for entry in cache.glob("*-cache"):
+        atime = entry.with_name(entry.name[: -len("-cache")] + "-atime")
+        if not atime.exists():
+            try:
+                atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+            except OSError:  # a concurrent eviction removed the entry
+                continue
+            written.append(atime)
+    return written
