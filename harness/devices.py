@@ -31,8 +31,9 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # LLVM optimisation level 0 (the backend's LLVM passes dominate a compile) and the
 # older elemental IR emitters instead of the MLIR fusion emitters. Measured on a
 # remat + MoE test pair, compile cache off: 41.6 s default, 25.2 s with the first,
-# 16.4 s with both; an 8-step SFT run gives the same losses, bit for bit. Both flags are known to
-# jaxlib 0.7.1-0.10.2 (every compat entry); XLA aborts on a flag it does not know.
+# 16.4 s with both; an 8-step SFT run gives the same losses, bit for bit. Both flags
+# are known to jaxlib 0.7.1-0.10.2 (every compat entry); XLA aborts on a flag it does
+# not know.
 BACKEND_OPT_FLAG = "--xla_backend_optimization_level"
 FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters"
 FAST_CPU_COMPILE_FLAGS: tuple[tuple[str, str], ...] = (
@@ -233,7 +234,7 @@ def add_missing_access_times(cache: Path) -> list[Path]:
     """
     written = []
     for entry in cache.glob("*-cache"):
-        atime = entry.with_name(entry.name[: -len("-cache")] + "-atime")
+        atime = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
         if not atime.exists():
             try:
                 atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
