@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import json
 import os
@@ -354,6 +355,30 @@ def test_hypothesis_profile_follows_the_environment(
     assert settings.default.derandomize is (profile == "ci")
 
 
+@pytest.fixture
+def restore_gc():
+    threshold = gc.get_threshold()
+    yield
+    gc.set_threshold(*threshold)
+    gc.freeze()  # the session froze its imports after collection; keep them frozen
+
+
+def test_gc_tuning_freezes_the_heap_and_makes_full_collections_rarer(
+    monkeypatch, restore_gc
+) -> None:
+    """tune_gc freezes what is alive and raises the full-collection threshold;
+    POSTTRAIN_GC_TUNING=0 changes neither."""
+    gc.unfreeze()
+    gc.set_threshold(700, 10, 10)
+    monkeypatch.setenv("POSTTRAIN_GC_TUNING", "0")
+    assert pytest_plugin.tune_gc() is False
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == (700, 10, 10)
+    monkeypatch.delenv("POSTTRAIN_GC_TUNING")
+    assert pytest_plugin.tune_gc() is True
+    assert gc.get_freeze_count() > 0  # this test's own objects, at least
+    assert gc.get_threshold() == (700, 10, pytest_plugin.GC_GEN2_THRESHOLD)
+
+
 # --- the gate -------------------------------------------------------------------------
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -497,6 +522,18 @@ def test_gate_fails_a_devices_skip_and_summarises_it(tmp_path: Path) -> None:
     assert summary["properties"]["device_count"] == "8"  # written by the xdist controller
     assert "ERROR  test_gate_sample.py::test_needs_many_devices: failed on setup" in run.stdout
     assert run.stdout.rstrip().splitlines()[-1] == "gate: 1 passed, 1 failed, 0 skipped"
+
+
+def test_gate_env_caches_bytecode_and_compiles(monkeypatch, tmp_path) -> None:
+    """The gate's pytest run may write bytecode (pytest keeps its rewritten modules) and
+    uses the persistent compilation cache; the rest of the environment is kept."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("POSTTRAIN_SOMETHING", "kept")
+    env = cli.gate_env(str(tmp_path / "cache"))
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    assert env["POSTTRAIN_SOMETHING"] == "kept"
+    assert env["JAX_COMPILATION_CACHE_DIR"] == str((tmp_path / "cache").resolve())
+    assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1"  # this process is left alone
 
 
 def test_gate_compile_cache_env(tmp_path):

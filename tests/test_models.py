@@ -13,7 +13,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posttrain import sharding
+from posttrain import _compat, sharding
 from posttrain.models import (
     CausalLM,
     build_model,
@@ -185,3 +185,43 @@ def test_remat_policies_same_loss_and_grads(name, scan):
             np.testing.assert_allclose(
                 grads[key], grads0[key], atol=REMAT_GRAD_ATOL, err_msg=f"{policy} {key}"
             )
+
+
+# --- model construction under tracing ------------------------------------------------------
+
+
+def test_next_rng_key_is_the_streams_own_key_eager_and_traced():
+    """``_compat.next_rng_key(rngs.params)`` returns the key ``rngs.params()`` would and
+    advances the same counter, outside and inside a trace."""
+
+    def draw(take, seed):
+        rngs = nnx.Rngs(seed)
+        keys = [jax.random.key_data(take(rngs.params)) for _ in range(3)]
+        return jnp.stack(keys), jnp.asarray(_compat.variable_value(rngs.params.count))
+
+    for seed in (0, 7):
+        for run in (lambda f: f(), lambda f: jax.jit(f)()):
+            ours = run(functools.partial(draw, _compat.next_rng_key, seed))
+            theirs = run(functools.partial(draw, lambda stream: stream(), seed))
+            for a, b in zip(ours, theirs, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert int(ours[1]) == 3
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-tiny", "gemma4-tiny"])
+def test_model_init_never_asks_a_tracer_for_its_sharding(name, monkeypatch):
+    """Under tracing, ``tracer.sharding`` raises an AttributeError whose message walks every
+    equation traced so far; read once per parameter (``rngs.params()`` on flax 0.12.x)
+    it made model construction quadratic (llama3-8b ``eval_shape``: 3.5 s, 0.5 s without;
+    ``benchmarks/model_init.py``). Building a model must not read it."""
+    reads = []
+    original = jax.core.Tracer.sharding
+
+    def counting(self):
+        reads.append(type(self).__name__)
+        return original.fget(self)
+
+    monkeypatch.setattr(jax.core.Tracer, "sharding", property(counting))
+    abstract = nnx.eval_shape(lambda: CausalLM(get_config(name), rngs=nnx.Rngs(0)))
+    assert len(jax.tree.leaves(nnx.state(abstract, nnx.Param))) > 10
+    assert reads == []

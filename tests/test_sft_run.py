@@ -6,6 +6,7 @@ import json
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
@@ -13,6 +14,7 @@ pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not instal
 from posttrain import cli  # noqa: E402
 from posttrain.conversion import load_native  # noqa: E402
 from posttrain.sft.run import SFTConfig, run_sft  # noqa: E402
+from posttrain.sft.trainer import SFTTrainer  # noqa: E402
 
 
 def records(path):
@@ -21,23 +23,40 @@ def records(path):
 
 def test_cli_embedded_run_trains_and_writes_checkpoint_and_metrics(tmp_path, capsys):
     out = tmp_path / "run"
-    # 128-token rows (the default is 256): the same learning signal in half the time.
-    argv = ["sft", "--steps", "30", "--max-target-length", "128", "--output", str(out)]
+    # 20 steps of 128-token rows (defaults: 60 x 256): loss 5.5 -> 3.6 here.
+    argv = ["sft", "--steps", "20", "--max-target-length", "128", "--output", str(out)]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "steps 1-30: loss" in printed and "Tunix convention" in printed
+    assert "steps 1-20: loss" in printed and "Tunix convention" in printed
     history = records(out / "metrics.jsonl")
-    assert [r["step"] for r in history] == list(range(1, 31))
+    assert [r["step"] for r in history] == list(range(1, 21))
     losses = np.array([r["loss"] for r in history])
     assert losses[-5:].mean() < losses[:5].mean() - 1.0, losses  # it learns the text
     assert losses[0] == pytest.approx(np.log(264), abs=0.3)  # starts near uniform
     assert all(r["target_tokens"] > 0 and r["tokens"] >= r["target_tokens"] for r in history)
     assert all(r["tokens_per_s"] > 0 for r in history[1:])
     assert history[0]["learning_rate"] == 0.0 and history[5]["learning_rate"] == pytest.approx(3e-3)
-    assert (out / "checkpoints" / "30").is_dir()
+    assert (out / "checkpoints" / "20").is_dir()
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
-    model = load_native(out / "model-step30")
+    model = load_native(out / "model-step20")
     assert model.config.vocab_size == 264
+
+
+@pytest.mark.parametrize(
+    ("schedule", "want", "jitted"),
+    [
+        (optax.linear_schedule(0.0, 1.0, 4), [0.0, 0.25, 0.5, 0.75, 1.0], True),
+        (lambda step: 1e-3 if step < 2 else 2e-3, [1e-3, 1e-3, 2e-3, 2e-3, 2e-3], False),
+        (lambda step: [0.5, 0.4, 0.3, 0.2, 0.1][step], [0.5, 0.4, 0.3, 0.2, 0.1], False),
+    ],
+    ids=["optax", "python-if", "python-index"],
+)
+def test_logged_learning_rate_is_jitted_when_the_schedule_traces(schedule, want, jitted):
+    """The logged learning rate: a traceable schedule through one jit, any other eagerly."""
+    trainer = object.__new__(SFTTrainer)
+    trainer.learning_rate_fn, trainer._learning_rate_jit = schedule, None
+    assert [trainer._learning_rate(step) for step in range(5)] == pytest.approx(want)
+    assert (trainer._learning_rate_jit is not schedule) is jitted
 
 
 def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path):

@@ -53,6 +53,29 @@ def variable_value(variable: nnx.Variable):
     return getter() if getter is not None else variable.value
 
 
+def next_rng_key(stream) -> jax.Array:
+    """The next key of an ``nnx.RngStream`` (``rngs.params``): the key ``stream()`` returns.
+
+    Same key and counter update as ``stream()``, without its cost under tracing on
+    flax >= 0.12.x: there ``count[...] += 1`` runs ``Variable.set_value(index=...)``,
+    which compares ``getattr(value, 'sharding', None)``; on a tracer that raises an
+    AttributeError whose message (jax ``DynamicJaxprTracer._origin_msg``) walks every
+    equation traced so far, so building a model cost time quadratic in its parameter
+    count (about half of a tiny model's ``nnx.eval_shape``). ``set_value`` without an
+    index does no comparison. flax < 0.12 (no ``set_value``): ``stream()``.
+    """
+    count = stream.count
+    if not hasattr(count, "set_value"):
+        return stream()
+    check = getattr(count, "_check_can_update", None)  # what stream() checks first
+    if check is not None:
+        check()
+    value = count.get_value()
+    key = jax.random.fold_in(stream.key.get_value(), value)
+    count.set_value(value + 1)
+    return key
+
+
 def iter_modules(module: nnx.Module):
     """``(path, module)`` pairs of every module in ``module``'s graph.
 

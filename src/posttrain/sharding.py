@@ -291,7 +291,8 @@ def param(
     """
     if len(shape) != len(logical_axes):
         raise ValueError(f"param of shape {tuple(shape)} got logical axes {logical_axes}")
-    return nnx.Param(init(rngs.params(), tuple(shape), dtype), logical_axes=tuple(logical_axes))
+    key = _compat.next_rng_key(rngs.params)
+    return nnx.Param(init(key, tuple(shape), dtype), logical_axes=tuple(logical_axes))
 
 
 def variable_logical_axes(variable: nnx.Variable) -> LogicalAxes | None:

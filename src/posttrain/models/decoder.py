@@ -106,7 +106,7 @@ REMAT_POLICIES = {
 
 def _stacked_layers(cfg: ModelConfig, layer_type: str, count: int, rngs: nnx.Rngs) -> DecoderLayer:
     """``count`` layers of one type with parameters stacked on a new leading ``layers`` axis."""
-    keys = jax.random.split(rngs.params(), count)
+    keys = jax.random.split(_compat.next_rng_key(rngs.params), count)
     abstract = nnx.eval_shape(lambda: DecoderLayer(cfg, layer_type, rngs=nnx.Rngs(0)))
     graphdef, _ = nnx.split(abstract)
     state = jax.vmap(lambda key: nnx.state(DecoderLayer(cfg, layer_type, rngs=nnx.Rngs(key))))(keys)
