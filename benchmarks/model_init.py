@@ -12,7 +12,7 @@ process, best of ``--repeats``:
 
 * ``posttrain``: parameters keyed by ``posttrain._compat.next_rng_key``;
 * ``stream()``: the same with every key drawn by ``rngs.params()``, the flax
-  0.12.x path that asks each traced counter for its ``sharding`` (an AttributeError
+  0.12.1+ path that asks each traced counter for its ``sharding`` (an AttributeError
   whose message walks the whole trace so far: quadratic in the parameter count).
 
 It prints both times and the ratio. Target: building is linear in the parameter

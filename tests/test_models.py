@@ -211,7 +211,7 @@ def test_next_rng_key_is_the_streams_own_key_eager_and_traced():
 @pytest.mark.parametrize("name", ["qwen3_moe-tiny", "gemma4-tiny"])
 def test_model_init_never_asks_a_tracer_for_its_sharding(name, monkeypatch):
     """Under tracing, ``tracer.sharding`` raises an AttributeError whose message walks every
-    equation traced so far; read once per parameter (``rngs.params()`` on flax 0.12.x)
+    equation traced so far; read once per parameter (``rngs.params()`` on flax >= 0.12.1)
     it made model construction quadratic (llama3-8b ``eval_shape``: 3.5 s, 0.5 s without;
     ``benchmarks/model_init.py``). Building a model must not read it."""
     reads = []

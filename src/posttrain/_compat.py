@@ -56,13 +56,14 @@ def variable_value(variable: nnx.Variable):
 def next_rng_key(stream) -> jax.Array:
     """The next key of an ``nnx.RngStream`` (``rngs.params``): the key ``stream()`` returns.
 
-    Same key and counter update as ``stream()``, without its cost under tracing on
-    flax >= 0.12.x: there ``count[...] += 1`` runs ``Variable.set_value(index=...)``,
-    which compares ``getattr(value, 'sharding', None)``; on a tracer that raises an
-    AttributeError whose message (jax ``DynamicJaxprTracer._origin_msg``) walks every
-    equation traced so far, so building a model cost time quadratic in its parameter
-    count (about half of a tiny model's ``nnx.eval_shape``). ``set_value`` without an
-    index does no comparison. flax < 0.12 (no ``set_value``): ``stream()``.
+    Same key and counter update as ``stream()``, without its cost under tracing from
+    flax 0.12.1 (not in 0.11.2 or 0.12.0): there ``count[...] += 1`` runs
+    ``Variable.set_value(index=...)``, which compares ``getattr(value, 'sharding', None)``;
+    on a tracer that raises an AttributeError whose message (jax
+    ``DynamicJaxprTracer._origin_msg``) walks every equation traced so far, so building
+    a model cost time quadratic in its parameter count (llama3-8b ``eval_shape``: 3.5 s
+    against 0.5 s, ``benchmarks/model_init.py``). ``set_value`` without an index does no
+    comparison. Without ``set_value`` (flax 0.11): ``stream()``.
     """
     count = stream.count
     if not hasattr(count, "set_value"):
