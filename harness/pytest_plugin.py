@@ -157,10 +157,16 @@ def tune_gc() -> bool:
     return True
 
 
+_gc_tuned = False
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
-    # After collection: the test modules have imported what the tests use.
-    tune_gc()
+    # After collection: the test modules have imported what the tests use. Once per
+    # process: inner pytester sessions would each pay another full collection.
+    global _gc_tuned
+    if not _gc_tuned:
+        _gc_tuned = tune_gc()
 
 
 @functools.cache
