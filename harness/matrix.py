@@ -366,12 +366,14 @@ def run_entry(
         "POSTTRAIN_DEVICES": "8",
         "JAX_PLATFORMS": "cpu",
         "POSTTRAIN_CONTRACT_CONVENTIONS": entry.convention if entry.emulated else "installed",
-        "PYTHONDONTWRITEBYTECODE": "1",
         # In the environment's folder: a warm environment is also a warm compile cache,
         # and --rebuild (or a changed key) starts both afresh.
         **compile_cache_env(str(env.path / "jax-compile")),
     }
     environ.pop("VIRTUAL_ENV", None)
+    # Bytecode caching on, as in the gate (harness.cli.gate_env): pytest keeps the modules
+    # its assertion rewriting makes instead of redoing them in every process.
+    environ.pop("PYTHONDONTWRITEBYTECODE", None)
     command = [
         str(env.python),
         "-m",

@@ -215,9 +215,11 @@ def test_first_error_prefers_the_exception_line_over_progress_noise():
     )
 
 
-def test_each_entry_runs_with_a_compile_cache_in_its_environment(tmp_path):
+def test_each_entry_runs_with_a_compile_cache_in_its_environment(tmp_path, monkeypatch):
     """A warm environment is a warm JAX compilation cache: every command of the entry gets
-    JAX_COMPILATION_CACHE_DIR inside the environment's folder (so --rebuild clears it)."""
+    JAX_COMPILATION_CACHE_DIR inside the environment's folder (so --rebuild clears it),
+    and may cache bytecode (pytest keeps its assertion-rewritten modules)."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     seen = []
 
     def fake_run(command, env=None):
@@ -231,3 +233,4 @@ def test_each_entry_runs_with_a_compile_cache_in_its_environment(tmp_path):
     matrix.run_entry(entry, env, tmp_path / "reports", "1", run=fake_run)
     cache_dirs = {e.get("JAX_COMPILATION_CACHE_DIR") for e in seen if "POSTTRAIN_DEVICES" in e}
     assert cache_dirs == {str((path / "jax-compile").resolve())}, cache_dirs
+    assert not any("PYTHONDONTWRITEBYTECODE" in e for e in seen)
