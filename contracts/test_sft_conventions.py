@@ -172,6 +172,20 @@ def test_accumulated_steps_equal_one_large_batch(name):
     )  # training moved them
 
 
+# Defined only where it runs: a skip would rank below pass in the matrix's contract cells.
+if "bound3_update" in BASES and tunix_compat.detect().name != "bound3_update":
+
+    @pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.train")
+    def test_main_without_accumulation_steps_as_the_installed_release():
+        """Emulated main without accumulation (every call an update step) gives the
+        installed release's params and losses (no installable release has main's step)."""
+        want, want_losses = one_large_batch()
+        got, got_losses = one_large_batch("bound3_update")
+        np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+
+
 class SkipsWhenEmpty(te.GradientAccumulator):
     """The old bypass: ``add`` does nothing while the accumulator looks empty."""
 

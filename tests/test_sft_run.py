@@ -48,15 +48,19 @@ def test_cli_embedded_run_trains_and_writes_checkpoint_and_metrics(tmp_path, cap
         (optax.linear_schedule(0.0, 1.0, 4), [0.0, 0.25, 0.5, 0.75, 1.0], True),
         (lambda step: 1e-3 if step < 2 else 2e-3, [1e-3, 1e-3, 2e-3, 2e-3, 2e-3], False),
         (lambda step: [0.5, 0.4, 0.3, 0.2, 0.1][step], [0.5, 0.4, 0.3, 0.2, 0.1], False),
+        (lambda step: {0: 0.5}.get(step, 0.25), [0.5, 0.25, 0.25, 0.25, 0.25], False),
     ],
-    ids=["optax", "python-if", "python-index"],
+    ids=["optax", "python-if", "python-index", "python-hash"],
 )
 def test_logged_learning_rate_is_jitted_when_the_schedule_traces(schedule, want, jitted):
-    """The logged learning rate: a traceable schedule through one jit, any other eagerly."""
+    """The logged learning rate: a traceable schedule through one jit, any other eagerly;
+    a replaced schedule is the one logged."""
     trainer = object.__new__(SFTTrainer)
     trainer.learning_rate_fn, trainer._learning_rate_jit = schedule, None
     assert [trainer._learning_rate(step) for step in range(5)] == pytest.approx(want)
-    assert (trainer._learning_rate_jit is not schedule) is jitted
+    assert (trainer._learning_rate_jit[1] is not None) is jitted
+    trainer.learning_rate_fn = lambda step: 0.125
+    assert trainer._learning_rate(3) == 0.125
 
 
 def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path):

@@ -57,7 +57,8 @@ class SFTTrainerMixin:
         model config's ``moe.router_aux_loss_coef``, 0 for dense models).
       learning_rate_fn: ``step -> learning rate`` (an optax schedule), only logged;
         evaluated jitted (one compile, not one eager dispatch per op per step:
-        ~1.7 s of a 20-step CPU run), eagerly when it does not trace.
+        ~1.7 s of a 20-step CPU run; values in float32), eagerly when it does not
+        trace. A jitted schedule reads Python state once, when traced.
       metrics_path: JSONL file, one record per optimizer step: ``step``, ``loss``
         (exact: summed NLL / target tokens of the step), ``perplexity``,
         ``grad_norm``, ``moe_aux_loss``, ``target_tokens``, ``tokens_per_s``,
@@ -97,7 +98,7 @@ class SFTTrainerMixin:
             moe_aux_loss_weight = float(getattr(moe, "router_aux_loss_coef", 0.0) or 0.0)
         self.moe_aux_loss_weight = moe_aux_loss_weight
         self.learning_rate_fn = learning_rate_fn
-        self._learning_rate_jit: Callable[[int], float] | None = None
+        self._learning_rate_jit: tuple[Callable, Callable | None] | None = None
         self._wrt = nnx.LoRAParam if self._lora_enabled else nnx.Param
         self.loss_fn = self.eval_loss_fn = sft_loss.eval_loss_fn
         self._has_aux = True
@@ -243,13 +244,14 @@ class SFTTrainerMixin:
         fn = self.learning_rate_fn
         if fn is None:
             return None
-        if self._learning_rate_jit is None:
-            self._learning_rate_jit = jax.jit(fn)
-        if self._learning_rate_jit is not fn:
+        if self._learning_rate_jit is None or self._learning_rate_jit[0] is not fn:
+            self._learning_rate_jit = (fn, jax.jit(fn))  # per schedule: it may be replaced
+        jitted = self._learning_rate_jit[1]
+        if jitted is not None:
             try:
-                return float(self._learning_rate_jit(step))
-            except jax.errors.JAXTypeError:  # e.g. Python control flow on the step
-                self._learning_rate_jit = fn
+                return float(jitted(step))
+            except Exception:  # does not trace (Python control flow, hashing the step, ...)
+                self._learning_rate_jit = (fn, None)
         return float(fn(step))
 
     def _flush(self) -> None:
