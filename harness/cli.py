@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.devices import compile_cache_env, configure_devices, device_facts
+from harness.devices import configure_devices, device_facts, suite_env
 
 PYTEST_NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 JUNIT_NAME = "junit-gate.xml"
@@ -244,21 +244,6 @@ def gate_command(args: argparse.Namespace, junit: Path, extra: Sequence[str]) ->
     return [*command, *extra]  # extra last: a later -m/-n overrides ours
 
 
-def gate_env(compile_cache: str) -> dict[str, str]:
-    """The environment of the gate's pytest run: this one, JAX's persistent compilation
-    cache (:func:`harness.devices.compile_cache_env`) and bytecode caching on.
-
-    ``PYTHONDONTWRITEBYTECODE`` is dropped: with it, pytest cannot keep the modules its
-    assertion rewriting makes (test modules, and every package of a pytest plugin:
-    hypothesis alone is ~2 s) and every process (each xdist worker, each subprocess
-    test) rewrote them from source again: a pytest process on two trivial tests took
-    4.2 s instead of 2.2 s. The caches are ``__pycache__`` folders (gitignored).
-    """
-    env = {**os.environ, **compile_cache_env(compile_cache)}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    return env
-
-
 def run_gate(args: argparse.Namespace, extra: Sequence[str]) -> int:
     """Runs the gate; returns its exit status (see the module docstring)."""
     report_dir: Path = args.report_dir
@@ -268,7 +253,7 @@ def run_gate(args: argparse.Namespace, extra: Sequence[str]) -> int:
     command = gate_command(args, junit, extra)
     print(f"gate: {shlex.join(command)}", flush=True)
     start = time.monotonic()
-    pytest_code = subprocess.call(command, env=gate_env(args.compile_cache))
+    pytest_code = subprocess.call(command, env=suite_env(args.compile_cache))
     wall_time = time.monotonic() - start
 
     summary = summarize_junit(junit) if junit.is_file() else empty_summary()

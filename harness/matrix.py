@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.devices import DISTRIBUTIONS, compile_cache_env
+from harness.devices import DISTRIBUTIONS, suite_env
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRIES_FILE = REPO / "compat" / "entries.toml"
@@ -362,18 +362,14 @@ def run_entry(
     junit.parent.mkdir(parents=True, exist_ok=True)
     junit.unlink(missing_ok=True)
     environ = {
-        **os.environ,
+        # The compile cache in the environment's folder: a warm environment is also a warm
+        # compile cache, and --rebuild (or a changed key) starts both afresh.
+        **suite_env(str(env.path / "jax-compile")),
         "POSTTRAIN_DEVICES": "8",
         "JAX_PLATFORMS": "cpu",
         "POSTTRAIN_CONTRACT_CONVENTIONS": entry.convention if entry.emulated else "installed",
-        # In the environment's folder: a warm environment is also a warm compile cache,
-        # and --rebuild (or a changed key) starts both afresh.
-        **compile_cache_env(str(env.path / "jax-compile")),
     }
     environ.pop("VIRTUAL_ENV", None)
-    # Bytecode caching on, as in the gate (harness.cli.gate_env): pytest keeps the modules
-    # its assertion rewriting makes instead of redoing them in every process.
-    environ.pop("PYTHONDONTWRITEBYTECODE", None)
     command = [
         str(env.python),
         "-m",

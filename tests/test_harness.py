@@ -23,6 +23,7 @@ from harness.devices import (
     compile_cache_env,
     configure_devices,
     forced_device_count,
+    suite_env,
 )
 
 DEVICE_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "POSTTRAIN_DEVICES")
@@ -524,12 +525,12 @@ def test_gate_fails_a_devices_skip_and_summarises_it(tmp_path: Path) -> None:
     assert run.stdout.rstrip().splitlines()[-1] == "gate: 1 passed, 1 failed, 0 skipped"
 
 
-def test_gate_env_caches_bytecode_and_compiles(monkeypatch, tmp_path) -> None:
-    """The gate's pytest run may write bytecode (pytest keeps its rewritten modules) and
-    uses the persistent compilation cache; the rest of the environment is kept."""
+def test_suite_env_caches_bytecode_and_compiles(monkeypatch, tmp_path) -> None:
+    """The suites' pytest runs may write bytecode (pytest keeps its rewritten modules) and
+    use the persistent compilation cache; the rest of the environment is kept."""
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.setenv("POSTTRAIN_SOMETHING", "kept")
-    env = cli.gate_env(str(tmp_path / "cache"))
+    env = suite_env(str(tmp_path / "cache"))
     assert "PYTHONDONTWRITEBYTECODE" not in env
     assert env["POSTTRAIN_SOMETHING"] == "kept"
     assert env["JAX_COMPILATION_CACHE_DIR"] == str((tmp_path / "cache").resolve())
@@ -538,8 +539,6 @@ def test_gate_env_caches_bytecode_and_compiles(monkeypatch, tmp_path) -> None:
 
 def test_gate_compile_cache_env(tmp_path):
     """The gate points JAX's persistent compilation cache at a kept directory, or nowhere."""
-    from harness.cli import compile_cache_env
-
     assert compile_cache_env("off") == {}
     env = compile_cache_env(str(tmp_path / "cache"))
     assert env["JAX_COMPILATION_CACHE_DIR"] == str((tmp_path / "cache").resolve())
