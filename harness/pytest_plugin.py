@@ -19,8 +19,9 @@ Markers:
 
 Garbage collection: after collection the objects alive (the imported JAX, Flax,
 Tunix, torch: ~370k) are frozen out of the cyclic collector and full collections
-are made 100x rarer (:func:`tune_gc`); ``POSTTRAIN_GC_TUNING=0`` keeps Python's
-defaults.
+are made 100x rarer (:func:`tune_gc`); at the end of the session one full collection
+runs and the heap is frozen (:func:`finish_gc`). ``POSTTRAIN_GC_TUNING=0`` keeps
+Python's defaults.
 """
 
 from __future__ import annotations
@@ -167,6 +168,25 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     global _gc_tuned
     if not _gc_tuned:
         _gc_tuned = tune_gc()
+
+
+def finish_gc() -> None:
+    """At the end of a tuned session: one full collection, then the whole heap frozen.
+
+    pytest >= 9 collects twice more after the session (``unraisableexception``: in
+    ``pytest_unconfigure`` and its cleanup), each walking every object the tests left
+    in JAX's caches (~1.5 s a worker here). Collected once here, the garbage's
+    finalizers still run while pytest's unraisable hook records what they raise; frozen,
+    pytest's own collections find nothing left to walk.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _gc_tuned:
+        finish_gc()
 
 
 @functools.cache

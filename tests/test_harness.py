@@ -367,17 +367,26 @@ def restore_gc():
 def test_gc_tuning_freezes_the_heap_and_makes_full_collections_rarer(
     monkeypatch, restore_gc
 ) -> None:
-    """tune_gc freezes what is alive and raises the full-collection threshold;
-    POSTTRAIN_GC_TUNING=0 changes neither."""
-    gc.unfreeze()
+    """tune_gc collects once, freezes what is alive and raises the full-collection
+    threshold; finish_gc collects once and freezes the rest; POSTTRAIN_GC_TUNING=0 changes
+    nothing. (gc.collect is counted, not run: on a worker's heap each walk takes ~1.5 s.)"""
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or 0)
     gc.set_threshold(700, 10, 10)
+    frozen = gc.get_freeze_count()
+    alive = [[] for _ in range(1000)]  # tracked containers, new since the last freeze
     monkeypatch.setenv("POSTTRAIN_GC_TUNING", "0")
     assert pytest_plugin.tune_gc() is False
-    assert gc.get_freeze_count() == 0 and gc.get_threshold() == (700, 10, 10)
+    assert collections == [] and gc.get_freeze_count() == frozen
+    assert gc.get_threshold() == (700, 10, 10)
     monkeypatch.delenv("POSTTRAIN_GC_TUNING")
     assert pytest_plugin.tune_gc() is True
-    assert gc.get_freeze_count() > 0  # this test's own objects, at least
+    assert collections == [()] and gc.get_freeze_count() >= frozen + len(alive)
     assert gc.get_threshold() == (700, 10, pytest_plugin.GC_GEN2_THRESHOLD)
+    frozen = gc.get_freeze_count()
+    more = [[] for _ in range(1000)]
+    pytest_plugin.finish_gc()
+    assert collections == [(), ()] and gc.get_freeze_count() >= frozen + len(more)
 
 
 # --- the gate -------------------------------------------------------------------------

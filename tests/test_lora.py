@@ -295,6 +295,59 @@ def test_apply_lora_on_16_device_meshes():
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+# --- the Qwix pass under tracing --------------------------------------------------------
+
+
+def test_tracing_rngs_draw_the_keys_of_nnx_rngs_eager_and_traced():
+    """``_compat.tracing_rngs(seed)`` (handed to Qwix) draws the keys ``nnx.Rngs(seed)``
+    would, per stream, and counts the same, outside and inside a trace."""
+
+    def draw(make, seed):
+        rngs = make(seed)
+        keys = [jax.random.key_data(rngs.params()) for _ in range(3)]
+        keys.append(jax.random.key_data(rngs.dropout()))
+        return jnp.stack(keys), jnp.asarray(_compat.variable_value(rngs.default.count))
+
+    for seed in (0, 7):
+        for run in (lambda f: f(), lambda f: jax.jit(f)()):
+            ours = run(lambda seed=seed: draw(_compat.tracing_rngs, seed))
+            theirs = run(lambda seed=seed: draw(nnx.Rngs, seed))
+            for a, b in zip(ours, theirs, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert int(ours[1]) == 4
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize(
+    ("preset", "lora"),
+    [("llama3-tiny", LORA), ("qwen3_moe-tiny", LORA.replace(experts=True))],
+    ids=["lora", "experts"],
+)
+def test_apply_lora_never_asks_a_tracer_for_its_sharding(preset, lora, monkeypatch):
+    """``tracer.sharding`` raises an AttributeError whose message walks every equation
+    traced so far. Qwix reads it for every adapted weight (``get_canonical_pspec``) and
+    flax >= 0.12.1 for every key drawn, so a Qwix pass over traced params was quadratic
+    (llama3-8b: 34 s against 4 s, ``benchmarks/lora_apply.py``). apply_lora must not
+    trace the params, nor draw keys through ``RngStream.__call__``. (QLoRA still reads it
+    once per quantised weight: Qwix's PTQ output is traced in the same pass.)"""
+    cfg = get_config(preset)
+    if lora.experts:
+        cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, algorithm="dense"))
+    mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+    model = placed_model(cfg, mesh)
+    reads = []
+    original = jax.core.Tracer.sharding
+
+    def counting(self):
+        reads.append(type(self).__name__)
+        return original.fget(self)
+
+    monkeypatch.setattr(jax.core.Tracer, "sharding", property(counting))
+    lora_model = apply_lora(model, mesh, lora)
+    assert len(lora_params(lora_model)) == expected_adapters(cfg, lora.experts)
+    assert reads == []
+
+
 # --- teeth: the old dummy-input rule must fail ------------------------------------------------
 
 

@@ -77,6 +77,28 @@ def next_rng_key(stream) -> jax.Array:
     return key
 
 
+class _TracingStream(nnx.RngStream):
+    """An ``nnx.RngStream`` whose call is :func:`next_rng_key`: the same keys."""
+
+    def __call__(self) -> jax.Array:
+        if not hasattr(self.count, "set_value"):  # flax 0.11: no slow path
+            return super().__call__()
+        return next_rng_key(self)
+
+
+def tracing_rngs(seed: int) -> nnx.Rngs:
+    """``nnx.Rngs(seed)`` for code we do not own that draws keys while tracing (Qwix's
+    ``module.qwix_rngs.params()`` per LoRA param): same keys, each stream drawing through
+    :func:`next_rng_key`, so flax >= 0.12.1's per-draw walk over the trace so far does not
+    make the draws quadratic (the Qwix pass of llama3-8b, ``benchmarks/lora_apply.py``).
+    """
+    rngs = nnx.Rngs(seed)
+    for name, stream in list(vars(rngs).items()):
+        if type(stream) is nnx.RngStream:
+            setattr(rngs, name, _TracingStream(variable_value(stream.key), tag=stream.tag))
+    return rngs
+
+
 def iter_modules(module: nnx.Module):
     """``(path, module)`` pairs of every module in ``module``'s graph.
 

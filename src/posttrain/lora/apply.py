@@ -26,7 +26,6 @@ Steps (qwix 0.1.8):
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -108,7 +107,7 @@ def _qwix_pass(model, tokens, lora_config: LoraConfig):
     takes_rngs = _compat.qwix_takes_rngs(qwix.apply_lora_to_model)
 
     def rngs():
-        return {"rngs": nnx.Rngs(lora_config.seed)} if takes_rngs else {}
+        return {"rngs": _compat.tracing_rngs(lora_config.seed)} if takes_rngs else {}
 
     rule = dict(
         module_path=lora_config.target_regex,
@@ -302,9 +301,10 @@ def apply_lora(
     batch, seq = dummy_shape or dummy_batch_shape(mesh, rules)
     tokens = jnp.zeros((batch, seq), jnp.int32)
     with sharding.use_mesh(mesh, rules):
-        abstract = nnx.eval_shape(
-            functools.partial(_qwix_pass, tokens=tokens, lora_config=lora_config), model
-        )
+        # ``model`` is closed over, not an argument: its params stay concrete arrays, so
+        # Qwix reads their NamedSharding (``_get_or_create_lora_params``) instead of asking
+        # a tracer, whose AttributeError message walks the whole trace so far (quadratic).
+        abstract = nnx.eval_shape(lambda: _qwix_pass(model, tokens, lora_config))
     if not nnx.state(abstract, nnx.LoRAParam):
         raise ValueError(
             f"LoRA target {target!r} matched {len(matched)} modules ({', '.join(matched[:8])}"

@@ -9,6 +9,7 @@ one token per UTF-8 byte (ids 0-255, GPT-2's byte-to-unicode alphabet) plus
 
 from __future__ import annotations
 
+import functools
 import os
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -30,8 +31,9 @@ SPECIAL_TOKENS = (
 
 def byte_tokenizer() -> Tokenizer:
     """The embedded tokenizer: 256 byte tokens + 8 special tokens (vocab 264)."""
+    symbol_byte = _byte_of_symbol()
     alphabet = pre_tokenizers.ByteLevel.alphabet()  # the 256 byte symbols
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=_byte_of))}
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=symbol_byte.__getitem__))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -39,13 +41,18 @@ def byte_tokenizer() -> Tokenizer:
     return tok
 
 
-def _byte_of(symbol: str) -> int:
-    """The byte GPT-2's byte-to-unicode map sends to ``symbol`` (so byte b gets id b)."""
-    printable = [
+@functools.cache
+def _byte_of_symbol() -> dict[str, int]:
+    """GPT-2's byte-to-unicode map, inverted: symbol -> byte (so byte b gets id b).
+
+    Source: ``bytes_to_unicode`` in openai/gpt-2 ``src/encoder.py`` (printable bytes map
+    to themselves, the others to ``chr(256 + n)`` in byte order).
+    """
+    printable = {
         *range(ord("!"), ord("~") + 1),
         *range(ord("¡"), ord("¬") + 1),
         *range(ord("®"), ord("ÿ") + 1),
-    ]
+    }
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -53,7 +60,7 @@ def _byte_of(symbol: str) -> int:
         else:
             table[chr(256 + extra)] = b
             extra += 1
-    return table[symbol]
+    return table
 
 
 def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
