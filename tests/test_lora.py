@@ -317,6 +317,23 @@ def test_tracing_rngs_draw_the_keys_of_nnx_rngs_eager_and_traced():
             assert int(ours[1]) == 4
 
 
+def _tracer_sharding_reads(monkeypatch, cfg, lora, mesh) -> int:
+    """How often ``apply_lora`` reads ``tracer.sharding`` (and checks the adapters)."""
+    model = placed_model(cfg, mesh)
+    reads = []
+    original = jax.core.Tracer.sharding
+
+    def counting(self):
+        reads.append(type(self).__name__)
+        return original.fget(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(jax.core.Tracer, "sharding", property(counting))
+        lora_model = apply_lora(model, mesh, lora)
+    assert len(lora_params(lora_model)) == expected_adapters(cfg, lora.experts)
+    return len(reads)
+
+
 @pytest.mark.devices(8)
 @pytest.mark.parametrize(
     ("preset", "lora"),
@@ -327,25 +344,25 @@ def test_apply_lora_never_asks_a_tracer_for_its_sharding(preset, lora, monkeypat
     """``tracer.sharding`` raises an AttributeError whose message walks every equation
     traced so far. Qwix reads it for every adapted weight (``get_canonical_pspec``) and
     flax >= 0.12.1 for every key drawn, so a Qwix pass over traced params was quadratic
-    (llama3-8b: 34 s against 4 s, ``benchmarks/lora_apply.py``). apply_lora must not
-    trace the params, nor draw keys through ``RngStream.__call__``. (QLoRA still reads it
-    once per quantised weight: Qwix's PTQ output is traced in the same pass.)"""
+    (qwen3-0.6b: 38.4 s against 3.5 s, ``benchmarks/lora_apply.py``). Unscanned,
+    apply_lora must not trace the params, nor draw keys through ``RngStream.__call__``;
+    scanned, the reads (of layer 0's slices) must not grow with the layer count. (QLoRA
+    still reads once per quantised weight: Qwix's PTQ output is traced in the same pass.)"""
     cfg = get_config(preset)
     if lora.experts:
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, algorithm="dense"))
     mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
-    model = placed_model(cfg, mesh)
-    reads = []
-    original = jax.core.Tracer.sharding
-
-    def counting(self):
-        reads.append(type(self).__name__)
-        return original.fget(self)
-
-    monkeypatch.setattr(jax.core.Tracer, "sharding", property(counting))
-    lora_model = apply_lora(model, mesh, lora)
-    assert len(lora_params(lora_model)) == expected_adapters(cfg, lora.experts)
-    assert reads == []
+    assert _tracer_sharding_reads(monkeypatch, cfg, lora, mesh) == 0
+    scanned = [
+        _tracer_sharding_reads(
+            monkeypatch,
+            cfg.replace(scan_layers=True, num_layers=n, layer_types=cfg.layer_types[:1] * n),
+            lora,
+            mesh,
+        )
+        for n in (2, 6)
+    ]
+    assert scanned[0] == scanned[1], scanned
 
 
 # --- teeth: the old dummy-input rule must fail ------------------------------------------------

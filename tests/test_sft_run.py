@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
 
-from posttrain import cli  # noqa: E402
+from posttrain import _compat, cli  # noqa: E402
 from posttrain.conversion import load_native  # noqa: E402
 from posttrain.sft.run import SFTConfig, run_sft  # noqa: E402
 from posttrain.sft.trainer import SFTTrainer  # noqa: E402
@@ -73,9 +73,13 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
         "per_device_batch_size": 1,
         "mesh": mesh,
     }
+    listening = _compat.scalar_listeners()
     full = run_sft(SFTConfig(**common, output=str(tmp_path / "full")))
     first = run_sft(SFTConfig(**common, stop_after=2, output=str(tmp_path / "cut")))
     resumed = run_sft(SFTConfig(**common, output=str(tmp_path / "cut")))
+    # Each finished run unregistered its TensorBoard listener (Tunix leaves it registered:
+    # later runs' metrics were written to the earlier runs' logs).
+    assert _compat.scalar_listeners() == listening
     loss = lambda result: [r["loss"] for r in result.history]  # noqa: E731
     # Two fresh runs with the same seed (the cut one stops early): identical, bit for bit.
     assert loss(first) == loss(full)[:2]

@@ -99,6 +99,31 @@ def tracing_rngs(seed: int) -> nnx.Rngs:
     return rngs
 
 
+def scalar_listeners() -> list:
+    """The callbacks registered with ``jax.monitoring.register_scalar_listener``.
+
+    jax exports no getter; ``jax._src.monitoring.get_scalar_listeners`` is in every
+    release we support (0.7.2-0.10.2).
+    """
+    from jax._src import monitoring
+
+    return list(monitoring.get_scalar_listeners())
+
+
+def unregister_scalar_listener(listener) -> None:
+    """``jax.monitoring.unregister_scalar_listener`` (jax >= 0.8); before, removed from
+    ``jax._src.monitoring``'s list. Nothing when ``listener`` is not registered."""
+    if not any(listener is known for known in scalar_listeners()):
+        return
+    unregister = getattr(jax.monitoring, "unregister_scalar_listener", None)
+    if unregister is not None:
+        unregister(listener)
+    else:
+        from jax._src import monitoring
+
+        monitoring._scalar_listeners.remove(listener)
+
+
 def iter_modules(module: nnx.Module):
     """``(path, module)`` pairs of every module in ``module``'s graph.
 

@@ -11,10 +11,13 @@ Steps (qwix 0.1.8):
    and seq = :func:`~posttrain.sharding.sequence_parallel_size`, both read from
    the logical-axis rules: the activation constraints apply as in training, and a
    dummy batch the batch axes do not divide fails (DESIGN.md regression 3). The
-   decoder runs its layers unrolled
+   decoder runs its layers unrolled, a scanned block as its first layer only
    (:func:`posttrain.models.decoder.unrolled_layers`) so that the params Qwix adds
-   stay in the model. QLoRA runs a PTQ pass, then the LoRA pass: in one pass a
-   scanned layer gets no adapters (once the quantised kernel is swapped in,
+   stay in the model. The model is closed over, not traced, and keys come from
+   ``_compat.tracing_rngs``: a tracer's ``.sharding`` (which Qwix reads per adapted
+   weight) walks the whole trace, which made the pass quadratic in the layer count.
+   QLoRA runs a PTQ pass, then the LoRA pass: in one pass a scanned layer gets no
+   adapters (once the quantised kernel is swapped in,
    qwix's ``find_param`` follows the layer slice back to the stacked array).
    Qwix intercepts ``CausalLM.forward``, which ``__call__`` (Tunix) calls too.
 3. Materialise: base variables from the model; adapters A (Qwix's initialiser)

@@ -43,11 +43,13 @@ _UNROLLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
 def unrolled_layers() -> Iterator[None]:
     """Runs decoder layers as plain calls on layer modules, keeping variables they add.
 
-    For one initialisation pass (eager or under ``nnx.eval_shape``), not for
-    training: there is no scan and no remat. Unscanned layers are called
-    directly. A scanned block is cut into one module per layer; afterwards the
-    variables those modules gained are stacked on a new leading ``layers`` axis
-    and the block is rebuilt with them, so the scan sees them in later calls.
+    For one initialisation pass under ``nnx.eval_shape`` (the outputs are not the
+    model's; not for training: there is no scan and no remat). Unscanned layers are
+    called directly. Of a scanned block only the first layer runs, as its own module
+    (slice 0); afterwards the variables it gained are broadcast over a new leading
+    ``layers`` axis and the block is rebuilt with them, so the scan sees them in later
+    calls: every layer of a block gains the same variables, so one traced layer per
+    block shows them all, and the pass costs one period of layers, not L.
     Qwix's first call (``qwix.apply_lora_to_model``) needs this: it adds LoRA
     params to the module it finds in the calling frame, which under the usual
     ``nnx.merge`` path is a discarded copy.
@@ -64,37 +66,35 @@ def _is_stacked(path, variable) -> bool:
     return bool(axes) and axes[0] == "layers"
 
 
-def _cut_block(block: DecoderLayer, count: int) -> list[DecoderLayer]:
-    """The ``count`` layers of a scanned block as separate modules (layer j = slice j)."""
+def _first_layer(block: DecoderLayer) -> DecoderLayer:
+    """Layer 0 of a scanned block (slice 0 of each stacked variable) as its own module."""
     graphdef, stacked, rest = nnx.split(block, _is_stacked, ...)
 
-    def layer_slice(j):
-        def one(v):
-            return v.replace(
-                _compat.variable_value(v)[j], logical_axes=sharding.variable_logical_axes(v)[1:]
-            )
+    def first(v):
+        return v.replace(
+            _compat.variable_value(v)[0], logical_axes=sharding.variable_logical_axes(v)[1:]
+        )
 
-        return jax.tree.map(one, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-    return [nnx.merge(graphdef, layer_slice(j), rest) for j in range(count)]
+    layer = jax.tree.map(first, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, layer, rest)
 
 
-def _restack(block: DecoderLayer, layers: list[DecoderLayer]) -> DecoderLayer:
-    """``block`` plus the variables ``layers`` gained, stacked on a leading ``layers`` axis."""
+def _restack(block: DecoderLayer, layer: DecoderLayer, count: int) -> DecoderLayer:
+    """``block`` plus the variables ``layer`` gained, broadcast over a leading ``layers``
+    axis of size ``count``."""
     old = dict(nnx.to_flat_state(nnx.state(block)))
-    per_layer = [dict(nnx.to_flat_state(nnx.state(m))) for m in layers]
-    graphdef = nnx.graphdef(layers[0])
     flat = {}
-    for path, first in per_layer[0].items():
+    for path, new in nnx.to_flat_state(nnx.state(layer)):
         if path in old:
             flat[path] = old[path]
             continue
-        value = jnp.stack([_compat.variable_value(p[path]) for p in per_layer])  # [L/P, ...]
-        axes = sharding.variable_logical_axes(first)
-        flat[path] = first.replace(
+        value = _compat.variable_value(new)
+        value = jnp.broadcast_to(value, (count, *value.shape))  # [L/P, ...]
+        axes = sharding.variable_logical_axes(new)
+        flat[path] = new.replace(
             value, **({} if axes is None else {"logical_axes": ("layers", *axes)})
         )
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    return nnx.merge(nnx.graphdef(layer), nnx.from_flat_state(flat))
 
 
 REMAT_POLICIES = {
@@ -177,14 +177,12 @@ class Decoder(nnx.Module):
                 x, layer_aux = layer(x, *tables[t])
                 aux = aux + layer_aux
             return x, aux
-        steps = cfg.num_layers // cfg.layer_period
-        cut = [_cut_block(block, steps) for block in self.blocks]
-        for j in range(steps):
-            for layers, t in zip(cut, cfg.layer_types[: cfg.layer_period], strict=True):
-                x, layer_aux = layers[j](x, *tables[t])
-                aux = aux + layer_aux
-        for p, layers in enumerate(cut):
-            self.blocks[p] = _restack(self.blocks[p], layers)
+        firsts = [_first_layer(block) for block in self.blocks]
+        for layer, t in zip(firsts, cfg.layer_types[: cfg.layer_period], strict=True):
+            x, layer_aux = layer(x, *tables[t])
+            aux = aux + layer_aux
+        for p, layer in enumerate(firsts):
+            self.blocks[p] = _restack(self.blocks[p], layer, cfg.num_layers // cfg.layer_period)
         return x, aux
 
     def __call__(self, tokens, positions, padding_mask=None):

@@ -89,7 +89,16 @@ class SFTTrainerMixin:
         **kwargs,
     ):
         self.convention = convention or tunix_compat.detect(tunix_base(type(self)))
+        listening = _compat.scalar_listeners()
         super().__init__(model, optimizer, training_config, *args, **kwargs)
+        # Tunix's MetricsLogger registers its backends (TensorBoard) as process-wide
+        # jax.monitoring scalar listeners; its close() drops them with
+        # jax.monitoring.clear_event_listeners(), which leaves scalar listeners registered
+        # (jax <= 0.10.2): every later run in the process, and every Orbax metric, went on
+        # being written to this run's log. close() unregisters them.
+        self._scalar_listeners = [
+            new for new in _compat.scalar_listeners() if not any(new is old for old in listening)
+        ]
         self.mesh = mesh
         self.rules = rules
         self.grad_accum_steps = training_config.gradient_accumulation_steps or 1
@@ -299,7 +308,12 @@ class SFTTrainerMixin:
 
     def close(self):
         self._flush()
-        super().close()
+        try:
+            super().close()
+        finally:
+            for listener in getattr(self, "_scalar_listeners", ()):
+                _compat.unregister_scalar_listener(listener)
+            self._scalar_listeners = []
 
 
 def _replicate_unplaced(holder, mesh: Mesh) -> None:
