@@ -265,8 +265,11 @@ def test_lora_forward_and_grad_on_any_mesh_thorough(case):
     _check_step(case)
 
 
+@pytest.mark.slow  # a subprocess (imports ~4 s) and 8 examples: ~9 s of the gate's ~120 s
 def test_apply_lora_on_16_device_meshes():
-    """The apply_lora property on 16 fake devices, in a subprocess (the gate runs 8)."""
+    """The apply_lora property on 16 fake devices, in a subprocess (the gate runs 8): meshes
+    with four axes of size 2, or an axis of 16, which 8 devices cannot make. Slow tier: the
+    8-device property and the old-rule teeth below catch the dummy-input regression."""
     code = textwrap.dedent("""
         from harness.devices import configure_devices
         configure_devices(16)
