@@ -59,6 +59,10 @@ def gate(tmp: Path, jobs: str) -> bool:
         times[label] = seconds
         ok &= status == 0
         print(f"gate {label}: {seconds:7.1f} s  exit {status}  {last}", flush=True)
+        summary = clone / "reports" / "gate-summary.json"
+        if status != 0 and summary.is_file():
+            for failure in json.loads(summary.read_text()).get("failures", []):
+                print(f"  {failure['id']}: {failure['message']}", flush=True)
     print(
         f"gate warm / cold: {times['warm'] / times['cold']:.2f}  "
         f"(targets: cold <= 300 s, warm <= 120 s)"
