@@ -237,10 +237,7 @@ def gate_command(args: argparse.Namespace, junit: Path, extra: Sequence[str]) ->
     else:
         print("gate: pytest-xdist is not installed; running tests in one process", flush=True)
     command += ["--strict-skips", f"--junitxml={junit}"]
-    # One token: pytest takes a bare existing path on its command line as a test path
-    # when it picks its rootdir, which then moved to an ancestor of the cache (node ids
-    # like "pytest-of-root/...::test") once the durations file existed.
-    command += [f"--durations-file={durations_file(args)}"]
+    command += ["--durations-file", str(durations_file(args))]
     if not args.slow:
         command += ["-m", "not slow"]
     if args.devices is not None:
