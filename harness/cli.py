@@ -237,21 +237,11 @@ def gate_command(args: argparse.Namespace, junit: Path, extra: Sequence[str]) ->
     else:
         print("gate: pytest-xdist is not installed; running tests in one process", flush=True)
     command += ["--strict-skips", f"--junitxml={junit}"]
-    command += ["--durations-file", str(durations_file(args))]
     if not args.slow:
         command += ["-m", "not slow"]
     if args.devices is not None:
         command += ["--devices", str(args.devices)]
     return [*command, *extra]  # extra last: a later -m/-n overrides ours
-
-
-def durations_file(args: argparse.Namespace) -> Path:
-    """Where the gate keeps the last run's test durations (:mod:`harness.schedule`):
-    beside the compilation cache (per user, so a fresh clone reuses it), or in the
-    report directory with ``--compile-cache off``."""
-    if args.compile_cache and args.compile_cache != "off":
-        return Path(args.compile_cache).parent / "gate-durations.json"
-    return Path(args.report_dir) / "gate-durations.json"
 
 
 def run_gate(args: argparse.Namespace, extra: Sequence[str]) -> int:

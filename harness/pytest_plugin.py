@@ -36,7 +36,6 @@ from typing import Any
 import pytest
 
 from harness import devices as _devices
-from harness import schedule as _schedule
 
 MARKERS: tuple[str, ...] = (
     "devices(n): needs at least n JAX devices; skipped when fewer exist "
@@ -78,15 +77,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail, instead of skipping, a test whose devices(n) marker asks for more "
         "devices than exist (the gate sets this)",
     )
-    group.addoption(
-        "--durations-file",
-        dest="posttrain_durations",
-        metavar="FILE",
-        default=None,
-        help="run the tests FILE says took >= 2 s last time first (longest first), the "
-        "rest in collection order, and merge this run's durations into FILE "
-        "(harness.schedule; the gate sets this)",
-    )
 
 
 def _apply_devices(value: str | None) -> int:
@@ -110,9 +100,6 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     _load_hypothesis_profile(config)
-    durations = config.getoption("posttrain_durations")
-    if durations and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(_DurationRecorder(durations))
 
 
 def _load_hypothesis_profile(config: pytest.Config) -> None:
@@ -170,31 +157,6 @@ def tune_gc() -> bool:
     gen0, gen1, _ = gc.get_threshold()
     gc.set_threshold(gen0, gen1, GC_GEN2_THRESHOLD)
     return True
-
-
-@pytest.hookimpl(trylast=True)  # after deselection; every xdist worker reads one file
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    path = config.getoption("posttrain_durations")
-    if path:
-        durations = _schedule.read_durations(path)
-        items[:] = [items[i] for i in _schedule.long_first([i.nodeid for i in items], durations)]
-
-
-class _DurationRecorder:
-    """Sums each test's setup + call + teardown and merges them into the durations file
-    at the end of the session. Registered per session (pytester runs nest sessions), in
-    the process that sees every report: the xdist controller, not its workers."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.measured: dict[str, float] = {}
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.measured[report.nodeid] = self.measured.get(report.nodeid, 0.0) + report.duration
-
-    def pytest_sessionfinish(self) -> None:
-        if self.measured:
-            _schedule.merge_durations(self.path, self.measured)
 
 
 _gc_tuned = False

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, pytest_plugin, schedule
+from harness import cli, pytest_plugin
 from harness.devices import (
     BACKEND_OPT_FLAG,
     DEVICE_COUNT_FLAG,
@@ -388,59 +388,6 @@ def test_gc_tuning_freezes_the_heap_and_makes_full_collections_rarer(
     more = [[] for _ in range(1000)]
     pytest_plugin.finish_gc()
     assert collections == [(1,), (1,)] and gc.get_freeze_count() >= frozen + len(more)
-
-
-# --- test order ----------------------------------------------------------------------
-
-
-def test_long_tests_run_first_and_the_rest_keep_their_order() -> None:
-    """Tests the last run timed at >= LONG_TEST_S go first, longest first (ties in
-    collection order); the others, known or not, keep collection order."""
-    nodes = ["a", "b", "c", "d", "e", "f"]
-    durations = {"b": 3.0, "c": 0.1, "d": 9.0, "e": 3.0, "gone": 50.0}
-    order = schedule.long_first(nodes, durations)
-    assert [nodes[i] for i in order] == ["d", "b", "e", "a", "c", "f"]
-    assert schedule.long_first(nodes, {}) == list(range(6))
-
-
-def test_durations_file_reads_defensively_and_merges(tmp_path: Path) -> None:
-    """A missing, corrupt or non-mapping file reads as no durations; a merge keeps the
-    entries this run did not time."""
-    path = tmp_path / "gate-durations.json"
-    assert schedule.read_durations(path) == {}
-    for text in ("{not json", "[1, 2]", '{"a": "slow", "b": true, "c": 2}'):
-        path.write_text(text)
-        assert schedule.read_durations(path) == ({"c": 2.0} if "c" in text else {})
-    schedule.merge_durations(path, {"d": 1.23456})
-    assert schedule.read_durations(path) == {"c": 2.0, "d": 1.235}
-    schedule.merge_durations(path, {"c": 0.5})
-    assert schedule.read_durations(path) == {"c": 0.5, "d": 1.235}
-
-
-def test_durations_file_orders_the_run_and_records_it(
-    jax_started, pytester: pytest.Pytester
-) -> None:
-    """With --durations-file, the test the file says is long runs first, and the file
-    then holds this run's durations (setup + call + teardown) merged with the old ones."""
-    pytester.makepyfile(
-        test_order="""
-        def test_a():
-            pass
-
-        def test_b():
-            pass
-        """
-    )
-    durations = pytester.path / "durations.json"
-    durations.write_text(json.dumps({"test_order.py::test_b": 5.0, "other.py::test_x": 1.0}))
-    result = pytester.runpytest("-v", "-p", "no:cacheprovider", "--durations-file", durations)
-    result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(
-        ["*test_order.py::test_b PASSED*", "*test_order.py::test_a PASSED*"]
-    )
-    recorded = json.loads(durations.read_text())
-    assert set(recorded) == {"test_order.py::test_a", "test_order.py::test_b", "other.py::test_x"}
-    assert recorded["test_order.py::test_b"] < 5.0 and recorded["other.py::test_x"] == 1.0
 
 
 # --- the gate -------------------------------------------------------------------------
