@@ -29,20 +29,12 @@ the whole ``apply_lora`` before these changes (commit d017fcd) took 31.7 s scann
 from __future__ import annotations
 
 import argparse
-import time
+
+from _timing import best_time
 
 from harness.devices import configure_devices
 
 DEFAULT_PRESETS = ("qwen3-0.6b", "llama3-tiny")
-
-
-def best_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,20 +23,12 @@ llama3-8b 3.5 s -> 0.52 s (6.6x), qwen3_moe-30b-a3b 14.0 s -> 1.18 s (11.9x)).
 from __future__ import annotations
 
 import argparse
-import time
+
+from _timing import best_time
 
 from harness.devices import configure_devices
 
 DEFAULT_PRESETS = ("llama3-8b", "qwen3_moe-30b-a3b", "qwen3-tiny")
-
-
-def best_time(build, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        build()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,9 +19,9 @@ Markers:
 
 Garbage collection: after collection the objects alive (the imported JAX, Flax,
 Tunix, torch: ~370k) are frozen out of the cyclic collector and full collections
-are made 100x rarer (:func:`tune_gc`); at the end of the session one full collection
-runs and the heap is frozen (:func:`finish_gc`). ``POSTTRAIN_GC_TUNING=0`` keeps
-Python's defaults.
+are made 100x rarer (:func:`tune_gc`); at the end of the session the young
+generations are collected and the heap is frozen (:func:`finish_gc`).
+``POSTTRAIN_GC_TUNING=0`` keeps Python's defaults.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from posttrain.lora import (
 )
 from posttrain.models import PRESETS, CausalLM, flat_params, get_config
 from tests.strategies import ALL_AXES, mesh_id, meshes, presets_and_meshes
+from tests.tracing import tracer_sharding_reads
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 # B = 0 adds an exact zero, but XLA may fuse the LoRA model's matmuls differently:
@@ -323,15 +324,7 @@ def test_tracing_rngs_draw_the_keys_of_nnx_rngs_eager_and_traced():
 def _tracer_sharding_reads(monkeypatch, cfg, lora, mesh) -> int:
     """How often ``apply_lora`` reads ``tracer.sharding`` (and checks the adapters)."""
     model = placed_model(cfg, mesh)
-    reads = []
-    original = jax.core.Tracer.sharding
-
-    def counting(self):
-        reads.append(type(self).__name__)
-        return original.fget(self)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(jax.core.Tracer, "sharding", property(counting))
+    with tracer_sharding_reads(monkeypatch) as reads:
         lora_model = apply_lora(model, mesh, lora)
     assert len(lora_params(lora_model)) == expected_adapters(cfg, lora.experts)
     return len(reads)

@@ -25,6 +25,7 @@ from posttrain.models import (
 )
 from posttrain.models.presets import TINY_PRESETS
 from tests.strategies import mesh_id, meshes
+from tests.tracing import tracer_sharding_reads
 
 # fp32 forward on 8 fake CPU devices vs 1: reduction order differs across shards,
 # observed differences ~1e-6 on logits of magnitude ~1.
@@ -214,14 +215,7 @@ def test_model_init_never_asks_a_tracer_for_its_sharding(name, monkeypatch):
     equation traced so far; read once per parameter (``rngs.params()`` on flax >= 0.12.1)
     it made model construction quadratic (llama3-8b ``eval_shape``: 3.5 s, 0.5 s without;
     ``benchmarks/model_init.py``). Building a model must not read it."""
-    reads = []
-    original = jax.core.Tracer.sharding
-
-    def counting(self):
-        reads.append(type(self).__name__)
-        return original.fget(self)
-
-    monkeypatch.setattr(jax.core.Tracer, "sharding", property(counting))
-    abstract = nnx.eval_shape(lambda: CausalLM(get_config(name), rngs=nnx.Rngs(0)))
+    with tracer_sharding_reads(monkeypatch) as reads:
+        abstract = nnx.eval_shape(lambda: CausalLM(get_config(name), rngs=nnx.Rngs(0)))
     assert len(jax.tree.leaves(nnx.state(abstract, nnx.Param))) > 10
     assert reads == []

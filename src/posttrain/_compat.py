@@ -63,11 +63,11 @@ def next_rng_key(stream) -> jax.Array:
     ``DynamicJaxprTracer._origin_msg``) walks every equation traced so far, so building
     a model cost time quadratic in its parameter count (llama3-8b ``eval_shape``: 3.5 s
     against 0.5 s, ``benchmarks/model_init.py``). ``set_value`` without an index does no
-    comparison. Without ``set_value`` (flax 0.11): ``stream()``.
+    comparison. Without ``set_value`` (flax 0.11): ``RngStream.__call__``.
     """
     count = stream.count
     if not hasattr(count, "set_value"):
-        return stream()
+        return nnx.RngStream.__call__(stream)  # the base class's: _TracingStream calls here
     check = getattr(count, "_check_can_update", None)  # what stream() checks first
     if check is not None:
         check()
@@ -81,8 +81,6 @@ class _TracingStream(nnx.RngStream):
     """An ``nnx.RngStream`` whose call is :func:`next_rng_key`: the same keys."""
 
     def __call__(self) -> jax.Array:
-        if not hasattr(self.count, "set_value"):  # flax 0.11: no slow path
-            return super().__call__()
         return next_rng_key(self)
 
 
@@ -90,7 +88,7 @@ def tracing_rngs(seed: int) -> nnx.Rngs:
     """``nnx.Rngs(seed)`` for code we do not own that draws keys while tracing (Qwix's
     ``module.qwix_rngs.params()`` per LoRA param): same keys, each stream drawing through
     :func:`next_rng_key`, so flax >= 0.12.1's per-draw walk over the trace so far does not
-    make the draws quadratic (the Qwix pass of llama3-8b, ``benchmarks/lora_apply.py``).
+    make the draws quadratic (the Qwix pass of apply_lora, ``benchmarks/lora_apply.py``).
     """
     rngs = nnx.Rngs(seed)
     for name, stream in list(vars(rngs).items()):

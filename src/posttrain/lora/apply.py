@@ -17,8 +17,8 @@ Steps (qwix 0.1.8):
    ``_compat.tracing_rngs``: a tracer's ``.sharding`` (which Qwix reads per adapted
    weight) walks the whole trace, which made the pass quadratic in the layer count.
    QLoRA runs a PTQ pass, then the LoRA pass: in one pass a scanned layer gets no
-   adapters (once the quantised kernel is swapped in,
-   qwix's ``find_param`` follows the layer slice back to the stacked array).
+   adapters (once the quantised kernel is swapped in, qwix's ``find_param`` follows
+   the layer slice back to the stacked array).
    Qwix intercepts ``CausalLM.forward``, which ``__call__`` (Tunix) calls too.
 3. Materialise: base variables from the model; adapters A (Qwix's initialiser)
    and B (zeros) and the quantised kernels computed under one jit each, straight
