@@ -262,3 +262,50 @@ def test_orbax_round_trip_keeps_values_and_shardings(tmp_path):
     for want, got in zip(jax.tree.leaves(state), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         assert got.sharding.is_equivalent_to(want.sharding, want.ndim)
+
+
+@pytest.mark.contract(
+    "orbax.checkpoint ArrayHandler._use_replica_parallel (_compat.single_replica_array_saves)"
+)
+def test_orbax_single_replica_saves_slice_nothing_and_restore_the_same(tmp_path, monkeypatch):
+    """Orbax's default splits a replicated array between its replicas (one eager
+    ``jax.lax.slice_in_dim`` each); inside ``single_replica_array_saves`` it slices
+    nothing, and both checkpoints restore the same values and shardings."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    mesh = sharding.make_mesh({"data": 2, "fsdp": jax.device_count() // 2})
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    # Replicated over `data`; each shard [8, 256]: a size Orbax considers safe to slice.
+    state = {"w": jax.device_put(jnp.arange(8 * mesh.shape["fsdp"] * 256.0).reshape(-1, 256), spec)}
+    target = jax.tree.map(jnp.zeros_like, state)
+    manager = ocp.CheckpointManager(
+        tmp_path / "ckpt", options=ocp.CheckpointManagerOptions(create=True)
+    )
+    slices, slice_in_dim = [], jax.lax.slice_in_dim
+
+    def counted(*args, **kwargs):
+        slices.append(kwargs.get("axis"))
+        return slice_in_dim(*args, **kwargs)
+
+    def save_and_count(step) -> int:
+        start = len(slices)
+        with monkeypatch.context() as patch:
+            patch.setattr(jax.lax, "slice_in_dim", counted)
+            manager.save(step, args=ocp.args.PyTreeSave(state))
+            manager.wait_until_finished()
+        return len(slices) - start
+
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    assert handler._use_replica_parallel is True  # the attribute the shim switches
+    assert save_and_count(1) >= 2  # the default: one slice per replica
+    with _compat.single_replica_array_saves():
+        assert handler._use_replica_parallel is False
+        assert save_and_count(2) == 0
+    assert handler._use_replica_parallel is True  # restored on exit
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target=target)
+    for step in (1, 2):
+        got = manager.restore(
+            step, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)
+        )
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
+        assert got["w"].sharding.is_equivalent_to(spec, 2)
+    manager.close()

@@ -47,6 +47,36 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
     )
 
 
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(data.ROLES), "content": st.text(max_size=12)}),
+    min_size=1,
+    max_size=4,
+)
+
+
+@given(st.lists(MESSAGES, max_size=5))
+def test_batched_encoding_equals_encoding_each_piece_alone(conversations):
+    """One ``encode_batch`` over every conversation gives each one the ids and mask of
+    encoding its ChatML pieces one by one (empty contents, special-token text too)."""
+    got = data.encode_chats(conversations, TOK)
+    assert len(got) == len(conversations)
+    for messages, ex in zip(conversations, got, strict=True):
+        ids, mask = [], []
+        for m in messages:
+            target = m["role"] == "assistant"
+            for text, is_target in (
+                (f"<|im_start|>{m['role']}\n", False),
+                (m["content"], target),
+                ("<|im_end|>", target),
+                ("\n", False),
+            ):
+                piece = TOK.encode(text, add_special_tokens=False).ids
+                ids += piece
+                mask += [is_target] * len(piece)
+        assert ex.tokens.dtype == np.int32 and ex.tokens.tolist() == ids
+        assert ex.loss_mask.tolist() == mask
+
+
 @pytest.mark.parametrize(
     ("line", "message"),
     [

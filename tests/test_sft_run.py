@@ -63,7 +63,15 @@ def test_logged_learning_rate_is_jitted_when_the_schedule_traces(schedule, want,
     assert trainer._learning_rate(3) == 0.125
 
 
-def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path):
+def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    # Count Orbax's replica-parallel slices: on one CPU process, train() saves each
+    # replicated array from one replica (the contract test shows the default slices).
+    slices, slice_in_dim = [], jax.lax.slice_in_dim
+    monkeypatch.setattr(
+        jax.lax, "slice_in_dim", lambda *a, **k: slices.append(a[0].shape) or slice_in_dim(*a, **k)
+    )
     mesh = {"data": 2, "fsdp": jax.device_count() // 4, "tensor": 2}
     common = {
         "steps": 4,
@@ -80,6 +88,8 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
     # Each finished run unregistered its TensorBoard listener (Tunix leaves it registered:
     # later runs' metrics were written to the earlier runs' logs).
     assert _compat.scalar_listeners() == listening
+    assert slices == []
+    assert ocp.type_handlers.get_type_handler(jax.Array)._use_replica_parallel is True
     loss = lambda result: [r["loss"] for r in result.history]  # noqa: E731
     # Two fresh runs with the same seed (the cut one stops early): identical, bit for bit.
     assert loss(first) == loss(full)[:2]

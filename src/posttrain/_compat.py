@@ -122,6 +122,39 @@ def unregister_scalar_listener(listener) -> None:
         monitoring._scalar_listeners.remove(listener)
 
 
+@contextlib.contextmanager
+def single_replica_array_saves():
+    """While active, Orbax saves every replicated ``jax.Array`` from one replica.
+
+    Orbax's default ``ArrayHandler`` (``use_replica_parallel=True``, orbax-checkpoint
+    0.11-0.12) splits each replicated array that is safe to slice (size a multiple of
+    1024, last dim of 128) between its replicas, so that several *hosts* write it
+    together: one eager ``jax.lax.slice_in_dim`` per replica per array, each a separate
+    XLA dispatch (and compile, per new shape). In one process there is no other host to
+    share the writes with; on CPU the slices are pure overhead (llama3-tiny + Adam on 8
+    fake devices: about 1.4 s a save, of which the slicing is two thirds;
+    ``benchmarks/checkpoint_save.py``). The bytes written are the same either way, so
+    restores do not care which mode saved.
+
+    Switches the registered handler's ``_use_replica_parallel`` (a private attribute in
+    every orbax-checkpoint 0.11.25-0.12.8 we pin; pinned by ``contracts/``) off and back
+    to what it was on exit. Process-global while active, like Orbax's registry. A handler
+    without the attribute is left alone.
+    """
+    import orbax.checkpoint as ocp
+
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    before = getattr(handler, "_use_replica_parallel", None)
+    if before is None:
+        yield
+        return
+    handler._use_replica_parallel = False
+    try:
+        yield
+    finally:
+        handler._use_replica_parallel = before
+
+
 def iter_modules(module: nnx.Module):
     """``(path, module)`` pairs of every module in ``module``'s graph.
 

@@ -26,6 +26,7 @@ the optimizer runs only under ``is_update_step``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -302,8 +303,15 @@ class SFTTrainerMixin:
         Only :mod:`posttrain.sharding`'s context is set, not JAX's mesh context:
         Tunix saves checkpoints inside ``train`` and Orbax's eager per-shard copies
         fail under ``jax.set_mesh`` on jax 0.7-0.8. Callers need no mesh context.
+        In one process on the CPU backend (fake devices), Orbax saves each replicated
+        array from one replica (:func:`posttrain._compat.single_replica_array_saves`);
+        elsewhere its replica-parallel default stands.
         """
-        with sharding.use_mesh(self.mesh, self.rules, jax_context=False):
+        one_cpu_process = jax.default_backend() == "cpu" and jax.process_count() == 1
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(sharding.use_mesh(self.mesh, self.rules, jax_context=False))
+            if one_cpu_process:
+                stack.enter_context(_compat.single_replica_array_saves())
             return super().train(*args, **kwargs)
 
     def close(self):
