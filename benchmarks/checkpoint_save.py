@@ -20,8 +20,9 @@ The two modes take turns, best of ``--repeats`` each:
 
 Prints both, the ratio and the arrays saved. Target: the single-replica save is
 clearly faster on CPU, where nothing is gained by splitting (one process writes
-everything). Measured on 2 cores, orbax-checkpoint 0.12.8, jax 0.10.2 (llama3-tiny:
-see the note of issue 6 / README).
+everything). Measured on 2 cores, orbax-checkpoint 0.12.8, jax 0.10.2: llama3-tiny
+(64 arrays, 1.3 MiB) 0.70 s -> 0.45 s (1.6x), qwen3_moe-tiny (82 arrays, 3.1 MiB)
+0.78 s -> 0.46 s (1.7x).
 """
 
 from __future__ import annotations
