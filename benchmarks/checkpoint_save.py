@@ -1,5 +1,5 @@
 """One Orbax checkpoint save on fake CPU devices: replica-parallel (Orbax's default)
-against one replica per array (what ``SFTTrainer.train`` uses there).
+against one replica per array (what ``posttrain sft`` uses there by default).
 
 Usage::
 

@@ -268,13 +268,13 @@ def test_orbax_round_trip_keeps_values_and_shardings(tmp_path):
     "orbax.checkpoint ArrayHandler._use_replica_parallel (_compat.single_replica_array_saves)"
 )
 def test_orbax_single_replica_saves_slice_nothing_and_restore_the_same(tmp_path, monkeypatch):
-    """Orbax's default splits a replicated array between its replicas (one eager
+    """Replica-parallel Orbax splits a replicated array between its replicas (one eager
     ``jax.lax.slice_in_dim`` each); inside ``single_replica_array_saves`` it slices
     nothing, and both checkpoints restore the same values and shardings."""
     ocp = pytest.importorskip("orbax.checkpoint")
     mesh = sharding.make_mesh({"data": 2, "fsdp": jax.device_count() // 2})
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
-    # Replicated over `data`; each shard [8, 256]: a size Orbax considers safe to slice.
+    # Replicated over `data`; each shard [8, 256] has axes the 2 replicas divide.
     state = {"w": jax.device_put(jnp.arange(8 * mesh.shape["fsdp"] * 256.0).reshape(-1, 256), spec)}
     target = jax.tree.map(jnp.zeros_like, state)
     manager = ocp.CheckpointManager(
@@ -295,12 +295,16 @@ def test_orbax_single_replica_saves_slice_nothing_and_restore_the_same(tmp_path,
         return len(slices) - start
 
     handler = ocp.type_handlers.get_type_handler(jax.Array)
-    assert handler._use_replica_parallel is True  # the attribute the shim switches
-    assert save_and_count(1) >= 2  # the default: one slice per replica
+    assert isinstance(handler._use_replica_parallel, bool)  # the attribute the shim switches
+    # Orbax's default on CPU and TPU (off when JAX_PLATFORMS names gpu/cuda): set here.
+    monkeypatch.setattr(handler, "_use_replica_parallel", True)
+    assert save_and_count(1) >= 2  # replica-parallel: one slice per replica
     with _compat.single_replica_array_saves():
-        assert handler._use_replica_parallel is False
+        with _compat.single_replica_array_saves():  # nested (or another thread's) use
+            assert handler._use_replica_parallel is False
+        assert handler._use_replica_parallel is False  # the outer one still holds it
         assert save_and_count(2) == 0
-    assert handler._use_replica_parallel is True  # restored on exit
+    assert handler._use_replica_parallel is True  # restored by the last one out
     restore_args = ocp.checkpoint_utils.construct_restore_args(target=target)
     for step in (1, 2):
         got = manager.restore(

@@ -47,18 +47,31 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
     )
 
 
+CONTENT = st.sampled_from(["", "<|im_end|>", "a<|im_start|>b"]) | st.text(max_size=12)
 MESSAGES = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(data.ROLES), "content": st.text(max_size=12)}),
+    st.fixed_dictionaries({"role": st.sampled_from(data.ROLES), "content": CONTENT}),
     min_size=1,
     max_size=4,
 )
 
 
-@given(st.lists(MESSAGES, max_size=5))
-def test_batched_encoding_equals_encoding_each_piece_alone(conversations):
-    """One ``encode_batch`` over every conversation gives each one the ids and mask of
-    encoding its ChatML pieces one by one (empty contents, special-token text too)."""
-    got = data.encode_chats(conversations, TOK)
+def padded_truncating_byte_tokenizer():
+    """The byte tokenizer as a ``tokenizer.json`` may come: padding and truncation on."""
+    tok = tokenizer.byte_tokenizer()
+    tok.enable_padding(pad_id=0)
+    tok.enable_truncation(3)
+    return tok
+
+
+@given(
+    st.lists(MESSAGES, max_size=5),
+    st.sampled_from([TOK, padded_truncating_byte_tokenizer()]),
+)
+def test_batched_encoding_equals_encoding_each_piece_alone(conversations, tok):
+    """Batched ``encode_batch`` gives each conversation the ids and mask of encoding its
+    ChatML pieces one by one without padding or truncation (empty contents and
+    special-token text in contents too), whatever the tokenizer's own settings."""
+    got = data.encode_chats(conversations, tok)
     assert len(got) == len(conversations)
     for messages, ex in zip(conversations, got, strict=True):
         ids, mask = [], []

@@ -66,8 +66,11 @@ def test_logged_learning_rate_is_jitted_when_the_schedule_traces(schedule, want,
 def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path, monkeypatch):
     import orbax.checkpoint as ocp
 
-    # Count Orbax's replica-parallel slices: on one CPU process, train() saves each
-    # replicated array from one replica (the contract test shows the default slices).
+    # Count Orbax's replica-parallel slices: replica_parallel_saves="auto" is off in one
+    # CPU process, so train() saves each replicated array (data=2) from one replica (the
+    # contract test shows the default slices).
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    replica_parallel = handler._use_replica_parallel
     slices, slice_in_dim = [], jax.lax.slice_in_dim
     monkeypatch.setattr(
         jax.lax, "slice_in_dim", lambda *a, **k: slices.append(a[0].shape) or slice_in_dim(*a, **k)
@@ -89,7 +92,10 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
     # later runs' metrics were written to the earlier runs' logs).
     assert _compat.scalar_listeners() == listening
     assert slices == []
-    assert ocp.type_handlers.get_type_handler(jax.Array)._use_replica_parallel is True
+    assert handler._use_replica_parallel is replica_parallel  # Orbax's own setting restored
+    assert json.loads((tmp_path / "cut" / "run.json").read_text())[
+        "replica_parallel_saves_resolved"
+    ] is (jax.default_backend() != "cpu")
     loss = lambda result: [r["loss"] for r in result.history]  # noqa: E731
     # Two fresh runs with the same seed (the cut one stops early): identical, bit for bit.
     assert loss(first) == loss(full)[:2]
@@ -125,6 +131,10 @@ def test_lora_run_checkpoints_only_the_adapters(tmp_path):
     ("argv", "message"),
     [
         (["--per-device-batch-size", "0"], "per_device_batch_size=0; expected >= 1"),
+        (
+            ["--replica-parallel-saves", "maybe"],
+            "replica_parallel_saves='maybe'; expected auto, on or off",
+        ),
         (["--mesh", "fsdp=3"], f"mesh {{fsdp=3}} has 3 devices but {jax.device_count()} devices"),
         (["--model", "no-such-model"], "neither a preset"),
         (["--data", "{bad}"], ", line 1: not valid JSON"),

@@ -6,6 +6,7 @@ Each entry names the upstream version where the behaviour changed.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -122,37 +123,47 @@ def unregister_scalar_listener(listener) -> None:
         monitoring._scalar_listeners.remove(listener)
 
 
+_single_replica = {"lock": threading.Lock(), "depth": 0, "before": None}
+
+
 @contextlib.contextmanager
 def single_replica_array_saves():
     """While active, Orbax saves every replicated ``jax.Array`` from one replica.
 
-    Orbax's default ``ArrayHandler`` (``use_replica_parallel=True``, orbax-checkpoint
-    0.11-0.12) splits each replicated array that is safe to slice (size a multiple of
-    1024, last dim of 128) between its replicas, so that several *hosts* write it
-    together: one eager ``jax.lax.slice_in_dim`` per replica per array, each a separate
-    XLA dispatch (and compile, per new shape). In one process there is no other host to
-    share the writes with; on CPU the slices are pure overhead (llama3-tiny + Adam on 8
-    fake devices: about 1.4 s a save, of which the slicing is two thirds;
-    ``benchmarks/checkpoint_save.py``). The bytes written are the same either way, so
-    restores do not care which mode saved.
+    Orbax's ``ArrayHandler`` (orbax-checkpoint 0.11-0.12) is replica-parallel by default
+    (not when ``JAX_PLATFORMS`` names gpu/cuda): it splits each replicated array between
+    its replicas along an axis of the shard that the replica count divides, so that
+    several *hosts* write it together, with one eager ``jax.lax.slice_in_dim`` per
+    replica per array, each a separate XLA dispatch (and compile, per new shape). In one
+    process there is no other host to share the writes with, and on CPU the slices are
+    pure overhead: a llama3-tiny + Adam save on 8 fake devices (``data=2``) takes 0.70 s
+    replica-parallel against 0.45 s (``benchmarks/checkpoint_save.py``). The bytes
+    written are the same either way, so restores do not care which mode saved.
 
     Switches the registered handler's ``_use_replica_parallel`` (a private attribute in
-    every orbax-checkpoint 0.11.25-0.12.8 we pin; pinned by ``contracts/``) off and back
-    to what it was on exit. Process-global while active, like Orbax's registry. A handler
-    without the attribute is left alone.
+    every orbax-checkpoint 0.11.25-0.12.8 we pin; pinned by ``contracts/``) off and, when
+    the last overlapping user leaves (any thread), back to what it was. Process-global
+    while active, like Orbax's registry. A handler without the attribute is left alone.
     """
     import orbax.checkpoint as ocp
 
     handler = ocp.type_handlers.get_type_handler(jax.Array)
-    before = getattr(handler, "_use_replica_parallel", None)
-    if before is None:
+    if getattr(handler, "_use_replica_parallel", None) is None:
         yield
         return
-    handler._use_replica_parallel = False
+    state = _single_replica
+    with state["lock"]:
+        if state["depth"] == 0:
+            state["before"] = handler._use_replica_parallel
+            handler._use_replica_parallel = False
+        state["depth"] += 1
     try:
         yield
     finally:
-        handler._use_replica_parallel = before
+        with state["lock"]:
+            state["depth"] -= 1
+            if state["depth"] == 0:
+                handler._use_replica_parallel = state["before"]
 
 
 def iter_modules(module: nnx.Module):

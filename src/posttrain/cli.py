@@ -183,6 +183,7 @@ def _sft(args: argparse.Namespace) -> int:
         scan_layers=args.scan,
         seed=args.seed,
         save_every=args.save_every,
+        replica_parallel_saves=args.replica_parallel_saves,
         stop_after=args.stop_after,
         output=args.output,
     )
@@ -260,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--scan", action="store_true", help="scan_layers=True")
     sft.add_argument("--seed", type=int, default=0)
     sft.add_argument("--save-every", type=int, default=50, help="checkpoint interval (steps)")
+    sft.add_argument(
+        "--replica-parallel-saves",
+        default="auto",
+        metavar="{auto,on,off}",
+        help="Orbax's replica-parallel writes of replicated arrays (auto: off in one CPU "
+        "process, else on; default %(default)s)",
+    )
     sft.add_argument(
         "--stop-after",
         type=int,

@@ -19,14 +19,15 @@ Steps (qwix 0.1.8):
    QLoRA first runs Qwix's PTQ pass the same way and materialises the quantised
    kernels (step 3), then the LoRA pass on that concrete quantised model: traced in
    the same pass, the quantised kernels were tracers again (qwen3-0.6b int8: 196
-   reads, 39.0 s against 14.4 s now). Two Qwix passes, not one provider for both: in
-   one pass a scanned layer gets no adapters (once the quantised kernel is swapped
-   in, qwix's ``find_param`` follows the layer slice back to the stacked array).
+   reads; ``apply_lora`` 35-39 s before, 10.8 s now, ``benchmarks/lora_apply.py``).
+   Two Qwix passes, not one provider for both: in one pass a scanned layer gets no
+   adapters (once the quantised kernel is swapped in, qwix's ``find_param`` follows
+   the layer slice back to the stacked array).
    Qwix intercepts ``CausalLM.forward``, which ``__call__`` (Tunix) calls too.
 3. Materialise: base variables from the model; adapters A (Qwix's initialiser)
    and B (zeros) shaped after the unquantised weights, and the quantised kernels
-   computed under one jit, straight into shardings derived from the base weight's
-   logical axes.
+   computed by one jit per kernel shape, straight into shardings derived from the base
+   weight's logical axes.
 4. Verify: adapters exist; only ``Param`` / ``LoRAParam`` variables remain, so
    ``nnx.split``/``merge``, jit and grad see plain state.
 """

@@ -98,35 +98,56 @@ def encode_chat(messages: Messages, tokenizer) -> Example:
     return encode_chats([messages], tokenizer)[0]
 
 
+_ENCODE_CHUNK = 1024  # conversations per encode_batch call: bounds the live Encodings
+
+
 def encode_chats(conversations: Sequence[Messages], tokenizer) -> list[Example]:
-    """:func:`encode_chat` of each conversation, with one ``tokenizer.encode_batch`` call.
+    """:func:`encode_chat` of each conversation, with batched ``tokenizer.encode_batch`` calls.
 
     Each ChatML piece (``<|im_start|>{role}\\n``, the content, ``<|im_end|>``, ``\\n``) is
     encoded on its own, without special tokens, so that a piece's ids never merge with
     its neighbours' and the loss mask follows piece boundaries: ``<|im_end|>`` of an
-    assistant turn is a target, the role header and the newline are not. One batched
-    call instead of four per message (the Rust tokenizer encodes the batch in parallel).
+    assistant turn is a target, the role header and the newline are not. One call per
+    1024 conversations instead of four per message (the Rust tokenizer encodes a batch
+    in parallel). Padding and truncation set in a ``tokenizer.json`` are ignored: rows
+    are padded and cut by :func:`encode_dataset` / :func:`to_rows`, and a padded batch
+    would put pad ids inside the pieces.
     """
-    pieces: list[str] = []
-    targets: list[bool] = []
-    counts: list[int] = []
-    for messages in conversations:
-        for m in messages:
-            target = m["role"] == "assistant"
-            pieces += [f"<|im_start|>{m['role']}\n", m["content"], "<|im_end|>", "\n"]
-            targets += [False, target, target, False]
-        counts.append(4 * len(messages))
-    encodings = tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
-    examples, start = [], 0
-    for count in counts:
-        ids = [e.ids for e in encodings[start : start + count]]
-        mask = [
-            t for piece, t in zip(ids, targets[start : start + count], strict=True) for _ in piece
-        ]
-        flat = [i for piece in ids for i in piece]
-        examples.append(Example(np.asarray(flat, np.int32), np.asarray(mask, bool)))
-        start += count
+    tokenizer = _unpadded(tokenizer)
+    examples = []
+    for first in range(0, len(conversations), _ENCODE_CHUNK):
+        pieces: list[str] = []
+        targets: list[bool] = []
+        counts: list[int] = []
+        for messages in conversations[first : first + _ENCODE_CHUNK]:
+            for m in messages:
+                target = m["role"] == "assistant"
+                pieces += [f"<|im_start|>{m['role']}\n", m["content"], "<|im_end|>", "\n"]
+                targets += [False, target, target, False]
+            counts.append(4 * len(messages))
+        encodings = tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
+        start = 0
+        for count in counts:
+            ids = [e.ids for e in encodings[start : start + count]]
+            mask = [
+                t
+                for piece, t in zip(ids, targets[start : start + count], strict=True)
+                for _ in piece
+            ]
+            flat = [i for piece in ids for i in piece]
+            examples.append(Example(np.asarray(flat, np.int32), np.asarray(mask, bool)))
+            start += count
     return examples
+
+
+def _unpadded(tokenizer):
+    """``tokenizer``, or a copy without padding and truncation when it has either."""
+    if tokenizer.padding is None and tokenizer.truncation is None:
+        return tokenizer
+    copy = type(tokenizer).from_str(tokenizer.to_str())
+    copy.no_padding()
+    copy.no_truncation()
+    return copy
 
 
 def encode_dataset(

@@ -68,6 +68,10 @@ class SFTTrainerMixin:
         without a terminal, where Tunix's tqdm progress bar is off).
       convention: a :class:`~posttrain.sft.tunix_compat.Convention`; default:
         read from this class's ``train`` / ``jit_train_and_eval_step``.
+      single_replica_saves: during ``train``, Orbax saves each replicated array from
+        one replica (:func:`posttrain._compat.single_replica_array_saves`) instead of
+        its replica-parallel default; same checkpoint, faster in one process on CPU.
+        ``run_sft`` turns it on there (``SFTConfig.replica_parallel_saves``).
 
     Raises:
       posttrain.sft.tunix_compat.UnknownConventionError: at construction, when
@@ -87,6 +91,7 @@ class SFTTrainerMixin:
         metrics_path: str | os.PathLike | None = None,
         log_every: int | None = None,
         convention: tunix_compat.Convention | None = None,
+        single_replica_saves: bool = False,
         **kwargs,
     ):
         self.convention = convention or tunix_compat.detect(tunix_base(type(self)))
@@ -102,6 +107,7 @@ class SFTTrainerMixin:
         ]
         self.mesh = mesh
         self.rules = rules
+        self.single_replica_saves = single_replica_saves
         self.grad_accum_steps = training_config.gradient_accumulation_steps or 1
         if moe_aux_loss_weight is None:
             moe = getattr(model.config, "moe", None)
@@ -303,14 +309,12 @@ class SFTTrainerMixin:
         Only :mod:`posttrain.sharding`'s context is set, not JAX's mesh context:
         Tunix saves checkpoints inside ``train`` and Orbax's eager per-shard copies
         fail under ``jax.set_mesh`` on jax 0.7-0.8. Callers need no mesh context.
-        In one process on the CPU backend (fake devices), Orbax saves each replicated
-        array from one replica (:func:`posttrain._compat.single_replica_array_saves`);
-        elsewhere its replica-parallel default stands.
+        With ``single_replica_saves``, Orbax saves each replicated array from one replica
+        (:func:`posttrain._compat.single_replica_array_saves`) while it runs.
         """
-        one_cpu_process = jax.default_backend() == "cpu" and jax.process_count() == 1
         with contextlib.ExitStack() as stack:
             stack.enter_context(sharding.use_mesh(self.mesh, self.rules, jax_context=False))
-            if one_cpu_process:
+            if self.single_replica_saves:
                 stack.enter_context(_compat.single_replica_array_saves())
             return super().train(*args, **kwargs)
 
