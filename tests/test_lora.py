@@ -355,6 +355,8 @@ def test_apply_lora_never_asks_a_tracer_for_its_sharding(preset, lora, monkeypat
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, algorithm="dense"))
     mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
     assert _tracer_sharding_reads(monkeypatch, cfg, lora, mesh) == 0
+    if lora.weight_qtype:
+        return  # unscanned is where QLoRA read its quantised kernels from tracers (14)
     scanned = [
         _tracer_sharding_reads(
             monkeypatch,
