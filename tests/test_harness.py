@@ -378,7 +378,9 @@ def test_gc_tuning_freezes_the_heap_and_makes_full_collections_rarer(
     alive = [[] for _ in range(1000)]  # tracked containers, new since the last freeze
     monkeypatch.setenv("POSTTRAIN_GC_TUNING", "0")
     assert pytest_plugin.tune_gc() is False
-    assert collections == [] and gc.get_freeze_count() == frozen
+    # Nothing frozen: the 1000 new containers stay out. (Not "== frozen": a frozen object
+    # another thread frees, e.g. in an earlier test's async checkpoint, leaves the count.)
+    assert collections == [] and gc.get_freeze_count() < frozen + len(alive)
     assert gc.get_threshold() == (700, 10, 10)
     monkeypatch.delenv("POSTTRAIN_GC_TUNING")
     assert pytest_plugin.tune_gc() is True
