@@ -116,27 +116,23 @@ def encode_chats(conversations: Sequence[Messages], tokenizer) -> list[Example]:
     tokenizer = _unpadded(tokenizer)
     examples = []
     for first in range(0, len(conversations), _ENCODE_CHUNK):
+        chunk = conversations[first : first + _ENCODE_CHUNK]
         pieces: list[str] = []
         targets: list[bool] = []
-        counts: list[int] = []
-        for messages in conversations[first : first + _ENCODE_CHUNK]:
+        for messages in chunk:
             for m in messages:
                 target = m["role"] == "assistant"
                 pieces += [f"<|im_start|>{m['role']}\n", m["content"], "<|im_end|>", "\n"]
                 targets += [False, target, target, False]
-            counts.append(4 * len(messages))
         encodings = tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
         start = 0
-        for count in counts:
-            ids = [e.ids for e in encodings[start : start + count]]
-            mask = [
-                t
-                for piece, t in zip(ids, targets[start : start + count], strict=True)
-                for _ in piece
-            ]
+        for messages in chunk:  # four pieces per message
+            end = start + 4 * len(messages)
+            ids = [e.ids for e in encodings[start:end]]
+            mask = [t for piece, t in zip(ids, targets[start:end], strict=True) for _ in piece]
             flat = [i for piece in ids for i in piece]
             examples.append(Example(np.asarray(flat, np.int32), np.asarray(mask, bool)))
-            start += count
+            start = end
     return examples
 
 

@@ -312,10 +312,12 @@ class SFTTrainerMixin:
         With ``single_replica_saves``, Orbax saves each replicated array from one replica
         (:func:`posttrain._compat.single_replica_array_saves`) while it runs.
         """
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(sharding.use_mesh(self.mesh, self.rules, jax_context=False))
-            if self.single_replica_saves:
-                stack.enter_context(_compat.single_replica_array_saves())
+        saves = (
+            _compat.single_replica_array_saves()
+            if self.single_replica_saves
+            else contextlib.nullcontext()
+        )
+        with sharding.use_mesh(self.mesh, self.rules, jax_context=False), saves:
             return super().train(*args, **kwargs)
 
     def close(self):
