@@ -54,8 +54,9 @@ class SFTTrainerMixin:
       mesh: the mesh the model lives on; batches are placed on its data-parallel
         axes (from ``rules``); ``train`` makes it current for tracing.
       rules: logical-axis rules (default :data:`posttrain.sharding.DEFAULT_RULES`).
-      moe_aux_loss_weight: weight of the MoE load-balancing loss (default: the
-        model config's ``moe.router_aux_loss_coef``, 0 for dense models).
+      moe_aux_loss_weight: weight of the MoE load-balancing loss (default:
+        :func:`default_moe_aux_loss_weight`, the model config's
+        ``moe.aux_loss_weight``, 0 for dense models).
       learning_rate_fn: ``step -> learning rate`` (an optax schedule), only logged;
         evaluated jitted (one compile, not one eager dispatch per op per step:
         ~1.7 s of a 20-step CPU run; values in float32), eagerly when it does not
@@ -110,9 +111,8 @@ class SFTTrainerMixin:
         self.single_replica_saves = single_replica_saves
         self.grad_accum_steps = training_config.gradient_accumulation_steps or 1
         if moe_aux_loss_weight is None:
-            moe = getattr(model.config, "moe", None)
-            moe_aux_loss_weight = float(getattr(moe, "router_aux_loss_coef", 0.0) or 0.0)
-        self.moe_aux_loss_weight = moe_aux_loss_weight
+            moe_aux_loss_weight = default_moe_aux_loss_weight(model)
+        self.moe_aux_loss_weight = float(moe_aux_loss_weight)
         self.learning_rate_fn = learning_rate_fn
         self._learning_rate_jit: tuple[Callable, Callable | None] | None = None
         self._wrt = nnx.LoRAParam if self._lora_enabled else nnx.Param
@@ -135,7 +135,9 @@ class SFTTrainerMixin:
 
     # --- the step -------------------------------------------------------------------------
     def _grads(self, model, inputs):
-        """``(terms, grads)``: the forward terms and d(step share)/d(trained variables)."""
+        """``(objective, terms, grads)``: this micro-step's share of the step loss
+        (:func:`posttrain.sft.loss.step_objective`, MoE load-balancing term included),
+        the forward terms and d(share)/d(trained variables)."""
         graphdef, trained, rest = nnx.split(model, self._wrt, ...)
         step_tokens = inputs.get("step_target_tokens")
 
@@ -149,13 +151,13 @@ class SFTTrainerMixin:
             )
             return objective, terms
 
-        (_, terms), grads = jax.value_and_grad(share, has_aux=True)(trained)
-        return terms, grads
+        (objective, terms), grads = jax.value_and_grad(share, has_aux=True)(trained)
+        return objective, terms, grads
 
     def _step_body(self, model, optimizer, grad_accumulator, inputs, is_update_step):
         """One micro-step; returns ``(reported loss, aux, grad_norm)``."""
         inputs = self.gen_model_input_fn(inputs)
-        terms, grads = self._grads(model, inputs)
+        _, terms, grads = self._grads(model, inputs)
         k = self.grad_accum_steps
         if grad_accumulator is None or k == 1:
             # MultiSteps (releases) averages k micro-gradients: scale each share by k so
@@ -328,6 +330,16 @@ class SFTTrainerMixin:
             for listener in getattr(self, "_scalar_listeners", ()):
                 _compat.unregister_scalar_listener(listener)
             self._scalar_listeners = []
+
+
+def default_moe_aux_loss_weight(model) -> float:
+    """The load-balancing weight ``model`` was configured with: ``model.config.moe.aux_loss_weight``
+    (from HF ``router_aux_loss_coef``), 0.0 for a dense model (``moe is None``).
+
+    Read by attribute: a misspelt field must raise, not train without load balancing.
+    """
+    moe = model.config.moe
+    return 0.0 if moe is None else float(moe.aux_loss_weight)
 
 
 def _replicate_unplaced(holder, mesh: Mesh) -> None:

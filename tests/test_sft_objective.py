@@ -1,0 +1,85 @@
+"""What SFTTrainer differentiates: the NLL share plus the weighted MoE load-balancing loss.
+
+A regression this file exists for: the trainer read the weight as
+``getattr(moe, "router_aux_loss_coef", 0.0)`` while ``MoEConfig`` names it
+``aux_loss_weight``, so every MoE run trained without load balancing and nothing looked wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
+
+from posttrain import sharding  # noqa: E402
+from posttrain.models import build_model, get_config  # noqa: E402
+from posttrain.sft import data, loss  # noqa: E402
+from posttrain.sft.trainer import SFTTrainer  # noqa: E402
+
+MESH = {"fsdp": jax.device_count() // 2, "expert": 2}
+
+
+@functools.cache
+def batch():
+    rng = np.random.default_rng(0)
+    examples = [
+        data.Example(rng.integers(1, 250, n).astype(np.int32), rng.random(n) < 0.7)
+        for n in (9, 13, 7, 11, 5, 17, 8, 12)
+    ]
+    rows = data.to_rows(examples, 24, packing=False, pad_id=0)
+    return {k: jnp.asarray(v) for k, v in rows.items()}
+
+
+def trainer_for(aux_loss_weight: float, **kwargs) -> SFTTrainer:
+    cfg = get_config("qwen3_moe-tiny")
+    cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, aux_loss_weight=aux_loss_weight))
+    mesh = sharding.make_mesh(MESH)
+    model = build_model(cfg, mesh, seed=3)
+    config = tunix.TrainingConfig(eval_every_n_steps=1000, max_steps=1)
+    return SFTTrainer(model, optax.sgd(0.1), config, mesh=mesh, **kwargs)
+
+
+@functools.cache
+def configured_trainer() -> SFTTrainer:
+    return trainer_for(0.25)
+
+
+def objective_and_router_grad(trainer):
+    with sharding.use_mesh(trainer.mesh, jax_context=False):
+        objective, terms, grads = jax.jit(trainer._grads)(trainer.model, batch())
+    router = grads["model"]["layers"][0]["mlp"]["router"]["kernel"]
+    return float(objective), jax.device_get(terms), np.asarray(router[...])
+
+
+def test_the_weight_comes_from_the_model_config():
+    assert configured_trainer().moe_aux_loss_weight == 0.25
+    assert trainer_for(0.25, moe_aux_loss_weight=0.5).moe_aux_loss_weight == 0.5
+
+
+def test_objective_is_the_nll_share_plus_the_weighted_load_balancing_loss():
+    """objective = nll_sum / target_tokens + aux_loss_weight * moe_aux_loss (one micro-step)."""
+    objective, terms, _ = objective_and_router_grad(configured_trainer())
+    nll, targets, aux = (float(terms[k]) for k in ("nll_sum", "target_tokens", "moe_aux_loss"))
+    assert targets > 0 and aux > 1.0  # two MoE layers, top-2 of 8: each term near top_k
+    assert objective == pytest.approx(nll / targets + 0.25 * aux, rel=1e-6)
+    assert objective - nll / targets == pytest.approx(0.25 * aux, rel=1e-5)
+
+
+def test_the_router_gradient_follows_the_weight():
+    """The load-balancing term reaches the router: its gradient moves with the weight."""
+    trainer = configured_trainer()
+    try:
+        trainer.moe_aux_loss_weight = 0.0
+        _, _, g0 = objective_and_router_grad(trainer)
+        trainer.moe_aux_loss_weight = 1.0
+        _, _, g1 = objective_and_router_grad(trainer)
+    finally:
+        trainer.moe_aux_loss_weight = 0.25
+    assert np.abs(g1 - g0).max() > 1e-4
