@@ -144,7 +144,7 @@ def one_large_batch(name="installed"):
     convention runs the same step; the installed release's train() computes it)."""
     trainer, _ = make_trainer(ALL_BASES[name], ga=1)
     trainer.train(data.batches(rows(), 24, 1))  # train() makes the mesh current
-    return params(trainer.model), [r["loss"] for r in trainer.history]
+    return params(trainer.model), logged(trainer)
 
 
 def accumulated(name, accumulator=None):
@@ -153,17 +153,25 @@ def accumulated(name, accumulator=None):
     if accumulator is not None:
         trainer.grad_accumulator = accumulator(trainer.model, nnx.Param)
     trainer.train(data.batches(rows(), 8, 3))
-    return params(trainer.model), [r["loss"] for r in trainer.history]
+    return params(trainer.model), logged(trainer)
+
+
+def logged(trainer) -> dict[str, list[float]]:
+    """The logged ``loss`` and ``grad_norm`` of each optimizer step."""
+    return {k: [r[k] for r in trainer.history] for k in ("loss", "grad_norm")}
 
 
 @pytest.mark.contract("tunix gradient accumulation (optax.MultiSteps / GradientAccumulator)")
 @pytest.mark.parametrize("name", BASES)
 def test_accumulated_steps_equal_one_large_batch(name):
-    """k micro-steps == one step on the concatenated batch, from the first micro-step on."""
-    want, want_losses = one_large_batch()
-    got, got_losses = accumulated(name)
-    assert len(got_losses) == len(want_losses) == 2
-    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+    """k micro-steps == one step on the concatenated batch, from the first micro-step on:
+    the same params, the same logged loss and the same logged grad_norm (the norm of the
+    applied gradient, not of the last micro-step's share)."""
+    want, want_logged = one_large_batch()
+    got, got_logged = accumulated(name)
+    assert len(got_logged["loss"]) == len(want_logged["loss"]) == 2
+    np.testing.assert_allclose(got_logged["loss"], want_logged["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got_logged["grad_norm"], want_logged["grad_norm"], rtol=1e-5)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
     assert any(
@@ -179,9 +187,9 @@ if "bound3_update" in BASES and tunix_compat.detect().name != "bound3_update":
     def test_main_without_accumulation_steps_as_the_installed_release():
         """Emulated main without accumulation (every call an update step) gives the
         installed release's params and losses (no installable release has main's step)."""
-        want, want_losses = one_large_batch()
-        got, got_losses = one_large_batch("bound3_update")
-        np.testing.assert_allclose(got_losses, want_losses, rtol=1e-6)
+        want, want_logged = one_large_batch()
+        got, got_logged = one_large_batch("bound3_update")
+        np.testing.assert_allclose(got_logged["loss"], want_logged["loss"], rtol=1e-6)
         for k in want:
             np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
 

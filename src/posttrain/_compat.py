@@ -200,6 +200,44 @@ def global_norm(tree) -> jax.Array:
     return optax.global_norm(tree)
 
 
+def multisteps_window_gradient(opt_state, grads):
+    """The gradient ``optax.MultiSteps`` applies if this micro-step ends its window.
+
+    ``MultiSteps`` (use_grad_mean, its default and Tunix's) keeps the running mean of
+    the window's micro-gradients in ``acc_grads``, ``mini_step`` of them so far, and
+    when the window closes it hands the inner optimizer
+    ``acc + (grads - acc) / (mini_step + 1)``: the mean of all of them. This returns
+    that mean (the same pytree structure as ``grads``), or ``None`` when ``opt_state``
+    is not a ``MultiStepsState`` (optax 0.1.5+; fields ``mini_step`` and
+    ``acc_grads`` through optax 0.2.8). ``nnx.Optimizer`` keeps the state's arrays in
+    ``OptArray`` variables (flax >= 0.11); their values are read here.
+
+    Reference: ``optax.MultiSteps.update`` (``optax/transforms/_accumulation.py``, 0.2.8).
+    """
+    import optax
+
+    if not isinstance(opt_state, optax.MultiStepsState):
+        return None
+
+    def value(x):
+        return variable_value(x) if isinstance(x, nnx.Variable) else x
+
+    def is_var(x):
+        return isinstance(x, nnx.Variable)
+
+    n = value(opt_state.mini_step).astype(np.float32)
+    acc = [value(a) for a in jax.tree.leaves(opt_state.acc_grads, is_leaf=is_var)]
+    leaves, treedef = jax.tree.flatten(grads, is_leaf=is_var)
+    if len(acc) != len(leaves):
+        raise ValueError(
+            f"MultiSteps accumulates {len(acc)} arrays but the step has {len(leaves)} gradients"
+        )
+    mean = [
+        a + (value(g).astype(a.dtype) - a) / (n + 1) for g, a in zip(leaves, acc, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, mean)
+
+
 def module_dtype(name) -> type:
     """The JAX scalar type (``jnp.float32``, ``jnp.bfloat16``, ...) for a dtype name or dtype.
 

@@ -164,7 +164,11 @@ class SFTTrainerMixin:
             # the applied update is their sum. k == 1 on main: update every call.
             if k > 1:
                 grads = jax.tree.map(lambda g: g * k, grads)
-            grad_norm = _compat.global_norm(grads)
+            # grad_norm is the norm of the applied (accumulated) gradient under every
+            # convention: MultiSteps applies the window's mean at its last micro-step,
+            # and only that micro-step's value is logged (see _flush).
+            window = _compat.multisteps_window_gradient(optimizer.opt_state, grads)
+            grad_norm = _compat.global_norm(grads if window is None else window)
             optimizer.update(model, grads)
         else:
             grad_accumulator.add(jax.tree.map(lambda g: g * k, grads))  # denom += 1
