@@ -28,6 +28,7 @@ LAYOUTS = {family: ("hub", "fused") for family in FAMILIES} | {
     "gemma4": ("hub", "fused", "multimodal")
 }
 
+CLAMP_REACH = 12.0  # GPT-OSS expert gate_up scale that takes pre-activations past 7
 INIT_RANGE = 0.08  # larger than HF's 0.02 so logits are O(1) and a wrong weight shows
 _COMMON = dict(
     vocab_size=264,
@@ -52,8 +53,8 @@ def _kwargs(family: str) -> tuple[type, dict]:
             "factor": 8.0,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }  # all three llama3 bands in head_dim 10
+            "original_max_position_embeddings": 256,
+        }  # head_dim 10's wavelengths 6.3, 87, 1197 ...: high, blended and low llama3 bands
         return transformers.LlamaConfig, dict(
             intermediate_size=88, rms_norm_eps=1e-5, rope_parameters=rope, tie_word_embeddings=False
         )
@@ -119,8 +120,8 @@ def _kwargs(family: str) -> tuple[type, dict]:
             "beta_fast": 32.0,
             "beta_slow": 1.0,
             "truncate": False,
-            "original_max_position_embeddings": 16,
-        }
+            "original_max_position_embeddings": 4096,
+        }  # YaRN's correction range at frequencies 1.26-2.72 of head_dim 10's five
         return transformers.GptOssConfig, dict(
             intermediate_size=56,
             num_local_experts=6,
@@ -186,6 +187,12 @@ def build(family: str, layout: str = "hub", seed: int = 0, **overrides) -> torch
     kwargs = {"attn_implementation": "eager"}
     model = _model_class(family, layout)._from_config(config, dtype=torch.float32, **kwargs)
     perturb_constants(model.eval(), seed + 1)
+    if family == "gpt_oss":
+        # Expert pre-activations of |x| ~ 0.7 never reach the SwiGLU clamp at 7: scaled 12x,
+        # about a fifth of them do, so parity proves the clamp (tests/test_parity_fixtures.py).
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.mul_(CLAMP_REACH)
     return model
 
 

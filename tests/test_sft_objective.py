@@ -20,7 +20,7 @@ tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is no
 
 from posttrain import sharding  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft import data, loss  # noqa: E402
+from posttrain.sft import data  # noqa: E402
 from posttrain.sft.trainer import SFTTrainer  # noqa: E402
 
 MESH = {"fsdp": jax.device_count() // 2, "expert": 2}

@@ -232,9 +232,7 @@ def multisteps_window_gradient(opt_state, grads):
         raise ValueError(
             f"MultiSteps accumulates {len(acc)} arrays but the step has {len(leaves)} gradients"
         )
-    mean = [
-        a + (value(g).astype(a.dtype) - a) / (n + 1) for g, a in zip(leaves, acc, strict=True)
-    ]
+    mean = [a + (value(g).astype(a.dtype) - a) / (n + 1) for g, a in zip(leaves, acc, strict=True)]
     return jax.tree.unflatten(treedef, mean)
 
 

@@ -42,13 +42,17 @@ def gpt_oss_20b() -> ModelConfig:
 
 
 def gpt_oss_tiny() -> ModelConfig:
+    """CPU-sized GPT-OSS; original_max_position_embeddings=4096 (as gpt-oss-20b) puts
+    YaRN's correction range at frequencies 1.26-2.72 of head_dim 10's five: the ramp
+    blends two of them, so beta_fast, beta_slow and truncate all change the model
+    (at 16, the range fell below frequency 1 and none of the three did)."""
     rope = RopeConfig(
         kind="yarn",
         theta=150_000.0,
         factor=32.0,
         beta_fast=32.0,
         beta_slow=1.0,
-        original_max_position_embeddings=16,
+        original_max_position_embeddings=4096,
         truncate=False,
     )
     attn = dict(num_heads=8, num_kv_heads=4, head_dim=10, rope=rope, bias=True, sinks=True)
