@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import zlib
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -25,13 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from posttrain import _compat
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 from posttrain.conversion.native import abstract_params
-from posttrain.models import CausalLM, get_config
+from posttrain.models import get_config
 from posttrain.sft.loss import token_nll
+from tests.path_params import model_with_path_values
 
 # The fixture: 2 rows of 24 tokens, longer than the tiny presets' sliding window (8).
 BATCH, SEQ = 2, 24
@@ -200,36 +198,6 @@ def test_every_numeric_field_is_perturbed_or_declared_metadata():
     stale = sorted((set(PERTURBATIONS) | set(METADATA)) - fields)
     assert not stale, f"entries for fields that do not exist: {stale}"
     assert not set(PERTURBATIONS) & set(METADATA)
-
-
-def is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def path_value(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
-    """A parameter drawn from its dotted path: equal paths and shapes, equal values.
-
-    Norm scales and per-expert scales sit around 1, the rest around 0 (std 0.3), so no
-    parameter keeps an initial zero or one that would hide the field reading it.
-    """
-    noise = np.random.default_rng(zlib.crc32(name.encode())).normal(0.0, 0.3, shape)
-    around_one = name.endswith("scale") or "norm" in name or "layer_scalar" in name
-    return (noise + 1.0 if around_one else noise).astype(dtype)
-
-
-def model_with_path_values(cfg: ModelConfig) -> CausalLM:
-    """``cfg``'s model (built abstractly: no init program to compile) with every
-    parameter from :func:`path_value`."""
-    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
-
-    def fill(path, variable):
-        name = ".".join(str(getattr(k, "key", k)) for k in path)
-        abstract = _compat.variable_value(variable)
-        return variable.replace(jnp.asarray(path_value(name, abstract.shape, abstract.dtype)))
-
-    state = jax.tree_util.tree_map_with_path(fill, nnx.state(model, nnx.Param), is_leaf=is_variable)
-    nnx.update(model, state)
-    return model
 
 
 def outputs(cfg: ModelConfig) -> tuple[np.ndarray, float]:
