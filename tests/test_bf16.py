@@ -18,7 +18,7 @@ from flax import nnx
 
 from posttrain.config import MoEConfig
 from posttrain.layers.moe.router import Router, route
-from posttrain.models import CausalLM, get_config
+from posttrain.models import get_config
 from posttrain.models.presets import TINY_PRESETS
 from posttrain.sft import loss
 from tests.path_params import model_with_path_values
