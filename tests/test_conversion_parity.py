@@ -167,3 +167,46 @@ def test_check_logits_refuses_a_different_model(hf_tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not describe the model" in err
     assert json.loads((src / "config.json").read_text())["model_type"] == "llama"
+
+
+# Square expert kernels: with d_model == moe_d_ff (and 2 x moe_d_ff == d_model for a fused
+# gate_up) a wrong orientation is no longer a shape error, only a value one. HF's expert
+# width is moe_intermediate_size (Qwen3-MoE, Gemma 4) or intermediate_size (Mixtral, GPT-OSS).
+_EXPERT_WIDTH = {
+    "qwen3_moe": "moe_intermediate_size",
+    "gemma4": "moe_intermediate_size",
+    "mixtral": "intermediate_size",
+    "gpt_oss": "intermediate_size",
+}
+SQUARE_CASES = [
+    pytest.param(
+        family,
+        layout,
+        width,
+        id=f"{family}-{layout}-{'d_model' if width == 72 else 'half-d_model'}",
+        # in the gate: the fused 3-D layouts, where a transpose is one swapaxes away
+        marks=()
+        if (layout == "fused" or family == "gpt_oss") and width == 72
+        else pytest.mark.slow,
+    )
+    for family in _EXPERT_WIDTH
+    for layout in ("hub", "fused")
+    for width in (72, 36)  # d_model == moe_d_ff; 2 x moe_d_ff == d_model
+    if not (family == "gpt_oss" and layout == "fused")  # GPT-OSS has one layout
+]
+
+
+@pytest.mark.parametrize(("family", "layout", "width"), SQUARE_CASES)
+def test_square_expert_kernels_convert_by_value(hf_tiny, tmp_path, family, layout, width):
+    """Square expert kernels: converted logits still match transformers by value, and the
+    round trip writes the source tensors back bit for bit."""
+    src = saved(hf_tiny, tmp_path, family, layout, **{_EXPERT_WIDTH[family]: width})
+    summary = conversion.convert_hf_to_native(src, tmp_path / "native")
+    meta, _ = conversion.read_native_params(tmp_path / "native")
+    assert meta.cfg.moe.moe_d_ff == width and meta.cfg.d_model == 72
+    result = parity.check_logits(src, tmp_path / "native")
+    assert result.ok(MAX_KL, MAX_ABS) and result.top1 == 1.0, result.line()
+    conversion.convert_native_to_hf(tmp_path / "native", tmp_path / "back", layout=summary.layout)
+    source, back = read(src), read(tmp_path / "back")
+    assert sorted(source) == sorted(back)
+    assert all(source[k].tobytes() == back[k].tobytes() for k in source)
