@@ -155,7 +155,8 @@ def save_native(
     """Writes in-memory flat params (e.g. ``flat_params(model)``) as a native directory.
 
     Raises:
-      ConversionError: ``dst`` exists, or the params are not exactly ``CausalLM(cfg)``'s.
+      ConversionError: ``dst`` exists, or the params are not exactly ``CausalLM(cfg)``'s
+        (a missing or unexpected name, or a shape that differs: the message names it).
     """
     expected = abstract_params(cfg)
     if set(params) != set(expected):
@@ -163,6 +164,11 @@ def save_native(
         raise ConversionError(
             f"params do not match the config: missing {missing[:3]}, unexpected {extra[:3]}"
         )
+    for name, want in sorted(expected.items()):
+        if tuple(np.shape(params[name])) != tuple(want.shape):
+            raise ConversionError(
+                f"parameter {name} is {list(np.shape(params[name]))}, expected {list(want.shape)}"
+            )
     specs = [
         sio.OutputSpec(k, sio.CODES[np.asarray(v).dtype], tuple(np.shape(v)))
         for k, v in sorted(params.items())
