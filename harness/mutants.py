@@ -1,0 +1,168 @@
+"""Mutation testing of the numerics-critical modules with mutmut, one module at a time.
+
+``python -m harness.mutants [MODULE ...] [--max-children N] [--report-dir DIR]`` (what
+``tox -e mutants`` runs): for each module (default: all of :data:`TARGETS`) it copies the
+project into a scratch directory, writes a ``[tool.mutmut]`` section that mutates only that
+module and runs only its targeted test selection, runs ``mutmut run`` there, and collects
+mutmut's own counts (``mutmut export-cicd-stats``). The report, ``mutants.json`` and
+``mutants.md`` in the report directory, gives per module: killed, survived, timed out,
+no tests, the score (killed / (killed + survived + timeout)), and the surviving mutants'
+names (``mutmut show NAME`` in that module's scratch directory prints each diff).
+
+Each selection is sized so one module's run fits in about 20 minutes on 2 cores.
+Workers are forked from a fork server that has imported nothing (``forkserver_warmup =
+none``): JAX is not fork-safe once its backend has started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from harness.cli import write_atomic
+
+# module -> the tests that exercise it (pytest node ids or -k expressions after "-k").
+TARGETS: dict[str, list[str]] = {
+    "src/posttrain/layers/moe/router.py": ["tests/test_moe.py", "tests/test_bf16.py"],
+    "src/posttrain/layers/moe/dispatch.py": ["tests/test_moe.py"],
+    "src/posttrain/layers/moe/experts.py": ["tests/test_moe.py"],
+    "src/posttrain/layers/moe/block.py": ["tests/test_moe.py", "tests/test_sft_objective.py"],
+    "src/posttrain/layers/attention.py": ["tests/test_models.py", "tests/test_bf16.py"],
+    "src/posttrain/layers/rope.py": ["tests/test_models.py", "tests/test_config_sensitivity.py"],
+    "src/posttrain/conversion/transforms.py": [
+        "tests/test_conversion_roundtrip.py",
+        "tests/test_conversion_errors.py",
+        "tests/test_conversion_parity.py",
+    ],
+    "src/posttrain/sft/loss.py": ["tests/test_sft_loss.py", "tests/test_sft_objective.py"],
+    "src/posttrain/sft/trainer.py": [
+        "tests/test_sft_objective.py",
+        "contracts/test_sft_conventions.py",
+    ],
+    "src/posttrain/lora/merge.py": ["tests/test_lora.py", "-k", "merge or zero_adapter"],
+    "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
+}
+_COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md")
+
+
+def _section(module: str, selection: list[str], max_children: int) -> str:
+    def toml_list(items):
+        return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+    return (
+        "\n[tool.mutmut]\n"
+        'source_paths = ["src"]\n'
+        f"only_mutate = {toml_list([module])}\n"
+        f"pytest_add_cli_args_test_selection = {toml_list(selection)}\n"
+        f"pytest_add_cli_args = {toml_list(['-p', 'no:cacheprovider', '-x', '-q'])}\n"
+        'process_isolation = "forkserver"\n'
+        'forkserver_warmup = "none"\n'
+        f"max_children = {max_children}\n"
+        "also_copy = [\"harness\", \"contracts\"]\n"
+    )
+
+
+def run_module(module: str, root: pathlib.Path, work: pathlib.Path, max_children: int) -> dict:
+    """Runs mutmut on ``module`` in ``work`` (a fresh copy of ``root``); returns its row."""
+    for name in _COPIED:
+        source = root / name
+        if source.is_dir():
+            shutil.copytree(source, work / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif source.exists():
+            shutil.copy2(source, work / name)
+    pyproject = work / "pyproject.toml"
+    pyproject.write_text(
+        pyproject.read_text(encoding="utf-8") + _section(module, TARGETS[module], max_children),
+        encoding="utf-8",
+    )
+    env = {**os.environ, "HYPOTHESIS_PROFILE": "ci"}
+    run = subprocess.run(
+        [sys.executable, "-m", "mutmut", "run", f"--max-children={max_children}"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    subprocess.run([sys.executable, "-m", "mutmut", "export-cicd-stats"], cwd=work, env=env)
+    stats_file = work / "mutants" / "mutmut-cicd-stats.json"
+    if run.returncode != 0 or not stats_file.exists():
+        tail = (run.stdout + run.stderr).strip().splitlines()[-3:]
+        return {"module": module, "error": " | ".join(tail) or f"exit {run.returncode}"}
+    stats = json.loads(stats_file.read_text())
+    results = subprocess.run(
+        [sys.executable, "-m", "mutmut", "results"], cwd=work, capture_output=True, text=True
+    ).stdout
+    survivors = [line.split(":")[0].strip() for line in results.splitlines() if "survived" in line]
+    judged = stats["killed"] + stats["survived"] + stats["timeout"]
+    return {
+        "module": module,
+        **{k: stats[k] for k in ("killed", "survived", "timeout", "no_tests", "total")},
+        "score": None if not judged else stats["killed"] / judged,
+        "survivors": survivors,
+        "workdir": str(work),
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [
+        "# Mutation scores (mutmut)",
+        "",
+        "| module | killed | survived | timeout | no tests | score |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| `{r['module']}` | error: {r['error']} | | | | |")
+            continue
+        score = "-" if r["score"] is None else f"{r['score']:.1%}"
+        lines.append(
+            f"| `{r['module']}` | {r['killed']} | {r['survived']} | {r['timeout']} | "
+            f"{r['no_tests']} | {score} |"
+        )
+    for r in rows:
+        if r.get("survivors"):
+            lines += ["", f"Surviving in `{r['module']}`: " + ", ".join(r["survivors"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m harness.mutants", description=__doc__)
+    parser.add_argument("modules", nargs="*", help=f"default: all of {len(TARGETS)}")
+    parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--report-dir", default="reports")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch directories")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.modules if m not in TARGETS]
+    if unknown:
+        parser.error(f"unknown module {unknown[0]!r}; expected one of {sorted(TARGETS)}")
+    if args.max_children < 1:
+        parser.error(f"--max-children {args.max_children}: expected >= 1")
+    report_dir = pathlib.Path(args.report_dir)
+    if report_dir.exists() and not report_dir.is_dir():
+        parser.error(f"--report-dir {report_dir} is a file, expected a directory")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    rows = []
+    for module in args.modules or list(TARGETS):
+        work = pathlib.Path(tempfile.mkdtemp(prefix="mutants-"))
+        print(f"mutants: {module} in {work}", flush=True)
+        row = run_module(module, root, work, args.max_children)
+        rows.append(row)
+        print(markdown([row]).splitlines()[-1], flush=True)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+            row.pop("workdir", None)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(report_dir / "mutants.json", json.dumps(rows, indent=2) + "\n")
+    write_atomic(report_dir / "mutants.md", markdown(rows))
+    print(markdown(rows))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
