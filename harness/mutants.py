@@ -64,7 +64,7 @@ def _section(module: str, selection: list[str], max_children: int) -> str:
         'process_isolation = "forkserver"\n'
         'forkserver_warmup = "none"\n'
         f"max_children = {max_children}\n"
-        "also_copy = [\"harness\", \"contracts\"]\n"
+        'also_copy = ["harness", "contracts"]\n'
     )
 
 
