@@ -111,3 +111,40 @@ def test_step_objective_is_one_large_batch_not_a_mean_of_means():
     assert float(sum(shares)) == pytest.approx(34.0 / 12 + 0.1 * (0.5 + 1.5) / 2)
     mean_of_means = (30 / 10 + 4 / 2) / 2
     assert float(sum(shares)) != pytest.approx(mean_of_means + 0.1)
+
+
+def test_step_objective_edges():
+    """Without the step count, a micro-batch's share is NLL / (its targets x k); a single
+    target token divides by 1 (the floor of the denominator only guards 0)."""
+    terms = {
+        "nll_sum": jnp.float32(6.0),
+        "target_tokens": jnp.float32(3.0),
+        "moe_aux_loss": jnp.float32(0.0),
+    }
+    assert float(
+        loss.step_objective(terms, None, moe_aux_weight=0.0, grad_accum_steps=2)
+    ) == pytest.approx(6.0 / (3.0 * 2))
+    one = jnp.full((4,), 1, jnp.int32)
+    assert float(
+        loss.step_objective(terms, one, moe_aux_weight=0.0, grad_accum_steps=1)
+    ) == pytest.approx(6.0)
+    none = jnp.zeros((4,), jnp.int32)  # a step without targets: no division by zero
+    assert float(
+        loss.step_objective(terms, none, moe_aux_weight=0.0, grad_accum_steps=1)
+    ) == pytest.approx(6.0)
+
+
+def test_eval_loss_is_the_mean_nll_over_targets():
+    """Tunix's eval ``loss_fn(model, **batch)``: (summed NLL / target tokens, the terms)."""
+    _, rows = rows_for([7, 9, 5, 12], 32)
+    m = model()
+    batch = {k: jnp.asarray(v) for k, v in rows.items()}
+    mean, terms = jax.jit(lambda r: loss.eval_loss_fn(m, **r))(batch)
+    want, count = hand_nll(
+        jax.jit(lambda t, p, s: m.forward(t, p, loss.packed_attention_mask(s)))(
+            batch["input_tokens"], batch["positions"], batch["segment_ids"]
+        )[0],
+        rows,
+    )
+    assert float(terms["target_tokens"]) == count
+    assert float(mean) == pytest.approx(want / count, rel=1e-5)
