@@ -105,6 +105,17 @@ def corrupt(kind):
             )
         elif kind == "missing_shard":
             (directory / shard_of(directory, EXPERT_KEY)).unlink()
+        elif kind == "config_list":
+            (directory / "config.json").write_text("[1, 2]\n")
+        elif kind == "config_dir":
+            (directory / "config.json").unlink()
+            (directory / "config.json").mkdir()
+        elif kind == "config_latin1":
+            (directory / "config.json").write_bytes('{"a": "caf\u00e9"}'.encode("latin-1"))
+        elif kind == "config_nested":
+            (directory / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+        elif kind == "int64":
+            rewrite(directory, change={"model.embed_tokens.weight": np.zeros((264, 72), np.int64)})
 
     return apply
 
@@ -120,6 +131,11 @@ BAD_INPUTS = {
     "prefix": "missing tensor model.embed_tokens.weight",
     "mxfp4": "MXFP4",
     "missing_shard": "does not exist",
+    "config_list": "config.json: expected a JSON object, got list",
+    "config_dir": "config.json is a directory; expected a JSON file",
+    "config_latin1": "config.json: not UTF-8 text",
+    "config_nested": "config.json: not valid JSON",
+    "int64": "dtype I64, expected a floating-point weight",
 }
 
 
@@ -139,6 +155,36 @@ def test_bad_hf_input_is_one_line_exit_2_nothing_written(kind, hf_dir, capsys):
         assert "expected [56, 72]" in err
     assert sorted(p.name for p in hf_dir.parent.iterdir()) == ["hf"]
     assert digest(hf_dir) == before
+
+
+@pytest.mark.parametrize("direction", ["hf", "native"])
+@pytest.mark.parametrize("case", ["source-file", "source-missing", "parent-file", "config-list"])
+def test_bad_paths_are_one_line_exit_2(tmp_path, capsys, direction, case):
+    """Bad source or destination paths, both directions: one line naming the path, exit 2."""
+    src, dst = tmp_path / "src", tmp_path / "out" / "dst"
+    (tmp_path / "out").mkdir()
+    if case == "source-file":
+        src.write_text("x")
+    elif case == "parent-file":
+        src.mkdir()
+        (src / "config.json").write_text("{}")
+        dst = tmp_path / "a-file" / "dst"
+        (tmp_path / "a-file").write_text("x")
+    elif case == "config-list":
+        src.mkdir()
+        (src / "config.json").write_text('"a string"')
+    target = "native" if direction == "hf" else "hf"
+    status = cli.main(["convert", "--from", direction, "--to", target, str(src), str(dst)])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and err.startswith("posttrain: error: "), err
+    want = {
+        "source-file": "is a file; expected a checkpoint directory",
+        "source-missing": "does not exist",
+        "parent-file": "is a file; expected a directory",
+        "config-list": "expected a JSON object, got str",
+    }[case]
+    assert want in err, err
+    assert not dst.exists() and not any((tmp_path / "out").iterdir())
 
 
 def test_existing_output_directory_is_refused(hf_dir, capsys):

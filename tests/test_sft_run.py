@@ -130,11 +130,28 @@ def test_lora_run_checkpoints_only_the_adapters(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--per-device-batch-size", "0"], "per_device_batch_size=0; expected >= 1"),
+        (
+            ["--per-device-batch-size", "0"],
+            "per_device_batch_size=0 (--per-device-batch-size): expected >= 1",
+        ),
         (
             ["--replica-parallel-saves", "maybe"],
-            "replica_parallel_saves='maybe'; expected auto, on or off",
+            "replica_parallel_saves='maybe' (--replica-parallel-saves): expected auto, on or off",
         ),
+        (["--seed", "-1"], "seed=-1 (--seed): expected a non-negative integer"),
+        (["--warmup-steps", "-5"], "warmup_steps=-5 (--warmup-steps): expected >= 0"),
+        (["--learning-rate", "inf"], "learning_rate=inf (--learning-rate): expected a finite"),
+        (["--learning-rate", "nan"], "learning_rate=nan (--learning-rate): expected a finite"),
+        (["--lora-alpha", "-1"], "lora_alpha=-1.0 (--lora-alpha): expected a finite value > 0"),
+        (["--output", ""], "output=''; expected a run directory path"),
+        (["--output", "{file}"], "exists and is not a directory"),
+        (["--output", "{file}/run"], "is not a directory"),
+        (["--output", "/proc/self/run"], "is under a kernel file system"),
+        (["--devices", "0"], "--devices '0': expected a positive integer or 'real'"),
+        (["--devices", "-2"], "--devices '-2': expected a positive integer or 'real'"),
+        (["--devices", "abc"], "--devices 'abc': expected a positive integer or 'real'"),
+        (["--devices", "1.5"], "--devices '1.5': expected a positive integer or 'real'"),
+        (["--lora-rank", "100000"], "lora rank=100000 exceeds min(d_in, d_out)="),
         (["--mesh", "fsdp=3"], f"mesh {{fsdp=3}} has 3 devices but {jax.device_count()} devices"),
         (["--model", "no-such-model"], "neither a preset"),
         (["--data", "{bad}"], ", line 1: not valid JSON"),
@@ -159,8 +176,33 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
         )
         + "\n"
     )
-    argv = [a.format(bad=bad, long=long) for a in argv]
+    file = tmp_path / "a-file"
+    file.write_text("not a directory\n")
+    argv = [a.format(bad=bad, long=long, file=file) for a in argv]
     assert cli.main(["sft", "--output", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("posttrain: error: ") and "\n" not in err and message in err, err
     assert not (tmp_path / "out").exists()  # nothing written
+    assert file.read_text() == "not a directory\n"
+
+
+def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path, capsys):
+    """A diverging run (learning rate 1e30) stops with one line naming the step, exit 2;
+    metrics.jsonl holds only the finite steps, in strict JSON; nothing is exported."""
+    out = tmp_path / "run"
+    argv = ["sft", "--steps", "6", "--warmup-steps", "0", "--learning-rate", "1e30"]
+    argv += ["--max-target-length", "64", "--output", str(out)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("posttrain: error: step ") and "\n" not in err, err
+    assert "grad_norm" in err and ("nan" in err or "inf" in err), err
+
+    def strict(value):
+        raise ValueError(f"non-JSON constant {value}")
+
+    lines = (
+        (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    )
+    records = [json.loads(line, parse_constant=strict) for line in lines]
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in records)
+    assert not list(out.glob("model-step*"))

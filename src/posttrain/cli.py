@@ -7,8 +7,10 @@ Subcommands:
   check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
                 tokens; print max |delta logit|, mean KL(HF || native), top-1 agreement.
 
-Errors in the arguments or inputs print
-one line and exit with status 2; check-logits exits with 1 past its thresholds.
+Errors in the arguments or inputs print one line and exit with status 2; an internal
+error prints one line and exits with 1 (``--debug`` or ``POSTTRAIN_DEBUG=1``: the
+traceback); check-logits exits with 1 past its thresholds; SIGINT / SIGTERM clean up,
+print one line and exit with 130 / 143.
 """
 
 from __future__ import annotations
@@ -208,6 +210,11 @@ def _sft(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an error (also POSTTRAIN_DEBUG=1)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     sft = sub.add_parser(
         "sft",
@@ -352,27 +359,104 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def parse_devices(value: str) -> str:
+    """``--devices``: ``real`` or a positive integer (as a string).
+
+    Raises:
+      ValueError: anything else, naming the value.
+    """
+    if value == "real":
+        return value
     try:
-        if args.command == "sft":
-            _set_devices(args.devices)
-            return _sft(args)
-        if args.command == "forward":
-            _set_devices(args.devices)
-            if args.per_device_batch_size < 1 or args.seq < 1 or args.repeats < 1:
-                raise ValueError("--per-device-batch-size, --seq and --repeats must be >= 1")
-            return _forward(args)
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion and parity are CPU work
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "check-logits":
-            if args.seq < 8:
-                raise ValueError(f"--seq {args.seq} must be >= 8 (the batch pads 7 tokens)")
-            return _check_logits(args)
-    except ValueError as e:
-        print(f"posttrain: error: {e}", file=sys.stderr)
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1 or str(count) != value.strip():
+        raise ValueError(f"--devices {value!r}: expected a positive integer or 'real'")
+    return str(count)
+
+
+# Bad input: one line, exit 2. OSError covers unreadable or unwritable paths.
+_INPUT_ERRORS = (ValueError, OSError, NotImplementedError)
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.filename is not None and error.strerror:
+        return f"{error.strerror}: {error.filename}"
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``posttrain`` with ``argv``; returns the exit status.
+
+    Bad input (a ``ValueError``, an ``OSError`` on a path, an unsupported option) prints
+    one line ``posttrain: error: ...`` and returns 2. Anything else is a bug: one line
+    ``posttrain: internal error: ...`` and 1, the traceback only with ``--debug`` or
+    ``POSTTRAIN_DEBUG=1``. Ctrl-C and SIGTERM: one line, 130 / 143.
+    """
+    args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
+    try:
+        with _terminate_as_interrupt():
+            return _dispatch(args)
+    except KeyboardInterrupt as interrupt:
+        signal_name = interrupt.args[0] if interrupt.args else "SIGINT"
+        print(f"posttrain: interrupted ({signal_name})", file=sys.stderr)
+        return 143 if signal_name == "SIGTERM" else 130
+    except _INPUT_ERRORS as e:
+        if debug:
+            raise
+        print(f"posttrain: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if debug:
+            raise
+        print(
+            f"posttrain: internal error: {type(e).__name__}: {_one_line(e)} "
+            "(rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt("SIGTERM") in the main thread while the command
+    runs, so ``finally`` blocks and context managers (temporary directories) clean up."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "sft":
+        _set_devices(parse_devices(args.devices))
+        return _sft(args)
+    if args.command == "forward":
+        _set_devices(parse_devices(args.devices))
+        if args.per_device_batch_size < 1 or args.seq < 1 or args.repeats < 1:
+            raise ValueError("--per-device-batch-size, --seq and --repeats must be >= 1")
+        return _forward(args)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion and parity are CPU work
+    if args.command == "convert":
+        return _convert(args)
+    if args.command == "check-logits":
+        if args.seq < 8:
+            raise ValueError(f"--seq {args.seq} must be >= 8 (the batch pads 7 tokens)")
+        return _check_logits(args)
     return 2
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from posttrain.config import ModelConfig
 from posttrain.conversion import safetensors_io as sio
-from posttrain.conversion.errors import ConversionError
+from posttrain.conversion.errors import ConversionError, check_source_dir, read_json_object
 from posttrain.conversion.hf_config import (
     from_hf_config,
     hf_model_type,
@@ -37,6 +37,7 @@ from posttrain.conversion.rows import Entry, expand
 from posttrain.conversion.tables import TABLES, Table
 
 CANONICAL = "model."
+FLOAT_CODES = ("F64", "F32", "F16", "BF16")  # safetensors dtype codes a weight may have
 ALWAYS_IGNORED = (".rotary_emb.inv_freq",)  # non-persistent buffers some old checkpoints hold
 QUANTISED_SUFFIXES = ("_blocks", "_scales")  # GPT-OSS MXFP4 experts
 
@@ -177,6 +178,11 @@ def plan_to_native(
                     f"{list(shape)} (for native {e.native_keys[0]} "
                     f"{list(nshapes[0])})"
                 )
+            if dtype not in FLOAT_CODES:
+                raise ConversionError(
+                    f"tensor {key} in {file}: dtype {dtype}, expected a floating-point "
+                    f"weight ({', '.join(FLOAT_CODES)})"
+                )
             dtypes.add(dtype)
         if len(dtypes) > 1:
             raise ConversionError(f"tensors {list(files)[:2]}: mixed dtypes {sorted(dtypes)}")
@@ -233,6 +239,11 @@ def plan_to_hf(
         nshapes = tuple(tuple(native[k].shape) for k in e.native_keys)
         inputs = tuple(scanned_name(k, cfg) for k in e.native_keys)
         dtypes = {_tensor_info(tensors, name)[1] for name, _ in inputs}
+        if not dtypes <= set(FLOAT_CODES):
+            raise ConversionError(
+                f"parameter {inputs[0][0]}: dtype {sorted(dtypes - set(FLOAT_CODES))[0]}, "
+                f"expected a floating-point weight ({', '.join(FLOAT_CODES)})"
+            )
         if len(dtypes) > 1:
             raise ConversionError(
                 f"tensors {[n for n, _ in inputs]}: mixed dtypes {sorted(dtypes)}"
@@ -361,12 +372,14 @@ class Summary:
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConversionError(f"{path} does not exist") from None
-    except ValueError as error:
-        raise ConversionError(f"{path}: not valid JSON ({error})") from None
+    """The JSON object in ``path`` (a checkpoint directory's ``config.json``).
+
+    Raises:
+      ConversionError: the directory or file is missing or not what it should be, the
+        file is not JSON, or its top level is not an object (one line naming the path).
+    """
+    check_source_dir(path.parent)
+    return read_json_object(path)
 
 
 def _run(
@@ -423,6 +436,7 @@ def convert_hf_to_native(
     """
     started = time.perf_counter()
     src = pathlib.Path(src)
+    sio.check_destination(dst)  # before reading anything
     hf_config = _read_json(src / "config.json")
     with sio.CheckpointReader(src, "model") as reader:
         plan = plan_to_native(hf_config, reader.tensors, str(src), **overrides)
@@ -492,6 +506,7 @@ def convert_native_to_hf(
       max_shard_bytes, fsync: as in :func:`convert_hf_to_native`.
     """
     started = time.perf_counter()
+    sio.check_destination(dst)  # before reading anything
     meta = NativeMeta.read(src)
     prefix = prefix or default_prefix(meta)
     with sio.CheckpointReader(src, STEM) as reader:

@@ -34,7 +34,7 @@ from flax import nnx
 from posttrain import _compat
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 from posttrain.conversion import safetensors_io as sio
-from posttrain.conversion.errors import ConversionError
+from posttrain.conversion.errors import ConversionError, check_source_dir, read_json_object
 from posttrain.models import CausalLM, stack_layers, unstack_layers
 
 FORMAT, FORMAT_VERSION, STEM = "posttrain-native", 1, "params"
@@ -122,10 +122,8 @@ class NativeMeta:
     @classmethod
     def read(cls, directory: str | os.PathLike) -> NativeMeta:
         path = pathlib.Path(directory) / "config.json"
-        try:
-            body = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise ConversionError(f"{path}: not readable JSON ({error})") from None
+        check_source_dir(path.parent)
+        body = read_json_object(path)
         if body.get("format") != FORMAT:
             raise ConversionError(
                 f"{path}: format is {body.get('format')!r}, expected "

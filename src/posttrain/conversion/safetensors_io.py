@@ -312,18 +312,30 @@ class CheckpointWriter:
             handle.close()
 
 
+def check_destination(dst: str | os.PathLike) -> None:
+    """Raises :class:`ConversionError` unless ``dst`` can become a new directory: it does
+    not exist, and its parent is an existing, writable directory."""
+    dst = pathlib.Path(dst)
+    if dst.exists():
+        raise ConversionError(f"output directory {dst} exists; give a new path")
+    if not dst.parent.exists():
+        raise ConversionError(f"output parent directory {dst.parent} does not exist")
+    if not dst.parent.is_dir():
+        raise ConversionError(f"output parent {dst.parent} is a file; expected a directory")
+    if not os.access(dst.parent, os.W_OK | os.X_OK):
+        raise ConversionError(f"output parent directory {dst.parent} is not writable")
+
+
 @contextlib.contextmanager
 def atomic_directory(dst: str | os.PathLike) -> Iterator[pathlib.Path]:
     """Yields a temporary sibling of ``dst``, renamed to ``dst`` when the block succeeds.
 
     Raises:
-      ConversionError: ``dst`` exists, or its parent does not (nothing is written).
+      ConversionError: ``dst`` exists, or its parent does not, is a file or is not
+        writable (nothing is written).
     """
     dst = pathlib.Path(dst)
-    if dst.exists():
-        raise ConversionError(f"output directory {dst} exists; give a new path")
-    if not dst.parent.is_dir():
-        raise ConversionError(f"output parent directory {dst.parent} does not exist")
+    check_destination(dst)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         yield tmp

@@ -34,6 +34,7 @@ Steps (qwix 0.1.8):
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
@@ -324,7 +325,8 @@ def apply_lora(
         module (the message lists module paths) or matched modules got no
         adapters (it lists them); experts targeted without the dense algorithm;
         QLoRA with dtype != param_dtype; the model already has adapters; a dummy
-        shape the mesh axes do not divide (from the activation constraints).
+        shape the mesh axes do not divide (from the activation constraints); a rank
+        above min(d_in, d_out) of an adapted weight (naming it).
       NotImplementedError: ``dropout > 0``.
     """
     if nnx.state(model, nnx.LoRAParam):
@@ -358,10 +360,29 @@ def apply_lora(
             f"{' ...' if len(matched) > 8 else ''}) but Qwix created no nnx.LoRAParam: none of "
             f"them multiplies a parameter in an einsum or dot_general Qwix intercepts"
         )
+    _check_rank(abstract, lora_config.rank)
     lora_model = _materialise(base, abstract, lora_config, mesh, rules, weights=model)
     lora_model.lora_config = lora_config
     _verify(lora_model)
     return lora_model
+
+
+def _check_rank(abstract: nnx.Module, rank: int) -> None:
+    """A rank above min(d_in, d_out) of an adapted weight adds parameters and no capacity
+    (A.B has rank <= min(d_in, d_out)); refused before any adapter is allocated.
+
+    d_in is the product of the weight dims A covers, d_out of the rest (per layer and,
+    for routed experts, over the experts A or B spans).
+    """
+    for adapter in layout.iter_adapters(abstract):
+        lead = int(adapter.stacked)
+        d_in = math.prod(adapter.a.shape[lead:-1])
+        d_out = math.prod(adapter.b.shape[lead + 1 :])
+        if rank > min(d_in, d_out):
+            raise ValueError(
+                f"lora rank={rank} exceeds min(d_in, d_out)={min(d_in, d_out)} of "
+                f"{adapter.key} ({d_in} x {d_out}); expected rank <= {min(d_in, d_out)}"
+            )
 
 
 def _verify(model: nnx.Module) -> None:

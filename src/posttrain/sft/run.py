@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import tempfile
@@ -86,24 +87,43 @@ class SFTConfig:
     output: str = "runs/sft"
 
     def check(self) -> None:
-        """Raises ValueError naming the first bad field."""
+        """Raises ValueError naming the first bad field (and its ``posttrain sft`` flag).
+
+        Nothing is read or written before this passes; the output path is checked too
+        (:func:`check_output_dir`).
+        """
+
+        def bad(name: str, expected: str):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{name}={getattr(self, name)!r} ({flag}): expected {expected}")
+
+        def finite_positive(value) -> bool:
+            return math.isfinite(value) and value > 0
+
         if self.stop_after is not None and self.stop_after < 1:
-            raise ValueError(f"stop_after={self.stop_after}; expected >= 1")
+            bad("stop_after", ">= 1")
         for name in ("per_device_batch_size", "grad_accum", "steps", "save_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)}; expected >= 1")
+                bad(name, ">= 1")
         if self.lora_rank < 0:
-            raise ValueError(f"lora_rank={self.lora_rank}; expected >= 0 (0 = full fine-tuning)")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate={self.learning_rate}; expected > 0")
+            bad("lora_rank", ">= 0 (0 = full fine-tuning)")
+        if not finite_positive(self.learning_rate):
+            bad("learning_rate", "a finite value > 0")
+        if self.lora_alpha is not None and not finite_positive(self.lora_alpha):
+            bad("lora_alpha", "a finite value > 0")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", ">= 0")
+        if self.seed < 0:
+            bad("seed", "a non-negative integer")
+        if self.max_target_length < 2:
+            bad("max_target_length", ">= 2")
         if self.remat not in ("none", "full", "save_dots"):
-            raise ValueError(f"remat={self.remat!r}; expected none, full or save_dots")
+            bad("remat", "none, full or save_dots")
         if self.overflow not in ("truncate", "reject"):
-            raise ValueError(f"overflow={self.overflow!r}; expected truncate or reject")
+            bad("overflow", "truncate or reject")
         if self.replica_parallel_saves not in ("auto", "on", "off"):
-            raise ValueError(
-                f"replica_parallel_saves={self.replica_parallel_saves!r}; expected auto, on or off"
-            )
+            bad("replica_parallel_saves", "auto, on or off")
+        check_output_dir(self.output)
 
     def resolved_replica_parallel_saves(self) -> bool:
         """``replica_parallel_saves`` as a bool, ``auto`` resolved for this process."""
@@ -112,6 +132,29 @@ class SFTConfig:
         if self.replica_parallel_saves == "auto":
             return not (jax.default_backend() == "cpu" and jax.process_count() == 1)
         return self.replica_parallel_saves == "on"
+
+
+def check_output_dir(output: str) -> None:
+    """Checks, before any work, that ``output`` can be a run directory: a non-empty path
+    that is a directory or does not exist yet, under a writable directory.
+
+    Raises:
+      ValueError: naming the path and what is wrong with it.
+    """
+    if not output or not output.strip():
+        raise ValueError("output=''; expected a run directory path")
+    path = pathlib.Path(output)
+    if path.absolute().parts[1:2] in (("proc",), ("sys",), ("dev",)):
+        raise ValueError(f"output {output!r} is under a kernel file system; expected a directory")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output {output!r} exists and is not a directory")
+    probe = path if path.exists() else next(p for p in path.absolute().parents if p.exists())
+    if not probe.is_dir():
+        raise ValueError(f"output {output!r}: {probe} is not a directory")
+    if path.exists() and not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"output {output!r} is not writable")
+    if not path.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"output {output!r}: {probe} is not writable")
 
 
 @dataclasses.dataclass
@@ -233,7 +276,7 @@ def run_sft(
     from tunix.sft import metrics_logger, peft_trainer
 
     from posttrain.sft import data
-    from posttrain.sft.trainer import SFTTrainer
+    from posttrain.sft.trainer import NonFiniteLossError, SFTTrainer
 
     cfg.check()
     mesh = sharding.make_mesh(cfg.mesh)
@@ -335,7 +378,11 @@ def run_sft(
         )
         + "\n"
     )
-    trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
+    try:
+        trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
+    except NonFiniteLossError:
+        trainer.abandon()  # no final checkpoint, no export of a non-finite model
+        raise
     step = trainer.train_steps
     exported = _export(trainer, out, step)
     return SFTResult(

@@ -44,6 +44,11 @@ from posttrain import _compat, sharding
 from posttrain.sft import loss as sft_loss
 from posttrain.sft import tunix_compat
 
+
+class NonFiniteLossError(ValueError):
+    """The loss or gradient norm of an optimizer step is NaN or infinite."""
+
+
 _AUX_KEYS = ("nll_sum", "target_tokens", "moe_aux_loss", "grad_norm", "tokens")
 
 
@@ -297,6 +302,11 @@ class SFTTrainerMixin:
             tokens_per_s=None if not elapsed else tokens / elapsed,
             learning_rate=self._learning_rate(record["step"] - 1),
         )
+        if not (math.isfinite(loss) and math.isfinite(record["grad_norm"])):
+            raise NonFiniteLossError(
+                f"step {record['step']}: loss {loss}, grad_norm {record['grad_norm']}; "
+                "training stopped before writing it (a learning rate too high?)"
+            )
         self.history.append(record)
         if self._log_every and record["step"] % self._log_every == 0:
             speed = f", {record['tokens_per_s']:,.0f} tokens/s" if record["tokens_per_s"] else ""
@@ -307,7 +317,7 @@ class SFTTrainerMixin:
             )
         if self._metrics_path:
             with open(self._metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record, allow_nan=False) + "\n")
 
     def train(self, *args, **kwargs):
         """Tunix's ``train`` with this trainer's mesh and rules current for tracing.
@@ -325,6 +335,18 @@ class SFTTrainerMixin:
         )
         with sharding.use_mesh(self.mesh, self.rules, jax_context=False), saves:
             return super().train(*args, **kwargs)
+
+    def abandon(self) -> None:
+        """Releases the checkpoint manager, the metrics logger and the scalar listeners
+        without Tunix's ``close()`` (which would save the current, e.g. non-finite, state)."""
+        self._pending = None
+        try:
+            self.checkpoint_manager.close()
+            self.metrics_logger.close()
+        finally:
+            for listener in self._scalar_listeners:
+                _compat.unregister_scalar_listener(listener)
+            self._scalar_listeners = []
 
     def close(self):
         self._flush()
