@@ -75,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the pre-merge gate. Arguments after -- are passed to pytest.",
         allow_abbrev=False,
     )
-    gate.add_argument("--jobs", "-j", default="auto", help="xdist workers (default: auto)")
+    gate.add_argument(
+        "--jobs", "-j", default="auto", type=_jobs, help="xdist workers (default: auto)"
+    )
     gate.add_argument(
         "--report-dir", default="reports", type=Path, help="where the JUnit and JSON reports go"
     )
@@ -105,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         help="entry name or prefix (repeatable)",
     )
     matrix.add_argument("--all", action="store_true", help="every entry")
-    matrix.add_argument("--jobs", "-j", default="2", help="pytest-xdist workers per entry")
+    matrix.add_argument(
+        "--jobs", "-j", default="2", type=_jobs, help="pytest-xdist workers per entry"
+    )
     matrix.add_argument("--rebuild", action="store_true", help="rebuild the environments")
     matrix.add_argument("--report-dir", default="reports", type=Path)
     matrix.add_argument(
@@ -133,6 +137,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = _parser()
     args = parser.parse_args(argv)
+    reports = args.report_dir if args.command in ("gate", "matrix") else None
+    if reports is not None and reports.exists() and not reports.is_dir():
+        parser.error(f"--report-dir {reports} is a file; expected a directory")
+    try:
+        return _dispatch(parser, args, passthrough)
+    except KeyboardInterrupt:
+        print("posttrain-harness: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0"):
+            raise
+        text = (str(error).strip().splitlines() or [""])[0]
+        print(
+            f"posttrain-harness: internal error: {type(error).__name__}: {text} "
+            "(rerun with POSTTRAIN_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _jobs(value: str) -> str:
+    """``--jobs``: ``auto`` or a positive integer (argparse type)."""
+    if value == "auto" or (value.isdigit() and int(value) >= 1):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: expected a positive integer or 'auto'")
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, passthrough) -> int:
     if args.command == "gate":
         return run_gate(args, passthrough)
     if args.command == "matrix":

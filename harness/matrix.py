@@ -93,20 +93,38 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
     """Reads and checks the entries.
 
     Raises:
-      ValueError: naming the entry and the field: unknown key, flavour or convention,
-        duplicate name, an emulated entry without an existing ``base``.
+      ValueError: naming the file, entry or field: a missing or malformed file, an entry
+        that is not a table, an unknown key, flavour or convention, a field of the wrong
+        type (``pins`` a string), a duplicate name, an emulated entry without ``base``.
     """
-    with open(path, "rb") as f:
-        raw = tomllib.load(f).get("entry", [])
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(f"entries file {path} {what}; expected a TOML file")
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f).get("entry", [])
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"entries file {path}: not valid TOML ({e})") from None
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: 'entry' is a {type(raw).__name__}; expected [[entry]] tables")
     fields = {f.name for f in dataclasses.fields(Entry)}
     entries: list[Entry] = []
     for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}: entry {i} is a {type(item).__name__}; expected a table")
         where = f"{path}: entry {i} ({item.get('name', '?')})"
         unknown = sorted(set(item) - fields)
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {unknown}; expected {sorted(fields)}")
+        for name in ("name", "tunix", "flavour", "convention"):
+            if not isinstance(item.get(name), str):
+                raise ValueError(f"{where}: {name} = {item.get(name)!r}; expected a string")
+        pins = item.get("pins", [])
+        if not (isinstance(pins, list) and all(isinstance(p, str) for p in pins)):
+            raise ValueError(f"{where}: pins = {pins!r}; expected a list of requirement strings")
         try:
-            entry = Entry(**{**item, "pins": tuple(item.get("pins", ()))})
+            entry = Entry(**{**item, "pins": tuple(pins)})
         except TypeError as e:
             raise ValueError(f"{where}: {e}") from None
         if entry.flavour not in FLAVOURS:

@@ -210,3 +210,14 @@ def test_square_expert_kernels_convert_by_value(hf_tiny, tmp_path, family, layou
     source, back = read(src), read(tmp_path / "back")
     assert sorted(source) == sorted(back)
     assert all(source[k].tobytes() == back[k].tobytes() for k in source)
+
+
+def test_check_logits_refuses_a_sequence_past_the_model_positions(hf_tiny, tmp_path, capsys):
+    """--seq beyond max_position_embeddings is refused up front (it once allocated 30 GB)."""
+    src = saved(hf_tiny, tmp_path, "qwen3", "hub")
+    conversion.convert_hf_to_native(src, tmp_path / "native")
+    capsys.readouterr()
+    status = cli.main(["check-logits", str(src), str(tmp_path / "native"), "--seq", "100000"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1, err
+    assert "--seq 100000 exceeds the model's max_position_embeddings=512" in err

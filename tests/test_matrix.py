@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from harness import matrix, report
+from harness import cli, matrix, report
 from posttrain.sft import tunix_compat
 
 RELEASES = ("0.0.2", "0.1.0", "0.1.1", "0.1.2", "0.1.3", "0.1.4", "0.1.5", "0.1.6", "0.1.7")
@@ -51,6 +51,15 @@ def test_compat_entries_cover_every_release_in_both_flavours():
             'emulated=true\nbase="nope"\n',
             "base 'nope' is not an entry",
         ),
+        (
+            '[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound2"\n'
+            'pins="jax==0.4"\n',
+            "entry 0 (a): pins = 'jax==0.4'; expected a list of requirement strings",
+        ),
+        ('entry = ["tunix-0.1.7"]\n', "entry 0 is a str; expected a table"),
+        ("entry = 3\n", "'entry' is a int; expected [[entry]] tables"),
+        ("[[entry]\nname=", "not valid TOML"),
+        ('[[entry]]\nname=1\ntunix="1"\nflavour="current"\nconvention="bound2"\n', "name = 1"),
     ],
 )
 def test_bad_entries_are_named(tmp_path, text, message):
@@ -234,3 +243,51 @@ def test_each_entry_runs_with_a_compile_cache_in_its_environment(tmp_path, monke
     cache_dirs = {e.get("JAX_COMPILATION_CACHE_DIR") for e in seen if "POSTTRAIN_DEVICES" in e}
     assert cache_dirs == {str((path / "jax-compile").resolve())}, cache_dirs
     assert not any("PYTHONDONTWRITEBYTECODE" in e for e in seen)
+
+
+def test_a_missing_entries_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; expected a TOML file"):
+        matrix.load_entries(tmp_path / "nope.toml")
+    with pytest.raises(ValueError, match="is a directory; expected a TOML file"):
+        matrix.load_entries(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["matrix", "--jobs", "abc"], "argument --jobs/-j: 'abc': expected a positive integer"),
+        (["gate", "--jobs", "0"], "argument --jobs/-j: '0': expected a positive integer"),
+        (["matrix", "--report-dir", "{file}"], "is a file; expected a directory"),
+        (["gate", "--report-dir", "{file}"], "is a file; expected a directory"),
+        (["matrix", "--entries", "{missing}"], "does not exist; expected a TOML file"),
+    ],
+)
+def test_harness_bad_options_exit_2_before_any_work(tmp_path, capsys, argv, message):
+    """Bad options are refused before an environment is built or a test is run."""
+    file = tmp_path / "a-file"
+    file.write_text("mine\n")
+    argv = [a.format(file=file, missing=tmp_path / "missing.toml") for a in argv]
+    try:
+        status = cli.main(argv)
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
+    err = capsys.readouterr().err
+    assert status == 2 and message in err, err
+    assert file.read_text() == "mine\n"
+
+
+def test_an_internal_error_is_one_line_and_exit_1(monkeypatch, capsys):
+    def broken(args, extra):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(cli, "run_gate", broken)
+    monkeypatch.delenv("POSTTRAIN_DEBUG", raising=False)
+    assert cli.main(["gate"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "posttrain-harness: internal error: RuntimeError: boom "
+        "(rerun with POSTTRAIN_DEBUG=1 for the traceback)\n"
+    )
+    monkeypatch.setenv("POSTTRAIN_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="boom"):
+        cli.main(["gate"])

@@ -152,6 +152,10 @@ def test_lora_run_checkpoints_only_the_adapters(tmp_path):
         (["--devices", "abc"], "--devices 'abc': expected a positive integer or 'real'"),
         (["--devices", "1.5"], "--devices '1.5': expected a positive integer or 'real'"),
         (["--lora-rank", "100000"], "lora rank=100000 exceeds min(d_in, d_out)="),
+        (["--mesh", "fsdp=\u00b2"], "mesh entry 'fsdp=\u00b2' must look like axis=INT"),
+        (["--data", "{nested}"], "{nested}, line 1: not valid JSON"),
+        (["--data", "{latin1}"], "{latin1}, line 1: not UTF-8"),
+        (["--data", "{surrogate}"], "{surrogate}, line 1: "),
         (["--mesh", "fsdp=3"], f"mesh {{fsdp=3}} has 3 devices but {jax.device_count()} devices"),
         (["--model", "no-such-model"], "neither a preset"),
         (["--data", "{bad}"], ", line 1: not valid JSON"),
@@ -178,7 +182,19 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     )
     file = tmp_path / "a-file"
     file.write_text("not a directory\n")
-    argv = [a.format(bad=bad, long=long, file=file) for a in argv]
+    nested = tmp_path / "nested.jsonl"
+    nested.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(
+        '{"messages": [{"role": "user", "content": "caf\u00e9"}]}\n'.encode("latin-1")
+    )
+    surrogate = tmp_path / "surrogate.jsonl"
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\\ud800"}]
+    surrogate.write_text(json.dumps({"messages": chat}).replace("\\\\", "\\") + "\n")
+    paths = dict(bad=bad, long=long, file=file, nested=nested, latin1=latin1, surrogate=surrogate)
+    for name, path in paths.items():
+        argv = [a.replace("{" + name + "}", str(path)) for a in argv]
+        message = message.replace("{" + name + "}", str(path))
     assert cli.main(["sft", "--output", str(tmp_path / "out"), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("posttrain: error: ") and "\n" not in err and message in err, err
@@ -206,3 +222,16 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path, capsys):
     records = [json.loads(line, parse_constant=strict) for line in lines]
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in records)
     assert not list(out.glob("model-step*"))
+
+
+def test_sft_accepts_a_native_checkpoint_directory(tmp_path, capsys):
+    """--model may name a native directory (as `posttrain convert --to native` writes)."""
+    from posttrain.conversion import save_native
+    from posttrain.models import build_model, flat_params, get_config
+
+    cfg = get_config("qwen3-tiny")
+    native = save_native(flat_params(build_model(cfg, seed=5)), cfg, tmp_path / "native")
+    out = tmp_path / "run"
+    argv = ["sft", "--model", str(native), "--steps", "2", "--max-target-length", "64"]
+    assert cli.main([*argv, "--output", str(out)]) == 0, capsys.readouterr().err
+    assert [r["step"] for r in records(out / "metrics.jsonl")] == [1, 2]

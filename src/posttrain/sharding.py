@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
@@ -129,7 +130,7 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, size = part.partition("=")
-        if not sep or not size.strip().isdigit():
+        if not sep or not re.fullmatch(r"[0-9]+", size.strip()):  # "²".isdigit() is True
             raise ValueError(f"mesh entry {part!r} must look like axis=INT, e.g. fsdp=4")
         if name.strip() not in MESH_AXES:
             raise ValueError(f"mesh axis {name.strip()!r} is unknown; expected one of {MESH_AXES}")

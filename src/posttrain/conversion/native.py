@@ -99,6 +99,15 @@ def scanned_name(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
     return ".".join([*parts[:at], "blocks", str(i % period), *parts[at + 2 :]]), i // period
 
 
+def is_native_dir(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a native checkpoint (its ``config.json`` says so)."""
+    path = pathlib.Path(directory) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class NativeMeta:
     """The ``config.json`` of a native directory."""
@@ -127,7 +136,7 @@ class NativeMeta:
         if body.get("format") != FORMAT:
             raise ConversionError(
                 f"{path}: format is {body.get('format')!r}, expected "
-                f"{FORMAT!r} (is this an HF directory? use --from hf)"
+                f"{FORMAT!r} (an HF directory where a native one was expected?)"
             )
         if body.get("format_version") != FORMAT_VERSION:
             raise ConversionError(

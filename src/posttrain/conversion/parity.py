@@ -135,11 +135,21 @@ def check_logits(
     """Runs both checkpoints on :func:`make_batch` in float32 and compares them.
 
     Raises:
-      ConversionError: the HF config does not describe the native model.
+      ConversionError: the HF config does not describe the native model, or ``seq``
+        exceeds its ``max_position_embeddings``.
     """
+    from posttrain.conversion.errors import check_source_dir, read_json_object
+    from posttrain.conversion.hf_config import text_config
     from posttrain.conversion.native import NativeMeta
 
     meta = NativeMeta.read(native_dir)
+    check_source_dir(pathlib.Path(hf_dir))
+    hf_config = text_config(read_json_object(pathlib.Path(hf_dir) / "config.json"))
+    max_positions = hf_config.get("max_position_embeddings")
+    if isinstance(max_positions, int) and seq > max_positions:
+        raise ConversionError(
+            f"--seq {seq} exceeds the model's max_position_embeddings={max_positions}"
+        )
     tokens, mask = make_batch(meta.cfg.vocab_size, seq, seed)
     model = load_checked(hf_dir, native_dir)  # before torch: a mismatch fails fast
     return compare(hf_logits(hf_dir, tokens, mask), native_logits(model, tokens, mask), mask)

@@ -48,17 +48,25 @@ def read_chat_jsonl(path: str | os.PathLike) -> list[Messages]:
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ValueError(f"--data {path!r} does not exist; expected a chat JSONL file")
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise ValueError(f"--data {path!r} {what}; expected a chat JSONL file")
     conversations = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}, line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
-            conversations.append(validate_messages(record, where=f"{path}, line {lineno}"))
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
+            conversations.append(validate_messages(record, where=where))
     if not conversations:
         raise ValueError(f"{path}: no conversations (empty dataset)")
     return conversations
@@ -83,6 +91,12 @@ def validate_messages(record, *, where: str) -> Messages:
             and isinstance(m.get("content"), str)
         ):
             raise ValueError(f"{where}: message {i} needs string 'role' and 'content', got {m!r}")
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:  # valid JSON ("\ud800"), not text a tokenizer takes
+            raise ValueError(
+                f"{where}: message {i} content is not valid Unicode ({e.reason} at {e.start})"
+            ) from None
         if m["role"] not in ROLES:
             raise ValueError(
                 f"{where}: message {i} has unknown role {m['role']!r}; "

@@ -35,7 +35,8 @@ class SFTConfig:
     """Everything one run needs; defaults are the embedded run.
 
     Attributes:
-      model: preset name (``posttrain.models.PRESETS``) or an HF checkpoint directory.
+      model: preset name (``posttrain.models.PRESETS``), an HF checkpoint directory or a
+        native one (``posttrain convert --to native``).
       data: chat JSONL file; None for the embedded ``pydoc_data`` set.
       tokenizer: ``tokenizer.json`` (or a directory holding one); None for the HF
         directory's own, else the embedded byte tokenizer.
@@ -192,13 +193,17 @@ def _load_model(cfg: SFTConfig, mesh):
     if not os.path.isdir(cfg.model):
         raise ValueError(
             f"--model {cfg.model!r} is neither a preset ({', '.join(sorted(PRESETS))})"
-            " nor an HF checkpoint directory"
+            " nor a checkpoint directory (HF or native)"
         )
     from posttrain.conversion import convert_hf_to_native, load_native
+    from posttrain.conversion.native import is_native_dir
 
-    with tempfile.TemporaryDirectory() as tmp:
-        convert_hf_to_native(cfg.model, os.path.join(tmp, "native"), fsync=False)
-        model = load_native(os.path.join(tmp, "native"), **overrides)
+    if is_native_dir(cfg.model):
+        model = load_native(cfg.model, **overrides)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            convert_hf_to_native(cfg.model, os.path.join(tmp, "native"), fsync=False)
+            model = load_native(os.path.join(tmp, "native"), **overrides)
     model.config.check_mesh(dict(mesh.shape), sharding.DEFAULT_RULES)
     sharding.shard_model(model, mesh)
     return model, cfg.model
