@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -225,13 +227,21 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path, capsys):
 
 
 def test_sft_accepts_a_native_checkpoint_directory(tmp_path, capsys):
-    """--model may name a native directory (as `posttrain convert --to native` writes)."""
+    """--model may name a native directory (as `posttrain convert --to native` writes);
+    a killed run's temporaries are swept by the next run."""
     from posttrain.conversion import save_native
     from posttrain.models import build_model, flat_params, get_config
 
     cfg = get_config("qwen3-tiny")
     native = save_native(flat_params(build_model(cfg, seed=5)), cfg, tmp_path / "native")
     out = tmp_path / "run"
+    # a killed earlier run's leftovers: its on-the-fly conversion and a half export
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    stale = [tmp_path / f".run.convert-{child.pid}-a1", out / f".model-step9.tmp-{child.pid}-b2"]
+    for directory in stale:
+        directory.mkdir(parents=True)
     argv = ["sft", "--model", str(native), "--steps", "2", "--max-target-length", "64"]
     assert cli.main([*argv, "--output", str(out)]) == 0, capsys.readouterr().err
     assert [r["step"] for r in records(out / "metrics.jsonl")] == [1, 2]
+    assert not any(d.exists() for d in stale)  # swept: their writer is dead

@@ -393,7 +393,7 @@ def _run(
     started: float,
     tensors_in: int,
 ) -> Summary:
-    with sio.atomic_directory(dst) as tmp:
+    with sio.atomic_directory(dst, fsync=fsync) as tmp:
         writer = sio.CheckpointWriter(tmp, stem, plan.outputs, max_shard_bytes, fsync=fsync)
         try:
             execute(plan, reader, writer)

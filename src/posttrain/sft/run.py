@@ -197,11 +197,17 @@ def _load_model(cfg: SFTConfig, mesh):
         )
     from posttrain.conversion import convert_hf_to_native, load_native
     from posttrain.conversion.native import is_native_dir
+    from posttrain.conversion.safetensors_io import temporary_prefix
 
     if is_native_dir(cfg.model):
         model = load_native(cfg.model, **overrides)
     else:
-        with tempfile.TemporaryDirectory() as tmp:
+        # Converted beside the run directory, not in $TMPDIR: a kill that skips the
+        # cleanup leaves it where the next run sweeps it (sweep_stale_temporaries).
+        out = pathlib.Path(cfg.output).absolute()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        prefix = temporary_prefix(out, "convert")
+        with tempfile.TemporaryDirectory(prefix=prefix, dir=out.parent) as tmp:
             convert_hf_to_native(cfg.model, os.path.join(tmp, "native"), fsync=False)
             model = load_native(os.path.join(tmp, "native"), **overrides)
     model.config.check_mesh(dict(mesh.shape), sharding.DEFAULT_RULES)
@@ -280,6 +286,7 @@ def run_sft(
     from flax import nnx
     from tunix.sft import metrics_logger, peft_trainer
 
+    from posttrain.conversion.safetensors_io import sweep_stale_temporaries
     from posttrain.sft import data
     from posttrain.sft.trainer import NonFiniteLossError, SFTTrainer
 
@@ -315,6 +322,8 @@ def run_sft(
 
     out = pathlib.Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
+    sweep_stale_temporaries(out)  # exports of a killed run
+    sweep_stale_temporaries(out.absolute().parent, out.name)  # its on-the-fly conversion
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         cfg.learning_rate,

@@ -1,0 +1,122 @@
+"""Directories are written whole or not at all: durable, with the umask's mode, cleaned up
+after a kill (SIGTERM, SIGINT, or a dead writer's leftovers swept at the next run)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from posttrain.conversion import safetensors_io as sio
+
+
+def fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def test_files_the_directory_and_its_parent_are_fsynced(tmp_path, monkeypatch):
+    """What a power cut needs (it cannot be simulated): every file and the directory are
+    flushed before the rename, the parent directory after it."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd_path(fd)), real_fsync(fd)))
+    dst = tmp_path / "out"
+    with sio.atomic_directory(dst) as tmp:
+        (tmp / "config.json").write_text("{}\n")
+        (tmp / "weights.bin").write_bytes(b"\0" * 10)
+    tmp_config = next(p for p in synced if p.endswith("config.json"))
+    assert ".out.tmp-" in tmp_config  # flushed before the rename
+    assert any(p.endswith("weights.bin") for p in synced)
+    assert synced.index(str(tmp_path)) == len(synced) - 1  # the parent, last
+    assert any(".out.tmp-" in p and not p.endswith((".json", ".bin")) for p in synced)
+
+
+def test_without_fsync_nothing_is_flushed(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "fsync", lambda fd: pytest.fail(f"fsync of {fd_path(fd)}"))
+    with sio.atomic_directory(tmp_path / "out", fsync=False) as tmp:
+        (tmp / "config.json").write_text("{}\n")
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_the_directory_mode_follows_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        with sio.atomic_directory(tmp_path / "out", fsync=False):
+            pass
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_temporaries_of_dead_writers_are_swept_and_nothing_else(tmp_path):
+    stale = tmp_path / f".out.tmp-{dead_pid()}-abc123"
+    live = tmp_path / f".out.tmp-{os.getpid()}-def456"  # a writer still running
+    foreign = tmp_path / ".out.tmp-q8x7"  # no pid: not provably ours
+    other = tmp_path / f".other.tmp-{dead_pid()}-xyz"  # another destination's
+    for d in (stale, live, foreign, other):
+        d.mkdir()
+        (d / "shard").write_bytes(b"x")
+    with sio.atomic_directory(tmp_path / "out", fsync=False):
+        pass
+    assert not stale.exists()
+    assert live.is_dir() and foreign.is_dir() and other.is_dir()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from posttrain import cli
+    from posttrain.conversion import safetensors_io as sio
+
+    real = sio.CheckpointWriter.write
+    def slow(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        print("writing", flush=True)
+        time.sleep(60)
+    sio.CheckpointWriter.write = slow
+    sys.exit(cli.main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_killed_conversion_leaves_nothing_and_prints_one_line(tmp_path, sig):
+    from posttrain.conversion import save_native
+    from posttrain.models import build_model, flat_params, get_config
+
+    cfg = get_config("llama3-tiny")
+    native = save_native(flat_params(build_model(cfg)), cfg, tmp_path / "native")
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ["convert", "--from", "native", "--to", "hf", str(native), str(out / "hf")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout.readline().strip() == "writing"
+    assert any(p.name.startswith(".hf.tmp-") for p in out.iterdir())  # mid-write
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == (143 if sig == signal.SIGTERM else 130), err
+    assert err == f"posttrain: interrupted ({sig.name})\n"
+    assert list(out.iterdir()) == []
+
+
+def test_sweep_ignores_a_missing_parent(tmp_path):
+    assert sio.sweep_stale_temporaries(pathlib.Path(tmp_path / "no")) == []
