@@ -148,3 +148,15 @@ def test_eval_loss_is_the_mean_nll_over_targets():
     )
     assert float(terms["target_tokens"]) == count
     assert float(mean) == pytest.approx(want / count, rel=1e-5)
+
+
+def test_without_segment_ids_every_token_is_one_segment():
+    """``segment_ids`` omitted: the same terms as one segment covering every token."""
+    _, rows = rows_for([30], 32, packing=False)
+    m = model()
+    batch = {k: jnp.asarray(v) for k, v in rows.items() if k != "segment_ids"}
+    ones = {**batch, "segment_ids": jnp.ones_like(batch["input_tokens"])}
+    f = jax.jit(lambda r: loss.sft_terms(m, **r))
+    a, b = f(batch), f(ones)
+    assert float(a["target_tokens"]) == float(b["target_tokens"]) > 0
+    assert float(a["nll_sum"]) == pytest.approx(float(b["nll_sum"]), rel=1e-6)
