@@ -89,6 +89,10 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
     listening = _compat.scalar_listeners()
     full = run_sft(SFTConfig(**common, output=str(tmp_path / "full")))
     first = run_sft(SFTConfig(**common, stop_after=2, output=str(tmp_path / "cut")))
+    # A kill after step 3 was logged but before it was checkpointed: the resume replays
+    # step 3, and metrics.jsonl must hold it once.
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "loss": 99.0}) + "\n")
     resumed = run_sft(SFTConfig(**common, output=str(tmp_path / "cut")))
     # Each finished run unregistered its TensorBoard listener (Tunix leaves it registered:
     # later runs' metrics were written to the earlier runs' logs).
@@ -106,7 +110,12 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
     # Resumed at step 2: params, optimizer state and data position restored, so the
     # uninterrupted run's losses come back (Adam: a restarted optimizer would differ).
     np.testing.assert_allclose(loss(resumed), loss(full)[2:], rtol=1e-6, atol=0)
-    assert [r["step"] for r in records(tmp_path / "cut" / "metrics.jsonl")] == list(range(1, 5))
+    logged = records(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["step"] for r in logged] == list(range(1, 5))
+    assert 99.0 not in [r["loss"] for r in logged]
+    run = json.loads((tmp_path / "cut" / "run.json").read_text())
+    assert [s["resumed_from_step"] for s in run["segments"]] == [0, 2]
+    assert [s["stop_after"] for s in run["segments"]] == [2, None]
 
 
 def test_lora_run_checkpoints_only_the_adapters(tmp_path):
@@ -245,3 +254,21 @@ def test_sft_accepts_a_native_checkpoint_directory(tmp_path, capsys):
     assert cli.main([*argv, "--output", str(out)]) == 0, capsys.readouterr().err
     assert [r["step"] for r in records(out / "metrics.jsonl")] == [1, 2]
     assert not any(d.exists() for d in stale)  # swept: their writer is dead
+
+
+def test_a_resume_with_other_training_settings_is_refused_before_any_write(tmp_path, capsys):
+    """run.json names the run's settings: a rerun that changes a training-relevant one
+    (learning rate, seed, model ...) is refused, naming each; others may change."""
+    from posttrain.sft import run_record
+
+    out = tmp_path / "run"
+    out.mkdir()
+    run_record.record_segment(out, SFTConfig(output=str(out)), {"rows": 1}, 0)
+    before = sorted(p.name for p in out.iterdir())
+    argv = ["sft", "--output", str(out), "--learning-rate", "0.01", "--seed", "3"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refusing to resume" in err, err
+    assert "learning_rate 0.003 -> 0.01" in err and "seed 0 -> 3" in err
+    assert sorted(p.name for p in out.iterdir()) == before
+    run_record.check_resumable(SFTConfig(output=str(out), save_every=7, remat="full"), out)

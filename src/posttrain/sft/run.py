@@ -8,8 +8,10 @@ Output directory (``SFTConfig.output``)::
 
     checkpoints/      Tunix CheckpointManager (Orbax): params (LoRA only when LoRA is on)
                       and optimizer state, every ``save_every`` steps and at the end;
-                      a rerun with the same output resumes from the latest step
-    metrics.jsonl     one record per optimizer step (SFTTrainerMixin.metrics_path)
+                      a rerun with the same output and the same training settings
+                      resumes from the latest step (another setting is refused)
+    run.json          settings and one record per start or resume (``run_record``)
+    metrics.jsonl     one record per optimizer step, each step once across resumes
     tensorboard/      Tunix's MetricsLogger (loss, perplexity, grad_norm, learning_rate)
     model-step<N>/    native safetensors of the final weights (LoRA merged) ...
     adapter-step<N>/  ... and the adapters alone, when LoRA is on
@@ -18,16 +20,15 @@ Output directory (``SFTConfig.output``)::
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import pathlib
 import tempfile
-import time
 
 import numpy as np
 
 from posttrain import sharding
+from posttrain.sft import run_record
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -291,6 +292,7 @@ def run_sft(
     from posttrain.sft.trainer import NonFiniteLossError, SFTTrainer
 
     cfg.check()
+    run_record.check_resumable(cfg, cfg.output)  # before anything is read or written
     mesh = sharding.make_mesh(cfg.mesh)
     dp = sharding.data_parallel_size(mesh)
     global_batch = cfg.per_device_batch_size * dp
@@ -378,20 +380,15 @@ def run_sft(
         )
     if on_built is not None:
         on_built(trainer)
-    (out / "run.json").write_text(
-        json.dumps(
-            {
-                **dataclasses.asdict(cfg),
-                "global_batch": global_batch,
-                "rows": len(rows["input_tokens"]),
-                "convention": trainer.convention.name,
-                "replica_parallel_saves_resolved": replica_parallel,
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    restored = trainer.train_steps  # Tunix restored the latest checkpoint, if any
+    run_record.truncate_metrics(out, restored)  # each step once: replayed steps re-log
+    facts = {
+        "global_batch": global_batch,
+        "rows": len(rows["input_tokens"]),
+        "convention": trainer.convention.name,
+        "replica_parallel_saves_resolved": replica_parallel,
+    }
+    run_record.record_segment(out, cfg, facts, restored)
     try:
         trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
     except NonFiniteLossError:

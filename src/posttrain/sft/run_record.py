@@ -1,0 +1,138 @@
+"""What a run directory says about itself: ``run.json`` and ``metrics.jsonl`` on resume.
+
+``run.json`` holds the settings of the run (the :class:`~posttrain.sft.run.SFTConfig`
+fields), the facts of its latest segment at the top level (``global_batch``, ``rows``,
+``convention``, ``replica_parallel_saves_resolved``, ``started``), and ``segments``: one
+record per start or resume, each with its own settings and the step it resumed from.
+
+A rerun into the same directory resumes only when every training-relevant setting
+(:data:`TRAINING_FIELDS`) equals the recorded one; otherwise it is refused before
+anything is read or written. ``metrics.jsonl`` keeps each step once: on resume from step
+k the records past k (steps the interrupted run logged but did not checkpoint) are
+dropped before training replays them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import tempfile
+import time
+from typing import Any
+
+RUN_FILE, METRICS_FILE = "run.json", "metrics.jsonl"
+
+#: Settings that change what a resumed run computes; the others (output, save_every,
+#: stop_after, remat, replica_parallel_saves) may change between segments.
+TRAINING_FIELDS = (
+    "model",
+    "data",
+    "tokenizer",
+    "mesh",
+    "per_device_batch_size",
+    "grad_accum",
+    "steps",
+    "max_target_length",
+    "packing",
+    "overflow",
+    "learning_rate",
+    "warmup_steps",
+    "lora_rank",
+    "lora_alpha",
+    "scan_layers",
+    "seed",
+)
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def read(out: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``run.json`` of run directory ``out``, or None when there is none.
+
+    Raises:
+      ValueError: it exists but is not a JSON object.
+    """
+    path = pathlib.Path(out) / RUN_FILE
+    if not path.exists():
+        return None
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not readable JSON ({error})") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return body
+
+
+def check_resumable(cfg, out: str | os.PathLike) -> None:
+    """Refuses to run ``cfg`` into ``out`` when ``out`` holds a run with other settings.
+
+    Raises:
+      ValueError: one line naming each training-relevant field that differs, with the
+        recorded and the new value.
+    """
+    recorded = read(out)
+    if recorded is None:
+        return
+    settings = recorded.get("settings", recorded)  # run.json before segments: top level
+    new = dataclasses.asdict(cfg)
+    differ = [
+        f"{name} {settings.get(name)!r} -> {new[name]!r}"
+        for name in TRAINING_FIELDS
+        if _normal(settings.get(name)) != _normal(new[name])
+    ]
+    if differ:
+        raise ValueError(
+            f"{pathlib.Path(out)} holds a run with other settings ({'; '.join(differ)}); "
+            "refusing to resume it: use a new --output, or the recorded settings"
+        )
+
+
+def _normal(value):
+    """JSON round trip (tuples become lists, mesh dicts compare by content)."""
+    return json.loads(json.dumps(value))
+
+
+def record_segment(out: str | os.PathLike, cfg, facts: dict[str, Any], resumed_from: int) -> None:
+    """Appends this start (``resumed_from`` 0) or resume to ``out``'s ``run.json``."""
+    out = pathlib.Path(out)
+    previous = read(out) or {}
+    segment = {
+        **dataclasses.asdict(cfg),
+        **facts,
+        "resumed_from_step": resumed_from,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    segments = [*previous.get("segments", []), segment] if resumed_from else [segment]
+    body = {**segment, "settings": dataclasses.asdict(cfg), "segments": segments}
+    _write_atomic(out / RUN_FILE, json.dumps(body, indent=2) + "\n")
+
+
+def truncate_metrics(out: str | os.PathLike, step: int) -> int:
+    """Drops the records of ``out``'s ``metrics.jsonl`` past ``step``; returns how many."""
+    path = pathlib.Path(out) / METRICS_FILE
+    if not path.exists():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        _write_atomic(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
