@@ -150,3 +150,23 @@ def presets_and_meshes(draw, devices: int = 8, axes: tuple[str, ...] = ALL_AXES)
     scan = draw(st.booleans(), label="scan")
     mesh_shape = draw(meshes(get_config(preset), devices, axes), label="mesh")
     return preset, scan, mesh_shape
+
+
+def json_values(max_leaves: int = 8) -> st.SearchStrategy:
+    """Any JSON value: null, booleans, integers (huge and negative included), finite
+    floats, strings (any code point a JSON string may hold), lists and objects of them,
+    nested a few levels. What a hand-edited ``config.json`` or JSONL line can contain."""
+    leaves = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(min_value=-(2**70), max_value=2**70),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=12),
+    )
+    return st.recursive(
+        leaves,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+        ),
+        max_leaves=max_leaves,
+    )

@@ -163,6 +163,7 @@ def test_lora_run_checkpoints_only_the_adapters(tmp_path):
         (["--devices", "abc"], "--devices 'abc': expected a positive integer or 'real'"),
         (["--devices", "1.5"], "--devices '1.5': expected a positive integer or 'real'"),
         (["--lora-rank", "100000"], "lora rank=100000 exceeds min(d_in, d_out)="),
+        (["--tokenizer", "{tok3}"], "tokens are its unknown token (id 2); expected at most 5%"),
         (["--mesh", "fsdp=\u00b2"], "mesh entry 'fsdp=\u00b2' must look like axis=INT"),
         (["--data", "{nested}"], "{nested}, line 1: not valid JSON"),
         (["--data", "{latin1}"], "{latin1}, line 1: not UTF-8"),
@@ -202,7 +203,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     surrogate = tmp_path / "surrogate.jsonl"
     chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "\\ud800"}]
     surrogate.write_text(json.dumps({"messages": chat}).replace("\\\\", "\\") + "\n")
-    paths = dict(bad=bad, long=long, file=file, nested=nested, latin1=latin1, surrogate=surrogate)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok3 = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok3.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok3.save(str(tmp_path / "tok3.json"))
+    tok3 = tmp_path / "tok3.json"
+    paths = dict(
+        bad=bad, long=long, file=file, nested=nested, latin1=latin1, surrogate=surrogate, tok3=tok3
+    )
     for name, path in paths.items():
         argv = [a.replace("{" + name + "}", str(path)) for a in argv]
         message = message.replace("{" + name + "}", str(path))

@@ -196,6 +196,79 @@ def _layer_types(c: Mapping[str, Any], default: list[str]) -> tuple[str, ...]:
     return tuple(_LAYER_TYPES[t] for t in hf_types)
 
 
+_INT_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_global_key_value_heads",
+    "head_dim",
+    "global_head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "vocab_size",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "top_k_experts",
+    "max_position_embeddings",
+    "max_window_layers",
+)
+_FLOAT_FIELDS = (
+    "rms_norm_eps",
+    "rope_theta",
+    "router_aux_loss_coef",
+    "swiglu_limit",
+    "final_logit_softcapping",
+)
+_BOOL_FIELDS = (
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "norm_topk_prob",
+    "attention_k_eq_v",
+    "enable_moe_block",
+    "use_sliding_window",
+)
+
+
+def _check_field_types(config) -> None:
+    """Raises :class:`ConversionError` naming the first field whose JSON type is wrong
+    (``"hidden_size": "64"``), before any arithmetic on it fails without a name."""
+    if not isinstance(config, Mapping):
+        raise ConversionError(f"config.json: expected a JSON object, got {type(config).__name__}")
+
+    def wrong(field: str, value, expected: str):
+        raise ConversionError(
+            f"config.json {field}: {value!r} is a {type(value).__name__}, expected {expected}"
+        )
+
+    for field in _INT_FIELDS:
+        value = config.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            wrong(field, value, "an integer")
+    for field in _FLOAT_FIELDS:
+        value = config.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            wrong(field, value, "a number")
+    for field in _BOOL_FIELDS:
+        value = config.get(field)
+        if value is not None and not isinstance(value, bool):
+            wrong(field, value, "true or false")
+    sliding = config.get("sliding_window")
+    if sliding is not None and (isinstance(sliding, bool) or not isinstance(sliding, int)):
+        wrong("sliding_window", sliding, "an integer or null")
+    for field in ("rope_parameters", "rope_scaling"):
+        value = config.get(field)
+        if value is not None and not isinstance(value, Mapping):
+            wrong(field, value, "an object")
+    types = config.get("layer_types")
+    if types is not None and not (
+        isinstance(types, list) and all(isinstance(t, str) for t in types)
+    ):
+        wrong("layer_types", types, "a list of strings")
+
+
 def from_hf_config(config: Mapping[str, Any], **overrides) -> ModelConfig:
     """The :class:`ModelConfig` of an HF ``config.json`` dict.
 
@@ -209,6 +282,7 @@ def from_hf_config(config: Mapping[str, Any], **overrides) -> ModelConfig:
       ConversionError: unknown architecture, or a field with a value the native
         model does not support (the message names the field).
     """
+    _check_field_types(text_config(config) if isinstance(config, Mapping) else config)
     try:
         cfg = _from_hf_config(config)
     except KeyError as error:

@@ -236,9 +236,11 @@ def build_rows(cfg: SFTConfig, tok) -> dict[str, np.ndarray]:
     """The dataset as padded / packed rows (``posttrain.sft.data.to_rows``)."""
     from posttrain.sft import data
     from posttrain.sft.default_data import pydoc_conversations
+    from posttrain.sft.tokenizer import check_coverage
 
     conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
     examples = data.encode_dataset(conversations, tok, cfg.max_target_length, overflow=cfg.overflow)
+    check_coverage((e.tokens for e in examples), tok, repr(cfg.tokenizer or "(embedded)"))
     return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=_pad_id(tok))
 
 

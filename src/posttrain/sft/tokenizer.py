@@ -80,3 +80,43 @@ def load_tokenizer(path: str | os.PathLike | None) -> Tokenizer:
         return Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises its own Exception type
         raise ValueError(f"tokenizer {path!r} is not a tokenizers JSON file: {e}") from None
+
+
+#: Above this share of unknown-token ids the data is mostly invisible to the model.
+MAX_UNKNOWN_RATE = 0.05
+
+
+def unknown_token_id(tokenizer: Tokenizer) -> int | None:
+    """The id of the tokenizer model's unknown token (BPE, WordPiece, WordLevel
+    ``unk_token``; Unigram ``unk_id``), or None when it has none."""
+    model = tokenizer.model
+    unk_id = getattr(model, "unk_id", None)  # tokenizers' Unigram
+    if isinstance(unk_id, int):
+        return unk_id
+    unk_token = getattr(model, "unk_token", None)
+    return tokenizer.token_to_id(unk_token) if unk_token else None
+
+
+def check_coverage(token_ids, tokenizer: Tokenizer, source: str) -> None:
+    """Refuses data that the tokenizer mostly maps to its unknown token.
+
+    Args:
+      token_ids: every token id of the encoded data (any iterable of int arrays).
+      source: the tokenizer's name in the message.
+
+    Raises:
+      ValueError: more than :data:`MAX_UNKNOWN_RATE` of the ids are the unknown token.
+    """
+    unk = unknown_token_id(tokenizer)
+    if unk is None:
+        return
+    total = unknown = 0
+    for ids in token_ids:
+        total += len(ids)
+        unknown += int((ids == unk).sum())
+    if total and unknown / total > MAX_UNKNOWN_RATE:
+        raise ValueError(
+            f"tokenizer {source}: {unknown / total:.0%} of the data's {total} tokens are its "
+            f"unknown token (id {unk}); expected at most {MAX_UNKNOWN_RATE:.0%}: "
+            "a tokenizer that covers the text"
+        )

@@ -1,0 +1,121 @@
+"""Fuzzed inputs to every parser and loader of user input: each returns a value or raises
+the one-line ``ValueError`` the CLIs print (exit 2), never anything else."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness import matrix
+from posttrain import cli, sharding
+from posttrain.conversion import ConversionError, from_hf_config, to_hf_config
+from posttrain.conversion.errors import read_json_object
+from posttrain.models import get_config
+from posttrain.sft import data
+from tests.strategies import json_values
+
+ONE_LINE = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def one_line(error: BaseException) -> None:
+    assert str(error).strip() and "\n" not in str(error).strip(), repr(error)
+
+
+@ONE_LINE
+@given(lines=st.lists(st.one_of(st.binary(max_size=60), json_values().map(json.dumps)), max_size=4))
+def test_chat_jsonl_lines(tmp_path, lines):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join(x if isinstance(x, bytes) else x.encode() for x in lines))
+    try:
+        data.read_chat_jsonl(path)
+    except ValueError as error:
+        one_line(error)
+
+
+@ONE_LINE
+@given(
+    family=st.sampled_from(["llama3", "qwen3_moe", "gemma4", "gpt_oss"]),
+    field=st.sampled_from(
+        [
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "rms_norm_eps",
+            "rope_parameters",
+            "layer_types",
+            "architectures",
+            "num_experts",
+            "num_local_experts",
+            "sliding_window",
+            "tie_word_embeddings",
+        ]
+    ),
+    value=json_values(),
+)
+def test_hf_config_fields_of_any_value(family, field, value):
+    """A valid tiny config.json with one field replaced by any JSON value."""
+    config = to_hf_config(get_config(f"{family}-tiny"))
+    config[field] = value
+    try:
+        from_hf_config(config)
+    except ConversionError as error:
+        one_line(error)
+
+
+@given(text=st.binary(max_size=80))
+def test_config_json_bytes(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("cfg") / "config.json"
+    path.write_bytes(text)
+    try:
+        read_json_object(path)
+    except ConversionError as error:
+        one_line(error)
+
+
+@given(spec=st.text(max_size=30))
+def test_mesh_specs(spec):
+    try:
+        sharding.parse_mesh_spec(spec)
+    except ValueError as error:
+        one_line(error)
+
+
+@given(value=st.text(max_size=12))
+def test_device_counts(value):
+    try:
+        assert int(cli.parse_devices(value)) >= 1 or value == "real"
+    except ValueError as error:
+        one_line(error)
+
+
+@ONE_LINE
+@given(text=st.text(max_size=200))
+def test_matrix_entries_files(tmp_path, text):
+    path = tmp_path / "entries.toml"
+    path.write_text(text, encoding="utf-8")
+    try:
+        matrix.load_entries(path)
+    except ValueError as error:
+        one_line(error)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("hidden_size", "64", "hidden_size"),
+        ("num_hidden_layers", -1, "num_layers=-1 must be >= 1"),
+        ("rope_parameters", [], "rope_parameters"),
+    ],
+)
+def test_wrong_field_types_name_the_field(field, value, message):
+    config = to_hf_config(get_config("llama3-tiny"))
+    config[field] = value
+    with pytest.raises(ConversionError, match=message):
+        from_hf_config(config)
