@@ -22,6 +22,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -158,10 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _jobs(value: str) -> str:
-    """``--jobs``: ``auto`` or a positive integer (argparse type)."""
-    if value == "auto" or (value.isdigit() and int(value) >= 1):
+    """``--jobs``: ``auto`` or a non-negative integer (0: no xdist workers; argparse type)."""
+    if value == "auto" or re.fullmatch(r"[0-9]+", value):
         return value
-    raise argparse.ArgumentTypeError(f"{value!r}: expected a positive integer or 'auto'")
+    raise argparse.ArgumentTypeError(f"{value!r}: expected a non-negative integer or 'auto'")
 
 
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, passthrough) -> int:

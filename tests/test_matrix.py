@@ -255,8 +255,8 @@ def test_a_missing_entries_file_is_named(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["matrix", "--jobs", "abc"], "argument --jobs/-j: 'abc': expected a positive integer"),
-        (["gate", "--jobs", "0"], "argument --jobs/-j: '0': expected a positive integer"),
+        (["matrix", "--jobs", "abc"], "argument --jobs/-j: 'abc': expected a non-negative"),
+        (["gate", "--jobs", "-1"], "argument --jobs/-j: '-1': expected a non-negative"),
         (["matrix", "--report-dir", "{file}"], "is a file; expected a directory"),
         (["gate", "--report-dir", "{file}"], "is a file; expected a directory"),
         (["matrix", "--entries", "{missing}"], "does not exist; expected a TOML file"),
