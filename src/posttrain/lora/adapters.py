@@ -43,7 +43,7 @@ _PEFT_TRANSFORMS = ("heads_in", "heads_out", "transpose")
 
 
 def _describe(model: nnx.Module) -> dict:
-    config = getattr(model, "lora_config", None)
+    config = model.lora_config
     if config is None:
         raise ValueError("model has no lora_config; build it with posttrain.lora.apply_lora")
     cfg = model.config

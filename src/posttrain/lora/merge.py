@@ -20,7 +20,7 @@ from posttrain.models.causal_lm import CausalLM
 
 
 def _scale(model: nnx.Module) -> float:
-    config = getattr(model, "lora_config", None)
+    config = model.lora_config
     if config is None:
         raise ValueError("model has no lora_config; build it with posttrain.lora.apply_lora")
     return config.scale

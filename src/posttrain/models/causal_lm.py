@@ -27,10 +27,16 @@ class CausalLM(nnx.Module):
 
     Parameters: ``model.*`` (see :class:`Decoder`) and ``lm_head.kernel``
     ``[d_model, vocab]`` (absent when ``tie_word_embeddings``).
+
+    Attributes:
+      config: the model config.
+      lora_config: the ``posttrain.lora.LoraConfig`` of the adapters when
+        ``posttrain.lora.apply_lora`` added them, else None.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
+        self.lora_config = None
         self.model = Decoder(cfg, rngs=rngs)
         self.lm_head = (
             None
