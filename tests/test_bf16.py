@@ -109,11 +109,22 @@ def test_float32_islands_stay_float32_in_a_bf16_model(preset):
     assert not low, f"{preset}: float32 islands computed in lower precision: {low}"
 
 
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_every_parameter_takes_the_param_dtype(preset):
+    """param_dtype=bfloat16 reaches every parameter (a constructor that drops it falls
+    back to float32 without a word)."""
+    from posttrain.conversion.native import abstract_params
+
+    cfg = get_config(preset, dtype="bfloat16", param_dtype="bfloat16")
+    wrong = {k: str(v.dtype) for k, v in abstract_params(cfg).items() if v.dtype != jnp.bfloat16}
+    assert not wrong, f"{preset}: parameters not in bfloat16: {wrong}"
+
+
 def test_router_picks_the_fp32_winner_when_bf16_rounding_would_tie():
     """Two experts whose logits differ by 2^-10 (below bf16's 2^-7 step at 1.0): the
     router must rank them as float32 does, whatever the activation dtype."""
     moe = MoEConfig(num_experts=4, top_k=1, moe_d_ff=8)
-    router = Router(8, moe, rngs=nnx.Rngs(0))
+    router = Router(8, moe, norm_eps=1e-6, rngs=nnx.Rngs(0))
     kernel = np.zeros((8, 4), np.float32)
     kernel[0, :] = [1.0, 1.0 + 2.0**-10, 0.5, 0.25]  # logits of x = e_0
     router.kernel[...] = jnp.asarray(kernel)

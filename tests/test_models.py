@@ -219,3 +219,10 @@ def test_model_init_never_asks_a_tracer_for_its_sharding(name, monkeypatch):
         abstract = nnx.eval_shape(lambda: CausalLM(get_config(name), rngs=nnx.Rngs(0)))
     assert len(jax.tree.leaves(nnx.state(abstract, nnx.Param))) > 10
     assert reads == []
+
+
+def test_parameters_name_only_known_logical_axes():
+    """A misspelt logical axis would leave its parameter replicated on every mesh."""
+    with pytest.raises(ValueError, match="param logical axis 'EMBED' is not one of"):
+        sharding.param(nnx.Rngs(0), nnx.initializers.zeros, (4, 2), ("EMBED", "exp"))
+    assert sharding.param(nnx.Rngs(0), nnx.initializers.zeros, (4,), (None,)).shape == (4,)

@@ -77,6 +77,19 @@ DEFAULT_RULES: Rules = (
 )
 """Logical name -> mesh axes. Read top to bottom; an absent name is replicated."""
 
+PARAM_AXES: tuple[str, ...] = (
+    "vocab",
+    "embed",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "exp",
+    "layers",
+    "norm",
+)
+"""The logical axes a parameter may name (STYLE.md's vocabulary); :func:`param` refuses others."""
+
 
 def rules_dict(rules: Rules = DEFAULT_RULES) -> dict[str, tuple[str, ...]]:
     """Returns ``rules`` as a dict, checking each mesh axis name is known.
@@ -288,10 +301,14 @@ def param(
     """Creates a parameter and records its logical axes (metadata ``logical_axes``).
 
     Raises:
-      ValueError: ``logical_axes`` does not have one name per dimension of ``shape``.
+      ValueError: ``logical_axes`` does not have one name per dimension of ``shape``, or
+        names an axis outside :data:`PARAM_AXES` (``None`` replicates a dimension).
     """
     if len(shape) != len(logical_axes):
         raise ValueError(f"param of shape {tuple(shape)} got logical axes {logical_axes}")
+    unknown = [a for a in logical_axes if a is not None and a not in PARAM_AXES]
+    if unknown:  # a misspelt name would silently replicate the parameter
+        raise ValueError(f"param logical axis {unknown[0]!r} is not one of {PARAM_AXES}")
     key = _compat.next_rng_key(rngs.params)
     return nnx.Param(init(key, tuple(shape), dtype), logical_axes=tuple(logical_axes))
 

@@ -62,7 +62,7 @@ class Router(nnx.Module):
         d_model: int,
         moe: MoEConfig,
         *,
-        norm_eps: float = 1e-6,
+        norm_eps: float,
         rngs: nnx.Rngs,
         param_dtype=jnp.float32,
     ):
