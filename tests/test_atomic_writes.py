@@ -120,3 +120,22 @@ def test_a_killed_conversion_leaves_nothing_and_prints_one_line(tmp_path, sig):
 
 def test_sweep_ignores_a_missing_parent(tmp_path):
     assert sio.sweep_stale_temporaries(pathlib.Path(tmp_path / "no")) == []
+
+
+def test_unwritable_destinations_are_refused_up_front(tmp_path, monkeypatch, capsys):
+    """A parent the user cannot write (seen as non-root; emulated here, where root may
+    write anywhere): convert and sft refuse with one line before reading their input."""
+    from posttrain import cli
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if pathlib.Path(p) == locked else real_access(p, mode)
+    )
+    argv = ["convert", "--from", "hf", "--to", "native", str(tmp_path / "nope"), str(locked / "x")]
+    assert cli.main(argv) == 2
+    assert f"output parent directory {locked} is not writable" in capsys.readouterr().err
+    assert cli.main(["sft", "--output", str(locked / "run")]) == 2
+    assert f"{locked} is not writable" in capsys.readouterr().err
+    assert list(locked.iterdir()) == []
