@@ -52,6 +52,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/lora/merge.py": ["tests/test_lora.py", "-k", "merge or zero_adapter"],
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
 }
+_PYTEST_ARGS = ["-p", "no:cacheprovider", "-x", "-q", "-m", "not slow"]  # the gate's tier
 _COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md")
 
 
@@ -64,7 +65,7 @@ def _section(module: str, selection: list[str], max_children: int) -> str:
         'source_paths = ["src"]\n'
         f"only_mutate = {toml_list([module])}\n"
         f"pytest_add_cli_args_test_selection = {toml_list(selection)}\n"
-        f"pytest_add_cli_args = {toml_list(['-p', 'no:cacheprovider', '-x', '-q', '-m', 'not slow'])}\n"
+        f"pytest_add_cli_args = {toml_list(_PYTEST_ARGS)}\n"
         'process_isolation = "forkserver"\n'
         'forkserver_warmup = "none"\n'
         f"max_children = {max_children}\n"
