@@ -88,7 +88,12 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
     }
     listening = _compat.scalar_listeners()
     full = run_sft(SFTConfig(**common, output=str(tmp_path / "full")))
-    first = run_sft(SFTConfig(**common, stop_after=2, output=str(tmp_path / "cut")))
+    options = []  # the Orbax options the run hands Tunix
+    first = run_sft(
+        SFTConfig(**common, stop_after=2, sync_saves=True, output=str(tmp_path / "cut")),
+        on_built=lambda t: options.append(t.config.checkpointing_options),
+    )
+    assert options[0].enable_async_checkpointing is False  # --sync-saves
     # A kill after step 3 was logged but before it was checkpointed: the resume replays
     # step 3, and metrics.jsonl must hold it once.
     with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:

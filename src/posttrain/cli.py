@@ -185,6 +185,7 @@ def _sft(args: argparse.Namespace) -> int:
         scan_layers=args.scan,
         seed=args.seed,
         save_every=args.save_every,
+        sync_saves=args.sync_saves,
         replica_parallel_saves=args.replica_parallel_saves,
         stop_after=args.stop_after,
         output=args.output,
@@ -268,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--scan", action="store_true", help="scan_layers=True")
     sft.add_argument("--seed", type=int, default=0)
     sft.add_argument("--save-every", type=int, default=50, help="checkpoint interval (steps)")
+    sft.add_argument(
+        "--sync-saves",
+        action="store_true",
+        help="finish each checkpoint before the next step (default: Orbax saves in the "
+        "background; a kill loses the steps since the last completed save)",
+    )
     sft.add_argument(
         "--replica-parallel-saves",
         default="auto",

@@ -55,6 +55,9 @@ class SFTConfig:
       remat, scan_layers: decoder options (``none``/``full``/``save_dots``).
       seed: model init, adapter init and data order.
       save_every: checkpoint interval in steps.
+      sync_saves: each checkpoint is complete on disk before the next step starts
+        (Orbax ``enable_async_checkpointing=False``); by default Orbax saves in the
+        background, so a kill can lose the steps since the last completed save.
       replica_parallel_saves: how Orbax writes arrays replicated over the mesh: ``on``
         (Orbax's default: the replicas share each array's writes), ``off`` (one replica
         writes it; same checkpoint), ``auto`` (``off`` in one process on the CPU
@@ -84,6 +87,7 @@ class SFTConfig:
     scan_layers: bool = False
     seed: int = 0
     save_every: int = 50
+    sync_saves: bool = False
     replica_parallel_saves: str = "auto"
     stop_after: int | None = None
     output: str = "runs/sft"
@@ -346,7 +350,9 @@ def run_sft(
         gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
         checkpoint_root_directory=str((out / "checkpoints").resolve()),
         checkpointing_options=ocp.CheckpointManagerOptions(
-            save_interval_steps=cfg.save_every, max_to_keep=2
+            save_interval_steps=cfg.save_every,
+            max_to_keep=2,
+            enable_async_checkpointing=not cfg.sync_saves,
         ),
         metrics_logging_options=metrics_logger.MetricsLoggerOptions(
             log_dir=str(out / "tensorboard"), flush_every_n_steps=10
