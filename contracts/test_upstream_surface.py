@@ -77,6 +77,7 @@ def test_tunix_trainer_state_we_read_and_lora_detection(tmp_path):
         "optimizer",
         "config",
         "checkpoint_manager",
+        "metrics_logger",
         "_lora_enabled",
         "_train_steps",
         "_iter_steps",
@@ -88,6 +89,41 @@ def test_tunix_trainer_state_we_read_and_lora_detection(tmp_path):
         assert hasattr(trainer, name), name
     assert trainer._lora_enabled is False and trainer.train_steps == 0
     assert trainer.with_loss_fn(lambda m, **kw: 0.0, has_aux=True) is trainer
+
+
+@pytest.mark.contract("optax.MultiSteps (mini_step, acc_grads: the window's running mean)")
+def test_multisteps_window_gradient_is_what_multisteps_applies():
+    """_compat.multisteps_window_gradient reads MultiSteps' state: at the window's last
+    micro-step it equals the mean of the window's gradients, the gradient MultiSteps hands
+    the inner optimizer (plain SGD with lr 1 shows it as the parameter change)."""
+    model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.MultiSteps(optax.sgd(1.0), 3), wrt=nnx.Param)
+    before = jax.tree.map(lambda x: np.asarray(x), nnx.state(model, nnx.Param))
+    grads = [
+        jax.tree.map(lambda p, i=i: jnp.full_like(p, i + 1.0), nnx.state(model, nnx.Param))
+        for i in range(3)
+    ]
+    for g in grads[:2]:
+        optimizer.update(model, g)
+    window = _compat.multisteps_window_gradient(optimizer.opt_state, grads[2])
+    assert window is not None
+    optimizer.update(model, grads[2])
+    after = nnx.state(model, nnx.Param)
+    for w, b, a in zip(
+        jax.tree.leaves(window), jax.tree.leaves(before), jax.tree.leaves(after), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(w), 2.0)  # mean of 1, 2, 3
+        np.testing.assert_allclose(np.asarray(b) - np.asarray(a), np.asarray(w), rtol=1e-6)
+    plain = nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param)
+    assert _compat.multisteps_window_gradient(plain.opt_state, grads[0]) is None
+
+
+@pytest.mark.contract("orbax.checkpoint.CheckpointManagerOptions(enable_async_checkpointing)")
+def test_orbax_sync_saves_option():
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(save_interval_steps=2, enable_async_checkpointing=False)
+    assert options.enable_async_checkpointing is False
 
 
 @pytest.mark.contract("tunix.sft.checkpoint_manager.CheckpointManager")
