@@ -284,3 +284,17 @@ def test_transforms_check_ndim_at_call_time(array_shape):
     wrong = tf.EXPERTS_T if len(array_shape) == 2 else tf.TRANSPOSE
     with pytest.raises(ConversionError, match=f"needs {wrong.hf_ndim}-D HF tensors"):
         wrong.to_native([np.zeros(array_shape, np.float32)], [array_shape[::-1]], ["x"])
+
+
+def test_transforms_check_ndim_in_every_direction():
+    """to_hf and the per-expert path refuse a wrong ndim too, naming the side; a transform
+    without a per-expert form says so (mutmut survivors of transforms.py)."""
+    with pytest.raises(ConversionError, match=r"experts_transpose needs 3-D native tensors; w "):
+        tf.EXPERTS_T.to_hf([np.zeros((72, 56), np.float32)], ["w"])
+    with pytest.raises(ConversionError, match=r"needs 2-D per-expert tensors; e is 3-D"):
+        tf.EXPERTS_STACK_T.expert(np.zeros((2, 72, 56), np.float32), "e")
+    with pytest.raises(ConversionError, match=r"transform transpose is not per-expert \(k\)"):
+        tf.TRANSPOSE.expert(np.zeros((72, 56), np.float32), "k")
+    np.testing.assert_array_equal(
+        tf.EXPERTS_STACK_T.expert(np.arange(6.0).reshape(2, 3), "e"), np.arange(6.0).reshape(2, 3).T
+    )
