@@ -298,3 +298,18 @@ def test_transforms_check_ndim_in_every_direction():
     np.testing.assert_array_equal(
         tf.EXPERTS_STACK_T.expert(np.arange(6.0).reshape(2, 3), "e"), np.arange(6.0).reshape(2, 3).T
     )
+
+
+def test_transform_shape_planning_names_what_is_wrong():
+    """hf_shapes refuses the wrong number of native tensors and a per-expert count that is
+    not num_experts; to_native checks its own output (a broken transform function)."""
+    with pytest.raises(
+        ConversionError, match=r"gate_up_concat_transpose takes 2 native tensors, got \['g'\]"
+    ):
+        tf.GATE_UP_CONCAT_T.hf_shapes([(6, 72, 56)], ["g"])
+    with pytest.raises(ConversionError, match=r"\['d'\] has 6 experts, expected 4"):
+        tf.EXPERTS_STACK_T.hf_shapes([(6, 72, 56)], ["d"], num_experts=4)
+    assert tf.EXPERTS_STACK_T.hf_shapes([(6, 72, 56)], ["d"]) == [(56, 72)] * 6  # count unknown
+    broken = dataclasses.replace(tf.TRANSPOSE, to_native_fn=lambda a, s: [a[0][None]])
+    with pytest.raises(ConversionError, match=r"transpose needs 2-D native tensors; output is 3-D"):
+        broken.to_native([np.zeros((3, 2), np.float32)], [(2, 3)], ["w"])
