@@ -302,7 +302,7 @@ def test_transforms_check_ndim_in_every_direction():
 
 def test_transform_shape_planning_names_what_is_wrong():
     """hf_shapes refuses the wrong number of native tensors and a per-expert count that is
-    not num_experts; to_native checks its own output (a broken transform function)."""
+    not num_experts; hf_shapes and to_native check their own results (broken functions)."""
     with pytest.raises(
         ConversionError, match=r"gate_up_concat_transpose takes 2 native tensors, got \['g'\]"
     ):
@@ -310,6 +310,9 @@ def test_transform_shape_planning_names_what_is_wrong():
     with pytest.raises(ConversionError, match=r"\['d'\] has 6 experts, expected 4"):
         tf.EXPERTS_STACK_T.hf_shapes([(6, 72, 56)], ["d"], num_experts=4)
     assert tf.EXPERTS_STACK_T.hf_shapes([(6, 72, 56)], ["d"]) == [(56, 72)] * 6  # count unknown
+    flat = dataclasses.replace(tf.TRANSPOSE, hf_shapes_fn=lambda s: [(s[0][0] * s[0][1],)])
+    with pytest.raises(ConversionError, match=r"needs 2-D HF tensors; HF tensor for k is 1-D"):
+        flat.hf_shapes([(3, 2)], ["k"])
     broken = dataclasses.replace(tf.TRANSPOSE, to_native_fn=lambda a, s: [a[0][None]])
     with pytest.raises(ConversionError, match=r"transpose needs 2-D native tensors; output is 3-D"):
         broken.to_native([np.zeros((3, 2), np.float32)], [(2, 3)], ["w"])
