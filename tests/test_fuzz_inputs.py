@@ -87,12 +87,14 @@ def test_mesh_specs(spec):
         one_line(error)
 
 
-@given(value=st.text(max_size=12))
+@given(value=st.one_of(st.text(max_size=12), st.just("real"), st.integers(-3, 99).map(str)))
 def test_device_counts(value):
     try:
-        assert int(cli.parse_devices(value)) >= 1 or value == "real"
+        parsed = cli.parse_devices(value)
     except ValueError as error:
         one_line(error)
+        return
+    assert parsed == "real" or int(parsed) >= 1, parsed
 
 
 @ONE_LINE
