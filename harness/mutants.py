@@ -37,7 +37,13 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/layers/moe/experts.py": ["tests/test_moe.py"],
     "src/posttrain/layers/moe/block.py": ["tests/test_moe.py", "tests/test_sft_objective.py"],
     "src/posttrain/layers/attention.py": ["tests/test_models.py", "tests/test_bf16.py"],
-    "src/posttrain/layers/rope.py": ["tests/test_models.py", "tests/test_config_sensitivity.py"],
+    # the tests that check RoPE values: each RoPE field perturbed, each RoPE quirk against HF
+    "src/posttrain/layers/rope.py": [
+        "tests/test_config_sensitivity.py",
+        "tests/test_parity_fixtures.py",
+        "-k",
+        "Rope or rope or yarn or band or proportional",
+    ],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",
         "tests/test_conversion_errors.py",

@@ -1,0 +1,59 @@
+"""The mutation-testing driver (harness/mutants.py): its config section and its report."""
+
+from __future__ import annotations
+
+import pathlib
+import tomllib
+
+import pytest
+
+from harness import mutants
+
+
+def test_each_target_is_a_source_file_with_a_test_selection():
+    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    for module, selection in mutants.TARGETS.items():
+        assert (root / module).is_file(), module
+        files = [s.split("::")[0] for s in selection if s.startswith(("tests/", "contracts/"))]
+        assert files and all((root / f).is_file() for f in files), module
+
+
+def test_the_section_is_toml_that_mutates_one_module_with_its_tests():
+    section = mutants._section("src/posttrain/sft/loss.py", ["tests/test_sft_loss.py"], 2)
+    config = tomllib.loads(section)["tool"]["mutmut"]
+    assert config["only_mutate"] == ["src/posttrain/sft/loss.py"]
+    assert config["pytest_add_cli_args_test_selection"] == ["tests/test_sft_loss.py"]
+    assert config["max_children"] == 2 and config["process_isolation"] == "forkserver"
+    assert config["pytest_add_cli_args"][-2:] == ["-m", "not slow"]
+
+
+def test_the_report_gives_the_score_and_the_survivors():
+    rows = [
+        {
+            "module": "a.py",
+            "killed": 9,
+            "survived": 1,
+            "timeout": 0,
+            "no_tests": 2,
+            "score": 0.9,
+            "survivors": ["a.x_f__mutmut_3"],
+        },
+        {"module": "b.py", "error": "exit 1"},
+    ]
+    text = mutants.markdown(rows)
+    assert "| `a.py` | 9 | 1 | 0 | 2 | 90.0% |" in text
+    assert "| `b.py` | error: exit 1 |" in text
+    assert "Surviving in `a.py`: a.x_f__mutmut_3" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["src/nope.py"], "unknown module 'src/nope.py'"),
+        (["--max-children", "0"], "--max-children 0: expected >= 1"),
+    ],
+)
+def test_bad_arguments_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit:
+        mutants.main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
