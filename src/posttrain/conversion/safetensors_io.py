@@ -378,7 +378,8 @@ def fsync_path(path: pathlib.Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process umask (read by setting and restoring it)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -407,7 +408,7 @@ def atomic_directory(dst: str | os.PathLike, *, fsync: bool = True) -> Iterator[
         yield tmp
         if dst.exists():
             raise ConversionError(f"output directory {dst} appeared during conversion")
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700
         if fsync:
             for path in sorted(tmp.rglob("*")):
                 fsync_path(path)

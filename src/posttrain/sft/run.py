@@ -157,10 +157,9 @@ def check_output_dir(output: str) -> None:
     probe = path if path.exists() else next(p for p in path.absolute().parents if p.exists())
     if not probe.is_dir():
         raise ValueError(f"output {output!r}: {probe} is not a directory")
-    if path.exists() and not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"output {output!r} is not writable")
-    if not path.exists() and not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"output {output!r}: {probe} is not writable")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        where = "" if probe == path else f": {probe}"
+        raise ValueError(f"output {output!r}{where} is not writable")
 
 
 @dataclasses.dataclass

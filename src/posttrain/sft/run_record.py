@@ -22,6 +22,8 @@ import tempfile
 import time
 from typing import Any
 
+from posttrain.conversion.safetensors_io import current_umask
+
 RUN_FILE, METRICS_FILE = "run.json", "metrics.jsonl"
 
 #: Settings that change what a resumed run computes; the others (output, save_every,
@@ -51,17 +53,11 @@ def _write_atomic(path: pathlib.Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def read(out: str | os.PathLike) -> dict[str, Any] | None:
