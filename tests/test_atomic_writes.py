@@ -76,8 +76,12 @@ def test_stale_temporaries_of_dead_writers_are_swept_and_nothing_else(tmp_path):
 
 WRITER = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
     from posttrain import cli
+
+    # Python leaves SIGINT ignored when it starts ignored, as in a job a script started
+    # with `&`; the user's Ctrl-C reaches a foreground process, which this one stands for.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from posttrain.conversion import safetensors_io as sio
 
     real = sio.CheckpointWriter.write
