@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 
-from posttrain import conversion
+from posttrain import conversion, families
 from posttrain.conversion import NativeMeta
 from posttrain.conversion import safetensors_io as sio
 
@@ -47,3 +48,14 @@ def assert_bit_identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> 
     for key in a:
         assert (a[key].dtype, a[key].shape) == (b[key].dtype, b[key].shape), key
         assert a[key].tobytes() == b[key].tobytes(), key
+
+
+def patch_rows(monkeypatch, family: str, replace) -> None:
+    """Registers ``family`` with each table row ``r`` replaced by ``replace(r)`` (for the
+    test's duration); fails when no row changes."""
+    fam = families.get(family)
+    rows = tuple(replace(r) for r in fam.table.rows)
+    assert rows != fam.table.rows
+    table = dataclasses.replace(fam.table, rows=rows)
+    registry = {**families.FAMILIES, family: dataclasses.replace(fam, table=table)}
+    monkeypatch.setattr(families, "FAMILIES", registry)

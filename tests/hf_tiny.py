@@ -19,14 +19,14 @@ import pathlib
 import torch
 import transformers
 
-FAMILIES = ("llama3", "qwen3", "qwen3_moe", "mixtral", "gemma4", "gpt_oss")
+from posttrain import families
+
+FAMILIES = families.NAMES
 # save_pretrained's default writes the hub layout (per-expert keys where HF has a
-# conversion mapping); save_original_format=False writes the fused in-memory layout.
-# gemma4 "multimodal" wraps the text model in Gemma4ForConditionalGeneration, the
-# layout of real Gemma 4 checkpoints (prefix model.language_model.).
-LAYOUTS = {family: ("hub", "fused") for family in FAMILIES} | {
-    "gemma4": ("hub", "fused", "multimodal")
-}
+# conversion mapping); save_original_format=False writes the fused in-memory layout;
+# "multimodal" wraps the text model in the family's multimodal class (Gemma 4:
+# Gemma4ForConditionalGeneration, the layout of real checkpoints, prefix model.language_model.).
+LAYOUTS = {name: family.layouts for name, family in families.FAMILIES.items()}
 
 CLAMP_REACH = 12.0  # GPT-OSS expert gate_up scale that takes pre-activations past 7
 INIT_RANGE = 0.08  # larger than HF's 0.02 so logits are O(1) and a wrong weight shows
@@ -45,115 +45,19 @@ _COMMON = dict(
 )
 
 
-def _kwargs(family: str) -> tuple[type, dict]:
-    if family == "llama3":
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 500_000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 256,
-        }  # head_dim 10's wavelengths 6.3, 87, 1197 ...: high, blended and low llama3 bands
-        return transformers.LlamaConfig, dict(
-            intermediate_size=88, rms_norm_eps=1e-5, rope_parameters=rope, tie_word_embeddings=False
-        )
-    if family == "qwen3":
-        return transformers.Qwen3Config, dict(
-            intermediate_size=88,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        )
-    if family == "qwen3_moe":
-        return transformers.Qwen3MoeConfig, dict(
-            intermediate_size=88,
-            moe_intermediate_size=56,
-            num_experts=6,
-            num_experts_per_tok=2,
-            norm_topk_prob=True,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        )
-    if family == "mixtral":
-        return transformers.MixtralConfig, dict(
-            intermediate_size=56,
-            num_local_experts=6,
-            num_experts_per_tok=2,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        )
-    if family == "gemma4":
-        rope = {
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {
-                "rope_type": "proportional",
-                "partial_rotary_factor": 0.25,
-                "rope_theta": 1_000_000.0,
-            },
-        }
-        return transformers.Gemma4TextConfig, dict(
-            intermediate_size=88,
-            global_head_dim=12,
-            num_global_key_value_heads=2,
-            attention_k_eq_v=True,
-            layer_types=["sliding_attention", "full_attention"],
-            sliding_window=8,
-            rope_parameters=rope,
-            enable_moe_block=True,
-            num_experts=6,
-            top_k_experts=2,
-            moe_intermediate_size=56,
-            hidden_size_per_layer_input=0,
-            final_logit_softcapping=30.0,
-            hidden_activation="gelu_pytorch_tanh",
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=True,
-        )
-    if family == "gpt_oss":
-        rope = {
-            "rope_type": "yarn",
-            "rope_theta": 150_000.0,
-            "factor": 32.0,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "truncate": False,
-            "original_max_position_embeddings": 4096,
-        }  # YaRN's correction range at frequencies 1.26-2.72 of head_dim 10's five
-        return transformers.GptOssConfig, dict(
-            intermediate_size=56,
-            num_local_experts=6,
-            num_experts_per_tok=2,
-            sliding_window=8,
-            layer_types=["sliding_attention", "full_attention"],
-            rope_parameters=rope,
-            rms_norm_eps=1e-5,
-            attention_bias=True,
-            tie_word_embeddings=False,
-        )
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-
-
 def hf_config(family: str, **overrides) -> transformers.PretrainedConfig:
-    """The tiny ``transformers`` config of ``family``; ``overrides`` are constructor keywords
-    (so the config's own defaults, e.g. Qwen3 ``layer_types``, follow them)."""
-    cls, kwargs = _kwargs(family)
-    return cls(**{**_COMMON, **kwargs, **overrides})
+    """The tiny ``transformers`` config of ``family`` (its :class:`~posttrain.families.HFOracle`);
+    ``overrides`` are constructor keywords (so the config's own defaults, e.g. Qwen3
+    ``layer_types``, follow them)."""
+    oracle = families.get(family).oracle
+    cls = getattr(transformers, oracle.config_class)
+    return cls(**{**_COMMON, **oracle.tiny_config, **overrides})
 
 
 def _model_class(family: str, layout: str):
-    if family == "gemma4" and layout == "multimodal":
-        return transformers.Gemma4ForConditionalGeneration
-    return {
-        "llama3": transformers.LlamaForCausalLM,
-        "qwen3": transformers.Qwen3ForCausalLM,
-        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-        "mixtral": transformers.MixtralForCausalLM,
-        "gemma4": transformers.Gemma4ForCausalLM,
-        "gpt_oss": transformers.GptOssForCausalLM,
-    }[family]
+    fam = families.get(family)
+    name = fam.read_architectures[0] if layout == "multimodal" else fam.oracle.model_class
+    return getattr(transformers, name)
 
 
 def perturb_constants(model: torch.nn.Module, seed: int = 1) -> None:
@@ -177,12 +81,12 @@ def build(family: str, layout: str = "hub", seed: int = 0, **overrides) -> torch
     change its config (e.g. ``norm_topk_prob=False``)."""
     torch.manual_seed(seed)
     config = hf_config(family, **overrides)
-    if family == "gemma4" and layout == "multimodal":
-        config = transformers.Gemma4Config(
+    if layout == "multimodal":
+        config = _model_class(family, layout).config_class(
             text_config=config.to_dict(),
             vision_config=None,
             audio_config=None,
-            tie_word_embeddings=True,
+            tie_word_embeddings=config.tie_word_embeddings,
         )
     kwargs = {"attn_implementation": "eager"}
     model = _model_class(family, layout)._from_config(config, dtype=torch.float32, **kwargs)

@@ -8,7 +8,7 @@ import math
 
 from hypothesis import strategies as st
 
-from posttrain import sharding
+from posttrain import families, sharding
 from posttrain.config import ModelConfig
 
 
@@ -54,14 +54,7 @@ def mesh_id(mesh_shape: dict[str, int]) -> str:
 ALL_AXES = sharding.MESH_AXES
 
 
-CONVERSION_FAMILIES: tuple[str, ...] = (
-    "llama3",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "gemma4",
-    "gpt_oss",
-)
+CONVERSION_FAMILIES: tuple[str, ...] = families.NAMES
 
 
 @st.composite
@@ -77,11 +70,13 @@ def tiny_model_configs(draw, family: str) -> ModelConfig:
     """
     from posttrain.models import get_config  # here: importing models imports jax
 
-    cfg = get_config(f"{family}-tiny")
+    fam = families.get(family)
+    cfg = get_config(fam.tiny)
     layers = draw(st.integers(1, 4))
-    if family == "gpt_oss":
+    pattern = fam.oracle.layer_pattern
+    if pattern == "alternating":
         types = tuple("sliding" if i % 2 == 0 else "full" for i in range(layers))
-    elif family == "gemma4":
+    elif pattern == "ends_full":
         types = (
             *draw(
                 st.lists(
@@ -98,7 +93,7 @@ def tiny_model_configs(draw, family: str) -> ModelConfig:
     attention = {}
     for t in sorted(set(types)):
         base = cfg.attention.get(t, next(iter(cfg.attention.values())))
-        if family == "gemma4" and t == "full":
+        if base.k_eq_v:  # full layers with their own head_dim and kv heads, k as v
             k_eq_v = draw(st.booleans())
             attention[t] = dataclasses.replace(
                 base,

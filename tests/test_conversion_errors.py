@@ -13,9 +13,8 @@ import pytest
 from posttrain import cli, conversion
 from posttrain.conversion import ConversionError, to_hf_config
 from posttrain.conversion import transforms as tf
-from posttrain.conversion.tables import TABLES
 from posttrain.models import get_config
-from tests.checkpoints import hf_checkpoint, read_dir, write_hf_dir
+from tests.checkpoints import hf_checkpoint, patch_rows, read_dir, write_hf_dir
 
 FAMILY = "qwen3_moe"  # MoE: router, experts and per-expert keys are all in play
 
@@ -223,17 +222,6 @@ def test_bad_native_input_names_the_parameter(hf_dir, capsys):
     assert not (hf_dir.parent / "out").exists()
 
 
-def with_row(family: str, hf_suffix: str, transform: tf.Transform):
-    """``TABLES`` where the row whose HF key ends with ``hf_suffix`` uses ``transform``."""
-    table = TABLES[family]
-    rows = tuple(
-        dataclasses.replace(r, transform=transform) if r.hf.endswith(hf_suffix) else r
-        for r in table.rows
-    )
-    assert rows != table.rows
-    return {**TABLES, family: dataclasses.replace(table, rows=rows)}
-
-
 # Mixtral rows per layout: (experts down_proj key, router key)
 DOWN = {"hub": "experts.{j}.w2.weight", "fused": "mlp.experts.down_proj"}
 ROUTER = {"hub": "block_sparse_moe.gate.weight", "fused": "mlp.gate.weight"}
@@ -270,8 +258,10 @@ def test_expert_and_router_transforms_cannot_be_swapped(swap, layout, monkeypatc
     keys, transform, messages = SWAPS[swap]
     cfg = get_config("mixtral-tiny")
     tensors = hf_checkpoint(cfg, layout, seed=0)
-    monkeypatch.setattr(
-        "posttrain.conversion.engine.TABLES", with_row("mixtral", keys[layout], transform)
+    patch_rows(
+        monkeypatch,
+        "mixtral",
+        lambda r: dataclasses.replace(r, transform=transform) if r.hf.endswith(keys[layout]) else r,
     )
     with pytest.raises(ConversionError) as info:
         conversion.hf_to_native_params(tensors, to_hf_config(cfg))

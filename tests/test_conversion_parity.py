@@ -15,10 +15,10 @@ import json
 import numpy as np
 import pytest
 
-from posttrain import cli, conversion
+from posttrain import cli, conversion, families
 from posttrain.conversion import parity
 from posttrain.conversion import transforms as tf
-from posttrain.conversion.tables import TABLES
+from tests.checkpoints import patch_rows
 
 pytestmark = pytest.mark.reference
 
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.reference
 MAX_KL = 1e-6
 MAX_ABS = 1e-4
 
-FAMILIES = ("llama3", "qwen3", "qwen3_moe", "mixtral", "gemma4", "gpt_oss")
-CASES = [(f, layout) for f in FAMILIES for layout in ("hub", "fused")] + [("gemma4", "multimodal")]
+FAMILIES = families.NAMES
+CASES = [(name, layout) for name, f in families.FAMILIES.items() for layout in f.layouts]
 
 
 @pytest.fixture(scope="module")
@@ -142,14 +142,14 @@ def test_interleaved_split_on_a_concatenated_checkpoint_fails_parity(
             np.swapaxes(a[0], 1, 2)[..., 1::2],
         ],
     )
-    table = TABLES["mixtral"]
-    wrong = tuple(
-        dataclasses.replace(r, transform=interleaved) if r.transform is tf.GATE_UP_CONCAT_T else r
-        for r in table.rows
-    )
-    monkeypatch.setattr(
-        "posttrain.conversion.engine.TABLES",
-        {**TABLES, "mixtral": dataclasses.replace(table, rows=wrong)},
+    patch_rows(
+        monkeypatch,
+        "mixtral",
+        lambda r: (
+            dataclasses.replace(r, transform=interleaved)
+            if r.transform is tf.GATE_UP_CONCAT_T
+            else r
+        ),
     )
     conversion.convert_hf_to_native(src, tmp_path / "native")
     result = parity.check_logits(src, tmp_path / "native")

@@ -29,9 +29,8 @@ import safetensors.numpy
 from flax import nnx
 from hypothesis import given, settings
 
-from posttrain import _compat, sharding
+from posttrain import _compat, families, sharding
 from posttrain.conversion.rows import expand
-from posttrain.conversion.tables import TABLES
 from posttrain.conversion.transforms import REGISTRY
 from posttrain.lora import (
     LoraConfig,
@@ -593,7 +592,7 @@ def test_peft_export_matches_conversion_layout(tmp_path, preset):
         {"gate_proj", "up_proj", "down_proj"} if cfg.moe is None else set()
     )
     tensors = safetensors.numpy.load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
-    table = TABLES[cfg.family]
+    table = families.get(cfg.family).table
     rows = {
         e.native_keys[0]: e
         for e in expand(table.rows, cfg.replace(scan_layers=False), table.layouts[0])

@@ -2,8 +2,10 @@
 
 * :mod:`.transforms`: the closed registry of tensor transforms, each with its inverse.
 * :mod:`.rows`: table rows, their conditions, expansion for a config.
-* :mod:`.tables`: one table (a tuple of rows) per family.
-* :mod:`.hf_config`: ``from_hf_config`` / ``to_hf_config``, the one place HF names are read.
+* :mod:`.table`: the :class:`~.table.Table` type and the rows families share; each
+  family's table lives in its module (:mod:`posttrain.families`).
+* :mod:`.hf_config`: ``from_hf_config`` / ``to_hf_config`` (the fields every family has);
+  :mod:`.hf_fields` the readers and writers the families' hooks share.
 * :mod:`.engine`: plans (headers only, every key proven used exactly once) and the
   streaming run; :mod:`.safetensors_io` the reader, writer and atomic directories.
 * :mod:`.native`: the native directory format and ``load_native``.
@@ -12,42 +14,39 @@
 Importing this package imports neither torch nor transformers.
 """
 
-from posttrain.conversion.engine import (
-    Summary,
-    convert_hf_to_native,
-    convert_native_to_hf,
-    hf_to_native_params,
-    native_to_hf_params,
-    plan_to_hf,
-    plan_to_native,
-)
-from posttrain.conversion.errors import ConversionError
-from posttrain.conversion.hf_config import family_of, from_hf_config, to_hf_config
-from posttrain.conversion.native import (
-    NativeMeta,
-    abstract_params,
-    load_native,
-    read_native_params,
-    save_native,
-)
-from posttrain.conversion.tables import TABLES
+import importlib
 
-__all__ = [
-    "ConversionError",
-    "NativeMeta",
-    "Summary",
-    "TABLES",
-    "abstract_params",
-    "convert_hf_to_native",
-    "convert_native_to_hf",
-    "family_of",
-    "from_hf_config",
-    "hf_to_native_params",
-    "load_native",
-    "native_to_hf_params",
-    "plan_to_hf",
-    "plan_to_native",
-    "read_native_params",
-    "save_native",
-    "to_hf_config",
-]
+# Public name -> defining module. Resolved on first access (PEP 562), so importing one
+# submodule (the families import ``.table``, ``.rows`` and ``.transforms``) does not
+# import the engine, which imports the models, which read the families.
+_EXPORTS = {
+    "ConversionError": "errors",
+    "NativeMeta": "native",
+    "Summary": "engine",
+    "abstract_params": "native",
+    "convert_hf_to_native": "engine",
+    "convert_native_to_hf": "engine",
+    "family_of": "hf_config",
+    "from_hf_config": "hf_config",
+    "hf_to_native_params": "engine",
+    "load_native": "native",
+    "native_to_hf_params": "engine",
+    "plan_to_hf": "engine",
+    "plan_to_native": "engine",
+    "read_native_params": "native",
+    "save_native": "native",
+    "to_hf_config": "hf_config",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -22,19 +22,19 @@ from typing import Any
 
 import numpy as np
 
+from posttrain import families
 from posttrain.config import ModelConfig
 from posttrain.conversion import safetensors_io as sio
 from posttrain.conversion.errors import ConversionError, check_source_dir, read_json_object
 from posttrain.conversion.hf_config import (
     from_hf_config,
-    hf_model_type,
     hf_view,
     text_config,
     to_hf_config,
 )
 from posttrain.conversion.native import STEM, NativeMeta, abstract_params, scanned_name
 from posttrain.conversion.rows import Entry, expand
-from posttrain.conversion.tables import TABLES, Table
+from posttrain.conversion.table import Table
 
 CANONICAL = "model."
 FLOAT_CODES = ("F64", "F32", "F16", "BF16")  # safetensors dtype codes a weight may have
@@ -122,12 +122,12 @@ def _match(table: Table, cfg: ModelConfig, keys, source: str):
     return layout, prefix, entries, canon, ignored
 
 
-def _check_native_cover(entries: Sequence[Entry], native: Mapping[str, Any], table: Table) -> None:
+def _check_native_cover(entries: Sequence[Entry], native: Mapping[str, Any], family: str) -> None:
     produced = {k for e in entries for k in e.native_keys}
     missing, extra = set(native) - produced, produced - set(native)
     if missing or extra:
         raise ConversionError(
-            f"{table.family} table does not cover the model: "
+            f"{family} table does not cover the model: "
             f"{_describe(missing, 'no row for native')}"
             f"{_describe(extra, ' rows name unknown native')}"
         )
@@ -152,7 +152,7 @@ def plan_to_native(
     """Plan HF -> native. ``tensors``: key -> object with ``shape``, ``dtype`` (safetensors
     code) and optionally ``file``; ``overrides``: native-only config fields."""
     cfg = from_hf_config(hf_config, **overrides)
-    table = TABLES[cfg.family]
+    table = families.get(cfg.family).table
     for key in tensors:
         if key.endswith(QUANTISED_SUFFIXES):
             raise ConversionError(
@@ -162,7 +162,7 @@ def plan_to_native(
             )
     layout, prefix, entries, canon, ignored = _match(table, cfg, tensors, source)
     native = abstract_params(cfg.replace(scan_layers=False))
-    _check_native_cover(entries, native, table)
+    _check_native_cover(entries, native, cfg.family)
     num_experts = cfg.moe.num_experts if cfg.moe is not None else None
     steps, outputs = [], {}
     for e in entries:
@@ -208,12 +208,12 @@ def plan_to_hf(
 ) -> Plan:
     """Plan native -> HF in ``layout`` (default: the table's first, the hub layout)."""
     cfg = meta.cfg
-    if cfg.family not in TABLES:
+    if cfg.family not in families.FAMILIES:
         raise ConversionError(
             f"{source}: family {cfg.family!r} has no conversion table; "
-            f"supported: {', '.join(sorted(TABLES))}"
+            f"supported: {', '.join(sorted(families.NAMES))}"
         )
-    table = TABLES[cfg.family]
+    table = families.get(cfg.family).table
     layout = layout or table.layouts[0]
     if layout not in table.layouts:
         raise ConversionError(f"layout {layout!r} must be one of {', '.join(table.layouts)}")
@@ -221,7 +221,7 @@ def plan_to_hf(
         raise ConversionError(f"key prefix {prefix!r} must be one of {table.prefixes}")
     entries = expand(table.rows, cfg, layout)
     native = abstract_params(cfg.replace(scan_layers=False))
-    _check_native_cover(entries, native, table)
+    _check_native_cover(entries, native, cfg.family)
     stored = {k: tuple(v.shape) for k, v in abstract_params(cfg).items()}
     missing, extra = set(stored) - set(tensors), set(tensors) - set(stored)
     if missing or extra:
@@ -454,27 +454,20 @@ def convert_hf_to_native(
         )
 
 
-def _hf_config_for(meta: NativeMeta, table: Table, prefix: str) -> dict[str, Any]:
+def _hf_config_for(meta: NativeMeta, prefix: str) -> dict[str, Any]:
     """The original config.json when it describes the same model, else a generated one;
-    the multimodal wrapper only when writing its key prefix."""
+    the family's multimodal wrapper only when writing its key prefix."""
     cfg = meta.cfg
+    family = families.get(cfg.family)
     original = meta.hf_config
     if original is not None and hf_view(from_hf_config(original)) != hf_view(cfg):
         original = None  # the model changed since conversion (e.g. a new config)
     text = text_config(original) if original is not None else to_hf_config(cfg)
     if prefix == CANONICAL:
-        return dict(text, architectures=[table.architecture], model_type=hf_model_type(cfg.family))
+        return dict(text, architectures=[family.architecture], model_type=family.model_type)
     if original is not None and "text_config" in original:
         return original
-    return {
-        "architectures": ["Gemma4ForConditionalGeneration"],
-        "model_type": "gemma4",
-        "text_config": text,
-        "vision_config": None,
-        "audio_config": None,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "dtype": cfg.param_dtype,
-    }
+    return family.wrap_hf(cfg, text)
 
 
 def default_prefix(meta: NativeMeta) -> str:
@@ -511,7 +504,7 @@ def convert_native_to_hf(
     prefix = prefix or default_prefix(meta)
     with sio.CheckpointReader(src, STEM) as reader:
         plan = plan_to_hf(meta, reader.tensors, layout=layout, prefix=prefix, source=str(src))
-        config = _hf_config_for(meta, plan.table, prefix)
+        config = _hf_config_for(meta, prefix)
 
         def write_config(directory: pathlib.Path) -> None:
             (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")

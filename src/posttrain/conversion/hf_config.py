@@ -1,15 +1,14 @@
-"""HF ``config.json`` <-> :class:`~posttrain.config.ModelConfig`: the one place HF names are read.
+"""HF ``config.json`` <-> :class:`~posttrain.config.ModelConfig`: the fields every family shares.
 
-``hidden_size`` -> ``d_model``, ``intermediate_size`` -> ``d_ff`` (Mixtral, GPT-OSS:
-``moe_d_ff``), ``num_local_experts`` / ``num_experts`` -> ``num_experts``,
-``num_experts_per_tok`` / ``top_k_experts`` -> ``top_k``, ``norm_topk_prob`` ->
-``renormalize``, ``rms_norm_eps`` -> ``norm_eps`` and so on. RoPE is read from
-``rope_parameters`` (transformers >= 5) or from the older top-level
-``rope_theta`` + ``rope_scaling``. A feature the native model does not have is
-rejected with a one-line :class:`ConversionError` naming the field.
+``hidden_size`` -> ``d_model``, ``num_attention_heads`` -> ``num_heads``,
+``num_key_value_heads`` -> ``num_kv_heads``, ``rms_norm_eps`` -> ``norm_eps`` and so on
+are read here; what differs between families (experts, sliding layers, RoPE defaults,
+Gemma 4's per-layer-type attention) is read by the family's ``from_hf`` hook
+(:mod:`posttrain.families`) with the shared readers of :mod:`.hf_fields`. A feature
+the native model does not have is rejected with a one-line :class:`ConversionError`
+naming the field; a field of the wrong JSON type, before any arithmetic on it.
 
-Reference: the ``configuration_*.py`` and ``modeling_rope_utils.py`` files of
-transformers 5.12.1 (defaults below are theirs).
+Reference: the ``configuration_*.py`` files of transformers 5.12.1 (defaults are theirs).
 """
 
 from __future__ import annotations
@@ -18,81 +17,34 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
+from posttrain import families
+from posttrain.config import ModelConfig
 from posttrain.conversion.errors import ConversionError
+from posttrain.conversion.hf_fields import HF_LAYER_TYPES, fail, reject
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama3",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "Gemma4ForCausalLM": "gemma4",
-    "Gemma4ForConditionalGeneration": "gemma4",
-    "GptOssForCausalLM": "gpt_oss",
-}
-MODEL_TYPES = {
-    "llama": "llama3",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "mixtral": "mixtral",
-    "gemma4_text": "gemma4",
-    "gemma4": "gemma4",
-    "gpt_oss": "gpt_oss",
-}
-_HF_MODEL_TYPE = {
-    "llama3": "llama",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3_moe",
-    "mixtral": "mixtral",
-    "gemma4": "gemma4_text",
-    "gpt_oss": "gpt_oss",
-}
-_DEFAULT_THETA = {
-    "llama3": 10_000.0,
-    "qwen3": 10_000.0,
-    "qwen3_moe": 10_000.0,
-    "mixtral": 1_000_000.0,
-    "gpt_oss": 150_000.0,
-}
-_DEFAULT_EPS = {
-    "llama3": 1e-6,
-    "qwen3": 1e-6,
-    "qwen3_moe": 1e-6,
-    "mixtral": 1e-5,
-    "gemma4": 1e-6,
-    "gpt_oss": 1e-5,
-}
-_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 _DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _fail(field: str, message: str) -> None:
-    raise ConversionError(f"config.json {field}: {message}")
-
-
-def hf_model_type(family: str) -> str:
-    """The HF ``model_type`` of a native family's ``<Family>ForCausalLM``."""
-    return _HF_MODEL_TYPE[family]
 
 
 def family_of(config: Mapping[str, Any]) -> str:
     """The native family of an HF config (by ``architectures[0]``, else ``model_type``)."""
     arch = (config.get("architectures") or [None])[0]
     if arch is not None:
-        if arch not in ARCHITECTURES:
-            _fail(
+        family = families.by_architecture(arch)
+        if family is None:
+            fail(
                 "architectures",
-                f"unknown architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}",
+                f"unknown architecture {arch!r}; supported: {', '.join(families.architectures())}",
             )
-        return ARCHITECTURES[arch]
+        return family.name
     model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
-        _fail(
+    family = families.by_model_type(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        fail(
             "model_type",
             f"unknown model_type {model_type!r} (and no architectures); "
-            f"supported: {', '.join(sorted(MODEL_TYPES))}",
+            f"supported: {', '.join(families.model_types())}",
         )
-    return MODEL_TYPES[model_type]
+    return family.name
 
 
 def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,99 +53,6 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     if "text_config" in config and "tie_word_embeddings" in config:
         text["tie_word_embeddings"] = config["tie_word_embeddings"]
     return text
-
-
-def _rope(params: Mapping[str, Any], theta: float, max_pos: int | None, field: str) -> RopeConfig:
-    kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", theta))
-    partial = float(params.get("partial_rotary_factor", 1.0))
-    if kind != "proportional" and partial != 1.0:
-        _fail(
-            f"{field}.partial_rotary_factor",
-            f"{partial} is only supported with rope_type 'proportional', got {kind!r}",
-        )
-    if kind == "default":
-        return RopeConfig(theta=theta)
-    original = params.get("original_max_position_embeddings", max_pos)
-    if kind == "llama3":
-        return RopeConfig(
-            kind="llama3",
-            theta=theta,
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(original),
-        )
-    if kind == "yarn":
-        for name in ("attention_factor", "mscale", "mscale_all_dim"):
-            if params.get(name) is not None:
-                _fail(
-                    f"{field}.{name}",
-                    f"{params[name]} is not supported (yarn attention "
-                    "factor is 0.1 ln(factor) + 1 here)",
-                )
-        factor = params.get("factor") or (max_pos / original)
-        return RopeConfig(
-            kind="yarn",
-            theta=theta,
-            factor=float(factor),
-            beta_fast=float(params.get("beta_fast") or 32.0),
-            beta_slow=float(params.get("beta_slow") or 1.0),
-            truncate=bool(params.get("truncate", True)),
-            original_max_position_embeddings=int(original),
-        )
-    if kind == "proportional":
-        return RopeConfig(
-            kind="proportional",
-            theta=theta,
-            factor=float(params.get("factor", 1.0)),
-            partial_rotary_factor=partial,
-        )
-    _fail(
-        f"{field}.rope_type",
-        f"{kind!r} is not supported; supported: default, llama3, yarn, proportional",
-    )
-    raise AssertionError  # unreachable
-
-
-def rope_parameters(c: Mapping[str, Any], family: str) -> dict[str, Any]:
-    """``rope_parameters``, or the legacy top-level ``rope_theta`` + ``rope_scaling`` folded in."""
-    params = c.get("rope_parameters")
-    if params is None:
-        params = dict(c.get("rope_scaling") or {})
-        if family == "gpt_oss" and not params:
-            params = {
-                "rope_type": "yarn",
-                "factor": 32.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-                "original_max_position_embeddings": 4096,
-            }
-    params = dict(params)
-    if "rope_theta" in c:
-        params.setdefault("rope_theta", c["rope_theta"])
-    return params
-
-
-def _reject(c: Mapping[str, Any], field: str, allowed, why: str) -> None:
-    if field in c and c[field] not in allowed:
-        _fail(field, f"{c[field]!r} is not supported ({why})")
-
-
-def _layer_types(c: Mapping[str, Any], default: list[str]) -> tuple[str, ...]:
-    hf_types = c.get("layer_types") or default
-    for t in hf_types:
-        if t not in _LAYER_TYPES:
-            _fail(
-                "layer_types",
-                f"layer type {t!r} is not supported; supported: {', '.join(_LAYER_TYPES)}",
-            )
-    if len(hf_types) != c["num_hidden_layers"]:
-        _fail(
-            "layer_types", f"{len(hf_types)} entries but num_hidden_layers={c['num_hidden_layers']}"
-        )
-    return tuple(_LAYER_TYPES[t] for t in hf_types)
 
 
 _INT_FIELDS = (
@@ -295,206 +154,43 @@ def from_hf_config(config: Mapping[str, Any], **overrides) -> ModelConfig:
 
 
 def _from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
-    family = family_of(config)
+    family = families.get(family_of(config))
     if config.get("quantization_config") is not None:
         method = config["quantization_config"].get("quant_method", "?")
-        _fail(
+        fail(
             "quantization_config",
             f"quant_method={method!r} (e.g. GPT-OSS MXFP4 experts) "
             "is not supported; dequantise to bf16/fp32 first",
         )
     c = text_config(config)
-    _reject(c, "num_kv_shared_layers", (0, None), "KV sharing between layers")
-    _reject(c, "hidden_size_per_layer_input", (0, None), "per-layer input embeddings")
-    _reject(c, "use_bidirectional_attention", (None,), "bidirectional attention")
-    _reject(c, "mlp_only_layers", ([], None), "dense layers between MoE layers")
-    _reject(c, "decoder_sparse_step", (1, None), "dense layers between MoE layers")
-    _reject(c, "hidden_act", ("silu",), "silu only")
-    _reject(c, "hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh only")
+    reject(c, "num_kv_shared_layers", (0, None), "KV sharing between layers")
+    reject(c, "hidden_size_per_layer_input", (0, None), "per-layer input embeddings")
+    reject(c, "use_bidirectional_attention", (None,), "bidirectional attention")
+    reject(c, "mlp_only_layers", ([], None), "dense layers between MoE layers")
+    reject(c, "decoder_sparse_step", (1, None), "dense layers between MoE layers")
+    reject(c, "hidden_act", ("silu",), "silu only")
+    reject(c, "hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh only")
     dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32").replace("torch.", "")
     if dtype not in _DTYPES:
-        _fail("dtype", f"{dtype!r} must be one of {', '.join(_DTYPES)}")
+        fail("dtype", f"{dtype!r} must be one of {', '.join(_DTYPES)}")
     heads = c["num_attention_heads"]
-    kv_heads = c.get("num_key_value_heads") or heads
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    max_pos = c.get("max_position_embeddings")
     base = dict(
-        family=family,
+        family=family.name,
         vocab_size=c["vocab_size"],
         d_model=c["hidden_size"],
         num_layers=c["num_hidden_layers"],
-        norm_eps=c.get("rms_norm_eps", _DEFAULT_EPS[family]),
-        tie_word_embeddings=c.get("tie_word_embeddings", family == "gemma4"),
+        norm_eps=c.get("rms_norm_eps", family.default_norm_eps),
+        tie_word_embeddings=c.get("tie_word_embeddings", family.default_tied),
         dtype=dtype,
         param_dtype=dtype,
     )
     attn = dict(
         num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        bias=bool(c.get("attention_bias", family == "gpt_oss")),
+        num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        bias=bool(c.get("attention_bias", family.default_attention_bias)),
     )
-    if family == "gemma4":
-        return _gemma4(c, base, attn, max_pos)
-    rope = _rope(rope_parameters(c, family), _DEFAULT_THETA[family], max_pos, "rope_parameters")
-    return _decoder(c, family, base, dict(attn, rope=rope))
-
-
-def _sliding(c: Mapping[str, Any], family: str) -> tuple[tuple[str, ...], int | None]:
-    """Layer types and window of the Llama-like families (HF ``__post_init__`` rules)."""
-    n = c["num_hidden_layers"]
-    if family in ("llama3",):
-        return ("full",) * n, None
-    window = c.get("sliding_window")
-    if family in ("qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
-        window = None
-    if family == "gpt_oss":
-        default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-        return _layer_types(c, default), window
-    if family == "qwen3":
-        start = c.get("max_window_layers", 28)
-        default = [
-            "sliding_attention" if window is not None and i >= start else "full_attention"
-            for i in range(n)
-        ]
-        types = _layer_types(c, default)
-        return types, (window if "sliding" in types else None)
-    # qwen3_moe, mixtral: every layer slides when a window is set
-    return ("sliding" if window is not None else "full",) * n, window
-
-
-def _decoder(c, family: str, base: dict, attn: dict) -> ModelConfig:
-    layer_types, window = _sliding(c, family)
-    qk_norm = family in ("qwen3", "qwen3_moe")
-    gpt_oss = family == "gpt_oss"
-    attention = {
-        t: AttentionConfig(
-            **attn,
-            qk_norm=qk_norm,
-            sinks=gpt_oss,
-            sliding_window=window if t == "sliding" else None,
-        )
-        for t in set(layer_types)
-    }
-    moe = None
-    if family == "qwen3_moe":
-        moe = MoEConfig(
-            num_experts=c.get("num_experts") or c["num_local_experts"],
-            top_k=c["num_experts_per_tok"],
-            moe_d_ff=c["moe_intermediate_size"],
-            renormalize=bool(c.get("norm_topk_prob", False)),
-            aux_loss_weight=float(c.get("router_aux_loss_coef", 0.001)),
-        )
-    elif family == "mixtral":
-        moe = MoEConfig(
-            num_experts=c["num_local_experts"],
-            top_k=c["num_experts_per_tok"],
-            moe_d_ff=c["intermediate_size"],
-            renormalize=True,
-            aux_loss_weight=float(c.get("router_aux_loss_coef", 0.001)),
-        )
-    elif gpt_oss:
-        moe = MoEConfig(
-            num_experts=c["num_local_experts"],
-            top_k=c["num_experts_per_tok"],
-            moe_d_ff=c["intermediate_size"],
-            score_order="topk_then_score",
-            renormalize=False,
-            router_bias=True,
-            expert_bias=True,
-            aux_loss_weight=float(c.get("router_aux_loss_coef", 0.001)),
-        )
-    return ModelConfig(
-        **base,
-        layer_types=layer_types,
-        attention=attention,
-        d_ff=0 if moe is not None else c["intermediate_size"],
-        activation="clamped_swiglu" if gpt_oss else "silu",
-        swiglu_limit=float(c.get("swiglu_limit", 7.0)),
-        mlp_bias=bool(c.get("mlp_bias", False)),
-        moe=moe,
-    )
-
-
-def _gemma4_layer_dims(c, layer_types) -> dict[str, tuple[int, int]]:
-    """(head_dim, kv heads) per layer type: ``per_layer_config`` (transformers >= 5.2x
-    config.json), else ``global_head_dim`` / ``num_global_key_value_heads`` for full layers."""
-    k_eq_v = bool(c.get("attention_k_eq_v", False))
-    kv, hd = c.get("num_key_value_heads") or c["num_attention_heads"], c.get("head_dim", 256)
-    full_kv = (c.get("num_global_key_value_heads") or kv) if k_eq_v else kv
-    dims = {"sliding": (hd, kv), "full": (c.get("global_head_dim") or hd, full_kv)}
-    per_layer = c.get("per_layer_config") or {}
-    seen: dict[str, set] = {}
-    for index, entry in per_layer.items():
-        t = layer_types[int(index)]
-        d = dims[t]
-        seen.setdefault(t, set()).add(
-            (entry.get("head_dim", d[0]), entry.get("num_key_value_heads", d[1]))
-        )
-    for t, values in seen.items():
-        if len(values) > 1:
-            _fail(
-                "per_layer_config",
-                f"{t} layers with different (head_dim, kv heads) "
-                f"{sorted(values)} are not supported",
-            )
-        dims[t] = values.pop()
-    return dims
-
-
-def _gemma4(c, base: dict, attn: dict, max_pos) -> ModelConfig:
-    n = c["num_hidden_layers"]
-    default = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
-    default[-1] = "full_attention"
-    layer_types = _layer_types(c, default)
-    ropes = c.get("rope_parameters") or {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-        "full_attention": {
-            "rope_type": "proportional",
-            "partial_rotary_factor": 0.25,
-            "rope_theta": 1_000_000.0,
-        },
-    }
-    dims = _gemma4_layer_dims(c, layer_types)
-    attention = {}
-    for t in set(layer_types):
-        hf_t = {v: k for k, v in _LAYER_TYPES.items()}[t]
-        head_dim, kv = dims[t]
-        attention[t] = AttentionConfig(
-            num_heads=attn["num_heads"],
-            num_kv_heads=kv,
-            head_dim=head_dim,
-            bias=attn["bias"],
-            rope=_rope(ropes[hf_t], 10_000.0, max_pos, f"rope_parameters.{hf_t}"),
-            sliding_window=c.get("sliding_window", 512) if t == "sliding" else None,
-            qk_norm=True,
-            v_norm=True,
-            scale=1.0,
-            k_eq_v=bool(c.get("attention_k_eq_v", False)) and t == "full",
-        )
-    moe = None
-    if c.get("enable_moe_block", False):
-        moe = MoEConfig(
-            num_experts=c["num_experts"],
-            top_k=c["top_k_experts"],
-            moe_d_ff=c["moe_intermediate_size"],
-            renormalize=True,
-            router_input_norm=True,
-            per_expert_scale=True,
-        )
-    return ModelConfig(
-        **base,
-        layer_types=layer_types,
-        attention=attention,
-        d_ff=c["intermediate_size"],
-        activation="gelu_tanh",
-        moe=moe,
-        dense_mlp_with_moe=moe is not None,
-        sandwich_norm=True,
-        layer_scalar=True,
-        embed_scale=True,
-        final_logit_softcap=c.get("final_logit_softcapping"),
-    )
+    return family.from_hf(c, base, attn, c.get("max_position_embeddings"))
 
 
 NATIVE_ONLY = ("scan_layers", "remat")
@@ -511,48 +207,25 @@ def hf_view(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(scan_layers=False, remat="none", moe=moe, dtype=cfg.param_dtype)
 
 
-def _rope_dict(rope: RopeConfig) -> dict[str, Any]:
-    out: dict[str, Any] = {"rope_type": rope.kind, "rope_theta": rope.theta}
-    if rope.kind == "llama3":
-        out.update(
-            factor=rope.factor,
-            low_freq_factor=rope.low_freq_factor,
-            high_freq_factor=rope.high_freq_factor,
-            original_max_position_embeddings=rope.original_max_position_embeddings,
-        )
-    elif rope.kind == "yarn":
-        out.update(
-            factor=rope.factor,
-            beta_fast=rope.beta_fast,
-            beta_slow=rope.beta_slow,
-            truncate=rope.truncate,
-            original_max_position_embeddings=rope.original_max_position_embeddings,
-        )
-    elif rope.kind == "proportional":
-        out.update(partial_rotary_factor=rope.partial_rotary_factor, factor=rope.factor)
-    return out
-
-
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
-    """An HF ``config.json`` dict for ``cfg`` (``<Family>ForCausalLM``).
+    """An HF ``config.json`` dict for ``cfg`` (``<Family>ForCausalLM``): the fields every
+    family writes, then the family's own (:attr:`posttrain.families.Family.to_hf`).
 
     Raises:
-      ConversionError: ``cfg`` uses a feature its HF family cannot express (checked
-        by reading the result back with :func:`from_hf_config`).
+      ConversionError: ``cfg``'s family has no HF conversion, or ``cfg`` uses a feature
+        its HF family cannot express (checked by reading the result back with
+        :func:`from_hf_config`).
     """
-    from posttrain.conversion.tables import TABLES
-
-    family = cfg.family
-    if family not in TABLES:
+    if cfg.family not in families.FAMILIES:
         raise ConversionError(
-            f"family {family!r} has no HF conversion; supported: {', '.join(sorted(TABLES))}"
+            f"family {cfg.family!r} has no HF conversion; "
+            f"supported: {', '.join(sorted(families.NAMES))}"
         )
-    types = sorted(set(cfg.layer_types))
-    first = cfg.attention[types[0]]
-    hf_types = {"full": "full_attention", "sliding": "sliding_attention"}
+    family = families.get(cfg.family)
+    first = cfg.attention[min(cfg.layer_types)]
     out: dict[str, Any] = {
-        "architectures": [TABLES[family].architecture],
-        "model_type": _HF_MODEL_TYPE[family],
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "dtype": cfg.param_dtype,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -565,60 +238,9 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": first.bias,
         "max_position_embeddings": 4096,
     }
-    if family in ("qwen3", "gemma4", "gpt_oss"):
-        out["layer_types"] = [hf_types[t] for t in cfg.layer_types]
-    window = next((a.sliding_window for a in cfg.attention.values() if a.sliding_window), None)
-    moe = cfg.moe
-    if family == "gemma4":
-        sliding = cfg.attention.get("sliding", first)
-        full = cfg.attention.get("full", first)
-        out.update(
-            head_dim=sliding.head_dim,
-            num_key_value_heads=sliding.num_kv_heads,
-            global_head_dim=full.head_dim,
-            attention_k_eq_v=full.k_eq_v,
-            num_global_key_value_heads=full.num_kv_heads if full.k_eq_v else None,
-            sliding_window=window or 512,
-            intermediate_size=cfg.d_ff,
-            hidden_activation="gelu_pytorch_tanh",
-            hidden_size_per_layer_input=0,
-            num_kv_shared_layers=0,
-            final_logit_softcapping=cfg.final_logit_softcap,
-            rope_parameters={hf_types[t]: _rope_dict(cfg.attention[t].rope) for t in types},
-            enable_moe_block=moe is not None,
-        )
-        if moe is not None:
-            out.update(
-                num_experts=moe.num_experts,
-                top_k_experts=moe.top_k,
-                moe_intermediate_size=moe.moe_d_ff,
-            )
-    else:
-        out.update(
-            rope_parameters=_rope_dict(first.rope),
-            hidden_act="silu",
-            intermediate_size=cfg.d_ff or (moe.moe_d_ff if moe else 0),
-        )
-        if family in ("qwen3", "qwen3_moe"):
-            out.update(use_sliding_window=window is not None, max_window_layers=0)
-        if family in ("qwen3", "qwen3_moe", "mixtral", "gpt_oss"):
-            out["sliding_window"] = window
-        if family == "llama3":
-            out["mlp_bias"] = cfg.mlp_bias
-        if moe is not None:
-            out.update(num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_weight)
-            if family == "qwen3_moe":
-                out.update(
-                    num_experts=moe.num_experts,
-                    moe_intermediate_size=moe.moe_d_ff,
-                    norm_topk_prob=moe.renormalize,
-                    decoder_sparse_step=1,
-                    mlp_only_layers=[],
-                )
-            else:
-                out["num_local_experts"] = moe.num_experts
-        if family == "gpt_oss":
-            out["swiglu_limit"] = cfg.swiglu_limit
+    if family.writes_layer_types:
+        out["layer_types"] = [HF_LAYER_TYPES[t] for t in cfg.layer_types]
+    out.update(family.to_hf(cfg))
     back = from_hf_config(out)
     if hf_view(back) != hf_view(cfg):
         diff = [
@@ -627,7 +249,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
             if getattr(hf_view(back), f.name) != getattr(hf_view(cfg), f.name)
         ]
         raise ConversionError(
-            f"native config of family {family!r} cannot be written as an "
+            f"native config of family {cfg.family!r} cannot be written as an "
             f"HF config: fields {diff} have no HF equivalent"
         )
     return out

@@ -28,10 +28,9 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from posttrain import _compat
+from posttrain import _compat, families
 from posttrain.conversion.rows import expand
 from posttrain.conversion.safetensors_io import atomic_directory
-from posttrain.conversion.tables import TABLES
 from posttrain.lora import layout
 from posttrain.models.decoder import stack_layers, unstack_layers
 
@@ -164,9 +163,9 @@ def export_peft(
         family's conversion table (e.g. routed experts), or the family has no table.
     """
     cfg, meta = model.config, _describe(model)
-    if cfg.family not in TABLES:
+    if cfg.family not in families.FAMILIES:
         raise ValueError(f"family {cfg.family!r} has no conversion table; PEFT export needs one")
-    table = TABLES[cfg.family]
+    table = families.get(cfg.family).table
     entries = expand(table.rows, cfg.replace(scan_layers=False), table.layouts[0])
     by_native = {e.native_keys[0]: e for e in entries if len(e.native_keys) == 1}
     rank, tensors, modules = meta["rank"], {}, set()

@@ -1,4 +1,4 @@
-"""Rows shared by several families, and the :class:`Table` type.
+"""The :class:`Table` type and the rows several families share.
 
 Native paths are those of :class:`posttrain.models.CausalLM` (unscanned,
 ``model.layers.{i}...``); HF keys are those of ``<Family>ForCausalLM`` in
@@ -26,12 +26,10 @@ L = "model.layers.{i}."
 
 @dataclasses.dataclass(frozen=True)
 class Table:
-    """A family's conversion table.
+    """A family's conversion table (its family: :class:`posttrain.families.Family`).
 
     Attributes:
-      family: ``ModelConfig.family``.
       rows: the rows; every native parameter and every HF tensor is in exactly one.
-      architecture: HF ``architectures[0]`` written to config.json.
       layouts: on-disk layouts (``hub``: what ``save_pretrained`` writes by default and
         hub checkpoints use; ``fused``: ``save_original_format=False``, HF's in-memory
         layout). Rows without a layout condition belong to both; the first is written
@@ -42,9 +40,7 @@ class Table:
         vision and audio towers of a multimodal checkpoint.
     """
 
-    family: str
     rows: tuple[Row, ...]
-    architecture: str
     layouts: tuple[str, ...] = ("hub", "fused")
     prefixes: tuple[str, ...] = ("model.",)
     ignored: tuple[str, ...] = ()

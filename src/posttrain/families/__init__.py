@@ -1,0 +1,151 @@
+"""The model families: one module each, one registry that every consumer reads.
+
+A family module (``posttrain/families/<name>.py``) holds everything that is true
+of that family and of no other: its presets (full-size and ``<name>-tiny``), its
+conversion table, its HF architecture and ``model_type``, the HF config defaults
+the reader needs, ``from_hf`` / ``to_hf`` hooks for what really differs, and what
+the reference tests need to build its tiny model in transformers
+(:class:`HFOracle`). It ends with ``FAMILY = Family(...)``.
+
+:data:`FAMILIES` (name -> :class:`Family`, in the order below) is read by the
+presets (:mod:`posttrain.models.presets`), the HF config reader and writer
+(:mod:`posttrain.conversion.hf_config`), the conversion engine, the PEFT export,
+the CLI and the test strategies. Adding a family: README, "Adding a family".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from posttrain.config import ModelConfig
+from posttrain.conversion.table import Table
+
+FromHF = Callable[[Mapping[str, Any], dict[str, Any], dict[str, Any], "int | None"], ModelConfig]
+"""``(text config, base fields, attention fields, max_position_embeddings) -> ModelConfig``:
+``base`` holds the ``ModelConfig`` fields every family reads alike (family, vocab_size,
+d_model, num_layers, norm_eps, tie_word_embeddings, dtype, param_dtype), ``attention``
+the ``AttentionConfig`` ones (num_heads, num_kv_heads, head_dim, bias)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFOracle:
+    """What the reference tests need to build the family's tiny model in transformers.
+
+    Attributes:
+      config_class, model_class: ``transformers`` class names (``LlamaConfig``,
+        ``LlamaForCausalLM``).
+      tiny_config: constructor keywords of the tiny config beyond the dimensions all
+        families share (``tests/hf_tiny.py``): the family's RoPE, norm eps, experts ...
+      layer_pattern: which ``layer_types`` HF accepts: ``full`` (every layer full),
+        ``alternating`` (sliding, full, sliding ...) or ``ends_full`` (any mix whose
+        last layer is full).
+    """
+
+    config_class: str
+    model_class: str
+    tiny_config: Mapping[str, Any]
+    layer_pattern: Literal["full", "alternating", "ends_full"] = "full"
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model family.
+
+    Attributes:
+      name: ``ModelConfig.family``; preset names start with it.
+      presets: preset name -> config factory; one of them is ``<name>-tiny``.
+      table: the HF <-> native conversion table.
+      architecture, model_type: HF ``architectures[0]`` and ``model_type`` written.
+      from_hf: :data:`FromHF`, the family's part of reading ``config.json``.
+      to_hf: ``ModelConfig -> dict``, the family's ``config.json`` fields beyond the
+        ones every family writes (they override those).
+      default_norm_eps, default_tied, default_attention_bias: the HF config class's
+        defaults of ``rms_norm_eps``, ``tie_word_embeddings`` and ``attention_bias``.
+      writes_layer_types: whether ``config.json`` gets ``layer_types``.
+      read_architectures, read_model_types: further HF names read as this family
+        (a multimodal wrapper of the text model).
+      wrap_hf: ``(cfg, text config) -> config.json`` of the multimodal wrapper, for
+        writing under a wrapper's key prefix; ``None`` when the family has none.
+      oracle: see :class:`HFOracle`.
+    """
+
+    name: str
+    presets: Mapping[str, Callable[[], ModelConfig]]
+    table: Table
+    architecture: str
+    model_type: str
+    from_hf: FromHF
+    to_hf: Callable[[ModelConfig], dict[str, Any]]
+    default_norm_eps: float
+    oracle: HFOracle
+    default_tied: bool = False
+    default_attention_bias: bool = False
+    writes_layer_types: bool = False
+    read_architectures: tuple[str, ...] = ()
+    read_model_types: tuple[str, ...] = ()
+    wrap_hf: Callable[[ModelConfig, dict[str, Any]], dict[str, Any]] | None = None
+
+    @property
+    def tiny(self) -> str:
+        """The name of the CPU-sized preset the tests and the CLI default to."""
+        return f"{self.name}-tiny"
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """Every HF on-disk layout: the table's, plus ``multimodal`` with a wrapper."""
+        return self.table.layouts + (("multimodal",) if self.wrap_hf else ())
+
+
+def _registry() -> dict[str, Family]:
+    from posttrain.families import gemma4, gpt_oss, llama3, mixtral, qwen3, qwen3_moe
+
+    modules = (llama3, qwen3, qwen3_moe, mixtral, gemma4, gpt_oss)
+    return {m.FAMILY.name: m.FAMILY for m in modules}
+
+
+FAMILIES: dict[str, Family] = _registry()
+NAMES: tuple[str, ...] = tuple(FAMILIES)
+
+
+def get(name: str) -> Family:
+    """The family ``name``.
+
+    Raises:
+      KeyError: unknown family (the message lists the known ones).
+    """
+    if name not in FAMILIES:
+        raise KeyError(f"unknown family {name!r}; expected one of {', '.join(NAMES)}")
+    return FAMILIES[name]
+
+
+def by_architecture(architecture: str) -> Family | None:
+    """The family HF ``architectures[0]`` belongs to, if any."""
+    for family in FAMILIES.values():
+        if architecture in (family.architecture, *family.read_architectures):
+            return family
+    return None
+
+
+def by_model_type(model_type: str) -> Family | None:
+    """The family of an HF ``model_type``, if any."""
+    for family in FAMILIES.values():
+        if model_type in (family.model_type, *family.read_model_types):
+            return family
+    return None
+
+
+def architectures() -> list[str]:
+    """Every HF architecture read, sorted (for messages)."""
+    return sorted(a for f in FAMILIES.values() for a in (f.architecture, *f.read_architectures))
+
+
+def model_types() -> list[str]:
+    """Every HF ``model_type`` read, sorted (for messages)."""
+    return sorted(m for f in FAMILIES.values() for m in (f.model_type, *f.read_model_types))
+
+
+def presets() -> dict[str, Callable[[], ModelConfig]]:
+    """Every preset of every family, by name."""
+    return {name: factory for f in FAMILIES.values() for name, factory in f.presets.items()}

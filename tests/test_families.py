@@ -1,0 +1,139 @@
+"""Every registered family has every part (README, "Adding a family").
+
+A family is one module in ``posttrain/families/``; this test is what tells its author
+that a part is missing: the presets (a ``-tiny`` one within the gate's budget), a table
+that covers the model in every layout, an HF config that round-trips, HF names that
+resolve back to the family, and the transformers classes of its test oracle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+
+from posttrain import conversion, families
+from posttrain.conversion import NativeMeta, hf_config
+from posttrain.conversion import safetensors_io as sio
+from posttrain.models import presets
+
+# The gate runs every tiny preset in dozens of tests: the budget that keeps it fast.
+MAX_TINY_PARAMS = 300_000
+MAX_TINY_LAYERS = 2
+
+
+@contextlib.contextmanager
+def registered(family: families.Family):
+    """``family`` in the registry (replacing its namesake) for the ``with`` block."""
+    saved = families.FAMILIES
+    families.FAMILIES = {**saved, family.name: family}
+    try:
+        yield
+    finally:
+        families.FAMILIES = saved
+
+
+def missing_parts(family: families.Family) -> list[str]:
+    """What ``family`` lacks or gets wrong, one phrase per problem (empty when whole)."""
+    with registered(family):
+        return _missing_parts(family)
+
+
+def _missing_parts(family: families.Family) -> list[str]:
+    problems = []
+    if family.tiny not in family.presets:
+        return [f"no {family.tiny!r} preset"]
+    for name, factory in family.presets.items():
+        if not name.startswith(f"{family.name}-"):
+            problems.append(f"preset {name!r} does not start with {family.name!r}")
+        if factory().family != family.name:
+            problems.append(f"preset {name!r} has family {factory().family!r}")
+    cfg = family.presets[family.tiny]()
+    n_params = sum(int(np.prod(v.shape)) for v in conversion.abstract_params(cfg).values())
+    if n_params > MAX_TINY_PARAMS or cfg.num_layers > MAX_TINY_LAYERS:
+        problems.append(f"{family.tiny} has {n_params} params in {cfg.num_layers} layers")
+    try:
+        written = hf_config.to_hf_config(cfg)
+        if hf_config.hf_view(hf_config.from_hf_config(written)) != hf_config.hf_view(cfg):
+            problems.append("its HF config does not read back as the preset")
+        if hf_config.family_of(written) != family.name:
+            problems.append(f"its HF config reads as {hf_config.family_of(written)!r}")
+    except conversion.ConversionError as error:
+        problems.append(f"HF config: {error}")
+    infos = {
+        k: sio.OutputSpec(k, sio.CODES[np.dtype(v.dtype)], tuple(v.shape))
+        for k, v in conversion.abstract_params(cfg).items()
+    }
+    for layout in family.table.layouts:
+        for prefix in family.table.prefixes:
+            try:
+                conversion.plan_to_hf(NativeMeta(cfg), infos, layout=layout, prefix=prefix)
+            except conversion.ConversionError as error:
+                problems.append(f"table, {layout} layout, prefix {prefix!r}: {error}")
+    if family.wrap_hf is None and len(family.table.prefixes) > 1:
+        problems.append("more than one key prefix but no multimodal wrapper (wrap_hf)")
+    return problems
+
+
+@pytest.mark.parametrize("name", families.NAMES)
+def test_every_family_has_every_part(name):
+    assert missing_parts(families.get(name)) == []
+
+
+def test_a_family_without_its_parts_is_told_what_is_missing():
+    """Teeth: the check names a missing tiny preset, a misnamed preset, a table that does
+    not cover the model and a config writer that loses a field."""
+    llama = families.get("llama3")
+    assert missing_parts(dataclasses.replace(llama, presets={})) == ["no 'llama3-tiny' preset"]
+    renamed = dict(llama.presets, **{"tiny-llama": llama.presets["llama3-tiny"]})
+    assert "preset 'tiny-llama' does not start with 'llama3'" in missing_parts(
+        dataclasses.replace(llama, presets=renamed)
+    )
+    moe = families.get("mixtral")
+    dense_table = dataclasses.replace(moe, table=llama.table)
+    assert any("table, hub layout" in p for p in missing_parts(dense_table))
+
+
+def test_a_to_hf_hook_that_drops_a_field_is_caught():
+    qwen3 = families.get("qwen3")
+
+    def lossy(cfg):
+        out = qwen3.to_hf(cfg)
+        out["rope_parameters"] = {"rope_type": "default"}  # theta lost
+        return out
+
+    broken = dataclasses.replace(qwen3, to_hf=lossy)
+    assert any("cannot be written as an HF config" in p for p in missing_parts(broken))
+
+
+def test_every_consumer_reads_the_registry():
+    """The presets, the HF names and the test strategies list exactly the registered
+    families (a family added to the registry reaches all of them)."""
+    from tests import strategies
+
+    assert presets.FAMILIES == families.NAMES == strategies.CONVERSION_FAMILIES
+    assert set(presets.PRESETS) == {p for f in families.FAMILIES.values() for p in f.presets}
+    assert presets.TINY_PRESETS == tuple(f"{n}-tiny" for n in families.NAMES)
+    for family in families.FAMILIES.values():
+        for arch in (family.architecture, *family.read_architectures):
+            assert hf_config.family_of({"architectures": [arch]}) == family.name
+        for model_type in (family.model_type, *family.read_model_types):
+            assert hf_config.family_of({"model_type": model_type}) == family.name
+
+
+@pytest.mark.reference
+@pytest.mark.parametrize("name", families.NAMES)
+def test_the_oracle_names_transformers_classes(name):
+    """The reference tests build each family's tiny model from these names."""
+    import transformers
+
+    family = families.get(name)
+    config_class = getattr(transformers, family.oracle.config_class)
+    model_class = getattr(transformers, family.oracle.model_class)
+    assert model_class.__name__ == family.architecture
+    assert model_class.config_class is config_class
+    assert config_class.model_type == family.model_type
+    for arch in family.read_architectures:
+        assert getattr(transformers, arch).__name__ == arch
