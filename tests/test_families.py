@@ -115,7 +115,7 @@ def test_every_consumer_reads_the_registry():
 
     assert presets.FAMILIES == families.NAMES == strategies.CONVERSION_FAMILIES
     assert set(presets.PRESETS) == {p for f in families.FAMILIES.values() for p in f.presets}
-    assert presets.TINY_PRESETS == tuple(f"{n}-tiny" for n in families.NAMES)
+    assert tuple(f"{n}-tiny" for n in families.NAMES) == presets.TINY_PRESETS
     for family in families.FAMILIES.values():
         for arch in (family.architecture, *family.read_architectures):
             assert hf_config.family_of({"architectures": [arch]}) == family.name
