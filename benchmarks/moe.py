@@ -29,9 +29,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.config import MoEConfig
+from posttrain.config import ActivationConfig, ModelConfig, MoEConfig
 from posttrain.layers.mlp import gated_activation
 from posttrain.layers.moe import MoEBlock, default_block_size
+
+SILU = ActivationConfig("silu", ModelConfig.swiglu_alpha, ModelConfig.swiglu_limit)
 
 
 def _time_interleaved(calls: dict, repeats: int) -> dict[str, float]:
@@ -59,7 +61,7 @@ def _block_forward(args, algorithm: str, x: jax.Array):
         algorithm=algorithm,
         block_size=args.block_size,
     )
-    block = MoEBlock(args.d_model, cfg, "silu", rngs=nnx.Rngs(0))
+    block = MoEBlock(args.d_model, cfg, SILU, norm_eps=1e-6, rngs=nnx.Rngs(0))
     graph, state = nnx.split(block)
 
     @jax.jit
@@ -79,7 +81,7 @@ def _matmul_forward(args):
 
     @jax.jit
     def forward(x, gate, up, down):
-        hidden = gated_activation(x @ gate, x @ up, "silu")  # [T*R, F]
+        hidden = gated_activation(x @ gate, x @ up, SILU)  # [T*R, F]
         return hidden @ down  # [T*R, D]
 
     return forward, (x, gate, up, down)

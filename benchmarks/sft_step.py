@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     from posttrain import sharding
     from posttrain.models import build_model, get_config
     from posttrain.sft import data, default_data, loss, tokenizer
-    from posttrain.sft.trainer import SFTTrainer
+    from posttrain.sft.trainer import SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
     batch_size = args.per_device_batch_size * sharding.data_parallel_size(mesh)
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         return cls(model, optax.adamw(1e-4), config, **kwargs)
 
     with sharding.use_mesh(mesh):
-        ours = make(SFTTrainer, mesh=mesh)
+        ours = make(SFTTrainer, options=SFTOptions(mesh=mesh))
         theirs = make(peft_trainer.PeftTrainer)
         placed = {
             "SFTTrainer": ours._prepare_inputs(ours_batch),

@@ -21,11 +21,8 @@ from contracts import tunix_emulation as te  # noqa: E402
 from posttrain import sharding  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.sft import data, default_data, tokenizer, tunix_compat  # noqa: E402
-from posttrain.sft.trainer import (  # noqa: E402
-    OptimizerStateCheckpoints,
-    SFTTrainer,
-    sft_trainer_class,
-)
+from posttrain.sft.trainer import SFTOptions, SFTTrainer, sft_trainer_class  # noqa: E402
+from posttrain.sft.tunix_compat import OptimizerStateCheckpoints  # noqa: E402
 
 # installed: the installed release's own train() (bound2 on 0.1.6/0.1.7, positional3
 # before); the other conventions are emulated, so all of them run whatever is installed.
@@ -69,7 +66,7 @@ def make_trainer(base, ga, *, tx=None, steps=2, seed=0, checkpoint_root=None):
         gradient_accumulation_steps=ga if ga > 1 else None,
         checkpoint_root_directory=checkpoint_root,
     )
-    return cls(model, tx or optax.sgd(0.1), config, mesh=mesh), mesh
+    return cls(model, tx or optax.sgd(0.1), config, options=SFTOptions(mesh=mesh)), mesh
 
 
 def params(model) -> dict[str, np.ndarray]:
@@ -225,7 +222,12 @@ class FourthConvention(tunix.PeftTrainer):
 def test_an_unknown_convention_fails_at_construction_naming_what_was_found():
     cls = sft_trainer_class(FourthConvention)
     with pytest.raises(tunix_compat.UnknownConventionError) as e:
-        cls(None, optax.sgd(0.1), tunix.TrainingConfig(eval_every_n_steps=1), mesh=None)
+        cls(
+            None,
+            optax.sgd(0.1),
+            tunix.TrainingConfig(eval_every_n_steps=1),
+            options=SFTOptions(mesh=None),
+        )
     message = str(e.value)
     assert "calls step(train_example, self._iter_steps)" in message
     assert "unpacks 4 values" in message and "\n" not in message
@@ -237,7 +239,9 @@ def test_optimizer_state_checkpoints_fill_in_for_releases_that_skip_it(tmp_path)
     root = str(tmp_path / "checkpoints")
     first, _ = make_trainer(None, ga=2, tx=optax.adam(1e-2), checkpoint_root=root)
     if not isinstance(first.checkpoint_manager, OptimizerStateCheckpoints):  # 0.1.6+: force it
-        first.checkpoint_manager = OptimizerStateCheckpoints(first.checkpoint_manager, root, first)
+        first.checkpoint_manager = OptimizerStateCheckpoints(
+            first.checkpoint_manager, root, lambda: first.optimizer
+        )
     first.train(data.batches(rows(), 8, 2))  # 2 steps, saved at close()
 
     def opt_state(trainer):
@@ -246,7 +250,7 @@ def test_optimizer_state_checkpoints_fill_in_for_releases_that_skip_it(tmp_path)
     want = [np.asarray(x) for x in jax.tree.leaves(opt_state(first))]
     second, _ = make_trainer(None, ga=2, tx=optax.adam(1e-2), checkpoint_root=root)
     assert second.train_steps == 2
-    wrapper = OptimizerStateCheckpoints(second.checkpoint_manager, root, second)
+    wrapper = OptimizerStateCheckpoints(second.checkpoint_manager, root, lambda: second.optimizer)
     nnx.update(second.optimizer, jax.tree.map(jnp.zeros_like, opt_state(second)))
     wrapper.restore(2)
     got = [np.asarray(x) for x in jax.tree.leaves(opt_state(second))]

@@ -41,13 +41,14 @@ from pathlib import Path
 from typing import Any
 
 from harness.devices import DISTRIBUTIONS, suite_env
+from posttrain.sft import tunix_compat
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRIES_FILE = REPO / "compat" / "entries.toml"
 DEFAULT_CACHE = Path(
     os.environ.get("POSTTRAIN_MATRIX_CACHE", Path.home() / ".cache" / "posttrain-harness" / "envs")
 )
-CONVENTIONS = ("positional3", "bound2", "bound3_update")
+CONVENTIONS: tuple[str, ...] = tuple(tunix_compat.KNOWN.values())
 FLAVOURS = ("current", "era", "emulated")
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100")
 SFT_ARGS = (

@@ -16,6 +16,7 @@ from flax import nnx
 from posttrain import _compat
 from posttrain.config import ModelConfig
 from posttrain.models import CausalLM
+from posttrain.tree import path_name
 
 
 def is_variable(x) -> bool:
@@ -40,7 +41,7 @@ def model_with_path_values(cfg: ModelConfig, rounded_to: str | None = None) -> C
     model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
 
     def fill(path, variable):
-        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        name = path_name(path)
         abstract = _compat.variable_value(variable)
         value = path_value(name, abstract.shape, rounded_to or abstract.dtype)
         return variable.replace(jnp.asarray(value, abstract.dtype))

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posttrain import _compat, sharding
+from posttrain.config import RematPolicy, choices
 from posttrain.models import (
     CausalLM,
     build_model,
@@ -23,8 +24,9 @@ from posttrain.models import (
     stack_layers,
     unstack_layers,
 )
+from posttrain.models.decoder import REMAT_POLICIES
 from posttrain.models.presets import TINY_PRESETS
-from tests.strategies import mesh_id, meshes
+from tests.strategies import factorisations, mesh_id, meshes
 from tests.tracing import tracer_sharding_reads
 
 # fp32 forward on 8 fake CPU devices vs 1: reduction order differs across shards,
@@ -167,15 +169,16 @@ def loss_and_grads(model: CausalLM, tokens):
     ids=["qwen3_moe-unscanned", "qwen3-scanned", "gemma4-scanned"],
 )
 def test_remat_policies_same_loss_and_grads(name, scan):
-    """Remat none/full/save_dots give the same loss and gradients."""
+    """Every remat policy (none/full/save_dots) gives the same loss and gradients."""
     cfg = get_config(name, scan_layers=scan)
     if cfg.moe is not None and not scan:  # the dense expert path; sorted (default) when scanned
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, algorithm="dense"))
     tokens = tokens_for(cfg, batch=2)
     flat = flat_params(build_model(cfg))
+    assert set(REMAT_POLICIES) == set(choices(RematPolicy))  # every policy tested and built
     results = {
         policy: loss_and_grads(model_with(cfg.replace(remat=policy), flat), tokens)
-        for policy in ("none", "full", "save_dots")
+        for policy in choices(RematPolicy)
     }
     loss0, grads0 = results["none"]
     for policy in ("full", "save_dots"):
@@ -226,3 +229,40 @@ def test_parameters_name_only_known_logical_axes():
     with pytest.raises(ValueError, match="param logical axis 'EMBED' is not one of"):
         sharding.param(nnx.Rngs(0), nnx.initializers.zeros, (4, 2), ("EMBED", "exp"))
     assert sharding.param(nnx.Rngs(0), nnx.initializers.zeros, (4,), (None,)).shape == (4,)
+
+
+CHECKED_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "exp")  # what check_mesh reads
+
+
+@st.composite
+def custom_rules(draw) -> sharding.Rules:
+    """The default rules with each name ``check_mesh`` reads sent to 0-2 drawn mesh axes."""
+    axes = ("data", "fsdp", "fsdp_transpose", "expert", "tensor")
+    custom = {
+        name: tuple(draw(st.lists(st.sampled_from(axes), max_size=2, unique=True)))
+        for name in CHECKED_AXES
+    }
+    return tuple((n, custom.get(n, a)) for n, a in sharding.DEFAULT_RULES)
+
+
+@functools.cache
+def abstract_state(name: str) -> nnx.State:
+    cfg = get_config(name)
+    return nnx.state(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
+
+
+@pytest.mark.devices(8)
+@settings(max_examples=10 * settings().max_examples, deadline=None)  # ~5 ms each
+@given(
+    name=st.sampled_from(TINY_PRESETS),
+    rules=custom_rules(),
+    mesh_shape=st.sampled_from(factorisations(8, ("fsdp", "fsdp_transpose", "expert", "tensor"))),
+)
+def test_a_mesh_check_mesh_accepts_shards_every_parameter(name, rules, mesh_shape):
+    """check_mesh is sound under any rules: when it accepts a mesh, every parameter
+    of the model shards on it (each dimension through ``logical_to_spec``)."""
+    try:
+        get_config(name).check_mesh(mesh_shape, rules)
+    except ValueError:
+        return
+    sharding.state_shardings(abstract_state(name), sharding.make_mesh(mesh_shape), rules)

@@ -14,7 +14,7 @@ from flax import nnx
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from posttrain.config import MoEConfig
+from posttrain.config import ActivationConfig, ModelConfig, MoEConfig
 from posttrain.layers.moe import (
     MoEBlock,
     block_layout,
@@ -50,7 +50,15 @@ def params64(block: MoEBlock) -> dict[str, np.ndarray]:
     return {param_name(path): np.asarray(leaf, np.float64) for path, leaf in leaves}
 
 
-def build(cfg: MoEConfig, activation: str, seed: int, **kw) -> MoEBlock:
+def build(
+    cfg: MoEConfig,
+    activation: str,
+    seed: int,
+    *,
+    swiglu_alpha: float = ModelConfig.swiglu_alpha,
+    swiglu_limit: float = ModelConfig.swiglu_limit,
+    **kw,
+) -> MoEBlock:
     """An ``MoEBlock`` (d_model 5) whose parameters are drawn from a seeded RNG.
 
     Built abstractly (no init compile), then filled away from the init values:
@@ -58,7 +66,14 @@ def build(cfg: MoEConfig, activation: str, seed: int, **kw) -> MoEBlock:
     wrongly or not at all.
     """
     abstract = nnx.eval_shape(
-        lambda: MoEBlock(D_MODEL, cfg, activation, norm_eps=NORM_EPS, rngs=nnx.Rngs(0), **kw)
+        lambda: MoEBlock(
+            D_MODEL,
+            cfg,
+            ActivationConfig(activation, swiglu_alpha, swiglu_limit),
+            norm_eps=NORM_EPS,
+            rngs=nnx.Rngs(0),
+            **kw,
+        )
     )
     graphdef, state = nnx.split(abstract)
     rng = np.random.default_rng(seed)
@@ -524,7 +539,6 @@ def test_default_block_size(assignments, experts, expected):
 
 
 def test_unknown_activation_is_rejected():
-    """MoEBlock names a bad activation in its ValueError."""
-    cfg = MoEConfig(num_experts=2, top_k=1, moe_d_ff=D_FF)
+    """The activation config an MoEBlock takes names a bad activation in its ValueError."""
     with pytest.raises(ValueError, match="'relu'"):
-        MoEBlock(D_MODEL, cfg, "relu", rngs=nnx.Rngs(0))
+        ActivationConfig("relu", 1.702, 7.0)

@@ -21,7 +21,7 @@ tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is no
 from posttrain import sharding  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.sft import data  # noqa: E402
-from posttrain.sft.trainer import SFTTrainer  # noqa: E402
+from posttrain.sft.trainer import SFTOptions, SFTTrainer  # noqa: E402
 
 MESH = {"fsdp": jax.device_count() // 2, "expert": 2}
 
@@ -43,7 +43,7 @@ def trainer_for(aux_loss_weight: float, **kwargs) -> SFTTrainer:
     mesh = sharding.make_mesh(MESH)
     model = build_model(cfg, mesh, seed=3)
     config = tunix.TrainingConfig(eval_every_n_steps=1000, max_steps=1)
-    return SFTTrainer(model, optax.sgd(0.1), config, mesh=mesh, **kwargs)
+    return SFTTrainer(model, optax.sgd(0.1), config, options=SFTOptions(mesh=mesh, **kwargs))
 
 
 @functools.cache

@@ -15,8 +15,8 @@ pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not instal
 
 from posttrain import _compat, cli  # noqa: E402
 from posttrain.conversion import load_native  # noqa: E402
+from posttrain.sft.metrics import LearningRate  # noqa: E402
 from posttrain.sft.run import SFTConfig, run_sft  # noqa: E402
-from posttrain.sft.trainer import SFTTrainer  # noqa: E402
 
 
 def records(path):
@@ -56,13 +56,14 @@ def test_cli_embedded_run_trains_and_writes_checkpoint_and_metrics(tmp_path, cap
 )
 def test_logged_learning_rate_is_jitted_when_the_schedule_traces(schedule, want, jitted):
     """The logged learning rate: a traceable schedule through one jit, any other eagerly;
-    a replaced schedule is the one logged."""
-    trainer = object.__new__(SFTTrainer)
-    trainer.learning_rate_fn, trainer._learning_rate_jit = schedule, None
-    assert [trainer._learning_rate(step) for step in range(5)] == pytest.approx(want)
-    assert (trainer._learning_rate_jit[1] is not None) is jitted
-    trainer.learning_rate_fn = lambda step: 0.125
-    assert trainer._learning_rate(3) == 0.125
+    a schedule that raises a TypeError of its own is not hidden by the eager retry."""
+    learning_rate = LearningRate(schedule)
+    assert [learning_rate(step) for step in range(5)] == pytest.approx(want)
+    assert (learning_rate._jitted is not None) is jitted
+    assert LearningRate(lambda step: 0.125)(3) == 0.125
+    assert LearningRate(None)(3) is None
+    with pytest.raises(TypeError, match=r"can only concatenate str \(not \"int\"\)"):
+        LearningRate(lambda step: "not a schedule" + step)(0)
 
 
 def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path, monkeypatch):

@@ -236,6 +236,12 @@ def multisteps_window_gradient(opt_state, grads):
     return jax.tree.unflatten(treedef, mean)
 
 
+def module_dtypes(cfg) -> tuple[type, type]:
+    """``(compute dtype, param dtype)`` of ``cfg`` (a ``ModelConfig``) as
+    :func:`module_dtype` scalar types, what every module of the model is built with."""
+    return module_dtype(cfg.dtype), module_dtype(cfg.param_dtype)
+
+
 def module_dtype(name) -> type:
     """The JAX scalar type (``jnp.float32``, ``jnp.bfloat16``, ...) for a dtype name or dtype.
 

@@ -21,6 +21,8 @@ import os
 import sys
 import time
 
+from posttrain.config import RematPolicy, choices
+
 
 def _set_devices(count: str) -> None:
     """Fake CPU devices before JAX is imported (this is a program entry point)."""
@@ -265,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--warmup-steps", type=int, default=5)
     sft.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     sft.add_argument("--lora-alpha", type=float, default=None, help="default 2 x rank")
-    sft.add_argument("--remat", default="none", choices=("none", "full", "save_dots"))
+    sft.add_argument("--remat", default="none", choices=choices(RematPolicy))
     sft.add_argument("--scan", action="store_true", help="scan_layers=True")
     sft.add_argument("--seed", type=int, default=0)
     sft.add_argument("--save-every", type=int, default=50, help="checkpoint interval (steps)")
@@ -309,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     fwd.add_argument("--per-device-batch-size", type=int, default=1)
     fwd.add_argument("--seq", type=int, default=64)
     fwd.add_argument("--scan", action="store_true", help="scan_layers=True")
-    fwd.add_argument("--remat", default="none", choices=("none", "full", "save_dots"))
+    fwd.add_argument("--remat", default="none", choices=choices(RematPolicy))
     fwd.add_argument("--repeats", type=int, default=5)
     fwd.add_argument("--seed", type=int, default=0)
 

@@ -12,10 +12,9 @@ module only uses the field's standard terms.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from typing import Literal
-
-from posttrain import sharding
 
 RopeKind = Literal["default", "llama3", "yarn", "proportional"]
 LayerType = Literal["full", "sliding"]
@@ -196,6 +195,34 @@ class MoEConfig:
             _fail(f"block_size={self.block_size} must be >= 1 or None")
 
 
+def choices(literal) -> tuple[str, ...]:
+    """The values of a ``Literal`` type, e.g. ``choices(RematPolicy)`` for a CLI's ``choices=``."""
+    return typing.get_args(literal)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationConfig:
+    """The gated-MLP nonlinearity of the dense MLP and of the routed and shared experts
+    (:func:`posttrain.layers.mlp.gated_activation`); built by
+    :attr:`ModelConfig.activation_config`.
+
+    Attributes:
+      kind: ``silu`` (SwiGLU), ``gelu_tanh`` (GeGLU) or ``clamped_swiglu`` (GPT-OSS).
+      swiglu_alpha, swiglu_limit: the clamped SwiGLU's constants (ignored by the others).
+
+    Raises:
+      ValueError: an unknown ``kind``.
+    """
+
+    kind: Activation
+    swiglu_alpha: float
+    swiglu_limit: float
+
+    def __post_init__(self):
+        if self.kind not in choices(Activation):
+            _fail(f"activation={self.kind!r} must be one of {', '.join(choices(Activation))}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only causal LM.
@@ -212,6 +239,8 @@ class ModelConfig:
       activation: ``silu`` (SwiGLU), ``gelu_tanh`` (GeGLU) or ``clamped_swiglu``
         (GPT-OSS: gate clamped above at ``swiglu_limit``, up clamped to
         +-limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate)).
+      swiglu_alpha, swiglu_limit: the clamped SwiGLU's constants; the defaults are
+        HF ``GptOssExperts``' (``alpha = 1.702``, ``limit = 7.0``, transformers 5.12.1).
       mlp_bias: biases on dense MLP projections.
       moe: MoE config; ``None`` for a dense model.
       dense_mlp_with_moe: Gemma 4 layer: a dense MLP runs beside the experts,
@@ -276,10 +305,9 @@ class ModelConfig:
             _fail(f"d_ff={self.d_ff} must be >= 1 for a dense model")
         if self.dense_mlp_with_moe and (self.moe is None or self.d_ff < 1):
             _fail("dense_mlp_with_moe=True needs a moe config and d_ff >= 1")
-        if self.activation not in ("silu", "gelu_tanh", "clamped_swiglu"):
-            _fail(f"activation={self.activation!r} must be silu, gelu_tanh or clamped_swiglu")
-        if self.remat not in ("none", "full", "save_dots"):
-            _fail(f"remat={self.remat!r} must be none, full or save_dots")
+        self.activation_config  # noqa: B018 (validates the activation)
+        if self.remat not in choices(RematPolicy):
+            _fail(f"remat={self.remat!r} must be one of {', '.join(choices(RematPolicy))}")
         if self.final_logit_softcap is not None and self.final_logit_softcap <= 0:
             _fail(f"final_logit_softcap={self.final_logit_softcap} must be > 0 or None")
         if self.scan_layers and self.num_layers % self.layer_period:
@@ -297,23 +325,37 @@ class ModelConfig:
                 return p
         return len(types)
 
+    @property
+    def activation_config(self) -> ActivationConfig:
+        """The MLP nonlinearity every MLP and expert of the model uses."""
+        return ActivationConfig(self.activation, self.swiglu_alpha, self.swiglu_limit)
+
     def replace(self, **changes) -> ModelConfig:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
 
-    def check_mesh(self, mesh_shape: Mapping[str, int], rules=sharding.DEFAULT_RULES) -> None:
+    def check_mesh(self, mesh_shape: Mapping[str, int], rules=None) -> None:
         """Checks that every sharded model dimension divides by its mesh axes.
+
+        The axes of each dimension are :func:`posttrain.sharding.logical_to_spec`'s, the
+        function that shards the parameters, so the two agree under any ``rules``
+        (default :data:`posttrain.sharding.DEFAULT_RULES`).
 
         Raises:
           ValueError: naming the dimension, e.g. "num_kv_heads=2 is not divisible
             by mesh axes tensor=4".
         """
-        table = sharding.rules_dict(rules)
+        from posttrain import sharding  # here: it imports jax, this module does not
+
+        rules = sharding.DEFAULT_RULES if rules is None else rules
 
         def check(label: str, size: int, logical: str) -> None:
-            axes = [a for a in table.get(logical, ()) if mesh_shape.get(a, 1) > 1]
-            n = sharding.axis_product(mesh_shape, axes)
-            if size % n:
+            try:
+                sharding.logical_to_spec((logical,), (size,), mesh_shape, rules)
+            except ValueError:
+                (entry,) = sharding.logical_to_spec((logical,), None, mesh_shape, rules)
+                axes = (entry,) if isinstance(entry, str) else entry
+                n = sharding.axis_product(mesh_shape, axes)
                 _fail(f"{label}={size} is not divisible by mesh axes {'x'.join(axes)}={n}")
 
         check("vocab_size", self.vocab_size, "vocab")

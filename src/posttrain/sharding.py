@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import _compat
+from posttrain.tree import path_name
 
 MESH_AXES: tuple[str, ...] = (
     "data",
@@ -52,6 +53,9 @@ SEQUENCE_AXES: tuple[str, ...] = ("tensor_sequence", "context")
 """Axes that shard the activation sequence dimension under :data:`DEFAULT_RULES`."""
 
 LogicalAxes = tuple[str | None, ...]
+
+ACTIVATION_AXES: LogicalAxes = ("activation_batch", "activation_length", "activation_embed")
+"""The logical axes of the residual stream ``[batch, length, d_model]``."""
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 DEFAULT_RULES: Rules = (
@@ -122,6 +126,19 @@ def data_parallel_size(mesh: Mesh | Mapping[str, int], rules: Rules = DEFAULT_RU
     """
     shape = mesh.shape if isinstance(mesh, Mesh) else mesh
     return axis_product(shape, rules_dict(rules).get("activation_batch", ()))
+
+
+def batch_spec(mesh: Mesh | Mapping[str, int], rules: Rules = DEFAULT_RULES) -> PartitionSpec:
+    """The ``PartitionSpec`` of a ``[batch, ...]`` array: its leading dimension over the
+    mesh axes of the ``activation_batch`` rule that ``mesh`` has (``PartitionSpec()``,
+    replicated, when it has none); the other dimensions replicated."""
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    return logical_to_spec(("activation_batch",), None, dict(shape), rules)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """:func:`batch_spec` on ``mesh``: where the trainer puts each batch."""
+    return NamedSharding(mesh, batch_spec(mesh, rules))
 
 
 def sequence_parallel_size(mesh: Mesh | Mapping[str, int], rules: Rules = DEFAULT_RULES) -> int:
@@ -343,8 +360,7 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) 
                 shape = np.shape(_compat.variable_value(variable))
                 spec = logical_to_spec(axes, shape, mesh_shape, rules)
             except ValueError as e:
-                name = ".".join(str(getattr(k, "key", k)) for k in path)
-                raise ValueError(f"{name}: {e}") from None
+                raise ValueError(f"{path_name(path)}: {e}") from None
         return variable.replace(NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(

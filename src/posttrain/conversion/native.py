@@ -36,6 +36,7 @@ from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 from posttrain.conversion import safetensors_io as sio
 from posttrain.conversion.errors import ConversionError, check_source_dir, read_json_object
 from posttrain.models import CausalLM, stack_layers, unstack_layers
+from posttrain.tree import path_name
 
 FORMAT, FORMAT_VERSION, STEM = "posttrain-native", 1, "params"
 
@@ -58,10 +59,6 @@ def config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
     return ModelConfig(**d)
 
 
-def _path_name(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def _param_leaves(state):
     return jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -81,7 +78,7 @@ def abstract_params(cfg: ModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
         if len(_ABSTRACT) >= 64:
             _ABSTRACT.pop(next(iter(_ABSTRACT)))
         _ABSTRACT[key] = {
-            _path_name(p): _compat.variable_value(v)
+            path_name(p): _compat.variable_value(v)
             for p, v in _param_leaves(nnx.state(model, nnx.Param))
         }
     return dict(_ABSTRACT[key])
@@ -220,7 +217,7 @@ def load_native(src: str | os.PathLike, **overrides) -> CausalLM:
     seen = set()
 
     def fill(path, variable):
-        name = _path_name(path)
+        name = path_name(path)
         want = _compat.variable_value(variable)
         if name not in params:
             raise ConversionError(f"{src}: parameter {name} is missing")

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import _compat, sharding
+from posttrain.config import ActivationConfig
 
 _KERNEL_INIT = nnx.initializers.lecun_normal()
 
@@ -31,34 +32,24 @@ def kernel_value(kernel, dtype):
     return value if value.dtype == dtype else value.astype(dtype)
 
 
-def gated_activation(
-    gate: jax.Array,
-    up: jax.Array,
-    kind: str,
-    *,
-    alpha: float = 1.702,
-    limit: float = 7.0,
-) -> jax.Array:
+def gated_activation(gate: jax.Array, up: jax.Array, act: ActivationConfig) -> jax.Array:
     """Combines gate and up projections ``[..., d_ff]`` into the hidden ``[..., d_ff]``.
 
     Args:
       gate, up: same shape and dtype.
-      kind: ``silu`` -> silu(gate) * up; ``gelu_tanh`` -> gelu_tanh(gate) * up;
-        ``clamped_swiglu`` (GPT-OSS) -> gate clipped above at ``limit``, up to
-        [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
-
-    Raises:
-      ValueError: unknown ``kind``.
+      act: ``act.kind`` ``silu`` -> silu(gate) * up; ``gelu_tanh`` -> gelu_tanh(gate) * up;
+        ``clamped_swiglu`` (GPT-OSS, HF ``GptOssExperts._apply_gate``) -> gate clipped above
+        at ``act.swiglu_limit``, up to [-limit, limit], then
+        (up + 1) * gate * sigmoid(``act.swiglu_alpha`` * gate).
     """
-    if kind == "silu":
+    if act.kind == "silu":
         return jax.nn.silu(gate) * up
-    if kind == "gelu_tanh":
+    if act.kind == "gelu_tanh":
         return jax.nn.gelu(gate, approximate=True) * up
-    if kind == "clamped_swiglu":
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-        return (up + 1) * gate * jax.nn.sigmoid(alpha * gate)
-    raise ValueError(f"activation {kind!r} must be silu, gelu_tanh or clamped_swiglu")
+    limit = act.swiglu_limit
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * gate * jax.nn.sigmoid(act.swiglu_alpha * gate)
 
 
 class Linear(nnx.Module):
@@ -109,25 +100,21 @@ class MLP(nnx.Module):
         self,
         d_model: int,
         d_ff: int,
-        activation: str,
+        activation: ActivationConfig,
         *,
         use_bias: bool = False,
-        alpha: float = 1.702,
-        limit: float = 7.0,
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     ):
-        self.activation, self.alpha, self.limit = activation, alpha, limit
+        self.activation = activation
         kw = dict(use_bias=use_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.gate_proj = Linear(d_model, d_ff, ("embed", "mlp"), **kw)
         self.up_proj = Linear(d_model, d_ff, ("embed", "mlp"), **kw)
         self.down_proj = Linear(d_ff, d_model, ("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = gated_activation(
-            self.gate_proj(x), self.up_proj(x), self.activation, alpha=self.alpha, limit=self.limit
-        )
+        hidden = gated_activation(self.gate_proj(x), self.up_proj(x), self.activation)
         hidden = sharding.constrain(
             hidden, ("activation_batch", "activation_length", "activation_mlp")
         )

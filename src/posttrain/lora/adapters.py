@@ -33,6 +33,7 @@ from posttrain.conversion.rows import expand
 from posttrain.conversion.safetensors_io import atomic_directory
 from posttrain.lora import layout
 from posttrain.models.decoder import stack_layers, unstack_layers
+from posttrain.tree import path_name
 
 CONFIG_FILE, ADAPTER_FILE = "lora_config.json", "lora_adapter.safetensors"
 PEFT_CONFIG_FILE, PEFT_ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"
@@ -64,7 +65,7 @@ def _describe(model: nnx.Module) -> dict:
 def _host(model) -> dict[str, np.ndarray]:
     state = nnx.state(model, nnx.LoRAParam)
     return {
-        layout.dotted(p): np.asarray(jax.device_get(_compat.variable_value(v)))
+        path_name(p): np.asarray(jax.device_get(_compat.variable_value(v)))
         for p, v in nnx.to_flat_state(state)
     }
 
@@ -114,7 +115,7 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
         cfg = model.config
         tensors = stack_layers(tensors, cfg) if cfg.scan_layers else unstack_layers(tensors, cfg)
     state = nnx.state(model, nnx.LoRAParam)
-    names = {layout.dotted(p) for p, _ in nnx.to_flat_state(state)}
+    names = {path_name(p) for p, _ in nnx.to_flat_state(state)}
     missing, extra = sorted(names - set(tensors)), sorted(set(tensors) - names)
     if missing or extra:
         raise ValueError(
@@ -123,10 +124,10 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
         )
 
     def one(path, var):
-        old, new = _compat.variable_value(var), tensors[layout.dotted(path)]
+        old, new = _compat.variable_value(var), tensors[path_name(path)]
         if new.shape != old.shape:
             raise ValueError(
-                f"adapter {layout.dotted(path)}: shape {list(new.shape)} != "
+                f"adapter {path_name(path)}: shape {list(new.shape)} != "
                 f"{list(old.shape)} in the model"
             )
         return var.replace(jax.device_put(new.astype(old.dtype), old.sharding))

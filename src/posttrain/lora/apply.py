@@ -48,6 +48,7 @@ from posttrain import _compat, sharding
 from posttrain.lora import layout
 from posttrain.lora.config import LoraConfig
 from posttrain.models.decoder import unrolled_layers
+from posttrain.tree import path_name
 
 _QARRAY_LEAVES = ("qvalue", "scale", "zero_point")
 
@@ -73,7 +74,7 @@ def module_paths(model: nnx.Module) -> list[str]:
 def lora_params(model: nnx.Module) -> dict[str, jax.Array]:
     """Every ``nnx.LoRAParam`` of ``model`` by dotted path (``...q_proj.kernel_lora_a``)."""
     state = nnx.state(model, nnx.LoRAParam)
-    return {layout.dotted(p): _compat.variable_value(v) for p, v in nnx.to_flat_state(state)}
+    return {path_name(p): _compat.variable_value(v) for p, v in nnx.to_flat_state(state)}
 
 
 def _example_paths(paths: list[str], limit: int = 24) -> str:
@@ -281,7 +282,7 @@ def _materialise(model, abstract, lora_config: LoraConfig, mesh, rules, *, weigh
             kernels.setdefault(path[:-2], {})[path] = var
         else:
             raise ValueError(
-                f"Qwix added {layout.dotted(path)} ({type(var).__name__}), which "
+                f"Qwix added {path_name(path)} ({type(var).__name__}), which "
                 f"apply_lora does not know how to place"
             )
     specs = _adapter_specs(adapters, weight_flat, abstract)
@@ -390,6 +391,6 @@ def _verify(model: nnx.Module) -> None:
     for path, var in nnx.to_flat_state(nnx.state(model)):
         if type(var) not in (nnx.Param, nnx.LoRAParam):
             raise ValueError(
-                f"after apply_lora, {layout.dotted(path)} is a {type(var).__name__}; "
+                f"after apply_lora, {path_name(path)} is a {type(var).__name__}; "
                 f"only Param and LoRAParam are expected (Qwix left state behind)"
             )

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import _compat, sharding
+from posttrain.tree import path_name
 
 LORA_A, LORA_B = "_lora_a", "_lora_b"
 
@@ -34,11 +35,6 @@ A_DIMS: dict[tuple[str, str], tuple[int, ...]] = {
     ("Experts", "down_proj"): (0, 1),  # tef,efd->td: A [E, F, r], B [r, D]
 }
 """(module class, weight name) -> the weight's dims (per layer) that adapter A covers."""
-
-
-def dotted(path) -> str:
-    """``('model', 'layers', 0, 'mlp')`` -> ``model.layers.0.mlp``."""
-    return ".".join(map(str, path))
 
 
 def walk(node, path):
@@ -72,7 +68,7 @@ class Adapter:
     @property
     def key(self) -> str:
         """Dotted path of the base weight, e.g. ``model.layers.0.self_attn.q_proj.kernel``."""
-        return dotted((*self.module, self.weight))
+        return path_name((*self.module, self.weight))
 
     def delta(self, scale: float) -> jax.Array:
         """``scale * A.B`` in the base weight's layout (float32)."""

@@ -17,6 +17,7 @@ from flax import nnx
 from posttrain import _compat
 from posttrain.lora import layout
 from posttrain.models.causal_lm import CausalLM
+from posttrain.tree import path_name
 
 
 def _scale(model: nnx.Module) -> float:
@@ -80,7 +81,7 @@ def _plain_model(cfg, values: dict[tuple, jax.Array]) -> CausalLM:
 def _shift(
     weights: dict[tuple, jax.Array], adapters: dict[str, layout.Adapter], scale: float, sign: int
 ) -> dict[tuple, jax.Array]:
-    by_key = {layout.dotted(path): path for path in weights}
+    by_key = {path_name(path): path for path in weights}
     missing = sorted(set(adapters) - set(by_key))
     if missing:
         raise ValueError(f"adapted weights {missing[:4]} are not in the model")

@@ -38,6 +38,7 @@ class CausalLM(nnx.Module):
         self.config = cfg
         self.lora_config = None
         self.model = Decoder(cfg, rngs=rngs)
+        dtype, param_dtype = _compat.module_dtypes(cfg)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -46,8 +47,8 @@ class CausalLM(nnx.Module):
                 cfg.vocab_size,
                 ("embed", "vocab"),
                 rngs=rngs,
-                dtype=_compat.module_dtype(cfg.dtype),
-                param_dtype=_compat.module_dtype(cfg.param_dtype),
+                dtype=dtype,
+                param_dtype=param_dtype,
             )
         )
 

@@ -32,7 +32,7 @@ from posttrain.layers.attention import attention_mask
 from posttrain.layers.embeddings import Embed
 from posttrain.layers.norms import RMSNorm
 from posttrain.layers.rope import rope_tables
-from posttrain.models.decoder_layer import ACTIVATION_AXES, DecoderLayer
+from posttrain.models.decoder_layer import DecoderLayer
 
 _UNROLLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "posttrain_unrolled_layers", default=False
@@ -129,7 +129,7 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        dtype, param_dtype = _compat.module_dtype(cfg.dtype), _compat.module_dtype(cfg.param_dtype)
+        dtype, param_dtype = _compat.module_dtypes(cfg)
         self.embed_tokens = Embed(
             cfg.vocab_size,
             cfg.d_model,
@@ -187,7 +187,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens, positions, padding_mask=None):
         cfg = self.cfg
-        x = sharding.constrain(self.embed_tokens(tokens), ACTIVATION_AXES)
+        x = sharding.constrain(self.embed_tokens(tokens), sharding.ACTIVATION_AXES)
         tables = self._tables(positions, padding_mask)
         if _UNROLLED.get():
             x, aux = self._call_unrolled(x, tables)

@@ -25,8 +25,6 @@ from posttrain.layers.mlp import MLP
 from posttrain.layers.moe import MoEBlock
 from posttrain.layers.norms import RMSNorm
 
-ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
-
 
 class DecoderLayer(nnx.Module):
     """A decoder layer of type ``layer_type`` (``full`` or ``sliding``) of ``cfg``.
@@ -36,7 +34,7 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_type: str, *, rngs: nnx.Rngs):
-        dtype, param_dtype = _compat.module_dtype(cfg.dtype), _compat.module_dtype(cfg.param_dtype)
+        dtype, param_dtype = _compat.module_dtypes(cfg)
         self.sandwich = cfg.sandwich_norm
         self.has_dense_and_moe = cfg.dense_mlp_with_moe
 
@@ -45,13 +43,7 @@ class DecoderLayer(nnx.Module):
                 cfg.d_model, eps=cfg.norm_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype
             )
 
-        mlp_kw = dict(
-            alpha=cfg.swiglu_alpha,
-            limit=cfg.swiglu_limit,
-            rngs=rngs,
-            dtype=dtype,
-            param_dtype=param_dtype,
-        )
+        mlp_kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.input_layernorm = norm()
         self.self_attn = Attention(
             cfg.d_model,
@@ -63,7 +55,7 @@ class DecoderLayer(nnx.Module):
         )
         self.post_attention_layernorm = norm()
         dense = (
-            MLP(cfg.d_model, cfg.d_ff, cfg.activation, use_bias=cfg.mlp_bias, **mlp_kw)
+            MLP(cfg.d_model, cfg.d_ff, cfg.activation_config, use_bias=cfg.mlp_bias, **mlp_kw)
             if (cfg.moe is None or cfg.dense_mlp_with_moe)
             else None
         )
@@ -71,13 +63,9 @@ class DecoderLayer(nnx.Module):
             MoEBlock(
                 cfg.d_model,
                 cfg.moe,
-                cfg.activation,
-                swiglu_alpha=cfg.swiglu_alpha,
-                swiglu_limit=cfg.swiglu_limit,
+                cfg.activation_config,
                 norm_eps=cfg.norm_eps,
-                rngs=rngs,
-                dtype=dtype,
-                param_dtype=param_dtype,
+                **mlp_kw,
             )
             if cfg.moe is not None
             else None
@@ -107,10 +95,10 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, cos, sin, mask):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, mask)
         if not self.sandwich:
-            h = sharding.constrain(x + attn, ACTIVATION_AXES)
+            h = sharding.constrain(x + attn, sharding.ACTIVATION_AXES)
             y, aux = self._mlp(self.post_attention_layernorm(h))
-            return sharding.constrain(h + y, ACTIVATION_AXES), aux
-        r = sharding.constrain(x + self.post_attention_layernorm(attn), ACTIVATION_AXES)
+            return sharding.constrain(h + y, sharding.ACTIVATION_AXES), aux
+        r = sharding.constrain(x + self.post_attention_layernorm(attn), sharding.ACTIVATION_AXES)
         if self.has_dense_and_moe:
             d = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(r)))
             e, aux = self.moe(self.pre_feedforward_layernorm_2(r), router_input=r)
@@ -120,4 +108,4 @@ class DecoderLayer(nnx.Module):
         out = r + self.post_feedforward_layernorm(y)
         if self.layer_scalar is not None:
             out = out * self.layer_scalar[...].astype(out.dtype)
-        return sharding.constrain(out, ACTIVATION_AXES), aux
+        return sharding.constrain(out, sharding.ACTIVATION_AXES), aux

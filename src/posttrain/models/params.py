@@ -17,10 +17,7 @@ from jax.sharding import Mesh
 from posttrain import _compat, sharding
 from posttrain.config import ModelConfig
 from posttrain.models.causal_lm import CausalLM
-
-
-def _path_name(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+from posttrain.tree import path_name
 
 
 def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -30,7 +27,7 @@ def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
     for path, variable in jax.tree_util.tree_leaves_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     ):
-        out[_path_name(path)] = np.asarray(jax.device_get(_compat.variable_value(variable)))
+        out[path_name(path)] = np.asarray(jax.device_get(_compat.variable_value(variable)))
     return out
 
 
@@ -48,7 +45,7 @@ def load_flat_params(model: nnx.Module, params: Mapping[str, np.ndarray]) -> nnx
     seen = set()
 
     def one(path, variable):
-        name = _path_name(path)
+        name = path_name(path)
         if name not in params:
             raise ValueError(f"parameter {name} is missing from the given params")
         new = np.asarray(params[name])

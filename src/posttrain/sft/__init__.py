@@ -7,7 +7,9 @@ Modules, in data-flow order:
 * :mod:`.data`: chat JSONL -> ChatML tokens + assistant loss mask -> padded or
   packed rows -> micro-batches carrying the step's target-token count;
 * :mod:`.loss`: masked next-token NLL, packing masks, the step objective;
-* :mod:`.tunix_compat`: which train-step convention the installed Tunix uses;
-* :mod:`.trainer`: ``SFTTrainer`` (imports Tunix);
+* :mod:`.tunix_compat`: what differs between Tunix releases: the train-step
+  convention, the trainer base class, the optimizer state <= 0.1.5 does not checkpoint;
+* :mod:`.trainer`: ``SFTTrainer`` (imports Tunix): the step and Tunix's hooks;
+* :mod:`.metrics`: the per-step records (``metrics.jsonl``, the stdout line);
 * :mod:`.run`: ``SFTConfig`` / ``run_sft``, what ``posttrain sft`` runs.
 """

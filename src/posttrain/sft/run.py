@@ -28,6 +28,7 @@ import tempfile
 import numpy as np
 
 from posttrain import sharding
+from posttrain.config import RematPolicy, choices
 from posttrain.sft import run_record
 
 
@@ -123,8 +124,8 @@ class SFTConfig:
             bad("seed", "a non-negative integer")
         if self.max_target_length < 2:
             bad("max_target_length", ">= 2")
-        if self.remat not in ("none", "full", "save_dots"):
-            bad("remat", "none, full or save_dots")
+        if self.remat not in choices(RematPolicy):
+            bad("remat", " or ".join(choices(RematPolicy)))
         if self.overflow not in ("truncate", "reject"):
             bad("overflow", "truncate or reject")
         if self.replica_parallel_saves not in ("auto", "on", "off"):
@@ -294,7 +295,7 @@ def run_sft(
 
     from posttrain.conversion.safetensors_io import sweep_stale_temporaries
     from posttrain.sft import data
-    from posttrain.sft.trainer import NonFiniteLossError, SFTTrainer
+    from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
 
     cfg.check()
     run_record.check_resumable(cfg, cfg.output)  # before anything is read or written
@@ -341,7 +342,7 @@ def run_sft(
     tx = optax.chain(
         optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.0)
     )
-    batch_axes = sharding.logical_to_spec(("activation_batch",), None, dict(mesh.shape))[0]
+    batch_axes = tuple(sharding.batch_spec(mesh))[:1]
     training_config = peft_trainer.TrainingConfig(
         # No eval dataset; google-tunix <= 0.1.2 still requires a multiple of the GA steps.
         eval_every_n_steps=(cfg.steps + 1) * cfg.grad_accum,
@@ -356,20 +357,18 @@ def run_sft(
         metrics_logging_options=metrics_logger.MetricsLoggerOptions(
             log_dir=str(out / "tensorboard"), flush_every_n_steps=10
         ),
-        data_sharding_axis=(batch_axes,) if batch_axes else ("fsdp",),
+        data_sharding_axis=batch_axes or ("fsdp",),
     )
     replica_parallel = cfg.resolved_replica_parallel_saves()
     cls = trainer_class or SFTTrainer  # its train() makes the mesh current
-    trainer = cls(
-        model,
-        tx,
-        training_config,
+    options = SFTOptions(
         mesh=mesh,
         learning_rate_fn=schedule,
         metrics_path=out / "metrics.jsonl",
         log_every=log_every,
         single_replica_saves=not replica_parallel,
     )
+    trainer = cls(model, tx, training_config, options=options)
     params = sum(
         int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param))
     )

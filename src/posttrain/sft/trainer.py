@@ -27,10 +27,8 @@ the optimizer runs only under ``is_update_step``.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
+import dataclasses
 import os
-import time
 from collections.abc import Callable
 
 import jax
@@ -39,68 +37,74 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tunix.sft import peft_trainer
+from typing_extensions import override
 
 from posttrain import _compat, sharding
 from posttrain.sft import loss as sft_loss
 from posttrain.sft import tunix_compat
+from posttrain.sft.metrics import NonFiniteLossError, StepMetrics
+
+__all__ = [
+    "NonFiniteLossError",
+    "SFTOptions",
+    "SFTTrainer",
+    "SFTTrainerMixin",
+    "default_moe_aux_loss_weight",
+    "sft_trainer_class",
+]
 
 
-class NonFiniteLossError(ValueError):
-    """The loss or gradient norm of an optimizer step is NaN or infinite."""
+@dataclasses.dataclass(frozen=True)
+class SFTOptions:
+    """What :class:`SFTTrainer` adds to Tunix's ``PeftTrainer`` arguments.
 
-
-_AUX_KEYS = ("nll_sum", "target_tokens", "moe_aux_loss", "grad_norm", "tokens")
-
-
-class SFTTrainerMixin:
-    """The SFT step and metrics; mix in front of a Tunix ``PeftTrainer`` class.
-
-    Args (keyword-only, the rest go to ``PeftTrainer.__init__``):
+    Attributes:
       mesh: the mesh the model lives on; batches are placed on its data-parallel
         axes (from ``rules``); ``train`` makes it current for tracing.
       rules: logical-axis rules (default :data:`posttrain.sharding.DEFAULT_RULES`).
       moe_aux_loss_weight: weight of the MoE load-balancing loss (default:
         :func:`default_moe_aux_loss_weight`, the model config's
         ``moe.aux_loss_weight``, 0 for dense models).
-      learning_rate_fn: ``step -> learning rate`` (an optax schedule), only logged;
-        evaluated jitted (one compile, not one eager dispatch per op per step:
-        ~1.7 s of a 20-step CPU run; values in float32), eagerly when it does not
-        trace. A jitted schedule reads Python state once, when traced.
-      metrics_path: JSONL file, one record per optimizer step: ``step``, ``loss``
-        (exact: summed NLL / target tokens of the step), ``perplexity``,
-        ``grad_norm``, ``moe_aux_loss``, ``target_tokens``, ``tokens_per_s``,
-        ``step_time_s``, ``learning_rate``.
+      learning_rate_fn: ``step -> learning rate`` (an optax schedule), only logged
+        (:class:`posttrain.sft.metrics.LearningRate`).
+      metrics_path: JSONL file, one record per optimizer step
+        (:mod:`posttrain.sft.metrics` lists the fields).
       log_every: also print one line per this many steps to stdout (for logs
         without a terminal, where Tunix's tqdm progress bar is off).
       convention: a :class:`~posttrain.sft.tunix_compat.Convention`; default:
-        read from this class's ``train`` / ``jit_train_and_eval_step``.
+        read from the trainer class's ``train`` / ``jit_train_and_eval_step``.
       single_replica_saves: during ``train``, Orbax saves each replicated array from
         one replica (:func:`posttrain._compat.single_replica_array_saves`) instead of
         its replica-parallel default; same checkpoint, faster in one process on CPU.
         ``run_sft`` turns it on there (``SFTConfig.replica_parallel_saves``).
+    """
+
+    mesh: Mesh
+    rules: sharding.Rules = sharding.DEFAULT_RULES
+    moe_aux_loss_weight: float | None = None
+    learning_rate_fn: Callable[[int], float] | None = None
+    metrics_path: str | os.PathLike | None = None
+    log_every: int | None = None
+    convention: tunix_compat.Convention | None = None
+    single_replica_saves: bool = False
+
+
+class SFTTrainerMixin:
+    """The SFT step; mix in front of a Tunix ``PeftTrainer`` class.
+
+    Args:
+      model, optimizer, training_config, *args, **kwargs: Tunix's ``PeftTrainer``'s.
+      options: :class:`SFTOptions` (keyword-only).
 
     Raises:
       posttrain.sft.tunix_compat.UnknownConventionError: at construction, when
         the trainer class calls its step in an unknown way.
     """
 
-    def __init__(
-        self,
-        model,
-        optimizer,
-        training_config,
-        *args,
-        mesh: Mesh,
-        rules: sharding.Rules = sharding.DEFAULT_RULES,
-        moe_aux_loss_weight: float | None = None,
-        learning_rate_fn: Callable[[int], float] | None = None,
-        metrics_path: str | os.PathLike | None = None,
-        log_every: int | None = None,
-        convention: tunix_compat.Convention | None = None,
-        single_replica_saves: bool = False,
-        **kwargs,
-    ):
-        self.convention = convention or tunix_compat.detect(tunix_base(type(self)))
+    def __init__(self, model, optimizer, training_config, *args, options: SFTOptions, **kwargs):
+        self.convention = options.convention or tunix_compat.detect(
+            tunix_compat.tunix_base(type(self), SFTTrainerMixin)
+        )
         listening = _compat.scalar_listeners()
         super().__init__(model, optimizer, training_config, *args, **kwargs)
         # Tunix's MetricsLogger registers its backends (TensorBoard) as process-wide
@@ -111,32 +115,32 @@ class SFTTrainerMixin:
         self._scalar_listeners = [
             new for new in _compat.scalar_listeners() if not any(new is old for old in listening)
         ]
-        self.mesh = mesh
-        self.rules = rules
-        self.single_replica_saves = single_replica_saves
+        self.mesh = options.mesh
+        self.rules = options.rules
+        self.single_replica_saves = options.single_replica_saves
         self.grad_accum_steps = training_config.gradient_accumulation_steps or 1
-        if moe_aux_loss_weight is None:
-            moe_aux_loss_weight = default_moe_aux_loss_weight(model)
-        self.moe_aux_loss_weight = float(moe_aux_loss_weight)
-        self.learning_rate_fn = learning_rate_fn
-        self._learning_rate_jit: tuple[Callable, Callable | None] | None = None
+        weight = options.moe_aux_loss_weight
+        self.moe_aux_loss_weight = float(
+            default_moe_aux_loss_weight(model) if weight is None else weight
+        )
+        self.metrics = StepMetrics(
+            self.grad_accum_steps, options.learning_rate_fn, options.metrics_path, options.log_every
+        )
         self._wrt = nnx.LoRAParam if self._lora_enabled else nnx.Param
         self.loss_fn = self.eval_loss_fn = sft_loss.eval_loss_fn
         self._has_aux = True
-        batch_axes = sharding.logical_to_spec(("activation_batch",), None, dict(mesh.shape), rules)[
-            0
-        ]
-        self._batch_sharding = NamedSharding(mesh, PartitionSpec(batch_axes))
-        self._metrics_path = os.fspath(metrics_path) if metrics_path else None
-        self._log_every = log_every
-        self._micro: list[dict] = []
-        self._pending: dict | None = None
-        self._last_update_time: float | None = None
-        self.history: list[dict] = []  # the records written to metrics_path
+        self._batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
         root = training_config.checkpoint_root_directory
         if root and not tunix_compat.checkpoint_saves_optimizer(type(self.checkpoint_manager)):
-            self.checkpoint_manager = OptimizerStateCheckpoints(self.checkpoint_manager, root, self)
+            self.checkpoint_manager = tunix_compat.OptimizerStateCheckpoints(
+                self.checkpoint_manager, root, lambda: self.optimizer
+            )
             self.checkpoint_manager.restore(self._train_steps)
+
+    @property
+    def history(self) -> list[dict]:
+        """The step records written so far (:mod:`posttrain.sft.metrics`)."""
+        return self.metrics.history
 
     # --- the step -------------------------------------------------------------------------
     def _grads(self, model, inputs):
@@ -171,7 +175,7 @@ class SFTTrainerMixin:
                 grads = jax.tree.map(lambda g: g * k, grads)
             # grad_norm is the norm of the applied (accumulated) gradient under every
             # convention: MultiSteps applies the window's mean at its last micro-step,
-            # and only that micro-step's value is logged (see _flush).
+            # and only that micro-step's value is logged (posttrain.sft.metrics).
             window = _compat.multisteps_window_gradient(optimizer.opt_state, grads)
             grad_norm = _compat.global_norm(grads if window is None else window)
             optimizer.update(model, grads)
@@ -198,6 +202,7 @@ class SFTTrainerMixin:
         loss = terms["nll_sum"] / jnp.maximum(terms["target_tokens"], 1.0)
         return loss, aux, grad_norm
 
+    @override
     def create_train_step_fn(self):
         """The step in the installed convention's signature (see the module docstring)."""
         name = self.convention.name
@@ -221,6 +226,7 @@ class SFTTrainerMixin:
             )
         return train_step
 
+    @override
     def jit_train_and_eval_step(self, *args, **kwargs):
         """Tunix's jitted steps, after placing every unplaced state array on the mesh.
 
@@ -237,6 +243,7 @@ class SFTTrainerMixin:
         return super().jit_train_and_eval_step(*args, **kwargs)
 
     # --- inputs and metrics ---------------------------------------------------------------
+    @override
     def _prepare_inputs(self, input_data):
         """Places each ``[batch, ...]`` leaf on the data-parallel axes (before Tunix's sharding)."""
         input_data = super()._prepare_inputs(input_data)
@@ -249,76 +256,14 @@ class SFTTrainerMixin:
             input_data,
         )
 
+    @override
     def _post_process_train_step(self, aux) -> None:
+        """Tunix's bookkeeping, then this micro-step's terms to :attr:`metrics`."""
         super()._post_process_train_step(aux)
-        if not isinstance(aux, dict):
-            return
-        self._micro.append({k: aux[k] for k in _AUX_KEYS if k in aux})
-        if len(self._micro) < self.grad_accum_steps:
-            return
-        now = time.perf_counter()
-        record = {
-            "step": self._train_steps + 1,
-            "_micro": self._micro,
-            "_elapsed": None if self._last_update_time is None else now - self._last_update_time,
-        }
-        self._last_update_time = now
-        self._micro = []
-        self._flush()  # the previous step is done by now; keep this one's arrays in flight
-        self._pending = record
+        if isinstance(aux, dict):
+            self.metrics.add(aux, step=self._train_steps + 1)
 
-    def _learning_rate(self, step: int) -> float | None:
-        fn = self.learning_rate_fn
-        if fn is None:
-            return None
-        if self._learning_rate_jit is None or self._learning_rate_jit[0] is not fn:
-            self._learning_rate_jit = (fn, jax.jit(fn))  # per schedule: it may be replaced
-        jitted = self._learning_rate_jit[1]
-        if jitted is not None:
-            try:
-                return float(jitted(step))
-            except Exception:  # does not trace (Python control flow, hashing the step, ...)
-                self._learning_rate_jit = (fn, None)
-        return float(fn(step))
-
-    def _flush(self) -> None:
-        """Writes the pending step record (device values -> floats)."""
-        record, self._pending = self._pending, None
-        if record is None:
-            return
-        micro = jax.device_get(record.pop("_micro"))
-        elapsed = record.pop("_elapsed")
-        targets = float(sum(m["target_tokens"] for m in micro))
-        tokens = float(sum(m["tokens"] for m in micro))
-        loss = float(sum(m["nll_sum"] for m in micro)) / max(targets, 1.0)
-        record.update(
-            loss=loss,
-            perplexity=math.exp(min(loss, 80.0)),
-            grad_norm=float(micro[-1]["grad_norm"]),
-            moe_aux_loss=float(np.mean([m["moe_aux_loss"] for m in micro])),
-            target_tokens=int(targets),
-            tokens=int(tokens),
-            step_time_s=elapsed,
-            tokens_per_s=None if not elapsed else tokens / elapsed,
-            learning_rate=self._learning_rate(record["step"] - 1),
-        )
-        if not (math.isfinite(loss) and math.isfinite(record["grad_norm"])):
-            raise NonFiniteLossError(
-                f"step {record['step']}: loss {loss}, grad_norm {record['grad_norm']}; "
-                "training stopped before writing it (a learning rate too high?)"
-            )
-        self.history.append(record)
-        if self._log_every and record["step"] % self._log_every == 0:
-            speed = f", {record['tokens_per_s']:,.0f} tokens/s" if record["tokens_per_s"] else ""
-            print(
-                f"step {record['step']}: loss {loss:.4f}, grad_norm {record['grad_norm']:.3f}"
-                f"{speed}",
-                flush=True,
-            )
-        if self._metrics_path:
-            with open(self._metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record, allow_nan=False) + "\n")
-
+    @override
     def train(self, *args, **kwargs):
         """Tunix's ``train`` with this trainer's mesh and rules current for tracing.
 
@@ -339,7 +284,7 @@ class SFTTrainerMixin:
     def abandon(self) -> None:
         """Releases the checkpoint manager, the metrics logger and the scalar listeners
         without Tunix's ``close()`` (which would save the current, e.g. non-finite, state)."""
-        self._pending = None
+        self.metrics.discard()
         try:
             self.checkpoint_manager.close()
             self.metrics_logger.close()
@@ -348,8 +293,9 @@ class SFTTrainerMixin:
                 _compat.unregister_scalar_listener(listener)
             self._scalar_listeners = []
 
+    @override
     def close(self):
-        self._flush()
+        self.metrics.flush()
         try:
             super().close()
         finally:
@@ -379,75 +325,6 @@ def _replicate_unplaced(holder, mesh: Mesh) -> None:
         return x
 
     nnx.update(holder, jax.tree.map(place, nnx.state(holder)))
-
-
-def tunix_base(cls: type) -> type:
-    """The first class in ``cls``'s MRO, past the SFT mixin, that defines ``train``."""
-    for klass in cls.__mro__:
-        if "train" in vars(klass) and not issubclass(klass, SFTTrainerMixin):
-            return klass
-    raise TypeError(f"{cls.__name__} has no Tunix PeftTrainer base")
-
-
-class OptimizerStateCheckpoints:
-    """Tunix's checkpoint manager plus the optimizer state, for google-tunix <= 0.1.5.
-
-    Those releases save and restore only the params, so a resumed run would restart
-    Adam's moments and the MultiSteps counter and leave the uninterrupted run's
-    losses. This wrapper saves ``nnx.state(optimizer, OptState)`` with Orbax in
-    ``<checkpoint root>-optimizer/<step>`` whenever Tunix's manager saves a step,
-    and restores it for the step Tunix restored. Every other attribute is Tunix's.
-    """
-
-    def __init__(self, inner, root: str, trainer) -> None:
-        import orbax.checkpoint as ocp
-
-        self._inner = inner
-        self._trainer = trainer
-        self._ocp = ocp
-        self._manager = ocp.CheckpointManager(
-            os.fspath(root).rstrip("/") + "-optimizer",
-            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
-        )
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def _state(self):
-        return nnx.state(self._trainer.optimizer, nnx.optimizer.OptState)
-
-    def save(self, step, model, *args, **kwargs):
-        saved = self._inner.save(step, model, *args, **kwargs)
-        if saved is None:  # releases that return nothing: compare steps
-            saved = self._inner.latest_step() == step
-        if saved and self._manager.latest_step() != step:
-            self._manager.save(step, args=self._ocp.args.PyTreeSave(self._state()), force=True)
-        return saved
-
-    def restore(self, step: int) -> None:
-        """Restores the optimizer state of ``step`` (the step Tunix restored), if saved."""
-        if not step:
-            return
-        if step not in self._manager.all_steps():
-            raise RuntimeError(
-                f"Tunix restored step {step} but {self._manager.directory} has no optimizer "
-                f"state for it (steps {sorted(self._manager.all_steps())}); resuming would "
-                "restart the optimizer"
-            )
-        target = self._state()
-        restored = self._manager.restore(
-            step,
-            args=self._ocp.args.PyTreeRestore(
-                item=target,
-                restore_args=self._ocp.checkpoint_utils.construct_restore_args(target=target),
-            ),
-        )
-        nnx.update(self._trainer.optimizer, restored)
-
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
-        self._inner.close()
 
 
 def sft_trainer_class(base: type) -> type:

@@ -19,6 +19,11 @@ Releases: ``positional3`` in google-tunix 0.0.2-0.1.5, ``bound2`` in 0.1.6-0.1.7
 ``bound3_update`` on main from commit 659881fb (2026-07-17; not released).
 Anything else is :class:`UnknownConventionError` at trainer construction,
 naming what was found.
+
+Also here, the other pieces that exist because Tunix releases differ:
+:func:`tunix_base` (which class's convention to read), :func:`checkpoint_saves_optimizer`
+and :class:`OptimizerStateCheckpoints` (the optimizer state google-tunix <= 0.1.5
+does not checkpoint).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import os
 import textwrap
 
 
@@ -163,3 +169,91 @@ def checkpoint_saves_optimizer(manager_cls: type | None = None) -> bool:
 
         manager_cls = checkpoint_manager.CheckpointManager
     return "optimizer" in inspect.signature(manager_cls.save).parameters
+
+
+def tunix_base(cls: type, mixin: type) -> type:
+    """The first class in ``cls``'s MRO, past ``mixin`` (the SFT step's), that defines
+    ``train``: the Tunix trainer whose convention :func:`detect` reads.
+
+    Raises:
+      TypeError: ``cls`` has no such base.
+    """
+    for klass in cls.__mro__:
+        if "train" in vars(klass) and not issubclass(klass, mixin):
+            return klass
+    raise TypeError(f"{cls.__name__} has no Tunix PeftTrainer base")
+
+
+class OptimizerStateCheckpoints:
+    """Tunix's checkpoint manager plus the optimizer state, for google-tunix <= 0.1.5
+    (where :func:`checkpoint_saves_optimizer` is false).
+
+    Those releases save and restore only the params, so a resumed run would restart
+    Adam's moments and the MultiSteps counter and leave the uninterrupted run's
+    losses. This wrapper saves ``nnx.state(optimizer, OptState)`` with Orbax in
+    ``<checkpoint root>-optimizer/<step>`` whenever Tunix's manager saves a step,
+    and restores it for the step Tunix restored. Every other attribute is Tunix's.
+
+    Args:
+      inner: Tunix's checkpoint manager.
+      root: its checkpoint root directory.
+      optimizer: ``() -> nnx.Optimizer``, the trainer's current optimizer.
+    """
+
+    def __init__(self, inner, root: str, optimizer) -> None:
+        import orbax.checkpoint as ocp
+
+        self._inner = inner
+        self._optimizer = optimizer
+        self._ocp = ocp
+        self._manager = ocp.CheckpointManager(
+            os.fspath(root).rstrip("/") + "-optimizer",
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+        )
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _state(self):
+        from flax import nnx
+
+        return nnx.state(self._optimizer(), nnx.optimizer.OptState)
+
+    def save(self, step, model, *args, **kwargs):
+        saved = self._inner.save(step, model, *args, **kwargs)
+        if saved is None:  # releases that return nothing: compare steps
+            saved = self._inner.latest_step() == step
+        if saved and self._manager.latest_step() != step:
+            self._manager.save(step, args=self._ocp.args.PyTreeSave(self._state()), force=True)
+        return saved
+
+    def restore(self, step: int) -> None:
+        """Restores the optimizer state of ``step`` (the step Tunix restored), if saved.
+
+        Raises:
+          RuntimeError: Tunix restored ``step`` but no optimizer state was saved for it.
+        """
+        from flax import nnx
+
+        if not step:
+            return
+        if step not in self._manager.all_steps():
+            raise RuntimeError(
+                f"Tunix restored step {step} but {self._manager.directory} has no optimizer "
+                f"state for it (steps {sorted(self._manager.all_steps())}); resuming would "
+                "restart the optimizer"
+            )
+        target = self._state()
+        restored = self._manager.restore(
+            step,
+            args=self._ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=self._ocp.checkpoint_utils.construct_restore_args(target=target),
+            ),
+        )
+        nnx.update(self._optimizer(), restored)
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+        self._inner.close()

@@ -10,21 +10,16 @@ Reference: HF transformers 5.24 ``MixtralSparseMoeBlock``,
 
 from __future__ import annotations
 
-import typing
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import sharding
-from posttrain.config import Activation, MoEConfig
+from posttrain.config import ActivationConfig, MoEConfig
 from posttrain.layers.mlp import MLP
 from posttrain.layers.moe import dispatch
 from posttrain.layers.moe.experts import Experts
 from posttrain.layers.moe.router import Router, load_balancing_loss, route
-
-_ACTIVATIONS = typing.get_args(Activation)
-_ACTIVATION_AXES = ("activation_batch", "activation_length", "activation_embed")
 
 
 class MoEBlock(nnx.Module):
@@ -52,41 +47,30 @@ class MoEBlock(nnx.Module):
     Args:
       d_model: D.
       moe: the MoE config.
-      activation: ``silu``, ``gelu_tanh`` or ``clamped_swiglu``, for routed and
-        shared experts.
-      swiglu_alpha, swiglu_limit: clamped-SwiGLU constants (GPT-OSS).
+      activation: the nonlinearity of the routed and shared experts.
       norm_eps: epsilon of the router-input RMSNorm (``moe.router_input_norm``).
       rngs: parameter RNGs.
       dtype: compute dtype of the experts (the router is always float32).
       param_dtype: parameter dtype.
-
-    Raises:
-      ValueError: ``activation`` is not one of the three kinds.
     """
 
     def __init__(
         self,
         d_model: int,
         moe: MoEConfig,
-        activation: str,
+        activation: ActivationConfig,
         *,
-        swiglu_alpha: float = 1.702,
-        swiglu_limit: float = 7.0,
-        norm_eps: float = 1e-6,
+        norm_eps: float,
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     ):
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation={activation!r} must be one of {', '.join(_ACTIVATIONS)}")
         self.moe = moe
         self.router = Router(d_model, moe, norm_eps=norm_eps, rngs=rngs, param_dtype=param_dtype)
         self.experts = Experts(
             d_model,
             moe,
             activation,
-            alpha=swiglu_alpha,
-            limit=swiglu_limit,
             rngs=rngs,
             dtype=dtype,
             param_dtype=param_dtype,
@@ -96,8 +80,6 @@ class MoEBlock(nnx.Module):
                 d_model,
                 moe.shared_expert_d_ff,
                 activation,
-                alpha=swiglu_alpha,
-                limit=swiglu_limit,
                 rngs=rngs,
                 dtype=dtype,
                 param_dtype=param_dtype,
@@ -150,5 +132,5 @@ class MoEBlock(nnx.Module):
         y = routed.reshape(batch, seq, d_model)  # [B, T, D]
         if self.shared_expert is not None:
             y = y + self.shared_expert(x).astype(jnp.float32)
-        y = sharding.constrain(y.astype(x.dtype), _ACTIVATION_AXES)
+        y = sharding.constrain(y.astype(x.dtype), sharding.ACTIVATION_AXES)
         return y, aux_loss

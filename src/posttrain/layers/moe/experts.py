@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import sharding
-from posttrain.config import MoEConfig
+from posttrain.config import ActivationConfig, MoEConfig
 from posttrain.layers.mlp import gated_activation, kernel_value
 from posttrain.layers.moe import dispatch
 
@@ -59,9 +59,7 @@ class Experts(nnx.Module):
       d_model: D.
       moe: the MoE config (``num_experts``, ``moe_d_ff``, ``expert_bias``,
         ``algorithm``, ``block_size``).
-      activation: ``silu``, ``gelu_tanh`` or ``clamped_swiglu`` (see
-        :func:`posttrain.layers.mlp.gated_activation`).
-      alpha, limit: clamped-SwiGLU constants.
+      activation: the nonlinearity (:func:`posttrain.layers.mlp.gated_activation`).
       rngs: parameter RNGs.
       dtype: compute dtype; param_dtype: parameter dtype.
     """
@@ -70,16 +68,14 @@ class Experts(nnx.Module):
         self,
         d_model: int,
         moe: MoEConfig,
-        activation: str,
+        activation: ActivationConfig,
         *,
-        alpha: float = 1.702,
-        limit: float = 7.0,
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
     ):
         e, f = moe.num_experts, moe.moe_d_ff
-        self.moe, self.activation, self.alpha, self.limit = moe, activation, alpha, limit
+        self.moe, self.activation = moe, activation
         self.dtype = dtype
 
         def kernel(shape, axes):
@@ -138,7 +134,7 @@ class Experts(nnx.Module):
         return p
 
     def _act(self, gate: jax.Array, up: jax.Array) -> jax.Array:
-        return gated_activation(gate, up, self.activation, alpha=self.alpha, limit=self.limit)
+        return gated_activation(gate, up, self.activation)
 
     def _dense(self, x, weights, expert_ids, p) -> jax.Array:
         num_tokens = x.shape[0]
