@@ -47,6 +47,12 @@ if os.environ.get("POSTTRAIN_CONTRACT_CONVENTIONS"):
 MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}  # 8 fake devices by default
 
 
+def by_convention(bases) -> list:
+    """``bases``' names as parameters, each marked with its convention (see the
+    ``convention`` marker: the matrix picks a row's tests by it)."""
+    return [pytest.param(name, marks=pytest.mark.convention(name)) for name in bases]
+
+
 @functools.cache
 def rows():
     examples = data.encode_dataset(
@@ -77,7 +83,7 @@ def params(model) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.create_train_step_fn")
-@pytest.mark.parametrize("name", BASES)
+@pytest.mark.parametrize("name", by_convention(BASES))
 def test_step_parameters_are_the_names_tunix_donates(name):
     """nnx.jit donates by name: (model, optimizer[, grad_accumulator], inputs[, is_update_step])."""
     base = BASES[name] or tunix.PeftTrainer
@@ -92,7 +98,7 @@ def test_step_parameters_are_the_names_tunix_donates(name):
 
 
 @pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.train")
-@pytest.mark.parametrize("name", BASES)
+@pytest.mark.parametrize("name", by_convention(BASES))
 def test_steps_run_and_params_change_only_on_update_steps(name):
     # GA 3 over 8-row micro-batches: the step program of accumulated() below, so the
     # gate's persistent compilation cache compiles it once for both tests.
@@ -159,7 +165,7 @@ def logged(trainer) -> dict[str, list[float]]:
 
 
 @pytest.mark.contract("tunix gradient accumulation (optax.MultiSteps / GradientAccumulator)")
-@pytest.mark.parametrize("name", BASES)
+@pytest.mark.parametrize("name", by_convention(BASES))
 def test_accumulated_steps_equal_one_large_batch(name):
     """k micro-steps == one step on the concatenated batch, from the first micro-step on:
     the same params, the same logged loss and the same logged grad_norm (the norm of the
@@ -202,6 +208,7 @@ class SkipsWhenEmpty(te.GradientAccumulator):
 
 
 @pytest.mark.contract("tunix.sft.peft_trainer.GradientAccumulator (main)")
+@pytest.mark.convention("bound3_update")
 def test_the_equality_check_catches_the_empty_accumulator_bypass():
     want, _ = one_large_batch()
     got, _ = accumulated("bound3_update", accumulator=SkipsWhenEmpty)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import importlib.util
 import json
 import os
@@ -26,14 +25,14 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness import junit
 from harness.devices import configure_devices, device_facts, suite_env
+from posttrain import atomic
 
 PYTEST_NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 JUNIT_NAME = "junit-gate.xml"
@@ -192,39 +191,15 @@ def run_matrix(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"posttrain-harness matrix: {error}", file=sys.stderr)
         return 2
-    cache = matrix.EnvCache(args.cache or matrix.DEFAULT_CACHE)
-    by_name = {e.name: e for e in entries}
-    rows = []
     start = time.monotonic()
-    for i, entry in enumerate(chosen, 1):
-        env_entry = by_name[entry.base] if entry.emulated else entry
-        print(
-            f"[{i}/{len(chosen)}] {entry.name}: environment {cache.path(env_entry).name}",
-            file=sys.stderr,
-            flush=True,
-        )
-        env = (
-            matrix.EnvResult(None, False, 0.0)
-            if entry.broken
-            else cache.ensure(env_entry, rebuild=args.rebuild)
-        )
-        print(
-            f"[{i}/{len(chosen)}] {entry.name}: "
-            f"{'env error: ' + env.error if env.error else 'running contracts and sft'}"
-            f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
-        row = matrix.run_entry(entry, env, args.report_dir, args.jobs)
-        rows.append(row)
-        cells = [*row["contracts"].values(), *([row["sft"]] if row["sft"] else [])]
-        bad = [c for c in cells if c["status"] in ("fail", "error")]
-        print(
-            f"[{i}/{len(chosen)}] {entry.name}: {len(cells) - len(bad)}/{len(cells)} cells "
-            f"pass{'; ' + row['error'] if row.get('error') else ''} ({row['seconds']:.0f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+    rows = matrix.run(
+        chosen,
+        entries,
+        matrix.EnvCache(args.cache or matrix.DEFAULT_CACHE),
+        args.report_dir,
+        args.jobs,
+        rebuild=args.rebuild,
+    )
     machine = (
         f"{platform.node()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, {len(rows)} entries in "
@@ -237,7 +212,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     print(report.markdown(built))
     print("report: " + ", ".join(str(p) for p in paths), file=sys.stderr)
     failed = any(row.get("error") for row in rows) or any(
-        c and c["status"] in ("fail", "error")
+        c and c["status"] in ("failed", "error")
         for row in rows
         for c in [*row["contracts"].values(), row["sft"]]
     )
@@ -290,7 +265,7 @@ def run_gate(args: argparse.Namespace, extra: Sequence[str]) -> int:
     wall_time = time.monotonic() - start
 
     summary = summarize_junit(junit) if junit.is_file() else empty_summary()
-    executed = sum(summary["counts"][key] for key in ("passed", "failed", "errors"))
+    executed = sum(summary["counts"][key] for key in ("passed", "failed", "error"))
     status, message = gate_exit_status(pytest_code, executed)
     if not junit.is_file():
         message += ", no JUnit report written"
@@ -304,7 +279,7 @@ def run_gate(args: argparse.Namespace, extra: Sequence[str]) -> int:
         junit=str(junit) if junit.is_file() else None,
     )
     summary_path = report_dir / SUMMARY_NAME
-    write_atomic(summary_path, json.dumps(summary, indent=2) + "\n")
+    atomic.write_text(summary_path, json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary, summary_path), flush=True)
     return status
 
@@ -326,7 +301,7 @@ def gate_exit_status(pytest_code: int, executed: int) -> tuple[int, str]:
 def empty_summary() -> dict[str, Any]:
     """A summary with no results, for a run that wrote no JUnit report."""
     return {
-        "counts": {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "total": 0},
+        "counts": {**dict.fromkeys(junit.OUTCOMES, 0), "total": 0},
         "failures": [],
         "skip_reasons": {},
         "junit_time_s": 0.0,
@@ -337,84 +312,31 @@ def empty_summary() -> dict[str, Any]:
 def summarize_junit(path: Path, root: Path | None = None) -> dict[str, Any]:
     """Counts, failing tests and skip reasons of a pytest JUnit XML report.
 
-    Each testcase counts once: failed if it has a ``failure``, else errors if it
-    has an ``error`` (setup, teardown or collection), else skipped (xfail
-    included), else passed.
-
     Args:
         path: the JUnit XML file.
         root: directory test ids are resolved against (default: the current
             directory, pytest's rootdir when run from the repository root).
 
     Returns:
-        ``counts`` (passed, failed, errors, skipped, total), ``failures`` (each
-        ``id``, ``outcome`` and first ``message`` line), ``skip_reasons``
-        (first line -> count), ``junit_time_s`` and the testsuite ``properties``.
+        ``counts`` (one per :data:`harness.junit.OUTCOMES`, and ``total``), ``failures``
+        (each ``id``, ``outcome`` and first ``message`` line), ``skip_reasons`` (first
+        line -> count), ``junit_time_s`` and the testsuite ``properties``.
     """
     root = Path.cwd() if root is None else root
+    report = junit.read(path, MESSAGE_WIDTH)
     summary = empty_summary()
-    counts = summary["counts"]
-    skip_reasons: collections.Counter[str] = collections.Counter()
-    top = ET.parse(path).getroot()
-    suites = [top] if top.tag == "testsuite" else top.findall("testsuite")
-    for suite in suites:
-        summary["junit_time_s"] += float(suite.get("time") or 0.0)
-        for prop in suite.findall("properties/property"):
-            summary["properties"][prop.get("name", "")] = prop.get("value", "")
-        for case in suite.iter("testcase"):
-            outcome, element = _outcome(case)
-            counts[outcome] += 1
-            if outcome == "skipped":
-                skip_reasons[_first_line(element)] += 1
-            elif outcome in ("failed", "errors"):
-                summary["failures"].append(
-                    {
-                        "id": junit_test_id(case, root),
-                        "outcome": "failed" if outcome == "failed" else "error",
-                        "message": _first_line(element),
-                    }
-                )
-    counts["total"] = sum(counts[key] for key in ("passed", "failed", "errors", "skipped"))
-    summary["junit_time_s"] = round(summary["junit_time_s"], 2)
-    summary["skip_reasons"] = dict(skip_reasons.most_common())
+    counts = collections.Counter(case.outcome for case in report.cases)
+    summary["counts"] = {**summary["counts"], **counts, "total": len(report.cases)}
+    summary["failures"] = [
+        {"id": case.node_id(root), "outcome": case.outcome, "message": case.message}
+        for case in report.cases
+        if case.outcome in ("failed", "error")
+    ]
+    skips = collections.Counter(c.message for c in report.cases if c.outcome == "skipped")
+    summary["skip_reasons"] = dict(skips.most_common())
+    summary["junit_time_s"] = report.time_s
+    summary["properties"] = report.properties
     return summary
-
-
-def _outcome(case: ET.Element) -> tuple[str, ET.Element | None]:
-    for tag, outcome in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
-        element = case.find(tag)
-        if element is not None:
-            return outcome, element
-    return "passed", None
-
-
-def _first_line(element: ET.Element | None) -> str:
-    """First non-empty line of the element's message (else its text), shortened."""
-    if element is None:
-        return ""
-    for text in (element.get("message"), element.text):
-        for line in (text or "").splitlines():
-            if line.strip():
-                line = line.strip()
-                return line if len(line) <= MESSAGE_WIDTH else line[: MESSAGE_WIDTH - 3] + "..."
-    return ""
-
-
-def junit_test_id(case: ET.Element, root: Path) -> str:
-    """The pytest node id of a JUnit testcase, e.g. ``tests/test_a.py::TestB::test_c[x]``.
-
-    pytest writes ``classname="tests.test_a.TestB" name="test_c[x]"`` (a
-    collection error: ``classname="" name="tests.test_a"``); the longest dotted
-    prefix naming a file under ``root`` is the module. Falls back to
-    ``classname::name`` when no such file exists.
-    """
-    classname, name = case.get("classname", ""), case.get("name", "")
-    parts, tail = (classname.split("."), [name]) if classname else (name.split("."), [])
-    for cut in range(len(parts), 0, -1):
-        module = Path(*parts[:cut]).with_suffix(".py")
-        if (root / module).is_file():
-            return "::".join([module.as_posix(), *parts[cut:], *tail])
-    return "::".join(part for part in (classname, name) if part)
 
 
 def format_summary(summary: dict[str, Any], summary_path: Path) -> str:
@@ -424,7 +346,7 @@ def format_summary(summary: dict[str, Any], summary_path: Path) -> str:
         "-" * 24 + " posttrain-harness gate " + "-" * 24,
         f"{summary['message']} in {summary['wall_time_s']:.1f} s "
         f"(tests {summary['junit_time_s']:.1f} s)",
-        f"passed {counts['passed']}, failed {counts['failed']}, errors {counts['errors']}, "
+        f"passed {counts['passed']}, failed {counts['failed']}, errors {counts['error']}, "
         f"skipped {counts['skipped']} (of {counts['total']})",
     ]
     failures = summary["failures"]
@@ -441,26 +363,9 @@ def format_summary(summary: dict[str, Any], summary_path: Path) -> str:
             lines.append(f"  {count:4d} x {reason}")
     reports = ", ".join(str(p) for p in (summary["junit"], summary_path) if p is not None)
     lines.append(f"reports: {reports}")
-    failed = counts["failed"] + counts["errors"]
+    failed = counts["failed"] + counts["error"]
     lines.append(f"gate: {counts['passed']} passed, {failed} failed, {counts['skipped']} skipped")
     return "\n".join(lines)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` through a temporary file and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
 
 
 if __name__ == "__main__":

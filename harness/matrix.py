@@ -35,11 +35,11 @@ import sys
 import tempfile
 import time
 import tomllib
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness import junit
 from harness.devices import DISTRIBUTIONS, suite_env
 from posttrain.sft import tunix_compat
 
@@ -51,21 +51,22 @@ DEFAULT_CACHE = Path(
 CONVENTIONS: tuple[str, ...] = tuple(tunix_compat.KNOWN.values())
 FLAVOURS = ("current", "era", "emulated")
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100")
-SFT_ARGS = (
-    "sft",
-    "--model",
-    "qwen3-tiny",
-    "--lora-rank",
-    "4",
-    "--grad-accum",
-    "2",
-    "--steps",
-    "4",
-    "--max-target-length",
-    "64",
-    "--save-every",
-    "2",
-)
+SFT_RUN: dict[str, Any] = {
+    "model": "qwen3-tiny",
+    "lora_rank": 4,
+    "grad_accum": 2,
+    "steps": 4,
+    "max_target_length": 64,
+    "save_every": 2,
+}
+"""The matrix's SFT run, as ``SFTConfig`` fields: a release row passes them to
+``posttrain sft`` as options (:func:`sft_argv`), an emulated row to ``run_sft``."""
+
+
+def sft_argv(output: str) -> list[str]:
+    """``posttrain`` arguments of :data:`SFT_RUN` writing to ``output``."""
+    options = [x for k, v in SFT_RUN.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    return ["sft", *options, "--output", output]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,37 +324,60 @@ def versions(python: Path, run: Runner = _run) -> dict[str, str]:
 
 
 def junit_cells(path: Path) -> dict[str, dict[str, str]]:
-    """Contract -> ``{"status", "message"}`` from one JUnit file.
+    """Contract -> ``{"status", "message"}`` from one JUnit file (status: one of
+    :data:`harness.junit.OUTCOMES`).
 
     Tests group by their ``contract`` property (the plugin records the marker) or,
-    without one, by test function; a group fails if any of its tests fails.
+    without one, by test function; a group takes its worst test's outcome and message.
     """
-    rank = {"pass": 0, "skip": 1, "fail": 2, "error": 3}
     cells: dict[str, dict[str, str]] = {}
-    for case in ET.parse(path).iter("testcase"):
-        props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        name = props.get("contract") or case.get("name", "?").split("[")[0]
-        status, message = "pass", ""
-        for tag, state in (("failure", "fail"), ("error", "error"), ("skipped", "skip")):
-            node = case.find(tag)
-            if node is not None:
-                status = state
-                message = _cell_message(node, tag)
-                break
+    for case in junit.read(path, width=300).cases:
+        name = case.properties.get("contract") or case.name.split("[")[0]
         old = cells.get(name)
-        if old is None or rank[status] > rank[old["status"]]:
-            cells[name] = {"status": status, "message": message}
+        if old is None or junit.worst([old["status"], case.outcome]) != old["status"]:
+            cells[name] = {"status": case.outcome, "message": case.message}
     return cells
 
 
-def _cell_message(node: ET.Element, tag: str) -> str:
-    """The first error line: JUnit's message, or for a bare one ("collection failure")
-    the last ``E   ...`` line of the traceback."""
-    message = (node.get("message") or "").strip()
-    lines = [line[1:].strip() for line in (node.text or "").splitlines() if line.startswith("E ")]
-    if lines and (not message or message in ("collection failure", "failed on setup")):
-        message = f"{message}: {lines[-1]}" if message else lines[-1]
-    return message.splitlines()[0][:300] if message else tag
+def run(
+    chosen: Sequence[Entry],
+    entries: Sequence[Entry],
+    cache: EnvCache,
+    report_dir: Path,
+    jobs: str,
+    *,
+    rebuild: bool = False,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    runner: Runner | None = None,
+) -> list[dict[str, Any]]:
+    """Builds (or reuses) each chosen entry's environment and runs it; its report rows,
+    one per entry in order (:func:`run_entry`). ``entries``: all of them, where an
+    emulated entry finds the release whose environment it borrows. Progress goes to
+    ``log``, one line per stage; ``runner`` runs the commands (tests: a fake)."""
+    by_name = {e.name: e for e in entries}
+    rows = []
+    for i, entry in enumerate(chosen, 1):
+        env_entry = by_name[entry.base] if entry.emulated else entry
+        where = f"[{i}/{len(chosen)}] {entry.name}"
+        log(f"{where}: environment {cache.path(env_entry).name}")
+        env = (
+            EnvResult(None, False, 0.0)
+            if entry.broken
+            else cache.ensure(env_entry, rebuild=rebuild)
+        )
+        log(
+            f"{where}: {'env error: ' + env.error if env.error else 'running contracts and sft'}"
+            f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)"
+        )
+        row = run_entry(entry, env, report_dir, jobs, run=runner or _run)
+        rows.append(row)
+        cells = [*row["contracts"].values(), *([row["sft"]] if row["sft"] else [])]
+        bad = [c for c in cells if c["status"] in ("failed", "error")]
+        log(
+            f"{where}: {len(cells) - len(bad)}/{len(cells)} cells pass"
+            f"{'; ' + row['error'] if row.get('error') else ''} ({row['seconds']:.0f} s)"
+        )
+    return rows
 
 
 def run_entry(
@@ -404,7 +428,7 @@ def run_entry(
     if jobs not in ("0", "1"):
         command += ["-n", jobs]
     # A release row: the installed train(); an emulated row: only what drives its convention.
-    command += ["-k", f"{entry.convention} or bypass" if entry.emulated else "not bypass"]
+    command += ["--conventions", entry.convention if entry.emulated else "installed"]
     done = run(command, environ)
     if junit.is_file():
         row["contracts"] = junit_cells(junit)
@@ -425,7 +449,7 @@ def _sft(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> 
             )
             command = [str(env.python), "-c", code]
         else:
-            command = [str(env.python), "-m", "posttrain.cli", *SFT_ARGS, "--output", tmp]
+            command = [str(env.python), "-m", "posttrain.cli", *sft_argv(tmp)]
         done = run(command, environ)
         metrics = Path(tmp) / "metrics.jsonl"
         losses = (
@@ -435,10 +459,10 @@ def _sft(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> 
         )
     if done.returncode == 0 and losses and all(x == x and abs(x) < 1e6 for x in losses):
         return {
-            "status": "pass",
+            "status": "passed",
             "message": f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}",
         }
-    return {"status": "fail", "message": _first_error(done.stderr + done.stdout)}
+    return {"status": "failed", "message": _first_error(done.stderr + done.stdout)}
 
 
 def emulated_sft(convention: str, output: str) -> None:
@@ -455,15 +479,4 @@ def emulated_sft(convention: str, output: str) -> None:
         "bound2": tunix_emulation.Bound2PeftTrainer,
         "bound3_update": tunix_emulation.MainPeftTrainer,
     }[convention]
-    run_sft(
-        SFTConfig(
-            model="qwen3-tiny",
-            lora_rank=4,
-            grad_accum=2,
-            steps=4,
-            max_target_length=64,
-            save_every=2,
-            output=output,
-        ),
-        trainer_class=sft_trainer_class(base),
-    )
+    run_sft(SFTConfig(**SFT_RUN, output=output), trainer_class=sft_trainer_class(base))

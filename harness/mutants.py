@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from harness.cli import write_atomic
+from posttrain import atomic
 
 # module -> the tests that exercise it (pytest node ids or -k expressions after "-k").
 TARGETS: dict[str, list[str]] = {
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
             row.pop("workdir", None)
     report_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(report_dir / "mutants.json", json.dumps(rows, indent=2) + "\n")
-    write_atomic(report_dir / "mutants.md", markdown(rows))
+    atomic.write_text(report_dir / "mutants.json", json.dumps(rows, indent=2) + "\n")
+    atomic.write_text(report_dir / "mutants.md", markdown(rows))
     print(markdown(rows))
     return 1 if any("error" in r for r in rows) else 0
 

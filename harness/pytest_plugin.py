@@ -16,6 +16,10 @@ Markers:
     reference: needs torch and transformers.
     contract(name): pins upstream symbol ``name``; recorded as the JUnit
         testcase property ``contract`` for the reports.
+    convention(name): exercises Tunix train-step convention ``name`` (``installed``:
+        the installed release's own trainer). ``--conventions a,b`` keeps the tests
+        marked with one of them, and the unmarked ones when ``installed`` is among
+        them: how the matrix runs a release row (``installed``) or an emulated one.
 
 Garbage collection: after collection the objects alive (the imported JAX, Flax,
 Tunix, torch: ~370k) are frozen out of the cyclic collector and full collections
@@ -46,6 +50,7 @@ MARKERS: tuple[str, ...] = (
     "slow: slow test; the gate leaves it out unless --slow",
     "reference: needs torch and transformers (HF reference implementations)",
     "contract(name): pins the upstream symbol `name`; reports group results by it",
+    "convention(name): exercises Tunix train-step convention `name` (see --conventions)",
 )
 # Backend markers -> the jax.default_backend() values they accept.
 BACKEND_MARKERS: dict[str, tuple[str, ...]] = {
@@ -76,6 +81,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="fail, instead of skipping, a test whose devices(n) marker asks for more "
         "devices than exist (the gate sets this)",
+    )
+    group.addoption(
+        "--conventions",
+        dest="conventions",
+        metavar="NAME,...",
+        default=None,
+        help="keep only the tests marked convention(NAME) for these names, and the "
+        "unmarked ones when 'installed' is among them (default: every test)",
     )
 
 
@@ -245,6 +258,30 @@ def _marker_int(marker: pytest.Mark) -> int:
     args: Sequence[object] = marker.args
     if len(args) != 1 or marker.kwargs or type(args[0]) is not int or args[0] < 1:
         pytest.fail(f"devices marker takes one positive int, got {marker}", pytrace=False)
+    return args[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    chosen = config.getoption("conventions")
+    if chosen is None:
+        return
+    names = {name.strip() for name in chosen.split(",") if name.strip()}
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("convention")
+        wanted = "installed" in names if marker is None else _one_name(item, marker) in names
+        (kept if wanted else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def _one_name(item: pytest.Item, marker: pytest.Mark) -> str:
+    args: Sequence[object] = marker.args
+    if len(args) != 1 or marker.kwargs or not isinstance(args[0], str) or not args[0]:
+        raise pytest.UsageError(
+            f"{item.nodeid}: {marker.name} marker takes one name, got {marker.args}"
+        )
     return args[0]
 
 

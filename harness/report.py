@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-STATUS_MARK = {"pass": "pass", "fail": "FAIL", "error": "ERROR", "skip": "skip"}
-COLORS = {"pass": "#d4f4d4", "fail": "#f8d0d0", "error": "#f0b0b0", "skip": "#eeeeee"}
+from posttrain import atomic
+
+STATUS_MARK = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "skip"}
+COLORS = {"passed": "#d4f4d4", "failed": "#f8d0d0", "error": "#f0b0b0", "skipped": "#eeeeee"}
 
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:
@@ -47,9 +49,9 @@ def first_failures(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
                 c = cell(row, column)
                 if c is None:
                     continue
-                if c["status"] == "pass":
+                if c["status"] == "passed":
                     passed_in = row["name"]
-                elif c["status"] in ("fail", "error"):
+                elif c["status"] in ("failed", "error"):
                     found.append(
                         {
                             "flavour": flavour,
@@ -102,7 +104,7 @@ def markdown(report: dict[str, Any]) -> str:
                 cells.append("")
                 continue
             cells.append(STATUS_MARK[c["status"]])
-            if c["status"] in ("fail", "error"):
+            if c["status"] in ("failed", "error"):
                 notes.append(f"- {row['name']} / {col}: {c.get('message', '')}")
         if row.get("error"):
             notes.append(f"- {row['name']}: {row['error']}")
@@ -192,7 +194,6 @@ def build(rows: list[dict[str, Any]], machine: str) -> dict[str, Any]:
 
 def write(report: dict[str, Any], report_dir: Path) -> list[Path]:
     """Writes the three files atomically; returns their paths."""
-    from harness.cli import write_atomic
 
     report_dir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -202,6 +203,6 @@ def write(report: dict[str, Any], report_dir: Path) -> list[Path]:
         ("html", html_page(report)),
     ):
         path = report_dir / f"compat-matrix.{suffix}"
-        write_atomic(path, text)
+        atomic.write_text(path, text)
         paths.append(path)
     return paths

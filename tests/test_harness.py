@@ -25,6 +25,7 @@ from harness.devices import (
     forced_device_count,
     suite_env,
 )
+from posttrain import atomic
 
 DEVICE_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "POSTTRAIN_DEVICES")
 
@@ -294,6 +295,68 @@ def test_invalid_marker_arguments_fail(jax_started, pytester: pytest.Pytester) -
     )
 
 
+CONVENTION_TESTS = """
+import pytest
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.convention(n)) for n in ("installed", "bound2")]
+)
+def test_by_convention(name):
+    pass
+
+@pytest.mark.convention("bound3_update")
+def test_main_only():
+    pass
+
+def test_any_release():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("chosen", "kept"),
+    [
+        (
+            None,
+            {
+                "test_by_convention[installed]",
+                "test_by_convention[bound2]",
+                "test_main_only",
+                "test_any_release",
+            },
+        ),
+        ("installed", {"test_by_convention[installed]", "test_any_release"}),
+        ("bound2", {"test_by_convention[bound2]"}),
+        ("bound2,bound3_update", {"test_by_convention[bound2]", "test_main_only"}),
+    ],
+    ids=["all", "release-row", "emulated-row", "two"],
+)
+def test_conventions_option_keeps_a_rows_tests(jax_started, pytester, chosen, kept) -> None:
+    """--conventions keeps the tests marked with a chosen convention, and the unmarked
+    ones for 'installed' (a release row); the matrix selects each row's tests by it."""
+    pytester.makepyfile(CONVENTION_TESTS)
+    args = ["-p", "no:cacheprovider", "-v", "--strict-markers"]
+    result = pytester.runpytest(*args, *(["--conventions", chosen] if chosen else []))
+    ran = {line.split("::")[1].split(" ")[0] for line in result.outlines if " PASSED" in line}
+    assert ran == kept
+    assert result.ret == pytest.ExitCode.OK
+
+
+def test_a_convention_marker_without_one_name_is_a_usage_error(jax_started, pytester) -> None:
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.convention("a", "b")
+        def test_bad_convention():
+            pass
+        """
+    )
+    result = pytester.runpytest("--conventions", "a")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_bad_convention: convention marker takes one name*"])
+
+
 def test_junit_has_environment_and_contract_properties(
     jax_started, pytester: pytest.Pytester
 ) -> None:
@@ -426,7 +489,7 @@ def test_summary_parser_counts_and_names_failures(tmp_path: Path) -> None:
     assert summary["counts"] == {
         "passed": 2,
         "failed": 1,
-        "errors": 2,
+        "error": 2,
         "skipped": 2,
         "total": 7,
     }
@@ -470,8 +533,8 @@ def test_gate_exit_status(pytest_code, executed, expected) -> None:
 def test_write_atomic_leaves_no_temporary(tmp_path: Path) -> None:
     """The file has the new text and no temporary file is left beside it."""
     target = tmp_path / "out" / "summary.json"
-    cli.write_atomic(target, "first")
-    cli.write_atomic(target, "second")
+    atomic.write_text(target, "first")
+    atomic.write_text(target, "second")
     assert target.read_text() == "second"
     assert [p.name for p in target.parent.iterdir()] == ["summary.json"]
 
@@ -525,7 +588,7 @@ def test_gate_fails_a_devices_skip_and_summarises_it(tmp_path: Path) -> None:
     assert summary["counts"] == {
         "passed": 1,
         "failed": 0,
-        "errors": 1,  # failed in setup, before any fixture ran
+        "error": 1,  # failed in setup, before any fixture ran
         "skipped": 0,
         "total": 2,
     }

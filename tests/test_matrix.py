@@ -141,8 +141,8 @@ E   ImportError: cannot import name 'List'</error></testcase>
     path.write_text(xml)
     cells = matrix.junit_cells(path)
     assert cells == {
-        "tunix.X": {"status": "fail", "message": "AssertionError: 2 != 3"},
-        "test_c": {"status": "skip", "message": "no tunix"},
+        "tunix.X": {"status": "failed", "message": "AssertionError: 2 != 3"},
+        "test_c": {"status": "skipped", "message": "no tunix"},
         "contracts.test_d": {
             "status": "error",
             "message": "collection failure: ImportError: cannot import name 'List'",
@@ -150,7 +150,7 @@ E   ImportError: cannot import name 'List'</error></testcase>
     }
 
 
-def row(name, flavour, cells, sft="pass"):
+def row(name, flavour, cells, sft="passed"):
     return {
         "name": name,
         "tunix": name,
@@ -161,19 +161,19 @@ def row(name, flavour, cells, sft="pass"):
         "versions": {"jax": "0.10.2"},
         "seconds": 1.0,
         "contracts": {
-            k: {"status": v, "message": "" if v == "pass" else f"boom in {name}"}
+            k: {"status": v, "message": "" if v == "passed" else f"boom in {name}"}
             for k, v in cells.items()
         },
-        "sft": {"status": sft, "message": "ok" if sft == "pass" else "sft broke"},
+        "sft": {"status": sft, "message": "ok" if sft == "passed" else "sft broke"},
     }
 
 
 def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     rows = [
-        row("v1", "current", {"A": "fail", "B": "pass"}),
-        row("v2", "current", {"A": "pass", "B": "pass"}),
-        row("v3", "current", {"A": "fail", "B": "error"}, sft="fail"),
-        row("v1-era", "era", {"A": "pass", "B": "pass"}),
+        row("v1", "current", {"A": "failed", "B": "passed"}),
+        row("v2", "current", {"A": "passed", "B": "passed"}),
+        row("v3", "current", {"A": "failed", "B": "error"}, sft="failed"),
+        row("v1-era", "era", {"A": "passed", "B": "passed"}),
     ]
     built = report.build(rows, "test machine")
     firsts = {(f["flavour"], f["contract"]): f for f in built["first_failures"]}
@@ -194,17 +194,17 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
 def test_update_merges_rerun_rows_into_the_report_in_entry_order(tmp_path):
     report.write(
         report.build(
-            [row("v1", "current", {"A": "pass"}), row("v2", "current", {"A": "fail"})], "m"
+            [row("v1", "current", {"A": "passed"}), row("v2", "current", {"A": "failed"})], "m"
         ),
         tmp_path,
     )
     merged = report.merge(
         tmp_path,
-        [row("v2", "current", {"A": "pass"}), row("v0", "current", {"A": "pass"})],
+        [row("v2", "current", {"A": "passed"}), row("v0", "current", {"A": "passed"})],
         ["v0", "v1", "v2"],
     )
     assert [r["name"] for r in merged] == ["v0", "v1", "v2"]
-    assert merged[2]["contracts"]["A"]["status"] == "pass"
+    assert merged[2]["contracts"]["A"]["status"] == "passed"
 
 
 def test_first_error_prefers_the_exception_line_over_progress_noise():
@@ -291,3 +291,60 @@ def test_an_internal_error_is_one_line_and_exit_1(monkeypatch, capsys):
     monkeypatch.setenv("POSTTRAIN_DEBUG", "1")
     with pytest.raises(RuntimeError, match="boom"):
         cli.main(["gate"])
+
+
+def test_run_returns_a_row_per_entry_and_emulated_rows_borrow_their_release_env(tmp_path):
+    """matrix.run builds each environment once through the cache (an emulated row: its
+    base release's), runs the entry and returns the rows in order; the CLI only prints."""
+    release = matrix.Entry(name="r", tunix="0.1.7", flavour="current", convention="bound2")
+    emulated = matrix.Entry(
+        name="m",
+        tunix="main",
+        flavour="emulated",
+        convention="bound3_update",
+        emulated=True,
+        base="r",
+    )
+    broken = matrix.Entry(
+        name="b", tunix="0.0.1", flavour="current", convention="bound2", broken="no wheel"
+    )
+    ensured, commands, lines = [], [], []
+
+    class Cache:
+        def path(self, entry):
+            return tmp_path / "envs" / entry.name
+
+        def ensure(self, entry, rebuild=False):
+            ensured.append(entry.name)
+            (self.path(entry) / "bin").mkdir(parents=True, exist_ok=True)
+            return matrix.EnvResult(self.path(entry), False, 0.0)
+
+    def fake_run(command, env=None):
+        commands.append((command, env or {}))
+        return subprocess.CompletedProcess(command, 0, "{}\n", "")
+
+    rows = matrix.run(
+        [release, emulated, broken],
+        [release, emulated, broken],
+        Cache(),
+        tmp_path,
+        "1",
+        log=lines.append,
+        runner=fake_run,
+    )
+    assert [r["name"] for r in rows] == ["r", "m", "b"]
+    assert ensured == ["r", "r"]  # the emulated row in its base's env; the broken one: none
+    assert rows[2]["error"] == "not run: no wheel"
+    pytest_runs = [c for c, _ in commands if "pytest" in c]
+    assert [c[c.index("--conventions") + 1] for c in pytest_runs] == ["installed", "bound3_update"]
+    assert any(line.startswith("[2/3] m: environment r") for line in lines), lines
+
+
+def test_the_sft_run_is_one_description_for_both_paths(tmp_path):
+    """The release path's ``posttrain sft`` options parse to the emulated path's SFTConfig."""
+    from posttrain import cli
+    from posttrain.sft.run import SFTConfig
+
+    output = str(tmp_path / "out")
+    args = cli.build_parser().parse_args(matrix.sft_argv(output))
+    assert cli.sft_config(args) == SFTConfig(**matrix.SFT_RUN, output=output)

@@ -164,11 +164,12 @@ def _check_logits(args: argparse.Namespace) -> int:
     return 1
 
 
-def _sft(args: argparse.Namespace) -> int:
+def sft_config(args: argparse.Namespace):
+    """The ``SFTConfig`` of parsed ``posttrain sft`` arguments (unchecked)."""
     from posttrain import sharding
-    from posttrain.sft.run import SFTConfig, run_sft
+    from posttrain.sft.run import SFTConfig
 
-    cfg = SFTConfig(
+    return SFTConfig(
         model=args.model,
         data=args.data,
         tokenizer=args.tokenizer,
@@ -192,6 +193,12 @@ def _sft(args: argparse.Namespace) -> int:
         stop_after=args.stop_after,
         output=args.output,
     )
+
+
+def _sft(args: argparse.Namespace) -> int:
+    from posttrain.sft.run import run_sft
+
+    cfg = sft_config(args)
     cfg.check()
     # Tunix's tqdm bar shows on a terminal only; elsewhere print ~10 progress lines.
     log_every = None if sys.stderr.isatty() else max(1, cfg.steps // 10)

@@ -35,6 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import ml_dtypes
 import numpy as np
 
+from posttrain.atomic import current_umask, fsync_path
 from posttrain.conversion.errors import ConversionError
 
 DTYPES: dict[str, np.dtype] = {
@@ -367,22 +368,6 @@ def sweep_stale_temporaries(
             shutil.rmtree(sibling, ignore_errors=True)
             removed.append(sibling)
     return removed
-
-
-def fsync_path(path: pathlib.Path) -> None:
-    """``fsync`` of a file or a directory (a directory: its entries, e.g. after a rename)."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def current_umask() -> int:
-    """The process umask (read by setting and restoring it)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 @contextlib.contextmanager

@@ -18,11 +18,10 @@ import dataclasses
 import json
 import os
 import pathlib
-import tempfile
 import time
 from typing import Any
 
-from posttrain.conversion.safetensors_io import current_umask
+from posttrain import atomic
 
 RUN_FILE, METRICS_FILE = "run.json", "metrics.jsonl"
 
@@ -46,18 +45,6 @@ TRAINING_FIELDS = (
     "scan_layers",
     "seed",
 )
-
-
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def read(out: str | os.PathLike) -> dict[str, Any] | None:
@@ -119,7 +106,7 @@ def record_segment(out: str | os.PathLike, cfg, facts: dict[str, Any], resumed_f
     }
     segments = [*previous.get("segments", []), segment] if resumed_from else [segment]
     body = {**segment, "settings": dataclasses.asdict(cfg), "segments": segments}
-    _write_atomic(out / RUN_FILE, json.dumps(body, indent=2) + "\n")
+    atomic.write_text(out / RUN_FILE, json.dumps(body, indent=2) + "\n")
 
 
 def truncate_metrics(out: str | os.PathLike, step: int) -> int:
@@ -130,5 +117,5 @@ def truncate_metrics(out: str | os.PathLike, step: int) -> int:
     lines = path.read_text(encoding="utf-8").splitlines()
     kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
     if len(kept) != len(lines):
-        _write_atomic(path, "".join(line + "\n" for line in kept))
+        atomic.write_text(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
