@@ -383,7 +383,18 @@ def run(
 def run_entry(
     entry: Entry, env: EnvResult, report_dir: Path, jobs: str, run: Runner = _run
 ) -> dict[str, Any]:
-    """Contracts and the SFT run of one entry in its env; the report row."""
+    """Contracts and the SFT run of one entry in its env; the report row.
+
+    The row (what ``reports/compat-matrix.json`` holds per entry):
+      ``name``, ``tunix``, ``flavour``, ``convention``, ``emulated``: the entry's;
+      ``env``: ``{"built": bool, "seconds": float, "error": str | None}``;
+      ``versions``: distribution -> version installed in the env (``{}`` if not run);
+      ``contracts``: contract -> ``{"status", "message"}``, status one of
+        :data:`harness.junit.OUTCOMES` (:func:`junit_cells`);
+      ``sft``: ``{"status": "passed" | "failed", "message"}`` or ``None`` (not run);
+      ``seconds``: wall time of the contracts and the SFT run;
+      ``error`` (only when the entry could not run): why, in one line.
+    """
     row: dict[str, Any] = {
         "name": entry.name,
         "tunix": entry.tunix,

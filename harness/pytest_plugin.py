@@ -60,6 +60,8 @@ BACKEND_MARKERS: dict[str, tuple[str, ...]] = {
 }
 REFERENCE_MODULES: tuple[str, ...] = ("torch", "transformers")
 GC_ENV_VAR = "POSTTRAIN_GC_TUNING"
+PROFILE_EXAMPLES = {"ci": 20, "dev": 10, "thorough": 200}
+"""hypothesis ``max_examples`` of each profile (``HYPOTHESIS_PROFILE``)."""
 # Full (generation 2) collections after this many generation-1 ones (Python's default: 10).
 GC_GEN2_THRESHOLD = 1000
 
@@ -133,13 +135,13 @@ def _load_hypothesis_profile(config: pytest.Config) -> None:
         "ci",
         derandomize=True,
         deadline=None,
-        max_examples=20,
+        max_examples=PROFILE_EXAMPLES["ci"],
         print_blob=True,
         database=None,  # derandomized: a database would only replay the same examples
         suppress_health_check=[HealthCheck.too_slow],
     )
-    settings.register_profile("dev", deadline=None, max_examples=10)
-    settings.register_profile("thorough", deadline=None, max_examples=200)
+    settings.register_profile("dev", deadline=None, max_examples=PROFILE_EXAMPLES["dev"])
+    settings.register_profile("thorough", deadline=None, max_examples=PROFILE_EXAMPLES["thorough"])
     if config.getoption("hypothesis_profile", None):
         return
     name = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")

@@ -6,10 +6,20 @@ import dataclasses
 import itertools
 import math
 
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from posttrain import families, sharding
-from posttrain.config import ModelConfig
+from posttrain.config import ModelConfig, MoEConfig
+
+
+def scaled(ci_examples: int) -> int:
+    """``max_examples`` for a test that runs ``ci_examples`` under the ``ci`` profile (the
+    gate's): scaled with the loaded profile, so ``thorough`` runs 10x more and ``dev`` half.
+    Read when the test module is imported, after the harness plugin loaded the profile."""
+    from harness.pytest_plugin import PROFILE_EXAMPLES
+
+    return max(1, round(ci_examples * settings().max_examples / PROFILE_EXAMPLES["ci"]))
 
 
 def factorisations(devices: int, axes: tuple[str, ...]) -> list[dict[str, int]]:
@@ -65,8 +75,9 @@ def tiny_model_configs(draw, family: str) -> ModelConfig:
     any sliding/full pattern ending in full, as HF forces); num_heads divisible by
     num_kv_heads; even head_dim; 2-6 experts with 1 <= top_k <= experts (MoE
     families); ``scan_layers`` only when the layer-type period divides the layers;
-    tied or untied embeddings; float32 or bfloat16 parameters. Dimensions are small
-    (d_model <= 56), so a conversion example runs in well under a second.
+    tied or untied embeddings; float32 or bfloat16 parameters; d_model equal to
+    num_heads * head_dim in about a quarter of the draws. Dimensions are small
+    (d_model <= 60), so a conversion example runs in well under a second.
     """
     from posttrain.models import get_config  # here: importing models imports jax
 
@@ -112,7 +123,9 @@ def tiny_model_configs(draw, family: str) -> ModelConfig:
         num_layers=layers,
         layer_types=types,
         attention=attention,
-        d_model=draw(st.sampled_from((24, 40, 56))),
+        # square attention (num_heads * head_dim == d_model: a transposed q/o kernel is
+        # no shape error there) as one of four choices, distinct dimensions otherwise
+        d_model=draw(st.sampled_from((24, 40, 56, heads * head_dim)), label="d_model"),
         vocab_size=draw(st.sampled_from((40, 66))),
         tie_word_embeddings=draw(st.booleans()),
         param_dtype=draw(st.sampled_from(("float32", "bfloat16"))),
@@ -165,3 +178,57 @@ def json_values(max_leaves: int = 8) -> st.SearchStrategy:
         ),
         max_leaves=max_leaves,
     )
+
+
+@st.composite
+def moe_cases(draw, d_model: int, d_ff: int, shared_d_ff: int, activations: tuple[str, ...]):
+    """A tiny MoE config, an activation, an input shape ``[B, T, d_model]`` and a seed.
+
+    Guarantees: 1 <= top_k <= min(num_experts, 4), num_experts <= 6, at most 10
+    tokens; every routing and expert option; block sizes that split one expert
+    over several blocks.
+    """
+    num_experts = draw(st.integers(1, 6))
+    scale = draw(st.booleans())
+    cfg = MoEConfig(
+        num_experts=num_experts,
+        top_k=draw(st.integers(1, min(num_experts, 4))),
+        moe_d_ff=d_ff,
+        scoring=draw(st.sampled_from(["softmax", "sigmoid"])),
+        score_order=draw(st.sampled_from(["score_then_topk", "topk_then_score"])),
+        renormalize=draw(st.booleans()),
+        router_bias=draw(st.booleans()),
+        router_input_norm=draw(st.booleans()),
+        per_expert_scale=scale,
+        fuse_expert_scales=scale and draw(st.booleans()),
+        expert_bias=draw(st.booleans()),
+        capacity_factor=draw(st.none() | st.sampled_from([0.3, 0.75, 1.25])),
+        shared_expert_d_ff=draw(st.none() | st.just(shared_d_ff)),
+        block_size=draw(st.none() | st.sampled_from([1, 2, 3])),
+    )
+    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 5)), d_model)
+    return cfg, draw(st.sampled_from(activations)), shape, draw(st.integers(0, 2**16))
+
+
+CHECKED_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "exp")  # what check_mesh reads
+
+
+@st.composite
+def custom_rules(draw) -> sharding.Rules:
+    """The default rules with each name ``check_mesh`` reads sent to 0-2 drawn mesh axes."""
+    axes = ("data", "fsdp", "fsdp_transpose", "expert", "tensor")
+    custom = {
+        name: tuple(draw(st.lists(st.sampled_from(axes), max_size=2, unique=True)))
+        for name in CHECKED_AXES
+    }
+    return tuple((n, custom.get(n, a)) for n, a in sharding.DEFAULT_RULES)
+
+
+def chat_messages() -> st.SearchStrategy[list[dict[str, str]]]:
+    """One conversation: 1-4 messages of any role, contents that include the ChatML
+    markers themselves (``<|im_end|>``, ``<|im_start|>``), empty and arbitrary text."""
+    from posttrain.sft import data
+
+    content = st.sampled_from(["", "<|im_end|>", "a<|im_start|>b"]) | st.text(max_size=12)
+    message = st.fixed_dictionaries({"role": st.sampled_from(data.ROLES), "content": content})
+    return st.lists(message, min_size=1, max_size=4)

@@ -45,7 +45,7 @@ from posttrain.lora import (
     unmerge_lora,
 )
 from posttrain.models import PRESETS, CausalLM, flat_params, get_config
-from tests.strategies import ALL_AXES, mesh_id, meshes, presets_and_meshes
+from tests.strategies import ALL_AXES, mesh_id, meshes, presets_and_meshes, scaled
 from tests.tracing import tracer_sharding_reads
 
 LORA = LoraConfig(rank=4, alpha=8.0)
@@ -226,7 +226,7 @@ def test_dummy_batch_shape_multiplies_the_rule_axes():
 
 
 @pytest.mark.devices(8)
-@settings(max_examples=8)
+@settings(max_examples=scaled(8))
 @given(case=presets_and_meshes())
 def test_apply_lora_on_any_mesh(case):
     """On any 8-device mesh a tiny preset allows, scanned or not, apply_lora creates the
@@ -248,7 +248,7 @@ def _check_step(case) -> None:
 
 
 @pytest.mark.devices(8)
-@settings(max_examples=3)
+@settings(max_examples=scaled(3))
 @given(case=presets_and_meshes())
 def test_lora_forward_and_grad_on_any_mesh(case):
     """On any allowed 8-device mesh the LoRA model's jitted loss and LoRA-only gradient
@@ -258,7 +258,7 @@ def test_lora_forward_and_grad_on_any_mesh(case):
 
 @pytest.mark.slow
 @pytest.mark.devices(8)
-@settings(max_examples=24)
+@settings(max_examples=scaled(24))
 @given(case=presets_and_meshes())
 def test_lora_forward_and_grad_on_any_mesh_thorough(case):
     """The forward/gradient property with more examples (slow)."""
@@ -277,7 +277,7 @@ def test_apply_lora_on_16_device_meshes():
         from tests.strategies import presets_and_meshes
         from tests.test_lora import check_apply
 
-        @settings(max_examples=8, deadline=None, derandomize=True, database=None)
+        @settings(max_examples=scaled(8), deadline=None, derandomize=True, database=None)
         @given(case=presets_and_meshes(devices=16))
         def prop(case):
             check_apply(*case)
@@ -397,7 +397,7 @@ def test_old_dummy_rule_property_shrinks_to_minimal_mesh():
     minimal = next(m for m in shapes if sharding.data_parallel_size(m) != m.get("data", 1))
     failing = []
 
-    @settings(max_examples=10, derandomize=True, database=None)
+    @settings(max_examples=scaled(10), derandomize=True, database=None)
     @given(mesh_shape=strategy)
     def prop(mesh_shape):
         try:

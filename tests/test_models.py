@@ -26,7 +26,7 @@ from posttrain.models import (
 )
 from posttrain.models.decoder import REMAT_POLICIES
 from posttrain.models.presets import TINY_PRESETS
-from tests.strategies import factorisations, mesh_id, meshes
+from tests.strategies import custom_rules, factorisations, mesh_id, meshes, scaled
 from tests.tracing import tracer_sharding_reads
 
 # fp32 forward on 8 fake CPU devices vs 1: reduction order differs across shards,
@@ -38,7 +38,7 @@ REMAT_GRAD_ATOL = 1e-5
 BATCH, SEQ = 8, 16
 # Each mesh costs a sharded compile (~5 s on 2 cores): 2 per family in the `ci`
 # profile (20 examples), 20 under `thorough` (200).
-MESH_EXAMPLES = max(2, settings().max_examples // 10)
+MESH_EXAMPLES = scaled(2)
 
 
 def tokens_for(cfg, batch=BATCH, seq=SEQ, seed=0):
@@ -231,20 +231,6 @@ def test_parameters_name_only_known_logical_axes():
     assert sharding.param(nnx.Rngs(0), nnx.initializers.zeros, (4,), (None,)).shape == (4,)
 
 
-CHECKED_AXES = ("vocab", "embed", "heads", "kv_heads", "mlp", "exp")  # what check_mesh reads
-
-
-@st.composite
-def custom_rules(draw) -> sharding.Rules:
-    """The default rules with each name ``check_mesh`` reads sent to 0-2 drawn mesh axes."""
-    axes = ("data", "fsdp", "fsdp_transpose", "expert", "tensor")
-    custom = {
-        name: tuple(draw(st.lists(st.sampled_from(axes), max_size=2, unique=True)))
-        for name in CHECKED_AXES
-    }
-    return tuple((n, custom.get(n, a)) for n, a in sharding.DEFAULT_RULES)
-
-
 @functools.cache
 def abstract_state(name: str) -> nnx.State:
     cfg = get_config(name)
@@ -252,7 +238,7 @@ def abstract_state(name: str) -> nnx.State:
 
 
 @pytest.mark.devices(8)
-@settings(max_examples=10 * settings().max_examples, deadline=None)  # ~5 ms each
+@settings(max_examples=scaled(200), deadline=None)  # ~5 ms each
 @given(
     name=st.sampled_from(TINY_PRESETS),
     rules=custom_rules(),
@@ -266,3 +252,27 @@ def test_a_mesh_check_mesh_accepts_shards_every_parameter(name, rules, mesh_shap
     except ValueError:
         return
     sharding.state_shardings(abstract_state(name), sharding.make_mesh(mesh_shape), rules)
+
+
+def test_profiles_name_the_attention_and_moe_stages():
+    """Each attention and MoE stage is a named scope: the lowered forward names them all."""
+    cfg = get_config("qwen3_moe-tiny")
+    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+    text = (
+        jax.jit(lambda s, t: nnx.merge(graphdef, s)(t, None, None, None)[0])
+        .lower(state, tokens)
+        .as_text(debug_info=True)
+    )
+    for scope in (
+        "attention_qkv",
+        "attention_scores",
+        "attention_softmax",
+        "attention_out",
+        "moe_router",
+        "moe_dispatch",
+        "moe_experts",
+        "moe_combine",
+    ):
+        assert scope in text, scope

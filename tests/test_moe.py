@@ -23,6 +23,7 @@ from posttrain.layers.moe import (
     load_balancing_loss,
     num_blocks_bound,
 )
+from tests.strategies import moe_cases, scaled
 
 ALGORITHMS = ("dense", "sorted", "ragged")
 ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
@@ -215,41 +216,11 @@ def reference_moe(
     return y.reshape(x.shape), gap
 
 
-@st.composite
-def moe_cases(draw):
-    """A tiny MoE config, an activation, an input shape ``[B, T, 5]`` and a seed.
-
-    Guarantees: 1 <= top_k <= min(num_experts, 4), num_experts <= 6, at most 10
-    tokens; every routing and expert option; block sizes that split one expert
-    over several blocks.
-    """
-    num_experts = draw(st.integers(1, 6))
-    scale = draw(st.booleans())
-    cfg = MoEConfig(
-        num_experts=num_experts,
-        top_k=draw(st.integers(1, min(num_experts, 4))),
-        moe_d_ff=D_FF,
-        scoring=draw(st.sampled_from(["softmax", "sigmoid"])),
-        score_order=draw(st.sampled_from(["score_then_topk", "topk_then_score"])),
-        renormalize=draw(st.booleans()),
-        router_bias=draw(st.booleans()),
-        router_input_norm=draw(st.booleans()),
-        per_expert_scale=scale,
-        fuse_expert_scales=scale and draw(st.booleans()),
-        expert_bias=draw(st.booleans()),
-        capacity_factor=draw(st.none() | st.sampled_from([0.3, 0.75, 1.25])),
-        shared_expert_d_ff=draw(st.none() | st.just(SHARED_D_FF)),
-        block_size=draw(st.none() | st.sampled_from([1, 2, 3])),
-    )
-    shape = (draw(st.integers(1, 2)), draw(st.integers(1, 5)), D_MODEL)
-    return cfg, draw(st.sampled_from(ACTIVATIONS)), shape, draw(st.integers(0, 2**16))
-
-
 # --- equivalences -----------------------------------------------------------------
 
 
-@settings(deadline=None, max_examples=8)  # ~2 s of XLA compile per example
-@given(case=moe_cases())
+@settings(deadline=None, max_examples=scaled(8))  # ~2 s of XLA compile per example
+@given(case=moe_cases(D_MODEL, D_FF, SHARED_D_FF, ACTIVATIONS))
 def test_every_algorithm_matches_dense_reference(case):
     """dense, sorted and ragged each equal every expert on every token combined by a
     reference routing (all three in one compiled program per example)."""
@@ -503,7 +474,7 @@ def test_capacity_drops_contribute_nothing():
 _block_layout = jax.jit(block_layout, static_argnums=(1, 2))
 
 
-@settings(deadline=None, max_examples=6)  # ~0.6 s of XLA compile per example
+@settings(deadline=None, max_examples=scaled(6))  # ~0.6 s of XLA compile per example
 @given(num_experts=st.integers(1, 6), block_size=st.integers(1, 5), data=st.data())
 def test_block_layout_puts_each_assignment_in_a_block_of_its_expert(num_experts, block_size, data):
     """Each assignment gets its own row, within the static bound, in a block of its expert."""

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from posttrain.sft import data, default_data, tokenizer
+from tests.strategies import chat_messages
 
 TOK = tokenizer.byte_tokenizer()
 CHAT = [
@@ -47,14 +48,6 @@ def test_loss_mask_covers_exactly_the_assistant_turns():
     )
 
 
-CONTENT = st.sampled_from(["", "<|im_end|>", "a<|im_start|>b"]) | st.text(max_size=12)
-MESSAGES = st.lists(
-    st.fixed_dictionaries({"role": st.sampled_from(data.ROLES), "content": CONTENT}),
-    min_size=1,
-    max_size=4,
-)
-
-
 def padded_truncating_byte_tokenizer():
     """The byte tokenizer as a ``tokenizer.json`` may come: padding and truncation on."""
     tok = tokenizer.byte_tokenizer()
@@ -64,7 +57,7 @@ def padded_truncating_byte_tokenizer():
 
 
 @given(
-    st.lists(MESSAGES, max_size=5),
+    st.lists(chat_messages(), max_size=5),
     st.sampled_from([TOK, padded_truncating_byte_tokenizer()]),
 )
 def test_batched_encoding_equals_encoding_each_piece_alone(conversations, tok):

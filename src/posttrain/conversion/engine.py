@@ -149,8 +149,24 @@ def plan_to_native(
     source: str = "checkpoint",
     **overrides,
 ) -> Plan:
-    """Plan HF -> native. ``tensors``: key -> object with ``shape``, ``dtype`` (safetensors
-    code) and optionally ``file``; ``overrides``: native-only config fields."""
+    """Plan HF -> native from headers only: every HF tensor is proven used exactly once
+    and every native parameter produced exactly once before any data is read.
+
+    Args:
+      hf_config: the parsed ``config.json``.
+      tensors: HF key -> object with ``shape``, ``dtype`` (safetensors code) and
+        optionally ``file`` (for messages).
+      source: the checkpoint's name in messages.
+      overrides: native-only config fields (``scan_layers``, ``remat``, ``dtype`` ...).
+
+    Returns:
+      The :class:`Plan` :func:`execute` runs (its layout and key prefix detected).
+
+    Raises:
+      ConversionError: the config is unsupported (the field named), the checkpoint
+        holds MXFP4-quantised experts, or its keys or shapes fit no layout and prefix
+        of the family's table (missing, unexpected and mis-shaped keys named).
+    """
     cfg = from_hf_config(hf_config, **overrides)
     table = families.get(cfg.family).table
     for key in tensors:
@@ -206,7 +222,24 @@ def plan_to_hf(
     prefix: str = CANONICAL,
     source: str = "checkpoint",
 ) -> Plan:
-    """Plan native -> HF in ``layout`` (default: the table's first, the hub layout)."""
+    """Plan native -> HF from headers only.
+
+    Args:
+      meta: the native directory's config (and the HF config it was converted from).
+      tensors: native key -> object with ``shape``, ``dtype`` and optionally ``file``.
+      layout: ``hub`` or ``fused`` (default: the table's first, the hub layout).
+      prefix: HF key prefix (``model.``, or a multimodal wrapper's, e.g. Gemma 4's
+        ``model.language_model.``).
+      source: the checkpoint's name in messages.
+
+    Returns:
+      The :class:`Plan` :func:`execute` runs.
+
+    Raises:
+      ConversionError: the family has no table, ``layout`` or ``prefix`` is not the
+        table's, or the stored tensors are missing, unexpected or mis-shaped for the
+        stored config (each named).
+    """
     cfg = meta.cfg
     if cfg.family not in families.FAMILIES:
         raise ConversionError(

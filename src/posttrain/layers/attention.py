@@ -165,40 +165,62 @@ class Attention(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
-        """Args: x ``[B, T, D]``; cos/sin ``[B, T, H]`` float32; mask ``[B, T, T]`` bool."""
+        """Attends each query position to the key positions ``mask`` allows.
+
+        Dimensions: B batch, T query positions, S key positions (S = T: self-attention
+        over the sequence), D d_model, N num_heads, K num_kv_heads, G = N / K query heads
+        per kv head (GQA), H head_dim.
+
+        Args:
+          x: ``[B, T, D]`` in the compute dtype.
+          cos, sin: ``[B, T, H]`` float32 RoPE tables of ``x``'s positions
+            (:func:`posttrain.layers.rope.rope_tables`).
+          mask: ``[B, T, S]`` bool, True where query t may attend key s (causal,
+            sliding window, packing segments and padding already combined).
+
+        Returns:
+          ``[B, T, D]`` in the compute dtype. Scores, softmax and the weighted sum are
+          float32 (the softmax's range needs it); each stage is a ``jax.named_scope``
+          (``attention_qkv``, ``attention_scores``, ``attention_softmax``,
+          ``attention_out``) for profiles and HLO dumps.
+        """
         cfg = self.cfg
         batch, seq, _ = x.shape
         groups = cfg.num_heads // cfg.num_kv_heads
-        q = self.q_proj(x)  # [B, T, N, H]
-        k = self.k_proj(x)  # [B, T, K, H]
-        v = k if self.v_proj is None else self.v_proj(x)  # [B, T, K, H]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if cfg.v_norm:
-            v = rms_normalize(v, self.norm_eps).astype(self.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q = sharding.constrain(
-            q, ("activation_batch", "activation_length", "activation_heads", None)
-        )
-        k = sharding.constrain(
-            k, ("activation_batch", "activation_length", "activation_kv_heads", None)
-        )
+        with jax.named_scope("attention_qkv"):
+            q = self.q_proj(x)  # [B, T, N, H]
+            k = self.k_proj(x)  # [B, T, K, H]
+            v = k if self.v_proj is None else self.v_proj(x)  # [B, T, K, H]
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if cfg.v_norm:
+                v = rms_normalize(v, self.norm_eps).astype(self.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = sharding.constrain(
+                q, ("activation_batch", "activation_length", "activation_heads", None)
+            )
+            k = sharding.constrain(
+                k, ("activation_batch", "activation_length", "activation_kv_heads", None)
+            )
 
-        q = q.reshape(batch, seq, cfg.num_kv_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
-        logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
-        logits = logits * cfg.logit_scale  # [B, K, G, T, S] float32: softmax range needs it
-        big_negative = jnp.finfo(jnp.float32).min
-        logits = jnp.where(mask[:, None, None, :, :], logits, big_negative)
-        if self.sinks is not None:
-            sink = self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, groups)  # [K, G]
-            sink = jnp.broadcast_to(sink[None, :, :, None, None], (*logits.shape[:-1], 1))
-            logits = jnp.concatenate([logits, sink], axis=-1)  # [B, K, G, T, S + 1]
-        probs = jax.nn.softmax(logits, axis=-1)
-        if self.sinks is not None:
-            probs = probs[..., :seq]  # [B, K, G, T, S]: rows sum to < 1
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32)).astype(self.dtype)
-        out = out.reshape(batch, seq, cfg.num_heads, cfg.head_dim)  # [B, T, N, H]
-        out = sharding.constrain(
-            out, ("activation_batch", "activation_length", "activation_heads", None)
-        )
-        return self.o_proj(out)
+        with jax.named_scope("attention_scores"):
+            q = q.reshape(batch, seq, cfg.num_kv_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
+            logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
+            logits = logits * cfg.logit_scale  # [B, K, G, T, S] float32: softmax range needs it
+            big_negative = jnp.finfo(jnp.float32).min
+            logits = jnp.where(mask[:, None, None, :, :], logits, big_negative)
+        with jax.named_scope("attention_softmax"):
+            if self.sinks is not None:
+                sink = self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, groups)
+                sink = jnp.broadcast_to(sink[None, :, :, None, None], (*logits.shape[:-1], 1))
+                logits = jnp.concatenate([logits, sink], axis=-1)  # [B, K, G, T, S + 1]
+            probs = jax.nn.softmax(logits, axis=-1)
+            if self.sinks is not None:
+                probs = probs[..., :seq]  # [B, K, G, T, S]: rows sum to < 1
+        with jax.named_scope("attention_out"):
+            out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32))
+            out = out.astype(self.dtype).reshape(batch, seq, cfg.num_heads, cfg.head_dim)
+            out = sharding.constrain(
+                out, ("activation_batch", "activation_length", "activation_heads", None)
+            )  # [B, T, N, H]
+            return self.o_proj(out)

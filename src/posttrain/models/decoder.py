@@ -186,6 +186,23 @@ class Decoder(nnx.Module):
         return x, aux
 
     def __call__(self, tokens, positions, padding_mask=None):
+        """The final-normed hidden states of ``tokens``.
+
+        Dimensions: B batch, T sequence, D d_model.
+
+        Args:
+          tokens: ``[B, T]`` int token ids.
+          positions: ``[B, T]`` int position of each token (inside its packed segment).
+          padding_mask: ``[B, T, T]`` bool, True where query t may attend key s beyond
+            causality (packing segments, padding), or ``None`` (causal only). Each
+            layer type adds its own sliding window.
+
+        Returns:
+          ``(hidden [B, T, D] in cfg.dtype, moe_aux_loss)``: the load-balancing losses of
+          the MoE layers summed (a float32 scalar, 0 for a dense model), unweighted.
+          Layers run scanned per period of ``cfg.layer_types`` when ``cfg.scan_layers``,
+          rematerialised per ``cfg.remat``.
+        """
         cfg = self.cfg
         x = sharding.constrain(self.embed_tokens(tokens), sharding.ACTIVATION_AXES)
         tables = self._tables(positions, padding_mask)

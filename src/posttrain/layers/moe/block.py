@@ -25,7 +25,8 @@ from posttrain.layers.moe.router import Router, load_balancing_loss, route
 class MoEBlock(nnx.Module):
     """Routed experts plus an optional always-on shared expert.
 
-    Stages of ``__call__``:
+    Stages of ``__call__``, each a ``jax.named_scope`` (``moe_router``, ``moe_dispatch``,
+    ``moe_experts``, ``moe_combine``) for profiles and HLO dumps:
 
     1. **Router**: float32 logits of ``router_input`` (``Router``), then
        :func:`~posttrain.layers.moe.router.route` picks R experts per token and
@@ -111,26 +112,29 @@ class MoEBlock(nnx.Module):
         tokens = x.reshape(batch * seq, d_model)  # [B*T, D]
         router_tokens = router_input.reshape(batch * seq, d_model)  # [B*T, D]
 
-        # 1. router (float32)
-        logits = self.router(router_tokens)  # [B*T, E]
-        scale = self.router.per_expert_scale
-        scale = None if scale is None else scale[...]  # [E]
-        fused = self.moe.fuse_expert_scales  # the scale goes to route or to the experts, never both
-        weights, expert_ids, probs = route(
-            logits, self.moe, per_expert_scale=None if fused else scale
-        )  # [B*T, R]
-        aux_loss = load_balancing_loss(probs, expert_ids)
+        with jax.named_scope("moe_router"):  # 1. router (float32)
+            logits = self.router(router_tokens)  # [B*T, E]
+            scale = self.router.per_expert_scale
+            scale = None if scale is None else scale[...]  # [E]
+            fused = self.moe.fuse_expert_scales  # the scale goes to route or experts, not both
+            weights, expert_ids, probs = route(
+                logits, self.moe, per_expert_scale=None if fused else scale
+            )  # [B*T, R]
+            aux_loss = load_balancing_loss(probs, expert_ids)
 
-        # 2. dispatch: capacity drops become zero weights
-        keep = dispatch.capacity_mask(expert_ids, self.moe.num_experts, self.moe.capacity_factor)
-        weights = jnp.where(keep, weights, 0.0)  # [B*T, R]
+        with jax.named_scope("moe_dispatch"):  # 2. capacity drops become zero weights
+            keep = dispatch.capacity_mask(
+                expert_ids, self.moe.num_experts, self.moe.capacity_factor
+            )
+            weights = jnp.where(keep, weights, 0.0)  # [B*T, R]
 
-        # 3. experts and 4. combine
-        routed = self.experts(
-            tokens, weights, expert_ids, down_scale=scale if fused else None
-        )  # [B*T, D] float32
-        y = routed.reshape(batch, seq, d_model)  # [B, T, D]
-        if self.shared_expert is not None:
-            y = y + self.shared_expert(x).astype(jnp.float32)
-        y = sharding.constrain(y.astype(x.dtype), sharding.ACTIVATION_AXES)
+        with jax.named_scope("moe_experts"):  # 3. experts and 4. combine (weighted sum)
+            routed = self.experts(
+                tokens, weights, expert_ids, down_scale=scale if fused else None
+            )  # [B*T, D] float32
+        with jax.named_scope("moe_combine"):
+            y = routed.reshape(batch, seq, d_model)  # [B, T, D]
+            if self.shared_expert is not None:
+                y = y + self.shared_expert(x).astype(jnp.float32)
+            y = sharding.constrain(y.astype(x.dtype), sharding.ACTIVATION_AXES)
         return y, aux_loss
