@@ -183,11 +183,11 @@ def run_matrix(args: argparse.Namespace) -> int:
     """
     import platform
 
-    from harness import matrix, report
+    from harness import entries, envs, matrix, report
 
     try:
-        entries = matrix.load_entries(args.entries or matrix.ENTRIES_FILE)
-        chosen = matrix.select(entries, args.only, args.all)
+        entries = entries.load_entries(args.entries or entries.ENTRIES_FILE)
+        chosen = entries.select(entries, args.only, args.all)
     except ValueError as error:
         print(f"posttrain-harness matrix: {error}", file=sys.stderr)
         return 2
@@ -195,7 +195,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     rows = matrix.run(
         chosen,
         entries,
-        matrix.EnvCache(args.cache or matrix.DEFAULT_CACHE),
+        envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
         args.report_dir,
         args.jobs,
         rebuild=args.rebuild,

@@ -8,27 +8,27 @@ import subprocess
 
 import pytest
 
-from harness import cli, matrix, report
+from harness import cli, entries, envs, matrix, report
 from posttrain.sft import tunix_compat
 
 RELEASES = ("0.0.2", "0.1.0", "0.1.1", "0.1.2", "0.1.3", "0.1.4", "0.1.5", "0.1.6", "0.1.7")
 
 
 def test_compat_entries_cover_every_release_in_both_flavours():
-    entries = matrix.load_entries()
+    loaded = entries.load_entries()
     for release in RELEASES:
-        flavours = {e.flavour for e in entries if e.tunix == release}
+        flavours = {e.flavour for e in loaded if e.tunix == release}
         assert flavours == {"current", "era"}, release
-    main = [e for e in entries if e.emulated]
+    main = [e for e in loaded if e.emulated]
     assert [e.convention for e in main] == ["bound3_update"]
-    assert {e.convention for e in entries} <= set(tunix_compat.KNOWN.values())
+    assert {e.convention for e in loaded} <= set(tunix_compat.KNOWN.values())
     # The expected conventions agree with the contract that pins them per release.
     from contracts.test_tunix_convention import EXPECTED
 
-    for e in entries:
+    for e in loaded:
         if not e.emulated:
             assert EXPECTED[e.tunix] == e.convention, e.name
-    assert {e.name for e in matrix.select(entries)} == {
+    assert {e.name for e in entries.select(loaded)} == {
         "tunix-0.1.5",
         "tunix-0.1.7",
         "tunix-main-emulated",
@@ -72,28 +72,28 @@ def test_bad_entries_are_named(tmp_path, text, message):
         .replace("[", r"\[")
         .replace("]", r"\]"),
     ):
-        matrix.load_entries(path)
+        entries.load_entries(path)
 
 
 def test_only_selects_by_name_or_prefix_and_rejects_unknown():
-    entries = matrix.load_entries()
-    assert [e.name for e in matrix.select(entries, ["tunix-0.1.6"])] == ["tunix-0.1.6"]
-    assert [e.name for e in matrix.select(entries, ["tunix-0.0", "tunix-0.1.7-era"])] == [
+    loaded = entries.load_entries()
+    assert [e.name for e in entries.select(loaded, ["tunix-0.1.6"])] == ["tunix-0.1.6"]
+    assert [e.name for e in entries.select(loaded, ["tunix-0.0", "tunix-0.1.7-era"])] == [
         "tunix-0.0.2",
         "tunix-0.0.2-era",
         "tunix-0.1.7-era",
     ]
-    assert len(matrix.select(entries, all_entries=True)) == len(entries)
+    assert len(entries.select(loaded, all_entries=True)) == len(loaded)
     with pytest.raises(ValueError, match="--only 'x' matches no entry"):
-        matrix.select(entries, ["x"])
+        entries.select(loaded, ["x"])
 
 
 @pytest.mark.skipif(shutil.which("uv") is None, reason="the env build uses uv here")
 def test_an_environment_that_cannot_be_built_is_an_error_row(tmp_path):
-    entry = matrix.Entry(
+    entry = entries.Entry(
         name="broken", tunix="0.0.0", flavour="current", convention="bound2"
     )  # google-tunix==0.0.0 does not exist
-    env = matrix.EnvCache(tmp_path / "envs").ensure(entry)
+    env = envs.EnvCache(tmp_path / "envs").ensure(entry)
     assert env.path is None and "google-tunix" in env.error, env.error
     assert not list((tmp_path / "envs").iterdir())  # nothing half-built is kept
     row = matrix.run_entry(entry, env, tmp_path / "reports", "1")
@@ -111,13 +111,13 @@ def test_a_warm_cache_rebuilds_nothing(tmp_path):
             (tmp_path / "envs" / command[-1].rsplit("/", 1)[-1] / "bin").mkdir(parents=True)
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    cache = matrix.EnvCache(tmp_path / "envs", run=fake_uv)
-    entry = matrix.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2")
+    cache = envs.EnvCache(tmp_path / "envs", run=fake_uv)
+    entry = entries.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2")
     first = cache.ensure(entry)
     assert first.built and len(calls) == 2
     again = cache.ensure(entry)
     assert not again.built and again.path == first.path and len(calls) == 2
-    other = matrix.Entry(
+    other = entries.Entry(
         name="e", tunix="0.1.7", flavour="current", convention="bound2", pins=("qwix==0.1.5",)
     )
     assert cache.path(other) != cache.path(entry)  # pins are part of the key
@@ -213,12 +213,12 @@ def test_first_error_prefers_the_exception_line_over_progress_noise():
         'Traceback (most recent call last):\n  File "x.py", line 1\n'
         "AttributeError: 'int' object has no attribute 'endswith'\n"
     )
-    assert matrix._first_error(noisy) == "AttributeError: 'int' object has no attribute 'endswith'"
+    assert envs.first_error(noisy) == "AttributeError: 'int' object has no attribute 'endswith'"
     uv = (
         "error: No solution found when resolving dependencies\n"
         "  cause: Because there is no version of google-tunix==0.0.0\n"
     )
-    assert matrix._first_error(uv) == (
+    assert envs.first_error(uv) == (
         "error: No solution found when resolving dependencies "
         "Because there is no version of google-tunix==0.0.0"
     )
@@ -237,8 +237,8 @@ def test_each_entry_runs_with_a_compile_cache_in_its_environment(tmp_path, monke
 
     path = tmp_path / "envs" / "e-0123"
     (path / "bin").mkdir(parents=True)
-    entry = matrix.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2")
-    env = matrix.EnvResult(path=path, built=False, seconds=0.0)
+    entry = entries.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2")
+    env = envs.EnvResult(path=path, built=False, seconds=0.0)
     matrix.run_entry(entry, env, tmp_path / "reports", "1", run=fake_run)
     cache_dirs = {e.get("JAX_COMPILATION_CACHE_DIR") for e in seen if "POSTTRAIN_DEVICES" in e}
     assert cache_dirs == {str((path / "jax-compile").resolve())}, cache_dirs
@@ -247,9 +247,9 @@ def test_each_entry_runs_with_a_compile_cache_in_its_environment(tmp_path, monke
 
 def test_a_missing_entries_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="does not exist; expected a TOML file"):
-        matrix.load_entries(tmp_path / "nope.toml")
+        entries.load_entries(tmp_path / "nope.toml")
     with pytest.raises(ValueError, match="is a directory; expected a TOML file"):
-        matrix.load_entries(tmp_path)
+        entries.load_entries(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -296,8 +296,8 @@ def test_an_internal_error_is_one_line_and_exit_1(monkeypatch, capsys):
 def test_run_returns_a_row_per_entry_and_emulated_rows_borrow_their_release_env(tmp_path):
     """matrix.run builds each environment once through the cache (an emulated row: its
     base release's), runs the entry and returns the rows in order; the CLI only prints."""
-    release = matrix.Entry(name="r", tunix="0.1.7", flavour="current", convention="bound2")
-    emulated = matrix.Entry(
+    release = entries.Entry(name="r", tunix="0.1.7", flavour="current", convention="bound2")
+    emulated = entries.Entry(
         name="m",
         tunix="main",
         flavour="emulated",
@@ -305,7 +305,7 @@ def test_run_returns_a_row_per_entry_and_emulated_rows_borrow_their_release_env(
         emulated=True,
         base="r",
     )
-    broken = matrix.Entry(
+    broken = entries.Entry(
         name="b", tunix="0.0.1", flavour="current", convention="bound2", broken="no wheel"
     )
     ensured, commands, lines = [], [], []
@@ -317,7 +317,7 @@ def test_run_returns_a_row_per_entry_and_emulated_rows_borrow_their_release_env(
         def ensure(self, entry, rebuild=False):
             ensured.append(entry.name)
             (self.path(entry) / "bin").mkdir(parents=True, exist_ok=True)
-            return matrix.EnvResult(self.path(entry), False, 0.0)
+            return envs.EnvResult(self.path(entry), False, 0.0)
 
     def fake_run(command, env=None):
         commands.append((command, env or {}))

@@ -228,7 +228,7 @@ class ModelConfig:
     """A decoder-only causal LM.
 
     Attributes:
-      family: preset family name (for conversion tables and messages).
+      family: the family name (``posttrain.families``: presets, conversion table, messages).
       vocab_size: V.
       d_model: D.
       num_layers: L.

@@ -6,8 +6,9 @@
   family's table lives in its module (:mod:`posttrain.families`).
 * :mod:`.hf_config`: ``from_hf_config`` / ``to_hf_config`` (the fields every family has);
   :mod:`.hf_fields` the readers and writers the families' hooks share.
-* :mod:`.engine`: plans (headers only, every key proven used exactly once) and the
-  streaming run; :mod:`.safetensors_io` the reader, writer and atomic directories.
+* :mod:`.plan`: plans from headers only (every key proven used exactly once);
+  :mod:`.engine` the streaming run; :mod:`.safetensors_io` the reader, writer and
+  atomic directories.
 * :mod:`.native`: the native directory format and ``load_native``.
 * :mod:`.parity`: logits of HF ``transformers`` vs native (needs torch; imported lazily).
 
@@ -31,8 +32,8 @@ _EXPORTS = {
     "hf_to_native_params": "engine",
     "load_native": "native",
     "native_to_hf_params": "engine",
-    "plan_to_hf": "engine",
-    "plan_to_native": "engine",
+    "plan_to_hf": "plan",
+    "plan_to_native": "plan",
     "read_native_params": "native",
     "save_native": "native",
     "to_hf_config": "hf_config",

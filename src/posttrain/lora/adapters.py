@@ -9,7 +9,7 @@ and back (``stack_layers`` / ``unstack_layers``).
 PEFT: ``adapter_config.json`` and ``adapter_model.safetensors`` as
 ``peft.PeftModel.from_pretrained`` reads them (peft 0.x LoRA, not rsLoRA: the
 scale is ``lora_alpha / r``, the same as Qwix's). Module names come from the
-conversion tables (``posttrain.conversion.tables``): a native weight maps to an
+conversion table (``posttrain.families.get(family).table``): a native weight maps to an
 HF ``nn.Linear`` whose ``weight`` is ``[out, in]``; ``lora_A.weight`` is
 ``[r, in]`` and ``lora_B.weight`` ``[out, r]``, with the native dims flattened
 in the order the table's transform flattens them (``heads_in``, ``heads_out``,

@@ -1,0 +1,122 @@
+"""The matrix's rows: ``compat/entries.toml`` read, checked and selected.
+
+Each entry names a Tunix release (or ``main``), a flavour (``current``: today's
+dependencies; ``era``: the release's own era, pinned; ``emulated``: a train-step
+convention no installable release has, run in its ``base`` release's environment),
+the convention its trainer uses and optional pins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+
+from posttrain.sft import tunix_compat
+
+REPO = Path(__file__).resolve().parent.parent
+ENTRIES_FILE = REPO / "compat" / "entries.toml"
+CONVENTIONS: tuple[str, ...] = tuple(tunix_compat.KNOWN.values())
+FLAVOURS = ("current", "era", "emulated")
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One matrix row (see ``compat/entries.toml`` for the fields)."""
+
+    name: str
+    tunix: str
+    flavour: str
+    convention: str
+    pins: tuple[str, ...] = ()
+    default: bool = False
+    emulated: bool = False
+    base: str | None = None
+    broken: str | None = None
+    requirements: tuple[str, ...] | None = None  # tests: replaces the whole install spec
+
+    def install_spec(self) -> list[str]:
+        """What ``uv pip install`` gets besides the editable checkout."""
+        if self.requirements is not None:
+            return list(self.requirements)
+        return [f"google-tunix=={self.tunix}", *self.pins, *TEST_TOOLS]
+
+
+def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
+    """Reads and checks the entries.
+
+    Raises:
+      ValueError: naming the file, entry or field: a missing or malformed file, an entry
+        that is not a table, an unknown key, flavour or convention, a field of the wrong
+        type (``pins`` a string), a duplicate name, an emulated entry without ``base``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(f"entries file {path} {what}; expected a TOML file")
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f).get("entry", [])
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"entries file {path}: not valid TOML ({e})") from None
+    if not isinstance(raw, list):
+        raise ValueError(f"{path}: 'entry' is a {type(raw).__name__}; expected [[entry]] tables")
+    fields = {f.name for f in dataclasses.fields(Entry)}
+    entries: list[Entry] = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}: entry {i} is a {type(item).__name__}; expected a table")
+        where = f"{path}: entry {i} ({item.get('name', '?')})"
+        unknown = sorted(set(item) - fields)
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {unknown}; expected {sorted(fields)}")
+        for name in ("name", "tunix", "flavour", "convention"):
+            if not isinstance(item.get(name), str):
+                raise ValueError(f"{where}: {name} = {item.get(name)!r}; expected a string")
+        pins = item.get("pins", [])
+        if not (isinstance(pins, list) and all(isinstance(p, str) for p in pins)):
+            raise ValueError(f"{where}: pins = {pins!r}; expected a list of requirement strings")
+        try:
+            entry = Entry(**{**item, "pins": tuple(pins)})
+        except TypeError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if entry.flavour not in FLAVOURS:
+            raise ValueError(f"{where}: flavour {entry.flavour!r}; expected one of {FLAVOURS}")
+        if entry.convention not in CONVENTIONS:
+            raise ValueError(
+                f"{where}: convention {entry.convention!r}; expected one of {CONVENTIONS}"
+            )
+        if any(e.name == entry.name for e in entries):
+            raise ValueError(f"{where}: duplicate name")
+        entries.append(entry)
+    names = {e.name for e in entries}
+    for e in entries:
+        if e.emulated and e.base not in names:
+            raise ValueError(f"{path}: entry {e.name}: base {e.base!r} is not an entry")
+    return entries
+
+
+def select(
+    entries: list[Entry], only: Sequence[str] = (), all_entries: bool = False
+) -> list[Entry]:
+    """``--only`` names (or prefixes), else every entry with ``--all``, else the defaults.
+
+    Raises:
+      ValueError: an ``--only`` value matches no entry.
+    """
+    if only:
+        chosen = []
+        for name in only:
+            match = [e for e in entries if e.name == name] or [
+                e for e in entries if e.name.startswith(name)
+            ]
+            if not match:
+                raise ValueError(
+                    f"--only {name!r} matches no entry; entries: "
+                    f"{', '.join(e.name for e in entries)}"
+                )
+            chosen += [e for e in match if e not in chosen]
+        return chosen
+    return list(entries) if all_entries else [e for e in entries if e.default]
