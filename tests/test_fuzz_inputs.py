@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import matrix
+from harness import entries
 from posttrain import cli, sharding
 from posttrain.conversion import ConversionError, from_hf_config, to_hf_config
 from posttrain.conversion.errors import read_json_object
@@ -103,7 +103,7 @@ def test_matrix_entries_files(tmp_path, text):
     path = tmp_path / "entries.toml"
     path.write_text(text, encoding="utf-8")
     try:
-        matrix.load_entries(path)
+        entries.load_entries(path)
     except ValueError as error:
         one_line(error)
 

@@ -342,9 +342,9 @@ def test_run_returns_a_row_per_entry_and_emulated_rows_borrow_their_release_env(
 
 def test_the_sft_run_is_one_description_for_both_paths(tmp_path):
     """The release path's ``posttrain sft`` options parse to the emulated path's SFTConfig."""
-    from posttrain import cli
+    from posttrain import cli, commands
     from posttrain.sft.run import SFTConfig
 
     output = str(tmp_path / "out")
     args = cli.build_parser().parse_args(matrix.sft_argv(output))
-    assert cli.sft_config(args) == SFTConfig(**matrix.SFT_RUN, output=output)
+    assert commands.sft_config(args) == SFTConfig(**matrix.SFT_RUN, output=output)
