@@ -103,6 +103,17 @@ def rope_parameters(
     return params
 
 
+def decoder_rope(
+    c: Mapping[str, Any],
+    theta: float,
+    max_pos: int | None,
+    default: Mapping[str, Any] | None = None,
+) -> RopeConfig:
+    """The one RoPE of a Llama-like decoder's config (:func:`rope_parameters` read with
+    :func:`rope_config`; ``theta``, ``default``: the family's HF defaults)."""
+    return rope_config(rope_parameters(c, default), theta, max_pos, "rope_parameters")
+
+
 def rope_dict(rope: RopeConfig) -> dict[str, Any]:
     """The HF ``rope_parameters`` dict of ``rope`` (inverse of :func:`rope_config`)."""
     out: dict[str, Any] = {"rope_type": rope.kind, "rope_theta": rope.theta}

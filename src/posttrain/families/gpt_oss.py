@@ -95,8 +95,7 @@ def gpt_oss_tiny() -> ModelConfig:
 
 
 def from_hf(c, base, attn, max_pos) -> ModelConfig:
-    params = hf_fields.rope_parameters(c, DEFAULT_ROPE_SCALING)
-    rope = hf_fields.rope_config(params, DEFAULT_ROPE_THETA, max_pos, "rope_parameters")
+    rope = hf_fields.decoder_rope(c, DEFAULT_ROPE_THETA, max_pos, DEFAULT_ROPE_SCALING)
     n = c["num_hidden_layers"]
     default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
     moe = MoEConfig(

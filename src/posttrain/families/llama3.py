@@ -60,9 +60,7 @@ def llama3_tiny() -> ModelConfig:
 
 
 def from_hf(c, base, attn, max_pos) -> ModelConfig:
-    rope = hf_fields.rope_config(
-        hf_fields.rope_parameters(c), DEFAULT_ROPE_THETA, max_pos, "rope_parameters"
-    )
+    rope = hf_fields.decoder_rope(c, DEFAULT_ROPE_THETA, max_pos)
     n = c["num_hidden_layers"]
     return hf_fields.decoder_config(
         c, base, attn, rope=rope, layer_types=("full",) * n, window=None

@@ -64,9 +64,7 @@ def mixtral_tiny() -> ModelConfig:
 
 
 def from_hf(c, base, attn, max_pos) -> ModelConfig:
-    rope = hf_fields.rope_config(
-        hf_fields.rope_parameters(c), DEFAULT_ROPE_THETA, max_pos, "rope_parameters"
-    )
+    rope = hf_fields.decoder_rope(c, DEFAULT_ROPE_THETA, max_pos)
     window = c.get("sliding_window")
     moe = MoEConfig(
         num_experts=c["num_local_experts"],

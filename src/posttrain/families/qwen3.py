@@ -62,9 +62,7 @@ def qwen3_tiny() -> ModelConfig:
 
 
 def from_hf(c, base, attn, max_pos) -> ModelConfig:
-    rope = hf_fields.rope_config(
-        hf_fields.rope_parameters(c), DEFAULT_ROPE_THETA, max_pos, "rope_parameters"
-    )
+    rope = hf_fields.decoder_rope(c, DEFAULT_ROPE_THETA, max_pos)
     window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
     start = c.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
     default = [
