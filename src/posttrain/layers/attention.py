@@ -13,6 +13,7 @@ from flax import nnx
 
 from posttrain import sharding
 from posttrain.config import AttentionConfig
+from posttrain.layers import kv_cache
 from posttrain.layers.mlp import kernel_value
 from posttrain.layers.norms import RMSNorm, rms_normalize
 from posttrain.layers.rope import apply_rope
@@ -164,12 +165,19 @@ class Attention(nnx.Module):
             else None
         )
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        cache: dict | None = None,
+    ) -> jax.Array | tuple[jax.Array, dict]:
         """Attends each query position to the key positions ``mask`` allows.
 
-        Dimensions: B batch, T query positions, S key positions (S = T: self-attention
-        over the sequence), D d_model, N num_heads, K num_kv_heads, G = N / K query heads
-        per kv head (GQA), H head_dim.
+        Dimensions: B batch, T query positions, S key positions (without a cache S = T,
+        self-attention over the sequence; with one, S = cache_size slots), D d_model,
+        N num_heads, K num_kv_heads, G = N / K query heads per kv head (GQA), H head_dim.
 
         Args:
           x: ``[B, T, D]`` in the compute dtype.
@@ -177,16 +185,16 @@ class Attention(nnx.Module):
             (:func:`posttrain.layers.rope.rope_tables`).
           mask: ``[B, T, S]`` bool, True where query t may attend key s (causal,
             sliding window, packing segments and padding already combined).
+          cache: this layer's KV cache (:mod:`posttrain.layers.kv_cache`); ``x``'s keys
+            and values are written into it and the queries attend to all S slots.
 
         Returns:
-          ``[B, T, D]`` in the compute dtype. Scores, softmax and the weighted sum are
-          float32 (the softmax's range needs it); each stage is a ``jax.named_scope``
-          (``attention_qkv``, ``attention_scores``, ``attention_softmax``,
-          ``attention_out``) for profiles and HLO dumps.
+          ``[B, T, D]`` in the compute dtype, and with a cache the updated cache. Scores,
+          softmax and the weighted sum are float32 (the softmax's range needs it); each
+          stage is a ``jax.named_scope`` (``attention_qkv``, ``attention_scores``,
+          ``attention_softmax``, ``attention_out``) for profiles and HLO dumps.
         """
         cfg = self.cfg
-        batch, seq, _ = x.shape
-        groups = cfg.num_heads // cfg.num_kv_heads
         with jax.named_scope("attention_qkv"):
             q = self.q_proj(x)  # [B, T, N, H]
             k = self.k_proj(x)  # [B, T, K, H]
@@ -202,7 +210,17 @@ class Attention(nnx.Module):
             k = sharding.constrain(
                 k, ("activation_batch", "activation_length", "activation_kv_heads", None)
             )
+            if cache is not None:
+                k, v, cache, _ = kv_cache.write(cache, k, v)  # [B, S, K, H]
+        out = self._attend(q, k, v, mask)
+        return out if cache is None else (out, cache)
 
+    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        """``q`` ``[B, T, N, H]`` over ``k``, ``v`` ``[B, S, K, H]`` under ``mask``
+        ``[B, T, S]``; then ``o_proj``."""
+        cfg = self.cfg
+        batch, seq = q.shape[:2]
+        groups = cfg.num_heads // cfg.num_kv_heads
         with jax.named_scope("attention_scores"):
             q = q.reshape(batch, seq, cfg.num_kv_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
             logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
@@ -216,7 +234,7 @@ class Attention(nnx.Module):
                 logits = jnp.concatenate([logits, sink], axis=-1)  # [B, K, G, T, S + 1]
             probs = jax.nn.softmax(logits, axis=-1)
             if self.sinks is not None:
-                probs = probs[..., :seq]  # [B, K, G, T, S]: rows sum to < 1
+                probs = probs[..., :-1]  # [B, K, G, T, S]: rows sum to < 1
         with jax.named_scope("attention_out"):
             out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32))
             out = out.astype(self.dtype).reshape(batch, seq, cfg.num_heads, cfg.head_dim)

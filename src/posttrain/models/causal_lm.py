@@ -52,6 +52,23 @@ class CausalLM(nnx.Module):
             )
         )
 
+    def init_cache(self, batch: int, cache_size: int, dtype=None) -> dict:
+        """An empty KV cache (Tunix's ``init_cache`` signature): ``batch`` rows of
+        ``cache_size`` slots in ``dtype`` (default ``config.dtype``). Layout and memory:
+        :mod:`posttrain.layers.kv_cache`."""
+        return self.model.init_cache(batch, cache_size, dtype or self.config.dtype)
+
+    def _logits(self, hidden: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        logits = logits.astype(jnp.float32)  # [B, T, V]
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = cap * jnp.tanh(logits / cap)
+        return sharding.constrain(logits, LOGIT_AXES)
+
     def forward(
         self,
         input_tokens: jax.Array,
@@ -75,15 +92,7 @@ class CausalLM(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
         hidden, aux = self.model(input_tokens, positions, attention_mask)
-        if self.lm_head is None:
-            logits = self.model.embed_tokens.attend(hidden)
-        else:
-            logits = self.lm_head(hidden)
-        logits = logits.astype(jnp.float32)  # [B, T, V]
-        cap = self.config.final_logit_softcap
-        if cap is not None:
-            logits = cap * jnp.tanh(logits / cap)
-        return sharding.constrain(logits, LOGIT_AXES), {"moe_aux_loss": aux}
+        return self._logits(hidden), {"moe_aux_loss": aux}
 
     def __call__(
         self,
@@ -92,15 +101,15 @@ class CausalLM(nnx.Module):
         cache: Any = None,
         attention_mask: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
-        """Tunix convention: returns ``(logits [batch, seq, vocab] float32, cache)``.
+        """Tunix's calling convention: ``(logits [batch, seq, vocab] float32, cache)``.
 
-        Raises:
-          NotImplementedError: ``cache`` is not None (KV-cache decoding is not
-            implemented yet).
+        Without a cache, :meth:`forward`'s logits and ``None``. With one (from
+        :meth:`init_cache`), ``input_tokens`` are written at its write index and
+        ``attention_mask`` is ``[batch, seq, cache_size]`` over its slots (``None``: each
+        token sees every slot up to its own); returns the updated cache.
         """
-        if cache is not None:
-            raise NotImplementedError(
-                "KV-cache decoding is not implemented; call CausalLM with cache=None"
-            )
-        logits, _ = self.forward(input_tokens, positions, attention_mask)
-        return logits, None
+        if cache is None:
+            logits, _ = self.forward(input_tokens, positions, attention_mask)
+            return logits, None
+        hidden, _, cache = self.model(input_tokens, positions, attention_mask, cache)
+        return self._logits(hidden), cache

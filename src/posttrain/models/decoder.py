@@ -28,6 +28,7 @@ from flax import nnx
 
 from posttrain import _compat, sharding
 from posttrain.config import ModelConfig
+from posttrain.layers import kv_cache
 from posttrain.layers.attention import attention_mask
 from posttrain.layers.embeddings import Embed
 from posttrain.layers.norms import RMSNorm
@@ -185,7 +186,71 @@ class Decoder(nnx.Module):
             self.blocks[p] = _restack(self.blocks[p], layer, cfg.num_layers // cfg.layer_period)
         return x, aux
 
-    def __call__(self, tokens, positions, padding_mask=None):
+    def init_cache(self, batch: int, cache_size: int, dtype) -> dict:
+        """An empty KV cache for ``batch`` rows of ``cache_size`` slots (layout and memory:
+        :mod:`posttrain.layers.kv_cache`), sharded like the activations when a mesh is
+        current (batch over the data-parallel axes, kv heads over ``tensor``)."""
+        cfg = self.cfg
+
+        def layer(t: str) -> dict:
+            attn = cfg.attention[t]
+            cache = kv_cache.init_layer(batch, cache_size, attn.num_kv_heads, attn.head_dim, dtype)
+            return {
+                **cache,
+                "k": sharding.constrain(cache["k"], kv_cache.KV_AXES),
+                "v": sharding.constrain(cache["v"], kv_cache.KV_AXES),
+            }
+
+        if not cfg.scan_layers:
+            return {f"layer_{i}": layer(t) for i, t in enumerate(cfg.layer_types)}
+        count = cfg.num_layers // cfg.layer_period
+        return {
+            f"block_{p}": jax.tree.map(
+                lambda x: jnp.broadcast_to(x, (count, *x.shape)), layer(cfg.layer_types[p])
+            )
+            for p in range(cfg.layer_period)
+        }
+
+    def _cached(self, x, positions, mask, cache):
+        """The layers on ``x`` ``[B, T, D]`` writing into and attending over ``cache``."""
+        cfg = self.cfg
+        batch, tokens = positions.shape
+        first = next(iter(cache.values()))["end_index"]
+        end = first[0] if first.ndim == 1 else first[0, 0]  # scanned: [L/P, B]
+        size = next(iter(cache.values()))["k"].shape[-3]
+        tables = {}
+        for t in sorted(set(cfg.layer_types)):
+            attn = cfg.attention[t]
+            cos, sin = rope_tables(positions, attn.rope, attn.head_dim)
+            window = attn.sliding_window if t == "sliding" else None
+            tables[t] = (
+                cos,
+                sin,
+                kv_cache.slot_mask(end % size, tokens, size, mask, batch, window),
+            )
+        aux = jnp.zeros((), jnp.float32)
+        new = {}
+        if not cfg.scan_layers:
+            for i, (layer, t) in enumerate(zip(self.layers, cfg.layer_types, strict=True)):
+                x, layer_aux, new[f"layer_{i}"] = layer(x, *tables[t], cache[f"layer_{i}"])
+                aux = aux + layer_aux
+            return x, aux, new
+        period_types = cfg.layer_types[: cfg.layer_period]
+        graphdefs, states = zip(*(nnx.split(b) for b in self.blocks), strict=True)
+
+        def body(x, xs):
+            states, caches = xs
+            aux, out = jnp.zeros((), jnp.float32), []
+            for graphdef, state, c, t in zip(graphdefs, states, caches, period_types, strict=True):
+                x, layer_aux, c = nnx.merge(graphdef, state)(x, *tables[t], c)
+                aux, out = aux + layer_aux, [*out, c]
+            return x, (aux, tuple(out))
+
+        caches = tuple(cache[f"block_{p}"] for p in range(cfg.layer_period))
+        x, (auxes, caches) = jax.lax.scan(body, x, (tuple(states), caches))
+        return x, jnp.sum(auxes), {f"block_{p}": c for p, c in enumerate(caches)}
+
+    def __call__(self, tokens, positions, padding_mask=None, cache=None):
         """The final-normed hidden states of ``tokens``.
 
         Dimensions: B batch, T sequence, D d_model.
@@ -197,14 +262,21 @@ class Decoder(nnx.Module):
             causality (packing segments, padding), or ``None`` (causal only). Each
             layer type adds its own sliding window.
 
+          cache: a KV cache (:meth:`init_cache`): ``tokens`` are written at its write
+            index, and ``padding_mask`` is then ``[B, T, cache_size]`` over its slots
+            (``None``: each token sees every slot up to its own). Never rematerialised.
+
         Returns:
           ``(hidden [B, T, D] in cfg.dtype, moe_aux_loss)``: the load-balancing losses of
-          the MoE layers summed (a float32 scalar, 0 for a dense model), unweighted.
-          Layers run scanned per period of ``cfg.layer_types`` when ``cfg.scan_layers``,
-          rematerialised per ``cfg.remat``.
+          the MoE layers summed (a float32 scalar, 0 for a dense model), unweighted; with
+          a cache, also the updated cache. Layers run scanned per period of
+          ``cfg.layer_types`` when ``cfg.scan_layers``, rematerialised per ``cfg.remat``.
         """
         cfg = self.cfg
         x = sharding.constrain(self.embed_tokens(tokens), sharding.ACTIVATION_AXES)
+        if cache is not None:
+            x, aux, cache = self._cached(x, positions, padding_mask, cache)
+            return self.norm(x), aux, cache
         tables = self._tables(positions, padding_mask)
         if _UNROLLED.get():
             x, aux = self._call_unrolled(x, tables)

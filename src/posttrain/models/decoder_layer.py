@@ -92,8 +92,15 @@ class DecoderLayer(nnx.Module):
             return self.mlp(h)
         return self.mlp(h), jnp.zeros((), jnp.float32)
 
-    def __call__(self, x, cos, sin, mask):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask)
+    def __call__(self, x, cos, sin, mask, cache=None):
+        """``(out [B, T, D], moe_aux_loss)``; with a ``cache`` (this layer's KV cache,
+        :mod:`posttrain.layers.kv_cache`) ``(out, moe_aux_loss, updated cache)``."""
+        if cache is None:
+            return self._residual(x, self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return (*self._residual(x, attn), cache)
+
+    def _residual(self, x, attn):
         if not self.sandwich:
             h = sharding.constrain(x + attn, sharding.ACTIVATION_AXES)
             y, aux = self._mlp(self.post_attention_layernorm(h))

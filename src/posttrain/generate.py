@@ -1,0 +1,226 @@
+"""Sampling from a :class:`~posttrain.models.CausalLM` with its KV cache: one jitted
+prefill, then a ``lax.while_loop`` of one-token decode steps.
+
+Dimensions: B batch (prompts), P the longest prompt, N ``max_new_tokens``, S the cache
+size (``P + N`` unless given), V vocab.
+
+Prompts are left-padded to P (``pad_id``), so cache slot i is buffer index i, the
+layout Tunix's sampler uses (:mod:`posttrain.layers.kv_cache`). Positions count each
+row's real tokens from 0 (pads get 0). A row stops at its first ``eos_ids`` token (kept
+in its output) or after N tokens; the loop ends when every row has stopped.
+
+Sampling (:func:`sample`): ``temperature == 0`` is greedy (argmax); otherwise the logits
+are divided by the temperature, cut to the ``top_k`` largest and to the smallest set
+whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019), and one
+token is drawn. The RNG of step i is ``fold_in(key(seed), i)``: a seed gives the same
+tokens on every run and mesh. ``logprobs`` are the model's (``log_softmax`` of the raw
+logits, temperature 1) at each chosen token: what RL and scoring need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How to pick each token.
+
+    Attributes:
+      max_new_tokens: N, at most this many tokens per row (>= 1).
+      temperature: 0 for greedy, else > 0.
+      top_k: keep the k most likely tokens (``None``: all); 1 is greedy.
+      top_p: keep the smallest set of tokens whose probability reaches p, in (0, 1]
+        (``None``: all).
+      seed: the RNG seed.
+      eos_ids: token ids that end a row.
+      pad_id: the id prompts are left-padded with and stopped rows are filled with.
+
+    Raises:
+      ValueError: a value outside its range (named).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: expected >= 1")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature={self.temperature}: expected >= 0")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k}: expected >= 1 or None")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: expected in (0, 1] or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """What :func:`generate` returns (host arrays).
+
+    Attributes:
+      tokens: ``[B, N]`` int32 generated ids, ``pad_id`` after a row stopped.
+      logprobs: ``[B, N]`` float32 model log-probability of each generated token (0
+        after a row stopped).
+      lengths: ``[B]`` int32 generated tokens per row (the EOS included).
+      stop_reasons: per row, ``"eos"`` or ``"length"``.
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    lengths: np.ndarray
+    stop_reasons: list[str]
+
+    def row(self, i: int) -> list[int]:
+        """Row ``i``'s generated ids, without the padding after it stopped."""
+        return [int(t) for t in self.tokens[i, : self.lengths[i]]]
+
+
+def sample(logits: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """One token id per row of ``logits`` ``[B, V]`` float32 (see the module docstring).
+
+    Returns:
+      ``[B]`` int32.
+    """
+    if cfg.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / cfg.temperature
+    neg = jnp.finfo(scaled.dtype).min
+    if cfg.top_k is not None and cfg.top_k < scaled.shape[-1]:
+        kth = jax.lax.top_k(scaled, cfg.top_k)[0][..., -1:]  # [B, 1]
+        scaled = jnp.where(scaled < kth, neg, scaled)
+    if cfg.top_p is not None and cfg.top_p < 1:
+        order = jnp.argsort(-scaled, axis=-1)  # [B, V] most likely first
+        ranked = jnp.take_along_axis(scaled, order, axis=-1)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the more likely tokens
+        cut_ranked = jnp.where(before < cfg.top_p, ranked, neg)  # the first always stays
+        inverse = jnp.argsort(order, axis=-1)
+        scaled = jnp.take_along_axis(cut_ranked, inverse, axis=-1)
+    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(tokens [B, P] int32, real [B, P] bool)``: each prompt right-aligned.
+
+    Raises:
+      ValueError: no prompts, or an empty one.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    tokens = np.full((len(prompts), width), pad_id, np.int32)
+    real = np.zeros((len(prompts), width), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p) :] = p
+        real[i, width - len(p) :] = True
+    return tokens, real
+
+
+def _positions(real: jax.Array) -> jax.Array:
+    return jnp.maximum(jnp.cumsum(real.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+@nnx.jit(static_argnames=("cfg", "cache_size"))
+def _generate(model, tokens, real, cfg: SamplingConfig, cache_size: int):
+    batch, width = tokens.shape
+    n = cfg.max_new_tokens
+    key = jax.random.key(cfg.seed)
+    eos = jnp.asarray(cfg.eos_ids or (-1,), jnp.int32)
+    # valid[b, s]: slot s holds a real token of row b (prompt pads never do)
+    valid = jnp.concatenate([real, jnp.ones((batch, cache_size - width), bool)], axis=1)
+    slots = jnp.arange(cache_size)
+
+    cache = model.init_cache(batch, cache_size, model.config.dtype)
+    prefill_mask = (slots[None, :] <= jnp.arange(width)[:, None])[None] & valid[:, None, :]
+    positions = _positions(real)
+    logits, cache = model(tokens, positions, cache, prefill_mask)  # [B, P, V]
+    last_position = positions[:, -1]
+
+    def choose(logits_last, step):
+        token = sample(logits_last, jax.random.fold_in(key, step), cfg)
+        logprob = jnp.take_along_axis(jax.nn.log_softmax(logits_last), token[:, None], axis=-1)
+        return token, logprob[:, 0]
+
+    first, first_lp = choose(logits[:, -1], 0)
+    out = jnp.full((batch, n), cfg.pad_id, jnp.int32).at[:, 0].set(first)
+    lps = jnp.zeros((batch, n), jnp.float32).at[:, 0].set(first_lp)
+    done = jnp.isin(first, eos)
+    lengths = jnp.ones((batch,), jnp.int32)
+
+    def cond(state):
+        step, _, _, _, done, _, _ = state
+        return (step < n) & ~jnp.all(done)
+
+    def body(state):
+        step, out, lps, lengths, done, cache, _ = state
+        last = out[:, step - 1]
+        position = last_position + step
+        mask = (slots <= width + step - 1)[None, None, :] & valid[:, None, :]  # [B, 1, S]
+        logits, cache = model(last[:, None], position[:, None], cache, mask)
+        token, lp = choose(logits[:, -1], step)
+        token = jnp.where(done, cfg.pad_id, token)
+        lp = jnp.where(done, 0.0, lp)
+        lengths = lengths + (~done).astype(jnp.int32)
+        done = done | jnp.isin(token, eos)
+        return (
+            step + 1,
+            out.at[:, step].set(token),
+            lps.at[:, step].set(lp),
+            lengths,
+            done,
+            cache,
+            0,
+        )
+
+    state = (jnp.int32(1), out, lps, lengths, done, cache, 0)
+    _, out, lps, lengths, done, _, _ = jax.lax.while_loop(cond, body, state)
+    return out, lps, lengths, done
+
+
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    cfg: SamplingConfig,
+    *,
+    cache_size: int | None = None,
+) -> Generation:
+    """Generates up to ``cfg.max_new_tokens`` tokens after each prompt.
+
+    Args:
+      model: a :class:`~posttrain.models.CausalLM` (LoRA adapters included); when a
+        mesh is current (:func:`posttrain.sharding.use_mesh`) the cache is sharded on it.
+      prompts: token ids, one list per row (any lengths >= 1).
+      cfg: :class:`SamplingConfig`.
+      cache_size: S slots (default: the longest prompt + ``max_new_tokens``).
+
+    Returns:
+      :class:`Generation`.
+
+    Raises:
+      ValueError: an empty prompt, or ``cache_size`` too small for the longest prompt
+        plus ``max_new_tokens`` (both numbers named).
+    """
+    tokens, real = left_pad(prompts, cfg.pad_id)
+    need = tokens.shape[1] + cfg.max_new_tokens
+    cache_size = need if cache_size is None else cache_size
+    if cache_size < need:
+        raise ValueError(
+            f"cache_size={cache_size} is too small: the longest prompt has "
+            f"{tokens.shape[1]} tokens and max_new_tokens={cfg.max_new_tokens}"
+        )
+    out, lps, lengths, done = _generate(model, tokens, real, cfg, cache_size)
+    out, lps, lengths, done = jax.device_get((out, lps, lengths, done))
+    reasons = ["eos" if d else "length" for d in done]
+    return Generation(np.asarray(out), np.asarray(lps), np.asarray(lengths), reasons)
