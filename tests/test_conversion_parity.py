@@ -32,16 +32,6 @@ FAMILIES = families.NAMES
 CASES = [(name, layout) for name, f in families.FAMILIES.items() for layout in f.layouts]
 
 
-@pytest.fixture(scope="module")
-def hf_tiny():
-    import torch
-
-    from tests import hf_tiny
-
-    torch.set_num_threads(1)  # steady timings on a shared CPU
-    return hf_tiny
-
-
 def saved(hf_tiny, tmp_path, family, layout, **overrides):
     model = hf_tiny.build(family, layout, **overrides)
     return hf_tiny.save(model, tmp_path / f"hf-{layout}", "fused" if layout == "fused" else "hub")

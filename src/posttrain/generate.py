@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain import sharding
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -142,6 +144,7 @@ def _generate(model, tokens, real, cfg: SamplingConfig, cache_size: int):
     valid = jnp.concatenate([real, jnp.ones((batch, cache_size - width), bool)], axis=1)
     slots = jnp.arange(cache_size)
 
+    graphdef, params = nnx.split(model)
     cache = model.init_cache(batch, cache_size, model.config.dtype)
     prefill_mask = (slots[None, :] <= jnp.arange(width)[:, None])[None] & valid[:, None, :]
     positions = _positions(real)
@@ -168,7 +171,9 @@ def _generate(model, tokens, real, cfg: SamplingConfig, cache_size: int):
         last = out[:, step - 1]
         position = last_position + step
         mask = (slots <= width + step - 1)[None, None, :] & valid[:, None, :]  # [B, 1, S]
-        logits, cache = model(last[:, None], position[:, None], cache, mask)
+        # a fresh module inside the loop's trace: LoRA's interception sets attributes
+        step_model = nnx.merge(graphdef, params)
+        logits, cache = step_model(last[:, None], position[:, None], cache, mask)
         token, lp = choose(logits[:, -1], step)
         token = jnp.where(done, cfg.pad_id, token)
         lp = jnp.where(done, 0.0, lp)
@@ -200,7 +205,9 @@ def generate(
 
     Args:
       model: a :class:`~posttrain.models.CausalLM` (LoRA adapters included); when a
-        mesh is current (:func:`posttrain.sharding.use_mesh`) the cache is sharded on it.
+        mesh is current (:func:`posttrain.sharding.use_mesh`) the cache is sharded on it
+        and the batch is filled up to a multiple of the data-parallel size (the extra
+        rows are dropped from the result).
       prompts: token ids, one list per row (any lengths >= 1).
       cfg: :class:`SamplingConfig`.
       cache_size: S slots (default: the longest prompt + ``max_new_tokens``).
@@ -212,6 +219,11 @@ def generate(
       ValueError: an empty prompt, or ``cache_size`` too small for the longest prompt
         plus ``max_new_tokens`` (both numbers named).
     """
+    rows = len(prompts)
+    current = sharding.current()
+    if current is not None and rows:  # the batch must divide over the data-parallel axes
+        extra = -rows % sharding.data_parallel_size(current.mesh, current.rules)
+        prompts = [*prompts, *[prompts[0]] * extra]
     tokens, real = left_pad(prompts, cfg.pad_id)
     need = tokens.shape[1] + cfg.max_new_tokens
     cache_size = need if cache_size is None else cache_size
@@ -221,6 +233,7 @@ def generate(
             f"{tokens.shape[1]} tokens and max_new_tokens={cfg.max_new_tokens}"
         )
     out, lps, lengths, done = _generate(model, tokens, real, cfg, cache_size)
-    out, lps, lengths, done = jax.device_get((out, lps, lengths, done))
-    reasons = ["eos" if d else "length" for d in done]
-    return Generation(np.asarray(out), np.asarray(lps), np.asarray(lengths), reasons)
+    out, lps, lengths, done = (
+        np.asarray(x)[:rows] for x in jax.device_get((out, lps, lengths, done))
+    )
+    return Generation(out, lps, lengths, ["eos" if d else "length" for d in done])

@@ -74,25 +74,31 @@ class CausalLM(nnx.Module):
         input_tokens: jax.Array,
         positions: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Logits and auxiliary outputs.
+        cache: Any = None,
+    ) -> tuple[jax.Array, dict[str, Any]]:
+        """Logits and auxiliary outputs (LoRA's adapters apply here: Qwix wraps ``forward``).
 
         Args:
           input_tokens: ``[batch, seq]`` int32 token ids.
           positions: ``[batch, seq]`` int32 positions; ``arange(seq)`` when None.
           attention_mask: ``[batch, seq, seq]`` bool, True where query t may see
             key s; combined with the causal (and sliding-window) mask. ``None``
-            for plain causal.
+            for plain causal. With a cache: ``[batch, seq, cache_size]`` over its slots.
+          cache: a KV cache (:meth:`init_cache`); see :meth:`__call__`.
 
         Returns:
-          ``(logits [batch, seq, vocab] float32, {"moe_aux_loss": scalar float32})``;
-          the aux loss is unweighted and summed over layers.
+          ``(logits [batch, seq, vocab] float32, aux)``: ``aux["moe_aux_loss"]`` a float32
+          scalar, unweighted and summed over layers; with a cache, ``aux["cache"]`` the
+          updated cache.
         """
         batch, seq = input_tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-        hidden, aux = self.model(input_tokens, positions, attention_mask)
-        return self._logits(hidden), {"moe_aux_loss": aux}
+        if cache is None:
+            hidden, aux = self.model(input_tokens, positions, attention_mask)
+            return self._logits(hidden), {"moe_aux_loss": aux}
+        hidden, aux, cache = self.model(input_tokens, positions, attention_mask, cache)
+        return self._logits(hidden), {"moe_aux_loss": aux, "cache": cache}
 
     def __call__(
         self,
@@ -108,8 +114,5 @@ class CausalLM(nnx.Module):
         ``attention_mask`` is ``[batch, seq, cache_size]`` over its slots (``None``: each
         token sees every slot up to its own); returns the updated cache.
         """
-        if cache is None:
-            logits, _ = self.forward(input_tokens, positions, attention_mask)
-            return logits, None
-        hidden, _, cache = self.model(input_tokens, positions, attention_mask, cache)
-        return self._logits(hidden), cache
+        logits, aux = self.forward(input_tokens, positions, attention_mask, cache)
+        return logits, aux.get("cache")
