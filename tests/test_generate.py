@@ -5,6 +5,8 @@ distributions, the cache's memory, LoRA == merged, bad input."""
 from __future__ import annotations
 
 import functools
+import json
+import re
 import warnings
 
 import jax
@@ -384,3 +386,129 @@ def test_a_prompt_longer_than_the_cache_and_an_empty_prompt_are_refused():
         generate.generate(model, PROMPTS, generate.SamplingConfig(max_new_tokens=4), cache_size=8)
     with pytest.raises(ValueError, match="every prompt needs at least one token"):
         generate.generate(model, [[1], []], generate.SamplingConfig())
+
+
+# --- posttrain generate ---------------------------------------------------------------
+
+
+def run_cli(capsys, *argv):
+    from posttrain import cli
+
+    status = cli.main(["generate", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.devices(8)
+def test_cli_without_a_model_or_an_export_says_to_run_sft_first(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_cli(capsys, "--prompt", "hi")
+    assert status == 2 and out == ""
+    assert err == (
+        "posttrain: error: no --model given and runs/sft holds no model-step<N> export; "
+        "run `posttrain sft` first, or pass --model PRESET|DIR\n"
+    )
+
+
+@pytest.mark.devices(8)
+def test_cli_uses_the_newest_export_and_writes_one_record_per_prompt(tmp_path, monkeypatch, capsys):
+    """Without --model the newest runs/sft/model-step<N> is used; several prompts give JSONL
+    whose tokens equal the API's greedy tokens on that model."""
+    from posttrain.conversion import load_native, save_native
+    from posttrain.models import flat_params
+    from posttrain.sft.tokenizer import byte_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs/sft").mkdir(parents=True)
+    for step, name in ((5, "qwen3-tiny"), (12, "llama3-tiny")):
+        cfg = get_config(name)
+        save_native(
+            flat_params(build_model(cfg, seed=step)), cfg, tmp_path / f"runs/sft/model-step{step}"
+        )
+    status, out, err = run_cli(
+        capsys,
+        "--prompt",
+        "one",
+        "--prompt",
+        "two words",
+        "--max-new-tokens",
+        "6",
+        "--mesh",
+        "fsdp=8",
+    )
+    assert status == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in records] == ["one", "two words"]
+    model = load_native(tmp_path / "runs/sft/model-step12")
+    assert model.config.family == "llama3"
+    tok = byte_tokenizer()
+    ids = [tok.encode(t, add_special_tokens=False).ids for t in ("one", "two words")]
+    want = generate.generate(model, ids, generate.SamplingConfig(max_new_tokens=6))
+    for i, record in enumerate(records):
+        assert record["tokens"] == want.row(i)
+        assert record["stop_reason"] == want.stop_reasons[i]
+        assert len(record["logprobs"]) == len(record["tokens"])
+        assert record["text"] == tok.decode(want.row(i), skip_special_tokens=True)
+
+
+@pytest.mark.devices(8)
+def test_cli_streams_one_prompt_to_stdout(tmp_path, monkeypatch, capsys):
+    from posttrain.sft.tokenizer import byte_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_cli(
+        capsys, "--model", "gemma4-tiny", "--prompt", "stream", "--max-new-tokens", "7"
+    )
+    assert status == 0, err
+    tok = byte_tokenizer()
+    model = build_model(get_config("gemma4-tiny"), seed=0)
+    want = generate.generate(
+        model,
+        [tok.encode("stream", add_special_tokens=False).ids],
+        generate.SamplingConfig(max_new_tokens=7, eos_ids=(tok.token_to_id("<|im_end|>"),)),
+    )
+    text = tok.decode(want.row(0), skip_special_tokens=True)
+    assert out.rstrip("\n") == text.rstrip("\ufffd")
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--cache-size", "4"], "cache_size=4 is too small: the longest prompt has 5 tokens"),
+        (["--top-p", "2"], r"top_p=2.0: expected in \(0, 1\] or None"),
+        (["--prompts", "{missing}"], "No such file or directory"),
+        (["--adapter", "{adapter}"], "made for llama3 with 2 layers, the model is qwen3 with 2"),
+        (["--tokenizer", "{tokenizer}"], "tokenizer has 300 ids but the model's vocab_size is 264"),
+    ],
+    ids=[
+        "prompt-longer-than-cache",
+        "bad-top-p",
+        "missing-prompts-file",
+        "adapter-of-another-model",
+        "tokenizer-vocab-too-big",
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, extra, message):
+    import json as _json
+
+    from tokenizers import Tokenizer, models
+
+    monkeypatch.chdir(tmp_path)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "lora_config.json").write_text(
+        _json.dumps({"format": "posttrain-lora", "family": "llama3", "num_layers": 2})
+    )
+    vocab = {f"t{i}": i for i in range(300)}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
+    extra = [
+        e.format(
+            missing=tmp_path / "nope.jsonl", adapter=adapter, tokenizer=tmp_path / "tokenizer.json"
+        )
+        for e in extra
+    ]
+    status, out, err = run_cli(capsys, "--model", "qwen3-tiny", "--prompt", "hello", *extra)
+    assert status == 2 and out == ""
+    assert err.startswith("posttrain: error: ") and err.count("\n") == 1, err
+    assert re.search(message, err), err

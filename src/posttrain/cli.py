@@ -2,6 +2,7 @@
 
 Subcommands:
   sft           supervised fine-tuning (SFTTrainer on Tunix); no arguments: the embedded run.
+  generate      sample from a model with its KV cache (default: the newest sft export).
   forward       build a preset on a mesh, run a jitted forward, print shardings and figures.
   convert       HF checkpoint directory <-> native checkpoint directory (streamed, atomic).
   check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
@@ -213,6 +214,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chk.add_argument("--seq", type=int, default=16)
     chk.add_argument("--seed", type=int, default=7)
+
+    gen = sub.add_parser(
+        "generate", help="sample from a preset, a native or an HF directory (KV cache)"
+    )
+    gen.add_argument(
+        "--model",
+        default=None,
+        help="preset, native directory (e.g. runs/sft/model-step60) or HF directory "
+        "(default: the newest runs/sft/model-step<N>)",
+    )
+    gen.add_argument("--adapter", default=None, help="a LoRA adapter directory to apply")
+    gen.add_argument("--tokenizer", default=None, help="tokenizer.json (default: see docs)")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument(
+        "--prompts", default=None, help='JSONL: {"prompt": ...} or {"messages": [...]}'
+    )
+    gen.add_argument("--chat", action="store_true", help="wrap --prompt in the ChatML template")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (and a preset's init)")
+    gen.add_argument("--cache-size", type=int, default=None, help="default: prompt + new tokens")
+    gen.add_argument("--output", default=None, help="JSONL file (default: stdout)")
+    gen.add_argument("--mesh", default=None, help="axis sizes, e.g. fsdp=4,tensor=2")
+    gen.add_argument(
+        "--devices",
+        default=os.environ.get("POSTTRAIN_DEVICES", "8"),
+        help="fake CPU devices, or 'real' (default %(default)s)",
+    )
     return parser
 
 
@@ -302,6 +333,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "sft":
         _set_devices(parse_devices(args.devices))
         return commands.sft(args)
+    if args.command == "generate":
+        _set_devices(parse_devices(args.devices))
+        return commands.generate(args)
     if args.command == "forward":
         _set_devices(parse_devices(args.devices))
         if args.per_device_batch_size < 1 or args.seq < 1 or args.repeats < 1:

@@ -20,12 +20,13 @@ logits, temperature 1) at each chosen token: what RL and scoring need.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from posttrain import sharding
 
@@ -134,8 +135,8 @@ def _positions(real: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(real.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-@nnx.jit(static_argnames=("cfg", "cache_size"))
-def _generate(model, tokens, real, cfg: SamplingConfig, cache_size: int):
+@nnx.jit(static_argnames=("cfg", "cache_size", "on_token"))
+def _generate(model, tokens, real, cfg: SamplingConfig, cache_size: int, on_token=None):
     batch, width = tokens.shape
     n = cfg.max_new_tokens
     key = jax.random.key(cfg.seed)
@@ -156,9 +157,17 @@ def _generate(model, tokens, real, cfg: SamplingConfig, cache_size: int):
         logprob = jnp.take_along_axis(jax.nn.log_softmax(logits_last), token[:, None], axis=-1)
         return token, logprob[:, 0]
 
+    def emit(token, done):
+        if on_token is not None:  # to the host as soon as it is chosen, in order
+            token, done = sharding.constrain(token, (None,)), sharding.constrain(done, (None,))
+            io_callback(
+                lambda t, d: on_token(np.asarray(t), np.asarray(d)), None, token, done, ordered=True
+            )
+
     first, first_lp = choose(logits[:, -1], 0)
     out = jnp.full((batch, n), cfg.pad_id, jnp.int32).at[:, 0].set(first)
     lps = jnp.zeros((batch, n), jnp.float32).at[:, 0].set(first_lp)
+    emit(first, jnp.zeros((batch,), bool))
     done = jnp.isin(first, eos)
     lengths = jnp.ones((batch,), jnp.int32)
 
@@ -176,6 +185,7 @@ def _generate(model, tokens, real, cfg: SamplingConfig, cache_size: int):
         logits, cache = step_model(last[:, None], position[:, None], cache, mask)
         token, lp = choose(logits[:, -1], step)
         token = jnp.where(done, cfg.pad_id, token)
+        emit(token, done)
         lp = jnp.where(done, 0.0, lp)
         lengths = lengths + (~done).astype(jnp.int32)
         done = done | jnp.isin(token, eos)
@@ -200,6 +210,7 @@ def generate(
     cfg: SamplingConfig,
     *,
     cache_size: int | None = None,
+    on_token: Callable[[np.ndarray, np.ndarray], None] | None = None,
 ) -> Generation:
     """Generates up to ``cfg.max_new_tokens`` tokens after each prompt.
 
@@ -211,6 +222,9 @@ def generate(
       prompts: token ids, one list per row (any lengths >= 1).
       cfg: :class:`SamplingConfig`.
       cache_size: S slots (default: the longest prompt + ``max_new_tokens``).
+      on_token: called on the host with ``(tokens [B], stopped [B])`` after each step
+        (the step's token of every row, and which rows had stopped before it), in order:
+        streaming. Each distinct callback compiles the loop once.
 
     Returns:
       :class:`Generation`.
@@ -232,7 +246,7 @@ def generate(
             f"cache_size={cache_size} is too small: the longest prompt has "
             f"{tokens.shape[1]} tokens and max_new_tokens={cfg.max_new_tokens}"
         )
-    out, lps, lengths, done = _generate(model, tokens, real, cfg, cache_size)
+    out, lps, lengths, done = _generate(model, tokens, real, cfg, cache_size, on_token)
     out, lps, lengths, done = (
         np.asarray(x)[:rows] for x in jax.device_get((out, lps, lengths, done))
     )

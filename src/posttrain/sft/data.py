@@ -112,6 +112,21 @@ def encode_chat(messages: Messages, tokenizer) -> Example:
     return encode_chats([messages], tokenizer)[0]
 
 
+def chat_prompt(messages: Messages, tokenizer) -> list[int]:
+    """ChatML token ids of ``messages`` followed by the assistant's header
+    (``<|im_start|>assistant\n``): what a model trained by :func:`encode_chat` continues.
+    Pieces are encoded on their own, as in training."""
+    tokenizer = _unpadded(tokenizer)
+    pieces = [
+        p
+        for m in messages
+        for p in (f"<|im_start|>{m['role']}\n", m["content"], "<|im_end|>", "\n")
+    ]
+    pieces.append("<|im_start|>assistant\n")
+    encodings = tokenizer.encode_batch(pieces, add_special_tokens=False)
+    return [i for e in encodings for i in e.ids]
+
+
 _ENCODE_CHUNK = 1024  # conversations per encode_batch call: bounds the live Encodings
 
 

@@ -23,7 +23,6 @@ import dataclasses
 import math
 import os
 import pathlib
-import tempfile
 
 import numpy as np
 
@@ -189,35 +188,11 @@ class SFTResult:
 
 
 def _load_model(cfg: SFTConfig, mesh):
-    """``(model, hf_dir or None)``: a preset built with ``seed``, or an HF directory converted."""
-    from posttrain.models import PRESETS, build_model, get_config
+    """``(model, hf_dir or None)``: a preset built with ``seed``, or a directory loaded."""
+    from posttrain.loading import load_model
 
     overrides = {"remat": cfg.remat, "scan_layers": cfg.scan_layers}
-    if cfg.model in PRESETS:
-        return build_model(get_config(cfg.model, **overrides), mesh, seed=cfg.seed), None
-    if not os.path.isdir(cfg.model):
-        raise ValueError(
-            f"--model {cfg.model!r} is neither a preset ({', '.join(sorted(PRESETS))})"
-            " nor a checkpoint directory (HF or native)"
-        )
-    from posttrain.conversion import convert_hf_to_native, load_native
-    from posttrain.conversion.native import is_native_dir
-    from posttrain.conversion.safetensors_io import temporary_prefix
-
-    if is_native_dir(cfg.model):
-        model = load_native(cfg.model, **overrides)
-    else:
-        # Converted beside the run directory, not in $TMPDIR: a kill that skips the
-        # cleanup leaves it where the next run sweeps it (sweep_stale_temporaries).
-        out = pathlib.Path(cfg.output).absolute()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        prefix = temporary_prefix(out, "convert")
-        with tempfile.TemporaryDirectory(prefix=prefix, dir=out.parent) as tmp:
-            convert_hf_to_native(cfg.model, os.path.join(tmp, "native"), fsync=False)
-            model = load_native(os.path.join(tmp, "native"), **overrides)
-    model.config.check_mesh(dict(mesh.shape), sharding.DEFAULT_RULES)
-    sharding.shard_model(model, mesh)
-    return model, cfg.model
+    return load_model(cfg.model, mesh, seed=cfg.seed, scratch=cfg.output, **overrides)
 
 
 def _tokenizer(cfg: SFTConfig, hf_dir: str | None):
