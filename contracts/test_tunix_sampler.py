@@ -1,0 +1,73 @@
+"""Contracts on Tunix's sampler driving our model (``posttrain.tunix_sampler``): the matrix's
+generate cells. Each release row runs them against its installed Tunix."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix.generate.sampler", reason="google-tunix is not installed")
+
+from posttrain import generate, tunix_sampler  # noqa: E402
+from posttrain.models import build_model, get_config  # noqa: E402
+from posttrain.sft.tokenizer import byte_tokenizer  # noqa: E402
+
+PROMPTS = ["hello there", "hi", "a longer prompt, left-padded"]
+STEPS = 12  # past the tiny presets' sliding window (8)
+
+
+@pytest.mark.contract("tunix.generate.sampler.Sampler")
+@pytest.mark.parametrize("name", ["qwen3-tiny", "gemma4-tiny"])
+def test_tunix_sampler_greedy_equals_ours(name):
+    """The installed release's Sampler (init_cache, prefill and decode calls, masks,
+    end_index slots) generates our greedy tokens, token for token; Gemma 4's full layers
+    have their own kv heads and head_dim (the sampler must use our init_cache)."""
+    model = build_model(get_config(name), seed=1)
+    tok = byte_tokenizer()
+    eos = tok.token_to_id("<|im_end|>")
+    sampler = tunix_sampler.make_sampler(model, tok, cache_size=64)
+    theirs = sampler(
+        PROMPTS,
+        max_generation_steps=STEPS,
+        max_prompt_length=32,
+        temperature=0.0,
+        eos_tokens=[eos],
+    )
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+    pad = tok.token_to_id("<|pad|>")  # TunixTokenizer's: a token the model never generates
+    sampling = generate.SamplingConfig(max_new_tokens=STEPS, eos_ids=(eos,), pad_id=pad)
+    ours = generate.generate(model, ids, sampling)
+    assert all(pad not in ours.row(i) for i in range(len(PROMPTS)))
+    for i, tokens in enumerate(theirs.tokens):
+        assert [int(t) for t in tokens] == ours.row(i)[:STEPS], i
+
+
+@pytest.mark.contract("tunix.generate.tokenizer_adapter.TokenizerAdapter")
+def test_our_tokenizer_passes_tunix_tokenizer_adapter():
+    adapter_lib = pytest.importorskip("tunix.generate.tokenizer_adapter")
+    adapter = adapter_lib.TokenizerAdapter(tunix_sampler.TunixTokenizer(byte_tokenizer()))
+    ids = adapter.encode("héllo")
+    assert list(ids) == byte_tokenizer().encode("héllo", add_special_tokens=False).ids
+    assert adapter.decode(ids) == "héllo"
+    assert adapter.eos_id() == byte_tokenizer().token_to_id("<|im_end|>")
+    assert adapter.pad_id() == byte_tokenizer().token_to_id("<|pad|>")
+
+
+def test_positional_and_keyword_decode_calls_agree():
+    """Emulated drift: google-tunix <= 0.1.5 decodes with ``model(tok, pos, cache, mask)``,
+    0.1.6+ with ``positions=``, ``cache=``, ``attention_mask=`` keywords."""
+    model = build_model(get_config("gpt_oss-tiny"), seed=1)
+    tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
+    positions = jnp.arange(4)[None]
+    slots = jnp.arange(16)
+    mask = (slots[None, :] <= jnp.arange(4)[:, None])[None]
+    _, cache = model(tokens, positions, model.init_cache(1, 16, "float32"), mask)
+    step_mask = (slots <= 4)[None, None]
+    last, pos = tokens[:, -1:], positions[:, -1:] + 1
+    a, cache_a = model(last, pos, cache, step_mask)
+    b, cache_b = model(last, positions=pos, cache=cache, attention_mask=step_mask)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for x, y in zip(jax.tree.leaves(cache_a), jax.tree.leaves(cache_b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
