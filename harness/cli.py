@@ -186,15 +186,15 @@ def run_matrix(args: argparse.Namespace) -> int:
     from harness import entries, envs, matrix, report
 
     try:
-        entries = entries.load_entries(args.entries or entries.ENTRIES_FILE)
-        chosen = entries.select(entries, args.only, args.all)
+        loaded = entries.load_entries(args.entries or entries.ENTRIES_FILE)
+        chosen = entries.select(loaded, args.only, args.all)
     except ValueError as error:
         print(f"posttrain-harness matrix: {error}", file=sys.stderr)
         return 2
     start = time.monotonic()
     rows = matrix.run(
         chosen,
-        entries,
+        loaded,
         envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
         args.report_dir,
         args.jobs,
@@ -206,7 +206,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         f"{time.monotonic() - start:.0f} s"
     )
     if args.update:
-        rows = report.merge(args.report_dir, rows, [e.name for e in entries])
+        rows = report.merge(args.report_dir, rows, [e.name for e in loaded])
     built = report.build(rows, machine)
     paths = report.write(built, args.report_dir)
     print(report.markdown(built))

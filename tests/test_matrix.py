@@ -348,3 +348,33 @@ def test_the_sft_run_is_one_description_for_both_paths(tmp_path):
     output = str(tmp_path / "out")
     args = cli.build_parser().parse_args(matrix.sft_argv(output))
     assert commands.sft_config(args) == SFTConfig(**matrix.SFT_RUN, output=output)
+
+
+def test_the_matrix_command_runs_its_entries_and_writes_the_report(tmp_path, capsys):
+    """End to end through the CLI (entries file -> matrix.run -> report), on an entry
+    that needs no environment: it exits 1 (an error row) and writes all three files."""
+    path = tmp_path / "entries.toml"
+    path.write_text(
+        '[[entry]]\nname="gone"\ntunix="0.0.1"\nflavour="current"\nconvention="bound2"\n'
+        'default=true\nbroken="yanked from PyPI"\n'
+    )
+    status = cli.main(
+        [
+            "matrix",
+            "--entries",
+            str(path),
+            "--report-dir",
+            str(tmp_path / "r"),
+            "--cache",
+            str(tmp_path / "envs"),
+        ]
+    )
+    out, err = capsys.readouterr()
+    assert status == 1, err
+    assert "| gone |" in out and "not run: yanked from PyPI" in out
+    assert {p.name for p in (tmp_path / "r").iterdir()} >= {
+        "compat-matrix.md",
+        "compat-matrix.json",
+        "compat-matrix.html",
+    }
+    assert "[1/1] gone: environment" in err
