@@ -55,6 +55,7 @@ def test_our_tokenizer_passes_tunix_tokenizer_adapter():
     assert adapter.pad_id() == byte_tokenizer().token_to_id("<|pad|>")
 
 
+@pytest.mark.contract("tunix.generate.sampler decode call (positional <= 0.1.5, keywords 0.1.6+)")
 def test_positional_and_keyword_decode_calls_agree():
     """Emulated drift: google-tunix <= 0.1.5 decodes with ``model(tok, pos, cache, mask)``,
     0.1.6+ with ``positions=``, ``cache=``, ``attention_mask=`` keywords."""
