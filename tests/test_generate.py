@@ -17,7 +17,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posttrain import generate, sharding
+from posttrain import families, generate, sharding
 from posttrain.layers import kv_cache
 from posttrain.models import CausalLM, build_model, get_config
 from posttrain.models.presets import TINY_PRESETS
@@ -327,7 +327,7 @@ PARITY_FAMILIES = ("gemma4",)  # in the gate; the other five in the slow tier
     "family",
     [
         f if f in PARITY_FAMILIES else pytest.param(f, marks=pytest.mark.slow)
-        for f in ("llama3", "qwen3", "qwen3_moe", "mixtral", "gemma4", "gpt_oss")
+        for f in families.NAMES
     ],
 )
 def test_greedy_generation_equals_transformers(hf_tiny, tmp_path, family):
