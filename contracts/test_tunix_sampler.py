@@ -28,12 +28,13 @@ def test_tunix_sampler_greedy_equals_ours(name):
     tok = byte_tokenizer()
     eos = tok.token_to_id("<|im_end|>")
     sampler = tunix_sampler.make_sampler(model, tok, cache_size=64)
-    theirs = sampler(
+    theirs = tunix_sampler.run(
+        sampler,
         PROMPTS,
         max_generation_steps=STEPS,
         max_prompt_length=32,
         temperature=0.0,
-        eos_tokens=[eos],
+        eos_tokens=[eos],  # the tokenizer's eos_id() too, for releases without the option
     )
     ids = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
     pad = tok.token_to_id("<|pad|>")  # TunixTokenizer's: a token the model never generates

@@ -109,3 +109,11 @@ def make_sampler(model, tokenizer, cache_size: int):
     return sampler.Sampler(
         transformer=model, tokenizer=tokenizer, cache_config=cache_config(model, cache_size)
     )
+
+
+def run(sampler, prompts, **options):
+    """Calls ``sampler(prompts, **options)`` with the options its release takes (e.g.
+    ``eos_tokens`` arrived after google-tunix 0.0.2, whose sampler stops at the
+    tokenizer's ``eos_id()`` only). Returns its ``SamplerOutput``."""
+    accepted = inspect.signature(type(sampler).__call__).parameters
+    return sampler(prompts, **{k: v for k, v in options.items() if k in accepted})
