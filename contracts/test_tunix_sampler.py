@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 pytest.importorskip("tunix.generate.sampler", reason="google-tunix is not installed")
 
@@ -61,15 +62,16 @@ def test_positional_and_keyword_decode_calls_agree():
     """Emulated drift: google-tunix <= 0.1.5 decodes with ``model(tok, pos, cache, mask)``,
     0.1.6+ with ``positions=``, ``cache=``, ``attention_mask=`` keywords."""
     model = build_model(get_config("gpt_oss-tiny"), seed=1)
+    call = nnx.jit(lambda m, *args, **kwargs: m(*args, **kwargs))  # the binding is Python's
     tokens = jnp.asarray([[5, 6, 7, 8]], jnp.int32)
     positions = jnp.arange(4)[None]
     slots = jnp.arange(16)
     mask = (slots[None, :] <= jnp.arange(4)[:, None])[None]
-    _, cache = model(tokens, positions, model.init_cache(1, 16, "float32"), mask)
+    _, cache = call(model, tokens, positions, model.init_cache(1, 16, "float32"), mask)
     step_mask = (slots <= 4)[None, None]
     last, pos = tokens[:, -1:], positions[:, -1:] + 1
-    a, cache_a = model(last, pos, cache, step_mask)
-    b, cache_b = model(last, positions=pos, cache=cache, attention_mask=step_mask)
+    a, cache_a = call(model, last, pos, cache, step_mask)
+    b, cache_b = call(model, last, positions=pos, cache=cache, attention_mask=step_mask)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for x, y in zip(jax.tree.leaves(cache_a), jax.tree.leaves(cache_b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

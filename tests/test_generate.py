@@ -128,7 +128,7 @@ def test_incremental_decoding_on_a_mesh_shards_the_cache_like_the_activations():
     """On data x fsdp x tensor the cache's batch is over the data-parallel axes and its kv
     heads over tensor, and decoding still equals the full forward."""
     mesh_shape = {"data": 2, "fsdp": 2, "tensor": 2}
-    check_incremental("qwen3_moe-tiny", True, mesh_shape)
+    check_incremental("qwen3-tiny", False, mesh_shape)
     mesh = sharding.make_mesh(mesh_shape)
     cfg = get_config("qwen3-tiny")
     with sharding.use_mesh(mesh):
@@ -140,24 +140,25 @@ def test_incremental_decoding_on_a_mesh_shards_the_cache_like_the_activations():
 
 @functools.cache
 def recompute_greedy(name: str) -> list[list[int]]:
-    """Greedy tokens by re-running the full forward on each unpadded row (no cache)."""
+    """Greedy tokens by re-running the full forward on each unpadded row (no cache): the
+    row right-padded to one width (causal: padding after a token never changes its
+    logits), so one compile serves every step."""
     model = build_model(get_config(name), seed=1)
-    forward = nnx.jit(lambda m, t: m(t, None, None, None)[0][0, -1])
+    width = max(len(p) for p in PROMPTS) + STEPS
+    forward = nnx.jit(lambda m, t: m(t, None, None, None)[0][0])  # [width, V]
     rows = []
     for prompt in PROMPTS:
         seq = list(prompt)
         for _ in range(STEPS):
-            seq.append(int(jnp.argmax(forward(model, jnp.asarray([seq], jnp.int32)))))
+            tokens = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
+            seq.append(int(jnp.argmax(forward(model, tokens)[len(seq) - 1])))
         rows.append(seq[len(prompt) :])
     return rows
 
 
 @pytest.mark.parametrize(
     "name",
-    [
-        n if n in ("gemma4-tiny", "gpt_oss-tiny") else pytest.param(n, marks=pytest.mark.slow)
-        for n in TINY_PRESETS
-    ],
+    [n if n == "gpt_oss-tiny" else pytest.param(n, marks=pytest.mark.slow) for n in TINY_PRESETS],
 )
 def test_greedy_generation_equals_a_recompute_loop(name):
     model = build_model(get_config(name), seed=1)
@@ -197,7 +198,7 @@ def test_logprobs_are_the_models_log_softmax_at_each_token():
 
 
 def test_a_seed_gives_the_same_tokens_and_top_k_1_is_greedy():
-    model = build_model(get_config("mixtral-tiny"), seed=1)
+    model = build_model(get_config("qwen3-tiny"), seed=1)
     sampled = generate.SamplingConfig(max_new_tokens=8, temperature=1.5, seed=7)
     a = generate.generate(model, PROMPTS, sampled)
     b = generate.generate(model, PROMPTS, sampled)
@@ -457,11 +458,11 @@ def test_cli_streams_one_prompt_to_stdout(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     status, out, err = run_cli(
-        capsys, "--model", "gemma4-tiny", "--prompt", "stream", "--max-new-tokens", "7"
+        capsys, "--model", "qwen3-tiny", "--prompt", "stream", "--max-new-tokens", "7"
     )
     assert status == 0, err
     tok = byte_tokenizer()
-    model = build_model(get_config("gemma4-tiny"), seed=0)
+    model = build_model(get_config("qwen3-tiny"), seed=0)
     want = generate.generate(
         model,
         [tok.encode("stream", add_special_tokens=False).ids],
