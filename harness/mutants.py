@@ -55,6 +55,9 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_sft_objective.py",
         "contracts/test_sft_conventions.py",
     ],
+    "src/posttrain/sft/metrics.py": ["tests/test_sft_run.py", "contracts/test_sft_conventions.py"],
+    "src/posttrain/layers/kv_cache.py": ["tests/test_generate.py", "-k", "incremental or cache"],
+    "src/posttrain/generate.py": ["tests/test_generate.py", "-k", "not cli"],
     "src/posttrain/lora/merge.py": ["tests/test_lora.py", "-k", "merge or zero_adapter"],
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
 }
