@@ -20,7 +20,9 @@ STEPS = 12  # past the tiny presets' sliding window (8)
 
 
 @pytest.mark.contract("tunix.generate.sampler.Sampler")
-@pytest.mark.parametrize("name", ["qwen3-tiny", "gemma4-tiny"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-tiny", pytest.param("gemma4-tiny", marks=pytest.mark.slow)]
+)  # the matrix runs the slow tier too
 def test_tunix_sampler_greedy_equals_ours(name):
     """The installed release's Sampler (init_cache, prefill and decode calls, masks,
     end_index slots) generates our greedy tokens, token for token; Gemma 4's full layers

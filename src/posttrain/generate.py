@@ -136,10 +136,10 @@ def _positions(real: jax.Array) -> jax.Array:
 
 
 @nnx.jit(static_argnames=("cfg", "cache_size", "on_token"))
-def _generate(model, tokens, real, cfg: SamplingConfig, cache_size: int, on_token=None):
+def _generate(model, tokens, real, seed, cfg: SamplingConfig, cache_size: int, on_token=None):
     batch, width = tokens.shape
     n = cfg.max_new_tokens
-    key = jax.random.key(cfg.seed)
+    key = jax.random.key(seed)  # traced: a new seed does not compile again
     eos = jnp.asarray(cfg.eos_ids or (-1,), jnp.int32)
     # valid[b, s]: slot s holds a real token of row b (prompt pads never do)
     valid = jnp.concatenate([real, jnp.ones((batch, cache_size - width), bool)], axis=1)
@@ -246,7 +246,10 @@ def generate(
             f"cache_size={cache_size} is too small: the longest prompt has "
             f"{tokens.shape[1]} tokens and max_new_tokens={cfg.max_new_tokens}"
         )
-    out, lps, lengths, done = _generate(model, tokens, real, cfg, cache_size, on_token)
+    static = dataclasses.replace(cfg, seed=0)
+    out, lps, lengths, done = _generate(
+        model, tokens, real, np.uint32(cfg.seed), static, cache_size, on_token
+    )
     out, lps, lengths, done = (
         np.asarray(x)[:rows] for x in jax.device_get((out, lps, lengths, done))
     )
