@@ -4,6 +4,7 @@ distributions, the cache's memory, LoRA == merged, bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -72,7 +73,7 @@ def check_incremental(name, scan, mesh_shape=None):
     prompts = [list(rng.randint(3, cfg.vocab_size, n)) for n in lengths]
     tokens, real = padded(prompts)
     mesh = sharding.make_mesh(mesh_shape) if mesh_shape else None
-    with sharding.use_mesh(mesh) if mesh else _null():
+    with sharding.use_mesh(mesh) if mesh else contextlib.nullcontext():
         model = build_model(cfg, mesh, seed=1)
         want = reference_logits(model, tokens, real)
         got = incremental_logits(model, tokens, real, prefill=6)
@@ -80,14 +81,6 @@ def check_incremental(name, scan, mesh_shape=None):
     np.testing.assert_allclose(
         np.asarray(got)[real_rows], np.asarray(want)[real_rows], atol=INCREMENTAL_ATOL
     )
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # the gate: Gemma 4 scanned (per-type kv heads and head_dim, MoE through the scan,

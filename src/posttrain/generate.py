@@ -172,11 +172,11 @@ def _generate(model, tokens, real, seed, cfg: SamplingConfig, cache_size: int, o
     lengths = jnp.ones((batch,), jnp.int32)
 
     def cond(state):
-        step, _, _, _, done, _, _ = state
+        step, _, _, _, done, _ = state
         return (step < n) & ~jnp.all(done)
 
     def body(state):
-        step, out, lps, lengths, done, cache, _ = state
+        step, out, lps, lengths, done, cache = state
         last = out[:, step - 1]
         position = last_position + step
         mask = (slots <= width + step - 1)[None, None, :] & valid[:, None, :]  # [B, 1, S]
@@ -196,11 +196,10 @@ def _generate(model, tokens, real, seed, cfg: SamplingConfig, cache_size: int, o
             lengths,
             done,
             cache,
-            0,
         )
 
-    state = (jnp.int32(1), out, lps, lengths, done, cache, 0)
-    _, out, lps, lengths, done, _, _ = jax.lax.while_loop(cond, body, state)
+    state = (jnp.int32(1), out, lps, lengths, done, cache)
+    _, out, lps, lengths, done, _ = jax.lax.while_loop(cond, body, state)
     return out, lps, lengths, done
 
 
