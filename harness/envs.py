@@ -37,12 +37,14 @@ def project_requirements() -> list[str]:
 
 
 def env_key(entry: Entry) -> str:
-    """Hash of what goes into the entry's environment."""
+    """Hash of what goes into the entry's environment, the checkout included: it is
+    installed editable, so two clones sharing the cache root must not share one."""
     blob = json.dumps(
         {
             "python": sys.version_info[:2],
             "spec": entry.install_spec(),
             "project": project_requirements(),
+            "checkout": str(REPO),
         },
         sort_keys=True,
     )

@@ -378,3 +378,15 @@ def test_the_matrix_command_runs_its_entries_and_writes_the_report(tmp_path, cap
         "compat-matrix.html",
     }
     assert "[1/1] gone: environment" in err
+
+
+def test_two_checkouts_do_not_share_an_environment(monkeypatch, tmp_path):
+    """The checkout is installed editable: another clone must get its own environment,
+    or its matrix would test the first clone's code."""
+    entry = entries.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2")
+    here = envs.env_key(entry)
+    other = tmp_path / "other-clone"
+    other.mkdir()
+    (other / "pyproject.toml").write_bytes((envs.REPO / "pyproject.toml").read_bytes())
+    monkeypatch.setattr(envs, "REPO", other)
+    assert envs.env_key(entry) != here
