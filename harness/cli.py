@@ -206,7 +206,9 @@ def run_matrix(args: argparse.Namespace) -> int:
         f"{time.monotonic() - start:.0f} s"
     )
     if args.update:
+        ran = len(rows)
         rows = report.merge(args.report_dir, rows, [e.name for e in loaded])
+        machine += f" ({ran} rerun with --update; the other {len(rows) - ran} rows kept)"
     built = report.build(rows, machine)
     paths = report.write(built, args.report_dir)
     print(report.markdown(built))

@@ -378,6 +378,32 @@ def test_the_matrix_command_runs_its_entries_and_writes_the_report(tmp_path, cap
         "compat-matrix.html",
     }
     assert "[1/1] gone: environment" in err
+    # rerun with --update into a report holding another row: the header says so
+    report_json = tmp_path / "r" / "compat-matrix.json"
+    kept = json.loads(report_json.read_text())
+    kept["entries"].append({**kept["entries"][0], "name": "older"})
+    report_json.write_text(json.dumps(kept))
+    path.write_text(
+        path.read_text()
+        + '[[entry]]\nname="older"\ntunix="0.0.0"\nflavour="current"\nconvention="bound2"\n'
+        'broken="never ran here"\n'
+    )
+    cli.main(
+        [
+            "matrix",
+            "--entries",
+            str(path),
+            "--report-dir",
+            str(tmp_path / "r"),
+            "--cache",
+            str(tmp_path / "envs"),
+            "--only",
+            "gone",
+            "--update",
+        ]
+    )
+    out, _ = capsys.readouterr()
+    assert "1 entries in" in out and "(1 rerun with --update; the other 1 rows kept)" in out
 
 
 def test_two_checkouts_do_not_share_an_environment(monkeypatch, tmp_path):
