@@ -354,21 +354,16 @@ def test_the_matrix_command_runs_its_entries_and_writes_the_report(tmp_path, cap
     """End to end through the CLI (entries file -> matrix.run -> report), on an entry
     that needs no environment: it exits 1 (an error row) and writes all three files."""
     path = tmp_path / "entries.toml"
+
+    def matrix_cli(*extra):
+        args = ["--entries", str(path), "--report-dir", str(tmp_path / "r")]
+        return cli.main(["matrix", *args, "--cache", str(tmp_path / "envs"), *extra])
+
     path.write_text(
         '[[entry]]\nname="gone"\ntunix="0.0.1"\nflavour="current"\nconvention="bound2"\n'
         'default=true\nbroken="yanked from PyPI"\n'
     )
-    status = cli.main(
-        [
-            "matrix",
-            "--entries",
-            str(path),
-            "--report-dir",
-            str(tmp_path / "r"),
-            "--cache",
-            str(tmp_path / "envs"),
-        ]
-    )
+    status = matrix_cli()
     out, err = capsys.readouterr()
     assert status == 1, err
     assert "| gone |" in out and "not run: yanked from PyPI" in out
@@ -388,20 +383,7 @@ def test_the_matrix_command_runs_its_entries_and_writes_the_report(tmp_path, cap
         + '[[entry]]\nname="older"\ntunix="0.0.0"\nflavour="current"\nconvention="bound2"\n'
         'broken="never ran here"\n'
     )
-    cli.main(
-        [
-            "matrix",
-            "--entries",
-            str(path),
-            "--report-dir",
-            str(tmp_path / "r"),
-            "--cache",
-            str(tmp_path / "envs"),
-            "--only",
-            "gone",
-            "--update",
-        ]
-    )
+    matrix_cli("--only", "gone", "--update")
     out, _ = capsys.readouterr()
     assert "1 entries in" in out and "(1 rerun with --update; the other 1 rows kept)" in out
 
