@@ -77,3 +77,73 @@ def test_positional_and_keyword_decode_calls_agree():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for x, y in zip(jax.tree.leaves(cache_a), jax.tree.leaves(cache_b), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+class _Counting(nnx.Module):
+    """A model that counts its executed calls (a host callback per call: the sampler
+    traces each call site once and runs it many times)."""
+
+    def __init__(self, model, calls: list):
+        self.model = model
+        self.config = model.config
+        self._calls = calls
+
+    def init_cache(self, batch, cache_size, dtype=None):
+        return self.model.init_cache(batch, cache_size, dtype)
+
+    def __call__(self, input_tokens, positions=None, cache=None, attention_mask=None):
+        jax.debug.callback(lambda t: self._calls.append(int(t)), input_tokens.shape[1])
+        return self.model(input_tokens, positions, cache, attention_mask)
+
+
+@pytest.mark.contract("tunix.generate.sampler model calls per generate")
+def test_the_sampler_calls_the_model_once_per_step_plus_one():
+    """Bug class 1 (shared/research/tunix-rl.md 7): with N new tokens and no EOS, every
+    release's decode loop runs N times after the prefill, one more than the N - 1 it
+    needs (its last token is never used); main (f8a25bef) runs N - 1, so this contract
+    marks the change. The extra call writes no token: the output has N tokens."""
+    calls: list[int] = []
+    model = _Counting(build_model(get_config("qwen3-tiny"), seed=1), calls)
+    tok = tunix_sampler.TunixTokenizer(byte_tokenizer(), eos="<|reserved_3|>")
+    sampler = tunix_sampler.make_sampler(model, tok, cache_size=32)
+    steps = 4
+    out = tunix_sampler.run(
+        sampler, ["hello"], max_generation_steps=steps, max_prompt_length=8, temperature=0.0
+    )
+    jax.effects_barrier()
+    assert len(out.tokens[0]) == steps
+    assert calls[0] > 1 and calls[1:] == [1] * steps, calls  # prefill, then N decodes
+
+
+@pytest.mark.contract("tunix.generate.sampler BOS and EOS handling")
+def test_prompts_start_with_one_bos_and_completions_end_before_the_eos():
+    """Bug class 2: a tokenizer whose ``bos_id()`` is set gets exactly one BOS at the
+    first non-pad prompt position on every release (``TunixTokenizer.encode`` never adds
+    one, so releases <= 0.1.5, which prepend without deduplicating, do not double it).
+    And the completion stops *before* the EOS: a model whose every logit is 0 picks id 0
+    greedily; with id 0 as the EOS the completion is empty (the GRPO loss therefore never
+    sees the stop token: documented in docs/rl.md)."""
+    tok = byte_tokenizer()
+    bos = tok.token_to_id("<|endoftext|>")
+    wrapped = tunix_sampler.TunixTokenizer(tok, bos="<|endoftext|>")
+    model = build_model(get_config("qwen3-tiny"), seed=1)
+    sampler = tunix_sampler.make_sampler(model, wrapped, cache_size=32)
+    out = tunix_sampler.run(
+        sampler,
+        ["hi", "a longer one"],
+        max_generation_steps=2,
+        max_prompt_length=16,
+        temperature=0.0,
+    )
+    for row in np.asarray(out.padded_prompt_tokens):
+        real = [int(t) for t in row if t != wrapped.pad_id()]
+        assert real[0] == bos and real.count(bos) == 1, real
+
+    zero = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+    nnx.update(model, zero)
+    eos0 = tunix_sampler.TunixTokenizer(tok, eos=tok.id_to_token(0))
+    sampler = tunix_sampler.make_sampler(model, eos0, cache_size=32)
+    out = tunix_sampler.run(
+        sampler, ["hi"], max_generation_steps=3, max_prompt_length=8, temperature=0.0
+    )
+    assert [int(t) for t in out.tokens[0]] == []

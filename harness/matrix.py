@@ -15,10 +15,14 @@ Per entry:
    convention for an emulated row (run in the env of its ``base``).
 3. SFT: ``posttrain sft`` (qwen3-tiny, LoRA rank 4, gradient accumulation 2, 4 steps,
    8 fake devices); passes when it exits 0 and its metrics hold finite losses.
+4. RL: ``posttrain grpo`` (:data:`RL_RUN`: qwen3-tiny, LoRA rank 4, 2 GRPO steps
+   through the release's own learner, no warm-up, 8 fake devices); passes when it exits
+   0 and its metrics hold a finite reward and loss per step. Emulated rows skip it (the
+   emulation is of SFT's train step; their RL stack is their base release's).
 
 The report (``compat-matrix.{md,json,html}``): rows = entries, columns = contracts
 (tests grouped by their ``contract(name)`` marker, else by test function) plus
-``sft``; each cell pass / fail / skip / error with the first error line; and for each
+``sft`` and ``rl``; each cell pass / fail / skip / error with the first error line; and for each
 contract that fails somewhere, the first failing entry after a passing one.
 """
 
@@ -36,6 +40,7 @@ from harness import junit
 from harness.devices import suite_env
 from harness.entries import REPO, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error, versions
+from harness.report import RUN_CELLS
 
 SFT_RUN: dict[str, Any] = {
     "model": "qwen3-tiny",
@@ -49,10 +54,30 @@ SFT_RUN: dict[str, Any] = {
 ``posttrain sft`` as options (:func:`sft_argv`), an emulated row to ``run_sft``."""
 
 
+RL_RUN: dict[str, Any] = {
+    "model": "qwen3-tiny",
+    "lora_rank": 4,
+    "steps": 2,
+    "warmup_steps": 0,
+    "max_new_tokens": 4,
+    "save_every": 1,
+}
+"""The matrix's GRPO run, as ``posttrain grpo`` options."""
+
+
+def _argv(command: str, run: dict[str, Any], output: str) -> list[str]:
+    options = [x for k, v in run.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    return [command, *options, "--output", output]
+
+
 def sft_argv(output: str) -> list[str]:
     """``posttrain`` arguments of :data:`SFT_RUN` writing to ``output``."""
-    options = [x for k, v in SFT_RUN.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    return ["sft", *options, "--output", output]
+    return _argv("sft", SFT_RUN, output)
+
+
+def rl_argv(output: str) -> list[str]:
+    """``posttrain`` arguments of :data:`RL_RUN` writing to ``output``."""
+    return _argv("grpo", RL_RUN, output)
 
 
 def junit_cells(path: Path) -> dict[str, dict[str, str]]:
@@ -98,12 +123,13 @@ def run(
             else cache.ensure(env_entry, rebuild=rebuild)
         )
         log(
-            f"{where}: {'env error: ' + env.error if env.error else 'running contracts and sft'}"
+            f"{where}: "
+            f"{'env error: ' + env.error if env.error else 'running contracts, sft and rl'}"
             f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)"
         )
         row = run_entry(entry, env, report_dir, jobs, run=runner or _run)
         rows.append(row)
-        cells = [*row["contracts"].values(), *([row["sft"]] if row["sft"] else [])]
+        cells = [*row["contracts"].values(), *(row[c] for c in RUN_CELLS if row.get(c))]
         bad = [c for c in cells if c["status"] in ("failed", "error")]
         log(
             f"{where}: {len(cells) - len(bad)}/{len(cells)} cells pass"
@@ -123,8 +149,9 @@ def run_entry(
       ``versions``: distribution -> version installed in the env (``{}`` if not run);
       ``contracts``: contract -> ``{"status", "message"}``, status one of
         :data:`harness.junit.OUTCOMES` (:func:`junit_cells`);
-      ``sft``: ``{"status": "passed" | "failed", "message"}`` or ``None`` (not run);
-      ``seconds``: wall time of the contracts and the SFT run;
+      ``sft``, ``rl``: ``{"status": "passed" | "failed" | "skipped", "message"}`` or
+        ``None`` (not run);
+      ``seconds``: wall time of the contracts and the runs;
       ``error`` (only when the entry could not run): why, in one line.
     """
     row: dict[str, Any] = {
@@ -137,6 +164,7 @@ def run_entry(
         "versions": {},
         "contracts": {},
         "sft": None,
+        "rl": None,
         "seconds": 0.0,
     }
     if env.error or entry.broken:
@@ -178,6 +206,7 @@ def run_entry(
     if not row["contracts"]:
         row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
     row["sft"] = _sft(entry, env, environ, run)
+    row["rl"] = _rl(entry, env, environ, run)
     row["seconds"] = round(time.monotonic() - start, 1)
     return row
 
@@ -206,6 +235,32 @@ def _sft(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> 
             "message": f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}",
         }
     return {"status": "failed", "message": first_error(done.stderr + done.stdout)}
+
+
+def _rl(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> dict[str, str]:
+    if entry.emulated:
+        return {
+            "status": "skipped",
+            "message": "emulated rows emulate SFT's train step; RL is their base release's",
+        }
+    with tempfile.TemporaryDirectory() as tmp:
+        done = run([str(env.python), "-m", "posttrain.cli", *rl_argv(tmp)], environ)
+        metrics = Path(tmp) / "metrics.jsonl"
+        records = (
+            [json.loads(line) for line in metrics.read_text().splitlines()]
+            if metrics.is_file()
+            else []
+        )
+    values = [r.get(k) for r in records for k in ("reward/total/mean", "loss")]
+    finite = all(isinstance(x, float) and x == x and abs(x) < 1e6 for x in values)
+    if done.returncode == 0 and len(records) == RL_RUN["steps"] and finite:
+        rewards = [r["reward/total/mean"] for r in records]
+        return {
+            "status": "passed",
+            "message": f"{len(records)} GRPO steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}",
+        }
+    why = first_error(done.stderr + done.stdout) if done.returncode else f"metrics: {records}"
+    return {"status": "failed", "message": why}
 
 
 def emulated_sft(convention: str, output: str) -> None:

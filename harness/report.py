@@ -1,8 +1,9 @@
 """The matrix report: ``compat-matrix.md``, ``.json`` and ``.html`` from the matrix rows.
 
 Rows are entries (in ``compat/entries.toml`` order), columns the contracts (JUnit
-``contract`` property, else the test function) and ``sft``; a cell is ``pass``,
-``fail``, ``skip``, ``error`` or empty (not run there), with the first error line.
+``contract`` property, else the test function), then ``sft`` and ``rl`` (the real
+runs); a cell is ``pass``, ``fail``, ``skip``, ``error`` or empty (not run there), with
+the first error line.
 "First failures" lists, per flavour, each contract that fails somewhere and the
 first entry where it fails after having passed in an earlier one (or "from the
 first entry" when it never passed before).
@@ -19,22 +20,24 @@ from typing import Any
 from posttrain import atomic
 
 STATUS_MARK = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "skip"}
+RUN_CELLS = ("sft", "rl")
+"""The columns after the contracts: one real run each (``harness.matrix``)."""
 COLORS = {"passed": "#d4f4d4", "failed": "#f8d0d0", "error": "#f0b0b0", "skipped": "#eeeeee"}
 
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:
-    """Contract names in first-seen order, then ``sft``."""
+    """Contract names in first-seen order, then the run cells (``sft``, ``rl``)."""
     names: list[str] = []
     for row in rows:
         for name in row.get("contracts", {}):
             if name not in names:
                 names.append(name)
-    return [*names, "sft"]
+    return [*names, *RUN_CELLS]
 
 
 def cell(row: dict[str, Any], column: str) -> dict[str, str] | None:
-    if column == "sft":
-        return row.get("sft")
+    if column in RUN_CELLS:
+        return row.get(column)
     return row.get("contracts", {}).get(column)
 
 

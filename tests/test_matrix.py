@@ -186,8 +186,8 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     paths = report.write(built, tmp_path)
     md, js, page = (p.read_text() for p in paths)
     assert "first fails in **v3** after passing in v2: boom in v3" in md
-    assert "| v3 | bound2 | jax 0.10.2 | cached 1 s | FAIL | ERROR | FAIL |" in md
-    assert json.loads(js)["columns"] == ["A", "B", "sft"]
+    assert "| v3 | bound2 | jax 0.10.2 | cached 1 s | FAIL | ERROR | FAIL |  |" in md
+    assert json.loads(js)["columns"] == ["A", "B", "sft", "rl"]
     assert "<b>v3</b>" in page and "boom in v3" in page
 
 
@@ -348,6 +348,18 @@ def test_the_sft_run_is_one_description_for_both_paths(tmp_path):
     output = str(tmp_path / "out")
     args = cli.build_parser().parse_args(matrix.sft_argv(output))
     assert commands.sft_config(args) == SFTConfig(**matrix.SFT_RUN, output=output)
+
+
+def test_the_rl_run_parses_as_a_grpo_run_config(tmp_path):
+    """The rl cell's ``posttrain grpo`` options are all real options with the intended
+    values, and the run they describe passes its checks."""
+    from posttrain import cli, commands
+
+    output = str(tmp_path / "out")
+    cfg = commands.grpo_config(cli.build_parser().parse_args(matrix.rl_argv(output)))
+    assert {k: getattr(cfg, k) for k in matrix.RL_RUN} == matrix.RL_RUN
+    assert cfg.output == output
+    cfg.check()
 
 
 def test_the_matrix_command_runs_its_entries_and_writes_the_report(tmp_path, capsys):

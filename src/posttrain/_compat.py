@@ -54,6 +54,16 @@ def variable_value(variable: nnx.Variable):
     return getter() if getter is not None else variable.value
 
 
+def set_variable_value(variable: nnx.Variable, value) -> None:
+    """Sets a variable's value: ``set_value`` (flax >= 0.12.1), else ``.value =``
+    (the setter flax 0.12.8 deprecates)."""
+    setter = getattr(variable, "set_value", None)
+    if setter is not None:
+        setter(value)
+    else:
+        variable.value = value
+
+
 def next_rng_key(stream) -> jax.Array:
     """The next key of an ``nnx.RngStream`` (``rngs.params``): the key ``stream()`` returns.
 

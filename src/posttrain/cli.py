@@ -3,6 +3,8 @@
 Subcommands:
   sft           supervised fine-tuning (SFTTrainer on Tunix); no arguments: the embedded run.
   generate      sample from a model with its KV cache (default: the newest sft export).
+  grpo          RL with GRPO / DAPO / DrGRPO through Tunix's learners; no arguments: the
+                embedded addition task after a short warm-up SFT.
   forward       build a preset on a mesh, run a jitted forward, print shardings and figures.
   convert       HF checkpoint directory <-> native checkpoint directory (streamed, atomic).
   check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
@@ -244,6 +246,62 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("POSTTRAIN_DEVICES", "8"),
         help="fake CPU devices, or 'real' (default %(default)s)",
     )
+    rl = sub.add_parser(
+        "grpo",
+        help="GRPO (DAPO, DrGRPO) through Tunix; no arguments: the embedded addition task",
+        description="RL with Tunix's GRPO learners over our model, rollouts on Tunix's "
+        "vanilla sampler with our KV cache. Defaults: qwen3-tiny, a 100-step warm-up SFT on "
+        "the embedded single-digit addition task, then GRPO with an exact-answer and a "
+        "format reward, every device on fsdp.",
+    )
+    rl.add_argument("--model", default="qwen3-tiny", help="preset, native or HF directory")
+    rl.add_argument("--tokenizer", default=None, help="tokenizer.json (default: byte tokenizer)")
+    rl.add_argument("--mesh", default=None, help="actor/reference axis sizes (default: fsdp)")
+    rl.add_argument(
+        "--rollout-mesh",
+        default=None,
+        help="rollout axis sizes on the same devices, e.g. data=8 (default: the actor's)",
+    )
+    rl.add_argument(
+        "--devices",
+        default=os.environ.get("POSTTRAIN_DEVICES", "8"),
+        help="fake CPU devices, or 'real' (default %(default)s)",
+    )
+    rl.add_argument(
+        "--per-device-batch-size",
+        type=int,
+        default=2,
+        help="prompts per data-parallel shard (default %(default)s)",
+    )
+    rl.add_argument("--num-generations", type=int, default=8, help="completions per prompt")
+    rl.add_argument("--steps", type=int, default=150, help="GRPO steps (default %(default)s)")
+    rl.add_argument("--learning-rate", type=float, default=5e-4)
+    rl.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    rl.add_argument("--lora-alpha", type=float, default=None, help="default 2 x rank")
+    rl.add_argument("--algorithm", default="grpo", metavar="{grpo,dapo,drgrpo}")
+    rl.add_argument("--beta", type=float, default=None, help="KL coefficient (default: Tunix's)")
+    rl.add_argument("--epsilon", type=float, default=0.2, help="clipping range")
+    rl.add_argument("--temperature", type=float, default=1.0, help="rollout temperature")
+    rl.add_argument("--max-prompt-length", type=int, default=32)
+    rl.add_argument("--max-new-tokens", type=int, default=6)
+    rl.add_argument(
+        "--reward",
+        action="append",
+        default=None,
+        help="built-in name (exact_answer, answer_format) or module:function; repeatable "
+        "(default: exact_answer and answer_format)",
+    )
+    rl.add_argument("--warmup-steps", type=int, default=100, help="SFT steps first (0: none)")
+    rl.add_argument("--seed", type=int, default=0)
+    rl.add_argument("--save-every", type=int, default=10, help="checkpoint interval (steps)")
+    rl.add_argument(
+        "--stop-after", type=int, default=None, help="stop at this step; rerun to resume"
+    )
+    rl.add_argument(
+        "--output",
+        default="runs/grpo",
+        help="run directory; a rerun resumes from its checkpoint (default %(default)s)",
+    )
     return parser
 
 
@@ -336,6 +394,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "generate":
         _set_devices(parse_devices(args.devices))
         return commands.generate(args)
+    if args.command == "grpo":
+        _set_devices(parse_devices(args.devices))
+        return commands.grpo(args)
     if args.command == "forward":
         _set_devices(parse_devices(args.devices))
         if args.per_device_batch_size < 1 or args.seq < 1 or args.repeats < 1:

@@ -173,6 +173,57 @@ def sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def grpo_config(args: argparse.Namespace):
+    """The ``GRPORunConfig`` of parsed ``posttrain grpo`` arguments (unchecked)."""
+    from posttrain import sharding
+    from posttrain.rl import rewards
+    from posttrain.rl.run import GRPORunConfig
+
+    def mesh(spec):
+        return sharding.parse_mesh_spec(spec) if spec else None
+
+    return GRPORunConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        mesh=mesh(args.mesh),
+        rollout_mesh=mesh(args.rollout_mesh),
+        per_device_batch_size=args.per_device_batch_size,
+        num_generations=args.num_generations,
+        steps=args.steps,
+        learning_rate=args.learning_rate,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        algorithm=args.algorithm,
+        beta=args.beta,
+        epsilon=args.epsilon,
+        temperature=args.temperature,
+        max_prompt_length=args.max_prompt_length,
+        max_new_tokens=args.max_new_tokens,
+        reward=tuple(args.reward) if args.reward else rewards.DEFAULT,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        save_every=args.save_every,
+        stop_after=args.stop_after,
+        output=args.output,
+    )
+
+
+def grpo(args: argparse.Namespace) -> int:
+    from posttrain.rl.run import run_grpo
+
+    cfg = grpo_config(args)
+    cfg.check()
+    result = run_grpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
+    print(result.summary())
+    print(
+        f"checkpoints in {result.output / 'checkpoints'}; "
+        f"metrics in {result.output / 'metrics.jsonl'}"
+    )
+    for path in result.exported:
+        print(f"wrote {path}")
+    return 0
+
+
 def newest_export(run_dir: str = "runs/sft") -> str | None:
     """The ``model-step<N>`` directory with the largest N under ``run_dir`` (``None``: none)."""
     import pathlib

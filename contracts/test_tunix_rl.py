@@ -1,0 +1,297 @@
+"""Contracts on Tunix's RL stack around our policy (``posttrain.rl``): the matrix's rl
+cells. Each release row runs them against its installed Tunix; facts from
+``shared/research/tunix-rl.md`` 2-3 and 7, as observed here."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+pytest.importorskip("tunix.rl.rl_cluster", reason="google-tunix is not installed")
+
+from posttrain import _compat  # noqa: E402
+from posttrain.models import build_model, get_config  # noqa: E402
+from posttrain.rl import tunix_rl  # noqa: E402
+from posttrain.rl.policy import TunixPolicy, reference_of  # noqa: E402
+from posttrain.sft.tokenizer import byte_tokenizer  # noqa: E402
+from posttrain.tunix_sampler import TunixTokenizer  # noqa: E402
+
+G = 4  # completions per prompt
+TEMPERATURE = 0.9  # the rollout's
+
+
+def _build(algorithm="grpo", *, beta=0.04, epsilon=0.2, reward_fns=None, model=None):
+    """``(learner, actor, reference, tokenizer)``, every role on one device."""
+    model = model or build_model(get_config("qwen3-tiny"), seed=3)
+    tok = TunixTokenizer(byte_tokenizer())
+    actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
+    training = tunix_rl.training_config(
+        actor_optimizer=optax.sgd(1e-2),
+        eval_every_n_steps=100,
+        max_steps=2,
+        mini_batch_size=2,
+        micro_batch_size=2,
+    )
+    rollout = tunix_rl.rollout_config(
+        max_tokens_to_generate=4,
+        max_prompt_length=16,
+        kv_cache_size=32,
+        temperature=TEMPERATURE,
+        eos_tokens=[tok.eos_id()],
+    )
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    cluster = tunix_rl.cluster(
+        actor=actor,
+        reference=reference,
+        tokenizer=tok,
+        meshes={"actor": mesh, "reference": mesh, "rollout": mesh},
+        training=training,
+        rollout=rollout,
+    )
+    config = tunix_rl.algo_config(algorithm, num_generations=G, beta=beta, epsilon=epsilon)
+    fns = reward_fns or [lambda prompts, completions, **kw: [0.0] * len(completions)]
+    return tunix_rl.learner(algorithm, cluster, config, fns), actor, reference, tok
+
+
+def _example(learner, actor, tok, advantages, old_shift=None, ref_shift=0.0):
+    """A Tunix ``TrainExample`` of G equal-length completions, with its per-token logps
+    from Tunix's ``compute_per_token_logps``; old = logps + ``old_shift`` (None: on
+    policy), ref = logps + ``ref_shift``."""
+    module = importlib.import_module(type(learner).__module__)
+    grpo = importlib.import_module("tunix.rl.grpo.grpo_learner")
+    example_cls = getattr(module, "TrainExample", None) or grpo.TrainExample
+    pad = tok.pad_id()
+    question = tok.encode("2+3=")
+    prompt = np.full((G, 8), pad, np.int32)
+    prompt[:, 8 - len(question) :] = question
+    completion = np.asarray([tok.encode(s) for s in ("5a", "6b", "7c", "8d")], np.int32)
+    logps = tunix_rl.per_token_logps(
+        actor,
+        jnp.asarray(prompt),
+        jnp.asarray(completion),
+        pad_id=pad,
+        eos_id=tok.eos_id(),
+        temperature=TEMPERATURE,  # the trainer's logps follow it from 0.1.7 (bug class 4)
+    )
+    fields = {f.name for f in dataclasses.fields(example_cls)}
+    values = dict(
+        prompt_ids=jnp.asarray(prompt),
+        prompt_mask=jnp.asarray(prompt != pad),
+        completion_ids=jnp.asarray(completion),
+        completion_mask=jnp.ones(completion.shape, bool),
+        ref_per_token_logps=logps + ref_shift,
+        advantages=jnp.asarray(advantages, jnp.float32),
+        old_per_token_logps=None if old_shift is None else logps + old_shift,
+    )
+    return example_cls(**{k: v for k, v in values.items() if k in fields}), logps
+
+
+def _loss(learner, model, example):
+    trainer = learner.rl_cluster.actor_trainer
+    return trainer.loss_fn(model, **trainer.gen_model_input_fn(example))
+
+
+@pytest.mark.contract("tunix.rl learner constructor and configs")
+def test_every_algorithm_the_release_has_builds_around_our_policy():
+    """The learner of each algorithm the installed release has is built through the
+    adapter's keywords; its config object is the one given."""
+    algorithms = tunix_rl.available_algorithms()
+    assert algorithms[0] == "grpo"
+    for algorithm in algorithms:
+        beta = None if algorithm == "dapo" else 0.04
+        learner, *_ = _build(algorithm, beta=beta)
+        config = getattr(learner, "algo_config", None) or learner.grpo_config
+        assert config.num_generations == G
+    params = inspect.signature(tunix_rl.learner_and_config("grpo")[0].__init__).parameters
+    assert ("algo_config" in params) == ("dapo" in algorithms)  # both arrived in 0.1.4
+
+
+@pytest.mark.contract("tunix.rl GRPO loss over our model")
+def test_grpo_loss_is_minus_the_mean_advantage_on_policy_with_zero_kl():
+    """On policy (ratio 1) with reference == actor, the installed GRPO loss over
+    equal-length completions is -mean(A) and the KL term is 0."""
+    learner, actor, _, tok = _build()
+    advantages = [1.0, -1.0, 0.5, 0.75]
+    example, _ = _example(learner, actor, tok, advantages)
+    loss, aux = _loss(learner, actor, example)
+    np.testing.assert_allclose(float(loss), -np.mean(advantages), atol=1e-6)
+    np.testing.assert_allclose(float(aux["kl"]), 0.0, atol=1e-6)
+
+
+@pytest.mark.contract("tunix.rl GRPO loss over our model")
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_grpo_loss_clips_at_one_plus_or_minus_epsilon(sign):
+    """A ratio past 1 + eps with A > 0 (or past 1 - eps with A < 0) is clipped: the loss
+    is -(1 +/- eps) A and the policy gets no gradient; on the other side of 1 it is not."""
+    eps = 0.2
+    learner, actor, _, tok = _build(beta=0.0, epsilon=eps)
+    ratio = 1.5 if sign > 0 else 0.5
+    example, _ = _example(learner, actor, tok, [sign] * G, old_shift=-np.log(ratio))
+    loss, _ = _loss(learner, actor, example)
+    np.testing.assert_allclose(float(loss), -sign * (1 + sign * eps), rtol=1e-5)
+    grads = nnx.grad(lambda m: _loss(learner, m, example)[0])(actor)
+    assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(grads))
+    unclipped, _ = _example(learner, actor, tok, [-sign] * G, old_shift=-np.log(ratio))
+    loss, _ = _loss(learner, actor, unclipped)
+    np.testing.assert_allclose(float(loss), sign * ratio, rtol=1e-5)
+
+
+def _advantage_fn():
+    """The installed GRPO advantage function, wherever the release keeps it."""
+    try:
+        registry = importlib.import_module("tunix.rl.function_registry")
+        return registry.get_advantage_estimator("grpo")
+    except (ImportError, AttributeError, KeyError):
+        pass
+    for name in ("tunix.rl.grpo.grpo_learner", "tunix.rl.grpo.grpo_helpers"):
+        module = importlib.import_module(name)
+        if hasattr(module, "compute_advantages"):
+            return module.compute_advantages
+    raise AssertionError("no GRPO advantage function in the installed Tunix")
+
+
+@pytest.mark.contract("tunix.rl GRPO loss over our model")
+@pytest.mark.slow  # 19 s of MoE compiles; the matrix runs it in every row
+def test_the_moe_load_balancing_term_enters_the_actor_loss():
+    """``with_moe_aux_loss`` adds weight x the policy's moe_aux_loss to the installed
+    loss (Tunix's own drops it), and the router's gradient follows the weight."""
+    model = build_model(get_config("qwen3_moe-tiny"), seed=3)
+    learner, actor, _, tok = _build(model=model)
+    example, _ = _example(learner, actor, tok, [1.0, -1.0, 0.5, 0.75])
+
+    def router_grads():
+        grads = nnx.jit(nnx.grad(lambda m: _loss(learner, m, example)[0]))(actor)
+        flat = nnx.to_flat_state(grads)
+        return [np.asarray(_compat.variable_value(v)) for p, v in flat if "router" in str(p)]
+
+    plain, _ = _loss(learner, actor, example)
+    plain_grads = router_grads()
+    tunix_rl.with_moe_aux_loss(learner.rl_cluster.actor_trainer, 0.5)
+    weighted, _ = _loss(learner, actor, example)
+    term = float(tunix_rl.moe_aux_loss(actor, example))
+    assert term > 0 and plain_grads
+    np.testing.assert_allclose(float(weighted) - float(plain), 0.5 * term, rtol=1e-4)
+    assert any(not np.allclose(a, b) for a, b in zip(plain_grads, router_grads(), strict=True))
+
+
+@pytest.mark.contract("tunix.rl GRPO advantages")
+def test_advantages_are_normalised_per_group():
+    """(r - group mean) / (group std, ddof 1, + a small epsilon): 1e-4 up to
+    google-tunix 0.1.4, 1e-6 from 0.1.5."""
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.0, 0.0, 0.0, 2.0])
+    out = np.asarray(_advantage_fn()(rewards=jnp.asarray(rewards), num_generations=G))
+    # By hand: [1, 0, 0, 1] has mean 0.5 and std sqrt(1/3); [0, 0, 0, 2] mean 0.5, std 1.
+    half = 0.5 / np.sqrt(1 / 3)
+    expected = [half, -half, -half, half, 0, 0, 0, 0, -0.5, -0.5, -0.5, 1.5]
+    np.testing.assert_allclose(out, expected, rtol=3e-4, atol=1e-9)
+    np.testing.assert_allclose(out.reshape(-1, G).sum(1), 0.0, atol=1e-5)
+
+
+@pytest.mark.contract("tunix.rl compute_per_token_logps")
+def test_logps_are_invariant_to_extra_left_padding():
+    """Tunix's compute_per_token_logps over our model gives the same completion logps
+    with 0 and 5 extra left pads (bug class 12: a model that ignores the pad mask)."""
+    model = TunixPolicy(build_model(get_config("qwen3-tiny"), seed=5))
+    tok = TunixTokenizer(byte_tokenizer())
+    pad = tok.pad_id()
+    prompt = np.asarray([tok.encode("what is 2+3?")], np.int32)
+    padded = np.concatenate([np.full((1, 5), pad, np.int32), prompt], axis=1)
+    completion = jnp.asarray([tok.encode(" five")], jnp.int32)
+    kw = dict(pad_id=pad, eos_id=tok.eos_id())
+    a = tunix_rl.per_token_logps(model, jnp.asarray(prompt), completion, **kw)
+    b = tunix_rl.per_token_logps(model, jnp.asarray(padded), completion, **kw)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    assert np.all(np.asarray(a) < 0)
+
+
+@pytest.mark.contract("tunix.rl trainer logps at the rollout temperature")
+def test_trainer_logps_follow_the_rollout_temperature_where_the_release_does():
+    """Bug class 4: from google-tunix 0.1.7 the trainer's logps are
+    ``log_softmax(logits / T)`` at the rollout temperature T (the learner copies it into
+    its config); earlier releases use T = 1 whatever the sampling temperature, so
+    ``posttrain grpo`` defaults to T = 1 and warns otherwise there."""
+    model = TunixPolicy(build_model(get_config("qwen3-tiny"), seed=5))
+    tok = TunixTokenizer(byte_tokenizer())
+    prompt = jnp.asarray([tok.encode("3+4=")], jnp.int32)
+    completion = jnp.asarray([tok.encode("7!")], jnp.int32)
+    kw = dict(pad_id=tok.pad_id(), eos_id=tok.eos_id())
+    got = tunix_rl.per_token_logps(model, prompt, completion, temperature=TEMPERATURE, **kw)
+    logits, _ = model.model.forward(jnp.concatenate([prompt, completion], axis=1))
+    scale = TEMPERATURE if tunix_rl.logps_follow_temperature() else 1.0
+    steps = logits[:, prompt.shape[1] - 1 : -1] / scale
+    expected = jnp.take_along_axis(jax.nn.log_softmax(steps), completion[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
+    learner, *_ = _build()
+    config = getattr(learner, "algo_config", None) or learner.grpo_config
+    if tunix_rl.logps_follow_temperature():
+        assert config.temperature == TEMPERATURE
+
+
+@pytest.mark.contract("tunix.rl reward and metric kwargs")
+def test_reward_functions_receive_what_the_release_passes():
+    """Reward functions get the batch's columns (repeated G times), ``mode`` and
+    ``trajectory_ids``, plus matching algo_config fields from 0.1.6
+    (``tunix.rl.reward_manager``); metric functions get advantages as ``advantages``
+    through ``tunix_rl.metric_fn`` under either keyword."""
+    seen = []
+
+    def reward(prompts, completions, answer, epsilon=None, **kwargs):
+        seen.append({"answer": list(answer), "epsilon": epsilon, **kwargs})
+        return [float(len(c)) for c in completions]
+
+    learner, *_ = _build(reward_fns=[reward])
+    prompts = ["1+1=", "2+2="]
+    repeated = {"answer": np.repeat(np.array([2, 4]), G)}
+    learner._compute_rewards(
+        prompts=[p for p in prompts for _ in range(G)],
+        completions=["2"] * (2 * G),
+        mode=importlib.import_module("tunix.rl.rl_cluster").Mode.TRAIN,
+        **repeated,
+    )
+    assert seen[0]["answer"] == [2] * G + [4] * G
+    assert str(seen[0]["mode"]).lower().endswith("train")
+    expected_epsilon = 0.2 if tunix_rl.reward_kwargs_from_algo_config() else None
+    assert seen[0]["epsilon"] == expected_epsilon
+
+    got = {}
+    wrapped = tunix_rl.metric_fn(lambda prompts, completions, rewards, advantages, **kw: got)
+    keyword = tunix_rl.advantages_keyword()
+    wrapped(prompts=[], completions=[], rewards=[], **{keyword: np.zeros(2 * G)})
+
+
+@pytest.mark.contract("tunix.rl GRPO run over our policy")
+@pytest.mark.slow  # the matrix runs it in every row; the gate runs tests/test_rl.py's run
+def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
+    """Two real GRPO steps (rollout on the vanilla sampler over our KV cache, reference
+    logps, update) change the actor, leave the reference, and log Tunix's metrics."""
+
+    def length(prompts, completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    learner, actor, reference, _ = _build(reward_fns=[length])
+    before = jax.tree.map(np.asarray, nnx.state(actor, nnx.Param))
+    ref_before = jax.tree.map(np.asarray, nnx.state(reference, nnx.Param))
+    tap = tunix_rl.MetricsTap()
+    tap.attach(learner.rl_cluster)
+    batch = {"prompts": np.array(["1+1=", "2+2="]), "answer": np.array([2, 4])}
+    learner.train([batch, batch])
+    assert int(learner.rl_cluster.actor_trainer.train_steps) == 2
+    trained = learner.rl_cluster.actor_trainer.model  # Tunix placed it on the ACTOR mesh
+    assert isinstance(trained, TunixPolicy)
+    after = jax.tree.map(np.asarray, nnx.state(trained, nnx.Param))
+    pairs = zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    assert any(not np.array_equal(a, b) for a, b in pairs)
+    ref_after = jax.tree.map(np.asarray, nnx.state(reference, nnx.Param))
+    for a, b in zip(jax.tree.leaves(ref_before), jax.tree.leaves(ref_after), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert sum(tap.rollout_tokens.values()) > 0, "no rollout was timed"
+    logged = set().union(*tap.records.values())
+    assert any(name.endswith("loss") for name in logged), logged

@@ -1,0 +1,9 @@
+"""RL through Tunix: GRPO (DAPO, DrGRPO where the release has them) over our model.
+
+- :mod:`posttrain.rl.policy`: the model as Tunix's RL stack takes it, and its reference.
+- :mod:`posttrain.rl.tunix_rl`: the adapter to Tunix's cluster, learners and configs
+  (every release's drift, detected by feature).
+- :mod:`posttrain.rl.rewards`: built-in reward functions and ``module:function``.
+- :mod:`posttrain.rl.arithmetic`: the embedded task.
+- :mod:`posttrain.rl.run`: one run end to end (``posttrain grpo``).
+"""

@@ -1,0 +1,77 @@
+"""The embedded RL task: single-digit addition with a verifiable answer, offline.
+
+Every pair ``a + b`` with ``a, b`` in 0..9: 100 problems, all of them in the warm-up SFT,
+the GRPO prompts and the evaluation (the task measures whether RL raises the policy's
+reward, not whether a 92k-parameter model generalises addition: it does not, from 100
+examples). The prompt is the ChatML user turn ``"{a}+{b}="`` followed by the assistant
+header, exactly as ``posttrain sft`` trains and ``posttrain generate --chat`` prompts;
+the answer is the integer ``a + b`` and a correct completion is its digits then
+``<|im_end|>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    a: int
+    b: int
+
+    @property
+    def question(self) -> str:
+        return f"{self.a}+{self.b}="
+
+    @property
+    def answer(self) -> int:
+        return self.a + self.b
+
+    @property
+    def prompt(self) -> str:
+        """The ChatML prompt text (user turn, then the assistant header)."""
+        return f"<|im_start|>user\n{self.question}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def problems() -> list[Problem]:
+    """All 100 problems, ``0+0`` to ``9+9``."""
+    return [Problem(a, b) for a in range(10) for b in range(10)]
+
+
+def write_warmup_jsonl(problems: list[Problem], path: str | os.PathLike, repeats: int) -> None:
+    """Chat JSONL (``posttrain sft --data``) of ``problems``, ``repeats`` times each."""
+    from posttrain import atomic
+
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": p.question},
+                    {"role": "assistant", "content": str(p.answer)},
+                ]
+            }
+        )
+        for _ in range(repeats)
+        for p in problems
+    ]
+    atomic.write_text(path, "\n".join(lines) + "\n")
+
+
+def batches(problems: list[Problem], batch: int, steps: int, seed: int) -> Iterator[dict]:
+    """``steps`` batches of ``batch`` problems (``{"prompts": str array, "answer": int
+    array}``, what Tunix's learners take), reshuffled by ``seed`` every epoch."""
+    rng = np.random.default_rng(seed)
+    order: list[int] = []
+    for _ in range(steps):
+        while len(order) < batch:
+            order += list(rng.permutation(len(problems)))
+        take, order = order[:batch], order[batch:]
+        yield {
+            "prompts": np.array([problems[i].prompt for i in take]),
+            "answer": np.array([problems[i].answer for i in take], np.int32),
+        }

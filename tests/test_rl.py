@@ -1,0 +1,267 @@
+"""posttrain.rl: the policy wrapper and its reference, rewards, the embedded task, the run
+and ``posttrain grpo``. Tunix's own surfaces are pinned in ``contracts/test_tunix_rl.py``."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import _compat
+from posttrain.models import build_model, get_config
+from posttrain.rl import arithmetic, rewards
+from posttrain.rl.policy import ConfigView, TunixPolicy, has_lora, reference_of
+from posttrain.rl.run import GRPORunConfig
+
+TOKENS = jnp.asarray([[5, 9, 2, 7, 1, 3]], jnp.int32)
+
+
+def test_the_config_view_answers_tunix_from_the_first_layer_type():
+    """Gemma 4's sliding and full layers differ in kv heads and head_dim: the view gives
+    the first layer type's (what RLCluster's CacheConfig reads) and forwards the rest."""
+    cfg = get_config("gemma4-tiny")
+    first, full = (cfg.attention[t] for t in ("sliding", "full"))
+    assert (first.num_kv_heads, first.head_dim) != (full.num_kv_heads, full.head_dim)
+    view = ConfigView(cfg)
+    assert cfg.layer_types[0] == "sliding"
+    assert (view.num_kv_heads, view.head_dim) == (first.num_kv_heads, first.head_dim)
+    assert (view.num_layers, view.dtype, view.vocab_size) == (
+        cfg.num_layers,
+        cfg.dtype,
+        cfg.vocab_size,
+    )
+    with pytest.raises(AttributeError):
+        view.no_such_field  # noqa: B018
+
+
+def test_the_policy_returns_the_models_logits():
+    model = build_model(get_config("qwen3_moe-tiny"), seed=0)
+    logits, _ = model.forward(TOKENS)
+    out, cache = TunixPolicy(model)(TOKENS, None, None, None)
+    assert cache is None
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(logits))
+
+
+def _lora(model, rank=4):
+    from posttrain import sharding
+    from posttrain.lora import LoraConfig, apply_lora
+
+    mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    return apply_lora(model, mesh, LoraConfig(rank=rank, alpha=2.0 * rank, seed=1))
+
+
+def _perturb_adapters(model):
+    """Non-zero B factors (fresh adapters start at B = 0, where any reference passes)."""
+    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+        del path
+        value = _compat.variable_value(var)
+        noise = jax.random.normal(jax.random.key(i), value.shape, value.dtype)
+        _compat.set_variable_value(var, value + 0.3 * noise)
+
+
+def test_the_lora_reference_is_the_base_model_and_shares_its_weights():
+    base = build_model(get_config("qwen3-tiny"), seed=0)
+    base_logits, _ = base.forward(TOKENS)
+    model = _lora(base)
+    _perturb_adapters(model)
+    actor_logits, _ = model.forward(TOKENS)
+    reference = reference_of(model)
+    ref_logits, _ = reference.forward(TOKENS)
+    assert has_lora(model) and has_lora(reference)
+    assert float(jnp.abs(actor_logits - base_logits).max()) > 1e-3  # the adapters matter
+    np.testing.assert_allclose(np.asarray(ref_logits), np.asarray(base_logits), atol=1e-5)
+
+    def params(m):
+        return {
+            p: _compat.variable_value(v)
+            for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))
+            if type(v) is nnx.Param
+        }
+
+    actor_params, ref_params = params(model), params(reference)
+    assert actor_params.keys() == ref_params.keys() and actor_params
+    assert all(ref_params[p] is actor_params[p] for p in actor_params)  # no second copy
+
+
+def test_the_full_fine_tuning_reference_is_a_frozen_copy():
+    model = build_model(get_config("qwen3-tiny"), seed=0)
+    reference = reference_of(model)
+    assert not has_lora(model)
+    pairs = zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(reference, nnx.Param)),
+        strict=True,
+    )
+    for a, b in pairs:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+
+
+def test_built_in_rewards_by_hand():
+    completions = ["7", " 12 ", "7x", "", "-3", "8"]
+    answers = [7, 12, 7, 0, -3, 7]
+    assert rewards.exact_answer([""] * 6, completions, answers) == [1, 1, 0, 0, 1, 0]
+    assert rewards.answer_format([""] * 6, completions) == [0.25, 0.25, 0, 0, 0.25, 0.25]
+
+
+def test_rewards_resolve_by_name_or_module_and_name_what_is_wrong():
+    assert rewards.resolve("exact_answer") is rewards.exact_answer
+    assert rewards.resolve("posttrain.rl.rewards:answer_format") is rewards.answer_format
+    for spec, words in [
+        ("nope", "expected a built-in"),
+        ("no_such_module_x:f", "cannot import"),
+        ("posttrain.rl.rewards:nothing", "has no 'nothing'"),
+        ("posttrain.rl.rewards:DEFAULT", "is not callable"),
+    ]:
+        with pytest.raises(ValueError, match=words) as err:
+            rewards.resolve(spec)
+        assert spec in str(err.value)
+
+
+def test_a_recorded_reward_keeps_its_name_and_signature_and_checks_its_output():
+    seen = []
+    wrapped = rewards.recorded(rewards.exact_answer, lambda n, v: seen.append((n, list(v))))
+    assert wrapped.__name__ == "exact_answer"
+    assert "answer" in __import__("inspect").signature(wrapped).parameters  # 0.1.6+ reads it
+    assert wrapped(prompts=["a", "b"], completions=["1", "2"], answer=[1, 3], mode="train")
+    assert seen == [("exact_answer", [1.0, 0.0])]
+    wrapped(prompts=["a"], completions=["1"], answer=[1], mode="eval")
+    assert len(seen) == 1  # eval calls are not train metrics
+
+    def short(prompts, completions, **kw):
+        return [1.0]
+
+    with pytest.raises(ValueError, match="short returned 1 values .* for 2 completions"):
+        rewards.recorded(short, lambda n, v: None)(prompts=["a", "b"], completions=["1", "2"])
+
+
+def test_the_task_covers_every_problem_and_its_prompt_is_the_sft_template():
+    from posttrain.sft.data import chat_prompt
+    from posttrain.sft.tokenizer import byte_tokenizer
+    from posttrain.tunix_sampler import TunixTokenizer
+
+    task = arithmetic.problems()
+    assert len(set(task)) == 100 and {p.answer for p in task} == set(range(19))
+    tok = byte_tokenizer()
+    messages = [{"role": "user", "content": "3+4="}]
+    assert TunixTokenizer(tok).encode(arithmetic.Problem(3, 4).prompt) == chat_prompt(messages, tok)
+    first = list(arithmetic.batches(task, 8, 20, seed=0))
+    again = list(arithmetic.batches(task, 8, 20, seed=0))
+    pairs = zip(first, again, strict=True)
+    assert all((a["prompts"] == b["prompts"]).all() for a, b in pairs)  # seeded
+    assert first[0]["prompts"].dtype.kind == "U" and first[0]["answer"].dtype == np.int32
+    seen = [str(p) for b in first[:12] for p in b["prompts"]]  # 96 draws within one epoch
+    assert len(set(seen)) == 96
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("num_generations", 1, "num_generations=1 \\(--num-generations\\): expected >= 2"),
+        ("algorithm", "ppo", "algorithm='ppo' \\(--algorithm\\): expected grpo or dapo"),
+        ("temperature", 0.0, "temperature=0.0 \\(--temperature\\)"),
+        ("epsilon", 1.5, "epsilon=1.5"),
+        ("beta", -1.0, "beta=-1.0"),
+        ("reward", ("nope",), "reward 'nope'"),
+        ("stop_after", 0, "stop_after=0"),
+    ],
+)
+def test_the_run_config_names_the_bad_field(field, value, words, tmp_path):
+    cfg = GRPORunConfig(output=str(tmp_path / "run"), **{field: value})
+    with pytest.raises(ValueError, match=words):
+        cfg.check()
+    assert not (tmp_path / "run").exists()
+
+
+def test_dapo_with_a_beta_is_refused():
+    with pytest.raises(ValueError, match="DAPO has no KL term"):
+        GRPORunConfig(algorithm="dapo", beta=0.1).check()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--num-generations", "1"], "num_generations=1"),
+        (["--reward", "mymod_missing:f"], "cannot import"),
+        (["--mesh", "fsdp=0"], "mesh"),
+        (["--algorithm", "ppo"], "algorithm='ppo'"),
+    ],
+)
+def test_the_cli_exits_2_with_one_line_and_writes_nothing(argv, words, tmp_path, capsys):
+    from posttrain import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["grpo", "--output", str(out), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not out.exists()
+
+
+def test_a_short_grpo_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_path):
+    """The embedded run in miniature on 8 fake devices (no warm-up): stop after step 1,
+    rerun to step 2. The resumed run continues Tunix's global step and the metric step,
+    and metrics.jsonl holds each step once."""
+    from posttrain.rl.run import run_grpo
+
+    out = tmp_path / "run"
+    cfg = GRPORunConfig(
+        steps=2,
+        warmup_steps=0,
+        per_device_batch_size=1,
+        num_generations=2,
+        max_new_tokens=3,
+        save_every=1,
+        stop_after=1,
+        output=str(out),
+    )
+    first = run_grpo(cfg)
+    assert first.step == 1 and [r["step"] for r in first.history] == [1]
+    second = run_grpo(GRPORunConfig(**{**cfg.__dict__, "stop_after": None}))
+    assert second.step == 2 and [r["step"] for r in second.history] == [2]
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    for record in lines:
+        assert {"reward/exact_answer/mean", "reward/total/std", "loss", "kl"} <= record.keys()
+        assert record["rollout_tokens"] > 0
+    run = json.loads((out / "run.json").read_text())
+    assert [e["resumed_from"] for e in run["evaluations"]] == [0, 1]
+    assert (out / "model-step2" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_a_split_rollout_mesh_gets_the_trainers_weights_after_every_sync(tmp_path):
+    """The trainer on fsdp=4,tensor=2, the rollout on data=8 (a replicated copy, rollout
+    tensor parallelism 1): after each step's sync, and after the run, the rollout's
+    parameters equal the trainer's."""
+    from posttrain.rl.run import run_grpo
+
+    built = {}
+
+    def keep(learner, policies):
+        built["learner"] = learner
+
+    cfg = GRPORunConfig(
+        mesh={"fsdp": 4, "tensor": 2},
+        rollout_mesh={"data": 8},
+        steps=2,
+        warmup_steps=0,
+        per_device_batch_size=1,
+        num_generations=2,
+        max_new_tokens=3,
+        output=str(tmp_path / "run"),
+    )
+    result = run_grpo(cfg, on_built=keep)
+    assert result.step == 2
+    cluster = built["learner"].rl_cluster
+    assert cluster.rollout.model() is not cluster.actor_trainer.model  # a copy, synced
+    trained = nnx.state(cluster.actor_trainer.model, nnx.Param)
+    rollout = nnx.state(cluster.rollout.model(), nnx.Param)
+    pairs = zip(jax.tree.leaves(trained), jax.tree.leaves(rollout), strict=True)
+    for a, b in pairs:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mesh = next(iter(jax.tree.leaves(rollout))).sharding.mesh
+    assert dict(mesh.shape)["data"] == 8
