@@ -110,6 +110,8 @@ def test_every_algorithm_the_release_has_builds_around_our_policy():
         learner, *_ = _build(algorithm, beta=beta)
         config = getattr(learner, "algo_config", None) or learner.grpo_config
         assert config.num_generations == G
+        if tunix_rl.logps_follow_temperature():  # the learner copies the rollout's (0.1.7+)
+            assert config.temperature == TEMPERATURE
     params = inspect.signature(tunix_rl.learner_and_config("grpo")[0].__init__).parameters
     assert ("algo_config" in params) == ("dapo" in algorithms)  # both arrived in 0.1.4
 
@@ -229,10 +231,6 @@ def test_trainer_logps_follow_the_rollout_temperature_where_the_release_does():
     steps = logits[:, prompt.shape[1] - 1 : -1] / scale
     expected = jnp.take_along_axis(jax.nn.log_softmax(steps), completion[..., None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5)
-    learner, *_ = _build()
-    config = getattr(learner, "algo_config", None) or learner.grpo_config
-    if tunix_rl.logps_follow_temperature():
-        assert config.temperature == TEMPERATURE
 
 
 @pytest.mark.contract("tunix.rl reward and metric kwargs")

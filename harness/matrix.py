@@ -16,9 +16,10 @@ Per entry:
 3. SFT: ``posttrain sft`` (qwen3-tiny, LoRA rank 4, gradient accumulation 2, 4 steps,
    8 fake devices); passes when it exits 0 and its metrics hold finite losses.
 4. RL: ``posttrain grpo`` (:data:`RL_RUN`: qwen3-tiny, LoRA rank 4, 2 GRPO steps
-   through the release's own learner, no warm-up, 8 fake devices); passes when it exits
-   0 and its metrics hold a finite reward and loss per step. Emulated rows skip it (the
-   emulation is of SFT's train step; their RL stack is their base release's).
+   through the release's own learner, no warm-up or evaluation, 8 fake devices); passes
+   when it exits 0 and its metrics hold a finite reward and loss per step. Emulated rows
+   skip it (the emulation is of SFT's train step; their RL stack is their base
+   release's).
 
 The report (``compat-matrix.{md,json,html}``): rows = entries, columns = contracts
 (tests grouped by their ``contract(name)`` marker, else by test function) plus
@@ -60,6 +61,7 @@ RL_RUN: dict[str, Any] = {
     "steps": 2,
     "warmup_steps": 0,
     "max_new_tokens": 4,
+    "eval_samples": 0,
     "save_every": 1,
 }
 """The matrix's GRPO run, as ``posttrain grpo`` options."""

@@ -39,7 +39,7 @@ def test_the_config_view_answers_tunix_from_the_first_layer_type():
 
 
 def test_the_policy_returns_the_models_logits():
-    model = build_model(get_config("qwen3_moe-tiny"), seed=0)
+    model = build_model(get_config("qwen3-tiny"), seed=0)
     logits, _ = model.forward(TOKENS)
     out, cache = TunixPolicy(model)(TOKENS, None, None, None)
     assert cache is None
@@ -168,6 +168,7 @@ def test_the_task_covers_every_problem_and_its_prompt_is_the_sft_template():
         ("beta", -1.0, "beta=-1.0"),
         ("reward", ("nope",), "reward 'nope'"),
         ("stop_after", 0, "stop_after=0"),
+        ("eval_samples", -1, "eval_samples=-1"),
     ],
 )
 def test_the_run_config_names_the_bad_field(field, value, words, tmp_path):
@@ -216,6 +217,7 @@ def test_a_short_grpo_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
         max_new_tokens=3,
         save_every=1,
         stop_after=1,
+        eval_samples=0,  # the evaluation compiles our sampler: the slow tier's runs do it
         output=str(out),
     )
     first = run_grpo(cfg)
@@ -252,10 +254,11 @@ def test_a_split_rollout_mesh_gets_the_trainers_weights_after_every_sync(tmp_pat
         per_device_batch_size=1,
         num_generations=2,
         max_new_tokens=3,
+        eval_samples=1,
         output=str(tmp_path / "run"),
     )
     result = run_grpo(cfg, on_built=keep)
-    assert result.step == 2
+    assert result.step == 2 and result.eval_before is not None and result.eval_after is not None
     cluster = built["learner"].rl_cluster
     assert cluster.rollout.model() is not cluster.actor_trainer.model  # a copy, synced
     trained = nnx.state(cluster.actor_trainer.model, nnx.Param)

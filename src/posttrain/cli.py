@@ -292,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: exact_answer and answer_format)",
     )
     rl.add_argument("--warmup-steps", type=int, default=100, help="SFT steps first (0: none)")
+    rl.add_argument(
+        "--eval-samples",
+        type=int,
+        default=4,
+        help="completions per task problem in the evaluation before and after (0: none)",
+    )
     rl.add_argument("--seed", type=int, default=0)
     rl.add_argument("--save-every", type=int, default=10, help="checkpoint interval (steps)")
     rl.add_argument(

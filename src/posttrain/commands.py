@@ -201,6 +201,7 @@ def grpo_config(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens,
         reward=tuple(args.reward) if args.reward else rewards.DEFAULT,
         warmup_steps=args.warmup_steps,
+        eval_samples=args.eval_samples,
         seed=args.seed,
         save_every=args.save_every,
         stop_after=args.stop_after,

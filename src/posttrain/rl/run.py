@@ -79,6 +79,8 @@ class GRPORunConfig:
       max_prompt_length, max_new_tokens: rollout lengths (the KV cache holds both).
       reward: reward functions, built-in names or ``module:function``; summed.
       warmup_steps: SFT steps on the task before GRPO (0: none).
+      eval_samples: completions of each task problem in the evaluation before and after
+        training (0: no evaluation).
       seed: model init, adapters, data order and rollout sampling.
       save_every: checkpoint interval in steps.
       stop_after: stop at this step (a checkpoint is written there); a rerun with the
@@ -104,6 +106,7 @@ class GRPORunConfig:
     max_new_tokens: int = 6
     reward: tuple[str, ...] = rewards.DEFAULT
     warmup_steps: int = 100
+    eval_samples: int = 4
     seed: int = 0
     save_every: int = 10
     stop_after: int | None = None
@@ -128,6 +131,8 @@ class GRPORunConfig:
             bad("max_prompt_length", ">= 1")
         if self.warmup_steps < 0:
             bad("warmup_steps", ">= 0")
+        if self.eval_samples < 0:
+            bad("eval_samples", ">= 0 (0: no evaluation)")
         if self.stop_after is not None and self.stop_after < 1:
             bad("stop_after", ">= 1")
         if self.lora_rank < 0:
@@ -174,9 +179,10 @@ class GRPOResult:
     history: list[dict]
     output: pathlib.Path
     step: int
-    eval_before: float
-    eval_after: float
+    eval_before: float | None
+    eval_after: float | None
     exported: list[pathlib.Path]
+    eval_samples: int
 
     def summary(self) -> str:
         steps = [r for r in self.history if "reward/total/mean" in r]
@@ -186,8 +192,10 @@ class GRPOResult:
             if steps
             else f"no steps run (already at step {self.step}); "
         )
+        if self.eval_before is None or self.eval_after is None:
+            return trained.removesuffix("; ")
         return (
-            f"{trained}eval reward ({EVAL_SAMPLES} samples of each task problem) "
+            f"{trained}eval reward ({self.eval_samples} samples of each task problem) "
             f"{self.eval_before:.3f} -> {self.eval_after:.3f}"
         )
 
@@ -216,16 +224,13 @@ def _check_resumable(cfg: GRPORunConfig, out: pathlib.Path) -> dict | None:
     return record
 
 
-EVAL_SAMPLES = 4  # completions per problem in the evaluation
-
-
 def evaluate(model, tok, problems, cfg: GRPORunConfig, fns) -> float:
-    """The policy's mean summed reward on ``problems``: :data:`EVAL_SAMPLES` completions
+    """The policy's mean summed reward on ``problems``: ``cfg.eval_samples`` completions
     each, sampled at the rollout temperature with a fixed seed (``cfg.seed``), so two
     evaluations of the same weights agree and two policies see the same random draws."""
     from posttrain.generate import SamplingConfig, generate
 
-    repeated = [p for p in problems for _ in range(EVAL_SAMPLES)]
+    repeated = [p for p in problems for _ in range(cfg.eval_samples)]
     prompts = [tok.encode(p.prompt) for p in repeated]
     sampling = SamplingConfig(
         max_new_tokens=cfg.max_new_tokens,
@@ -447,7 +452,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     )
     with sharding.use_mesh(mesh):
         before = previous["evaluations"][0]["before"] if previous else None
-        if before is None:
+        if before is None and cfg.eval_samples:
             before = evaluate(model, tok, task, cfg, fns)
         cluster = tunix_rl.cluster(
             actor=actor,
@@ -483,13 +488,13 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         seconds = time.perf_counter() - started
         step = int(cluster.actor_trainer.train_steps)
         model = cluster.actor_trainer.model.model  # the trained one (Tunix may re-place it)
-        after = evaluate(model, tok, task, cfg, fns)
+        after = evaluate(model, tok, task, cfg, fns) if cfg.eval_samples else None
     exported = _export(model, out, step, has_lora(model))
     _record(out, cfg, previous, restored, before, after, step, seconds, found)
     if log_every:
         for record in history[log_every - 1 :: log_every]:
             print(progress_line(record), flush=True)
-    return GRPOResult(history, out, step, before, after, exported)
+    return GRPOResult(history, out, step, before, after, exported, cfg.eval_samples)
 
 
 def _pow2(n: int) -> int:
