@@ -61,6 +61,13 @@ def _build(algorithm="grpo", *, beta=0.04, epsilon=0.2, reward_fns=None, model=N
     return tunix_rl.learner(algorithm, cluster, config, fns), actor, reference, tok
 
 
+@pytest.fixture(scope="module")
+def grpo():
+    """One GRPO learner without a KL term (beta 0, epsilon 0.2) for the clipping
+    contracts, built once."""
+    return _build(beta=0.0)
+
+
 def _example(learner, actor, tok, advantages, old_shift=None, ref_shift=0.0):
     """A Tunix ``TrainExample`` of G equal-length completions, with its per-token logps
     from Tunix's ``compute_per_token_logps``; old = logps + ``old_shift`` (None: on
@@ -120,7 +127,7 @@ def test_every_algorithm_the_release_has_builds_around_our_policy():
 def test_grpo_loss_is_minus_the_mean_advantage_on_policy_with_zero_kl():
     """On policy (ratio 1) with reference == actor, the installed GRPO loss over
     equal-length completions is -mean(A) and the KL term is 0."""
-    learner, actor, _, tok = _build()
+    learner, actor, _, tok = _build()  # beta 0.04
     advantages = [1.0, -1.0, 0.5, 0.75]
     example, _ = _example(learner, actor, tok, advantages)
     loss, aux = _loss(learner, actor, example)
@@ -130,11 +137,11 @@ def test_grpo_loss_is_minus_the_mean_advantage_on_policy_with_zero_kl():
 
 @pytest.mark.contract("tunix.rl GRPO loss over our model")
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_grpo_loss_clips_at_one_plus_or_minus_epsilon(sign):
+def test_grpo_loss_clips_at_one_plus_or_minus_epsilon(grpo, sign):
     """A ratio past 1 + eps with A > 0 (or past 1 - eps with A < 0) is clipped: the loss
     is -(1 +/- eps) A and the policy gets no gradient; on the other side of 1 it is not."""
-    eps = 0.2
-    learner, actor, _, tok = _build(beta=0.0, epsilon=eps)
+    eps = 0.2  # the fixture's
+    learner, actor, _, tok = grpo
     ratio = 1.5 if sign > 0 else 0.5
     example, _ = _example(learner, actor, tok, [sign] * G, old_shift=-np.log(ratio))
     loss, _ = _loss(learner, actor, example)
@@ -266,7 +273,6 @@ def test_reward_functions_receive_what_the_release_passes():
 
 
 @pytest.mark.contract("tunix.rl GRPO run over our policy")
-@pytest.mark.slow  # the matrix runs it in every row; the gate runs tests/test_rl.py's run
 def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
     """Two real GRPO steps (rollout on the vanilla sampler over our KV cache, reference
     logps, update) change the actor, leave the reference, and log Tunix's metrics."""

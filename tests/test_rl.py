@@ -202,6 +202,7 @@ def test_the_cli_exits_2_with_one_line_and_writes_nothing(argv, words, tmp_path,
     assert not out.exists()
 
 
+@pytest.mark.slow  # the gate's real GRPO run is the contract's (one device, 2 steps)
 def test_a_short_grpo_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_path):
     """The embedded run in miniature on 8 fake devices (no warm-up): stop after step 1,
     rerun to step 2. The resumed run continues Tunix's global step and the metric step,
