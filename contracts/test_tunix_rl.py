@@ -107,6 +107,7 @@ def _loss(learner, model, example):
 
 
 @pytest.mark.contract("tunix.rl learner constructor and configs")
+@pytest.mark.slow  # the matrix runs it in every row
 def test_every_algorithm_the_release_has_builds_around_our_policy():
     """The learner of each algorithm the installed release has is built through the
     adapter's keywords; its config object is the one given."""
@@ -137,6 +138,7 @@ def test_grpo_loss_is_minus_the_mean_advantage_on_policy_with_zero_kl():
 
 @pytest.mark.contract("tunix.rl GRPO loss over our model")
 @pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.slow  # the matrix runs it in every row
 def test_grpo_loss_clips_at_one_plus_or_minus_epsilon(grpo, sign):
     """A ratio past 1 + eps with A > 0 (or past 1 - eps with A < 0) is clipped: the loss
     is -(1 +/- eps) A and the policy gets no gradient; on the other side of 1 it is not."""
@@ -222,6 +224,7 @@ def test_logps_are_invariant_to_extra_left_padding():
 
 
 @pytest.mark.contract("tunix.rl trainer logps at the rollout temperature")
+@pytest.mark.slow  # the matrix runs it in every row
 def test_trainer_logps_follow_the_rollout_temperature_where_the_release_does():
     """Bug class 4: from google-tunix 0.1.7 the trainer's logps are
     ``log_softmax(logits / T)`` at the rollout temperature T (the learner copies it into

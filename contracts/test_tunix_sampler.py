@@ -97,6 +97,7 @@ class _Counting(nnx.Module):
 
 
 @pytest.mark.contract("tunix.generate.sampler model calls per generate")
+@pytest.mark.slow  # the matrix runs it in every row
 def test_the_sampler_calls_the_model_once_per_step_plus_one():
     """Bug class 1 (shared/research/tunix-rl.md 7): with N new tokens and no EOS, every
     release's decode loop runs N times after the prefill, one more than the N - 1 it
@@ -116,6 +117,7 @@ def test_the_sampler_calls_the_model_once_per_step_plus_one():
 
 
 @pytest.mark.contract("tunix.generate.sampler BOS and EOS handling")
+@pytest.mark.slow  # the matrix runs it in every row
 def test_prompts_start_with_one_bos_and_completions_end_before_the_eos():
     """Bug class 2: a tokenizer whose ``bos_id()`` is set gets exactly one BOS at the
     first non-pad prompt position on every release (``TunixTokenizer.encode`` never adds
