@@ -125,6 +125,7 @@ def test_every_algorithm_the_release_has_builds_around_our_policy():
 
 
 @pytest.mark.contract("tunix.rl GRPO loss over our model")
+@pytest.mark.slow  # the matrix runs it in every row
 def test_grpo_loss_is_minus_the_mean_advantage_on_policy_with_zero_kl():
     """On policy (ratio 1) with reference == actor, the installed GRPO loss over
     equal-length completions is -mean(A) and the KL term is 0."""

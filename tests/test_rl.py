@@ -38,14 +38,6 @@ def test_the_config_view_answers_tunix_from_the_first_layer_type():
         view.no_such_field  # noqa: B018
 
 
-def test_the_policy_returns_the_models_logits():
-    model = build_model(get_config("qwen3-tiny"), seed=0)
-    logits, _ = model.forward(TOKENS)
-    out, cache = TunixPolicy(model)(TOKENS, None, None, None)
-    assert cache is None
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(logits))
-
-
 def _lora(model, rank=4):
     from posttrain import sharding
     from posttrain.lora import LoraConfig, apply_lora
@@ -64,11 +56,15 @@ def _perturb_adapters(model):
 
 
 def test_the_lora_reference_is_the_base_model_and_shares_its_weights():
+    """And the policy wrapper returns the model's logits under Tunix's call."""
     base = build_model(get_config("qwen3-tiny"), seed=0)
     base_logits, _ = base.forward(TOKENS)
     model = _lora(base)
     _perturb_adapters(model)
     actor_logits, _ = model.forward(TOKENS)
+    policy_logits, cache = TunixPolicy(model)(TOKENS, None, None, None)  # Tunix's call
+    assert cache is None
+    np.testing.assert_array_equal(np.asarray(policy_logits), np.asarray(actor_logits))
     reference = reference_of(model)
     ref_logits, _ = reference.forward(TOKENS)
     assert has_lora(model) and has_lora(reference)
