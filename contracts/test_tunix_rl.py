@@ -276,6 +276,33 @@ def test_reward_functions_receive_what_the_release_passes():
     wrapped(prompts=[], completions=[], rewards=[], **{keyword: np.zeros(2 * G)})
 
 
+@pytest.mark.contract("tunix.rl rollout seeds")
+@pytest.mark.slow  # the matrix runs it in every row
+def test_the_rollout_draws_the_same_numbers_every_call_unless_the_seed_varies():
+    """Found here: every release's vanilla rollout samples each call with
+    ``PRNGKey(RolloutConfig.seed)``, so two rollouts of the same prompts by the same
+    policy are identical; ``tunix_rl.vary_rollout_seed`` makes them differ, and a given
+    (seed, global step, call) always draws the same."""
+    learner, *_ = _build()
+    cluster = learner.rl_cluster
+    prompts = ["1+1="] * 8
+
+    def texts():
+        return list(cluster.generate(prompts=prompts).text)
+
+    first = texts()
+    assert texts() == first  # Tunix's own: one seed for every call
+    tunix_rl.vary_rollout_seed(cluster, 0)
+    varied = [texts(), texts()]
+    assert varied[0] != varied[1]
+    cluster.global_steps += 1
+    again = texts()
+    assert again != varied[0]
+    cluster.global_steps -= 1
+    tunix_rl.vary_rollout_seed(cluster, 0)  # a fresh wrapper: the same draws again
+    assert texts() == varied[0]
+
+
 @pytest.mark.contract("tunix.rl GRPO run over our policy")
 def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
     """Two real GRPO steps (rollout on the vanilla sampler over our KV cache, reference
@@ -285,6 +312,8 @@ def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
         return [float(len(c)) for c in completions]
 
     learner, actor, reference, _ = _build(reward_fns=[length])
+    assert not tunix_rl.syncs_weights(learner)  # one mesh: the rollout holds the actor's
+    tunix_rl.sync_rollout(learner)  # a no-op here (it must not snapshot the live weights)
     before = jax.tree.map(np.asarray, nnx.state(actor, nnx.Param))
     ref_before = jax.tree.map(np.asarray, nnx.state(reference, nnx.Param))
     tap = tunix_rl.MetricsTap()
@@ -297,6 +326,9 @@ def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
     after = jax.tree.map(np.asarray, nnx.state(trained, nnx.Param))
     pairs = zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
     assert any(not np.array_equal(a, b) for a, b in pairs)
+    rollout = jax.tree.map(np.asarray, nnx.state(learner.rl_cluster.rollout.model(), nnx.Param))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(rollout), strict=True):
+        np.testing.assert_array_equal(a, b)  # one mesh: the rollout samples the trained policy
     ref_after = jax.tree.map(np.asarray, nnx.state(reference, nnx.Param))
     for a, b in zip(jax.tree.leaves(ref_before), jax.tree.leaves(ref_after), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -468,8 +468,9 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         tap = tunix_rl.MetricsTap()
         tap.attach(cluster)
         restored = int(cluster.actor_trainer.train_steps)
-        tunix_rl.reshard_syncs_on_device(cluster)
-        tunix_rl.sync_rollout(cluster)  # a restored actor must not leave the rollout stale
+        tunix_rl.reshard_syncs_on_device(learner)
+        tunix_rl.sync_rollout(learner)  # a restored actor must not leave the rollout stale
+        tunix_rl.vary_rollout_seed(cluster, cfg.seed)
         if on_built is not None:
             on_built(learner, (actor, reference))
         original_generate = cluster.generate

@@ -353,7 +353,21 @@ def _update_filter(rl_cluster):
     return (nnx.LoRAParam if has_lora(rl_cluster.actor_trainer.model) else nnx.Param,)
 
 
-def reshard_syncs_on_device(rl_cluster) -> None:
+def syncs_weights(learner) -> bool:
+    """Whether the learner copies the actor's weights into the rollout after each step:
+    Tunix's own decision (``learner.should_sync_weights``, every release), false when the
+    rollout holds the actor's own parameters (one mesh). ``rollout.model()`` is a fresh
+    ``nnx.merge`` on every call, so identity says nothing.
+
+    Raises:
+      UnknownRLShapeError: the learner has no ``should_sync_weights``.
+    """
+    if not hasattr(learner, "should_sync_weights"):
+        raise UnknownRLShapeError(f"{type(learner).__name__} has no should_sync_weights")
+    return bool(learner.should_sync_weights)
+
+
+def reshard_syncs_on_device(learner) -> None:
     """Makes weight syncs into a rollout on another mesh a device-to-device reshard.
 
     Tunix's ``sync_weights`` hands the actor's parameters to ``rollout.update_params``,
@@ -363,15 +377,16 @@ def reshard_syncs_on_device(rl_cluster) -> None:
     host, so the guard stops it ("Disallowed host-to-device transfer"): split meshes
     cannot sync there. Wrapped here: the parameters are first moved by a jitted identity
     with the rollout's shardings as ``out_shardings`` (an XLA collective, which the guard
-    allows), and Tunix's own put then finds them in place. No-op when the rollout shares
-    the actor's model.
+    allows), and Tunix's own put then finds them in place. No-op when the learner does not
+    sync (:func:`syncs_weights`: the rollout shares the actor's parameters).
     """
     import jax
     from flax import nnx
 
-    rollout = rl_cluster.rollout
-    if rollout.model() is rl_cluster.actor_trainer.model:
+    if not syncs_weights(learner):
         return
+    rl_cluster = learner.rl_cluster
+    rollout = rl_cluster.rollout
     inner = rollout.update_params
 
     @functools.wraps(inner)
@@ -384,15 +399,45 @@ def reshard_syncs_on_device(rl_cluster) -> None:
     rollout.update_params = update_params
 
 
-def sync_rollout(rl_cluster) -> None:
+def vary_rollout_seed(rl_cluster, base_seed: int) -> None:
+    """Gives each rollout call its own sampling seed.
+
+    Every release's vanilla rollout passes ``RolloutConfig.seed`` to the sampler on every
+    call, and the sampler makes ``PRNGKey(seed)`` of it (``PRNGKey(0)`` when None): each
+    GRPO step draws the same random numbers, so a prompt sampled in the same batch slot
+    twice gets the same completions from an unchanged policy, and exploration is
+    correlated across steps. Wrapped here: the rollout's ``generate`` gets a copy of the
+    config whose seed is ``base_seed``, Tunix's global step and the call's index within
+    the step, mixed (a resumed run draws what the uninterrupted one would have).
+    """
+    rollout = rl_cluster.rollout
+    inner = rollout.generate
+    calls = {"step": None, "index": 0}
+
+    @functools.wraps(inner)
+    def generate(prompts, rollout_config, *args, **kwargs):
+        step = int(rl_cluster.global_steps)
+        calls["index"] = calls["index"] + 1 if calls["step"] == step else 0
+        calls["step"] = step
+        seed = (base_seed * 1_000_003 + step * 1_009 + calls["index"]) % (2**31 - 1)
+        config = dataclasses.replace(rollout_config, seed=seed)
+        return inner(prompts, config, *args, **kwargs)
+
+    rollout.generate = generate
+
+
+def sync_rollout(learner) -> None:
     """Copies the actor's trained parameters into a rollout on another mesh, as
     ``sync_weights`` does but without advancing Tunix's global step: for right after a
     restore, which Tunix does not follow with a sync (MaxText ad9a01ffd). No-op when the
-    rollout shares the actor's model."""
+    rollout shares the actor's parameters (:func:`syncs_weights`): an update there would
+    replace the sampler's live parameters by a snapshot, and the rollout would sample
+    from it for the rest of the run (``contracts/test_tunix_rl.py`` checks both)."""
     from flax import nnx
 
-    if rl_cluster.rollout.model() is rl_cluster.actor_trainer.model:
+    if not syncs_weights(learner):
         return
+    rl_cluster = learner.rl_cluster
     kinds = _update_filter(rl_cluster)
     rl_cluster.rollout.update_params(nnx.state(rl_cluster.actor_trainer.model, kinds), kinds)
 
