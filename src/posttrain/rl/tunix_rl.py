@@ -281,7 +281,8 @@ def per_token_logps(
 ):
     """Tunix's ``compute_per_token_logps`` of ``completion_tokens`` after
     ``prompt_tokens`` (``[B, P]`` left-padded, ``[B, C]``): ``[B, C]`` float32, under
-    whichever calling convention the release has (the model, or its ``nnx.split``).
+    whichever calling convention the release has (the model, or its ``nnx.split``; the
+    logps alone, where releases up to 0.1.3 return ``(logps, logits)``).
     ``temperature`` divides the logits where the release does so
     (:func:`logps_follow_temperature`), as its trainer does with the rollout's; earlier
     releases ignore it, as their trainers do."""
@@ -291,9 +292,12 @@ def per_token_logps(
     params = inspect.signature(common.compute_per_token_logps).parameters
     head = (model,) if "model" in params else nnx.split(model)
     extra = {"temperature": temperature} if "temperature" in params else {}
-    return common.compute_per_token_logps(
+    if "return_logits" in params:
+        extra["return_logits"] = False
+    out = common.compute_per_token_logps(
         *head, prompt_tokens, completion_tokens, pad_id=pad_id, eos_id=eos_id, **extra
     )
+    return out[0] if isinstance(out, tuple) else out  # (logps, logits) up to 0.1.3
 
 
 def moe_aux_loss(policy, example) -> jax.Array:
