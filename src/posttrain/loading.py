@@ -1,5 +1,6 @@
 """A model from what a user types: a preset name, a native directory or an HF checkpoint
-directory (``posttrain sft --model`` and ``posttrain generate --model``)."""
+directory (``posttrain sft --model`` and ``posttrain generate --model``), and a run's
+final weights written back out (:func:`export_final`)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,56 @@ def load_model(spec: str, mesh, *, seed: int = 0, scratch: str | os.PathLike, **
     model.config.check_mesh(dict(mesh.shape), sharding.DEFAULT_RULES)
     sharding.shard_model(model, mesh)
     return model, spec
+
+
+def load_trainable(
+    spec: str,
+    mesh,
+    *,
+    vocab_size: int,
+    lora_rank: int,
+    lora_alpha: float | None,
+    seed: int,
+    scratch: str | os.PathLike,
+    **overrides,
+):
+    """:func:`load_model` for training: the model, with LoRA when ``lora_rank`` > 0
+    (alpha defaults to 2 x rank), after checking that a tokenizer of ``vocab_size`` ids
+    fits it. ``posttrain sft`` and ``posttrain grpo`` load their models this way.
+
+    Raises:
+      ValueError: as :func:`load_model`; the tokenizer has more ids than the model's
+        ``vocab_size``.
+    """
+    model, _ = load_model(spec, mesh, seed=seed, scratch=scratch, **overrides)
+    if vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {vocab_size} ids but the model's vocab_size "
+            f"is {model.config.vocab_size}; pass a matching --tokenizer"
+        )
+    if lora_rank:
+        from posttrain.lora import LoraConfig, apply_lora
+
+        config = LoraConfig(rank=lora_rank, alpha=lora_alpha or 2.0 * lora_rank, seed=seed)
+        model = apply_lora(model, mesh, config)
+    return model
+
+
+def export_final(model, out: pathlib.Path, step: int) -> list[pathlib.Path]:
+    """A run's final weights: ``out/model-step<step>`` (native safetensors, LoRA merged)
+    and, for a LoRA model, ``out/adapter-step<step>``; an existing directory is kept.
+    Returns the directories written."""
+    from posttrain.conversion.native import save_native
+    from posttrain.lora import lora_params, merge_lora, save_adapter
+    from posttrain.models.params import flat_params
+
+    written = []
+    if lora_params(model):
+        adapter = out / f"adapter-step{step}"
+        if not adapter.exists():
+            written.append(save_adapter(model, adapter))
+        model = merge_lora(model)
+    native = out / f"model-step{step}"
+    if not native.exists():
+        written.append(save_native(flat_params(model), model.config, native))
+    return written

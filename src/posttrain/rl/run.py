@@ -326,25 +326,6 @@ def progress_line(record: dict) -> str:
     return ", ".join(parts)
 
 
-def _export(policy_model, out: pathlib.Path, step: int, lora: bool) -> list[pathlib.Path]:
-    from posttrain.conversion.native import save_native
-    from posttrain.models.params import flat_params
-
-    written = []
-    model = policy_model
-    if lora:
-        from posttrain.lora import merge_lora, save_adapter
-
-        adapter = out / f"adapter-step{step}"
-        if not adapter.exists():
-            written.append(save_adapter(model, adapter))
-        model = merge_lora(model)
-    native = out / f"model-step{step}"
-    if not native.exists():
-        written.append(save_native(flat_params(model), model.config, native))
-    return written
-
-
 def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None) -> GRPOResult:
     """Runs (or resumes) one GRPO run; see the module docstring for what it writes.
 
@@ -361,9 +342,9 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     import orbax.checkpoint as ocp
     from tunix.sft import metrics_logger
 
-    from posttrain.loading import load_model
+    from posttrain.loading import export_final, load_trainable
     from posttrain.rl import tunix_rl
-    from posttrain.rl.policy import TunixPolicy, has_lora, reference_of
+    from posttrain.rl.policy import TunixPolicy, reference_of
     from posttrain.sft.tokenizer import load_tokenizer
     from posttrain.tunix_sampler import TunixTokenizer
 
@@ -395,22 +376,15 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         print("Tunix RL: " + "; ".join(f"{k}: {v}" for k, v in found.items()), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     start = _warmup(cfg, out, task, log_every)
-    model, _ = load_model(start, mesh, seed=cfg.seed, scratch=cfg.output)
-    if tok.tokenizer.get_vocab_size() > model.config.vocab_size:
-        raise ValueError(
-            f"tokenizer has {tok.tokenizer.get_vocab_size()} ids but the model's vocab_size "
-            f"is {model.config.vocab_size}; pass a matching --tokenizer"
-        )
-    if cfg.lora_rank:
-        from posttrain.lora import LoraConfig, apply_lora
-
-        model = apply_lora(
-            model,
-            mesh,
-            LoraConfig(
-                rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank, seed=cfg.seed
-            ),
-        )
+    model = load_trainable(
+        start,
+        mesh,
+        vocab_size=tok.tokenizer.get_vocab_size(),
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        seed=cfg.seed,
+        scratch=cfg.output,
+    )
     actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
 
     rewards_seen: dict[int, dict[str, np.ndarray]] = {}
@@ -490,7 +464,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         step = int(cluster.actor_trainer.train_steps)
         model = cluster.actor_trainer.model.model  # the trained one (Tunix may re-place it)
         after = evaluate(model, tok, task, cfg, fns) if cfg.eval_samples else None
-    exported = _export(model, out, step, has_lora(model))
+    exported = export_final(model, out, step)
     _record(out, cfg, previous, restored, before, after, step, seconds, found)
     if log_every:
         for record in history[log_every - 1 :: log_every]:

@@ -187,14 +187,6 @@ class SFTResult:
         )
 
 
-def _load_model(cfg: SFTConfig, mesh):
-    """``(model, hf_dir or None)``: a preset built with ``seed``, or a directory loaded."""
-    from posttrain.loading import load_model
-
-    overrides = {"remat": cfg.remat, "scan_layers": cfg.scan_layers}
-    return load_model(cfg.model, mesh, seed=cfg.seed, scratch=cfg.output, **overrides)
-
-
 def _tokenizer(cfg: SFTConfig, hf_dir: str | None):
     from posttrain.sft.tokenizer import load_tokenizer
 
@@ -223,26 +215,6 @@ def build_rows(cfg: SFTConfig, tok) -> dict[str, np.ndarray]:
     return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=_pad_id(tok))
 
 
-def _export(trainer, out: pathlib.Path, step: int) -> list[pathlib.Path]:
-    """Final weights as a native directory (LoRA merged) and the adapters; skips existing."""
-    from posttrain.conversion.native import save_native
-    from posttrain.models.params import flat_params
-
-    written = []
-    model = trainer.model
-    if trainer._lora_enabled:
-        from posttrain.lora import merge_lora, save_adapter
-
-        adapter = out / f"adapter-step{step}"
-        if not adapter.exists():
-            written.append(save_adapter(model, adapter))
-        model = merge_lora(model)
-    native = out / f"model-step{step}"
-    if not native.exists():
-        written.append(save_native(flat_params(model), model.config, native))
-    return written
-
-
 def run_sft(
     cfg: SFTConfig,
     *,
@@ -269,6 +241,7 @@ def run_sft(
     from tunix.sft import metrics_logger, peft_trainer
 
     from posttrain.conversion.safetensors_io import sweep_stale_temporaries
+    from posttrain.loading import export_final, load_trainable
     from posttrain.sft import data
     from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
 
@@ -286,22 +259,17 @@ def run_sft(
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
     tok = _tokenizer(cfg, hf_dir)
     rows = build_rows(cfg, tok)  # bad data fails before the model is built
-    model, _ = _load_model(cfg, mesh)
-    if tok.get_vocab_size() > model.config.vocab_size:
-        raise ValueError(
-            f"tokenizer has {tok.get_vocab_size()} ids but the model's vocab_size "
-            f"is {model.config.vocab_size}; pass a matching --tokenizer"
-        )
-    if cfg.lora_rank:
-        from posttrain.lora import LoraConfig, apply_lora
-
-        model = apply_lora(
-            model,
-            mesh,
-            LoraConfig(
-                rank=cfg.lora_rank, alpha=cfg.lora_alpha or 2.0 * cfg.lora_rank, seed=cfg.seed
-            ),
-        )
+    model = load_trainable(
+        cfg.model,
+        mesh,
+        vocab_size=tok.get_vocab_size(),
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        seed=cfg.seed,
+        scratch=cfg.output,
+        remat=cfg.remat,
+        scan_layers=cfg.scan_layers,
+    )
 
     out = pathlib.Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
@@ -376,7 +344,7 @@ def run_sft(
         trainer.abandon()  # no final checkpoint, no export of a non-finite model
         raise
     step = trainer.train_steps
-    exported = _export(trainer, out, step)
+    exported = export_final(trainer.model, out, step)
     return SFTResult(
         trainer.history,
         out,
