@@ -197,7 +197,7 @@ def test_the_moe_load_balancing_term_enters_the_actor_loss():
 @pytest.mark.contract("tunix.rl GRPO advantages")
 def test_advantages_are_normalised_per_group():
     """(r - group mean) / (group std, ddof 1, + a small epsilon): 1e-4 up to
-    google-tunix 0.1.4, 1e-6 from 0.1.5."""
+    google-tunix 0.1.6, 1e-6 from 0.1.7."""
     rewards = np.array([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0, 0.0, 0.0, 0.0, 2.0])
     out = np.asarray(_advantage_fn()(rewards=jnp.asarray(rewards), num_generations=G))
     # By hand: [1, 0, 0, 1] has mean 0.5 and std sqrt(1/3); [0, 0, 0, 2] mean 0.5, std 1.

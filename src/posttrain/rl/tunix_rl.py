@@ -20,9 +20,9 @@ What differs between google-tunix releases, and how each is found
 - reward_fn kwargs: columns, ``mode``, ``trajectory_ids``, plus matching
   ``algo_config`` fields from 0.1.6; by ``tunix.rl.reward_manager``'s presence;
 - trainer logps at the rollout temperature (0.1.7+) and ``compute_per_token_logps``'s
-  ``(model, ...)`` (<= 0.1.6) or ``(graphdef, state, ...)`` (0.1.7+); by its parameters;
-- ``MetricsLogger.log(name, value, mode, step)`` (<= 0.1.5) or with a leading
-  ``metrics_prefix`` (0.1.6+); by its signature.
+  ``(model, ...)`` (<= 0.1.5) or ``(graphdef, state, ...)`` (0.1.6+); by its parameters;
+- ``MetricsLogger.log(name, value, mode, step)`` (<= 0.1.3) or with a leading
+  ``metrics_prefix`` (0.1.4+); by its signature.
 
 A shape none of these covers is :class:`UnknownRLShapeError` at construction, naming
 what was found.
@@ -451,7 +451,7 @@ class MetricsTap:
 
     Tunix logs through ``MetricsLogger.log`` (rollout metrics from the cluster, train
     metrics from the actor trainer), whose signature gained a leading
-    ``metrics_prefix`` in 0.1.6; each logger's ``log`` is wrapped and its arguments are
+    ``metrics_prefix`` in 0.1.4; each logger's ``log`` is wrapped and its arguments are
     bound by name, so both shapes are read the same way. Names keep Tunix's spelling
     (``rewards/...``, ``completions/mean_length``, ``kl``, ``pg_clipfrac``, ``loss``);
     only the ``train`` mode is kept.
