@@ -122,6 +122,9 @@ def test_every_algorithm_the_release_has_builds_around_our_policy():
             assert config.temperature == TEMPERATURE
     params = inspect.signature(tunix_rl.learner_and_config("grpo")[0].__init__).parameters
     assert ("algo_config" in params) == ("dapo" in algorithms)  # both arrived in 0.1.4
+    for missing in sorted(set(tunix_rl.ALGORITHMS) - set(algorithms)):
+        with pytest.raises(ValueError, match=f"algorithm='{missing}' needs google-tunix >= 0.1"):
+            tunix_rl.learner_and_config(missing)
 
 
 @pytest.mark.contract("tunix.rl GRPO loss over our model")

@@ -266,3 +266,25 @@ def test_a_split_rollout_mesh_gets_the_trainers_weights_after_every_sync(tmp_pat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     mesh = next(iter(jax.tree.leaves(rollout))).sharding.mesh
     assert dict(mesh.shape)["data"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["dapo", "drgrpo"])
+def test_dapo_and_drgrpo_runs_train_through_their_learners(algorithm, tmp_path):
+    """Two real steps through DAPOLearner / DrGRPOLearner (the project's Tunix has both)."""
+    from posttrain.rl.run import run_grpo
+
+    cfg = GRPORunConfig(
+        algorithm=algorithm,
+        steps=2,
+        warmup_steps=0,
+        eval_samples=0,
+        per_device_batch_size=1,
+        num_generations=2,
+        max_new_tokens=3,
+        output=str(tmp_path / "run"),
+    )
+    result = run_grpo(cfg)
+    assert result.step == 2 and [r["step"] for r in result.history] == [1, 2]
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run["settings"]["algorithm"] == algorithm
