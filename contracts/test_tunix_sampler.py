@@ -79,11 +79,19 @@ def test_positional_and_keyword_decode_calls_agree():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+class _Calls:
+    """Where the callbacks land: a plain object, so every nnx copy of the module shares
+    it (flax 0.11 treats a list attribute as graph data and copies it)."""
+
+    def __init__(self):
+        self.lengths: list[int] = []
+
+
 class _Counting(nnx.Module):
     """A model that counts its executed calls (a host callback per call: the sampler
     traces each call site once and runs it many times)."""
 
-    def __init__(self, model, calls: list):
+    def __init__(self, model, calls: _Calls):
         self.model = model
         self.config = model.config
         self._calls = calls
@@ -92,7 +100,7 @@ class _Counting(nnx.Module):
         return self.model.init_cache(batch, cache_size, dtype)
 
     def __call__(self, input_tokens, positions=None, cache=None, attention_mask=None):
-        jax.debug.callback(lambda t: self._calls.append(int(t)), input_tokens.shape[1])
+        jax.debug.callback(lambda t: self._calls.lengths.append(int(t)), input_tokens.shape[1])
         return self.model(input_tokens, positions, cache, attention_mask)
 
 
@@ -103,7 +111,7 @@ def test_the_sampler_calls_the_model_once_per_step_plus_one():
     release's decode loop runs N times after the prefill, one more than the N - 1 it
     needs (its last token is never used); main (f8a25bef) runs N - 1, so this contract
     marks the change. The extra call writes no token: the output has N tokens."""
-    calls: list[int] = []
+    calls = _Calls()
     model = _Counting(build_model(get_config("qwen3-tiny"), seed=1), calls)
     tok = tunix_sampler.TunixTokenizer(byte_tokenizer(), eos="<|reserved_3|>")
     sampler = tunix_sampler.make_sampler(model, tok, cache_size=32)
@@ -113,7 +121,8 @@ def test_the_sampler_calls_the_model_once_per_step_plus_one():
     )
     jax.effects_barrier()
     assert len(out.tokens[0]) == steps
-    assert calls[0] > 1 and calls[1:] == [1] * steps, calls  # prefill, then N decodes
+    lengths = calls.lengths
+    assert lengths[0] > 1 and lengths[1:] == [1] * steps, lengths  # prefill, then N decodes
 
 
 @pytest.mark.contract("tunix.generate.sampler BOS and EOS handling")

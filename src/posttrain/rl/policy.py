@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from posttrain import _compat
@@ -110,9 +111,17 @@ def reference_of(model: nnx.Module) -> nnx.Module:
         def zero_b(path, var):
             name = str(path[-1])
             if isinstance(var, nnx.LoRAParam) and name.endswith(LORA_B):
-                return var.replace(jnp.zeros_like(_compat.variable_value(var)))
+                return var.replace(_placed_like(_compat.variable_value(var), zero=True))
             return var
 
         flat = [(p, zero_b(p, v)) for p, v in nnx.to_flat_state(state)]
         return nnx.merge(graphdef, nnx.from_flat_state(flat))
-    return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    return nnx.merge(graphdef, jax.tree.map(_placed_like, state))
+
+
+def _placed_like(value: jax.Array, zero: bool = False) -> jax.Array:
+    """A copy of ``value`` (or zeros) with its sharding: ``jnp.zeros_like`` and
+    ``jnp.copy`` keep it in recent JAX but put the result on one device in jax 0.7
+    (found by the matrix's era rows: the reference then failed every jitted step)."""
+    fresh = np.zeros(value.shape, value.dtype) if zero else jnp.copy(value)
+    return jax.device_put(fresh, value.sharding)

@@ -424,7 +424,9 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     algo = tunix_rl.algo_config(
         cfg.algorithm, num_generations=cfg.num_generations, beta=cfg.beta, epsilon=cfg.epsilon
     )
-    with sharding.use_mesh(mesh):
+    # Our mesh for tracing, not JAX's mesh context: Orbax's eager per-shard copies fail
+    # under it on jax 0.7-0.8 (as in SFTTrainer.train).
+    with sharding.use_mesh(mesh, jax_context=False):
         before = previous["evaluations"][0]["before"] if previous else None
         if before is None and cfg.eval_samples:
             before = evaluate(model, tok, task, cfg, fns)
@@ -457,7 +459,8 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         started = time.perf_counter()
         data = arithmetic.batches(task, batch, cfg.steps, cfg.seed)
         try:
-            learner.train(data)
+            with _saves():
+                learner.train(data)
         finally:
             history = _write_metrics(out, restored, tap, rewards_seen)
         seconds = time.perf_counter() - started
@@ -470,6 +473,21 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         for record in history[log_every - 1 :: log_every]:
             print(progress_line(record), flush=True)
     return GRPOResult(history, out, step, before, after, exported, cfg.eval_samples)
+
+
+def _saves():
+    """Orbax writes each replicated array from one replica in one CPU process (its
+    replica-parallel slicing is pure overhead there, and on jax 0.7 its eager slices fail
+    inside Tunix's ``with mesh:``; :func:`posttrain._compat.single_replica_array_saves`)."""
+    import contextlib
+
+    import jax
+
+    from posttrain import _compat
+
+    if jax.default_backend() == "cpu" and jax.process_count() == 1:
+        return _compat.single_replica_array_saves()
+    return contextlib.nullcontext()
 
 
 def _pow2(n: int) -> int:
