@@ -60,6 +60,8 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/generate.py": ["tests/test_generate.py", "-k", "not cli"],
     "src/posttrain/lora/merge.py": ["tests/test_lora.py", "-k", "merge or zero_adapter"],
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
+    "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
+    "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
 }
 _PYTEST_ARGS = ["-p", "no:cacheprovider", "-x", "-q", "-m", "not slow"]  # the gate's tier
 _COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md")
