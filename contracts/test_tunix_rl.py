@@ -160,11 +160,13 @@ def test_grpo_loss_clips_at_one_plus_or_minus_epsilon(grpo, sign):
 
 
 def _advantage_fn():
-    """The installed GRPO advantage function, wherever the release keeps it."""
+    """The installed GRPO advantage function, wherever the release keeps it (after the
+    adapter registered 0.1.4's, which its learner cannot find by itself)."""
+    tunix_rl.learner_and_config("grpo")
     try:
         registry = importlib.import_module("tunix.rl.function_registry")
         return registry.get_advantage_estimator("grpo")
-    except (ImportError, AttributeError, KeyError):
+    except (ImportError, AttributeError, LookupError):
         pass
     for name in ("tunix.rl.grpo.grpo_learner", "tunix.rl.grpo.grpo_helpers"):
         module = importlib.import_module(name)

@@ -89,10 +89,29 @@ def learner_and_config(algorithm: str) -> tuple[type, type]:
             f"algorithm={algorithm!r} needs google-tunix >= {since} "
             f"({_MODULES[algorithm]} is not in the installed release)"
         ) from None
+    _register_grpo_helpers()
     names = set(vars(module))
     learner = getattr(module, _first(learners, names, f"{module.__name__} learner"))
     config = getattr(module, _first(configs, names, f"{module.__name__} config"))
     return learner, config
+
+
+def _register_grpo_helpers() -> None:
+    """Imports ``tunix.rl.grpo.grpo_helpers`` where it exists (up to google-tunix 0.1.4).
+
+    In 0.1.4 the GRPO learner looks its advantage estimator up in
+    ``tunix.rl.function_registry`` by name, but the ``"grpo"`` estimator is registered
+    by ``grpo_helpers``, which only the agentic learner imports: a plain ``GRPOLearner``
+    fails its first step with ``LookupError: No function named 'grpo' in category
+    'advantage_estimator'`` (found by the matrix; 0.1.5 moved the estimator into
+    ``grpo_learner``). Importing the module registers it; earlier releases call it
+    directly, later ones do not have it."""
+    import importlib
+    import importlib.util
+
+    name = "tunix.rl.grpo.grpo_helpers"
+    if importlib.util.find_spec(name) is not None:
+        importlib.import_module(name)
 
 
 def available_algorithms() -> tuple[str, ...]:
