@@ -213,6 +213,7 @@ def test_advantages_are_normalised_per_group():
 
 
 @pytest.mark.contract("tunix.rl compute_per_token_logps")
+@pytest.mark.slow  # the matrix runs it in every row
 def test_logps_are_invariant_to_extra_left_padding():
     """Tunix's compute_per_token_logps over our model gives the same completion logps
     with 0 and 5 extra left pads (bug class 12: a model that ignores the pad mask)."""
@@ -250,6 +251,7 @@ def test_trainer_logps_follow_the_rollout_temperature_where_the_release_does():
 
 
 @pytest.mark.contract("tunix.rl reward and metric kwargs")
+@pytest.mark.slow  # the matrix runs it in every row
 def test_reward_functions_receive_what_the_release_passes():
     """Reward functions get the batch's columns (repeated G times), ``mode`` and
     ``trajectory_ids``, plus matching algo_config fields from 0.1.6
