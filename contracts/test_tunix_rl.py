@@ -277,10 +277,16 @@ def test_reward_functions_receive_what_the_release_passes():
     expected_epsilon = 0.2 if tunix_rl.reward_kwargs_from_algo_config() else None
     assert seen[0]["epsilon"] == expected_epsilon
 
-    got = {}
-    wrapped = tunix_rl.metric_fn(lambda prompts, completions, rewards, advantages, **kw: got)
+    def metric(prompts, completions, rewards, advantages, **kwargs):
+        return {"advantages": advantages, "extra": kwargs}
+
     keyword = tunix_rl.advantages_keyword()
-    wrapped(prompts=[], completions=[], rewards=[], **{keyword: np.zeros(2 * G)})
+    assert keyword == ("advantages" if tunix_rl.reward_kwargs_from_algo_config() else "advances")
+    out = tunix_rl.metric_fn(metric)(
+        prompts=[], completions=[], rewards=[], **{keyword: np.arange(2 * G)}
+    )
+    np.testing.assert_array_equal(out["advantages"], np.arange(2 * G))
+    assert out["extra"] == {}
 
 
 @pytest.mark.contract("tunix.rl rollout seeds")
