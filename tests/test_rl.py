@@ -3,6 +3,7 @@ and ``posttrain grpo``. Tunix's own surfaces are pinned in ``contracts/test_tuni
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -199,6 +200,21 @@ def test_the_cli_exits_2_with_one_line_and_writes_nothing(argv, words, tmp_path,
     assert not out.exists()
 
 
+def _tiny(tmp_path, **overrides) -> GRPORunConfig:
+    """A 2-step run of the embedded task without warm-up, 1 prompt per shard x 2
+    completions of at most 3 tokens, no evaluation; ``overrides`` change any field."""
+    fields = dict(
+        steps=2,
+        warmup_steps=0,
+        per_device_batch_size=1,
+        num_generations=2,
+        max_new_tokens=3,
+        eval_samples=0,
+        output=str(tmp_path / "run"),
+    )
+    return GRPORunConfig(**{**fields, **overrides})
+
+
 @pytest.mark.slow  # the gate's real GRPO run is the contract's (one device, 2 steps)
 def test_a_short_grpo_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_path):
     """The embedded run in miniature on 8 fake devices (no warm-up): stop after step 1,
@@ -207,20 +223,11 @@ def test_a_short_grpo_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
     from posttrain.rl.run import run_grpo
 
     out = tmp_path / "run"
-    cfg = GRPORunConfig(
-        steps=2,
-        warmup_steps=0,
-        per_device_batch_size=1,
-        num_generations=2,
-        max_new_tokens=3,
-        save_every=1,
-        stop_after=1,
-        eval_samples=0,  # the evaluation compiles our sampler: the slow tier's runs do it
-        output=str(out),
-    )
+    # the evaluation compiles our sampler: the split-mesh run does it
+    cfg = _tiny(tmp_path, save_every=1, stop_after=1)
     first = run_grpo(cfg)
     assert first.step == 1 and [r["step"] for r in first.history] == [1]
-    second = run_grpo(GRPORunConfig(**{**cfg.__dict__, "stop_after": None}))
+    second = run_grpo(dataclasses.replace(cfg, stop_after=None))
     assert second.step == 2 and [r["step"] for r in second.history] == [2]
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
@@ -244,17 +251,7 @@ def test_a_split_rollout_mesh_gets_the_trainers_weights_after_every_sync(tmp_pat
     def keep(learner, policies):
         built["learner"] = learner
 
-    cfg = GRPORunConfig(
-        mesh={"fsdp": 4, "tensor": 2},
-        rollout_mesh={"data": 8},
-        steps=2,
-        warmup_steps=0,
-        per_device_batch_size=1,
-        num_generations=2,
-        max_new_tokens=3,
-        eval_samples=1,
-        output=str(tmp_path / "run"),
-    )
+    cfg = _tiny(tmp_path, mesh={"fsdp": 4, "tensor": 2}, rollout_mesh={"data": 8}, eval_samples=1)
     result = run_grpo(cfg, on_built=keep)
     assert result.step == 2 and result.eval_before is not None and result.eval_after is not None
     cluster = built["learner"].rl_cluster
@@ -274,16 +271,7 @@ def test_dapo_and_drgrpo_runs_train_through_their_learners(algorithm, tmp_path):
     """Two real steps through DAPOLearner / DrGRPOLearner (the project's Tunix has both)."""
     from posttrain.rl.run import run_grpo
 
-    cfg = GRPORunConfig(
-        algorithm=algorithm,
-        steps=2,
-        warmup_steps=0,
-        eval_samples=0,
-        per_device_batch_size=1,
-        num_generations=2,
-        max_new_tokens=3,
-        output=str(tmp_path / "run"),
-    )
+    cfg = _tiny(tmp_path, algorithm=algorithm)
     result = run_grpo(cfg)
     assert result.step == 2 and [r["step"] for r in result.history] == [1, 2]
     run = json.loads((tmp_path / "run" / "run.json").read_text())

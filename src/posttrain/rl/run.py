@@ -388,10 +388,9 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
 
     rewards_seen: dict[int, dict[str, np.ndarray]] = {}
-    state = {"step": 0}
 
-    def sink(name: str, values: np.ndarray) -> None:
-        rewards_seen.setdefault(state["step"], {})[name] = values
+    def sink(name: str, values: np.ndarray) -> None:  # called inside step global_steps + 1
+        rewards_seen.setdefault(int(cluster.global_steps) + 1, {})[name] = values
 
     recorded = [rewards.recorded(fn, sink) for fn in fns]
     training = tunix_rl.training_config(
@@ -449,13 +448,6 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         tunix_rl.vary_rollout_seed(cluster, cfg.seed)
         if on_built is not None:
             on_built(learner, (actor, reference))
-        original_generate = cluster.generate
-
-        def generate(*args, **kwargs):
-            state["step"] = int(cluster.global_steps) + 1
-            return original_generate(*args, **kwargs)
-
-        cluster.generate = generate
         started = time.perf_counter()
         data = arithmetic.batches(task, batch, cfg.steps, cfg.seed)
         try:
