@@ -216,7 +216,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     failed = any(row.get("error") for row in rows) or any(
         c and c["status"] in ("failed", "error")
         for row in rows
-        for c in [*row["contracts"].values(), row.get("sft"), row.get("rl")]
+        for c in [*row["contracts"].values(), *(row.get(name) for name in report.RUN_CELLS)]
     )
     return 1 if failed else 0
 

@@ -20,11 +20,16 @@ Per entry:
    when it exits 0 and its metrics hold a finite reward and loss per step. Emulated rows
    skip it (the emulation is of SFT's train step; their RL stack is their base
    release's).
+5. DPO: ``posttrain dpo`` (:data:`DPO_RUN`: qwen3-tiny, LoRA rank 4, gradient
+   accumulation 2, 2 steps through the release's own ``DPOTrainer``, 8 fake devices);
+   passes when it exits 0 and its metrics hold a finite loss and margin per step.
+   Emulated rows skip it (their DPO contracts run under the emulated convention).
 
 The report (``compat-matrix.{md,json,html}``): rows = entries, columns = contracts
 (tests grouped by their ``contract(name)`` marker, else by test function) plus
-``sft`` and ``rl``; each cell pass / fail / skip / error with the first error line; and for each
-contract that fails somewhere, the first failing entry after a passing one.
+``sft``, ``rl`` and ``dpo``; each cell pass / fail / skip / error with the first error
+line; and for each contract that fails somewhere, the first failing entry after a
+passing one.
 """
 
 from __future__ import annotations
@@ -67,6 +72,18 @@ RL_RUN: dict[str, Any] = {
 """The matrix's GRPO run, as ``posttrain grpo`` options."""
 
 
+DPO_RUN: dict[str, Any] = {
+    "model": "qwen3-tiny",
+    "lora_rank": 4,
+    "grad_accum": 2,
+    "steps": 2,
+    "max_prompt_length": 48,
+    "max_response_length": 48,
+    "save_every": 1,
+}
+"""The matrix's DPO run, as ``posttrain dpo`` options."""
+
+
 def _argv(command: str, run: dict[str, Any], output: str) -> list[str]:
     options = [x for k, v in run.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     return [command, *options, "--output", output]
@@ -80,6 +97,11 @@ def sft_argv(output: str) -> list[str]:
 def rl_argv(output: str) -> list[str]:
     """``posttrain`` arguments of :data:`RL_RUN` writing to ``output``."""
     return _argv("grpo", RL_RUN, output)
+
+
+def dpo_argv(output: str) -> list[str]:
+    """``posttrain`` arguments of :data:`DPO_RUN` writing to ``output``."""
+    return _argv("dpo", DPO_RUN, output)
 
 
 def junit_cells(path: Path) -> dict[str, dict[str, str]]:
@@ -126,7 +148,7 @@ def run(
         )
         log(
             f"{where}: "
-            f"{'env error: ' + env.error if env.error else 'running contracts, sft and rl'}"
+            f"{'env error: ' + env.error if env.error else 'running contracts, sft, rl and dpo'}"
             f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)"
         )
         row = run_entry(entry, env, report_dir, jobs, run=runner or _run)
@@ -151,7 +173,7 @@ def run_entry(
       ``versions``: distribution -> version installed in the env (``{}`` if not run);
       ``contracts``: contract -> ``{"status", "message"}``, status one of
         :data:`harness.junit.OUTCOMES` (:func:`junit_cells`);
-      ``sft``, ``rl``: ``{"status": "passed" | "failed" | "skipped", "message"}`` or
+      ``sft``, ``rl``, ``dpo``: ``{"status": "passed" | "failed" | "skipped", "message"}`` or
         ``None`` (not run);
       ``seconds``: wall time of the contracts and the runs;
       ``error`` (only when the entry could not run): why, in one line.
@@ -167,6 +189,7 @@ def run_entry(
         "contracts": {},
         "sft": None,
         "rl": None,
+        "dpo": None,
         "seconds": 0.0,
     }
     if env.error or entry.broken:
@@ -209,6 +232,7 @@ def run_entry(
         row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
     row["sft"] = _sft(entry, env, environ, run)
     row["rl"] = _rl(entry, env, environ, run)
+    row["dpo"] = _dpo(entry, env, environ, run)
     row["seconds"] = round(time.monotonic() - start, 1)
     return row
 
@@ -260,6 +284,33 @@ def _rl(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> d
         return {
             "status": "passed",
             "message": f"{len(records)} GRPO steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}",
+        }
+    why = first_error(done.stderr + done.stdout) if done.returncode else f"metrics: {records}"
+    return {"status": "failed", "message": why}
+
+
+def _dpo(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> dict[str, str]:
+    if entry.emulated:
+        return {
+            "status": "skipped",
+            "message": "the dpo contracts drive the emulated convention; the run is the base "
+            "release's",
+        }
+    with tempfile.TemporaryDirectory() as tmp:
+        done = run([str(env.python), "-m", "posttrain.cli", *dpo_argv(tmp)], environ)
+        metrics = Path(tmp) / "metrics.jsonl"
+        records = (
+            [json.loads(line) for line in metrics.read_text().splitlines()]
+            if metrics.is_file()
+            else []
+        )
+    values = [r.get(k) for r in records for k in ("loss", "reward_margin")]
+    finite = all(isinstance(x, float) and x == x and abs(x) < 1e6 for x in values)
+    if done.returncode == 0 and len(records) == DPO_RUN["steps"] and finite:
+        return {
+            "status": "passed",
+            "message": f"{len(records)} DPO steps, loss {records[0]['loss']:.4f} -> "
+            f"{records[-1]['loss']:.4f}, margin {records[-1]['reward_margin']:.4f}",
         }
     why = first_error(done.stderr + done.stdout) if done.returncode else f"metrics: {records}"
     return {"status": "failed", "message": why}

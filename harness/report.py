@@ -1,8 +1,8 @@
 """The matrix report: ``compat-matrix.md``, ``.json`` and ``.html`` from the matrix rows.
 
 Rows are entries (in ``compat/entries.toml`` order), columns the contracts (JUnit
-``contract`` property, else the test function), then ``sft`` and ``rl`` (the real
-runs); a cell is ``pass``, ``fail``, ``skip``, ``error`` or empty (not run there), with
+``contract`` property, else the test function), then ``sft``, ``rl`` and ``dpo``
+(the real runs); a cell is ``pass``, ``fail``, ``skip``, ``error`` or empty (not run there), with
 the first error line.
 "First failures" lists, per flavour, each contract that fails somewhere and the
 first entry where it fails after having passed in an earlier one (or "from the
@@ -20,13 +20,13 @@ from typing import Any
 from posttrain import atomic
 
 STATUS_MARK = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "skip"}
-RUN_CELLS = ("sft", "rl")
+RUN_CELLS = ("sft", "rl", "dpo")
 """The columns after the contracts: one real run each (``harness.matrix``)."""
 COLORS = {"passed": "#d4f4d4", "failed": "#f8d0d0", "error": "#f0b0b0", "skipped": "#eeeeee"}
 
 
 def columns(rows: list[dict[str, Any]]) -> list[str]:
-    """Contract names in first-seen order, then the run cells (``sft``, ``rl``)."""
+    """Contract names in first-seen order, then the run cells (:data:`RUN_CELLS`)."""
     names: list[str] = []
     for row in rows:
         for name in row.get("contracts", {}):

@@ -186,8 +186,8 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     paths = report.write(built, tmp_path)
     md, js, page = (p.read_text() for p in paths)
     assert "first fails in **v3** after passing in v2: boom in v3" in md
-    assert "| v3 | bound2 | jax 0.10.2 | cached 1 s | FAIL | ERROR | FAIL |  |" in md
-    assert json.loads(js)["columns"] == ["A", "B", "sft", "rl"]
+    assert "| v3 | bound2 | jax 0.10.2 | cached 1 s | FAIL | ERROR | FAIL |  |  |" in md
+    assert json.loads(js)["columns"] == ["A", "B", "sft", "rl", "dpo"]
     assert "<b>v3</b>" in page and "boom in v3" in page
 
 
@@ -358,6 +358,18 @@ def test_the_rl_run_parses_as_a_grpo_run_config(tmp_path):
     output = str(tmp_path / "out")
     cfg = commands.grpo_config(cli.build_parser().parse_args(matrix.rl_argv(output)))
     assert {k: getattr(cfg, k) for k in matrix.RL_RUN} == matrix.RL_RUN
+    assert cfg.output == output
+    cfg.check()
+
+
+def test_the_dpo_run_parses_as_a_dpo_run_config(tmp_path):
+    """The dpo cell's ``posttrain dpo`` options are all real options with the intended
+    values, and the run they describe passes its checks."""
+    from posttrain import cli, commands
+
+    output = str(tmp_path / "out")
+    cfg = commands.dpo_config(cli.build_parser().parse_args(matrix.dpo_argv(output)))
+    assert {k: getattr(cfg, k) for k in matrix.DPO_RUN} == matrix.DPO_RUN
     assert cfg.output == output
     cfg.check()
 

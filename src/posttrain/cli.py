@@ -5,6 +5,8 @@ Subcommands:
   generate      sample from a model with its KV cache (default: the newest sft export).
   grpo          RL with GRPO / DAPO / DrGRPO through Tunix's learners; no arguments: the
                 embedded addition task after a short warm-up SFT.
+  dpo           preference tuning (DPO, ORPO) through Tunix's DPOTrainer; no arguments:
+                the embedded preference pairs.
   forward       build a preset on a mesh, run a jitted forward, print shardings and figures.
   convert       HF checkpoint directory <-> native checkpoint directory (streamed, atomic).
   check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
@@ -308,6 +310,78 @@ def build_parser() -> argparse.ArgumentParser:
         default="runs/grpo",
         help="run directory; a rerun resumes from its checkpoint (default %(default)s)",
     )
+    dpo = sub.add_parser(
+        "dpo",
+        help="preference tuning (DPO, ORPO) through Tunix; no arguments: the embedded pairs",
+        description="DPO or ORPO with Tunix's DPOTrainer over our model. Defaults: "
+        "qwen3-tiny on the embedded pydoc_data preference pairs (the true answer chosen, "
+        "another topic's answer rejected; 1 in 8 held out), every device on fsdp. "
+        "After posttrain sft: --model runs/sft/model-step60.",
+    )
+    dpo.add_argument(
+        "--model",
+        default="qwen3-tiny",
+        help="preset, native directory (e.g. runs/sft/model-step60) or HF directory",
+    )
+    dpo.add_argument(
+        "--data",
+        default=None,
+        help="preference JSONL: prompt, chosen, rejected (default: embedded)",
+    )
+    dpo.add_argument(
+        "--eval-data",
+        default=None,
+        help="held-out preference JSONL, evaluated before and after (default: the embedded "
+        "held-out pairs with the embedded data)",
+    )
+    dpo.add_argument("--tokenizer", default=None, help="tokenizer.json (default: see sft)")
+    dpo.add_argument("--mesh", default=None, help="axis sizes (default: every device on fsdp)")
+    dpo.add_argument(
+        "--devices",
+        default=os.environ.get("POSTTRAIN_DEVICES", "8"),
+        help="fake CPU devices, or 'real' (default %(default)s)",
+    )
+    dpo.add_argument(
+        "--per-device-batch-size",
+        type=int,
+        default=1,
+        help="pairs per data-parallel shard (default %(default)s)",
+    )
+    dpo.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    dpo.add_argument("--steps", type=int, default=40, help="optimizer steps (default %(default)s)")
+    dpo.add_argument("--max-prompt-length", type=int, default=96)
+    dpo.add_argument("--max-response-length", type=int, default=160)
+    dpo.add_argument(
+        "--overflow",
+        choices=("truncate", "reject"),
+        default="truncate",
+        help="prompts / completions longer than those (default %(default)s)",
+    )
+    dpo.add_argument("--algorithm", default="dpo", metavar="{dpo,orpo}")
+    dpo.add_argument("--beta", type=float, default=0.1, help="DPO beta (default %(default)s)")
+    dpo.add_argument("--label-smoothing", type=float, default=0.0)
+    dpo.add_argument(
+        "--lambda-orpo",
+        type=float,
+        default=0.1,
+        help="ORPO odds-ratio weight (default %(default)s)",
+    )
+    dpo.add_argument("--learning-rate", type=float, default=1e-3)
+    dpo.add_argument("--warmup-steps", type=int, default=5)
+    dpo.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
+    dpo.add_argument("--lora-alpha", type=float, default=None, help="default 2 x rank")
+    dpo.add_argument("--remat", default="none", choices=choices(RematPolicy))
+    dpo.add_argument("--scan", action="store_true", help="scan_layers=True")
+    dpo.add_argument("--seed", type=int, default=0)
+    dpo.add_argument("--save-every", type=int, default=50, help="checkpoint interval (steps)")
+    dpo.add_argument(
+        "--stop-after", type=int, default=None, help="stop at this step; rerun to resume"
+    )
+    dpo.add_argument(
+        "--output",
+        default="runs/dpo",
+        help="run directory; a rerun resumes from its checkpoint (default %(default)s)",
+    )
     return parser
 
 
@@ -403,6 +477,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "grpo":
         _set_devices(parse_devices(args.devices))
         return commands.grpo(args)
+    if args.command == "dpo":
+        _set_devices(parse_devices(args.devices))
+        return commands.dpo(args)
     if args.command == "forward":
         _set_devices(parse_devices(args.devices))
         if args.per_device_batch_size < 1 or args.seq < 1 or args.repeats < 1:

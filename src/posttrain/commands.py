@@ -225,6 +225,56 @@ def grpo(args: argparse.Namespace) -> int:
     return 0
 
 
+def dpo_config(args: argparse.Namespace):
+    """The ``DPORunConfig`` of parsed ``posttrain dpo`` arguments (unchecked)."""
+    from posttrain import sharding
+    from posttrain.preference.run import DPORunConfig
+
+    return DPORunConfig(
+        model=args.model,
+        data=args.data,
+        eval_data=args.eval_data,
+        tokenizer=args.tokenizer,
+        mesh=sharding.parse_mesh_spec(args.mesh) if args.mesh else None,
+        per_device_batch_size=args.per_device_batch_size,
+        grad_accum=args.grad_accum,
+        steps=args.steps,
+        max_prompt_length=args.max_prompt_length,
+        max_response_length=args.max_response_length,
+        overflow=args.overflow,
+        algorithm=args.algorithm,
+        beta=args.beta,
+        label_smoothing=args.label_smoothing,
+        lambda_orpo=args.lambda_orpo,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        remat=args.remat,
+        scan_layers=args.scan,
+        seed=args.seed,
+        save_every=args.save_every,
+        stop_after=args.stop_after,
+        output=args.output,
+    )
+
+
+def dpo(args: argparse.Namespace) -> int:
+    from posttrain.preference.run import run_dpo
+
+    cfg = dpo_config(args)
+    cfg.check()
+    result = run_dpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
+    print(result.summary())
+    print(
+        f"checkpoints in {result.output / 'checkpoints'}; "
+        f"metrics in {result.output / 'metrics.jsonl'}"
+    )
+    for path in result.exported:
+        print(f"wrote {path}")
+    return 0
+
+
 def newest_export(run_dir: str = "runs/sft") -> str | None:
     """The ``model-step<N>`` directory with the largest N under ``run_dir`` (``None``: none)."""
     import pathlib

@@ -262,11 +262,13 @@ def batches(
     seed: int = 0,
     epochs: int | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Micro-batches ``[global_batch, ...]``, rows reshuffled each epoch (seeded).
+    """Micro-batches ``[global_batch, ...]`` of ``rows`` (any dict of ``[rows, ...]``
+    arrays), rows reshuffled each epoch (seeded).
 
     The stream of rows is the concatenation of shuffled epochs, cut into
-    optimizer steps of ``grad_accum_steps`` micro-batches; each micro-batch
-    carries ``step_target_tokens`` ``[global_batch]`` (the step's target count).
+    optimizer steps of ``grad_accum_steps`` micro-batches; SFT rows (with
+    ``segment_ids``) also carry ``step_target_tokens`` ``[global_batch]`` (the step's
+    target count).
     ``epochs=None`` repeats forever (the trainer stops at ``max_steps``).
     Deterministic for a given seed, so a resumed run sees the same batches.
     """
@@ -274,8 +276,8 @@ def batches(
         raise ValueError(
             f"global_batch={global_batch}, grad_accum_steps={grad_accum_steps}; expected >= 1"
         )
-    n = len(rows["input_tokens"])
-    targets = count_targets(rows)
+    n = len(next(iter(rows.values())))
+    targets = count_targets(rows) if "segment_ids" in rows else None
     rng = np.random.default_rng(seed)
 
     def row_stream():
@@ -290,8 +292,9 @@ def batches(
         idx = np.fromiter((i for _, i in zip(range(per_step), stream, strict=False)), np.int64)
         if len(idx) < per_step:
             return
-        step_targets = np.int32(targets[idx].sum())
         for micro in idx.reshape(grad_accum_steps, global_batch):
             batch = {k: v[micro] for k, v in rows.items()}
-            batch["step_target_tokens"] = np.full((global_batch,), step_targets, np.int32)
+            if targets is not None:
+                step_targets = np.int32(targets[idx].sum())
+                batch["step_target_tokens"] = np.full((global_batch,), step_targets, np.int32)
             yield batch

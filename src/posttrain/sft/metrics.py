@@ -89,10 +89,31 @@ class StepMetrics:
         self._pending: dict | None = None
         self._last_update_time: float | None = None
 
+    #: the aux keys of a micro-step that :meth:`summarise` reads
+    keys: tuple[str, ...] = AUX_KEYS
+
+    def summarise(self, micro: list[dict]) -> dict:
+        """The record fields of one optimizer step from its micro-steps' aux values
+        (floats): at least ``loss``, ``grad_norm`` and ``tokens``."""
+        targets = float(sum(m["target_tokens"] for m in micro))
+        loss = float(sum(m["nll_sum"] for m in micro)) / max(targets, 1.0)
+        return {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 80.0)),
+            "grad_norm": float(micro[-1]["grad_norm"]),
+            "moe_aux_loss": float(np.mean([m["moe_aux_loss"] for m in micro])),
+            "target_tokens": int(targets),
+            "tokens": int(sum(m["tokens"] for m in micro)),
+        }
+
+    def line(self, record: dict) -> str:
+        """The progress line's body for one record."""
+        return f"loss {record['loss']:.4f}, grad_norm {record['grad_norm']:.3f}"
+
     def add(self, aux: dict, step: int) -> None:
         """Buffers one micro-step's ``aux`` (device values); after the last micro-step of
         optimizer step ``step`` (from 1), writes the previous step's record."""
-        self._micro.append({k: aux[k] for k in AUX_KEYS if k in aux})
+        self._micro.append({k: aux[k] for k in self.keys if k in aux})
         if len(self._micro) < self.grad_accum_steps:
             return
         now = time.perf_counter()
@@ -121,20 +142,14 @@ class StepMetrics:
             return
         micro = jax.device_get(record.pop("_micro"))
         elapsed = record.pop("_elapsed")
-        targets = float(sum(m["target_tokens"] for m in micro))
-        tokens = float(sum(m["tokens"] for m in micro))
-        loss = float(sum(m["nll_sum"] for m in micro)) / max(targets, 1.0)
+        record.update(self.summarise(micro))
+        tokens = record["tokens"]
         record.update(
-            loss=loss,
-            perplexity=math.exp(min(loss, 80.0)),
-            grad_norm=float(micro[-1]["grad_norm"]),
-            moe_aux_loss=float(np.mean([m["moe_aux_loss"] for m in micro])),
-            target_tokens=int(targets),
-            tokens=int(tokens),
             step_time_s=elapsed,
             tokens_per_s=None if not elapsed else tokens / elapsed,
             learning_rate=self.learning_rate(record["step"] - 1),
         )
+        loss = record["loss"]
         if not (math.isfinite(loss) and math.isfinite(record["grad_norm"])):
             raise NonFiniteLossError(
                 f"step {record['step']}: loss {loss}, grad_norm {record['grad_norm']}; "
@@ -143,11 +158,7 @@ class StepMetrics:
         self.history.append(record)
         if self.log_every and record["step"] % self.log_every == 0:
             speed = f", {record['tokens_per_s']:,.0f} tokens/s" if record["tokens_per_s"] else ""
-            print(
-                f"step {record['step']}: loss {loss:.4f}, grad_norm {record['grad_norm']:.3f}"
-                f"{speed}",
-                flush=True,
-            )
+            print(f"step {record['step']}: {self.line(record)}{speed}", flush=True)
         if self.metrics_path:
             with open(self.metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")

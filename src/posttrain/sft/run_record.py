@@ -65,8 +65,9 @@ def read(out: str | os.PathLike) -> dict[str, Any] | None:
     return body
 
 
-def check_resumable(cfg, out: str | os.PathLike) -> None:
-    """Refuses to run ``cfg`` into ``out`` when ``out`` holds a run with other settings.
+def check_resumable(cfg, out: str | os.PathLike, fields: tuple[str, ...] = TRAINING_FIELDS) -> None:
+    """Refuses to run ``cfg`` into ``out`` when ``out`` holds a run with other ``fields``
+    (default: SFT's :data:`TRAINING_FIELDS`; ``posttrain dpo`` passes its own).
 
     Raises:
       ValueError: one line naming each training-relevant field that differs, with the
@@ -79,7 +80,7 @@ def check_resumable(cfg, out: str | os.PathLike) -> None:
     new = dataclasses.asdict(cfg)
     differ = [
         f"{name} {settings.get(name)!r} -> {new[name]!r}"
-        for name in TRAINING_FIELDS
+        for name in fields
         if _normal(settings.get(name)) != _normal(new[name])
     ]
     if differ:

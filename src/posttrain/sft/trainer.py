@@ -101,12 +101,15 @@ class SFTTrainerMixin:
         the trainer class calls its step in an unknown way.
     """
 
+    #: the per-step record writer (:mod:`posttrain.sft.metrics`)
+    metrics_class: type[StepMetrics] = StepMetrics
+
     def __init__(self, model, optimizer, training_config, *args, options: SFTOptions, **kwargs):
         self.convention = options.convention or tunix_compat.detect(
             tunix_compat.tunix_base(type(self), SFTTrainerMixin)
         )
         listening = _compat.scalar_listeners()
-        super().__init__(model, optimizer, training_config, *args, **kwargs)
+        self._init_tunix(model, optimizer, training_config, *args, **kwargs)
         # Tunix's MetricsLogger registers its backends (TensorBoard) as process-wide
         # jax.monitoring scalar listeners; its close() drops them with
         # jax.monitoring.clear_event_listeners(), which leaves scalar listeners registered
@@ -123,11 +126,11 @@ class SFTTrainerMixin:
         self.moe_aux_loss_weight = float(
             default_moe_aux_loss_weight(model) if weight is None else weight
         )
-        self.metrics = StepMetrics(
+        self.metrics = self.metrics_class(
             self.grad_accum_steps, options.learning_rate_fn, options.metrics_path, options.log_every
         )
         self._wrt = nnx.LoRAParam if self._lora_enabled else nnx.Param
-        self.loss_fn = self.eval_loss_fn = sft_loss.eval_loss_fn
+        self.loss_fn = self.eval_loss_fn = self._eval_loss_fn()
         self._has_aux = True
         self._batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
         root = training_config.checkpoint_root_directory
@@ -137,28 +140,57 @@ class SFTTrainerMixin:
             )
             self.checkpoint_manager.restore(self._train_steps)
 
+    def _init_tunix(self, model, optimizer, training_config, *args, **kwargs):
+        """The Tunix trainer's ``__init__`` (the DPO trainer's takes a reference too)."""
+        super().__init__(model, optimizer, training_config, *args, **kwargs)
+
+    def _eval_loss_fn(self):
+        """Tunix's ``loss_fn(model, **inputs) -> (loss, aux)`` for the eval step (and the
+        ``loss_fn`` attribute); the train step uses :meth:`_objective`."""
+        return sft_loss.eval_loss_fn
+
     @property
     def history(self) -> list[dict]:
         """The step records written so far (:mod:`posttrain.sft.metrics`)."""
         return self.metrics.history
 
     # --- the step -------------------------------------------------------------------------
+    def _objective(self, model, inputs):
+        """``(this micro-step's share of the step loss, the forward terms)`` for ``model``
+        (the merged, differentiable model): :func:`posttrain.sft.loss.step_objective`,
+        MoE load-balancing term included. Other trainers (DPO) override this and
+        :meth:`_report`; the step around them is shared."""
+        terms = sft_loss.sft_terms(model, **inputs)
+        objective = sft_loss.step_objective(
+            terms,
+            inputs.get("step_target_tokens"),
+            moe_aux_weight=self.moe_aux_loss_weight,
+            grad_accum_steps=self.grad_accum_steps,
+        )
+        return objective, terms
+
+    def _report(self, terms, inputs, grad_norm):
+        """``(reported loss, aux)`` of one micro-step from its forward terms."""
+        tokens = (
+            jnp.sum(inputs["segment_ids"] > 0)
+            if "segment_ids" in inputs
+            else (jnp.asarray(inputs["input_tokens"].size))
+        )
+        aux = {**terms, "grad_norm": grad_norm, "tokens": tokens.astype(jnp.float32)}
+        return terms["nll_sum"] / jnp.maximum(terms["target_tokens"], 1.0), aux
+
     def _grads(self, model, inputs):
-        """``(objective, terms, grads)``: this micro-step's share of the step loss
-        (:func:`posttrain.sft.loss.step_objective`, MoE load-balancing term included),
-        the forward terms and d(share)/d(trained variables)."""
+        """``(objective, terms, grads)``: :meth:`_objective` and d(objective)/d(trained
+        variables)."""
         graphdef, trained, rest = nnx.split(model, self._wrt, ...)
-        step_tokens = inputs.get("step_target_tokens")
 
         def share(trained_state):
-            terms = sft_loss.sft_terms(nnx.merge(graphdef, trained_state, rest), **inputs)
-            objective = sft_loss.step_objective(
-                terms,
-                step_tokens,
-                moe_aux_weight=self.moe_aux_loss_weight,
-                grad_accum_steps=self.grad_accum_steps,
-            )
-            return objective, terms
+            # New Variable objects for the frozen part, made in this trace: nnx.merge
+            # reuses a State's Variables (flax 0.12), and an nnx.jit called inside the
+            # objective (Tunix's DPO compute_logps) writes its outputs back into them,
+            # which flax refuses across trace levels (TraceContextError).
+            fresh = jax.tree.map(lambda x: x, rest)
+            return self._objective(nnx.merge(graphdef, trained_state, fresh), inputs)
 
         (objective, terms), grads = jax.value_and_grad(share, has_aux=True)(trained)
         return objective, terms, grads
@@ -193,13 +225,7 @@ class SFTTrainerMixin:
                 return jnp.zeros((), jnp.float32)
 
             grad_norm = nnx.cond(is_update_step, apply, skip, model, optimizer, grad_accumulator)
-        tokens = (
-            jnp.sum(inputs["segment_ids"] > 0)
-            if "segment_ids" in inputs
-            else (jnp.asarray(inputs["input_tokens"].size))
-        )
-        aux = {**terms, "grad_norm": grad_norm, "tokens": tokens.astype(jnp.float32)}
-        loss = terms["nll_sum"] / jnp.maximum(terms["target_tokens"], 1.0)
+        loss, aux = self._report(terms, inputs, grad_norm)
         return loss, aux, grad_norm
 
     @override

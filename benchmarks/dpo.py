@@ -1,0 +1,196 @@
+"""One DPO step: ours against our SFT step on the same model and rows, and against Tunix's
+own DPOTrainer over Tunix's Qwen3 model of the same size, in the same run.
+
+Usage::
+
+    python benchmarks/dpo.py [--pairs-per-device 1] [--prompt 96] [--response 160] \
+        [--repeats 15]
+
+A DPO step is ``DPOTrainer._prepare_inputs`` (stacks chosen and rejected into one
+``[2 x pairs, prompt + response]`` batch and runs the reference forward) plus the jitted
+train step (forward and backward of both completions, the optimizer update). Expected
+cost against an SFT step on the pairs' chosen rows (prompt + response tokens, one
+forward and backward): with a backward at about twice a forward, 2 x (1 + 2) + 2
+(reference) = 8 forwards against 3, i.e. about 2.7x.
+
+All models are qwen3-tiny's shape (2 layers, d_model 72, 8 heads, 4 kv heads, head_dim
+10, d_ff 88, tied embeddings, vocab 264), full fine-tuning with AdamW, on 8 fake CPU
+devices (ours: every device on ``fsdp``; Tunix's: its own ``("fsdp", "tp")`` axes, 8 x
+1), on the embedded preference pairs. Steps take turns, one of each per repeat; the
+first call of each compiles and is excluded. Printed: medians in ms and the ratios
+(target for ours / Tunix's: <= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pairs-per-device", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=96)
+    parser.add_argument("--response", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+    from tunix.models.qwen3 import model as tunix_qwen3
+    from tunix.sft import peft_trainer
+
+    from posttrain import sharding
+    from posttrain.models import build_model, get_config
+    from posttrain.preference import data, tunix_dpo
+    from posttrain.preference.default_data import pydoc_pairs
+    from posttrain.preference.trainer import DPOTrainer
+    from posttrain.rl.policy import TunixPolicy, reference_of
+    from posttrain.sft.tokenizer import byte_tokenizer
+    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+
+    cfg = get_config("qwen3-tiny")
+    mesh = sharding.make_mesh(None)
+    pairs = args.pairs_per_device * sharding.data_parallel_size(mesh)
+    train, _ = pydoc_pairs()
+    batch = {
+        k: v[:pairs]
+        for k, v in data.encode_pairs(
+            train,
+            byte_tokenizer(),
+            max_prompt_length=args.prompt,
+            max_response_length=args.response,
+        ).items()
+    }
+    seq = args.prompt + args.response
+    # SFT rows: each pair's prompt + chosen, left-aligned, the chosen tokens as targets.
+    sft_rows = {k: np.zeros((pairs, seq), np.int32) for k in ("input_tokens", "input_mask")}
+    sft_rows["segment_ids"] = np.zeros((pairs, seq), np.int32)
+    sft_rows["positions"] = np.zeros((pairs, seq), np.int32)
+    for i in range(pairs):
+        p = batch["prompt_ids"][i][batch["prompt_mask"][i] > 0]
+        c = batch["chosen_ids"][i][batch["chosen_mask"][i] > 0]
+        ids = np.concatenate([p, c])
+        sft_rows["input_tokens"][i, : len(ids)] = ids
+        sft_rows["input_mask"][i, len(p) : len(ids)] = 1
+        sft_rows["segment_ids"][i, : len(ids)] = 1
+        sft_rows["positions"][i, : len(ids)] = np.arange(len(ids))
+
+    def peft_config(**values):
+        return {"eval_every_n_steps": 10**9, "max_steps": 10**9, **values}
+
+    def dpo_config():
+        return tunix_dpo.training_config(
+            algorithm="dpo",
+            beta=0.1,
+            label_smoothing=0.0,
+            lambda_orpo=0.1,
+            data_sharding_axis=("fsdp",),
+            **peft_config(),
+        )
+
+    with sharding.use_mesh(mesh):
+        model = build_model(cfg, mesh, seed=0)
+        policy = TunixPolicy(model)
+        ours = DPOTrainer(
+            policy,
+            reference_of(policy),
+            optax.adamw(1e-4),
+            dpo_config(),
+            options=SFTOptions(mesh=mesh),
+        )
+        sft = SFTTrainer(
+            build_model(cfg, mesh, seed=0),
+            optax.adamw(1e-4),
+            peft_trainer.TrainingConfig(**peft_config()),
+            options=SFTOptions(mesh=mesh),
+        )
+
+    attn = cfg.attention["full"]
+    theirs_cfg = tunix_qwen3.ModelConfig(
+        num_layers=cfg.num_layers,
+        vocab_size=cfg.vocab_size,
+        embed_dim=cfg.d_model,
+        hidden_dim=cfg.d_ff,
+        num_heads=attn.num_heads,
+        head_dim=attn.head_dim,
+        num_kv_heads=attn.num_kv_heads,
+        rope_theta=int(attn.rope.theta),
+        norm_eps=cfg.norm_eps,
+        use_tied_embedding=True,
+    )
+    theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1), ("fsdp", "tp"))
+
+    def tunix_model():
+        model = tunix_qwen3.Qwen3(theirs_cfg, rngs=nnx.Rngs(0))
+        state = nnx.state(model)
+        specs = nnx.get_partition_spec(state)  # from Tunix's sharding annotations
+        placed = jax.tree.map(
+            lambda x, s: jax.device_put(x, NamedSharding(theirs_mesh, s)), state, specs
+        )
+        nnx.update(model, placed)
+        return model
+
+    theirs = tunix_dpo.trainer_class()(
+        tunix_model(), tunix_model(), optax.adamw(1e-4), dpo_config()
+    )
+    batch_sharding = NamedSharding(theirs_mesh, PartitionSpec("fsdp"))
+
+    def step_of(trainer, raw, place):
+        step = trainer.jit_train_and_eval_step(False, True)[0]
+
+        def run():
+            example = trainer._prepare_inputs(place(raw))
+            return jax.block_until_ready(step(example))
+
+        return run
+
+    runs = {
+        "DPO (ours)": step_of(ours, batch, dict),
+        "DPO (Tunix Qwen3)": step_of(
+            theirs, batch, lambda b: {k: jax.device_put(v, batch_sharding) for k, v in b.items()}
+        ),
+        "SFT (ours, chosen rows)": step_of(sft, sft_rows, dict),
+    }
+    times = {name: [] for name in runs}
+    with sharding.use_mesh(mesh, jax_context=False):
+        for run in runs.values():
+            run()  # compile
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                t0 = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - t0)
+    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    tokens = int(
+        2 * batch["prompt_mask"].sum() + batch["chosen_mask"].sum() + batch["rejected_mask"].sum()
+    )
+    print(
+        f"DPO step, qwen3-tiny shape, {pairs} pairs x (prompt {args.prompt} + response "
+        f"{args.response}), full fine-tuning, 8 fake CPU devices, convention "
+        f"{ours.convention.name}; medians of {args.repeats}"
+    )
+    for name, ms in median.items():
+        print(f"  {name:<26}{ms:>9.1f} ms")
+    print(
+        f"  ours / Tunix's DPO step: {median['DPO (ours)'] / median['DPO (Tunix Qwen3)']:.2f} "
+        "(target <= 1.0)"
+    )
+    print(
+        f"  our DPO / our SFT step: {median['DPO (ours)'] / median['SFT (ours, chosen rows)']:.2f} "
+        "(expected about 2.7: chosen + rejected + reference)"
+    )
+    print(f"  our DPO: {tokens / median['DPO (ours)'] * 1e3:,.0f} tokens/s ({tokens} per step)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Contracts on Tunix's DPO/ORPO trainer around our policy (``posttrain.preference``): the
+matrix's dpo cells. Each release row runs them against its installed Tunix; facts from
+``shared/research/tunix-rl.md`` 4 and 7, as observed here."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
+
+from contracts import tunix_emulation as te  # noqa: E402
+from posttrain import sharding  # noqa: E402
+from posttrain.models import build_model, get_config  # noqa: E402
+from posttrain.preference import data as pdata  # noqa: E402
+from posttrain.preference import tunix_dpo  # noqa: E402
+from posttrain.preference.default_data import pydoc_pairs  # noqa: E402
+from posttrain.preference.trainer import DPOTrainer, dpo_trainer_class  # noqa: E402
+from posttrain.rl.policy import TunixPolicy, reference_of  # noqa: E402
+from posttrain.sft import data as sft_data  # noqa: E402
+from posttrain.sft import tunix_compat  # noqa: E402
+from posttrain.sft.tokenizer import byte_tokenizer  # noqa: E402
+from posttrain.sft.trainer import SFTOptions  # noqa: E402
+
+EMULATED = {
+    "positional3": te.Positional3PeftTrainer,
+    "bound2": te.Bound2PeftTrainer,
+    "bound3_update": te.MainPeftTrainer,
+}
+BASES = {
+    "installed": None,
+    **{name: cls for name, cls in EMULATED.items() if name != tunix_compat.detect().name},
+}
+if os.environ.get("POSTTRAIN_CONTRACT_CONVENTIONS"):  # as test_sft_conventions
+    _chosen = os.environ["POSTTRAIN_CONTRACT_CONVENTIONS"].split(",")
+    BASES = (
+        {"installed": None, **EMULATED}
+        if "all" in _chosen
+        else {k: v for k, v in {"installed": None, **EMULATED}.items() if k in _chosen}
+    )
+MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}
+PROMPT, RESPONSE = 24, 40  # tokens: short rows keep the contracts fast
+
+
+def by_convention(bases) -> list:
+    return [pytest.param(name, marks=pytest.mark.convention(name)) for name in bases]
+
+
+@functools.cache
+def pairs() -> dict[str, np.ndarray]:
+    train, _ = pydoc_pairs()
+    return pdata.encode_pairs(
+        train[:48], byte_tokenizer(), max_prompt_length=PROMPT, max_response_length=RESPONSE
+    )
+
+
+def config(*, ga=1, steps=2, algorithm="dpo", beta=0.1, label_smoothing=0.0):
+    return tunix_dpo.training_config(
+        algorithm=algorithm,
+        beta=beta,
+        label_smoothing=label_smoothing,
+        lambda_orpo=0.1,
+        eval_every_n_steps=ga * 1000,
+        max_steps=steps,
+        gradient_accumulation_steps=ga if ga > 1 else None,
+    )
+
+
+def make_trainer(base=None, *, ga=1, steps=2, algorithm="dpo", lora=False, seed=0):
+    mesh = sharding.make_mesh(MESH)
+    model = build_model(get_config("qwen3-tiny"), mesh, seed=seed)
+    if lora:
+        from posttrain.lora import LoraConfig, apply_lora
+
+        model = apply_lora(model, mesh, LoraConfig(rank=4, alpha=8.0, seed=seed))
+    policy = TunixPolicy(model)
+    reference = None if algorithm == "orpo" else reference_of(policy)
+    cls = DPOTrainer if base is None else dpo_trainer_class_over(base)
+    trainer = cls(
+        policy,
+        reference,
+        optax.sgd(0.5),
+        config(ga=ga, steps=steps, algorithm=algorithm),
+        options=SFTOptions(mesh=mesh),
+    )
+    return trainer, mesh
+
+
+def dpo_trainer_class_over(peft_base: type) -> type:
+    """Our trainer over the installed DPO trainer over an emulated ``PeftTrainer``.
+
+    The emulated loops replace the installed ``train`` and its metric buffers, which the
+    installed DPO trainer's metric hooks append to (0.1.6+); those hooks are the
+    ``PeftTrainer`` base's here (our step records come from our own hook either way)."""
+    dpo = tunix_dpo.trainer_class()
+    hooks = {
+        name: getattr(tunix.PeftTrainer, name)
+        for name in ("_post_process_train_step", "_post_process_eval_step")
+    }
+    return dpo_trainer_class(type(f"{dpo.__name__}[{peft_base.__name__}]", (dpo, peft_base), hooks))
+
+
+def params(model, which=nnx.Param) -> dict[str, np.ndarray]:
+    return {
+        "/".join(map(str, p)): np.asarray(v[...])
+        for p, v in nnx.to_flat_state(nnx.state(model, which))
+    }
+
+
+BASE = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # LoRAParam subclasses Param
+
+
+# --- the surface --------------------------------------------------------------------
+
+
+@pytest.mark.contract("tunix.sft.dpo DPOTrainer constructor and config")
+def test_the_trainer_and_config_have_the_fields_we_pass():
+    params_ = tuple(inspect.signature(tunix_dpo.trainer_class().__init__).parameters)[1:5]
+    assert params_ == ("model", "ref_model", "optimizer", "training_config")
+    fields = tunix_dpo.config_fields()
+    assert {"beta", "label_smoothing", "gradient_accumulation_steps", "max_steps"} <= fields
+    # ORPO and its weight arrive together (0.1.4); the adapter offers it exactly then.
+    assert ("orpo" in tunix_dpo.available_algorithms()) == ("lambda_orpo" in fields)
+    assert (
+        tunix_dpo.training_config(
+            algorithm="dpo", beta=0.3, label_smoothing=0.1, lambda_orpo=0.2, eval_every_n_steps=10
+        ).beta
+        == 0.3
+    )
+    if "orpo" not in tunix_dpo.available_algorithms():
+        with pytest.raises(ValueError, match="ORPO arrives in google-tunix 0.1.4"):
+            config(algorithm="orpo")
+
+
+@pytest.mark.contract("tunix.sft.dpo TrainExample and input keys")
+@pytest.mark.slow  # the matrix runs it in every row
+def test_tokenized_inputs_become_one_stacked_batch_with_reference_logps():
+    trainer, mesh = make_trainer()
+    batch = {k: v[:8] for k, v in pairs().items()}
+    with sharding.use_mesh(mesh, jax_context=False):
+        example = trainer._prepare_inputs(batch)
+    assert example.input_ids.shape == (16, PROMPT + RESPONSE)
+    assert example.completion_mask.shape == (16, RESPONSE)
+    assert example.logits_to_keep == RESPONSE
+    assert example.ref_chosen_logps.shape == example.ref_rejected_logps.shape == (8,)
+    np.testing.assert_array_equal(
+        np.asarray(example.input_ids[8:, :PROMPT]), np.asarray(example.input_ids[:8, :PROMPT])
+    )
+
+
+# --- the losses, by hand --------------------------------------------------------------
+
+
+class FixedLogits(nnx.Module):
+    """Tunix's calling convention over fixed logits ``[batch, seq, vocab]``."""
+
+    def __init__(self, logits):
+        self.logits = nnx.Param(jnp.asarray(logits, jnp.float32))
+
+    def __call__(self, input_tokens, positions=None, cache=None, attention_mask=None):
+        return self.logits[...], None
+
+
+def _hand_case(seed=0):
+    """One pair, prompt 1 token, completions 2 tokens (vocab 3); the summed completion
+    log-probabilities by hand in NumPy."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(2, 3, 3)).astype(np.float32)
+    ids = np.array([[2, 0, 1], [2, 1, 1]], np.int32)  # [chosen; rejected] rows
+    mask = np.ones((2, 2), np.int32)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(logp[:, :-1], ids[:, 1:, None], -1)[..., 0].sum(-1)
+    return logits, ids, mask, picked[0], picked[1]
+
+
+def _example(ids, mask, ref=(0.0, 0.0)):
+    return tunix_dpo.train_example(
+        input_ids=jnp.asarray(ids),
+        positions=jnp.tile(jnp.arange(ids.shape[1], dtype=jnp.int32), (2, 1)),
+        attention_mask=jnp.tril(jnp.ones((2, ids.shape[1], ids.shape[1]), bool)),
+        ref_chosen_logps=jnp.asarray([ref[0]], jnp.float32),
+        ref_rejected_logps=jnp.asarray([ref[1]], jnp.float32),
+        completion_mask=jnp.asarray(mask),
+        logits_to_keep=mask.shape[1],
+    )
+
+
+def _log_sigmoid(x):
+    return -np.log1p(np.exp(-x))
+
+
+@pytest.mark.contract("tunix.sft.dpo dpo_loss_fn")
+@pytest.mark.parametrize("beta, smoothing", [(0.1, 0.0), (0.5, 0.2)])
+def test_the_dpo_loss_is_the_smoothed_sigmoid_of_beta_times_the_log_ratio_margin(beta, smoothing):
+    logits, ids, mask, chosen, rejected = _hand_case()
+    ref = (-1.3, -2.9)
+    delta = (chosen - ref[0]) - (rejected - ref[1])
+    want = -(_log_sigmoid(beta * delta) * (1 - smoothing) + _log_sigmoid(-beta * delta) * smoothing)
+    hyper = tunix_dpo._hyper(beta=beta, label_smoothing=smoothing, algorithm="dpo")
+    loss, metrics = tunix_dpo.loss_and_metrics(
+        tunix_dpo.loss_fn()(FixedLogits(logits), train_example=_example(ids, mask, ref), **hyper)
+    )
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["log_probs/chosen"]), chosen, rtol=1e-5)
+    scale = beta if tunix_dpo.rewards_are_scaled() else 1.0
+    np.testing.assert_allclose(
+        float(metrics["rewards/chosen"]), scale * (chosen - ref[0]), rtol=1e-5
+    )
+
+
+@pytest.mark.contract("tunix.sft.dpo dpo_loss_fn (ORPO)")
+@pytest.mark.skipif(
+    "orpo" not in tunix_dpo.available_algorithms(), reason="ORPO arrives in google-tunix 0.1.4"
+)
+def test_the_orpo_loss_is_the_length_averaged_nll_plus_lambda_times_the_odds_ratio_loss():
+    logits, ids, mask, chosen, rejected = _hand_case(seed=1)
+    lam, smoothing = 0.25, 0.1
+    log_odds = (chosen - rejected) - (np.log1p(-np.exp(chosen)) - np.log1p(-np.exp(rejected)))
+    odds_loss = -(_log_sigmoid(log_odds) * (1 - smoothing) + _log_sigmoid(-log_odds) * smoothing)
+    want = -chosen / mask[0].sum() + lam * odds_loss
+    hyper = tunix_dpo._hyper(lambda_orpo=lam, label_smoothing=smoothing, algorithm="orpo")
+    loss, metrics = tunix_dpo.loss_and_metrics(
+        tunix_dpo.loss_fn()(FixedLogits(logits), train_example=_example(ids, mask), **hyper)
+    )
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["rewards/chosen"]), lam * chosen, rtol=1e-5)
+
+
+# --- the trainer around our policy ----------------------------------------------------
+
+
+@pytest.mark.contract("tunix.sft.dpo eval loss")
+@pytest.mark.slow  # the matrix runs it in every row
+def test_the_eval_step_runs_the_preference_loss():
+    """google-tunix <= 0.1.2 set only ``loss_fn``: its eval ran PeftTrainer's default
+    loss on DPO inputs (``shared/research/tunix-rl.md`` 7, bug 3)."""
+    trainer, mesh = make_trainer()
+    batch = {k: v[:8] for k, v in pairs().items()}
+    with sharding.use_mesh(mesh, jax_context=False):
+        example = trainer._prepare_inputs(batch)
+        eval_step = trainer.create_eval_step_fn()
+        inputs = trainer.gen_model_input_fn(example)
+        want, _ = tunix_dpo.loss_and_metrics(tunix_dpo.loss_fn()(trainer.model, **inputs))
+        if (
+            tunix_compat.detect().name == "positional3"
+            or "model" in inspect.signature(eval_step).parameters
+        ):
+            out = eval_step(trainer.model, example)
+        else:
+            out = eval_step(example)
+    loss, aux = out
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    assert set(tunix_dpo.METRICS) <= set(aux)
+
+
+@functools.cache
+def one_large_batch():
+    trainer, _ = make_trainer(ga=1)
+    trainer.train(sft_data.batches(pairs(), 24, 1))
+    return params(trainer.model), [r["loss"] for r in trainer.history]
+
+
+@pytest.mark.contract("tunix.sft.dpo gradient accumulation")
+@pytest.mark.slow  # the matrix runs it in every row
+@pytest.mark.parametrize("name", by_convention(BASES))
+def test_accumulated_dpo_steps_equal_one_large_batch(name):
+    """3 micro-batches of 8 pairs == one batch of 24, for 2 optimizer steps: the same
+    params and the same logged loss, under the installed and the emulated conventions."""
+    want, want_loss = one_large_batch()
+    trainer, _ = make_trainer(BASES[name], ga=3)
+    trainer.train(sft_data.batches(pairs(), 8, 3))
+    got = params(trainer.model)
+    assert len(trainer.history) == 2
+    np.testing.assert_allclose([r["loss"] for r in trainer.history], want_loss, rtol=1e-6)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+    initial = params(TunixPolicy(build_model(get_config("qwen3-tiny"), seed=0)))
+    assert any(not np.allclose(want[k], initial[k]) for k in want)  # training moved them
+
+
+@pytest.mark.contract("tunix.sft.dpo DPOTrainer over our policy")
+@pytest.mark.parametrize(
+    "algorithm",
+    ["dpo", pytest.param("orpo", marks=pytest.mark.slow)],  # the gate: one run
+)
+def test_a_short_run_logs_every_metric_and_the_lora_reference_stays_the_base(algorithm):
+    if algorithm not in tunix_dpo.available_algorithms():
+        pytest.skip("ORPO arrives in google-tunix 0.1.4")  # the contract cell reads skip
+    trainer, mesh = make_trainer(lora=True, steps=3, algorithm=algorithm)
+    base = params(trainer.model, BASE)
+    batch = {k: v[:8] for k, v in pairs().items()}
+    reference = trainer.ref_model
+    if reference is not None:
+        with sharding.use_mesh(mesh, jax_context=False):
+            before = trainer._prepare_inputs(batch)
+    trainer.train(sft_data.batches(pairs(), 8, 1))
+    records = trainer.history
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        for key in ("loss", "rewards_chosen", "reward_margin", "preference_accuracy", "tokens"):
+            assert np.isfinite(r[key]), (key, r)
+    after = params(trainer.model, BASE)
+    assert base and all(
+        np.array_equal(base[k], after[k]) for k in base
+    )  # LoRA leaves the base alone
+    lora = nnx.state(trainer.model, nnx.LoRAParam)
+    assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(lora))
+    if reference is not None:
+        with sharding.use_mesh(mesh, jax_context=False):
+            again = trainer._prepare_inputs(batch)
+        np.testing.assert_allclose(
+            np.asarray(again.ref_chosen_logps), np.asarray(before.ref_chosen_logps), atol=1e-6
+        )
+        assert dataclasses.is_dataclass(again)

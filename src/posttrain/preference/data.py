@@ -1,0 +1,232 @@
+"""Preference JSONL -> token ids and masks in the layout Tunix's ``DPOTrainer`` takes.
+
+Input, one pair per line, in the two forms TRL's preference datasets use::
+
+    {"prompt": "text", "chosen": "text", "rejected": "text"}
+    {"prompt": [{"role": "system"|"user"|"assistant", "content": ...}, ...],
+     "chosen": [{"role": "assistant", "content": ...}],
+     "rejected": [{"role": "assistant", "content": ...}]}
+
+A string prompt is one user turn; a string completion is one assistant turn. Template:
+ChatML, as ``posttrain sft`` trains (:mod:`posttrain.sft.data`): the prompt is the
+conversation so far followed by ``<|im_start|>assistant\\n``; a completion is the
+assistant's content and its ``<|im_end|>`` (further assistant turns joined with
+``\\n<|im_start|>assistant\\n``). Every piece is encoded on its own, without special
+tokens, so the masks cover exactly the completion tokens.
+
+BOS: the prompt starts with the tokenizer's own prefix (what its post-processor puts
+before a text, e.g. Llama 3's ``<|begin_of_text|>``; nothing for ChatML tokenizers such
+as Qwen's and the embedded byte tokenizer) exactly once, also when the prompt text
+itself starts with it (google-tunix <= 0.1.5 doubled it, ``shared/research/tunix-rl.md``
+7, bug 2).
+
+Arrays (``[pairs, length]``, int32), the names of Tunix's ``TrainingInput``:
+``prompt_ids`` / ``prompt_mask`` left-padded to ``max_prompt_length``; ``chosen_ids`` /
+``chosen_mask`` and ``rejected_ids`` / ``rejected_mask`` right-padded to
+``max_response_length``. Longer prompts keep their end (the BOS prefix stays), longer
+completions their start, or the pair is rejected (``overflow="reject"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from posttrain.sft.data import ROLES, Messages, _unpadded, chat_prompt
+
+FIELDS = ("prompt", "chosen", "rejected")
+ARRAYS = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One preference pair: the prompt's messages, each completion's assistant messages,
+    and where it came from (``file, line N``) for error messages."""
+
+    prompt: Messages
+    chosen: Messages
+    rejected: Messages
+    where: str
+
+
+def read_preference_jsonl(path: str | os.PathLike) -> list[Pair]:
+    """Reads and validates a preference JSONL file (blank lines are skipped).
+
+    Raises:
+      ValueError: naming the file and line: not UTF-8, not JSON, a missing or mistyped
+        field, a message without string ``role``/``content``, an unknown role, a
+        completion turn that is not the assistant's; or the file has no pairs.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        what = "is a directory" if os.path.isdir(path) else "does not exist"
+        raise ValueError(f"--data {path!r} {what}; expected a preference JSONL file")
+    pairs = []
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}, line {lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
+            pairs.append(validate_pair(record, where=where))
+    if not pairs:
+        raise ValueError(f"{path}: no preference pairs (empty dataset)")
+    return pairs
+
+
+def validate_pair(record, *, where: str) -> Pair:
+    """One ``{"prompt", "chosen", "rejected"}`` record as a :class:`Pair`.
+
+    Raises:
+      ValueError: as :func:`read_preference_jsonl`, prefixed with ``where``.
+    """
+    if not isinstance(record, dict) or any(k not in record for k in FIELDS):
+        got = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(
+            f"{where}: expected an object with 'prompt', 'chosen' and 'rejected', got {got}"
+        )
+    prompt = _messages(record["prompt"], "user", where=f"{where}: prompt")
+    chosen = _messages(record["chosen"], "assistant", where=f"{where}: chosen")
+    rejected = _messages(record["rejected"], "assistant", where=f"{where}: rejected")
+    for name, turns in (("chosen", chosen), ("rejected", rejected)):
+        roles = {m["role"] for m in turns}
+        if roles != {"assistant"}:
+            raise ValueError(
+                f"{where}: {name} has roles {sorted(roles)}; expected assistant turns only"
+            )
+    return Pair(prompt, chosen, rejected, where)
+
+
+def _messages(value, role: str, *, where: str) -> Messages:
+    """A string (one ``role`` turn) or a non-empty message list, checked."""
+    if isinstance(value, str):
+        value = [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError(
+            f"{where}: expected a string or a non-empty list of messages, got {str(value)[:60]!r}"
+        )
+    for i, m in enumerate(value):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
+            raise ValueError(f"{where}: message {i} needs string 'role' and 'content', got {m!r}")
+        if m["role"] not in ROLES:
+            raise ValueError(
+                f"{where}: message {i} has unknown role {m['role']!r}; "
+                f"expected one of {', '.join(ROLES)}"
+            )
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"{where}: message {i} content is not valid Unicode ({e.reason} at {e.start})"
+            ) from None
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def bos_prefix(tokenizer) -> list[int]:
+    """The ids ``tokenizer``'s post-processor puts before every text (its BOS), found by
+    encoding one character with and without special tokens; ``[]`` when it adds none."""
+    tokenizer = _unpadded(tokenizer)
+    bare = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start]
+    return []
+
+
+def encode_prompt(messages: Messages, tokenizer, prefix: Sequence[int]) -> list[int]:
+    """``prefix`` (the BOS), once, then the ChatML prompt with the assistant's header."""
+    ids = chat_prompt(messages, tokenizer)
+    n = len(prefix)
+    while n and ids[:n] == list(prefix):  # the text started with the BOS itself
+        ids = ids[n:]
+    return [*prefix, *ids]
+
+
+def encode_completion(turns: Messages, tokenizer) -> list[int]:
+    """The assistant turns' ids: content and ``<|im_end|>``, turns joined by
+    ``\\n<|im_start|>assistant\\n`` (what ``posttrain sft`` trains on)."""
+    pieces: list[str] = []
+    for i, m in enumerate(turns):
+        if i:
+            pieces += ["\n", "<|im_start|>assistant\n"]
+        pieces += [m["content"], "<|im_end|>"]
+    encodings = _unpadded(tokenizer).encode_batch(pieces, add_special_tokens=False)
+    return [i for e in encodings for i in e.ids]
+
+
+def encode_pairs(
+    pairs: Sequence[Pair],
+    tokenizer,
+    *,
+    max_prompt_length: int,
+    max_response_length: int,
+    overflow: str = "truncate",
+    pad_id: int = 0,
+) -> dict[str, np.ndarray]:
+    """The pairs as Tunix's tokenized ``TrainingInput`` arrays (see the module docstring).
+
+    Raises:
+      ValueError: a length below its minimum (the prompt's BOS prefix + 1, the
+        completion's 1), an unknown ``overflow``, or with ``overflow="reject"`` a prompt
+        or completion longer than its maximum, naming the pair's file and line.
+    """
+    if overflow not in ("truncate", "reject"):
+        raise ValueError(f"overflow={overflow!r}; expected 'truncate' or 'reject'")
+    prefix = bos_prefix(tokenizer)
+    if max_prompt_length < len(prefix) + 1:
+        raise ValueError(f"max_prompt_length={max_prompt_length}; expected >= {len(prefix) + 1}")
+    if max_response_length < 1:
+        raise ValueError(f"max_response_length={max_response_length}; expected >= 1")
+    n = len(pairs)
+    out = {
+        name: np.full(
+            (n, max_prompt_length if name.startswith("prompt") else max_response_length),
+            pad_id if name.endswith("_ids") else 0,
+            np.int32,
+        )
+        for name in ARRAYS
+    }
+    for row, pair in enumerate(pairs):
+        prompt = encode_prompt(pair.prompt, tokenizer, prefix)
+        if len(prompt) > max_prompt_length:
+            _overflow(overflow, pair, "prompt", len(prompt), "max_prompt_length", max_prompt_length)
+            keep = max_prompt_length - len(prefix)
+            prompt = [*prefix, *prompt[len(prompt) - keep :]]
+        out["prompt_ids"][row, max_prompt_length - len(prompt) :] = prompt
+        out["prompt_mask"][row, max_prompt_length - len(prompt) :] = 1
+        for name in ("chosen", "rejected"):
+            ids = encode_completion(getattr(pair, name), tokenizer)
+            if len(ids) > max_response_length:
+                _overflow(
+                    overflow, pair, name, len(ids), "max_response_length", max_response_length
+                )
+                ids = ids[:max_response_length]
+            out[f"{name}_ids"][row, : len(ids)] = ids
+            out[f"{name}_mask"][row, : len(ids)] = 1
+    return out
+
+
+def _overflow(mode: str, pair: Pair, what: str, length: int, limit: str, value: int) -> None:
+    if mode == "reject":
+        raise ValueError(
+            f"{pair.where}: {what} has {length} tokens, more than {limit}={value} "
+            "(--overflow reject; use --overflow truncate to cut it)"
+        )

@@ -1,0 +1,424 @@
+"""One DPO or ORPO run end to end: model + reference + preference pairs -> our
+``DPOTrainer`` over Tunix's -> outputs. ``run_dpo(DPORunConfig())`` is what
+``posttrain dpo`` does with no arguments: ``qwen3-tiny`` on the embedded ``pydoc_data``
+preference pairs (:mod:`posttrain.preference.default_data`), every device on ``fsdp``.
+
+Output directory (``DPORunConfig.output``), as ``posttrain sft``'s::
+
+    checkpoints/      Tunix's checkpoints of the policy (LoRA only when LoRA is on); a
+                      rerun with the same settings resumes from the latest
+    run.json          settings, and per start: the step resumed from and the held-out
+                      evaluation before and after
+    metrics.jsonl     one record per optimizer step (``PreferenceMetrics``), each once
+    tensorboard/      Tunix's metrics (loss, rewards/*, log_probs/*)
+    model-step<N>/    native safetensors of the final policy (LoRA merged) ...
+    adapter-step<N>/  ... and its adapters, when LoRA is on
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+
+import numpy as np
+
+from posttrain import atomic, sharding
+from posttrain.config import RematPolicy, choices
+from posttrain.sft import run_record
+from posttrain.sft.run import check_output_dir
+
+#: Settings that change what a resumed run computes.
+TRAINING_FIELDS = (
+    "model",
+    "data",
+    "tokenizer",
+    "mesh",
+    "per_device_batch_size",
+    "grad_accum",
+    "steps",
+    "max_prompt_length",
+    "max_response_length",
+    "overflow",
+    "algorithm",
+    "beta",
+    "label_smoothing",
+    "lambda_orpo",
+    "learning_rate",
+    "warmup_steps",
+    "lora_rank",
+    "lora_alpha",
+    "scan_layers",
+    "seed",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPORunConfig:
+    """Everything one preference run needs; defaults are the embedded run.
+
+    Attributes:
+      model: preset, native directory (e.g. ``runs/sft/model-step60``) or HF directory.
+      data: preference JSONL (:mod:`posttrain.preference.data`); None for the embedded
+        pairs.
+      eval_data: held-out preference JSONL for the evaluation before and after; None:
+        the embedded held-out pairs with the embedded data, no evaluation with ``data``.
+      tokenizer: ``tokenizer.json``; None for the HF directory's own, else the embedded
+        byte tokenizer.
+      mesh: axis sizes; None puts every device on fsdp.
+      per_device_batch_size: pairs per data-parallel shard; global batch = this x the
+        mesh's data-parallel size.
+      grad_accum: micro-batches per optimizer step.
+      steps: optimizer steps.
+      max_prompt_length, max_response_length: tokens of the left-padded prompt and of
+        each right-padded completion.
+      overflow: ``truncate`` or ``reject`` pairs longer than those.
+      algorithm: ``dpo`` or ``orpo`` (google-tunix >= 0.1.4).
+      beta: DPO's inverse temperature (scales the log-ratios).
+      label_smoothing: the DPO (and ORPO odds-ratio) label smoothing, in [0, 0.5).
+      lambda_orpo: ORPO's weight of the odds-ratio term.
+      learning_rate, warmup_steps: peak of a linear-warmup cosine schedule (to 10%).
+      lora_rank, lora_alpha: LoRA when rank > 0 (the reference is then the policy with
+        adapters off); 0 trains every weight (the reference is a frozen copy).
+      remat, scan_layers: decoder options.
+      seed: model init (presets), adapter init and data order.
+      save_every: checkpoint interval in steps.
+      stop_after: stop at this step (the schedule still spans ``steps``); rerun to resume.
+      output: run directory (see the module docstring).
+    """
+
+    model: str = "qwen3-tiny"
+    data: str | None = None
+    eval_data: str | None = None
+    tokenizer: str | None = None
+    mesh: dict[str, int] | None = None
+    per_device_batch_size: int = 1
+    grad_accum: int = 1
+    steps: int = 40
+    max_prompt_length: int = 96
+    max_response_length: int = 160
+    overflow: str = "truncate"
+    algorithm: str = "dpo"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    lambda_orpo: float = 0.1
+    learning_rate: float = 1e-3
+    warmup_steps: int = 5
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    remat: str = "none"
+    scan_layers: bool = False
+    seed: int = 0
+    save_every: int = 50
+    stop_after: int | None = None
+    output: str = "runs/dpo"
+
+    def check(self) -> None:
+        """Raises ValueError naming the first bad field (and its ``posttrain dpo`` flag)."""
+
+        def bad(name: str, expected: str):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{name}={getattr(self, name)!r} ({flag}): expected {expected}")
+
+        def finite_positive(value) -> bool:
+            return math.isfinite(value) and value > 0
+
+        for name in ("per_device_batch_size", "grad_accum", "steps", "save_every"):
+            if getattr(self, name) < 1:
+                bad(name, ">= 1")
+        if self.stop_after is not None and self.stop_after < 1:
+            bad("stop_after", ">= 1")
+        for name in ("max_prompt_length", "max_response_length"):
+            if getattr(self, name) < 1:
+                bad(name, ">= 1")
+        if self.overflow not in ("truncate", "reject"):
+            bad("overflow", "truncate or reject")
+        if self.algorithm not in ("dpo", "orpo"):
+            bad("algorithm", "dpo or orpo")
+        for name in ("beta", "lambda_orpo", "learning_rate"):
+            if not finite_positive(getattr(self, name)):
+                bad(name, "a finite value > 0")
+        if not (0.0 <= self.label_smoothing < 0.5):
+            bad("label_smoothing", "a value in [0, 0.5)")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", ">= 0")
+        if self.lora_rank < 0:
+            bad("lora_rank", ">= 0 (0 = full fine-tuning)")
+        if self.lora_alpha is not None and not finite_positive(self.lora_alpha):
+            bad("lora_alpha", "a finite value > 0")
+        if self.remat not in choices(RematPolicy):
+            bad("remat", " or ".join(choices(RematPolicy)))
+        if self.seed < 0:
+            bad("seed", "a non-negative integer")
+        check_output_dir(self.output)
+
+
+@dataclasses.dataclass
+class DPOResult:
+    """What a run produced."""
+
+    history: list[dict]
+    output: pathlib.Path
+    checkpoint_step: int | None
+    exported: list[pathlib.Path]
+    convention: str
+    global_batch: int
+    before: dict | None
+    after: dict | None
+
+    def summary(self) -> str:
+        h = self.history
+        if not h:
+            return f"no steps run (already at step {self.checkpoint_step})"
+        speeds = [r["tokens_per_s"] for r in h if r.get("tokens_per_s")]
+        speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
+        text = (
+            f"steps {h[0]['step']}-{h[-1]['step']}: loss {h[0]['loss']:.3f} -> "
+            f"{h[-1]['loss']:.3f}, preference accuracy {h[-1]['preference_accuracy']:.2f}, "
+            f"margin {h[-1]['reward_margin']:.3f}{speed}"
+        )
+        if self.before and self.after:
+            text += "\n" + evaluation_line(self.before, self.after)
+        return text
+
+
+def evaluation_line(before: dict, after: dict) -> str:
+    return (
+        f"held-out ({after['pairs']} pairs): preference accuracy "
+        f"{before['preference_accuracy']:.3f} -> {after['preference_accuracy']:.3f}, reward "
+        f"margin {before['reward_margin']:.3f} -> {after['reward_margin']:.3f}, policy "
+        f"prefers chosen {before['logp_accuracy']:.3f} -> {after['logp_accuracy']:.3f}"
+    )
+
+
+def pair_arrays(cfg: DPORunConfig, tok) -> tuple[dict, dict | None]:
+    """``(train arrays, held-out arrays or None)``, each from
+    :func:`~posttrain.preference.data.encode_pairs`."""
+    from posttrain.preference import data
+    from posttrain.preference.default_data import pydoc_pairs
+    from posttrain.sft.run import _pad_id
+    from posttrain.sft.tokenizer import check_coverage
+
+    if cfg.data:
+        train, held_out = data.read_preference_jsonl(cfg.data), None
+    else:
+        train, held_out = pydoc_pairs()
+    if cfg.eval_data:
+        held_out = data.read_preference_jsonl(cfg.eval_data)
+
+    def encode(pairs):
+        arrays = data.encode_pairs(
+            pairs,
+            tok,
+            max_prompt_length=cfg.max_prompt_length,
+            max_response_length=cfg.max_response_length,
+            overflow=cfg.overflow,
+            pad_id=_pad_id(tok),
+        )
+        ids = (
+            arrays[f"{k}_ids"][arrays[f"{k}_mask"] > 0] for k in ("prompt", "chosen", "rejected")
+        )
+        check_coverage(ids, tok, repr(cfg.tokenizer or "(embedded)"))
+        return arrays
+
+    return encode(train), (encode(held_out) if held_out else None)
+
+
+def evaluate(trainer, arrays: dict, global_batch: int) -> dict:
+    """Held-out figures of the trainer's policy against its reference: the means of
+    ``preference_accuracy`` and ``reward_margin`` (as logged in training) and
+    ``logp_accuracy``, the share of pairs whose chosen completion the policy alone gives
+    the higher summed log-probability. Whole batches only (the remainder is left out)."""
+    from posttrain.sft.data import batches
+
+    n = len(arrays["prompt_ids"]) // global_batch * global_batch
+    if n == 0:
+        raise ValueError(
+            f"held-out data has {len(arrays['prompt_ids'])} pairs, fewer than one global "
+            f"batch ({global_batch})"
+        )
+    sums = {"preference_accuracy": 0.0, "reward_margin": 0.0, "logp_accuracy": 0.0}
+    with sharding.use_mesh(trainer.mesh, trainer.rules, jax_context=False):
+        for batch in batches(arrays, global_batch, 1, seed=0, epochs=1):
+            example = trainer._prepare_inputs(batch)
+            _, m = trainer._preference_loss(trainer.model, trainer.gen_model_input_fn(example))
+            chosen, rejected = _policy_logps(trainer, example)
+            sums["preference_accuracy"] += float(m["rewards/accuracy"]) * global_batch
+            sums["reward_margin"] += float(m["rewards/margin"]) * global_batch
+            sums["logp_accuracy"] += float(np.sum(chosen > rejected))
+    return {"pairs": n, **{k: v / n for k, v in sums.items()}}
+
+
+def _policy_logps(trainer, example) -> tuple[np.ndarray, np.ndarray]:
+    """The policy's summed completion log-probabilities ``([pairs], [pairs])`` through
+    Tunix's own ``compute_logps``."""
+    from posttrain.preference import tunix_dpo
+
+    compute = tunix_dpo.compute_logps()
+    chosen, rejected = compute(
+        trainer.model,
+        example.input_ids,
+        example.positions,
+        example.attention_mask,
+        example.logits_to_keep,
+        example.completion_mask,
+    )[:2]
+    return np.asarray(chosen), np.asarray(rejected)
+
+
+def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -> DPOResult:
+    """Runs (or resumes) one DPO / ORPO run; see the module docstring for what it writes.
+
+    Raises:
+      ValueError: a bad config, mesh, model, tokenizer or dataset (one line naming it);
+        ORPO on a release without it.
+    """
+    import optax
+    import orbax.checkpoint as ocp
+    from tunix.sft import metrics_logger
+
+    from posttrain.conversion.safetensors_io import sweep_stale_temporaries
+    from posttrain.loading import export_final, load_trainable
+    from posttrain.preference import tunix_dpo
+    from posttrain.preference.trainer import DPOTrainer
+    from posttrain.rl.policy import TunixPolicy, reference_of
+    from posttrain.sft import data
+    from posttrain.sft.run import _tokenizer
+    from posttrain.sft.trainer import NonFiniteLossError, SFTOptions
+
+    cfg.check()
+    if cfg.algorithm not in tunix_dpo.available_algorithms():
+        raise ValueError(
+            f"--algorithm {cfg.algorithm!r}: the installed Tunix has "
+            f"{', '.join(tunix_dpo.available_algorithms())} (ORPO arrives in google-tunix 0.1.4)"
+        )
+    run_record.check_resumable(cfg, cfg.output, TRAINING_FIELDS)
+    mesh = sharding.make_mesh(cfg.mesh)
+    global_batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
+    hf_dir = cfg.model if os.path.isdir(cfg.model) else None
+    tok = _tokenizer(cfg, hf_dir)
+    train_arrays, held_out = pair_arrays(cfg, tok)  # bad data fails before the model
+    if len(train_arrays["prompt_ids"]) < global_batch * cfg.grad_accum:
+        raise ValueError(
+            f"{len(train_arrays['prompt_ids'])} training pairs, fewer than one optimizer step "
+            f"({global_batch} x grad_accum {cfg.grad_accum})"
+        )
+    model = load_trainable(
+        cfg.model,
+        mesh,
+        vocab_size=tok.get_vocab_size(),
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        seed=cfg.seed,
+        scratch=cfg.output,
+        remat=cfg.remat,
+        scan_layers=cfg.scan_layers,
+    )
+    policy = TunixPolicy(model)
+    reference = None if cfg.algorithm == "orpo" else reference_of(policy)
+
+    out = pathlib.Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    sweep_stale_temporaries(out)
+    sweep_stale_temporaries(out.absolute().parent, out.name)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        cfg.learning_rate,
+        min(cfg.warmup_steps, cfg.steps - 1),
+        cfg.steps,
+        end_value=cfg.learning_rate * 0.1,
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.0)
+    )
+    batch_axes = tuple(sharding.batch_spec(mesh))[:1]
+    training_config = tunix_dpo.training_config(
+        algorithm=cfg.algorithm,
+        beta=cfg.beta,
+        label_smoothing=cfg.label_smoothing,
+        lambda_orpo=cfg.lambda_orpo,
+        eval_every_n_steps=(cfg.steps + 1) * cfg.grad_accum,
+        max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
+        gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
+        checkpoint_root_directory=str((out / "checkpoints").resolve()),
+        checkpointing_options=ocp.CheckpointManagerOptions(
+            save_interval_steps=cfg.save_every, max_to_keep=2
+        ),
+        metrics_logging_options=metrics_logger.MetricsLoggerOptions(
+            log_dir=str(out / "tensorboard"), flush_every_n_steps=10
+        ),
+        data_sharding_axis=batch_axes or ("fsdp",),
+    )
+    options = SFTOptions(
+        mesh=mesh,
+        learning_rate_fn=schedule,
+        metrics_path=out / "metrics.jsonl",
+        log_every=log_every,
+        single_replica_saves=_single_process_cpu(),
+    )
+    trainer = DPOTrainer(policy, reference, tx, training_config, options=options)
+    if on_built is not None:
+        on_built(trainer)
+    restored = trainer.train_steps
+    if log_every:
+        print(
+            f"model {cfg.model}: {cfg.algorithm} on {len(train_arrays['prompt_ids']):,} pairs "
+            f"(prompt {cfg.max_prompt_length} + response {cfg.max_response_length} tokens); "
+            f"global batch {global_batch} pairs x grad_accum {cfg.grad_accum}; reference "
+            f"{_reference_kind(cfg)}; Tunix convention {trainer.convention.name}",
+            flush=True,
+        )
+    before = None
+    if held_out is not None and not restored:
+        before = evaluate(trainer, held_out, global_batch)
+    run_record.truncate_metrics(out, restored)
+    facts = {
+        "global_batch": global_batch,
+        "pairs": len(train_arrays["prompt_ids"]),
+        "convention": trainer.convention.name,
+    }
+    run_record.record_segment(out, cfg, facts, restored)
+    try:
+        trainer.train(data.batches(train_arrays, global_batch, cfg.grad_accum, seed=cfg.seed))
+    except NonFiniteLossError:
+        trainer.abandon()
+        raise
+    after = evaluate(trainer, held_out, global_batch) if held_out is not None else None
+    if after is not None:
+        _record_evaluation(out, before, after)
+    step = trainer.train_steps
+    exported = export_final(trainer.model.model, out, step)
+    return DPOResult(
+        trainer.history,
+        out,
+        step,
+        exported,
+        trainer.convention.name,
+        global_batch,
+        before,
+        after,
+    )
+
+
+def _single_process_cpu() -> bool:
+    """Orbax saves each replicated array from one replica (as ``posttrain sft``'s ``auto``)."""
+    import jax
+
+    return jax.default_backend() == "cpu" and jax.process_count() == 1
+
+
+def _reference_kind(cfg: DPORunConfig) -> str:
+    if cfg.algorithm == "orpo":
+        return "none (ORPO)"
+    return "the policy with adapters off" if cfg.lora_rank else "a frozen copy"
+
+
+def _record_evaluation(out: pathlib.Path, before: dict | None, after: dict) -> None:
+    """Adds the held-out figures to this segment of ``run.json``."""
+    body = run_record.read(out) or {}
+    segment = {**body.get("segments", [{}])[-1], "evaluation": {"before": before, "after": after}}
+    body["segments"] = [*body.get("segments", [])[:-1], segment]
+    body["evaluation"] = segment["evaluation"]
+    atomic.write_text(out / run_record.RUN_FILE, json.dumps(body, indent=2) + "\n")

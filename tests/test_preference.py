@@ -1,0 +1,292 @@
+"""posttrain.preference: preference data, the MoE term of the objective, the run and
+``posttrain dpo``. Tunix's own surfaces are pinned in ``contracts/test_tunix_dpo.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, processors
+
+from posttrain.preference import data
+from posttrain.preference.default_data import HELD_OUT_EVERY, pydoc_pairs
+from posttrain.preference.run import DPORunConfig
+from posttrain.sft.tokenizer import byte_tokenizer
+
+
+def _write(tmp_path, lines) -> str:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return str(path)
+
+
+GOOD = {"prompt": "Say hi.", "chosen": "Hi!", "rejected": "No."}
+
+
+# --- data -----------------------------------------------------------------------------
+
+
+def test_both_trl_forms_read_as_the_same_pair(tmp_path):
+    conversational = {
+        "prompt": [{"role": "user", "content": "Say hi."}],
+        "chosen": [{"role": "assistant", "content": "Hi!"}],
+        "rejected": [{"role": "assistant", "content": "No."}],
+    }
+    a, b = data.read_preference_jsonl(_write(tmp_path, [GOOD, "", conversational]))
+    assert (a.prompt, a.chosen, a.rejected) == (b.prompt, b.chosen, b.rejected)
+    assert a.where.endswith("line 1") and b.where.endswith("line 3")
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("{not json", "not valid JSON"),
+        ('["a list"]', "expected an object with 'prompt', 'chosen' and 'rejected'"),
+        ({"prompt": "p", "chosen": "c"}, "got ['chosen', 'prompt']"),
+        ({**GOOD, "chosen": 3}, "chosen: expected a string or a non-empty list"),
+        ({**GOOD, "prompt": []}, "prompt: expected a string or a non-empty list"),
+        ({**GOOD, "rejected": [{"role": "assistant"}]}, "rejected: message 0 needs string"),
+        ({**GOOD, "prompt": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
+        ({**GOOD, "chosen": [{"role": "user", "content": "x"}]}, "expected assistant turns only"),
+    ],
+)
+def test_bad_data_is_one_line_naming_the_file_and_line(tmp_path, line, words):
+    path = _write(tmp_path, [GOOD, line])
+    with pytest.raises(ValueError) as error:
+        data.read_preference_jsonl(path)
+    message = str(error.value)
+    assert "\n" not in message and f"{path}, line 2" in message and words in message, message
+
+
+def test_an_empty_or_missing_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no preference pairs"):
+        data.read_preference_jsonl(_write(tmp_path, [""]))
+    with pytest.raises(ValueError, match="does not exist"):
+        data.read_preference_jsonl(str(tmp_path / "nope.jsonl"))
+
+
+def test_prompts_are_left_padded_and_completions_right_padded_with_exact_masks():
+    tok = byte_tokenizer()
+    pair = data.validate_pair(GOOD, where="x")
+    arrays = data.encode_pairs([pair], tok, max_prompt_length=40, max_response_length=8, pad_id=7)
+    prompt = data.encode_prompt(pair.prompt, tok, [])
+    chosen = data.encode_completion(pair.chosen, tok)
+    assert tok.decode(prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert tok.decode(chosen, skip_special_tokens=False) == "Hi!<|im_end|>"
+    np.testing.assert_array_equal(arrays["prompt_ids"][0, 40 - len(prompt) :], prompt)
+    np.testing.assert_array_equal(arrays["prompt_ids"][0, : 40 - len(prompt)], 7)
+    np.testing.assert_array_equal(
+        arrays["prompt_mask"][0], [0] * (40 - len(prompt)) + [1] * len(prompt)
+    )
+    np.testing.assert_array_equal(arrays["chosen_ids"][0, : len(chosen)], chosen)
+    np.testing.assert_array_equal(
+        arrays["chosen_mask"][0], [1] * len(chosen) + [0] * (8 - len(chosen))
+    )
+
+
+def test_long_pairs_keep_the_prompt_end_and_the_completion_start_or_are_rejected():
+    tok = byte_tokenizer()
+    pair = data.validate_pair(
+        {"prompt": "x" * 50, "chosen": "abcdefghij", "rejected": "z"}, where="f.jsonl, line 9"
+    )
+    arrays = data.encode_pairs([pair], tok, max_prompt_length=12, max_response_length=4)
+    assert tok.decode(arrays["prompt_ids"][0].tolist(), skip_special_tokens=False).endswith(
+        "<|im_start|>assistant\n"
+    )
+    assert tok.decode(arrays["chosen_ids"][0].tolist()) == "abcd"
+    assert arrays["prompt_mask"].all() and arrays["chosen_mask"].all()
+    with pytest.raises(
+        ValueError, match=r"f.jsonl, line 9: prompt has \d+ tokens, more than max_prompt_length=12"
+    ):
+        data.encode_pairs(
+            [pair], tok, max_prompt_length=12, max_response_length=40, overflow="reject"
+        )
+    with pytest.raises(ValueError, match="f.jsonl, line 9: chosen has 11 tokens"):
+        data.encode_pairs(
+            [pair], tok, max_prompt_length=80, max_response_length=4, overflow="reject"
+        )
+
+
+def _bos_tokenizer() -> Tokenizer:
+    """The byte tokenizer with a post-processor that puts ``<|reserved_0|>`` (a BOS)
+    before every text, as Llama 3's ``tokenizer.json`` does with ``<|begin_of_text|>``."""
+    tok = byte_tokenizer()
+    bos = tok.token_to_id("<|reserved_0|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|reserved_0|> $A", special_tokens=[("<|reserved_0|>", bos)]
+    )
+    return tok
+
+
+@pytest.mark.parametrize("text", ["Say hi.", "<|reserved_0|>Say hi."])
+def test_the_prompt_carries_exactly_one_bos(text):
+    """Also when the prompt text itself starts with the BOS (google-tunix <= 0.1.5 doubled
+    it: ``shared/research/tunix-rl.md`` 7, bug 2)."""
+    tok = _bos_tokenizer()
+    bos = tok.token_to_id("<|reserved_0|>")
+    assert data.bos_prefix(tok) == [bos] and data.bos_prefix(byte_tokenizer()) == []
+    pair = data.validate_pair({**GOOD, "prompt": [{"role": "user", "content": text}]}, where="x")
+    pair = dataclasses.replace(pair, prompt=[{"role": "user", "content": text}])
+    arrays = data.encode_pairs([pair], tok, max_prompt_length=48, max_response_length=8)
+    real = arrays["prompt_ids"][0][arrays["prompt_mask"][0] > 0]
+    assert real[0] == bos
+    # the user text's own BOS (the first content token) is not a second one before it
+    assert int(np.sum(real == bos)) == (2 if text.startswith("<|") else 1)
+    # a prompt whose encoding itself starts with the BOS (a raw text prompt) keeps one
+    ids = data.encode_prompt(pair.prompt, tok, [bos])
+    assert ids[0] == bos and ids[1] != bos
+
+
+def test_the_embedded_pairs_hold_out_one_in_eight_and_reject_off_topic_reversed_answers():
+    train, held_out = pydoc_pairs()
+    assert len(held_out) == (len(train) + len(held_out)) // HELD_OUT_EVERY
+    questions = {p.prompt[0]["content"] for p in train}
+    assert not questions & {p.prompt[0]["content"] for p in held_out}
+    for pair in train[:20]:
+        assert pair.chosen[0]["content"] != pair.rejected[0]["content"]
+        words = pair.rejected[0]["content"].split()
+        assert " ".join(reversed(words)) != pair.chosen[0]["content"]
+
+
+# --- the objective ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("algorithm", "kto", "algorithm='kto'"),
+        ("beta", 0.0, "beta=0.0"),
+        ("label_smoothing", 0.5, "label_smoothing=0.5"),
+        ("lambda_orpo", float("nan"), "lambda_orpo=nan"),
+        ("max_prompt_length", 0, "max_prompt_length=0"),
+        ("overflow", "drop", "overflow='drop'"),
+        ("steps", 0, "steps=0"),
+    ],
+)
+def test_the_run_config_names_the_bad_field(field, value, words, tmp_path):
+    cfg = DPORunConfig(output=str(tmp_path / "run"), **{field: value})
+    with pytest.raises(ValueError, match=words):
+        cfg.check()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--beta", "-1"], "beta=-1.0"),
+        (["--algorithm", "ipo"], "algorithm='ipo'"),
+        (["--mesh", "fsdp=0"], "mesh"),
+        (["--data", "/nonexistent.jsonl"], "does not exist"),
+    ],
+)
+def test_the_cli_exits_2_with_one_line_and_writes_nothing(argv, words, tmp_path, capsys):
+    from posttrain import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["dpo", "--output", str(out), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not out.exists()
+
+
+def test_bad_data_through_the_cli_names_the_file_and_line(tmp_path, capsys):
+    from posttrain import cli
+
+    path = _write(tmp_path, [GOOD, GOOD, {"prompt": "p"}])
+    out = tmp_path / "run"
+    assert cli.main(["dpo", "--data", path, "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path}, line 3" in err[0], err
+
+
+@pytest.mark.slow  # two MoE compiles; the contracts run a real DPO step in the gate
+def test_the_moe_load_balancing_term_enters_the_objective_and_the_router_gradient():
+    """objective = Tunix's DPO loss + weight x the policy's moe_aux_loss on the same
+    tokens, and the router's gradient changes with the weight."""
+    import optax
+    from flax import nnx
+
+    from contracts.test_tunix_dpo import PROMPT, RESPONSE, config
+    from posttrain import sharding
+    from posttrain.models import build_model, get_config
+    from posttrain.preference import tunix_dpo
+    from posttrain.preference.trainer import DPOTrainer
+    from posttrain.rl.policy import TunixPolicy, reference_of
+    from posttrain.sft.trainer import SFTOptions
+
+    mesh = sharding.make_mesh({"fsdp": 4, "expert": 2})
+    model = build_model(get_config("qwen3_moe-tiny"), mesh, seed=0)
+    train, _ = pydoc_pairs()
+    arrays = data.encode_pairs(
+        train[:8], byte_tokenizer(), max_prompt_length=PROMPT, max_response_length=RESPONSE
+    )
+    policy = TunixPolicy(model)
+
+    def objective_and_router_grad(weight):
+        trainer = DPOTrainer(
+            policy,
+            reference_of(policy),
+            optax.sgd(0.1),
+            config(),
+            options=SFTOptions(mesh=mesh, moe_aux_loss_weight=weight),
+        )
+        with sharding.use_mesh(mesh, jax_context=False):
+            example = trainer._prepare_inputs(dict(arrays))
+            inputs = trainer.gen_model_input_fn(example)
+            objective, terms, grads = trainer._grads(trainer.model, inputs)
+            dpo, _ = tunix_dpo.loss_and_metrics(tunix_dpo.loss_fn()(trainer.model, **inputs))
+            _, aux = model.forward(example.input_ids, example.positions, example.attention_mask)
+        router = [
+            np.asarray(v[...])
+            for p, v in nnx.to_flat_state(grads)
+            if any("router" in str(k) for k in p)
+        ]
+        assert router, "no router parameters in the gradient"
+        return float(objective), float(dpo), float(aux["moe_aux_loss"]), router
+
+    w = 0.5
+    objective, dpo, aux, router = objective_and_router_grad(w)
+    assert aux > 0
+    np.testing.assert_allclose(objective, dpo + w * aux, rtol=1e-5)
+    objective0, dpo0, _, router0 = objective_and_router_grad(0.0)
+    np.testing.assert_allclose(objective0, dpo0, rtol=1e-6)
+    assert any(not np.allclose(a, b) for a, b in zip(router, router0, strict=True))
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+def _tiny(tmp_path, **overrides) -> DPORunConfig:
+    fields = dict(
+        steps=2,
+        max_prompt_length=48,
+        max_response_length=48,
+        output=str(tmp_path / "run"),
+    )
+    return DPORunConfig(**{**fields, **overrides})
+
+
+@pytest.mark.slow  # the gate's real DPO run is the contract's
+def test_a_short_lora_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_path):
+    from posttrain.preference.run import run_dpo
+
+    out = tmp_path / "run"
+    cfg = _tiny(tmp_path, lora_rank=4, save_every=1, stop_after=1)
+    first = run_dpo(cfg)
+    assert [r["step"] for r in first.history] == [1]
+    assert first.before["preference_accuracy"] == 0.0  # the policy is its reference
+    second = run_dpo(dataclasses.replace(cfg, stop_after=None))
+    assert [r["step"] for r in second.history] == [2] and second.before is None
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    assert {"rewards_chosen", "reward_margin", "preference_accuracy", "tokens_per_s"} <= lines[
+        1
+    ].keys()
+    assert (out / "model-step2" / "config.json").exists()
+    assert (out / "adapter-step2").exists()
+    run = json.loads((out / "run.json").read_text())
+    assert run["evaluation"]["after"]["pairs"] > 0
+    with pytest.raises(ValueError, match="beta 0.1 -> 0.2"):
+        run_dpo(dataclasses.replace(cfg, beta=0.2))
