@@ -120,23 +120,23 @@ def _bos_tokenizer() -> Tokenizer:
     return tok
 
 
-@pytest.mark.parametrize("text", ["Say hi.", "<|reserved_0|>Say hi."])
-def test_the_prompt_carries_exactly_one_bos(text):
-    """Also when the prompt text itself starts with the BOS (google-tunix <= 0.1.5 doubled
-    it: ``shared/research/tunix-rl.md`` 7, bug 2)."""
+def test_the_prompt_carries_exactly_one_bos():
+    """The tokenizer's BOS once, first (google-tunix <= 0.1.5 gave DPO prompts two:
+    ``shared/research/tunix-rl.md`` 7, bug 2); none for a tokenizer without one."""
     tok = _bos_tokenizer()
     bos = tok.token_to_id("<|reserved_0|>")
+    assert tok.encode("Say hi.").ids[0] == bos  # the post-processor adds it to any text
     assert data.bos_prefix(tok) == [bos] and data.bos_prefix(byte_tokenizer()) == []
-    pair = data.validate_pair({**GOOD, "prompt": [{"role": "user", "content": text}]}, where="x")
-    pair = dataclasses.replace(pair, prompt=[{"role": "user", "content": text}])
-    arrays = data.encode_pairs([pair], tok, max_prompt_length=48, max_response_length=8)
-    real = arrays["prompt_ids"][0][arrays["prompt_mask"][0] > 0]
-    assert real[0] == bos
-    # the user text's own BOS (the first content token) is not a second one before it
-    assert int(np.sum(real == bos)) == (2 if text.startswith("<|") else 1)
-    # a prompt whose encoding itself starts with the BOS (a raw text prompt) keeps one
-    ids = data.encode_prompt(pair.prompt, tok, [bos])
-    assert ids[0] == bos and ids[1] != bos
+    pair = data.validate_pair(GOOD, where="x")
+    for tokenizer, want in ((tok, 1), (byte_tokenizer(), 0)):
+        arrays = data.encode_pairs([pair], tokenizer, max_prompt_length=48, max_response_length=8)
+        real = arrays["prompt_ids"][0][arrays["prompt_mask"][0] > 0]
+        assert int(np.sum(real == bos)) == want and (real[0] == bos) == bool(want)
+        # truncation keeps the BOS in front of the prompt's end
+        short = data.encode_pairs([pair], tokenizer, max_prompt_length=12, max_response_length=8)
+        assert (short["prompt_ids"][0][0] == bos) == bool(want)
+        for name in ("chosen_ids", "rejected_ids"):
+            assert bos not in arrays[name][0]
 
 
 def test_the_embedded_pairs_hold_out_one_in_eight_and_reject_off_topic_reversed_answers():
@@ -290,3 +290,23 @@ def test_a_short_lora_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
     assert run["evaluation"]["after"]["pairs"] > 0
     with pytest.raises(ValueError, match="beta 0.1 -> 0.2"):
         run_dpo(dataclasses.replace(cfg, beta=0.2))
+
+
+def test_a_run_from_an_export_continues_with_the_tokenizer_its_run_recorded(tmp_path):
+    """``posttrain dpo --model runs/sft/model-step60`` after ``posttrain sft --tokenizer
+    T``: the tokenizer is T (the export holds none), not the embedded one."""
+    from posttrain.sft.run import _tokenizer
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens(["<|extra|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    run = tmp_path / "runs" / "sft"
+    (run / "model-step60").mkdir(parents=True)
+    (run / "run.json").write_text(
+        json.dumps({"settings": {"tokenizer": str(tmp_path / "tokenizer.json")}})
+    )
+    model = str(run / "model-step60")
+    got = _tokenizer(DPORunConfig(model=model), model)
+    assert got.get_vocab_size() == byte_tokenizer().get_vocab_size() + 1
+    (run / "run.json").write_text(json.dumps({"settings": {"tokenizer": None}}))
+    assert _tokenizer(DPORunConfig(model=model), model).get_vocab_size() == 264

@@ -291,22 +291,16 @@ def newest_export(run_dir: str = "runs/sft") -> str | None:
 def _generation_tokenizer(args: argparse.Namespace, model_spec: str):
     """``--tokenizer``; else the HF directory's ``tokenizer.json``; else the tokenizer the
     ``posttrain sft`` run that exported ``model_spec`` recorded; else the embedded one."""
-    import json
     import os
 
+    from posttrain.loading import recorded_tokenizer
     from posttrain.sft.tokenizer import load_tokenizer
 
     if args.tokenizer:
         return load_tokenizer(args.tokenizer)
     if os.path.isfile(os.path.join(model_spec, "tokenizer.json")):
         return load_tokenizer(model_spec)
-    run_json = os.path.join(os.path.dirname(os.path.abspath(model_spec)), "run.json")
-    if os.path.isfile(run_json):
-        with open(run_json, encoding="utf-8") as f:
-            recorded = json.load(f).get("settings", {}).get("tokenizer")
-        if recorded:
-            return load_tokenizer(recorded)
-    return load_tokenizer(None)
+    return load_tokenizer(recorded_tokenizer(model_spec))
 
 
 def _prompts(args: argparse.Namespace) -> list[dict]:

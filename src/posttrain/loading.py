@@ -53,6 +53,25 @@ def load_model(spec: str, mesh, *, seed: int = 0, scratch: str | os.PathLike, **
     return model, spec
 
 
+def recorded_tokenizer(model_dir: str | os.PathLike) -> str | None:
+    """The ``tokenizer`` setting of the run that exported ``model_dir`` (its parent's
+    ``run.json``, as ``posttrain sft``, ``grpo`` and ``dpo`` write it), or None when there
+    is no such record or the run used the embedded tokenizer."""
+    import json
+
+    run_json = os.path.join(os.path.dirname(os.path.abspath(model_dir)), "run.json")
+    if not os.path.isfile(run_json):
+        return None
+    try:
+        with open(run_json, encoding="utf-8") as f:
+            body = json.load(f)
+    except (OSError, ValueError):
+        return None
+    settings = body.get("settings", {}) if isinstance(body, dict) else {}
+    recorded = settings.get("tokenizer") if isinstance(settings, dict) else None
+    return recorded if isinstance(recorded, str) and recorded else None
+
+
 def load_trainable(
     spec: str,
     mesh,

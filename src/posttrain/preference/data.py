@@ -16,9 +16,10 @@ tokens, so the masks cover exactly the completion tokens.
 
 BOS: the prompt starts with the tokenizer's own prefix (what its post-processor puts
 before a text, e.g. Llama 3's ``<|begin_of_text|>``; nothing for ChatML tokenizers such
-as Qwen's and the embedded byte tokenizer) exactly once, also when the prompt text
-itself starts with it (google-tunix <= 0.1.5 doubled it, ``shared/research/tunix-rl.md``
-7, bug 2).
+as Qwen's and the embedded byte tokenizer) exactly once: the template's pieces are
+encoded without special tokens, so nothing adds a second one (google-tunix <= 0.1.5's
+DPO tokenisation prepended the BOS to a text its tokenizer had already given one,
+``shared/research/tunix-rl.md`` 7, bug 2).
 
 Arrays (``[pairs, length]``, int32), the names of Tunix's ``TrainingInput``:
 ``prompt_ids`` / ``prompt_mask`` left-padded to ``max_prompt_length``; ``chosen_ids`` /
@@ -152,12 +153,9 @@ def bos_prefix(tokenizer) -> list[int]:
 
 
 def encode_prompt(messages: Messages, tokenizer, prefix: Sequence[int]) -> list[int]:
-    """``prefix`` (the BOS), once, then the ChatML prompt with the assistant's header."""
-    ids = chat_prompt(messages, tokenizer)
-    n = len(prefix)
-    while n and ids[:n] == list(prefix):  # the text started with the BOS itself
-        ids = ids[n:]
-    return [*prefix, *ids]
+    """``prefix`` (the BOS), then the ChatML prompt with the assistant's header, whose
+    pieces are encoded without special tokens: the BOS appears once, first."""
+    return [*prefix, *chat_prompt(messages, tokenizer)]
 
 
 def encode_completion(turns: Messages, tokenizer) -> list[int]:

@@ -289,11 +289,7 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     from posttrain.sft.trainer import NonFiniteLossError, SFTOptions
 
     cfg.check()
-    if cfg.algorithm not in tunix_dpo.available_algorithms():
-        raise ValueError(
-            f"--algorithm {cfg.algorithm!r}: the installed Tunix has "
-            f"{', '.join(tunix_dpo.available_algorithms())} (ORPO arrives in google-tunix 0.1.4)"
-        )
+    tunix_dpo.check_algorithm(cfg.algorithm)  # before anything is read or written
     run_record.check_resumable(cfg, cfg.output, TRAINING_FIELDS)
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)

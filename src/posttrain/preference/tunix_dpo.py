@@ -97,6 +97,16 @@ def available_algorithms() -> tuple[str, ...]:
     return ("dpo", "orpo") if {"algorithm", "lambda_orpo"} <= fields else ("dpo",)
 
 
+def check_algorithm(algorithm: str) -> None:
+    """Raises ValueError (one line) unless the installed release has ``algorithm``."""
+    algorithms = available_algorithms()
+    if algorithm not in algorithms:
+        raise ValueError(
+            f"--algorithm {algorithm!r}: the installed Tunix has {', '.join(algorithms)} "
+            "(ORPO arrives in google-tunix 0.1.4)"
+        )
+
+
 def training_config(
     *, algorithm: str, beta: float, label_smoothing: float, lambda_orpo: float, **peft
 ):
@@ -108,12 +118,7 @@ def training_config(
     Raises:
       ValueError: ``algorithm`` is not one the release has (:func:`available_algorithms`).
     """
-    algorithms = available_algorithms()
-    if algorithm not in algorithms:
-        raise ValueError(
-            f"--algorithm {algorithm!r}: the installed Tunix has {', '.join(algorithms)} "
-            "(ORPO arrives in google-tunix 0.1.4)"
-        )
+    check_algorithm(algorithm)
     values = {"beta": beta, "label_smoothing": label_smoothing, **peft}
     if "algorithm" in config_fields():
         values.update(algorithm=algorithm, lambda_orpo=lambda_orpo)

@@ -187,12 +187,20 @@ class SFTResult:
         )
 
 
-def _tokenizer(cfg: SFTConfig, hf_dir: str | None):
+def _tokenizer(cfg, hf_dir: str | None):
+    """``cfg.tokenizer``; else the model directory's ``tokenizer.json``; else the tokenizer
+    recorded by the run that exported it (``posttrain.loading.recorded_tokenizer``: a
+    ``posttrain dpo --model runs/sft/model-step60`` continues with the SFT run's); else
+    the embedded byte tokenizer."""
+    from posttrain.loading import recorded_tokenizer
     from posttrain.sft.tokenizer import load_tokenizer
 
     path = cfg.tokenizer
-    if path is None and hf_dir and os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
-        path = hf_dir
+    if path is None and hf_dir:
+        if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+            path = hf_dir
+        else:
+            path = recorded_tokenizer(hf_dir)
     return load_tokenizer(path)
 
 
