@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
     import optax
+    from _tunix_models import tunix_qwen3_config
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
     from tunix.models.qwen3 import model as tunix_qwen3
@@ -114,19 +115,7 @@ def main(argv=None) -> int:
             options=SFTOptions(mesh=mesh),
         )
 
-    attn = cfg.attention["full"]
-    theirs_cfg = tunix_qwen3.ModelConfig(
-        num_layers=cfg.num_layers,
-        vocab_size=cfg.vocab_size,
-        embed_dim=cfg.d_model,
-        hidden_dim=cfg.d_ff,
-        num_heads=attn.num_heads,
-        head_dim=attn.head_dim,
-        num_kv_heads=attn.num_kv_heads,
-        rope_theta=int(attn.rope.theta),
-        norm_eps=cfg.norm_eps,
-        use_tied_embedding=True,
-    )
+    theirs_cfg = tunix_qwen3_config(cfg)
     theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1), ("fsdp", "tp"))
 
     def tunix_model():

@@ -110,6 +110,7 @@ def main(argv=None) -> int:
 
     import jax
     import numpy as np
+    from _tunix_models import tunix_qwen3_config
     from flax import nnx
     from tunix.models.qwen3 import model as tunix_qwen3
 
@@ -123,19 +124,7 @@ def main(argv=None) -> int:
         model = build_model(cfg, ours_mesh, seed=0)
         ours = run(TunixPolicy(model), TunixPolicy(reference_of(model)), ours_mesh, args)
 
-    attn = cfg.attention["full"]
-    theirs_cfg = tunix_qwen3.ModelConfig(
-        num_layers=cfg.num_layers,
-        vocab_size=cfg.vocab_size,
-        embed_dim=cfg.d_model,
-        hidden_dim=cfg.d_ff,
-        num_heads=attn.num_heads,
-        head_dim=attn.head_dim,
-        num_kv_heads=attn.num_kv_heads,
-        rope_theta=int(attn.rope.theta),
-        norm_eps=cfg.norm_eps,
-        use_tied_embedding=True,
-    )
+    theirs_cfg = tunix_qwen3_config(cfg)
     theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1), ("fsdp", "tp"))
     actor = tunix_qwen3.Qwen3(theirs_cfg, rngs=nnx.Rngs(0))  # RLCluster places it
     reference = tunix_qwen3.Qwen3(theirs_cfg, rngs=nnx.Rngs(0))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import jax
 import jax.numpy as jnp
@@ -24,33 +23,12 @@ from posttrain.sft import data, default_data, tokenizer, tunix_compat  # noqa: E
 from posttrain.sft.trainer import SFTOptions, SFTTrainer, sft_trainer_class  # noqa: E402
 from posttrain.sft.tunix_compat import OptimizerStateCheckpoints  # noqa: E402
 
+EMULATED = te.EMULATED
 # installed: the installed release's own train() (bound2 on 0.1.6/0.1.7, positional3
 # before); the other conventions are emulated, so all of them run whatever is installed.
-EMULATED = {
-    "positional3": te.Positional3PeftTrainer,
-    "bound2": te.Bound2PeftTrainer,
-    "bound3_update": te.MainPeftTrainer,
-}
-BASES = {
-    "installed": None,
-    **{name: cls for name, cls in EMULATED.items() if name != tunix_compat.detect().name},
-}
-# The matrix runs only the installed release's own train() per release row, and only
-# the emulation for an emulated row: POSTTRAIN_CONTRACT_CONVENTIONS=installed|<name>,...
-if os.environ.get("POSTTRAIN_CONTRACT_CONVENTIONS"):
-    _chosen = os.environ["POSTTRAIN_CONTRACT_CONVENTIONS"].split(",")
-    BASES = (
-        {"installed": None, **EMULATED}
-        if "all" in _chosen
-        else {k: v for k, v in {"installed": None, **EMULATED}.items() if k in _chosen}
-    )
+BASES = te.contract_bases()
+by_convention = te.by_convention
 MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}  # 8 fake devices by default
-
-
-def by_convention(bases) -> list:
-    """``bases``' names as parameters, each marked with its convention (see the
-    ``convention`` marker: the matrix picks a row's tests by it)."""
-    return [pytest.param(name, marks=pytest.mark.convention(name)) for name in bases]
 
 
 @functools.cache

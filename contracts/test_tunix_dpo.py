@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 
 import jax
 import jax.numpy as jnp
@@ -31,28 +30,11 @@ from posttrain.sft import tunix_compat  # noqa: E402
 from posttrain.sft.tokenizer import byte_tokenizer  # noqa: E402
 from posttrain.sft.trainer import SFTOptions  # noqa: E402
 
-EMULATED = {
-    "positional3": te.Positional3PeftTrainer,
-    "bound2": te.Bound2PeftTrainer,
-    "bound3_update": te.MainPeftTrainer,
-}
-BASES = {
-    "installed": None,
-    **{name: cls for name, cls in EMULATED.items() if name != tunix_compat.detect().name},
-}
-if os.environ.get("POSTTRAIN_CONTRACT_CONVENTIONS"):  # as test_sft_conventions
-    _chosen = os.environ["POSTTRAIN_CONTRACT_CONVENTIONS"].split(",")
-    BASES = (
-        {"installed": None, **EMULATED}
-        if "all" in _chosen
-        else {k: v for k, v in {"installed": None, **EMULATED}.items() if k in _chosen}
-    )
+# The conventions the gradient-accumulation contract runs under (as the SFT ones).
+BASES = te.contract_bases()
+by_convention = te.by_convention
 MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}
 PROMPT, RESPONSE = 24, 40  # tokens: short rows keep the contracts fast
-
-
-def by_convention(bases) -> list:
-    return [pytest.param(name, marks=pytest.mark.convention(name)) for name in bases]
 
 
 @functools.cache

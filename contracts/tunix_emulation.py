@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -271,3 +272,34 @@ class MainPeftTrainer(peft_trainer.PeftTrainer):
             return train_loss, aux, is_update_step
 
         _step_loop(self, train_ds, call)
+
+
+EMULATED = {
+    "positional3": Positional3PeftTrainer,
+    "bound2": Bound2PeftTrainer,
+    "bound3_update": MainPeftTrainer,
+}
+"""The emulated ``PeftTrainer`` classes by convention name."""
+
+
+def contract_bases() -> dict[str, type | None]:
+    """Convention -> the ``PeftTrainer`` class the convention contracts build on:
+    ``installed`` (None: the installed release's own ``train()``) and every emulated
+    convention the installed release does not have. The matrix picks instead, through
+    ``POSTTRAIN_CONTRACT_CONVENTIONS=installed|<name>,...|all``: ``installed`` for a
+    release row, the emulated convention for an emulated row."""
+    every = {"installed": None, **EMULATED}
+    chosen = os.environ.get("POSTTRAIN_CONTRACT_CONVENTIONS")
+    if chosen:
+        names = chosen.split(",")
+        return every if "all" in names else {k: v for k, v in every.items() if k in names}
+    installed = tunix_compat.detect().name
+    return {k: v for k, v in every.items() if k != installed}
+
+
+def by_convention(bases) -> list:
+    """``bases``' names as pytest parameters, each marked with its convention (the
+    ``convention`` marker: the matrix picks a row's tests by it)."""
+    import pytest
+
+    return [pytest.param(name, marks=pytest.mark.convention(name)) for name in bases]

@@ -295,7 +295,7 @@ def test_a_short_lora_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
 def test_a_run_from_an_export_continues_with_the_tokenizer_its_run_recorded(tmp_path):
     """``posttrain dpo --model runs/sft/model-step60`` after ``posttrain sft --tokenizer
     T``: the tokenizer is T (the export holds none), not the embedded one."""
-    from posttrain.sft.run import _tokenizer
+    from posttrain.sft.run import run_tokenizer
 
     tok = byte_tokenizer()
     tok.add_special_tokens(["<|extra|>"])
@@ -306,7 +306,7 @@ def test_a_run_from_an_export_continues_with_the_tokenizer_its_run_recorded(tmp_
         json.dumps({"settings": {"tokenizer": str(tmp_path / "tokenizer.json")}})
     )
     model = str(run / "model-step60")
-    got = _tokenizer(DPORunConfig(model=model), model)
+    got = run_tokenizer(DPORunConfig(model=model), model)
     assert got.get_vocab_size() == byte_tokenizer().get_vocab_size() + 1
     (run / "run.json").write_text(json.dumps({"settings": {"tokenizer": None}}))
-    assert _tokenizer(DPORunConfig(model=model), model).get_vocab_size() == 264
+    assert run_tokenizer(DPORunConfig(model=model), model).get_vocab_size() == 264

@@ -31,13 +31,12 @@ completions their start, or the pair is rejected (``overflow="reject"``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
-from posttrain.sft.data import ROLES, Messages, _unpadded, chat_prompt
+from posttrain.sft.data import ROLES, Messages, _unpadded, chat_prompt, jsonl_records
 
 FIELDS = ("prompt", "chosen", "rejected")
 ARRAYS = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
@@ -62,29 +61,12 @@ def read_preference_jsonl(path: str | os.PathLike) -> list[Pair]:
         field, a message without string ``role``/``content``, an unknown role, a
         completion turn that is not the assistant's; or the file has no pairs.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        what = "is a directory" if os.path.isdir(path) else "does not exist"
-        raise ValueError(f"--data {path!r} {what}; expected a preference JSONL file")
-    pairs = []
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}, line {lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
-            except RecursionError:
-                raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
-            pairs.append(validate_pair(record, where=where))
+    pairs = [
+        validate_pair(record, where=where)
+        for where, record in jsonl_records(path, "a preference JSONL file")
+    ]
     if not pairs:
-        raise ValueError(f"{path}: no preference pairs (empty dataset)")
+        raise ValueError(f"{os.fspath(path)}: no preference pairs (empty dataset)")
     return pairs
 
 

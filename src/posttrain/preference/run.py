@@ -198,7 +198,7 @@ def pair_arrays(cfg: DPORunConfig, tok) -> tuple[dict, dict | None]:
     :func:`~posttrain.preference.data.encode_pairs`."""
     from posttrain.preference import data
     from posttrain.preference.default_data import pydoc_pairs
-    from posttrain.sft.run import _pad_id
+    from posttrain.sft.run import pad_id_of
     from posttrain.sft.tokenizer import check_coverage
 
     if cfg.data:
@@ -215,7 +215,7 @@ def pair_arrays(cfg: DPORunConfig, tok) -> tuple[dict, dict | None]:
             max_prompt_length=cfg.max_prompt_length,
             max_response_length=cfg.max_response_length,
             overflow=cfg.overflow,
-            pad_id=_pad_id(tok),
+            pad_id=pad_id_of(tok),
         )
         ids = (
             arrays[f"{k}_ids"][arrays[f"{k}_mask"] > 0] for k in ("prompt", "chosen", "rejected")
@@ -275,17 +275,18 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
       ValueError: a bad config, mesh, model, tokenizer or dataset (one line naming it);
         ORPO on a release without it.
     """
-    import optax
-    import orbax.checkpoint as ocp
-    from tunix.sft import metrics_logger
 
-    from posttrain.conversion.safetensors_io import sweep_stale_temporaries
     from posttrain.loading import export_final, load_trainable
     from posttrain.preference import tunix_dpo
     from posttrain.preference.trainer import DPOTrainer
     from posttrain.rl.policy import TunixPolicy, reference_of
     from posttrain.sft import data
-    from posttrain.sft.run import _tokenizer
+    from posttrain.sft.run import (
+        adamw_schedule,
+        peft_training_fields,
+        prepare_output,
+        run_tokenizer,
+    )
     from posttrain.sft.trainer import NonFiniteLossError, SFTOptions
 
     cfg.check()
@@ -294,7 +295,7 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
-    tok = _tokenizer(cfg, hf_dir)
+    tok = run_tokenizer(cfg, hf_dir)
     train_arrays, held_out = pair_arrays(cfg, tok)  # bad data fails before the model
     if len(train_arrays["prompt_ids"]) < global_batch * cfg.grad_accum:
         raise ValueError(
@@ -315,37 +316,14 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     policy = TunixPolicy(model)
     reference = None if cfg.algorithm == "orpo" else reference_of(policy)
 
-    out = pathlib.Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
-    sweep_stale_temporaries(out)
-    sweep_stale_temporaries(out.absolute().parent, out.name)
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        cfg.learning_rate,
-        min(cfg.warmup_steps, cfg.steps - 1),
-        cfg.steps,
-        end_value=cfg.learning_rate * 0.1,
-    )
-    tx = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.0)
-    )
-    batch_axes = tuple(sharding.batch_spec(mesh))[:1]
+    out = prepare_output(cfg.output)
+    schedule, tx = adamw_schedule(cfg)
     training_config = tunix_dpo.training_config(
         algorithm=cfg.algorithm,
         beta=cfg.beta,
         label_smoothing=cfg.label_smoothing,
         lambda_orpo=cfg.lambda_orpo,
-        eval_every_n_steps=(cfg.steps + 1) * cfg.grad_accum,
-        max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
-        gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
-        checkpoint_root_directory=str((out / "checkpoints").resolve()),
-        checkpointing_options=ocp.CheckpointManagerOptions(
-            save_interval_steps=cfg.save_every, max_to_keep=2
-        ),
-        metrics_logging_options=metrics_logger.MetricsLoggerOptions(
-            log_dir=str(out / "tensorboard"), flush_every_n_steps=10
-        ),
-        data_sharding_axis=batch_axes or ("fsdp",),
+        **peft_training_fields(cfg, out, mesh),
     )
     options = SFTOptions(
         mesh=mesh,

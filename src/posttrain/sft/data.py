@@ -46,11 +46,27 @@ def read_chat_jsonl(path: str | os.PathLike) -> list[Messages]:
         message without string ``role``/``content``, an unknown role, a
         conversation without an assistant turn; or the file has no conversations.
     """
+    conversations = [
+        validate_messages(record, where=where)
+        for where, record in jsonl_records(path, "a chat JSONL file")
+    ]
+    if not conversations:
+        raise ValueError(f"{os.fspath(path)}: no conversations (empty dataset)")
+    return conversations
+
+
+def jsonl_records(path: str | os.PathLike, expected: str) -> Iterator[tuple[str, object]]:
+    """``(where, record)`` for each non-blank line of a JSONL file, ``where`` being
+    ``"<path>, line <n>"`` for the caller's own messages.
+
+    Raises:
+      ValueError: ``path`` is not a file (naming ``expected``, e.g. "a chat JSONL file"),
+        or a line is not UTF-8 or not JSON, naming the file and line.
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         what = "is a directory" if os.path.isdir(path) else "does not exist"
-        raise ValueError(f"--data {path!r} {what}; expected a chat JSONL file")
-    conversations = []
+        raise ValueError(f"--data {path!r} {what}; expected {expected}")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}, line {lineno}"
@@ -66,10 +82,7 @@ def read_chat_jsonl(path: str | os.PathLike) -> list[Messages]:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
             except RecursionError:
                 raise ValueError(f"{where}: not valid JSON (nested too deeply)") from None
-            conversations.append(validate_messages(record, where=where))
-    if not conversations:
-        raise ValueError(f"{path}: no conversations (empty dataset)")
-    return conversations
+            yield where, record
 
 
 def validate_messages(record, *, where: str) -> Messages:

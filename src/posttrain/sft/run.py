@@ -187,7 +187,7 @@ class SFTResult:
         )
 
 
-def _tokenizer(cfg, hf_dir: str | None):
+def run_tokenizer(cfg, hf_dir: str | None):
     """``cfg.tokenizer``; else the model directory's ``tokenizer.json``; else the tokenizer
     recorded by the run that exported it (``posttrain.loading.recorded_tokenizer``: a
     ``posttrain dpo --model runs/sft/model-step60`` continues with the SFT run's); else
@@ -204,7 +204,9 @@ def _tokenizer(cfg, hf_dir: str | None):
     return load_tokenizer(path)
 
 
-def _pad_id(tok) -> int:
+def pad_id_of(tok) -> int:
+    """The id padding is written with: the first of ``<|pad|>``, ``<|endoftext|>``,
+    ``<pad>``, ``</s>`` the tokenizer has, else 0 (masks, not this id, mark padding)."""
     for name in ("<|pad|>", "<|endoftext|>", "<pad>", "</s>"):
         if tok.token_to_id(name) is not None:
             return tok.token_to_id(name)
@@ -220,7 +222,64 @@ def build_rows(cfg: SFTConfig, tok) -> dict[str, np.ndarray]:
     conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
     examples = data.encode_dataset(conversations, tok, cfg.max_target_length, overflow=cfg.overflow)
     check_coverage((e.tokens for e in examples), tok, repr(cfg.tokenizer or "(embedded)"))
-    return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=_pad_id(tok))
+    return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=pad_id_of(tok))
+
+
+def prepare_output(output: str) -> pathlib.Path:
+    """Creates run directory ``output`` and sweeps what a killed run left: its exports'
+    temporaries and its on-the-fly HF conversion beside it."""
+    from posttrain.conversion.safetensors_io import sweep_stale_temporaries
+
+    out = pathlib.Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    sweep_stale_temporaries(out)
+    sweep_stale_temporaries(out.absolute().parent, out.name)
+    return out
+
+
+def adamw_schedule(cfg):
+    """``(schedule, optimizer)`` of a run config with ``learning_rate``, ``warmup_steps``
+    and ``steps``: linear warm-up to the peak, cosine to 10% of it; AdamW (b2 0.95, no
+    weight decay) after clipping the global norm at 1. ``posttrain sft`` and ``dpo``."""
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        cfg.learning_rate,
+        min(cfg.warmup_steps, cfg.steps - 1),
+        cfg.steps,
+        end_value=cfg.learning_rate * 0.1,
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.0)
+    )
+    return schedule, tx
+
+
+def peft_training_fields(cfg, out: pathlib.Path, mesh, *, async_saves: bool = True) -> dict:
+    """Tunix ``TrainingConfig`` fields of a run config with ``steps``, ``stop_after``,
+    ``grad_accum`` and ``save_every``: checkpoints in ``out/checkpoints`` (2 kept),
+    TensorBoard in ``out/tensorboard``, batches on the mesh's first batch axis, no eval."""
+    import orbax.checkpoint as ocp
+    from tunix.sft import metrics_logger
+
+    batch_axes = tuple(sharding.batch_spec(mesh))[:1]
+    return dict(
+        # No eval dataset; google-tunix <= 0.1.2 still requires a multiple of the GA steps.
+        eval_every_n_steps=(cfg.steps + 1) * cfg.grad_accum,
+        max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
+        gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
+        checkpoint_root_directory=str((out / "checkpoints").resolve()),
+        checkpointing_options=ocp.CheckpointManagerOptions(
+            save_interval_steps=cfg.save_every,
+            max_to_keep=2,
+            enable_async_checkpointing=async_saves,
+        ),
+        metrics_logging_options=metrics_logger.MetricsLoggerOptions(
+            log_dir=str(out / "tensorboard"), flush_every_n_steps=10
+        ),
+        data_sharding_axis=batch_axes or ("fsdp",),
+    )
 
 
 def run_sft(
@@ -243,12 +302,9 @@ def run_sft(
       ValueError: a bad config, mesh, model, tokenizer or dataset (one line naming it).
     """
     import jax
-    import optax
-    import orbax.checkpoint as ocp
     from flax import nnx
-    from tunix.sft import metrics_logger, peft_trainer
+    from tunix.sft import peft_trainer
 
-    from posttrain.conversion.safetensors_io import sweep_stale_temporaries
     from posttrain.loading import export_final, load_trainable
     from posttrain.sft import data
     from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
@@ -265,7 +321,7 @@ def run_sft(
             f"sequence-parallel size {sp} of the mesh"
         )
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
-    tok = _tokenizer(cfg, hf_dir)
+    tok = run_tokenizer(cfg, hf_dir)
     rows = build_rows(cfg, tok)  # bad data fails before the model is built
     model = load_trainable(
         cfg.model,
@@ -279,36 +335,10 @@ def run_sft(
         scan_layers=cfg.scan_layers,
     )
 
-    out = pathlib.Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
-    sweep_stale_temporaries(out)  # exports of a killed run
-    sweep_stale_temporaries(out.absolute().parent, out.name)  # its on-the-fly conversion
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        cfg.learning_rate,
-        min(cfg.warmup_steps, cfg.steps - 1),
-        cfg.steps,
-        end_value=cfg.learning_rate * 0.1,
-    )
-    tx = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.0)
-    )
-    batch_axes = tuple(sharding.batch_spec(mesh))[:1]
+    out = prepare_output(cfg.output)
+    schedule, tx = adamw_schedule(cfg)
     training_config = peft_trainer.TrainingConfig(
-        # No eval dataset; google-tunix <= 0.1.2 still requires a multiple of the GA steps.
-        eval_every_n_steps=(cfg.steps + 1) * cfg.grad_accum,
-        max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
-        gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
-        checkpoint_root_directory=str((out / "checkpoints").resolve()),
-        checkpointing_options=ocp.CheckpointManagerOptions(
-            save_interval_steps=cfg.save_every,
-            max_to_keep=2,
-            enable_async_checkpointing=not cfg.sync_saves,
-        ),
-        metrics_logging_options=metrics_logger.MetricsLoggerOptions(
-            log_dir=str(out / "tensorboard"), flush_every_n_steps=10
-        ),
-        data_sharding_axis=batch_axes or ("fsdp",),
+        **peft_training_fields(cfg, out, mesh, async_saves=not cfg.sync_saves)
     )
     replica_parallel = cfg.resolved_replica_parallel_saves()
     cls = trainer_class or SFTTrainer  # its train() makes the mesh current

@@ -1,0 +1,24 @@
+"""Tunix's own models in our presets' shapes, the baselines of the step benchmarks (run as
+``python benchmarks/X.py``, so this folder is on ``sys.path``)."""
+
+from __future__ import annotations
+
+
+def tunix_qwen3_config(cfg):
+    """``tunix.models.qwen3.model.ModelConfig`` with ``cfg``'s shape (a dense, tied,
+    full-attention :class:`~posttrain.config.ModelConfig`, e.g. qwen3-tiny's)."""
+    from tunix.models.qwen3 import model as tunix_qwen3
+
+    attn = cfg.attention["full"]
+    return tunix_qwen3.ModelConfig(
+        num_layers=cfg.num_layers,
+        vocab_size=cfg.vocab_size,
+        embed_dim=cfg.d_model,
+        hidden_dim=cfg.d_ff,
+        num_heads=attn.num_heads,
+        head_dim=attn.head_dim,
+        num_kv_heads=attn.num_kv_heads,
+        rope_theta=int(attn.rope.theta),
+        norm_eps=cfg.norm_eps,
+        use_tied_embedding=True,
+    )
