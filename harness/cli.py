@@ -9,6 +9,8 @@ Subcommands:
         ``gate-summary.json`` beside it. Arguments after ``--`` go to pytest.
         Exit status: pytest's, except that a run that ran no test (pytest exit
         5, or every test skipped) is 1 with the message "gate ran no tests".
+    launch: ``-n N [--devices-per-process M] -- COMMAND``: N local processes of
+        COMMAND joined into one JAX runtime (harness/launch.py).
     matrix: the Tunix compatibility matrix (harness/matrix.py, harness/report.py):
         one cached env per compat/entries.toml entry, contracts + a short SFT run
         in each, reports/compat-matrix.{md,json,html}.
@@ -92,6 +94,24 @@ def _parser() -> argparse.ArgumentParser:
         help="JAX persistent compilation cache shared by the workers and kept between runs "
         "(default: $JAX_COMPILATION_CACHE_DIR or %(default)s); 'off' disables it",
     )
+    launch = commands.add_parser(
+        "launch",
+        help="run a command in N local processes as one JAX runtime (command after --)",
+        description="Start N processes of the command after --, each with M fake CPU "
+        "devices, joined by jax.distributed (gloo) into one runtime of N x M devices; "
+        "output prefixed with each rank; the first failure stops the others.",
+        allow_abbrev=False,
+    )
+    launch.add_argument("-n", type=int, required=True, help="number of processes")
+    launch.add_argument(
+        "--devices-per-process", type=int, default=4, help="fake CPU devices each (default 4)"
+    )
+    launch.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL when stopping the others (default 10)",
+    )
     matrix = commands.add_parser(
         "matrix",
         help="run contracts + a short SFT run in one env per compat/ entry; write the report",
@@ -167,13 +187,29 @@ def _jobs(value: str) -> str:
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, passthrough) -> int:
     if args.command == "gate":
         return run_gate(args, passthrough)
+    if args.command == "launch":
+        return run_launch(args, passthrough)
     if args.command == "matrix":
         if passthrough:
-            parser.error("arguments after -- are for 'gate' only")
+            parser.error("arguments after -- are for 'gate' and 'launch' only")
         return run_matrix(args)
     if passthrough:
-        parser.error("arguments after -- are for 'gate' only")
+        parser.error("arguments after -- are for 'gate' and 'launch' only")
     return show_devices(args.devices)
+
+
+def run_launch(args: argparse.Namespace, command: list[str]) -> int:
+    """``posttrain-harness launch``: :func:`harness.launch.launch`; bad input is one line
+    and exit status 2, before any process starts."""
+    from harness import launch
+
+    try:
+        return launch.launch(
+            args.n, command, devices_per_process=args.devices_per_process, grace=args.grace
+        )
+    except ValueError as error:
+        print(f"posttrain-harness launch: error: {error}", file=sys.stderr)
+        return 2
 
 
 def run_matrix(args: argparse.Namespace) -> int:

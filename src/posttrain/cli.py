@@ -467,7 +467,20 @@ def _terminate_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+#: Subcommands that run correctly across processes (``posttrain-harness launch``); the
+#: others refuse to start there rather than write from every process or hang (#20).
+MULTI_PROCESS = ("forward",)
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    from posttrain import distributed
+
+    if distributed.launched() and args.command not in MULTI_PROCESS:
+        raise ValueError(
+            f"posttrain {args.command} does not run across processes yet (it would read its "
+            f"data and write its outputs in every process); across processes: "
+            f"{', '.join(MULTI_PROCESS)}"
+        )
     if args.command == "sft":
         _set_devices(parse_devices(args.devices))
         return commands.sft(args)
@@ -482,6 +495,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return commands.dpo(args)
     if args.command == "forward":
         _set_devices(parse_devices(args.devices))
+        distributed.initialize()
         if args.per_device_batch_size < 1 or args.seq < 1 or args.repeats < 1:
             raise ValueError("--per-device-batch-size, --seq and --repeats must be >= 1")
         return commands.forward(args)

@@ -43,27 +43,36 @@ def forward(args: argparse.Namespace) -> int:
         f"global batch {batch} = {args.per_device_batch_size} x data-parallel {dp}"
     )
     tokens = np.random.RandomState(args.seed).randint(0, cfg.vocab_size, (batch, args.seq))
+    tokens = tokens.astype(np.int32)
+
+    def forward_stats(m, t):
+        # Reduced inside the jit: across processes the logits' shards are not all
+        # addressable here, their mean / std / finiteness are (replicated scalars).
+        logits, aux = m.forward(t)
+        finite = jnp.all(jnp.isfinite(logits))
+        return logits.mean(), logits.std(), finite, aux["moe_aux_loss"]
+
     with sharding.use_mesh(mesh):
         spec = sharding.logical_to_spec(
             ("activation_batch", "activation_length"), tokens.shape, dict(mesh.shape)
         )
-        tokens = jax.device_put(
-            jnp.asarray(tokens, jnp.int32), jax.sharding.NamedSharding(mesh, spec)
+        # Each process places the shards of its own devices (all of them in one process).
+        tokens = jax.make_array_from_callback(
+            tokens.shape, jax.sharding.NamedSharding(mesh, spec), lambda index: tokens[index]
         )
-        step = nnx.jit(lambda m, t: m.forward(t))
+        step = nnx.jit(forward_stats)
         t0 = time.perf_counter()
-        logits, aux = step(model, tokens)
-        logits.block_until_ready()
+        stats = jax.block_until_ready(step(model, tokens))
         compiled = time.perf_counter() - t0
         t0 = time.perf_counter()
         for _ in range(args.repeats):
-            logits, aux = step(model, tokens)
-        logits.block_until_ready()
+            stats = step(model, tokens)
+        stats = jax.block_until_ready(stats)
         per_step = (time.perf_counter() - t0) / args.repeats
-    host = np.asarray(logits)
+    mean, std, finite, moe = (np.asarray(x) for x in stats)
     print(
-        f"logits {list(host.shape)} float32: mean {host.mean():+.4f}, std {host.std():.4f}, "
-        f"finite {bool(np.isfinite(host).all())}; moe_aux_loss {float(aux['moe_aux_loss']):.4f}"
+        f"logits {[batch, args.seq, cfg.vocab_size]} float32: mean {float(mean):+.6f}, "
+        f"std {float(std):.6f}, finite {bool(finite)}; moe_aux_loss {float(moe):.4f}"
     )
     print(
         f"init {built:.2f} s, first forward (compile) {compiled:.2f} s, "

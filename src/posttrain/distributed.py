@@ -1,0 +1,90 @@
+"""Several processes as one JAX runtime: ``jax.distributed`` set up from the environment.
+
+On a pod slice JAX runs one process per host, and each process sees only its own
+devices; ``jax.distributed.initialize`` joins them into one set of global devices that a
+mesh can span. This module does that once per process, before any computation, from
+one of two sources:
+
+- the local launcher (``posttrain-harness launch``, :mod:`harness.launch`) sets
+  :data:`COORDINATOR`, :data:`NUM_PROCESSES` and :data:`PROCESS_ID`; on the CPU backend
+  the cross-process collectives are gloo's (``jax_cpu_collectives_implementation``);
+- ``POSTTRAIN_DISTRIBUTED=auto`` on a real TPU or GPU cluster: ``jax.distributed.initialize()``
+  with no arguments, which reads the platform's own environment (Cloud TPU metadata,
+  SLURM, Open MPI).
+
+Without either, nothing happens: one process, its own devices, as before.
+"""
+
+from __future__ import annotations
+
+import os
+
+COORDINATOR = "POSTTRAIN_COORDINATOR"
+"""``host:port`` of process 0's coordination service."""
+NUM_PROCESSES = "POSTTRAIN_NUM_PROCESSES"
+PROCESS_ID = "POSTTRAIN_PROCESS_ID"
+AUTO = "POSTTRAIN_DISTRIBUTED"
+"""``auto``: let ``jax.distributed.initialize()`` find the cluster itself."""
+
+_initialized = False
+
+
+def launched() -> bool:
+    """Whether this process was started by the local launcher (its variables are set)."""
+    return COORDINATOR in os.environ
+
+
+def initialize() -> None:
+    """Joins this process to the others, once, before JAX computes anything.
+
+    Raises:
+      ValueError: the launcher's variables are incomplete or not integers (one line
+        naming the variable).
+    """
+    global _initialized
+    if _initialized:
+        return
+    if launched():
+        import jax
+
+        coordinator = os.environ[COORDINATOR]
+        count = _int_variable(NUM_PROCESSES)
+        index = _int_variable(PROCESS_ID)
+        if not 0 <= index < count:
+            raise ValueError(f"{PROCESS_ID}={index}: expected 0 <= id < {NUM_PROCESSES}={count}")
+        if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator, num_processes=count, process_id=index)
+    elif os.environ.get(AUTO, "") == "auto":
+        import jax
+
+        jax.distributed.initialize()
+    _initialized = True
+
+
+def _int_variable(name: str) -> int:
+    value = os.environ.get(name)
+    try:
+        return int(value or "")
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected an integer (set by the launcher)") from None
+
+
+def process_index() -> int:
+    """This process's index, 0 in a single process."""
+    import jax
+
+    return jax.process_index()
+
+
+def process_count() -> int:
+    """The number of processes, 1 in a single process."""
+    import jax
+
+    return jax.process_count()
+
+
+def is_writer() -> bool:
+    """Whether this process writes what is written once per run (process 0): metrics,
+    logs, ``run.json``, exports."""
+    return process_index() == 0

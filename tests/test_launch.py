@@ -1,0 +1,118 @@
+"""``posttrain-harness launch`` and :mod:`posttrain.distributed`: real local processes.
+
+One test runs JAX across two processes (2 x 4 fake CPU devices, gloo) and compares it
+with one process of 8; the others drive the launcher with small Python programs."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import launch
+from harness.cli import main as harness_main
+
+RANK = "import os, signal, sys, time\nr = int(os.environ['POSTTRAIN_PROCESS_ID'])\n"
+"""The start of a rank's program: ``r`` is its process id."""
+
+
+def _python(code: str) -> list[str]:
+    return ["python", "-c", code]
+
+
+def test_each_rank_gets_its_variables_and_its_lines_are_prefixed():
+    out = io.StringIO()
+    code = (
+        "import os; e = os.environ; print(e['POSTTRAIN_PROCESS_ID'], e['POSTTRAIN_NUM_PROCESSES'],"
+        " e['POSTTRAIN_COORDINATOR'].startswith('127.0.0.1:'),"
+        " e['XLA_FLAGS'].split()[-1])"
+    )
+    assert launch.launch(3, _python(code), devices_per_process=2, out=out) == 0
+    lines = sorted(out.getvalue().splitlines())
+    assert lines == [
+        f"[rank {r}] {r} 3 True --xla_force_host_platform_device_count=2" for r in range(3)
+    ]
+
+
+def test_a_failing_rank_stops_the_others_and_is_named(capsys):
+    """Rank 1 exits 3 at once; rank 0 would sleep a minute: the launcher stops it within
+    the grace period and exits 3, naming rank 1."""
+    code = RANK + "sys.exit(3) if r else time.sleep(60)"
+    started = time.monotonic()
+    assert launch.launch(2, _python(code), grace=2.0, out=io.StringIO()) == 3
+    assert time.monotonic() - started < 20
+    err = capsys.readouterr().err
+    assert "rank 1 exited with status 3; stopping rank(s) 0" in err
+
+
+def test_a_killed_rank_is_named_with_its_signal(capsys):
+    code = RANK + "os.kill(os.getpid(), signal.SIGKILL) if r else time.sleep(60)"
+    assert launch.launch(2, _python(code), grace=2.0, out=io.StringIO()) == 128 + 9
+    assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(capsys):
+    code = (
+        RANK + "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nsys.exit(5) if r else time.sleep(60)"
+    )
+    started = time.monotonic()
+    assert launch.launch(2, _python(code), grace=1.0, out=io.StringIO()) == 5
+    assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (
+            ["-n", "3", "--", "posttrain", "forward", "--mesh", "fsdp=4,tensor=2"],
+            "--mesh fsdp=4,tensor=2 has 8 devices, but -n 3 x --devices-per-process 4 gives 12",
+        ),
+        (["-n", "2", "--", "posttrain", "forward", "--mesh=fsdp=3"], "has 3 devices"),
+        (["-n", "0", "--", "python", "-c", "pass"], "-n 0: expected at least 1 process"),
+        (["-n", "2", "--devices-per-process", "0", "--", "python"], "expected at least 1"),
+        (["-n", "2"], "no command after --"),
+        (["-n", "2", "--", "no-such-program-here"], "not found on PATH"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_any_process_starts(argv, words, capsys):
+    assert harness_main(["launch", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+
+
+def test_a_command_that_does_not_run_across_processes_refuses_to_start():
+    """Only the commands listed in ``posttrain.cli.MULTI_PROCESS`` run under the launcher;
+    the others exit 2 with one line in every rank."""
+    out = io.StringIO()
+    assert launch.launch(2, ["posttrain", "sft", "--steps", "1"], out=out) == 2
+    lines = out.getvalue().splitlines()
+    assert any("posttrain sft does not run across processes yet" in x for x in lines), lines
+
+
+def _logits_line(lines) -> str:
+    found = [re.sub(r"^\[rank \d+\] ", "", x) for x in lines if "logits [" in x]
+    assert found, lines
+    return found[0] if len(set(found)) == 1 else f"ranks differ: {found}"
+
+
+def test_a_forward_on_two_processes_equals_one_process_of_eight_devices():
+    """``posttrain forward`` on fsdp=4 x tensor=2 spanning 2 processes x 4 devices (gloo
+    collectives across the boundary) prints the logits' mean and std of the same
+    forward in one process of 8 devices."""
+    argv = ["forward", "--model", "qwen3-tiny", "--mesh", "fsdp=4,tensor=2", "--seq", "32"]
+    argv += ["--repeats", "1"]
+    out = io.StringIO()
+    assert launch.launch(2, ["posttrain", *argv], devices_per_process=4, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert {x.split("]")[0] for x in lines if "logits [" in x} == {"[rank 0", "[rank 1"}
+    single = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", *argv, "--devices", "8"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert _logits_line(lines) == _logits_line(single.stdout.splitlines())
