@@ -139,6 +139,35 @@ def test_the_prompt_carries_exactly_one_bos():
             assert bos not in arrays[name][0]
 
 
+def test_batched_encoding_equals_encoding_each_pair(monkeypatch):
+    """``encode_pairs`` encodes every piece of a chunk of pairs in one call: the same ids
+    as encoding each pair on its own, across chunk boundaries."""
+    monkeypatch.setattr(data, "_ENCODE_CHUNK", 7)
+    tok = byte_tokenizer()
+    train, _ = pydoc_pairs()
+    pairs = [*train[:20], data.validate_pair(GOOD, where="x")]
+    arrays = data.encode_pairs(pairs, tok, max_prompt_length=128, max_response_length=200)
+    for row, pair in enumerate(pairs):
+        prompt = data.encode_prompt(pair.prompt, tok, [])
+        np.testing.assert_array_equal(arrays["prompt_ids"][row, 128 - len(prompt) :], prompt)
+        for name in ("chosen", "rejected"):
+            ids = data.encode_completion(getattr(pair, name), tok)
+            np.testing.assert_array_equal(arrays[f"{name}_ids"][row, : len(ids)], ids)
+            assert arrays[f"{name}_mask"][row].sum() == len(ids)
+
+
+def test_too_few_held_out_pairs_fail_before_anything_is_written(tmp_path):
+    from posttrain.preference.run import run_dpo
+
+    one = _write(tmp_path, [GOOD])
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=f"--eval-data {one} has 1 pairs, fewer than one"):
+        run_dpo(DPORunConfig(eval_data=one, output=str(out)))
+    assert not out.exists()
+    with pytest.raises(ValueError, match="--eval-data '/no/such.jsonl' does not exist"):
+        run_dpo(DPORunConfig(eval_data="/no/such.jsonl", output=str(out)))
+
+
 def test_the_embedded_pairs_hold_out_one_in_eight_and_reject_off_topic_reversed_answers():
     train, held_out = pydoc_pairs()
     assert len(held_out) == (len(train) + len(held_out)) // HELD_OUT_EVERY
@@ -278,7 +307,8 @@ def test_a_short_lora_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
     assert [r["step"] for r in first.history] == [1]
     assert first.before["preference_accuracy"] == 0.0  # the policy is its reference
     second = run_dpo(dataclasses.replace(cfg, stop_after=None))
-    assert [r["step"] for r in second.history] == [2] and second.before is None
+    assert [r["step"] for r in second.history] == [2]
+    assert second.before == first.before  # the run's start, recorded then
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
     assert {"rewards_chosen", "reward_margin", "preference_accuracy", "tokens_per_s"} <= lines[
@@ -288,6 +318,7 @@ def test_a_short_lora_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
     assert (out / "adapter-step2").exists()
     run = json.loads((out / "run.json").read_text())
     assert run["evaluation"]["after"]["pairs"] > 0
+    assert run["evaluation"]["before"] == first.before
     with pytest.raises(ValueError, match="beta 0.1 -> 0.2"):
         run_dpo(dataclasses.replace(cfg, beta=0.2))
 

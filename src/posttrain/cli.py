@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="preference tuning (DPO, ORPO) through Tunix; no arguments: the embedded pairs",
         description="DPO or ORPO with Tunix's DPOTrainer over our model. Defaults: "
         "qwen3-tiny on the embedded pydoc_data preference pairs (the true answer chosen, "
-        "another topic's answer rejected; 1 in 8 held out), every device on fsdp. "
+        "another topic's answer with its words reversed rejected; 1 in 8 held out), every "
+        "device on fsdp. "
         "After posttrain sft: --model runs/sft/model-step60.",
     )
     dpo.add_argument(
@@ -481,21 +482,18 @@ def _dispatch(args: argparse.Namespace) -> int:
             f"data and write its outputs in every process); across processes: "
             f"{', '.join(MULTI_PROCESS)}"
         )
-    if args.command == "sft":
+    if args.command in ("sft", "generate", "grpo", "dpo", "forward"):
         _set_devices(parse_devices(args.devices))
+        distributed.initialize()  # a no-op outside the launcher and POSTTRAIN_DISTRIBUTED
+    if args.command == "sft":
         return commands.sft(args)
     if args.command == "generate":
-        _set_devices(parse_devices(args.devices))
         return commands.generate(args)
     if args.command == "grpo":
-        _set_devices(parse_devices(args.devices))
         return commands.grpo(args)
     if args.command == "dpo":
-        _set_devices(parse_devices(args.devices))
         return commands.dpo(args)
     if args.command == "forward":
-        _set_devices(parse_devices(args.devices))
-        distributed.initialize()
         if args.per_device_batch_size < 1 or args.seq < 1 or args.repeats < 1:
             raise ValueError("--per-device-batch-size, --seq and --repeats must be >= 1")
         return commands.forward(args)

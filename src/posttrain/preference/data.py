@@ -11,15 +11,17 @@ A string prompt is one user turn; a string completion is one assistant turn. Tem
 ChatML, as ``posttrain sft`` trains (:mod:`posttrain.sft.data`): the prompt is the
 conversation so far followed by ``<|im_start|>assistant\\n``; a completion is the
 assistant's content and its ``<|im_end|>`` (further assistant turns joined with
-``\\n<|im_start|>assistant\\n``). Every piece is encoded on its own, without special
-tokens, so the masks cover exactly the completion tokens.
+``\\n<|im_start|>assistant\\n``, whose tokens then count in the completion, where SFT
+masks the header). Every piece is encoded on its own, without special tokens, so the
+masks cover exactly the completion tokens.
 
 BOS: the prompt starts with the tokenizer's own prefix (what its post-processor puts
 before a text, e.g. Llama 3's ``<|begin_of_text|>``; nothing for ChatML tokenizers such
 as Qwen's and the embedded byte tokenizer) exactly once: the template's pieces are
 encoded without special tokens, so nothing adds a second one (google-tunix <= 0.1.5's
 DPO tokenisation prepended the BOS to a text its tokenizer had already given one,
-``shared/research/tunix-rl.md`` 7, bug 2).
+``shared/research/tunix-rl.md`` 7, bug 2). Text is text: a message whose content
+spells a special token (``<|begin_of_text|>``) gets that token, as in ``posttrain sft``.
 
 Arrays (``[pairs, length]``, int32), the names of Tunix's ``TrainingInput``:
 ``prompt_ids`` / ``prompt_mask`` left-padded to ``max_prompt_length``; ``chosen_ids`` /
@@ -53,8 +55,9 @@ class Pair:
     where: str
 
 
-def read_preference_jsonl(path: str | os.PathLike) -> list[Pair]:
-    """Reads and validates a preference JSONL file (blank lines are skipped).
+def read_preference_jsonl(path: str | os.PathLike, flag: str = "--data") -> list[Pair]:
+    """Reads and validates a preference JSONL file (blank lines are skipped); ``flag``
+    names the option it came from in a missing-file error.
 
     Raises:
       ValueError: naming the file and line: not UTF-8, not JSON, a missing or mistyped
@@ -63,7 +66,7 @@ def read_preference_jsonl(path: str | os.PathLike) -> list[Pair]:
     """
     pairs = [
         validate_pair(record, where=where)
-        for where, record in jsonl_records(path, "a preference JSONL file")
+        for where, record in jsonl_records(path, "a preference JSONL file", flag)
     ]
     if not pairs:
         raise ValueError(f"{os.fspath(path)}: no preference pairs (empty dataset)")
@@ -134,22 +137,71 @@ def bos_prefix(tokenizer) -> list[int]:
     return []
 
 
-def encode_prompt(messages: Messages, tokenizer, prefix: Sequence[int]) -> list[int]:
-    """``prefix`` (the BOS), then the ChatML prompt with the assistant's header, whose
-    pieces are encoded without special tokens: the BOS appears once, first."""
-    return [*prefix, *chat_prompt(messages, tokenizer)]
+def _prompt_pieces(messages: Messages) -> list[str]:
+    """ChatML pieces of the conversation so far and the assistant's header."""
+    pieces = [
+        p
+        for m in messages
+        for p in (f"<|im_start|>{m['role']}\n", m["content"], "<|im_end|>", "\n")
+    ]
+    return [*pieces, "<|im_start|>assistant\n"]
 
 
-def encode_completion(turns: Messages, tokenizer) -> list[int]:
-    """The assistant turns' ids: content and ``<|im_end|>``, turns joined by
-    ``\\n<|im_start|>assistant\\n`` (what ``posttrain sft`` trains on)."""
+def _completion_pieces(turns: Messages) -> list[str]:
+    """The assistant turns: content and ``<|im_end|>``, turns joined by
+    ``\n<|im_start|>assistant\n``. A single-turn completion is exactly what ``posttrain
+    sft`` trains on (content and ``<|im_end|>``); in a multi-turn one the join's tokens
+    are part of the completion (and its mask), where SFT leaves the header out."""
     pieces: list[str] = []
     for i, m in enumerate(turns):
         if i:
             pieces += ["\n", "<|im_start|>assistant\n"]
         pieces += [m["content"], "<|im_end|>"]
-    encodings = _unpadded(tokenizer).encode_batch(pieces, add_special_tokens=False)
+    return pieces
+
+
+def encode_prompt(messages: Messages, tokenizer, prefix: Sequence[int]) -> list[int]:
+    """``prefix`` (the BOS), then the ChatML prompt with the assistant's header; the
+    template's pieces are encoded without special tokens, so nothing adds another BOS."""
+    return [*prefix, *chat_prompt(messages, tokenizer)]
+
+
+def encode_completion(turns: Messages, tokenizer) -> list[int]:
+    """The ids of :func:`_completion_pieces`."""
+    encodings = _unpadded(tokenizer).encode_batch(
+        _completion_pieces(turns), add_special_tokens=False
+    )
     return [i for e in encodings for i in e.ids]
+
+
+_ENCODE_CHUNK = 1024  # pairs per encode_batch call, as posttrain.sft.data's
+
+
+def _encode_all(pairs: Sequence[Pair], tokenizer) -> list[tuple[list[int], ...]]:
+    """``(prompt, chosen, rejected)`` ids (prompt without the BOS prefix) of each pair,
+    one ``encode_batch`` call per :data:`_ENCODE_CHUNK` pairs."""
+    tokenizer = _unpadded(tokenizer)
+    encoded = []
+    for first in range(0, len(pairs), _ENCODE_CHUNK):
+        chunk = pairs[first : first + _ENCODE_CHUNK]
+        pieces: list[str] = []
+        counts: list[int] = []
+        for pair in chunk:
+            for part in (
+                _prompt_pieces(pair.prompt),
+                _completion_pieces(pair.chosen),
+                _completion_pieces(pair.rejected),
+            ):
+                pieces += part
+                counts.append(len(part))
+        encodings = tokenizer.encode_batch(pieces, add_special_tokens=False)
+        start = 0
+        parts = []
+        for count in counts:
+            parts.append([i for e in encodings[start : start + count] for i in e.ids])
+            start += count
+        encoded += [tuple(parts[i : i + 3]) for i in range(0, len(parts), 3)]
+    return encoded
 
 
 def encode_pairs(
@@ -172,9 +224,14 @@ def encode_pairs(
         raise ValueError(f"overflow={overflow!r}; expected 'truncate' or 'reject'")
     prefix = bos_prefix(tokenizer)
     if max_prompt_length < len(prefix) + 1:
-        raise ValueError(f"max_prompt_length={max_prompt_length}; expected >= {len(prefix) + 1}")
+        raise ValueError(
+            f"max_prompt_length={max_prompt_length} (--max-prompt-length): expected >= "
+            f"{len(prefix) + 1} (the tokenizer's BOS prefix and one token)"
+        )
     if max_response_length < 1:
-        raise ValueError(f"max_response_length={max_response_length}; expected >= 1")
+        raise ValueError(
+            f"max_response_length={max_response_length} (--max-response-length): expected >= 1"
+        )
     n = len(pairs)
     out = {
         name: np.full(
@@ -184,16 +241,17 @@ def encode_pairs(
         )
         for name in ARRAYS
     }
-    for row, pair in enumerate(pairs):
-        prompt = encode_prompt(pair.prompt, tokenizer, prefix)
+    for row, (pair, (prompt, *completions)) in enumerate(
+        zip(pairs, _encode_all(pairs, tokenizer), strict=True)
+    ):
+        prompt = [*prefix, *prompt]
         if len(prompt) > max_prompt_length:
             _overflow(overflow, pair, "prompt", len(prompt), "max_prompt_length", max_prompt_length)
             keep = max_prompt_length - len(prefix)
             prompt = [*prefix, *prompt[len(prompt) - keep :]]
         out["prompt_ids"][row, max_prompt_length - len(prompt) :] = prompt
         out["prompt_mask"][row, max_prompt_length - len(prompt) :] = 1
-        for name in ("chosen", "rejected"):
-            ids = encode_completion(getattr(pair, name), tokenizer)
+        for name, ids in zip(("chosen", "rejected"), completions, strict=True):
             if len(ids) > max_response_length:
                 _overflow(
                     overflow, pair, name, len(ids), "max_response_length", max_response_length

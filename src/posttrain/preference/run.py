@@ -193,9 +193,10 @@ def evaluation_line(before: dict, after: dict) -> str:
     )
 
 
-def pair_arrays(cfg: DPORunConfig, tok) -> tuple[dict, dict | None]:
+def pair_arrays(cfg: DPORunConfig, tok, tokenizer_name: str) -> tuple[dict, dict | None]:
     """``(train arrays, held-out arrays or None)``, each from
-    :func:`~posttrain.preference.data.encode_pairs`."""
+    :func:`~posttrain.preference.data.encode_pairs`; ``tokenizer_name`` names the
+    tokenizer in a coverage error."""
     from posttrain.preference import data
     from posttrain.preference.default_data import pydoc_pairs
     from posttrain.sft.run import pad_id_of
@@ -206,7 +207,7 @@ def pair_arrays(cfg: DPORunConfig, tok) -> tuple[dict, dict | None]:
     else:
         train, held_out = pydoc_pairs()
     if cfg.eval_data:
-        held_out = data.read_preference_jsonl(cfg.eval_data)
+        held_out = data.read_preference_jsonl(cfg.eval_data, flag="--eval-data")
 
     def encode(pairs):
         arrays = data.encode_pairs(
@@ -220,52 +221,50 @@ def pair_arrays(cfg: DPORunConfig, tok) -> tuple[dict, dict | None]:
         ids = (
             arrays[f"{k}_ids"][arrays[f"{k}_mask"] > 0] for k in ("prompt", "chosen", "rejected")
         )
-        check_coverage(ids, tok, repr(cfg.tokenizer or "(embedded)"))
+        check_coverage(ids, tok, tokenizer_name)
         return arrays
 
     return encode(train), (encode(held_out) if held_out else None)
 
 
-def evaluate(trainer, arrays: dict, global_batch: int) -> dict:
-    """Held-out figures of the trainer's policy against its reference: the means of
-    ``preference_accuracy`` and ``reward_margin`` (as logged in training) and
-    ``logp_accuracy``, the share of pairs whose chosen completion the policy alone gives
-    the higher summed log-probability. Whole batches only (the remainder is left out)."""
+def evaluate(trainer, arrays: dict, global_batch: int, *, algorithm: str, scale: float) -> dict:
+    """Held-out figures of the trainer's policy, whole batches only (the remainder is
+    left out): the means of ``preference_accuracy`` and ``reward_margin`` as training
+    logs them, from rewards ``scale x (policy - reference)`` summed completion
+    log-probabilities for DPO (``scale`` is beta) and ``scale x policy`` for ORPO
+    (``scale`` is lambda_orpo, no reference); and ``logp_accuracy``, the share of pairs
+    whose chosen completion the policy alone gives the higher log-probability. One
+    jitted forward of the policy per batch (Tunix's ``compute_logps``); the reference's
+    come from Tunix's preparation."""
+    from posttrain.preference import tunix_dpo
     from posttrain.sft.data import batches
 
     n = len(arrays["prompt_ids"]) // global_batch * global_batch
-    if n == 0:
-        raise ValueError(
-            f"held-out data has {len(arrays['prompt_ids'])} pairs, fewer than one global "
-            f"batch ({global_batch})"
-        )
+    compute = tunix_dpo.compute_logps()
     sums = {"preference_accuracy": 0.0, "reward_margin": 0.0, "logp_accuracy": 0.0}
     with sharding.use_mesh(trainer.mesh, trainer.rules, jax_context=False):
         for batch in batches(arrays, global_batch, 1, seed=0, epochs=1):
             example = trainer._prepare_inputs(batch)
-            _, m = trainer._preference_loss(trainer.model, trainer.gen_model_input_fn(example))
-            chosen, rejected = _policy_logps(trainer, example)
-            sums["preference_accuracy"] += float(m["rewards/accuracy"]) * global_batch
-            sums["reward_margin"] += float(m["rewards/margin"]) * global_batch
+            chosen, rejected = (
+                np.asarray(x, np.float64)
+                for x in compute(
+                    trainer.model,
+                    example.input_ids,
+                    example.positions,
+                    example.attention_mask,
+                    example.logits_to_keep,
+                    example.completion_mask,
+                )[:2]
+            )
+            if algorithm == "dpo":
+                chosen_reward = scale * (chosen - np.asarray(example.ref_chosen_logps))
+                rejected_reward = scale * (rejected - np.asarray(example.ref_rejected_logps))
+            else:
+                chosen_reward, rejected_reward = scale * chosen, scale * rejected
+            sums["preference_accuracy"] += float(np.sum(chosen_reward > rejected_reward))
+            sums["reward_margin"] += float(np.sum(chosen_reward - rejected_reward))
             sums["logp_accuracy"] += float(np.sum(chosen > rejected))
     return {"pairs": n, **{k: v / n for k, v in sums.items()}}
-
-
-def _policy_logps(trainer, example) -> tuple[np.ndarray, np.ndarray]:
-    """The policy's summed completion log-probabilities ``([pairs], [pairs])`` through
-    Tunix's own ``compute_logps``."""
-    from posttrain.preference import tunix_dpo
-
-    compute = tunix_dpo.compute_logps()
-    chosen, rejected = compute(
-        trainer.model,
-        example.input_ids,
-        example.positions,
-        example.attention_mask,
-        example.logits_to_keep,
-        example.completion_mask,
-    )[:2]
-    return np.asarray(chosen), np.asarray(rejected)
 
 
 def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -> DPOResult:
@@ -285,8 +284,9 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
         adamw_schedule,
         peft_training_fields,
         prepare_output,
-        run_tokenizer,
+        run_tokenizer_path,
     )
+    from posttrain.sft.tokenizer import load_tokenizer
     from posttrain.sft.trainer import NonFiniteLossError, SFTOptions
 
     cfg.check()
@@ -295,12 +295,19 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
-    tok = run_tokenizer(cfg, hf_dir)
-    train_arrays, held_out = pair_arrays(cfg, tok)  # bad data fails before the model
+    tokenizer_path = run_tokenizer_path(cfg, hf_dir)
+    tok = load_tokenizer(tokenizer_path)
+    # bad data fails before the model is built or anything is written
+    train_arrays, held_out = pair_arrays(cfg, tok, repr(tokenizer_path or "(embedded)"))
     if len(train_arrays["prompt_ids"]) < global_batch * cfg.grad_accum:
         raise ValueError(
-            f"{len(train_arrays['prompt_ids'])} training pairs, fewer than one optimizer step "
-            f"({global_batch} x grad_accum {cfg.grad_accum})"
+            f"{cfg.data or '(embedded pairs)'} has {len(train_arrays['prompt_ids'])} training "
+            f"pairs, fewer than one optimizer step ({global_batch} x grad_accum {cfg.grad_accum})"
+        )
+    if held_out is not None and len(held_out["prompt_ids"]) < global_batch:
+        raise ValueError(
+            f"--eval-data {cfg.eval_data or '(embedded held-out pairs)'} has "
+            f"{len(held_out['prompt_ids'])} pairs, fewer than one global batch ({global_batch})"
         )
     model = load_trainable(
         cfg.model,
@@ -344,14 +351,21 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
             f"{_reference_kind(cfg)}; Tunix convention {trainer.convention.name}",
             flush=True,
         )
+    scale = cfg.beta if cfg.algorithm == "dpo" else cfg.lambda_orpo
+
+    def held_out_figures():
+        return evaluate(trainer, held_out, global_batch, algorithm=cfg.algorithm, scale=scale)
+
     before = None
-    if held_out is not None and not restored:
-        before = evaluate(trainer, held_out, global_batch)
+    if held_out is not None:
+        # A resumed run reports the evaluation of the run's start, recorded then.
+        before = held_out_figures() if not restored else _recorded_before(out)
     run_record.truncate_metrics(out, restored)
     facts = {
         "global_batch": global_batch,
         "pairs": len(train_arrays["prompt_ids"]),
         "convention": trainer.convention.name,
+        "evaluation_before": before,
     }
     run_record.record_segment(out, cfg, facts, restored)
     try:
@@ -359,7 +373,7 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     except NonFiniteLossError:
         trainer.abandon()
         raise
-    after = evaluate(trainer, held_out, global_batch) if held_out is not None else None
+    after = held_out_figures() if held_out is not None else None
     if after is not None:
         _record_evaluation(out, before, after)
     step = trainer.train_steps
@@ -387,6 +401,16 @@ def _reference_kind(cfg: DPORunConfig) -> str:
     if cfg.algorithm == "orpo":
         return "none (ORPO)"
     return "the policy with adapters off" if cfg.lora_rank else "a frozen copy"
+
+
+def _recorded_before(out: pathlib.Path) -> dict | None:
+    """The held-out evaluation recorded at the start of the run in ``out`` (its first
+    segment's ``evaluation_before``), or None."""
+    body = run_record.read(out) or {}
+    for segment in body.get("segments", []):
+        if segment.get("evaluation_before"):
+            return segment["evaluation_before"]
+    return None
 
 
 def _record_evaluation(out: pathlib.Path, before: dict | None, after: dict) -> None:

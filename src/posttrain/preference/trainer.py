@@ -112,6 +112,7 @@ class DPOTrainerMixin(SFTTrainerMixin):
         self._reference = ref_model
         self._tunix_loss = tunix_dpo.loss_fn()
         self._scale_rewards = not tunix_dpo.rewards_are_scaled()
+        self._beta = training_config.beta
         super().__init__(model, optimizer, training_config, options=options)
 
     def _init_tunix(self, model, optimizer, training_config, *args, **kwargs):
@@ -128,10 +129,9 @@ class DPOTrainerMixin(SFTTrainerMixin):
     def _preference_loss(self, model, inputs):
         """``(Tunix's loss + weight x moe_aux_loss, metrics)`` on prepared ``inputs``."""
         loss, metrics = tunix_dpo.loss_and_metrics(self._tunix_loss(model, **inputs))
-        beta = inputs.get("beta")
-        if self._scale_rewards and beta is not None:  # 0.0.2-0.1.2 report raw log-ratios
+        if self._scale_rewards:  # 0.0.2-0.1.2 report raw log-ratios (and have no ORPO)
             for key in ("rewards/chosen", "rewards/rejected", "rewards/margin"):
-                metrics[key] = metrics[key] * beta
+                metrics[key] = metrics[key] * self._beta
         moe = _moe_aux_loss(model, inputs["train_example"])
         total = loss + self.moe_aux_loss_weight * moe if self.moe_aux_loss_weight else loss
         return total, {**metrics, "loss": total, "moe_aux_loss": moe}

@@ -55,18 +55,20 @@ def read_chat_jsonl(path: str | os.PathLike) -> list[Messages]:
     return conversations
 
 
-def jsonl_records(path: str | os.PathLike, expected: str) -> Iterator[tuple[str, object]]:
+def jsonl_records(
+    path: str | os.PathLike, expected: str, flag: str = "--data"
+) -> Iterator[tuple[str, object]]:
     """``(where, record)`` for each non-blank line of a JSONL file, ``where`` being
     ``"<path>, line <n>"`` for the caller's own messages.
 
     Raises:
-      ValueError: ``path`` is not a file (naming ``expected``, e.g. "a chat JSONL file"),
-        or a line is not UTF-8 or not JSON, naming the file and line.
+      ValueError: ``path`` is not a file (naming ``flag`` and ``expected``, e.g. "a chat
+        JSONL file"), or a line is not UTF-8 or not JSON, naming the file and line.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         what = "is a directory" if os.path.isdir(path) else "does not exist"
-        raise ValueError(f"--data {path!r} {what}; expected {expected}")
+        raise ValueError(f"{flag} {path!r} {what}; expected {expected}")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}, line {lineno}"

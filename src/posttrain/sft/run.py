@@ -187,21 +187,26 @@ class SFTResult:
         )
 
 
-def run_tokenizer(cfg, hf_dir: str | None):
-    """``cfg.tokenizer``; else the model directory's ``tokenizer.json``; else the tokenizer
-    recorded by the run that exported it (``posttrain.loading.recorded_tokenizer``: a
-    ``posttrain dpo --model runs/sft/model-step60`` continues with the SFT run's); else
-    the embedded byte tokenizer."""
+def run_tokenizer_path(cfg, hf_dir: str | None) -> str | None:
+    """Where a run's tokenizer comes from: ``cfg.tokenizer``; else the model directory's
+    ``tokenizer.json``; else the tokenizer recorded by the run that exported it
+    (``posttrain.loading.recorded_tokenizer``: ``posttrain dpo --model
+    runs/sft/model-step60`` continues with the SFT run's); else None, the embedded byte
+    tokenizer."""
     from posttrain.loading import recorded_tokenizer
+
+    if cfg.tokenizer is not None or not hf_dir:
+        return cfg.tokenizer
+    if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
+        return hf_dir
+    return recorded_tokenizer(hf_dir)
+
+
+def run_tokenizer(cfg, hf_dir: str | None):
+    """The tokenizer at :func:`run_tokenizer_path`."""
     from posttrain.sft.tokenizer import load_tokenizer
 
-    path = cfg.tokenizer
-    if path is None and hf_dir:
-        if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
-            path = hf_dir
-        else:
-            path = recorded_tokenizer(hf_dir)
-    return load_tokenizer(path)
+    return load_tokenizer(run_tokenizer_path(cfg, hf_dir))
 
 
 def pad_id_of(tok) -> int:
