@@ -6,11 +6,13 @@ with one process of 8; the others drive the launcher with small Python programs.
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from harness import launch
@@ -88,9 +90,9 @@ def test_a_command_that_does_not_run_across_processes_refuses_to_start():
     """Only the commands listed in ``posttrain.cli.MULTI_PROCESS`` run under the launcher;
     the others exit 2 with one line in every rank."""
     out = io.StringIO()
-    assert launch.launch(2, ["posttrain", "sft", "--steps", "1"], out=out) == 2
+    assert launch.launch(2, ["posttrain", "dpo", "--steps", "1"], out=out) == 2
     lines = out.getvalue().splitlines()
-    assert any("posttrain sft does not run across processes yet" in x for x in lines), lines
+    assert any("posttrain dpo does not run across processes yet" in x for x in lines), lines
 
 
 def _logits_line(lines) -> str:
@@ -99,6 +101,7 @@ def _logits_line(lines) -> str:
     return found[0] if len(set(found)) == 1 else f"ranks differ: {found}"
 
 
+@pytest.mark.slow  # the gate's multi-process test is the SFT run below
 def test_a_forward_on_two_processes_equals_one_process_of_eight_devices():
     """``posttrain forward`` on fsdp=4 x tensor=2 spanning 2 processes x 4 devices (gloo
     collectives across the boundary) prints the logits' mean and std of the same
@@ -116,3 +119,48 @@ def test_a_forward_on_two_processes_equals_one_process_of_eight_devices():
         check=True,
     )
     assert _logits_line(lines) == _logits_line(single.stdout.splitlines())
+
+
+SFT = ["sft", "--lora-rank", "4", "--grad-accum", "2", "--steps", "2"]
+SFT += ["--max-target-length", "64"]
+
+
+def _exports(run) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    arrays = {}
+    for directory in ("model-step2", "adapter-step2"):
+        for path in sorted((run / directory).glob("*.safetensors")):
+            arrays.update({f"{directory}/{k}": v for k, v in load_file(path).items()})
+    return arrays
+
+
+def test_sft_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
+    """``posttrain sft`` (LoRA, gradient accumulation 2) on 2 processes x 4 devices: the
+    same per-step losses and grad norms (fp32, 1e-6) and the same exported weights as 1
+    process x 8 devices; one process writes metrics, run.json and the exports."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    out = io.StringIO()
+    status = launch.launch(2, ["posttrain", *SFT, "--output", str(two)], out=out)
+    assert status == 0, out.getvalue()[-3000:]
+    printed = out.getvalue().splitlines()
+    assert not [x for x in printed if x.startswith("[rank 1] step ")]  # rank 0 logs
+    subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", *SFT, "--output", str(one), "--devices", "8"],
+        capture_output=True,
+        check=True,
+    )
+    records = [
+        [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for run in (two, one)
+    ]
+    assert [r["step"] for r in records[0]] == [1, 2]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(
+            [r[key] for r in records[0]], [r[key] for r in records[1]], rtol=1e-6, err_msg=key
+        )
+    got, want = _exports(two), _exports(one)
+    assert got.keys() == want.keys() and len(got) > 20
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+    assert json.loads((two / "run.json").read_text())["global_batch"] == 8

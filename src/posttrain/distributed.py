@@ -88,3 +88,30 @@ def is_writer() -> bool:
     """Whether this process writes what is written once per run (process 0): metrics,
     logs, ``run.json``, exports."""
     return process_index() == 0
+
+
+def host_array(x):
+    """``x`` (a ``jax.Array``, or anything ``np.asarray`` takes) as a host NumPy array in
+    every process.
+
+    A value this process holds whole (fully addressable, or replicated) is read here;
+    one sharded across processes is gathered from all of them
+    (``multihost_utils.process_allgather``), which is a collective: every process must
+    call this for the same arrays in the same order.
+    """
+    import jax
+    import numpy as np
+
+    if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def barrier(name: str) -> None:
+    """Waits until every process reaches ``barrier(name)`` (a no-op in one process)."""
+    if process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

@@ -108,18 +108,28 @@ def load_trainable(
 def export_final(model, out: pathlib.Path, step: int) -> list[pathlib.Path]:
     """A run's final weights: ``out/model-step<step>`` (native safetensors, LoRA merged)
     and, for a LoRA model, ``out/adapter-step<step>``; an existing directory is kept.
-    Returns the directories written."""
+    Returns the directories written (by this process).
+
+    Across processes every process gathers the weights (a collective) and process 0
+    writes them; the others wait until it has.
+    """
+    from posttrain import distributed
     from posttrain.conversion.native import save_native
     from posttrain.lora import lora_params, merge_lora, save_adapter
+    from posttrain.lora.adapters import adapter_arrays
     from posttrain.models.params import flat_params
 
+    writer = distributed.is_writer()
     written = []
     if lora_params(model):
         adapter = out / f"adapter-step{step}"
-        if not adapter.exists():
-            written.append(save_adapter(model, adapter))
+        arrays = adapter_arrays(model)
+        if writer and not adapter.exists():
+            written.append(save_adapter(model, adapter, arrays))
         model = merge_lora(model)
     native = out / f"model-step{step}"
-    if not native.exists():
-        written.append(save_native(flat_params(model), model.config, native))
+    params = flat_params(model)
+    if writer and not native.exists():
+        written.append(save_native(params, model.config, native))
+    distributed.barrier(f"export-step{step}")
     return written

@@ -62,26 +62,35 @@ def _describe(model: nnx.Module) -> dict:
     }
 
 
-def _host(model) -> dict[str, np.ndarray]:
+def adapter_arrays(model) -> dict[str, np.ndarray]:
+    """``model``'s LoRA parameters as host arrays by path (gathered across processes: a
+    collective, :func:`posttrain.distributed.host_array`)."""
+    from posttrain.distributed import host_array
+
     state = nnx.state(model, nnx.LoRAParam)
     return {
-        path_name(p): np.asarray(jax.device_get(_compat.variable_value(v)))
-        for p, v in nnx.to_flat_state(state)
+        path_name(p): host_array(_compat.variable_value(v)) for p, v in nnx.to_flat_state(state)
     }
 
 
-def save_adapter(model: nnx.Module, directory: str | os.PathLike) -> pathlib.Path:
+def save_adapter(
+    model: nnx.Module,
+    directory: str | os.PathLike,
+    arrays: dict[str, np.ndarray] | None = None,
+) -> pathlib.Path:
     """Writes ``model``'s adapters and LoRA config to a new ``directory`` (atomically).
+
+    ``arrays``: :func:`adapter_arrays` of ``model`` when already gathered (across
+    processes every process gathers and one writes).
 
     Raises:
       ValueError: the model was not built by ``apply_lora``.
       ConversionError: ``directory`` exists or its parent does not.
     """
     meta = _describe(model)
+    arrays = adapter_arrays(model) if arrays is None else arrays
     with atomic_directory(directory) as tmp:
-        safetensors.numpy.save_file(
-            _host(model), str(tmp / ADAPTER_FILE), metadata={"format": FORMAT}
-        )
+        safetensors.numpy.save_file(arrays, str(tmp / ADAPTER_FILE), metadata={"format": FORMAT})
         (tmp / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return pathlib.Path(directory)
 

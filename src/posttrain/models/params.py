@@ -21,13 +21,19 @@ from posttrain.tree import path_name
 
 
 def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
-    """Every ``nnx.Param`` of ``model`` as a host numpy array, by dotted path."""
+    """Every ``nnx.Param`` of ``model`` as a host numpy array, by dotted path.
+
+    Across processes, parameters sharded over several processes are gathered
+    (:func:`posttrain.distributed.host_array`): every process must call this.
+    """
+    from posttrain.distributed import host_array
+
     state = nnx.state(model, nnx.Param)
     out = {}
     for path, variable in jax.tree_util.tree_leaves_with_path(
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     ):
-        out[path_name(path)] = np.asarray(jax.device_get(_compat.variable_value(variable)))
+        out[path_name(path)] = host_array(_compat.variable_value(variable))
     return out
 
 

@@ -26,7 +26,7 @@ import pathlib
 
 import numpy as np
 
-from posttrain import sharding
+from posttrain import distributed, sharding
 from posttrain.config import RematPolicy, choices
 from posttrain.sft import run_record
 
@@ -233,12 +233,14 @@ def build_rows(cfg: SFTConfig, tok) -> dict[str, np.ndarray]:
 def prepare_output(output: str) -> pathlib.Path:
     """Creates run directory ``output`` and sweeps what a killed run left: its exports'
     temporaries and its on-the-fly HF conversion beside it."""
+    from posttrain import distributed
     from posttrain.conversion.safetensors_io import sweep_stale_temporaries
 
     out = pathlib.Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    sweep_stale_temporaries(out)
-    sweep_stale_temporaries(out.absolute().parent, out.name)
+    if distributed.is_writer():
+        sweep_stale_temporaries(out)
+        sweep_stale_temporaries(out.absolute().parent, out.name)
     return out
 
 
@@ -316,6 +318,10 @@ def run_sft(
 
     cfg.check()
     run_record.check_resumable(cfg, cfg.output)  # before anything is read or written
+    # Across processes, process 0 alone writes metrics, progress and run.json; every
+    # process trains, checkpoints (Orbax's collective saves) and gathers the export.
+    writer = distributed.is_writer()
+    log_every = log_every if writer else None
     mesh = sharding.make_mesh(cfg.mesh)
     dp = sharding.data_parallel_size(mesh)
     global_batch = cfg.per_device_batch_size * dp
@@ -350,7 +356,7 @@ def run_sft(
     options = SFTOptions(
         mesh=mesh,
         learning_rate_fn=schedule,
-        metrics_path=out / "metrics.jsonl",
+        metrics_path=out / "metrics.jsonl" if writer else None,
         log_every=log_every,
         single_replica_saves=not replica_parallel,
     )
@@ -373,14 +379,16 @@ def run_sft(
     if on_built is not None:
         on_built(trainer)
     restored = trainer.train_steps  # Tunix restored the latest checkpoint, if any
-    run_record.truncate_metrics(out, restored)  # each step once: replayed steps re-log
+    if writer:
+        run_record.truncate_metrics(out, restored)  # each step once: replayed steps re-log
     facts = {
         "global_batch": global_batch,
         "rows": len(rows["input_tokens"]),
         "convention": trainer.convention.name,
         "replica_parallel_saves_resolved": replica_parallel,
     }
-    run_record.record_segment(out, cfg, facts, restored)
+    if writer:
+        run_record.record_segment(out, cfg, facts, restored)
     try:
         trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
     except NonFiniteLossError:
