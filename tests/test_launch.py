@@ -164,3 +164,30 @@ def test_sft_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
     assert json.loads((two / "run.json").read_text())["global_batch"] == 8
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_stopped_and_resumed_across_processes_equals_one_run(tmp_path):
+    """Full fine-tuning (every weight sharded over both processes), stopped after step 1
+    and resumed to step 3 on 2 processes: the per-step losses of one uninterrupted run
+    of 1 process x 8 devices, and metrics.jsonl holds each step once."""
+    argv = ["sft", "--grad-accum", "2", "--steps", "3", "--max-target-length", "64"]
+    argv += ["--save-every", "1"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    for extra in (["--stop-after", "1"], []):
+        out = io.StringIO()
+        status = launch.launch(2, ["posttrain", *argv, *extra, "--output", str(two)], out=out)
+        assert status == 0, out.getvalue()[-3000:]
+    subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", *argv, "--output", str(one), "--devices", "8"],
+        capture_output=True,
+        check=True,
+    )
+    got, want = (
+        [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for run in (two, one)
+    )
+    assert [r["step"] for r in got] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6)
+    segments = json.loads((two / "run.json").read_text())["segments"]
+    assert [s["resumed_from_step"] for s in segments] == [0, 1]
