@@ -230,14 +230,20 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
 
 def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path, capsys):
     """A diverging run (learning rate 1e30) stops with one line naming the step, exit 2;
-    metrics.jsonl holds only the finite steps, in strict JSON; nothing is exported."""
+    metrics.jsonl holds only the finite steps, in strict JSON; nothing is exported, and
+    no checkpoint holds non-finite weights (a rerun would resume from it): the weights
+    after each update, and the step's loss and gradient norm, are checked before its
+    checkpoint is written."""
     out = tmp_path / "run"
     argv = ["sft", "--steps", "6", "--warmup-steps", "0", "--learning-rate", "1e30"]
-    argv += ["--max-target-length", "64", "--output", str(out)]
+    argv += ["--max-target-length", "64", "--save-every", "1", "--output", str(out)]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("posttrain: error: step ") and "\n" not in err, err
-    assert "grad_norm" in err and ("nan" in err or "inf" in err), err
+    assert "not finite" in err or ("grad_norm" in err and ("nan" in err or "inf" in err)), err
+    failed = int(err.split("step ")[1].split(":")[0])
+    saved = sorted(int(p.name) for p in (out / "checkpoints").glob("*") if p.name.isdigit())
+    assert saved == list(range(1, failed)), (saved, failed)  # the failed step is not saved
 
     def strict(value):
         raise ValueError(f"non-JSON constant {value}")
@@ -287,3 +293,29 @@ def test_a_resume_with_other_training_settings_is_refused_before_any_write(tmp_p
     assert "learning_rate 0.003 -> 0.01" in err and "seed 0 -> 3" in err
     assert sorted(p.name for p in out.iterdir()) == before
     run_record.check_resumable(SFTConfig(output=str(out), save_every=7, remat="full"), out)
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    """A save that is due checks the trained weights first: a NaN in them stops training
+    with NonFiniteLossError naming the step, and the checkpoint is not written."""
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.sft import peft_trainer
+
+    from posttrain import sharding
+    from posttrain.models import build_model, get_config
+    from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
+
+    mesh = sharding.make_mesh({"fsdp": 8})
+    model = build_model(get_config("qwen3-tiny"), mesh, seed=0)
+    config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=1000, max_steps=4, checkpoint_root_directory=str(tmp_path / "ckpt")
+    )
+    trainer = SFTTrainer(model, optax.sgd(0.1), config, options=SFTOptions(mesh=mesh))
+    trainer._check_before_save(1)  # finite weights pass
+    _, variable = nnx.to_flat_state(nnx.state(model, nnx.Param))[0]
+    _compat.set_variable_value(variable, _compat.variable_value(variable) * jnp.nan)
+    with pytest.raises(NonFiniteLossError, match="step 3: the updated weights are not finite"):
+        trainer.checkpoint_manager.save(3, trainer.model, trainer.optimizer, force=True)
+    trainer.abandon()
+    assert not (tmp_path / "ckpt" / "3").exists()

@@ -326,3 +326,13 @@ def quantised_weight(weight):
             is_leaf=lambda v: isinstance(v, nnx.Variable),
         )
     return weight
+
+
+def checkpoint_due(manager, step: int, force: bool = False) -> bool:
+    """Whether Tunix's ``CheckpointManager.save(step, ..., force=force)`` will write a
+    checkpoint: it has an Orbax manager (``_checkpoint_manager``, every release; None
+    without a checkpoint directory) and ``force`` or Orbax's ``should_save(step)``."""
+    orbax = getattr(manager, "_checkpoint_manager", None)
+    if orbax is None:
+        return False
+    return bool(force) or bool(orbax.should_save(step))

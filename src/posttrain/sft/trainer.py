@@ -139,6 +139,7 @@ class SFTTrainerMixin:
                 self.checkpoint_manager, root, lambda: self.optimizer
             )
             self.checkpoint_manager.restore(self._train_steps)
+        self.checkpoint_manager = CheckedSaves(self.checkpoint_manager, self._check_before_save)
 
     def _init_tunix(self, model, optimizer, training_config, *args, **kwargs):
         """The Tunix trainer's ``__init__`` (the DPO trainer's takes a reference too)."""
@@ -148,6 +149,21 @@ class SFTTrainerMixin:
         """Tunix's ``loss_fn(model, **inputs) -> (loss, aux)`` for the eval step (and the
         ``loss_fn`` attribute); the train step uses :meth:`_objective`."""
         return sft_loss.eval_loss_fn
+
+    def _check_before_save(self, step: int) -> None:
+        """Before checkpoint ``step`` is written: its record (and the finiteness check of
+        its loss and gradient norm) is written now, not one step later, and the trained
+        weights after its update must be finite.
+
+        Raises:
+          NonFiniteLossError: either is not (a resumed run would restart from it).
+        """
+        self.metrics.flush()
+        if not bool(_all_finite(nnx.state(self.model, self._wrt))):
+            raise NonFiniteLossError(
+                f"step {step}: the updated weights are not finite (a learning rate too "
+                "high?); training stopped before checkpointing them"
+            )
 
     @property
     def history(self) -> list[dict]:
@@ -328,6 +344,31 @@ class SFTTrainerMixin:
             for listener in getattr(self, "_scalar_listeners", ()):
                 _compat.unregister_scalar_listener(listener)
             self._scalar_listeners = []
+
+
+class CheckedSaves:
+    """Tunix's checkpoint manager whose saves first call ``check(step)``, for the steps
+    it will actually write (:func:`posttrain._compat.checkpoint_due`); every other
+    attribute is the manager's."""
+
+    def __init__(self, inner, check) -> None:
+        self._inner = inner
+        self._check = check
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def save(self, step, model, *args, **kwargs):
+        if _compat.checkpoint_due(self._inner, step, kwargs.get("force", False)):
+            self._check(step)
+        return self._inner.save(step, model, *args, **kwargs)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    """Whether every element of every array in ``tree`` is finite (bool ``[]``)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def default_moe_aux_loss_weight(model) -> float:
