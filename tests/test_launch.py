@@ -90,9 +90,9 @@ def test_a_command_that_does_not_run_across_processes_refuses_to_start():
     """Only the commands listed in ``posttrain.cli.MULTI_PROCESS`` run under the launcher;
     the others exit 2 with one line in every rank."""
     out = io.StringIO()
-    assert launch.launch(2, ["posttrain", "dpo", "--steps", "1"], out=out) == 2
+    assert launch.launch(2, ["posttrain", "grpo", "--steps", "1"], out=out) == 2
     lines = out.getvalue().splitlines()
-    assert any("posttrain dpo does not run across processes yet" in x for x in lines), lines
+    assert any("posttrain grpo does not run across processes yet" in x for x in lines), lines
 
 
 def _logits_line(lines) -> str:
@@ -191,3 +191,34 @@ def test_full_fine_tuning_stopped_and_resumed_across_processes_equals_one_run(tm
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6)
     segments = json.loads((two / "run.json").read_text())["segments"]
     assert [s["resumed_from_step"] for s in segments] == [0, 1]
+
+
+@pytest.mark.slow
+def test_dpo_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
+    """``posttrain dpo`` (LoRA, gradient accumulation 2, the held-out evaluation) on 2
+    processes x 4 devices: the per-step losses and margins and the held-out figures of
+    1 process x 8 devices."""
+    argv = ["dpo", "--lora-rank", "4", "--grad-accum", "2", "--steps", "2"]
+    argv += ["--max-prompt-length", "48", "--max-response-length", "48"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    out = io.StringIO()
+    status = launch.launch(2, ["posttrain", *argv, "--output", str(two)], out=out)
+    assert status == 0, out.getvalue()[-3000:]
+    subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", *argv, "--output", str(one), "--devices", "8"],
+        capture_output=True,
+        check=True,
+    )
+    got, want = (
+        [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        for run in (two, one)
+    )
+    assert [r["step"] for r in got] == [1, 2]
+    for key in ("loss", "reward_margin", "grad_norm"):
+        np.testing.assert_allclose(
+            [r[key] for r in got], [r[key] for r in want], rtol=1e-5, atol=1e-7, err_msg=key
+        )
+    evaluations = [json.loads((run / "run.json").read_text())["evaluation"] for run in (two, one)]
+    for when in ("before", "after"):
+        for key, value in evaluations[1][when].items():
+            np.testing.assert_allclose(evaluations[0][when][key], value, atol=1e-6, err_msg=key)

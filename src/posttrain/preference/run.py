@@ -25,7 +25,7 @@ import pathlib
 
 import numpy as np
 
-from posttrain import atomic, sharding
+from posttrain import atomic, distributed, sharding
 from posttrain.config import RematPolicy, choices
 from posttrain.sft import run_record
 from posttrain.sft.run import check_output_dir
@@ -236,6 +236,7 @@ def evaluate(trainer, arrays: dict, global_batch: int, *, algorithm: str, scale:
     whose chosen completion the policy alone gives the higher log-probability. One
     jitted forward of the policy per batch (Tunix's ``compute_logps``); the reference's
     come from Tunix's preparation."""
+    from posttrain.distributed import host_array
     from posttrain.preference import tunix_dpo
     from posttrain.sft.data import batches
 
@@ -246,7 +247,7 @@ def evaluate(trainer, arrays: dict, global_batch: int, *, algorithm: str, scale:
         for batch in batches(arrays, global_batch, 1, seed=0, epochs=1):
             example = trainer._prepare_inputs(batch)
             chosen, rejected = (
-                np.asarray(x, np.float64)
+                host_array(x).astype(np.float64)
                 for x in compute(
                     trainer.model,
                     example.input_ids,
@@ -257,8 +258,8 @@ def evaluate(trainer, arrays: dict, global_batch: int, *, algorithm: str, scale:
                 )[:2]
             )
             if algorithm == "dpo":
-                chosen_reward = scale * (chosen - np.asarray(example.ref_chosen_logps))
-                rejected_reward = scale * (rejected - np.asarray(example.ref_rejected_logps))
+                chosen_reward = scale * (chosen - host_array(example.ref_chosen_logps))
+                rejected_reward = scale * (rejected - host_array(example.ref_rejected_logps))
             else:
                 chosen_reward, rejected_reward = scale * chosen, scale * rejected
             sums["preference_accuracy"] += float(np.sum(chosen_reward > rejected_reward))
@@ -292,6 +293,9 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     cfg.check()
     tunix_dpo.check_algorithm(cfg.algorithm)  # before anything is read or written
     run_record.check_resumable(cfg, cfg.output, TRAINING_FIELDS)
+    # Across processes, process 0 alone writes metrics, progress, run.json and exports.
+    writer = distributed.is_writer()
+    log_every = log_every if writer else None
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
@@ -335,7 +339,7 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     options = SFTOptions(
         mesh=mesh,
         learning_rate_fn=schedule,
-        metrics_path=out / "metrics.jsonl",
+        metrics_path=out / "metrics.jsonl" if writer else None,
         log_every=log_every,
         single_replica_saves=_single_process_cpu(),
     )
@@ -360,21 +364,23 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     if held_out is not None:
         # A resumed run reports the evaluation of the run's start, recorded then.
         before = held_out_figures() if not restored else _recorded_before(out)
-    run_record.truncate_metrics(out, restored)
+    if writer:
+        run_record.truncate_metrics(out, restored)
     facts = {
         "global_batch": global_batch,
         "pairs": len(train_arrays["prompt_ids"]),
         "convention": trainer.convention.name,
         "evaluation_before": before,
     }
-    run_record.record_segment(out, cfg, facts, restored)
+    if writer:
+        run_record.record_segment(out, cfg, facts, restored)
     try:
         trainer.train(data.batches(train_arrays, global_batch, cfg.grad_accum, seed=cfg.seed))
     except NonFiniteLossError:
         trainer.abandon()
         raise
     after = held_out_figures() if held_out is not None else None
-    if after is not None:
+    if after is not None and writer:
         _record_evaluation(out, before, after)
     step = trainer.train_steps
     exported = export_final(trainer.model.model, out, step)

@@ -287,16 +287,22 @@ class SFTTrainerMixin:
     # --- inputs and metrics ---------------------------------------------------------------
     @override
     def _prepare_inputs(self, input_data):
-        """Places each ``[batch, ...]`` leaf on the data-parallel axes (before Tunix's sharding)."""
+        """Places each ``[batch, ...]`` leaf on the data-parallel axes (before Tunix's sharding).
+
+        Host arrays are placed from the whole global batch, which every process holds
+        (each process writes its own devices' shards); device arrays (a Tunix trainer's
+        prepared inputs, global across processes) are resharded on device, never read
+        back to the host."""
         input_data = super()._prepare_inputs(input_data)
-        return jax.tree.map(
-            lambda x: (
-                jax.device_put(np.asarray(x), self._batch_sharding)
-                if isinstance(x, np.ndarray | jax.Array) and np.ndim(x) >= 1
-                else x
-            ),
-            input_data,
-        )
+
+        def place(x):
+            if isinstance(x, jax.Array) and np.ndim(x) >= 1:
+                return jax.device_put(x, self._batch_sharding)
+            if isinstance(x, np.ndarray) and np.ndim(x) >= 1:
+                return jax.device_put(x, self._batch_sharding)
+            return x
+
+        return jax.tree.map(place, input_data)
 
     @override
     def _post_process_train_step(self, aux) -> None:
