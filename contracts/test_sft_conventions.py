@@ -219,6 +219,7 @@ def test_an_unknown_convention_fails_at_construction_naming_what_was_found():
 
 
 @pytest.mark.contract("tunix.sft.checkpoint_manager.CheckpointManager.save")
+@pytest.mark.slow  # gate budget; the matrix runs it in every row (it matters up to 0.1.5)
 def test_optimizer_state_checkpoints_fill_in_for_releases_that_skip_it(tmp_path):
     """google-tunix <= 0.1.5 checkpoints params only; the wrapper saves and restores OptState."""
     root = str(tmp_path / "checkpoints")

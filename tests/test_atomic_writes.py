@@ -95,7 +95,11 @@ WRITER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],  # gate: one signal
+    ids=["SIGTERM", "SIGINT"],
+)
 def test_a_killed_conversion_leaves_nothing_and_prints_one_line(tmp_path, sig):
     from posttrain.conversion import save_native
     from posttrain.models import build_model, flat_params, get_config
