@@ -296,9 +296,7 @@ class SFTTrainerMixin:
         input_data = super()._prepare_inputs(input_data)
 
         def place(x):
-            if isinstance(x, jax.Array) and np.ndim(x) >= 1:
-                return jax.device_put(x, self._batch_sharding)
-            if isinstance(x, np.ndarray) and np.ndim(x) >= 1:
+            if isinstance(x, np.ndarray | jax.Array) and np.ndim(x) >= 1:
                 return jax.device_put(x, self._batch_sharding)
             return x
 
