@@ -224,10 +224,9 @@ def test_optimizer_state_checkpoints_fill_in_for_releases_that_skip_it(tmp_path)
     """google-tunix <= 0.1.5 checkpoints params only; the wrapper saves and restores OptState."""
     root = str(tmp_path / "checkpoints")
     first, _ = make_trainer(None, ga=2, tx=optax.adam(1e-2), checkpoint_root=root)
-    if not isinstance(first.checkpoint_manager, OptimizerStateCheckpoints):  # 0.1.6+: force it
-        first.checkpoint_manager = OptimizerStateCheckpoints(
-            first.checkpoint_manager, root, lambda: first.optimizer
-        )
+    checked = first.checkpoint_manager  # CheckedSaves around what the release needs
+    if not isinstance(checked._inner, OptimizerStateCheckpoints):  # 0.1.6+: force it
+        checked._inner = OptimizerStateCheckpoints(checked._inner, root, lambda: first.optimizer)
     first.train(data.batches(rows(), 8, 2))  # 2 steps, saved at close()
 
     def opt_state(trainer):
