@@ -173,13 +173,16 @@ def sft(args: argparse.Namespace) -> int:
             f"global batch {result.global_batch}; Tunix convention {result.convention}"
         )
     print(result.summary())
-    print(
-        f"checkpoint step {result.checkpoint_step} in {result.output / 'checkpoints'}; "
-        f"metrics in {result.output / 'metrics.jsonl'}"
-    )
-    for path in result.exported:
-        print(f"wrote {path}")
+    _print_outputs(result.output, result.exported, f"checkpoint step {result.checkpoint_step} in ")
     return 0
+
+
+def _print_outputs(output, exported, checkpoints: str = "checkpoints in ") -> None:
+    """The closing lines of a training command: where checkpoints and metrics are, and
+    each directory exported."""
+    print(f"{checkpoints}{output / 'checkpoints'}; metrics in {output / 'metrics.jsonl'}")
+    for path in exported:
+        print(f"wrote {path}")
 
 
 def grpo_config(args: argparse.Namespace):
@@ -225,12 +228,7 @@ def grpo(args: argparse.Namespace) -> int:
     cfg.check()
     result = run_grpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
     print(result.summary())
-    print(
-        f"checkpoints in {result.output / 'checkpoints'}; "
-        f"metrics in {result.output / 'metrics.jsonl'}"
-    )
-    for path in result.exported:
-        print(f"wrote {path}")
+    _print_outputs(result.output, result.exported)
     return 0
 
 
@@ -275,12 +273,7 @@ def dpo(args: argparse.Namespace) -> int:
     cfg.check()
     result = run_dpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
     print(result.summary())
-    print(
-        f"checkpoints in {result.output / 'checkpoints'}; "
-        f"metrics in {result.output / 'metrics.jsonl'}"
-    )
-    for path in result.exported:
-        print(f"wrote {path}")
+    _print_outputs(result.output, result.exported)
     return 0
 
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from posttrain.sft.data import ROLES, Messages, _unpadded, chat_prompt, jsonl_records
+from posttrain.sft.data import Messages, _unpadded, chat_prompt, check_messages, jsonl_records
 
 FIELDS = ("prompt", "chosen", "rejected")
 ARRAYS = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
@@ -104,24 +104,7 @@ def _messages(value, role: str, *, where: str) -> Messages:
         raise ValueError(
             f"{where}: expected a string or a non-empty list of messages, got {str(value)[:60]!r}"
         )
-    for i, m in enumerate(value):
-        if not (
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-        ):
-            raise ValueError(f"{where}: message {i} needs string 'role' and 'content', got {m!r}")
-        if m["role"] not in ROLES:
-            raise ValueError(
-                f"{where}: message {i} has unknown role {m['role']!r}; "
-                f"expected one of {', '.join(ROLES)}"
-            )
-        try:
-            m["content"].encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(
-                f"{where}: message {i} content is not valid Unicode ({e.reason} at {e.start})"
-            ) from None
+    check_messages(value, where=where)
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 

@@ -364,8 +364,6 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     if held_out is not None:
         # A resumed run reports the evaluation of the run's start, recorded then.
         before = held_out_figures() if not restored else _recorded_before(out)
-    if writer:
-        run_record.truncate_metrics(out, restored)
     facts = {
         "global_batch": global_batch,
         "pairs": len(train_arrays["prompt_ids"]),
@@ -373,7 +371,7 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
         "evaluation_before": before,
     }
     if writer:
-        run_record.record_segment(out, cfg, facts, restored)
+        run_record.begin_segment(out, cfg, facts, restored)
     try:
         trainer.train(data.batches(train_arrays, global_batch, cfg.grad_accum, seed=cfg.seed))
     except NonFiniteLossError:

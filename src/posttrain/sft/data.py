@@ -99,6 +99,19 @@ def validate_messages(record, *, where: str) -> Messages:
             f'{where}: expected {{"messages": [{{"role", "content"}}, ...]}}, '
             f"got {str(record)[:80]!r}"
         )
+    check_messages(messages, where=where)
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(f"{where}: no assistant message, so nothing to train on")
+    return messages
+
+
+def check_messages(messages: list, *, where: str) -> None:
+    """Checks each message of a list: a dict with string ``role`` and ``content``, valid
+    Unicode, a role in :data:`ROLES` (the chat and the preference readers share it).
+
+    Raises:
+      ValueError: naming ``where`` and the message's index.
+    """
     for i, m in enumerate(messages):
         if not (
             isinstance(m, dict)
@@ -117,9 +130,6 @@ def validate_messages(record, *, where: str) -> Messages:
                 f"{where}: message {i} has unknown role {m['role']!r}; "
                 f"expected one of {', '.join(ROLES)}"
             )
-    if not any(m["role"] == "assistant" for m in messages):
-        raise ValueError(f"{where}: no assistant message, so nothing to train on")
-    return messages
 
 
 def encode_chat(messages: Messages, tokenizer) -> Example:

@@ -379,16 +379,14 @@ def run_sft(
     if on_built is not None:
         on_built(trainer)
     restored = trainer.train_steps  # Tunix restored the latest checkpoint, if any
-    if writer:
-        run_record.truncate_metrics(out, restored)  # each step once: replayed steps re-log
     facts = {
         "global_batch": global_batch,
         "rows": len(rows["input_tokens"]),
         "convention": trainer.convention.name,
         "replica_parallel_saves_resolved": replica_parallel,
     }
-    if writer:
-        run_record.record_segment(out, cfg, facts, restored)
+    if writer:  # metrics.jsonl keeps each step once: replayed steps re-log
+        run_record.begin_segment(out, cfg, facts, restored)
     try:
         trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
     except NonFiniteLossError:

@@ -110,6 +110,14 @@ def record_segment(out: str | os.PathLike, cfg, facts: dict[str, Any], resumed_f
     atomic.write_text(out / RUN_FILE, json.dumps(body, indent=2) + "\n")
 
 
+def begin_segment(out: str | os.PathLike, cfg, facts: dict[str, Any], resumed_from: int) -> None:
+    """A start or resume of the run in ``out``: ``metrics.jsonl`` keeps the steps up to
+    ``resumed_from`` (:func:`truncate_metrics`) and ``run.json`` gets the segment
+    (:func:`record_segment`). Called by the writing process only."""
+    truncate_metrics(out, resumed_from)
+    record_segment(out, cfg, facts, resumed_from)
+
+
 def truncate_metrics(out: str | os.PathLike, step: int) -> int:
     """Drops the records of ``out``'s ``metrics.jsonl`` past ``step``; returns how many."""
     path = pathlib.Path(out) / METRICS_FILE
