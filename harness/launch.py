@@ -7,7 +7,10 @@ It starts N copies of COMMAND on this machine, each with M fake CPU devices
 process count and id), so that the N processes form one JAX runtime of N x M devices
 with gloo collectives: what a pod slice's hosts are, on one machine.
 
-- Each line a process prints (stdout and stderr) is printed with a ``[rank i]`` prefix.
+- Each line a process prints (stdout and stderr, each read by line from its own pipe)
+  is printed with a ``[rank i]`` prefix. A library that writes to the same stream in
+  pieces from its own threads (gloo's "Rank 0 is connected to ..." on stdout) can put a
+  piece on the same line as the program's; the launcher cannot part them.
 - The first process to exit non-zero stops the others: SIGTERM, then SIGKILL after
   ``grace`` seconds. One line names it and its status or signal. The launcher's exit
   status is that process's (``128 + signal`` for a signal), or 0 when every process
@@ -148,17 +151,21 @@ def launch(
 
     try:
         for rank in range(num_processes):
+            # stdout and stderr on their own pipes, each read by line: with PYTHONUNBUFFERED
+            # a print is several writes, and a library's stderr line (gloo's) written
+            # between them would split it on a shared pipe.
             proc = subprocess.Popen(
                 program,
                 env=_environment(rank, num_processes, devices_per_process, port),
                 stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.PIPE,
                 start_new_session=True,
             )
             procs.append(proc)
-            reader = threading.Thread(target=pump, args=(rank, proc.stdout), daemon=True)
-            reader.start()
-            readers.append(reader)
+            for stream in (proc.stdout, proc.stderr):
+                reader = threading.Thread(target=pump, args=(rank, stream), daemon=True)
+                reader.start()
+                readers.append(reader)
         status = _supervise(procs, grace, out, lock)
     except BaseException:
         _stop(procs, grace)

@@ -276,13 +276,14 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
         ORPO on a release without it.
     """
 
-    from posttrain.loading import export_final, load_trainable
+    from posttrain.loading import export_final
     from posttrain.preference import tunix_dpo
     from posttrain.preference.trainer import DPOTrainer
     from posttrain.rl.policy import TunixPolicy, reference_of
     from posttrain.sft import data
     from posttrain.sft.run import (
         adamw_schedule,
+        load_run_model,
         peft_training_fields,
         prepare_output,
         run_tokenizer_path,
@@ -313,17 +314,7 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
             f"--eval-data {cfg.eval_data or '(embedded held-out pairs)'} has "
             f"{len(held_out['prompt_ids'])} pairs, fewer than one global batch ({global_batch})"
         )
-    model = load_trainable(
-        cfg.model,
-        mesh,
-        vocab_size=tok.get_vocab_size(),
-        lora_rank=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        seed=cfg.seed,
-        scratch=cfg.output,
-        remat=cfg.remat,
-        scan_layers=cfg.scan_layers,
-    )
+    model = load_run_model(cfg, mesh, tok)
     policy = TunixPolicy(model)
     reference = None if cfg.algorithm == "orpo" else reference_of(policy)
 

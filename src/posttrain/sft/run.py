@@ -230,6 +230,25 @@ def build_rows(cfg: SFTConfig, tok) -> dict[str, np.ndarray]:
     return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=pad_id_of(tok))
 
 
+def load_run_model(cfg, mesh, tok):
+    """:func:`posttrain.loading.load_trainable` with a run config's ``model``,
+    ``lora_rank``, ``lora_alpha``, ``seed``, ``remat`` and ``scan_layers`` (an HF
+    directory is converted beside ``output``); ``posttrain sft`` and ``dpo``."""
+    from posttrain.loading import load_trainable
+
+    return load_trainable(
+        cfg.model,
+        mesh,
+        vocab_size=tok.get_vocab_size(),
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        seed=cfg.seed,
+        scratch=cfg.output,
+        remat=cfg.remat,
+        scan_layers=cfg.scan_layers,
+    )
+
+
 def prepare_output(output: str) -> pathlib.Path:
     """Creates run directory ``output`` and sweeps what a killed run left: its exports'
     temporaries and its on-the-fly HF conversion beside it."""
@@ -312,7 +331,7 @@ def run_sft(
     from flax import nnx
     from tunix.sft import peft_trainer
 
-    from posttrain.loading import export_final, load_trainable
+    from posttrain.loading import export_final
     from posttrain.sft import data
     from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
 
@@ -334,17 +353,7 @@ def run_sft(
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
     tok = run_tokenizer(cfg, hf_dir)
     rows = build_rows(cfg, tok)  # bad data fails before the model is built
-    model = load_trainable(
-        cfg.model,
-        mesh,
-        vocab_size=tok.get_vocab_size(),
-        lora_rank=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        seed=cfg.seed,
-        scratch=cfg.output,
-        remat=cfg.remat,
-        scan_layers=cfg.scan_layers,
-    )
+    model = load_run_model(cfg, mesh, tok)
 
     out = prepare_output(cfg.output)
     schedule, tx = adamw_schedule(cfg)
