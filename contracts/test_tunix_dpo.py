@@ -202,17 +202,38 @@ def test_the_dpo_loss_is_the_smoothed_sigmoid_of_beta_times_the_log_ratio_margin
 @pytest.mark.skipif(
     "orpo" not in tunix_dpo.available_algorithms(), reason="ORPO arrives in google-tunix 0.1.4"
 )
-def test_the_orpo_loss_is_the_length_averaged_nll_plus_lambda_times_the_odds_ratio_loss():
+def test_the_orpo_loss_is_the_nll_plus_lambda_times_the_odds_ratio_loss():
+    """google-tunix 0.1.4-0.1.7: the completion's NLL averaged over its length, plus
+    lambda x the odds-ratio loss of the *summed* log-probabilities. Main (beaf9f3b,
+    bc24e57f) rewrote it: the loss function's ``average_log_prob_orpo`` (default False)
+    averages both terms or neither, so its defaults give the *summed* NLL, and no flag
+    gives the older mix; ``enable_prompt_loss_orpo`` adds the prompt to the NLL (its
+    trainer config defaults both to True). Pinned per release, by feature."""
     logits, ids, mask, chosen, rejected = _hand_case(seed=1)
-    lam, smoothing = 0.25, 0.1
-    log_odds = (chosen - rejected) - (np.log1p(-np.exp(chosen)) - np.log1p(-np.exp(rejected)))
-    odds_loss = -(_log_sigmoid(log_odds) * (1 - smoothing) + _log_sigmoid(-log_odds) * smoothing)
-    want = -chosen / mask[0].sum() + lam * odds_loss
-    hyper = tunix_dpo._hyper(lambda_orpo=lam, label_smoothing=smoothing, algorithm="orpo")
-    loss, metrics = tunix_dpo.loss_and_metrics(
-        tunix_dpo.loss_fn()(FixedLogits(logits), train_example=_example(ids, mask), **hyper)
-    )
-    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    lam, smoothing, length = 0.25, 0.1, mask[0].sum()
+
+    def orpo(nll, chosen, rejected):
+        log_odds = (chosen - rejected) - (np.log1p(-np.exp(chosen)) - np.log1p(-np.exp(rejected)))
+        odds = -(_log_sigmoid(log_odds) * (1 - smoothing) + _log_sigmoid(-log_odds) * smoothing)
+        return nll + lam * odds
+
+    def loss_with(**flags):
+        hyper = tunix_dpo._hyper(
+            lambda_orpo=lam, label_smoothing=smoothing, algorithm="orpo", **flags
+        )
+        return tunix_dpo.loss_and_metrics(
+            tunix_dpo.loss_fn()(FixedLogits(logits), train_example=_example(ids, mask), **hyper)
+        )
+
+    loss, metrics = loss_with()
+    if "average_log_prob_orpo" in inspect.signature(tunix_dpo.loss_fn()).parameters:
+        np.testing.assert_allclose(float(loss), orpo(-chosen, chosen, rejected), rtol=1e-5)
+        averaged, _ = loss_with(average_log_prob_orpo=True)
+        want = orpo(-chosen / length, chosen / length, rejected / length)
+        np.testing.assert_allclose(float(averaged), want, rtol=1e-5)
+    else:
+        want = orpo(-chosen / length, chosen, rejected)
+        np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(metrics["rewards/chosen"]), lam * chosen, rtol=1e-5)
 
 

@@ -282,6 +282,29 @@ EMULATED = {
 """The emulated ``PeftTrainer`` classes by convention name."""
 
 
+ERA_BASES: tuple[str, ...] = ("positional3", "bound2")
+"""Installed conventions an emulation can stand on: each emulated class subclasses the
+installed ``PeftTrainer`` and takes its ``__init__`` (``optax.MultiSteps`` accumulation,
+the step's parameter names); a base that already has main's accumulator path
+(``bound3_update``) gives the emulation of an older convention parameters and an
+accumulation it never had."""
+
+
+def not_applicable(name: str, installed: str | None = None) -> str | None:
+    """Why emulated convention ``name`` means nothing over the installed release (None
+    when it does, and for ``installed``); ``installed``: that release's convention
+    (default: detected)."""
+    if name not in EMULATED:
+        return None
+    installed = installed or tunix_compat.detect().name
+    if installed in ERA_BASES:
+        return None
+    return (
+        f"n/a: the {name} emulation subclasses the installed PeftTrainer, whose convention "
+        f"is {installed}; it needs a base of its era ({' or '.join(ERA_BASES)})"
+    )
+
+
 def contract_bases() -> dict[str, type | None]:
     """Convention -> the ``PeftTrainer`` class the convention contracts build on:
     ``installed`` (None: the installed release's own ``train()``) and every emulated
@@ -299,7 +322,16 @@ def contract_bases() -> dict[str, type | None]:
 
 def by_convention(bases) -> list:
     """``bases``' names as pytest parameters, each marked with its convention (the
-    ``convention`` marker: the matrix picks a row's tests by it)."""
+    ``convention`` marker: the matrix picks a row's tests by it), and skipped with the
+    reason where the emulation means nothing over the installed base
+    (:func:`not_applicable`: the report's n/a)."""
     import pytest
 
-    return [pytest.param(name, marks=pytest.mark.convention(name)) for name in bases]
+    params = []
+    for name in bases:
+        marks = [pytest.mark.convention(name)]
+        reason = not_applicable(name)
+        if reason:
+            marks.append(pytest.mark.skip(reason=reason))
+        params.append(pytest.param(name, marks=marks))
+    return params

@@ -13,7 +13,10 @@ Subcommands:
         COMMAND joined into one JAX runtime (harness/launch.py).
     matrix: the Tunix compatibility matrix (harness/matrix.py, harness/report.py):
         one cached env per compat/entries.toml entry, contracts + a short SFT run
-        in each, reports/compat-matrix.{md,json,html}.
+        in each, reports/compat-matrix.{md,json,html}. ``--list [--json]`` prints the
+        selected entries (one CI job each); ``--tunix-source`` adds Tunix from source.
+    report merge DIR...: one report from several per-entry reports (the CI fan-out's
+        last job), in the entries file's order.
 """
 
 from __future__ import annotations
@@ -145,7 +148,49 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="merge these rows into the existing report (other rows kept)",
     )
+    matrix.add_argument(
+        "--tunix-source",
+        metavar="PATH_OR_URL",
+        default=None,
+        help="Tunix from a local checkout or a git URL (@ref): the source entry's source "
+        "(a new 'tunix-source' row when the entries have none), added to the selection",
+    )
+    matrix.add_argument(
+        "--list", action="store_true", help="print the selected entries and exit (no run)"
+    )
+    matrix.add_argument("--json", action="store_true", help="with --list: as a JSON list")
+    _index_option(matrix)
+    report_cmd = commands.add_parser(
+        "report",
+        help="the matrix report from per-entry reports (report merge DIR...)",
+        allow_abbrev=False,
+    )
+    report_actions = report_cmd.add_subparsers(dest="action", required=True, metavar="ACTION")
+    merge = report_actions.add_parser(
+        "merge",
+        help="merge compat-matrix.json reports (one per entry, e.g. one per CI job) into one",
+        description="Merge the rows of several matrix reports into one report, in the "
+        "entries file's order; the same code as matrix --update.",
+        allow_abbrev=False,
+    )
+    merge.add_argument(
+        "parts", nargs="+", type=Path, metavar="DIR", help="directories holding compat-matrix.json"
+    )
+    merge.add_argument("--report-dir", default="reports", type=Path)
+    merge.add_argument("--entries", default=None, type=Path, help="entries file (row order)")
+    _index_option(merge)
     return parser
+
+
+def _index_option(parser: argparse.ArgumentParser) -> None:
+    from harness import drift
+
+    parser.add_argument(
+        "--index-url",
+        default=drift.DEFAULT_INDEX,
+        help="package index JSON API asked for newer upstream releases (default: "
+        "$POSTTRAIN_INDEX_URL or %(default)s); 'off': not asked",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = _parser()
     args = parser.parse_args(argv)
-    reports = args.report_dir if args.command in ("gate", "matrix") else None
+    reports = args.report_dir if args.command in ("gate", "matrix", "report") else None
     if reports is not None and reports.exists() and not reports.is_dir():
         parser.error(f"--report-dir {reports} is a file; expected a directory")
     try:
@@ -192,7 +237,13 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, passthr
     if args.command == "matrix":
         if passthrough:
             parser.error("arguments after -- are for 'gate' and 'launch' only")
+        if args.json and not args.list:
+            parser.error("--json goes with --list")
         return run_matrix(args)
+    if args.command == "report":
+        if passthrough:
+            parser.error("arguments after -- are for 'gate' and 'launch' only")
+        return run_report_merge(args)
     if passthrough:
         parser.error("arguments after -- are for 'gate' and 'launch' only")
     return show_devices(args.devices)
@@ -213,9 +264,10 @@ def run_launch(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def run_matrix(args: argparse.Namespace) -> int:
-    """Runs the selected matrix entries and writes the report.
+    """Runs the selected matrix entries and writes the report (``--list``: prints them).
 
-    Exit status: 0 when every cell that ran passed, 1 otherwise, 2 for bad options.
+    Exit status: 0 when every cell that ran passed (``warn`` and ``n/a`` included), 1
+    otherwise, 2 for bad options.
     """
     import platform
 
@@ -224,9 +276,15 @@ def run_matrix(args: argparse.Namespace) -> int:
     try:
         loaded = entries.load_entries(args.entries or entries.ENTRIES_FILE)
         chosen = entries.select(loaded, args.only, args.all)
+        if args.tunix_source is not None:
+            loaded, row = entries.with_source(loaded, args.tunix_source)
+            chosen = [row if e.name == row.name else e for e in chosen]
+            chosen += [] if row in chosen else [row]
     except ValueError as error:
         print(f"posttrain-harness matrix: {error}", file=sys.stderr)
         return 2
+    if args.list:
+        return _list_entries(chosen, as_json=args.json)
     start = time.monotonic()
     rows = matrix.run(
         chosen,
@@ -241,20 +299,62 @@ def run_matrix(args: argparse.Namespace) -> int:
         f"{platform.python_version()}, {len(rows)} entries in "
         f"{time.monotonic() - start:.0f} s"
     )
-    if args.update:
+    try:
+        previous = report.load(args.report_dir)
+    except ValueError as error:
+        print(f"posttrain-harness matrix: {error}; not compared", file=sys.stderr)
+        previous = None
+    if args.update and previous:
         ran = len(rows)
-        rows = report.merge(args.report_dir, rows, [e.name for e in loaded])
+        rows = report.combine([previous["entries"], rows], [e.name for e in loaded])
         machine += f" ({ran} rerun with --update; the other {len(rows) - ran} rows kept)"
-    built = report.build(rows, machine)
+    return _write_report(rows, machine, previous, args)
+
+
+def _write_report(rows, machine: str, previous, args: argparse.Namespace) -> int:
+    """Builds (with drift and the flips against ``previous``), writes and prints the
+    report; the exit status of its cells."""
+    from harness import drift, report, report_md
+
+    built = report.build(rows, machine, previous=previous, drift=drift.check(rows, args.index_url))
     paths = report.write(built, args.report_dir)
-    print(report.markdown(built))
+    print(report_md.markdown(built))
     print("report: " + ", ".join(str(p) for p in paths), file=sys.stderr)
-    failed = any(row.get("error") for row in rows) or any(
-        c and c["status"] in ("failed", "error")
-        for row in rows
-        for c in [*row["contracts"].values(), *(row.get(name) for name in report.RUN_CELLS)]
-    )
-    return 1 if failed else 0
+    return 1 if built["broken"] else 0
+
+
+def _list_entries(chosen, as_json: bool) -> int:
+    if as_json:
+        fields = ("name", "tunix", "flavour", "convention", "default", "emulated", "source")
+        print(json.dumps([{f: getattr(e, f) for f in fields} for e in chosen]))
+        return 0
+    for e in chosen:
+        print(f"{e.name}\t{e.flavour}\t{e.convention}\t{e.source or e.tunix}")
+    return 0
+
+
+def run_report_merge(args: argparse.Namespace) -> int:
+    """``report merge DIR...``: the rows of each DIR's report, combined in the entries
+    file's order (as ``matrix --update``), written to ``--report-dir`` and compared with
+    the report already there. Exit status as ``matrix``; 2 for a missing or bad part."""
+    from harness import entries, report
+
+    parts = []
+    try:
+        loaded = entries.load_entries(args.entries or entries.ENTRIES_FILE)
+        for directory in args.parts:
+            part = report.load(directory)
+            if part is None:
+                raise ValueError(f"{directory} holds no compat-matrix.json")
+            parts.append(part)
+        previous = report.load(args.report_dir)
+    except ValueError as error:
+        print(f"posttrain-harness report merge: {error}", file=sys.stderr)
+        return 2
+    rows = report.combine([p["entries"] for p in parts], [e.name for e in loaded])
+    machines = sorted({p["machine"].split(",")[0] for p in parts})
+    machine = f"{', '.join(machines)}; merged from {len(parts)} reports ({len(rows)} entries)"
+    return _write_report(rows, machine, previous, args)
 
 
 def show_devices(devices: str | None) -> int:

@@ -2,7 +2,8 @@
 
 Each entry names a Tunix release (or ``main``), a flavour (``current``: today's
 dependencies; ``era``: the release's own era, pinned; ``emulated``: a train-step
-convention no installable release has, run in its ``base`` release's environment),
+convention no installable release has, run in its ``base`` release's environment;
+``source``: Tunix built from a git URL or a local checkout, ``harness.sources``),
 the convention its trainer uses and optional pins.
 """
 
@@ -18,7 +19,7 @@ from posttrain.sft import tunix_compat
 REPO = Path(__file__).resolve().parent.parent
 ENTRIES_FILE = REPO / "compat" / "entries.toml"
 CONVENTIONS: tuple[str, ...] = tuple(tunix_compat.KNOWN.values())
-FLAVOURS = ("current", "era", "emulated")
+FLAVOURS = ("current", "era", "emulated", "source")
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100")
 
 
@@ -35,12 +36,23 @@ class Entry:
     emulated: bool = False
     base: str | None = None
     broken: str | None = None
+    source: str | None = None  # flavour "source": a git URL (@ref) or a directory
     requirements: tuple[str, ...] | None = None  # tests: replaces the whole install spec
+    # Set by the matrix, never read from the file: (id, requirement) of the resolved source.
+    resolved: tuple[str, str] | None = None
 
     def install_spec(self) -> list[str]:
-        """What ``uv pip install`` gets besides the editable checkout."""
+        """What ``uv pip install`` gets besides the editable checkout.
+
+        Raises:
+          ValueError: a source entry whose source has not been resolved yet.
+        """
         if self.requirements is not None:
             return list(self.requirements)
+        if self.source is not None:
+            if self.resolved is None:
+                raise ValueError(f"entry {self.name}: source {self.source!r} is not resolved")
+            return [self.resolved[1], *self.pins, *TEST_TOOLS]
         return [f"google-tunix=={self.tunix}", *self.pins, *TEST_TOOLS]
 
 
@@ -63,7 +75,7 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
         raise ValueError(f"entries file {path}: not valid TOML ({e})") from None
     if not isinstance(raw, list):
         raise ValueError(f"{path}: 'entry' is a {type(raw).__name__}; expected [[entry]] tables")
-    fields = {f.name for f in dataclasses.fields(Entry)}
+    fields = {f.name for f in dataclasses.fields(Entry)} - {"resolved"}
     entries: list[Entry] = []
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
@@ -75,6 +87,11 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
         for name in ("name", "tunix", "flavour", "convention"):
             if not isinstance(item.get(name), str):
                 raise ValueError(f"{where}: {name} = {item.get(name)!r}; expected a string")
+        source = item.get("source")
+        if source is not None and not isinstance(source, str):
+            raise ValueError(f"{where}: source = {source!r}; expected a git URL or a directory")
+        if isinstance(source, str) and "://" not in source and not Path(source).is_absolute():
+            item = {**item, "source": str(path.parent / source)}  # relative to the file
         pins = item.get("pins", [])
         if not (isinstance(pins, list) and all(isinstance(p, str) for p in pins)):
             raise ValueError(f"{where}: pins = {pins!r}; expected a list of requirement strings")
@@ -88,6 +105,11 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
             raise ValueError(
                 f"{where}: convention {entry.convention!r}; expected one of {CONVENTIONS}"
             )
+        if (entry.flavour == "source") != (entry.source is not None):
+            raise ValueError(
+                f"{where}: flavour {entry.flavour!r} with source = {entry.source!r}; expected "
+                "a source (a git URL with @ref, or a directory) exactly for flavour 'source'"
+            )
         if any(e.name == entry.name for e in entries):
             raise ValueError(f"{where}: duplicate name")
         entries.append(entry)
@@ -96,6 +118,24 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
         if e.emulated and e.base not in names:
             raise ValueError(f"{path}: entry {e.name}: base {e.base!r} is not an entry")
     return entries
+
+
+def with_source(entries: list[Entry], spec: str) -> tuple[list[Entry], Entry]:
+    """``--tunix-source``: ``spec`` as the source of the file's ``source`` entry (the
+    first one), or a new entry ``tunix-source`` (the newest known convention) when the
+    file has none; the entries and that entry."""
+    for i, entry in enumerate(entries):
+        if entry.flavour == "source":
+            chosen = dataclasses.replace(entry, source=spec)
+            return [*entries[:i], chosen, *entries[i + 1 :]], chosen
+    chosen = Entry(
+        name="tunix-source",
+        tunix="source",
+        flavour="source",
+        convention=CONVENTIONS[-1],
+        source=spec,
+    )
+    return [*entries, chosen], chosen
 
 
 def select(

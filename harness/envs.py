@@ -2,8 +2,9 @@
 checkout (editable, ``[train]`` extra), the entry's Tunix, pins and test tools.
 
 Kept under the cache root in a directory named by a key hashed from everything that
-goes into it (Python, Tunix version, pins, the project's dependency list); a marker
-file written last makes a half-built environment never reused. pip when uv is missing.
+goes into it (Python, Tunix version or resolved source, pins, the project's dependency
+list); a marker file written last makes a half-built environment never reused. pip
+when uv is missing.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def env_key(entry: Entry) -> str:
             "spec": entry.install_spec(),
             "project": project_requirements(),
             "checkout": str(REPO),
+            # a source entry: the resolved commit or tree, not only where it lives
+            "source": entry.resolved[0] if entry.resolved else None,
         },
         sort_keys=True,
     )
@@ -125,7 +128,14 @@ class EnvCache:
             shutil.rmtree(target, ignore_errors=True)
             return EnvResult(None, True, time.monotonic() - start, error)
         marker.write_text(
-            json.dumps({"entry": entry.name, "key": env_key(entry), "spec": entry.install_spec()})
+            json.dumps(
+                {
+                    "entry": entry.name,
+                    "key": env_key(entry),
+                    "spec": entry.install_spec(),
+                    "source": entry.resolved[0] if entry.resolved else None,
+                }
+            )
         )
         return EnvResult(target, True, time.monotonic() - start)
 
@@ -147,6 +157,8 @@ class EnvCache:
                     "-e",
                     f"{REPO}[train]",
                     *entry.install_spec(),
+                    # a source tree changes under the same name: never a cached build of it
+                    *(["--refresh-package", "google-tunix"] if entry.source else []),
                 ],
             ]
         else:

@@ -34,6 +34,7 @@ passing one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import tempfile
@@ -42,7 +43,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import junit
+from harness import deprecations, junit, sources
 from harness.devices import suite_env
 from harness.entries import REPO, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error, versions
@@ -104,19 +105,35 @@ def dpo_argv(output: str) -> list[str]:
     return _argv("dpo", DPO_RUN, output)
 
 
-def junit_cells(path: Path) -> dict[str, dict[str, str]]:
-    """Contract -> ``{"status", "message"}`` from one JUnit file (status: one of
-    :data:`harness.junit.OUTCOMES`).
+def junit_cells(path: Path, root: Path = REPO) -> dict[str, dict[str, Any]]:
+    """Contract -> cell from one JUnit file.
 
     Tests group by their ``contract`` property (the plugin records the marker) or,
-    without one, by test function; a group takes its worst test's outcome and message.
+    without one, by test function. A cell is ``{"status", "message", "test"}`` and, when
+    upstream deprecations were seen, ``"warnings"``: the status is the worst test's
+    outcome (:data:`harness.junit.OUTCOMES`), ``message`` and ``test`` (pytest node id,
+    relative to ``root``) are that test's; a passing cell whose tests recorded upstream
+    deprecations (:mod:`harness.deprecations`) is ``warned``, its message the first one.
     """
-    cells: dict[str, dict[str, str]] = {}
+    groups: dict[str, list[junit.Case]] = {}
     for case in junit.read(path, width=300).cases:
         name = case.properties.get("contract") or case.name.split("[")[0]
-        old = cells.get(name)
-        if old is None or junit.worst([old["status"], case.outcome]) != old["status"]:
-            cells[name] = {"status": case.outcome, "message": case.message}
+        groups.setdefault(name, []).append(case)
+    cells: dict[str, dict[str, Any]] = {}
+    for name, cases in groups.items():
+        status = junit.worst(c.outcome for c in cases)
+        first = next(c for c in cases if c.outcome == status)
+        seen: list[str] = []
+        for case in cases:
+            seen += [w for w in deprecations.from_properties(case.properties) if w not in seen]
+        cell: dict[str, Any] = {"status": status, "message": first.message}
+        if status != "passed":
+            cell["test"] = first.node_id(root)
+        elif seen:
+            cell = {"status": "warned", "message": seen[0]}
+        if seen:
+            cell["warnings"] = seen
+        cells[name] = cell
     return cells
 
 
@@ -138,8 +155,18 @@ def run(
     by_name = {e.name: e for e in entries}
     rows = []
     for i, entry in enumerate(chosen, 1):
-        env_entry = by_name[entry.base] if entry.emulated else entry
         where = f"[{i}/{len(chosen)}] {entry.name}"
+        if entry.source is not None:
+            try:
+                entry = resolve(entry)
+            except sources.SourceError as error:
+                log(f"{where}: {error}")
+                rows.append(
+                    run_entry(entry, EnvResult(None, False, 0.0, str(error)), report_dir, jobs)
+                )
+                continue
+            log(f"{where}: source {entry.source} resolved to {entry.resolved[0]}")
+        env_entry = by_name[entry.base] if entry.emulated else entry
         log(f"{where}: environment {cache.path(env_entry).name}")
         env = (
             EnvResult(None, False, 0.0)
@@ -162,6 +189,17 @@ def run(
     return rows
 
 
+def resolve(entry: Entry) -> Entry:
+    """A source entry with its source resolved (:func:`harness.sources.resolve`).
+
+    Raises:
+      harness.sources.SourceError: the source cannot be reached or is not a package.
+    """
+    assert entry.source is not None
+    pinned = sources.resolve(sources.parse(entry.source))
+    return dataclasses.replace(entry, resolved=(pinned.id, pinned.requirement))
+
+
 def run_entry(
     entry: Entry, env: EnvResult, report_dir: Path, jobs: str, run: Runner = _run
 ) -> dict[str, Any]:
@@ -169,12 +207,14 @@ def run_entry(
 
     The row (what ``reports/compat-matrix.json`` holds per entry):
       ``name``, ``tunix``, ``flavour``, ``convention``, ``emulated``: the entry's;
+      ``source`` (source entries only): ``{"spec", "resolved"}``, the spec and the
+        commit or tree it resolved to (None when it could not be reached);
       ``env``: ``{"built": bool, "seconds": float, "error": str | None}``;
       ``versions``: distribution -> version installed in the env (``{}`` if not run);
-      ``contracts``: contract -> ``{"status", "message"}``, status one of
-        :data:`harness.junit.OUTCOMES` (:func:`junit_cells`);
+      ``contracts``: contract -> ``{"status", "message", ["test"], ["warnings"]}``,
+        status ``warned`` or one of :data:`harness.junit.OUTCOMES` (:func:`junit_cells`);
       ``sft``, ``rl``, ``dpo``: ``{"status": "passed" | "failed" | "skipped", "message"}`` or
-        ``None`` (not run);
+        ``None`` (not run); ``skipped``: n/a there, the message says why;
       ``seconds``: wall time of the contracts and the runs;
       ``error`` (only when the entry could not run): why, in one line.
     """
@@ -192,6 +232,11 @@ def run_entry(
         "dpo": None,
         "seconds": 0.0,
     }
+    if entry.source is not None:
+        row["source"] = {
+            "spec": entry.source,
+            "resolved": entry.resolved[0] if entry.resolved else None,
+        }
     if env.error or entry.broken:
         row["error"] = env.error or f"not run: {entry.broken}"
         return row
@@ -225,6 +270,8 @@ def run_entry(
         command += ["-n", jobs]
     # A release row: the installed train(); an emulated row: only what drives its convention.
     command += ["--conventions", entry.convention if entry.emulated else "installed"]
+    # Upstream deprecations: warn cells, not failures (harness/deprecations.py).
+    command += ["--upstream-deprecations", "record"]
     done = run(command, environ)
     if junit.is_file():
         row["contracts"] = junit_cells(junit)
@@ -249,6 +296,11 @@ def _sft(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> 
         else:
             command = [str(env.python), "-m", "posttrain.cli", *sft_argv(tmp)]
         done = run(command, environ)
+        if entry.emulated and done.returncode == NOT_APPLICABLE:
+            return {
+                "status": "skipped",
+                "message": first_error(done.stdout).removeprefix("posttrain: error: "),
+            }
         metrics = Path(tmp) / "metrics.jsonl"
         losses = (
             [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
@@ -316,14 +368,24 @@ def _dpo(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> 
     return {"status": "failed", "message": why}
 
 
+NOT_APPLICABLE = 3
+"""Exit status of :func:`emulated_sft` when the emulation means nothing over the base."""
+
+
 def emulated_sft(convention: str, output: str) -> None:
-    """The matrix's SFT run under an emulated convention (called inside the entry's env)."""
+    """The matrix's SFT run under an emulated convention (called inside the entry's env);
+    over a base not of its era it prints ``n/a: why`` and exits :data:`NOT_APPLICABLE`."""
     from harness.devices import configure_devices
 
     configure_devices(8)
     from contracts import tunix_emulation
     from posttrain.sft.run import SFTConfig, run_sft
     from posttrain.sft.trainer import sft_trainer_class
+
+    reason = tunix_emulation.not_applicable(convention)
+    if reason:
+        print(f"posttrain: error: {reason}")
+        raise SystemExit(NOT_APPLICABLE)
 
     base = {
         "positional3": tunix_emulation.Positional3PeftTrainer,

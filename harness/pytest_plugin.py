@@ -21,6 +21,9 @@ Markers:
         marked with one of them, and the unmarked ones when ``installed`` is among
         them: how the matrix runs a release row (``installed``) or an emulated one.
 
+``--upstream-deprecations record`` (the matrix): a deprecation raised from upstream
+code is recorded on its test instead of raised (:mod:`harness.deprecations`).
+
 Garbage collection: after collection the objects alive (the imported JAX, Flax,
 Tunix, torch: ~370k) are frozen out of the cyclic collector and full collections
 are made 100x rarer (:func:`tune_gc`); at the end of the session the young
@@ -85,6 +88,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "devices than exist (the gate sets this)",
     )
     group.addoption(
+        "--upstream-deprecations",
+        dest="upstream_deprecations",
+        choices=("error", "record"),
+        default="error",
+        help="'record': a deprecation raised from upstream code is shown, not raised, and "
+        "recorded on the test as the JUnit property upstream_deprecations (the matrix's warn "
+        "cells; harness/deprecations.py); 'error' (default): filterwarnings decides",
+    )
+    group.addoption(
         "--conventions",
         dest="conventions",
         metavar="NAME,...",
@@ -115,6 +127,10 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     _load_hypothesis_profile(config)
+    if config.getoption("upstream_deprecations") == "record":
+        from harness import deprecations
+
+        config.pluginmanager.register(deprecations.Recorder(), "posttrain_upstream_deprecations")
 
 
 def _load_hypothesis_profile(config: pytest.Config) -> None:

@@ -1,31 +1,43 @@
-"""The matrix report: ``compat-matrix.md``, ``.json`` and ``.html`` from the matrix rows.
+"""The matrix report: ``compat-matrix.json``, ``.md`` and ``.html`` from the matrix rows.
 
 Rows are entries (in ``compat/entries.toml`` order), columns the contracts (JUnit
 ``contract`` property, else the test function), then ``sft``, ``rl`` and ``dpo``
-(the real runs); a cell is ``pass``, ``fail``, ``skip``, ``error`` or empty (not run there), with
-the first error line.
-"First failures" lists, per flavour, each contract that fails somewhere and the
-first entry where it fails after having passed in an earlier one (or "from the
-first entry" when it never passed before).
+(the real runs). A cell's status is one of :data:`STATUSES`; an absent cell is
+"not run". The report's JSON (:func:`build`) holds the rows and what is derived from
+them:
+
+- ``first_failures``: per flavour, each column failing somewhere and the first entry
+  where it fails after having passed in an earlier one;
+- ``broken``: every failing cell and every row that could not run;
+- ``deprecations``: every upstream deprecation seen, with the first entry (in entry
+  order) where it appears and how many entries show it;
+- ``previous`` and ``changed``: the statuses of the report this one replaced (when
+  there was one) and the cells whose status flipped since;
+- ``drift``: newer upstream releases than the newest tested (:mod:`harness.drift`).
+
+The Markdown (:mod:`harness.report_md`) is for a PR comment; the HTML
+(:mod:`harness.report_html`) is one self-contained page.
 """
 
 from __future__ import annotations
 
-import html
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from posttrain import atomic
 
-STATUS_MARK = {"passed": "pass", "failed": "FAIL", "error": "ERROR", "skipped": "skip"}
+STATUSES = ("passed", "warned", "skipped", "failed", "error")
+"""Cell statuses, best to worst; ``skipped`` is shown as n/a (its message says why)."""
 RUN_CELLS = ("sft", "rl", "dpo")
 """The columns after the contracts: one real run each (``harness.matrix``)."""
-COLORS = {"passed": "#d4f4d4", "failed": "#f8d0d0", "error": "#f0b0b0", "skipped": "#eeeeee"}
+BAD = ("failed", "error")
+REPORT_NAME = "compat-matrix"
 
 
-def columns(rows: list[dict[str, Any]]) -> list[str]:
+def columns(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Contract names in first-seen order, then the run cells (:data:`RUN_CELLS`)."""
     names: list[str] = []
     for row in rows:
@@ -35,14 +47,15 @@ def columns(rows: list[dict[str, Any]]) -> list[str]:
     return [*names, *RUN_CELLS]
 
 
-def cell(row: dict[str, Any], column: str) -> dict[str, str] | None:
+def cell(row: dict[str, Any], column: str) -> dict[str, Any] | None:
+    """The row's cell in ``column``; None when it did not run there."""
     if column in RUN_CELLS:
         return row.get(column)
     return row.get("contracts", {}).get(column)
 
 
-def first_failures(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """For each (flavour, contract) failing somewhere: where it first fails."""
+def first_failures(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """For each (flavour, column) failing somewhere: where it first fails."""
     found = []
     for flavour in dict.fromkeys(r["flavour"] for r in rows):
         group = [r for r in rows if r["flavour"] == flavour]
@@ -52,9 +65,9 @@ def first_failures(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
                 c = cell(row, column)
                 if c is None:
                     continue
-                if c["status"] == "passed":
+                if c["status"] in ("passed", "warned"):
                     passed_in = row["name"]
-                elif c["status"] in ("failed", "error"):
+                elif c["status"] in BAD:
                     found.append(
                         {
                             "flavour": flavour,
@@ -68,144 +81,229 @@ def first_failures(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
     return found
 
 
-def _short(column: str) -> str:
-    parts = column.split(".")
-    return ".".join(parts[-2:]) if len(parts) > 2 else column
-
-
-def _versions(row: dict[str, Any]) -> str:
-    v = row.get("versions", {})
-    return " ".join(f"{k} {v[k]}" for k in ("jax", "flax", "qwix", "optax") if k in v)
-
-
-def markdown(report: dict[str, Any]) -> str:
-    rows, cols = report["entries"], report["columns"]
-    out = [
-        "# Tunix compatibility matrix\n",
-        f"Generated {report['generated']} by `posttrain-harness matrix` on "
-        f"{report['machine']}. Cells: pass, FAIL, ERROR, skip; the first error line of "
-        "each failing cell is listed below the table.\n",
-    ]
-    out.append(
-        "| entry | convention | versions | env | "
-        + " | ".join(f"{i + 1}" for i in range(len(cols)))
-        + " |"
-    )
-    out.append("|---|---|---|---|" + "---|" * len(cols))
-    notes = []
+def broken(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> list[dict[str, str]]:
+    """Every row that could not run (``column`` empty) and every failing cell, in grid order."""
+    found = []
     for row in rows:
-        env = (
-            "error"
-            if row["env"].get("error")
-            else f"{'built' if row['env']['built'] else 'cached'} {row['env']['seconds']:.0f} s"
-        )
-        name = row["name"] + (" (emulated)" if row.get("emulated") else "")
-        cells = []
-        for col in cols:
-            c = cell(row, col)
-            if c is None:
-                cells.append("")
-                continue
-            cells.append(STATUS_MARK[c["status"]])
-            if c["status"] in ("failed", "error"):
-                notes.append(f"- {row['name']} / {col}: {c.get('message', '')}")
         if row.get("error"):
-            notes.append(f"- {row['name']}: {row['error']}")
-        out.append(
-            f"| {name} | {row['convention']} | {_versions(row)} | {env} | "
-            + " | ".join(cells)
-            + " |"
-        )
-    out.append("\nColumns: " + "; ".join(f"{i + 1} = `{c}`" for i, c in enumerate(cols)) + ".\n")
-    if notes:
-        out.append("## Errors\n")
-        out += notes
-        out.append("")
-    failures = report["first_failures"]
-    out.append("## First failures\n")
-    if not failures:
-        out.append("Every contract passes in every entry that ran it.\n")
-    for f in failures:
-        after = (
-            f"after passing in {f['after_passing']}"
-            if f["after_passing"]
-            else "from the first entry that ran it"
-        )
-        out.append(
-            f"- [{f['flavour']}] `{f['contract']}`: first fails in "
-            f"**{f['first_failing']}** {after}: {f['error']}"
-        )
-    return "\n".join(out) + "\n"
-
-
-def html_page(report: dict[str, Any]) -> str:
-    rows, cols = report["entries"], report["columns"]
-    esc = html.escape
-    head = "".join(f'<th title="{esc(c)}">{esc(_short(c))}</th>' for c in cols)
-    body = []
-    for row in rows:
-        tds = []
-        for col in cols:
-            c = cell(row, col)
-            if c is None:
-                tds.append("<td></td>")
-                continue
-            tds.append(
-                f'<td style="background:{COLORS[c["status"]]}" '
-                f'title="{esc(c.get("message", ""))}">{STATUS_MARK[c["status"]]}</td>'
+            found.append(
+                {"entry": row["name"], "column": "", "status": "error", "message": row["error"]}
             )
-        error = f"<br><small>{esc(row['error'])}</small>" if row.get("error") else ""
-        body.append(
-            f"<tr><th>{esc(row['name'])}{error}</th><td>{esc(row['convention'])}</td>"
-            f"<td>{esc(_versions(row))}</td>{''.join(tds)}</tr>"
-        )
-    fails = "".join(
-        f"<li>[{esc(f['flavour'])}] <code>{esc(f['contract'])}</code>: first fails "
-        f"in <b>{esc(f['first_failing'])}</b>"
-        f"{' after ' + esc(f['after_passing']) if f['after_passing'] else ''}: "
-        f"{esc(f['error'])}</li>"
-        for f in report["first_failures"]
-    )
-    return (
-        f"<!doctype html><meta charset=utf-8><title>Tunix compatibility matrix</title>"
-        f"<style>td,th{{border:1px solid #ccc;padding:2px 6px;font:13px sans-serif}}"
-        f"table{{border-collapse:collapse}}</style><h1>Tunix compatibility matrix</h1>"
-        f"<p>Generated {esc(report['generated'])} on {esc(report['machine'])}.</p>"
-        f"<table><tr><th>entry</th><th>convention</th><th>versions</th>{head}</tr>"
-        f"{''.join(body)}</table><h2>First failures</h2><ul>{fails}</ul>\n"
-    )
+        for column in cols:
+            c = cell(row, column)
+            if c and c["status"] in BAD:
+                found.append(
+                    {
+                        "entry": row["name"],
+                        "column": column,
+                        "status": c["status"],
+                        "message": c.get("message", ""),
+                        "test": c.get("test", ""),
+                    }
+                )
+    return found
 
 
-def merge(report_dir: Path, rows: list[dict[str, Any]], order: list[str]) -> list[dict[str, Any]]:
-    """``rows`` replacing same-named rows of the report in ``report_dir``, in ``order``."""
-    path = report_dir / "compat-matrix.json"
-    old = json.loads(path.read_text())["entries"] if path.is_file() else []
-    by_name = {r["name"]: r for r in old} | {r["name"]: r for r in rows}
+def _warning_key(text: str) -> str:
+    """A deprecation without its ``(path:line)``: line numbers move between releases."""
+    return text.rsplit(" (", 1)[0] if text.endswith(")") else text
+
+
+def deprecations(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> list[dict[str, Any]]:
+    """Every distinct upstream deprecation: ``{"warning", "where", "first_entry",
+    "entries", "columns"}`` (``where``: its first ``path:line``), in first-seen order."""
+    found: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for column in cols:
+            c = cell(row, column) or {}
+            for text in c.get("warnings", []):
+                key = _warning_key(text)
+                item = found.setdefault(
+                    key,
+                    {
+                        "warning": key,
+                        "where": text[len(key) + 2 : -1] if text != key else "",
+                        "first_entry": row["name"],
+                        "entries": [],
+                        "columns": [],
+                    },
+                )
+                if row["name"] not in item["entries"]:
+                    item["entries"].append(row["name"])
+                if column not in item["columns"]:
+                    item["columns"].append(column)
+    return list(found.values())
+
+
+def statuses(report: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """Entry -> column -> status of every cell that ran (what ``previous`` keeps)."""
+    return {
+        row["name"]: {
+            column: c["status"]
+            for column in report["columns"]
+            if (c := cell(row, column)) is not None
+        }
+        for row in report["entries"]
+    }
+
+
+def changed(previous: dict[str, Any] | None, now: dict[str, Any]) -> list[dict[str, str]]:
+    """The cells whose status flipped: in an entry and a column both reports have, the
+    status differs (a cell that ran in one and not the other counts, as "not run").
+    Entries or columns new to this report are new, not flipped."""
+    if not previous:
+        return []
+    before, after = previous["cells"], statuses(now)
+    old_columns = set(previous["columns"])
+    flips = []
+    for entry, cells in after.items():
+        if entry not in before:
+            continue
+        for column in now["columns"]:
+            if column not in old_columns:
+                continue
+            was, is_ = before[entry].get(column, "not run"), cells.get(column, "not run")
+            if was != is_:
+                flips.append({"entry": entry, "column": column, "from": was, "to": is_})
+    return flips
+
+
+def build(
+    rows: Sequence[dict[str, Any]],
+    machine: str,
+    *,
+    previous: dict[str, Any] | None = None,
+    drift: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The report of ``rows``; ``previous``: the report it replaces (its statuses are
+    kept, to mark flips); ``drift``: :func:`harness.drift.check`'s result."""
+    cols = columns(rows)
+    report: dict[str, Any] = {
+        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine,
+        "entries": list(rows),
+        "columns": cols,
+        "first_failures": first_failures(rows),
+        "broken": broken(rows, cols),
+        "deprecations": deprecations(rows, cols),
+        "drift": drift,
+    }
+    report["previous"] = (
+        {
+            "generated": previous["generated"],
+            "columns": previous["columns"],
+            "cells": statuses(previous),
+        }
+        if previous
+        else None
+    )
+    report["changed"] = changed(report["previous"], report)
+    return report
+
+
+def load(report_dir: Path) -> dict[str, Any] | None:
+    """The report in ``report_dir`` (None when there is none).
+
+    Raises:
+      ValueError: the file is not a report's JSON.
+    """
+    path = Path(report_dir) / f"{REPORT_NAME}.json"
+    if not path.is_file():
+        return None
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        report["entries"], report["columns"], report["generated"]  # noqa: B018
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{path} is not a matrix report ({error})") from None
+    return report
+
+
+def combine(
+    parts: Sequence[Sequence[dict[str, Any]]], order: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Rows of several runs as one list in ``order`` (entry names; unknown names last,
+    in the order given); a later part's row replaces an earlier one of the same name.
+    What ``--update`` and ``report merge`` both use."""
+    by_name: dict[str, dict[str, Any]] = {}
+    for rows in parts:
+        for row in rows:
+            by_name[row["name"]] = row
     rank = {name: i for i, name in enumerate(order)}
     return sorted(by_name.values(), key=lambda r: rank.get(r["name"], len(rank)))
 
 
-def build(rows: list[dict[str, Any]], machine: str) -> dict[str, Any]:
-    return {
-        "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": machine,
-        "entries": rows,
-        "columns": columns(rows),
-        "first_failures": first_failures(rows),
-    }
-
-
 def write(report: dict[str, Any], report_dir: Path) -> list[Path]:
     """Writes the three files atomically; returns their paths."""
+    from harness import report_html, report_md
 
     report_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for suffix, text in (
-        ("md", markdown(report)),
+        ("md", report_md.markdown(report)),
         ("json", json.dumps(report, indent=2) + "\n"),
-        ("html", html_page(report)),
+        ("html", report_html.page(report)),
     ):
-        path = report_dir / f"compat-matrix.{suffix}"
+        path = report_dir / f"{REPORT_NAME}.{suffix}"
         atomic.write_text(path, text)
         paths.append(path)
     return paths
+
+
+# What the two renderings share.
+LABELS = {
+    "passed": "pass",
+    "warned": "warn",
+    "skipped": "n/a",
+    "failed": "FAIL",
+    "error": "ERROR",
+    None: "not run",
+}
+"""Cell status (None: not run) -> its name in the legend."""
+VERSION_COLUMNS = ("tunix", "jax", "flax", "qwix", "optax")
+_DISTRIBUTION = {"tunix": "google-tunix"}
+
+
+def short_label(column: str, width: int = 26) -> str:
+    """A column's header: a dotted contract name's last two parts (its last part and
+    the words after it, a parenthesis only when short, when it has words), a test function's
+    name without ``test_``; cut to ``width`` characters."""
+    head, _, rest = column.partition(" ")
+    words, paren, note = rest.partition("(")
+    rest = words.strip() + (f" ({note}" if paren and len(note) <= 8 else "")
+    rest = rest.strip()
+    parts = head.split(".")
+    if rest:  # "tunix.sft.dpo dpo_loss_fn (ORPO)" -> "dpo dpo_loss_fn"
+        label = f"{parts[-1]} {rest}"
+    else:
+        label = ".".join(parts[-2:]) if len(parts) > 2 else head.removeprefix("test_")
+    return label if len(label) <= width else label[: width - 1] + "…"
+
+
+def compact_versions(row: dict[str, Any]) -> str:
+    """``0.1.7 · 0.10.2 · 0.12.8 · 0.1.8 · 0.2.8`` (:data:`VERSION_COLUMNS`; ``-``: absent)."""
+    v = row.get("versions", {})
+    return " · ".join(v.get(_DISTRIBUTION.get(k, k), "-") for k in VERSION_COLUMNS)
+
+
+def full_versions(row: dict[str, Any]) -> str:
+    """Every installed distribution of the row, ``name version`` comma-separated."""
+    return ", ".join(f"{k} {v}" for k, v in row.get("versions", {}).items())
+
+
+def source_line(row: dict[str, Any]) -> str:
+    """Where a source row's Tunix came from ("" for a release row)."""
+    source = row.get("source")
+    if not source:
+        return ""
+    what = source["resolved"] or "not resolved"
+    return f"Tunix from source {source['spec']} ({what})"
+
+
+def totals(report: dict[str, Any]) -> dict[str | None, int]:
+    """Status -> number of cells over the grid (None: not run)."""
+    counts: dict[str | None, int] = dict.fromkeys([*STATUSES, None], 0)
+    for row in report["entries"]:
+        for column in report["columns"]:
+            c = cell(row, column)
+            counts[c["status"] if c else None] += 1
+    return counts

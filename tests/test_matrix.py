@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from harness import cli, entries, envs, matrix, report
+from harness import cli, entries, envs, matrix, report, report_md
 from posttrain.sft import tunix_compat
 
 RELEASES = ("0.0.2", "0.1.0", "0.1.1", "0.1.2", "0.1.3", "0.1.4", "0.1.5", "0.1.6", "0.1.7")
@@ -26,8 +26,12 @@ def test_compat_entries_cover_every_release_in_both_flavours():
     from contracts.test_tunix_convention import EXPECTED
 
     for e in loaded:
-        if not e.emulated:
+        if e.flavour in ("current", "era"):
             assert EXPECTED[e.tunix] == e.convention, e.name
+    # Tunix main from its git repository: not a default row (CI cannot reach GitHub).
+    (source,) = [e for e in loaded if e.flavour == "source"]
+    assert source.source == "https://github.com/google/tunix@main" and not source.default
+    assert source.convention == "bound3_update"
     assert {e.name for e in entries.select(loaded)} == {
         "tunix-0.1.5",
         "tunix-0.1.7",
@@ -98,8 +102,8 @@ def test_an_environment_that_cannot_be_built_is_an_error_row(tmp_path):
     assert not list((tmp_path / "envs").iterdir())  # nothing half-built is kept
     row = matrix.run_entry(entry, env, tmp_path / "reports", "1")
     assert row["error"].startswith("environment build failed") and row["contracts"] == {}
-    text = report.markdown(report.build([row], "test"))
-    assert "| broken |" in text and "environment build failed" in text
+    text = report_md.markdown(report.build([row], "test"))
+    assert "| broken 💥 |" in text and "environment build failed" in text
 
 
 def test_a_warm_cache_rebuilds_nothing(tmp_path):
@@ -141,11 +145,12 @@ E   ImportError: cannot import name 'List'</error></testcase>
     path.write_text(xml)
     cells = matrix.junit_cells(path)
     assert cells == {
-        "tunix.X": {"status": "failed", "message": "AssertionError: 2 != 3"},
-        "test_c": {"status": "skipped", "message": "no tunix"},
+        "tunix.X": {"status": "failed", "message": "AssertionError: 2 != 3", "test": "c::test_b"},
+        "test_c": {"status": "skipped", "message": "no tunix", "test": "c::test_c[p]"},
         "contracts.test_d": {
             "status": "error",
             "message": "collection failure: ImportError: cannot import name 'List'",
+            "test": "contracts.test_d",
         },
     }
 
@@ -186,7 +191,7 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     paths = report.write(built, tmp_path)
     md, js, page = (p.read_text() for p in paths)
     assert "first fails in **v3** after passing in v2: boom in v3" in md
-    assert "| v3 | bound2 | jax 0.10.2 | cached 1 s | FAIL | ERROR | FAIL |  |  |" in md
+    assert "| v3 | - · 0.10.2 · - · - · - | ❌ | 💥 | ❌ |  |  |" in md
     assert json.loads(js)["columns"] == ["A", "B", "sft", "rl", "dpo"]
     assert "<b>v3</b>" in page and "boom in v3" in page
 
@@ -198,9 +203,11 @@ def test_update_merges_rerun_rows_into_the_report_in_entry_order(tmp_path):
         ),
         tmp_path,
     )
-    merged = report.merge(
-        tmp_path,
-        [row("v2", "current", {"A": "passed"}), row("v0", "current", {"A": "passed"})],
+    merged = report.combine(
+        [
+            report.load(tmp_path)["entries"],
+            [row("v2", "current", {"A": "passed"}), row("v0", "current", {"A": "passed"})],
+        ],
         ["v0", "v1", "v2"],
     )
     assert [r["name"] for r in merged] == ["v0", "v1", "v2"]
@@ -381,6 +388,7 @@ def test_the_matrix_command_runs_its_entries_and_writes_the_report(tmp_path, cap
 
     def matrix_cli(*extra):
         args = ["--entries", str(path), "--report-dir", str(tmp_path / "r")]
+        args += ["--index-url", "off"]  # no network in the test
         return cli.main(["matrix", *args, "--cache", str(tmp_path / "envs"), *extra])
 
     path.write_text(
@@ -390,7 +398,7 @@ def test_the_matrix_command_runs_its_entries_and_writes_the_report(tmp_path, cap
     status = matrix_cli()
     out, err = capsys.readouterr()
     assert status == 1, err
-    assert "| gone |" in out and "not run: yanked from PyPI" in out
+    assert "| gone 💥 |" in out and "**gone**: not run: yanked from PyPI" in out
     assert {p.name for p in (tmp_path / "r").iterdir()} >= {
         "compat-matrix.md",
         "compat-matrix.json",

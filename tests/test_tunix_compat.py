@@ -6,6 +6,10 @@ import importlib.util
 import re
 import textwrap
 
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from posttrain.sft import tunix_compat
@@ -123,3 +127,63 @@ def test_source_without_a_step_call_is_an_error():
     """A train() that never calls train_step is reported, not guessed."""
     with pytest.raises(tunix_compat.UnknownConventionError, match="no `... = train_step"):
         tunix_compat.detect_from_source("def train(self):\n    pass\n", JIT_UNBOUND)
+
+
+@flax.struct.dataclass
+class _WeightedMetric:
+    """Tunix main's ``tunix.sft.utils.WeightedMetric`` (PT@c7d8950f:184), no installable
+    release has it: a sum, its denominator, optional eps / min_denom, safe division."""
+
+    unreduced_sum: jax.Array
+    denominator: jax.Array
+    eps: float | None = flax.struct.field(default=None, pytree_node=False)
+    min_denom: float | None = flax.struct.field(default=None, pytree_node=False)
+
+    def compute_scale(self):
+        denom = self.denominator
+        if self.eps is not None:
+            denom = denom + self.eps
+        if self.min_denom is not None:
+            denom = jnp.maximum(denom, self.min_denom)
+        safe = jnp.where(denom == 0, 1.0, denom)
+        return jnp.where(denom == 0, 0.0, 1.0 / safe)
+
+    def compute(self):
+        return self.unreduced_sum * self.compute_scale()
+
+
+@flax.struct.dataclass
+class _LossOutput:
+    """Tunix main's ``tunix.sft.utils.LossOutput`` (PT@c7d8950f:223)."""
+
+    primary_loss: _WeightedMetric
+    aux_metrics: dict
+
+
+@pytest.mark.parametrize(
+    ("total", "denominator", "options", "want"),
+    [
+        (6.0, 4.0, {}, 1.5 + 0.25),
+        (6.0, 4.0, {"eps": 1.0, "min_denom": 8.0}, 0.75 + 0.25),
+        (0.0, 0.0, {}, 0.0),  # no tokens: the metric stays 0, the term cannot enter
+    ],
+)
+def test_a_term_added_to_mains_loss_output_moves_its_mean_by_the_term(
+    total, denominator, options, want
+):
+    """add_to_loss on main's weighted LossOutput: the primary metric computes to its mean
+    plus the term; the aux metrics are untouched; loss_and_metrics reduces both."""
+    out = _LossOutput(
+        _WeightedMetric(jnp.float32(total), jnp.float32(denominator), **options),
+        {"kl": _WeightedMetric(jnp.float32(2.0), jnp.float32(4.0))},
+    )
+    added = tunix_compat.add_to_loss(out, jnp.float32(0.25))
+    loss, metrics = tunix_compat.loss_and_metrics(added)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-6)
+    assert float(metrics["kl"]) == 0.5
+    # the older shapes
+    loss, aux = tunix_compat.add_to_loss((jnp.float32(1.0), {"kl": 0.5}), 0.25)
+    assert float(loss) == 1.25 and aux == {"kl": 0.5}
+    assert float(tunix_compat.add_to_loss(jnp.float32(1.0), 0.25)) == 1.25
+    with pytest.raises(tunix_compat.UnknownLossShapeError, match="returned list"):
+        tunix_compat.add_to_loss([1.0], 0.25)

@@ -117,3 +117,17 @@ def run(sampler, prompts, **options):
     tokenizer's ``eos_id()`` only). Returns its ``SamplerOutput``."""
     accepted = inspect.signature(type(sampler).__call__).parameters
     return sampler(prompts, **{k: v for k, v in options.items() if k in accepted})
+
+
+def decode_calls(max_generation_steps: int) -> int:
+    """Model calls the installed ``Sampler``'s decode loop makes after the prefill when no
+    row stops early: ``max_generation_steps`` on google-tunix 0.0.2-0.1.7, whose
+    ``while_loop`` runs while ``decoding_step < total_sampling_steps`` (one call whose
+    token is never used); one fewer on main from f8a25bef (2026-06-28), whose condition is
+    ``< total_sampling_steps - 1`` (``shared/research/tunix-rl.md`` 7, bug class 1).
+    Read from the source of ``Sampler._decode_fn``, feature by feature."""
+    from tunix.generate import sampler as sampler_lib
+
+    source = inspect.getsource(sampler_lib.Sampler._decode_fn)
+    fixed = "total_sampling_steps - 1" in " ".join(source.split())
+    return max_generation_steps - 1 if fixed else max_generation_steps

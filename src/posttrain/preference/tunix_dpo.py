@@ -33,6 +33,8 @@ import inspect
 
 from flax import nnx
 
+from posttrain.sft import tunix_compat
+
 #: The metrics every release's loss reports, by their Tunix names.
 METRICS = (
     "rewards/chosen",
@@ -126,29 +128,17 @@ def training_config(
 
 
 def loss_and_metrics(result) -> tuple:
-    """``(mean loss, {metric: mean})`` of what Tunix's loss returned: ``(loss, aux)`` up
-    to google-tunix 0.1.7, or main's ``LossOutput`` (``primary_loss`` and
-    ``aux_metrics``, weighted sums with their denominators).
+    """``(mean loss, {metric: mean})`` of what Tunix's DPO loss returned
+    (:func:`posttrain.sft.tunix_compat.loss_and_metrics`: ``(loss, aux)`` up to
+    google-tunix 0.1.7, main's ``LossOutput``).
 
     Raises:
       UnknownPreferenceShapeError: neither shape.
     """
-    if isinstance(result, tuple) and len(result) == 2:
-        loss, aux = result
-        return loss, dict(aux)
-    if hasattr(result, "primary_loss") and hasattr(result, "aux_metrics"):
-        return _mean(result.primary_loss), {k: _mean(v) for k, v in result.aux_metrics.items()}
-    raise UnknownPreferenceShapeError(
-        f"Tunix's dpo_loss_fn returned {type(result).__name__}; expected (loss, aux) or LossOutput"
-    )
-
-
-def _mean(metric):
-    if hasattr(metric, "unreduced_sum") and hasattr(metric, "denominator"):
-        import jax.numpy as jnp
-
-        return metric.unreduced_sum / jnp.maximum(metric.denominator, 1.0)
-    return metric
+    try:
+        return tunix_compat.loss_and_metrics(result)
+    except tunix_compat.UnknownLossShapeError as error:
+        raise UnknownPreferenceShapeError(f"dpo_loss_fn: {error}") from None
 
 
 def train_example(**values):

@@ -40,6 +40,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from posttrain.sft import tunix_compat
+
 ALGORITHMS = ("grpo", "dapo", "drgrpo")
 
 #: algorithm -> (learner class names, config class names, first release), newest first.
@@ -359,11 +361,12 @@ def with_moe_aux_loss(trainer, weight: float) -> None:
 
     @functools.wraps(inner)
     def loss_fn(model, *args, **kwargs):
-        loss, aux = inner(model, *args, **kwargs)
+        out = inner(model, *args, **kwargs)
         example = kwargs.get("train_example", args[0] if args else None)
         if example is None or not hasattr(example, "completion_ids"):
             raise UnknownRLShapeError("the actor's loss is called without a train_example")
-        return loss + weight * moe_aux_loss(model, example), aux
+        # (loss, aux) up to 0.1.7, main's LossOutput (a weighted sum) after
+        return tunix_compat.add_to_loss(out, weight * moe_aux_loss(model, example))
 
     trainer.with_loss_fn(loss_fn, has_aux=True)
 

@@ -1,0 +1,141 @@
+"""Upstream deprecations as a verdict of their own: the matrix's ``warn`` cells.
+
+Under ``pytest --upstream-deprecations=record`` (what the matrix runs) a
+``DeprecationWarning``, ``PendingDeprecationWarning`` or ``FutureWarning`` whose
+attributed module (the ``module`` a warnings filter matches: the ``__name__`` of the
+frame ``stacklevel`` points at) is not one of :data:`OWN_PACKAGES` is shown instead of
+raised, whatever ``filterwarnings`` says (the project's ``error`` and its named
+ignores alike). Each one seen while a test is set up, run or torn down, or while its
+module is collected, is recorded on the test as the JUnit property
+``upstream_deprecations``: a JSON list of ``"Category: message (file:line)"`` lines.
+A passing contract with such a property is a ``warn`` cell (``harness.matrix``).
+
+A deprecation attributed to our own code stays whatever ``filterwarnings`` makes it
+(``error`` in this project): calling a deprecated API is our bug to fix, not an
+early signal from upstream. Under the default ``--upstream-deprecations=error``
+nothing changes, which is what the gate runs.
+
+Why not ``-W ignore::DeprecationWarning:tunix``: ``-W`` escapes its module field and
+anchors it (``tunix\\Z``), so it never matches ``tunix.sft.peft_trainer``; and a filter
+cannot tell "record" from "ignore". A nested ``warnings.catch_warnings(record=True)``
+around each phase, with one filter in front, can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+OWN_PACKAGES: tuple[str, ...] = ("posttrain", "harness", "contracts", "tests")
+"""Top-level packages whose warnings are ours (and stay errors)."""
+CATEGORIES: tuple[type[Warning], ...] = (
+    DeprecationWarning,
+    PendingDeprecationWarning,
+    FutureWarning,
+)
+PROPERTY = "upstream_deprecations"
+UPSTREAM_MODULE = rf"(?!(?:{'|'.join(OWN_PACKAGES)})(?:\.|$))"
+"""A ``warnings`` module filter (``re.match``) for every module outside :data:`OWN_PACKAGES`."""
+_OWN_PATH = re.compile(rf"(^|/)({'|'.join(OWN_PACKAGES)})/")
+
+
+WIDTH = 240
+_STDLIB = re.compile(r"^.*/lib/(python3\.\d+/)")
+
+
+def describe(message: warnings.WarningMessage) -> str:
+    """``"Category: message (path:line)"``, the message on one line (cut at
+    :data:`WIDTH`); a path inside an environment is shown from its ``site-packages/`` on,
+    one in the standard library from ``python3.X/`` on."""
+    path = str(message.filename).split("site-packages/", 1)[-1]
+    path = _STDLIB.sub(r"\1", path)
+    text = " ".join(str(message.message).split())
+    text = text if len(text) <= WIDTH else text[: WIDTH - 1] + "…"
+    return f"{message.category.__name__}: {text} ({path}:{message.lineno})"
+
+
+def _ours(message: warnings.WarningMessage) -> bool:
+    # The filter already kept our modules out; a file of ours is a second line of defence.
+    return bool(_OWN_PATH.search(Path(str(message.filename)).as_posix()))
+
+
+@contextlib.contextmanager
+def recording(sink: list[str]) -> Iterator[None]:
+    """Upstream deprecations raised inside are described into ``sink`` instead of
+    raised; every other warning shown inside is re-issued outside, to pytest's own
+    record, as it would have been."""
+    with warnings.catch_warnings(record=True) as log:
+        for category in CATEGORIES:
+            warnings.filterwarnings("always", category=category, module=UPSTREAM_MODULE)
+        try:
+            yield
+        finally:
+            others = []
+            for message in log:
+                if issubclass(message.category, CATEGORIES) and not _ours(message):
+                    text = describe(message)
+                    if text not in sink:
+                        sink.append(text)
+                else:
+                    others.append(message)
+    for message in others:
+        warnings.warn_explicit(
+            message.message, message.category, str(message.filename), message.lineno
+        )
+
+
+_SEEN = pytest.StashKey[list[str]]()
+
+
+class Recorder:
+    """The pytest plugin object ``--upstream-deprecations=record`` registers."""
+
+    def __init__(self) -> None:
+        self.collected: dict[str, list[str]] = {}  # collector node id -> descriptions
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self, collector: pytest.Collector):
+        sink = self.collected.setdefault(collector.nodeid, [])
+        with recording(sink):
+            return (yield)
+
+    def _phase(self, item: pytest.Item):
+        sink = item.stash.setdefault(_SEEN, [])
+        return recording(sink)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item):
+        with self._phase(item):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        with self._phase(item):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None):
+        try:
+            with self._phase(item):
+                return (yield)
+        finally:
+            # After teardown, before its report: the JUnit writer reads the properties
+            # of the teardown report.
+            seen = [
+                text for node in item.listchain() for text in self.collected.get(node.nodeid, [])
+            ]
+            seen += [t for t in item.stash.get(_SEEN, []) if t not in seen]
+            if seen:
+                item.user_properties.append((PROPERTY, json.dumps(seen)))
+
+
+def from_properties(properties: dict[str, str]) -> list[str]:
+    """The descriptions a JUnit testcase's properties hold (``[]`` for none)."""
+    raw = properties.get(PROPERTY)
+    return list(json.loads(raw)) if raw else []

@@ -1,0 +1,199 @@
+"""Tunix from source: a git URL with a ref, or a local directory, resolved to the
+exact tree a matrix row installs.
+
+A source spec (``compat/entries.toml``'s ``source``, ``--tunix-source``) is either
+
+- a git URL, ``git+`` prefix optional, with an optional ``@ref`` after the path
+  (``https://github.com/google/tunix@main``, ``git+ssh://git@host/t.git@v0.1.8``);
+  without one, the remote's ``HEAD``. It resolves through ``git ls-remote`` to a
+  commit (a 40-hex ref is taken as the commit), installed as
+  ``google-tunix @ git+URL@<commit>``;
+- a local directory holding ``pyproject.toml`` or ``setup.py`` (a checkout, or a tree
+  extracted with ``git archive``). It resolves to its git ``HEAD`` commit when the
+  directory is the top of a git work tree (``+tree.<hash>`` added when it has
+  uncommitted changes), else to ``tree.<hash>``: a SHA-256 over every file's path and
+  bytes (``.git``, ``__pycache__``, build outputs and ``*.egg-info`` left out).
+
+The resolved id goes into the environment's key (``harness.envs.env_key``), so the
+environment is rebuilt when the checkout moves or its files change. A source that
+cannot be reached or is not a package is a :class:`SourceError`: the matrix turns it
+into an error row naming the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import subprocess
+from pathlib import Path
+
+DISTRIBUTION = "google-tunix"
+SKIPPED_DIRS = frozenset({".git", "__pycache__", "build", "dist", ".venv", ".tox"})
+LS_REMOTE_TIMEOUT_S = 60
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+class SourceError(ValueError):
+    """A source spec that is malformed, unreachable or not a package; one line."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A parsed source spec.
+
+    Attributes:
+      spec: as given.
+      url: the git URL without ``git+`` and ``@ref`` (None for a directory).
+      ref: the ref asked for (``HEAD`` when none was given; None for a directory).
+      path: the absolute directory (None for a URL).
+    """
+
+    spec: str
+    url: str | None = None
+    ref: str | None = None
+    path: Path | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A source pinned to one tree.
+
+    Attributes:
+      source: what was asked for.
+      id: the commit (40 hex), ``<commit>+tree.<hash>`` or ``tree.<hash>`` (16 hex).
+      requirement: what ``pip install`` gets for Tunix.
+    """
+
+    source: Source
+    id: str
+    requirement: str
+
+    def describe(self) -> str:
+        """One line for the report: where the tree came from and what it is."""
+        where = self.source.path or f"{self.source.url}@{self.source.ref}"
+        return f"{where} ({self.id[:12] if _COMMIT.fullmatch(self.id) else self.id})"
+
+
+def parse(spec: str) -> Source:
+    """A source spec as a :class:`Source` (no I/O besides making a path absolute).
+
+    Raises:
+      SourceError: an empty spec, or a URL with an empty ref.
+    """
+    text = spec.strip()
+    if not text:
+        raise SourceError("source '' is empty; expected a git URL (with @ref) or a directory")
+    if "://" not in text:
+        return Source(spec, path=Path(text).expanduser().resolve())
+    url = text.removeprefix("git+")
+    path_start = url.index("/", url.index("://") + 3) if "/" in url[url.index("://") + 3 :] else -1
+    at = url.rfind("@")
+    ref = "HEAD"
+    if path_start != -1 and at > path_start:
+        url, ref = url[:at], url[at + 1 :]
+        if not ref:
+            raise SourceError(
+                f"source {spec!r}: empty ref after '@'; expected a branch, tag or commit"
+            )
+    return Source(spec, url=url, ref=ref)
+
+
+def tree_hash(root: Path) -> str:
+    """SHA-256 (16 hex) over the relative path and bytes of every file under ``root``,
+    in sorted order, leaving out :data:`SKIPPED_DIRS` and ``*.egg-info``."""
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info"))
+        for name in sorted(files):
+            path = Path(folder) / name
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(
+                path.read_bytes() if not path.is_symlink() else os.readlink(path).encode()
+            )
+            digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _git(
+    args: list[str], cwd: Path | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["git", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+    )
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def resolve(source: Source) -> Resolved:
+    """Pins ``source`` to one tree (see the module docstring).
+
+    Raises:
+      SourceError: the directory does not exist or holds no ``pyproject.toml`` /
+        ``setup.py``; ``git ls-remote`` fails or times out (the URL cannot be reached:
+        its last line is the reason); the ref names nothing on the remote.
+    """
+    if source.path is not None:
+        return _resolve_directory(source)
+    assert source.url is not None and source.ref is not None
+    if _COMMIT.fullmatch(source.ref):
+        commit = source.ref
+    else:
+        try:
+            done = _git(["ls-remote", source.url, source.ref], timeout=LS_REMOTE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise SourceError(f"source {source.spec!r} cannot be reached: {error}") from None
+        if done.returncode != 0:
+            raise SourceError(
+                f"source {source.spec!r} cannot be reached: {_last_line(done.stderr)}"
+            )
+        refs = dict(
+            reversed(line.split("\t", 1)) for line in done.stdout.splitlines() if "\t" in line
+        )
+        wanted = [
+            source.ref,
+            f"refs/heads/{source.ref}",
+            f"refs/tags/{source.ref}^{{}}",
+            f"refs/tags/{source.ref}",
+        ]
+        commit = next((refs[name] for name in wanted if name in refs), None)
+        if commit is None:
+            raise SourceError(
+                f"source {source.spec!r}: ref {source.ref!r} not found on the remote; "
+                "expected a branch, tag or full commit"
+            )
+    return Resolved(source, commit, f"{DISTRIBUTION} @ git+{source.url}@{commit}")
+
+
+def _resolve_directory(source: Source) -> Resolved:
+    path = source.path
+    assert path is not None
+    if not path.is_dir():
+        raise SourceError(f"source {source.spec!r}: {path} is not a directory")
+    if not any((path / name).is_file() for name in ("pyproject.toml", "setup.py")):
+        raise SourceError(
+            f"source {source.spec!r}: {path} has no pyproject.toml or setup.py; "
+            "expected a Tunix checkout"
+        )
+    requirement = f"{DISTRIBUTION} @ {path.as_uri()}"
+    try:
+        top = _git(["rev-parse", "--show-toplevel"], cwd=path)
+    except OSError:  # no git on the machine: the tree's own hash
+        top = None
+    if top is not None and top.returncode == 0 and Path(top.stdout.strip()).resolve() == path:
+        head = _git(["rev-parse", "HEAD"], cwd=path).stdout.strip()
+        dirty = _git(["status", "--porcelain"], cwd=path).stdout.strip()
+        if _COMMIT.fullmatch(head):
+            ident = f"{head}+tree.{tree_hash(path)}" if dirty else head
+            return Resolved(source, ident, requirement)
+    return Resolved(source, f"tree.{tree_hash(path)}", requirement)
