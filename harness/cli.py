@@ -266,17 +266,19 @@ def run_launch(args: argparse.Namespace, command: list[str]) -> int:
 def run_matrix(args: argparse.Namespace) -> int:
     """Runs the selected matrix entries and writes the report (``--list``: prints them).
 
-    Exit status: 0 when every cell that ran passed (``warn`` and ``n/a`` included), 1
-    otherwise, 2 for bad options.
+    Exit status: 0 when no cell of the written report fails (``warn`` and ``n/a`` pass;
+    with ``--update`` the kept rows count too) and every row ran, 1 otherwise, 2 for bad
+    options (a malformed ``--tunix-source`` included; an unreachable one is an error row).
     """
     import platform
 
-    from harness import entries, envs, matrix, report
+    from harness import entries, envs, matrix, report, sources
 
     try:
         loaded = entries.load_entries(args.entries or entries.ENTRIES_FILE)
         chosen = entries.select(loaded, args.only, args.all)
         if args.tunix_source is not None:
+            sources.parse(args.tunix_source)  # malformed: exit 2 now; unreachable: a row
             loaded, row = entries.with_source(loaded, args.tunix_source)
             chosen = [row if e.name == row.name else e for e in chosen]
             chosen += [] if row in chosen else [row]

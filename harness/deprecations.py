@@ -42,7 +42,7 @@ CATEGORIES: tuple[type[Warning], ...] = (
 PROPERTY = "upstream_deprecations"
 UPSTREAM_MODULE = rf"(?!(?:{'|'.join(OWN_PACKAGES)})(?:\.|$))"
 """A ``warnings`` module filter (``re.match``) for every module outside :data:`OWN_PACKAGES`."""
-_OWN_PATH = re.compile(rf"(^|/)({'|'.join(OWN_PACKAGES)})/")
+REPO = Path(__file__).resolve().parent.parent
 
 
 WIDTH = 240
@@ -61,8 +61,12 @@ def describe(message: warnings.WarningMessage) -> str:
 
 
 def _ours(message: warnings.WarningMessage) -> bool:
-    # The filter already kept our modules out; a file of ours is a second line of defence.
-    return bool(_OWN_PATH.search(Path(str(message.filename)).as_posix()))
+    """A file of this checkout outside any installed environment (the filter already
+    kept our modules out; this is a second line of defence)."""
+    path = Path(str(message.filename))
+    if not path.is_absolute() or {"site-packages", "dist-packages"} & set(path.parts):
+        return False
+    return path.resolve().is_relative_to(REPO)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import json
 import os
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
@@ -75,12 +76,15 @@ def check(
     """The drift section of the report.
 
     Returns ``{"index", "checked", "error", "packages"}``: ``error`` is None or why the
-    index could not be asked (then no package has a ``latest``); each package is
-    ``{"name", "distribution", "tested", "latest", "newer"}`` (``newer``: the index has a
-    release newer than ``tested``; ``tested`` None when no row installed it).
-    ``index="off"``: nothing asked, ``error`` says so.
+    index could not be asked (the packages after that one are not asked); each package
+    is ``{"name", "distribution", "tested", "latest", "newer", "error"}`` (``newer``: the
+    index has a release newer than ``tested``, None when no row installed it; ``error``:
+    the index does not know the package). ``index="off"``: nothing asked, ``error`` says
+    so. Never raises: whatever the index answers is reported, credentials in its URL
+    left out.
     """
     tested = newest_tested(rows)
+    given, index = index, _without_credentials(index)
     result: dict[str, Any] = {
         "index": index,
         "checked": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -94,6 +98,7 @@ def check(
             "tested": tested.get(dist),
             "latest": None,
             "newer": False,
+            "error": None,
         }
         result["packages"].append(entry)
         if index == "off":
@@ -102,14 +107,26 @@ def check(
         if result["error"]:
             continue
         try:
-            entry["latest"] = latest(dist, index, timeout)
-        except (OSError, ValueError, json.JSONDecodeError) as error:
+            entry["latest"] = latest(dist, given, timeout)
+        except urllib.error.HTTPError as error:  # this package only (404: not on the index)
+            entry["error"] = f"{error.code} {error.reason}"
+            continue
+        except Exception as error:  # unreachable, or not the JSON API: say so, never fail
             reason = getattr(error, "reason", None) or error
-            result["error"] = f"index {index} could not be asked: {reason}"
+            result["error"] = f"index {index} could not be asked: {type(error).__name__}: {reason}"
             continue
         have, new = _version(entry["tested"] or ""), _version(entry["latest"])
         entry["newer"] = bool(new and (have is None or new > have))
     return result
+
+
+def _without_credentials(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if not parts.username and not parts.password:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def lines(drift: dict[str, Any] | None) -> list[str]:
@@ -121,6 +138,10 @@ def lines(drift: dict[str, Any] | None) -> list[str]:
     if drift["error"]:
         out.append(f"Upstream releases: {drift['error']}.")
     for p in drift["packages"]:
+        if p.get("error"):
+            out.append(
+                f"{p['name']}: the index did not answer for {p['distribution']} ({p['error']})"
+            )
         if p["newer"]:
             tested = f"newest tested {p['tested']}" if p["tested"] else "never installed"
             out.append(f"not yet tested: {p['name']} {p['latest']} ({tested})")

@@ -88,10 +88,11 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
             if not isinstance(item.get(name), str):
                 raise ValueError(f"{where}: {name} = {item.get(name)!r}; expected a string")
         source = item.get("source")
-        if source is not None and not isinstance(source, str):
+        if source is not None and not (isinstance(source, str) and source.strip()):
             raise ValueError(f"{where}: source = {source!r}; expected a git URL or a directory")
-        if isinstance(source, str) and "://" not in source and not Path(source).is_absolute():
-            item = {**item, "source": str(path.parent / source)}  # relative to the file
+        if source is not None and "://" not in source and "@" not in source.split("/")[0]:
+            local = Path(source).expanduser()  # a relative directory: relative to the file
+            item = {**item, "source": str(local if local.is_absolute() else path.parent / local)}
         pins = item.get("pins", [])
         if not (isinstance(pins, list) and all(isinstance(p, str) for p in pins)):
             raise ValueError(f"{where}: pins = {pins!r}; expected a list of requirement strings")
@@ -117,6 +118,10 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
     for e in entries:
         if e.emulated and e.base not in names:
             raise ValueError(f"{path}: entry {e.name}: base {e.base!r} is not an entry")
+        if e.emulated and next(b for b in entries if b.name == e.base).source is not None:
+            raise ValueError(
+                f"{path}: entry {e.name}: base {e.base!r} is a source entry; expected a release"
+            )
     return entries
 
 

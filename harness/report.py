@@ -6,8 +6,8 @@ Rows are entries (in ``compat/entries.toml`` order), columns the contracts (JUni
 "not run". The report's JSON (:func:`build`) holds the rows and what is derived from
 them:
 
-- ``first_failures``: per flavour, each column failing somewhere and the first entry
-  where it fails after having passed in an earlier one;
+- ``first_failures``: per flavour, each column failing somewhere, the first entry where
+  it fails and the last entry before it where it passed (empty when it never had);
 - ``broken``: every failing cell and every row that could not run;
 - ``deprecations``: every upstream deprecation seen, with the first entry (in entry
   order) where it appears and how many entries show it;
@@ -212,8 +212,13 @@ def load(report_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        report["entries"], report["columns"], report["generated"]  # noqa: B018
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        for key in ("entries", "columns", "generated", "machine"):
+            report[key]  # noqa: B018
+        for i, row in enumerate(report["entries"]):
+            missing = [k for k in ("name", "flavour", "convention", "contracts") if k not in row]
+            if missing:
+                raise KeyError(f"entry {i} has no {', '.join(missing)}")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"{path} is not a matrix report ({error})") from None
     return report
 
@@ -291,12 +296,16 @@ def full_versions(row: dict[str, Any]) -> str:
 
 
 def source_line(row: dict[str, Any]) -> str:
-    """Where a source row's Tunix came from ("" for a release row)."""
+    """Where a source row's Tunix came from, and whether it could be had ("" for a
+    release row): a git URL and the commit it resolved to, or a local directory and its
+    commit or tree hash, or why it was not run."""
     source = row.get("source")
     if not source:
         return ""
-    what = source["resolved"] or "not resolved"
-    return f"Tunix from source {source['spec']} ({what})"
+    kind = "git URL" if "://" in source["spec"] else "local checkout"
+    if source["resolved"] is None:
+        return f"Tunix from the {kind} {source['spec']}: not run ({row.get('error', '')})"
+    return f"Tunix from the {kind} {source['spec']} at {source['resolved']}"
 
 
 def totals(report: dict[str, Any]) -> dict[str | None, int]:

@@ -26,6 +26,15 @@ MAX_LISTED = 40
 COMMENT_LIMIT = 65_536
 
 
+def _text(message: str) -> str:
+    """A message as Markdown text: no HTML (``<``, ``>``), no code spans or emphasis it
+    did not mean (a message from a failing test can hold anything)."""
+    out = message.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    for char in "`*_[]|":
+        out = out.replace(char, "\\" + char)
+    return out
+
+
 def _listed(lines: list[str]) -> list[str]:
     if len(lines) <= MAX_LISTED:
         return lines
@@ -50,7 +59,7 @@ def summary(report: dict[str, Any]) -> list[str]:
         [
             f"- {GLYPHS[b['status']]} **{b['entry']}**"
             + (f" / `{b['column']}`" if b["column"] else "")
-            + f": {b['message']}"
+            + f": {_text(b['message'])}"
             + (f" (`{b['test']}`)" if b.get("test") else "")
             for b in broken
         ]
@@ -72,7 +81,7 @@ def summary(report: dict[str, Any]) -> list[str]:
     out.append(f"\n### Upstream deprecations ({len(found)})\n")
     out += _listed(
         [
-            f"- {d['warning']} (`{d['where']}`): first in **{d['first_entry']}**, "
+            f"- {_text(d['warning'])} (`{d['where']}`): first in **{d['first_entry']}**, "
             f"{len(d['entries'])} entries"
             for d in found
         ]
@@ -127,7 +136,7 @@ def markdown(report: dict[str, Any]) -> str:
                 if f["after_passing"]
                 else "from the first entry that ran it"
             )
-            + f": {f['error']}"
+            + f": {_text(f['error'])}"
             for f in failures
         ]
     ) or ["Every contract passes in every entry that ran it."]
@@ -135,7 +144,7 @@ def markdown(report: dict[str, Any]) -> str:
         out.append("\n### Why n/a\n")
         out += _listed(
             [
-                f"- {why or 'skipped'}: {len(where)} cells ({', '.join(where[:3])}"
+                f"- {_text(why) or 'skipped'}: {len(where)} cells ({', '.join(where[:3])}"
                 + (", …" if len(where) > 3 else "")
                 + ")"
                 for why, where in reasons.items()

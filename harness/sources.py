@@ -4,15 +4,15 @@ exact tree a matrix row installs.
 A source spec (``compat/entries.toml``'s ``source``, ``--tunix-source``) is either
 
 - a git URL, ``git+`` prefix optional, with an optional ``@ref`` after the path
-  (``https://github.com/google/tunix@main``, ``git+ssh://git@host/t.git@v0.1.8``);
-  without one, the remote's ``HEAD``. It resolves through ``git ls-remote`` to a
-  commit (a 40-hex ref is taken as the commit), installed as
+  (``https://github.com/google/tunix@main``, ``git+ssh://git@host/t.git@v0.1.8``,
+  ``git@github.com:google/tunix.git@main``); without one, the remote's ``HEAD``. It
+  resolves through ``git ls-remote`` to a commit (a 40-hex ref is taken as the commit;
+  an annotated tag as the commit it tags), installed as
   ``google-tunix @ git+URL@<commit>``;
 - a local directory holding ``pyproject.toml`` or ``setup.py`` (a checkout, or a tree
   extracted with ``git archive``). It resolves to its git ``HEAD`` commit when the
   directory is the top of a git work tree (``+tree.<hash>`` added when it has
-  uncommitted changes), else to ``tree.<hash>``: a SHA-256 over every file's path and
-  bytes (``.git``, ``__pycache__``, build outputs and ``*.egg-info`` left out).
+  uncommitted changes), else to ``tree.<hash>`` (:func:`tree_hash`).
 
 The resolved id goes into the environment's key (``harness.envs.env_key``), so the
 environment is rebuilt when the checkout moves or its files change. A source that
@@ -30,9 +30,12 @@ import subprocess
 from pathlib import Path
 
 DISTRIBUTION = "google-tunix"
-SKIPPED_DIRS = frozenset({".git", "__pycache__", "build", "dist", ".venv", ".tox"})
+ANY_DEPTH = frozenset({".git", "__pycache__"})
+SKIPPED_DIRS = frozenset({"build", "dist", ".venv", ".tox"})
+"""Build outputs left out of :func:`tree_hash` at the top of the tree only."""
 LS_REMOTE_TIMEOUT_S = 60
-_COMMIT = re.compile(r"[0-9a-f]{40}")
+_COMMIT = re.compile(r"[0-9a-fA-F]{40}")
+_SCP = re.compile(r"^[\w.-]+@[\w.-]+:(?!//)")  # git's scp-like syntax, user@host:path
 
 
 class SourceError(ValueError):
@@ -85,10 +88,16 @@ def parse(spec: str) -> Source:
     text = spec.strip()
     if not text:
         raise SourceError("source '' is empty; expected a git URL (with @ref) or a directory")
-    if "://" not in text:
+    scp = _SCP.match(text)
+    if "://" not in text and not scp:
         return Source(spec, path=Path(text).expanduser().resolve())
     url = text.removeprefix("git+")
-    path_start = url.index("/", url.index("://") + 3) if "/" in url[url.index("://") + 3 :] else -1
+    if scp:  # git@host:owner/repo.git[@ref]: the path starts after the colon
+        path_start = scp.end() - 1
+    elif "/" in url[url.index("://") + 3 :]:
+        path_start = url.index("/", url.index("://") + 3)
+    else:
+        path_start = -1
     at = url.rfind("@")
     ref = "HEAD"
     if path_start != -1 and at > path_start:
@@ -101,17 +110,36 @@ def parse(spec: str) -> Source:
 
 
 def tree_hash(root: Path) -> str:
-    """SHA-256 (16 hex) over the relative path and bytes of every file under ``root``,
-    in sorted order, leaving out :data:`SKIPPED_DIRS` and ``*.egg-info``."""
+    """SHA-256 (16 hex) over the relative path and bytes of every regular file under
+    ``root``, in sorted order, following directory links (each real directory once);
+    ``.git``, ``__pycache__`` and ``*.egg-info`` are left out at any depth,
+    :data:`SKIPPED_DIRS`' build outputs only at the top.
+
+    Raises:
+      OSError: a file cannot be read.
+    """
     digest = hashlib.sha256()
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info"))
+    seen: set[str] = set()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link loop, or a directory reached twice
+            dirs[:] = []
+            continue
+        seen.add(real)
+        top = Path(folder) == root
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if d not in ANY_DEPTH
+            and not d.endswith(".egg-info")
+            and not (top and d in SKIPPED_DIRS)
+        )
         for name in sorted(files):
             path = Path(folder) / name
+            if not path.is_file():  # sockets, FIFOs, dangling links
+                continue
             digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-            digest.update(
-                path.read_bytes() if not path.is_symlink() else os.readlink(path).encode()
-            )
+            digest.update(path.read_bytes())
             digest.update(b"\0")
     return digest.hexdigest()[:16]
 
@@ -139,18 +167,20 @@ def resolve(source: Source) -> Resolved:
     """Pins ``source`` to one tree (see the module docstring).
 
     Raises:
-      SourceError: the directory does not exist or holds no ``pyproject.toml`` /
-        ``setup.py``; ``git ls-remote`` fails or times out (the URL cannot be reached:
-        its last line is the reason); the ref names nothing on the remote.
+      SourceError: the directory does not exist, holds no ``pyproject.toml`` /
+        ``setup.py`` or cannot be read; ``git ls-remote`` fails or times out (the URL
+        cannot be reached: its last line is the reason); the ref names nothing there.
     """
     if source.path is not None:
         return _resolve_directory(source)
     assert source.url is not None and source.ref is not None
     if _COMMIT.fullmatch(source.ref):
-        commit = source.ref
+        commit = source.ref.lower()
     else:
         try:
-            done = _git(["ls-remote", source.url, source.ref], timeout=LS_REMOTE_TIMEOUT_S)
+            # ref^{}: an annotated tag's commit (ls-remote lists it only when asked)
+            command = ["ls-remote", source.url, source.ref, f"{source.ref}^{{}}"]
+            done = _git(command, timeout=LS_REMOTE_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as error:
             raise SourceError(f"source {source.spec!r} cannot be reached: {error}") from None
         if done.returncode != 0:
@@ -172,10 +202,19 @@ def resolve(source: Source) -> Resolved:
                 f"source {source.spec!r}: ref {source.ref!r} not found on the remote; "
                 "expected a branch, tag or full commit"
             )
-    return Resolved(source, commit, f"{DISTRIBUTION} @ git+{source.url}@{commit}")
+    # pip has no scp-like form: git@host:path is ssh://git@host/path
+    url = source.url if "://" in source.url else "ssh://" + source.url.replace(":", "/", 1)
+    return Resolved(source, commit, f"{DISTRIBUTION} @ git+{url}@{commit}")
 
 
 def _resolve_directory(source: Source) -> Resolved:
+    try:
+        return _pin_directory(source)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise SourceError(f"source {source.spec!r} cannot be read: {error}") from None
+
+
+def _pin_directory(source: Source) -> Resolved:
     path = source.path
     assert path is not None
     if not path.is_dir():

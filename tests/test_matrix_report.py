@@ -163,9 +163,24 @@ def test_the_merged_report_equals_one_produced_in_a_single_run(tmp_path, capsys)
         k: v for k, v in whole.items() if k not in volatile
     }
     assert [r["name"] for r in merged["entries"]] == ["e1", "e2", "e3"]
-    # a missing part is a one-line error and exit 2
+    # the same entry in two parts: the later part's row wins
+    again = tmp_path / "again"
+    rerun = json.loads((Path(parts[0]) / "compat-matrix.json").read_text())
+    rerun["entries"][0]["contracts"]["test_b"]["status"] = "failed"
+    again.mkdir()
+    (again / "compat-matrix.json").write_text(json.dumps(rerun))
+    argv = ["report", "merge", *parts, str(again), "--report-dir", str(tmp_path / "m2")]
+    cli.main([*argv, "--entries", str(path), "--index-url", "off"])
+    merged = json.loads((tmp_path / "m2" / "compat-matrix.json").read_text())
+    assert merged["entries"][2]["contracts"]["test_b"]["status"] == "failed"
+    # a missing or malformed part is a one-line error and exit 2
+    capsys.readouterr()
     assert cli.main(["report", "merge", str(tmp_path / "nope"), "--index-url", "off"]) == 2
     assert "holds no compat-matrix.json" in capsys.readouterr().err
+    del rerun["machine"]
+    (again / "compat-matrix.json").write_text(json.dumps(rerun))
+    assert cli.main(["report", "merge", str(again), "--index-url", "off"]) == 2
+    assert "is not a matrix report ('machine')" in capsys.readouterr().err
 
 
 def test_matrix_list_json_prints_the_selected_entries(capsys):
@@ -176,8 +191,9 @@ def test_matrix_list_json_prints_the_selected_entries(capsys):
     assert cli.main(["matrix", "--list", "--json", "--tunix-source", "/x/tunix"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert listed[-1]["name"] == "tunix-main" and listed[-1]["source"] == "/x/tunix"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as stopped:
         cli.main(["matrix", "--json"])
+    assert stopped.value.code == 2
 
 
 class _Index(http.server.BaseHTTPRequestHandler):
@@ -213,8 +229,9 @@ def test_drift_names_each_newer_release_and_survives_an_unreachable_index():
     assert newer.pop("flax") == ("0.12.8", "0.12.9")
     assert set(newer) == {"qwix", "optax", "orbax"}
     assert "not yet tested: flax 0.12.9 (newest tested 0.12.8)" in drift.lines(found)
-    gone = drift.check(rows, "http://127.0.0.1:9", timeout=5)
+    gone = drift.check(rows, "http://user:s3cret@127.0.0.1:9", timeout=5)
     assert gone["error"].startswith("index http://127.0.0.1:9 could not be asked")
+    assert "s3cret" not in json.dumps(gone)
     assert not any(p["newer"] for p in gone["packages"])
     built = report.build(rows, "m", drift=gone)
     assert "could not be asked" in report_md.markdown(built)
@@ -314,3 +331,26 @@ def test_the_committed_html_report_renders_its_grid_colours_and_summary(tmp_path
     colours = {colour for _, colour in image.getcolors(maxcolors=1 << 20)}
     pass_bg = tuple(int(report_html.COLOURS["passed"][1][i : i + 2], 16) for i in (1, 3, 5))
     assert pass_bg in colours
+
+
+def test_an_index_that_is_not_http_is_reported_not_raised():
+    """Whatever answers (here a server that speaks another protocol) is a line in the
+    report, never an exception that would lose the matrix's rows."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def answer():
+        conn, _ = listener.accept()
+        conn.recv(1024)
+        conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    try:
+        found = drift.check([], f"http://127.0.0.1:{listener.getsockname()[1]}", timeout=5)
+    finally:
+        listener.close()
+    assert "could not be asked" in found["error"]

@@ -55,6 +55,9 @@ def git(*args, cwd):
         # the user part of ssh://git@host is not a ref; a ref with a slash is kept whole
         ("ssh://git@github.com/google/tunix", "ssh://git@github.com/google/tunix", "HEAD"),
         ("https://h/x@feature/a", "https://h/x", "feature/a"),
+        ("https://h:8443/x@v1", "https://h:8443/x", "v1"),
+        ("git@github.com:google/tunix.git@main", "git@github.com:google/tunix.git", "main"),
+        ("git@github.com:google/tunix.git", "git@github.com:google/tunix.git", "HEAD"),
     ],
 )
 def test_a_url_spec_splits_into_url_and_ref(spec, url, ref):
@@ -75,6 +78,20 @@ def test_a_directory_resolves_to_its_tree_and_moves_with_its_files(tmp_path):
     assert sources.resolve(sources.parse(str(root))).id != first.id
     copy = fake_tunix(tmp_path / "copy", marker="second")
     assert sources.tree_hash(copy) == sources.tree_hash(root)
+    # a nested "dist" package is code, not a build output; a linked directory is followed
+    (root / "tunix" / "dist").mkdir()
+    (root / "tunix" / "dist" / "a.py").write_text("x = 1\n")
+    before = sources.tree_hash(root)
+    (root / "tunix" / "dist" / "a.py").write_text("x = 2\n")
+    assert sources.tree_hash(root) != before
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "b.py").write_text("y = 1\n")
+    (root / "tunix" / "ext").symlink_to(outside, target_is_directory=True)
+    (root / "tunix" / "loop").symlink_to(root, target_is_directory=True)  # no endless walk
+    before = sources.tree_hash(root)
+    (outside / "b.py").write_text("y = 2\n")
+    assert sources.tree_hash(root) != before
 
 
 def test_a_git_checkout_resolves_to_its_commit_and_a_dirty_one_says_so(tmp_path):
@@ -95,6 +112,10 @@ def test_a_git_checkout_resolves_to_its_commit_and_a_dirty_one_says_so(tmp_path)
     assert url.requirement == f"google-tunix @ git+file://{root}@{head}"
     with pytest.raises(sources.SourceError, match="ref 'nope' not found on the remote"):
         sources.resolve(sources.parse(f"file://{root}@nope"))
+    # an annotated tag resolves to its commit, not to the tag object
+    git("tag", "-a", "v1", "-m", "release", cwd=root)
+    assert sources.resolve(sources.parse(f"file://{root}@v1")).id == head
+    assert sources.resolve(sources.parse(f"file://{root}@{head.upper()}")).id == head
 
 
 @pytest.mark.parametrize(
@@ -145,8 +166,13 @@ def test_an_unreachable_source_is_an_error_row_and_the_command_exits_1(tmp_path,
     out, err = capsys.readouterr()
     assert status == 1
     assert "[2/2] tunix-main: source 'https://127.0.0.1:9/google/tunix@main' cannot be" in err
-    assert "| tunix-main 💥 |" in out and "Tunix from source https://127.0.0.1:9" in out
-    assert not (tmp_path / "envs").exists()  # nothing built for it
+    assert (
+        "| tunix-main 💥 |" in out
+        and "Tunix from the git URL https://127.0.0.1:9/google/tunix@main: not run (source" in out
+    )
+    # a malformed spec is bad input: exit 2 before anything runs
+    status = cli.main(["matrix", "--entries", str(path), "--tunix-source", "https://h/x@"])
+    assert status == 2 and "empty ref after '@'" in capsys.readouterr().err
 
 
 def test_source_entries_are_checked_and_relative_paths_are_the_files(tmp_path):
@@ -167,6 +193,7 @@ def test_source_entries_are_checked_and_relative_paths_are_the_files(tmp_path):
         ('flavour="source"', "flavour 'source' with source = None"),
         ('flavour="source"\nsource=3', "source = 3; expected a git URL or a directory"),
         ('flavour="source"\nsource="https://h/t"\nresolved=["a"]', "unknown field(s) ['resolved']"),
+        ('flavour="source"\nsource=""', "source = ''; expected a git URL or a directory"),
     ):
         path.write_text(f'[[entry]]\nname="m"\ntunix="main"\nconvention="bound2"\n{bad}\n')
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -359,3 +386,34 @@ def test_the_emulated_sft_cell_is_n_a_with_the_reason():
 
     env = envs.EnvResult(Path("/nonexistent"), False, 0.0)
     assert matrix._sft(entry, env, {}, fake) == {"status": "skipped", "message": why}
+
+
+def test_an_emulation_cannot_stand_on_a_source_entry(tmp_path):
+    path = tmp_path / "entries.toml"
+    path.write_text(
+        '[[entry]]\nname="s"\ntunix="main"\nflavour="source"\nconvention="bound3_update"\n'
+        'source="https://h/t"\n'
+        '[[entry]]\nname="e"\ntunix="main"\nflavour="emulated"\nconvention="bound2"\n'
+        'emulated=true\nbase="s"\n'
+    )
+    with pytest.raises(ValueError, match="base 's' is a source entry; expected a release"):
+        entries.load_entries(path)
+
+
+def test_only_files_of_this_checkout_outside_environments_count_as_ours():
+    """The second line of defence in deprecations: a path naming a package of ours
+    inside an environment (a checkout called posttrain, its env cache inside it) is
+    upstream."""
+    import warnings
+
+    from harness import deprecations
+
+    def message(path):
+        return warnings.WarningMessage("m", DeprecationWarning, str(path), 1)
+
+    repo = deprecations.REPO
+    assert deprecations._ours(message(repo / "src" / "posttrain" / "sharding.py"))
+    env = repo / ".cache" / "envs" / "e" / "lib" / "python3.11" / "site-packages"
+    assert not deprecations._ours(message(env / "jax" / "_src" / "x.py"))
+    assert not deprecations._ours(message("/home/runner/work/posttrain/tests/x.py"))
+    assert not deprecations._ours(message("<string>"))
