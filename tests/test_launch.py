@@ -260,3 +260,39 @@ def test_dpo_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
     for when in ("before", "after"):
         for key, value in evaluations[1][when].items():
             np.testing.assert_allclose(evaluations[0][when][key], value, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.slow
+def test_generate_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
+    """``posttrain generate`` (greedy and seeded sampling, 3 prompts: the batch filled up
+    to the data-parallel size) on fsdp=4 x tensor=2 across 2 processes x 4 devices: the
+    same tokens, log-probabilities and stop reasons as 1 process x 8 devices, written
+    once (rank 0); one prompt prints its text once."""
+    argv = ["generate", "--model", "qwen3-tiny", "--mesh", "fsdp=4,tensor=2"]
+    argv += ["--max-new-tokens", "6", "--prompt", "def f(", "--prompt", "Hello"]
+    argv += ["--prompt", "a longer prompt than the others"]
+    for options in (["--temperature", "0"], ["--temperature", "0.8", "--top-k", "5"]):
+        two, one = tmp_path / "two.jsonl", tmp_path / "one.jsonl"
+        out = io.StringIO()
+        command = ["posttrain", *argv, *options, "--output", str(two)]
+        assert launch.launch(2, command, out=out) == 0, out.getvalue()[-3000:]
+        subprocess.run(
+            [sys.executable, "-m", "posttrain.cli", *argv, *options, "--output", str(one)]
+            + ["--devices", "8"],
+            capture_output=True,
+            check=True,
+        )
+        got, want = ([json.loads(x) for x in p.read_text().splitlines()] for p in (two, one))
+        assert [r["tokens"] for r in got] == [r["tokens"] for r in want] and len(got) == 3
+        assert [r["stop_reason"] for r in got] == [r["stop_reason"] for r in want]
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5)
+    out = io.StringIO()
+    single = ["posttrain", *argv[:7], "--prompt", "Hello"]
+    assert launch.launch(2, single, out=out) == 0, out.getvalue()[-3000:]
+    printed = {"[rank 0]": [], "[rank 1]": []}
+    for line in out.getvalue().splitlines():
+        rank, _, text = line.partition("] ")
+        if rank + "]" in printed and text.strip() and "Gloo" not in text:
+            printed[rank + "]"].append(text)
+    assert printed["[rank 0]"] and not printed["[rank 1]"], printed

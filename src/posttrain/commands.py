@@ -349,7 +349,7 @@ def generate(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from posttrain import atomic, sharding
+    from posttrain import atomic, distributed, sharding
     from posttrain import generate as gen
     from posttrain.loading import load_model
     from posttrain.sft.data import chat_prompt
@@ -395,7 +395,8 @@ def generate(args: argparse.Namespace) -> int:
             pad_id=pad,
         )
         stream = None
-        if len(ids) == 1 and not args.output:
+        # One process streams; across processes the text is printed once, at the end.
+        if len(ids) == 1 and not args.output and distributed.process_count() == 1:
             shown: list[int] = []
             printed = [""]
 
@@ -411,6 +412,14 @@ def generate(args: argparse.Namespace) -> int:
         out = gen.generate(model, ids, sampling, cache_size=args.cache_size, on_token=stream)
     if stream is not None:
         print(flush=True)
+        return 0
+    if not distributed.is_writer():  # every process generated; one writes
+        return 0
+    if len(ids) == 1 and not args.output:
+        row = out.row(0)
+        print(
+            tok.decode(row[:-1] if out.stop_reasons[0] == "eos" else row, skip_special_tokens=True)
+        )
         return 0
     lines = []
     for i, p in enumerate(prompts):

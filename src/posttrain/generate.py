@@ -15,6 +15,12 @@ whose probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019), an
 token is drawn. The RNG of step i is ``fold_in(key(seed), i)``: a seed gives the same
 tokens on every run and mesh. ``logprobs`` are the model's (``log_softmax`` of the raw
 logits, temperature 1) at each chosen token: what RL and scoring need.
+
+Across processes (:mod:`posttrain.distributed`) every process passes the same prompts:
+they become global arrays with the batch over the data-parallel axes, each process
+placing its own devices' rows, and the results are gathered into every process
+(:func:`posttrain.distributed.host_array`). Streaming (``on_token``) is one process's
+host callback, so it is refused there.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from posttrain import sharding
+from posttrain import distributed, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +236,10 @@ def generate(
 
     Raises:
       ValueError: an empty prompt, or ``cache_size`` too small for the longest prompt
-        plus ``max_new_tokens`` (both numbers named).
+        plus ``max_new_tokens`` (both numbers named); ``on_token`` across processes.
     """
+    if on_token is not None and distributed.process_count() > 1:
+        raise ValueError("on_token (streaming) runs in one process; across processes pass None")
     rows = len(prompts)
     current = sharding.current()
     if current is not None and rows:  # the batch must divide over the data-parallel axes
@@ -246,10 +254,27 @@ def generate(
             f"{tokens.shape[1]} tokens and max_new_tokens={cfg.max_new_tokens}"
         )
     static = dataclasses.replace(cfg, seed=0)
-    out, lps, lengths, done = _generate(
-        model, tokens, real, np.uint32(cfg.seed), static, cache_size, on_token
-    )
-    out, lps, lengths, done = (
-        np.asarray(x)[:rows] for x in jax.device_get((out, lps, lengths, done))
-    )
+    seed = np.uint32(cfg.seed)
+    if current is not None and distributed.process_count() > 1:
+        tokens, real, seed = _global(current.mesh, current.rules, tokens, real, seed)
+    out, lps, lengths, done = _generate(model, tokens, real, seed, static, cache_size, on_token)
+    # a collective across processes: every process gathers the same four, in order
+    out, lps, lengths, done = (distributed.host_array(x)[:rows] for x in (out, lps, lengths, done))
     return Generation(out, lps, lengths, ["eos" if d else "length" for d in done])
+
+
+def _global(mesh, rules, tokens: np.ndarray, real: np.ndarray, seed: np.uint32):
+    """The host inputs as global arrays on ``mesh``: ``tokens`` and ``real`` [B, P] with
+    B over the data-parallel axes, ``seed`` replicated; each process places the pieces
+    of its own devices from its (identical) host copy."""
+    spec = sharding.logical_to_spec(
+        ("activation_batch", None), tokens.shape, dict(mesh.shape), rules
+    )
+    rows = jax.sharding.NamedSharding(mesh, spec)
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    seed = np.asarray(seed)
+    return (
+        jax.make_array_from_callback(tokens.shape, rows, lambda i: tokens[i]),
+        jax.make_array_from_callback(real.shape, rows, lambda i: real[i]),
+        jax.make_array_from_callback((), whole, lambda i: seed),
+    )
