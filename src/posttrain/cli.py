@@ -470,7 +470,7 @@ def _terminate_as_interrupt():
 
 #: Subcommands that run correctly across processes (``posttrain-harness launch``); the
 #: others refuse to start there rather than write from every process or hang (#20).
-MULTI_PROCESS = ("forward", "sft", "dpo", "generate")
+MULTI_PROCESS = ("forward", "sft", "dpo", "generate", "convert")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -499,6 +499,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return commands.forward(args)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion and parity are CPU work
     if args.command == "convert":
+        distributed.initialize()  # rank 0 converts, the others wait (commands.convert)
         return commands.convert(args)
     if args.command == "check-logits":
         if args.seq < 8:

@@ -82,8 +82,29 @@ def forward(args: argparse.Namespace) -> int:
 
 
 def convert(args: argparse.Namespace) -> int:
-    from posttrain import conversion
+    """``posttrain convert``: host files to host files. Across processes rank 0 converts
+    and the others wait for it (every process reads the same directories, one writes)."""
+    from posttrain import conversion, distributed
 
+    if distributed.process_count() == 1:
+        return _convert(args, conversion)
+    converted = False
+    try:
+        if distributed.is_writer():
+            status = _convert(args, conversion)
+            converted = status == 0
+            return status
+    finally:
+        # rank 0's outcome in every rank (a collective: reached on success and on error)
+        converted = bool(distributed.from_writer(int(converted)))
+    if not converted:
+        print(f"rank {distributed.process_index()}: rank 0 did not convert (its error is above)")
+        return 1
+    print(f"rank {distributed.process_index()}: rank 0 wrote {args.dst}")
+    return 0
+
+
+def _convert(args: argparse.Namespace, conversion) -> int:
     if (args.source_format, args.target_format) == ("hf", "native"):
         overrides = {"scan_layers": True} if args.scan else {}
         summary = conversion.convert_hf_to_native(

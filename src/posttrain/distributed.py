@@ -109,6 +109,17 @@ def host_array(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def from_writer(value: int) -> int:
+    """Process 0's ``value`` (an int) in every process: a collective, every process calls
+    it; ``value`` itself in one process."""
+    if process_count() == 1:
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
 def barrier(name: str) -> None:
     """Waits until every process reaches ``barrier(name)`` (a no-op in one process)."""
     if process_count() > 1:
