@@ -127,9 +127,10 @@ def test_a_command_that_does_not_run_across_processes_refuses_to_start():
     """Only the commands listed in ``posttrain.cli.MULTI_PROCESS`` run under the launcher;
     the others exit 2 with one line in every rank."""
     out = io.StringIO()
-    assert launch.launch(2, ["posttrain", "grpo", "--steps", "1"], out=out) == 2
+    command = ["posttrain", "check-logits", "a", "b"]
+    assert launch.launch(2, command, out=out) == 2
     lines = out.getvalue().splitlines()
-    assert any("posttrain grpo does not run across processes yet" in x for x in lines), lines
+    assert any("posttrain check-logits does not run across processes yet" in x for x in lines)
 
 
 def _logits_line(lines) -> str:
@@ -352,3 +353,24 @@ def test_a_checkpoint_through_a_two_process_mesh_and_back_is_bit_identical(tmp_p
     status = launch.launch(2, [*argv, str(tmp_path / "model-step0"), str(back)], out=out)
     assert status != 0
     assert "rank 0 did not convert" in out.getvalue() or "rank 0 exited" in out.getvalue()
+
+
+@pytest.mark.slow
+def test_grpo_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
+    """``posttrain grpo`` (LoRA, Tunix's learner, rollouts on the shared mesh, the held-out
+    evaluation before and after) on 2 processes x 4 devices: the per-step rewards, loss
+    and KL and the evaluations of 1 process x 8 devices; one process writes."""
+    argv = ["grpo", "--lora-rank", "4", "--steps", "2", "--warmup-steps", "0"]
+    argv += ["--max-new-tokens", "4", "--eval-samples", "1"]
+    got, want = _two_then_one(argv, tmp_path)
+    assert [r["step"] for r in got] == [1, 2]
+    for key in ("reward/total/mean", "loss", "kl"):
+        np.testing.assert_allclose(
+            [r[key] for r in got], [r[key] for r in want], rtol=1e-5, atol=1e-6, err_msg=key
+        )
+    evaluations = [
+        json.loads((run / "run.json").read_text())["evaluations"][0]
+        for run in (tmp_path / "two", tmp_path / "one")
+    ]
+    for when in ("before", "after"):
+        np.testing.assert_allclose(evaluations[0][when], evaluations[1][when], atol=1e-9)

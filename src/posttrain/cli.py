@@ -470,7 +470,7 @@ def _terminate_as_interrupt():
 
 #: Subcommands that run correctly across processes (``posttrain-harness launch``); the
 #: others refuse to start there rather than write from every process or hang (#20).
-MULTI_PROCESS = ("forward", "sft", "dpo", "generate", "convert")
+MULTI_PROCESS = ("forward", "sft", "dpo", "generate", "convert", "grpo")
 
 
 def _dispatch(args: argparse.Namespace) -> int:

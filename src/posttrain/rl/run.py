@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from posttrain import atomic, sharding
+from posttrain import atomic, distributed, sharding
 from posttrain.rl import arithmetic, rewards
 
 #: Settings that change what a resumed run computes.
@@ -262,7 +262,9 @@ def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
     if done.is_dir():  # finished by an earlier start of this run
         return str(done)
     data = out / "warmup" / "data.jsonl"
-    arithmetic.write_warmup_jsonl(problems, data, repeats=4)
+    if distributed.is_writer():
+        arithmetic.write_warmup_jsonl(problems, data, repeats=4)
+    distributed.barrier("grpo-warmup-data")
     sft = SFTConfig(
         model=cfg.model,
         data=str(data),
@@ -349,6 +351,9 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     from posttrain.tunix_sampler import TunixTokenizer
 
     cfg.check()
+    # Across processes, process 0 alone writes metrics, progress, run.json and exports.
+    writer = distributed.is_writer()
+    log_every = log_every if writer else None
     out = pathlib.Path(cfg.output)
     previous = _check_resumable(cfg, out)
     tunix_rl.learner_and_config(cfg.algorithm)  # a missing algorithm fails before work
@@ -365,7 +370,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
             f"longest prompt has {too_long} tokens"
         )
     found = tunix_rl.surface()
-    if cfg.temperature != 1.0 and found["trainer logps at rollout temperature"] == "no":
+    if writer and cfg.temperature != 1.0 and found["trainer logps at rollout temperature"] == "no":
         print(
             f"posttrain grpo: warning: temperature={cfg.temperature}: the installed Tunix "
             "computes the trainer's logps at temperature 1, so the ratio and the KL are "
@@ -438,6 +443,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
             rollout=rollout,
         )
         learner = tunix_rl.learner(cfg.algorithm, cluster, algo, recorded, seed=None)
+        tunix_rl.place_actor_optimizer(cluster, mesh)
         moe = model.config.moe
         tunix_rl.with_moe_aux_loss(cluster.actor_trainer, moe.aux_loss_weight if moe else 0.0)
         tap = tunix_rl.MetricsTap()
@@ -454,13 +460,14 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
             with _saves():
                 learner.train(data)
         finally:
-            history = _write_metrics(out, restored, tap, rewards_seen)
+            history = _write_metrics(out, restored, tap, rewards_seen, write=writer)
         seconds = time.perf_counter() - started
         step = int(cluster.actor_trainer.train_steps)
         model = cluster.actor_trainer.model.model  # the trained one (Tunix may re-place it)
         after = evaluate(model, tok, task, cfg, fns) if cfg.eval_samples else None
     exported = export_final(model, out, step)
-    _record(out, cfg, previous, restored, before, after, step, seconds, found)
+    if writer:
+        _record(out, cfg, previous, restored, before, after, step, seconds, found)
     if log_every:
         for record in history[log_every - 1 :: log_every]:
             print(progress_line(record), flush=True)
@@ -487,9 +494,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _write_metrics(out: pathlib.Path, restored: int, tap, rewards_seen) -> list[dict]:
+def _write_metrics(
+    out: pathlib.Path, restored: int, tap, rewards_seen, *, write: bool = True
+) -> list[dict]:
     """Appends the steps after ``restored`` to ``metrics.jsonl`` (dropping any a killed
-    run logged past its checkpoint); returns them."""
+    run logged past its checkpoint; ``write=False``: only computes them); returns them."""
     path = out / "metrics.jsonl"
     kept = []
     if path.exists():
@@ -499,7 +508,8 @@ def _write_metrics(out: pathlib.Path, restored: int, tap, rewards_seen) -> list[
     steps = sorted(s for s in set(tap.records) | set(rewards_seen) if s > restored)
     history = [step_record(s, tap.records.get(s, {}), rewards_seen.get(s, {}), tap) for s in steps]
     lines = kept + [json.dumps(r) for r in history]
-    atomic.write_text(path, "\n".join(lines) + ("\n" if lines else ""))
+    if write:
+        atomic.write_text(path, "\n".join(lines) + ("\n" if lines else ""))
     return history
 
 

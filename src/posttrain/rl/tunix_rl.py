@@ -531,3 +531,23 @@ class MetricsTap:
             return out
 
         rl_cluster.generate = timed
+
+
+def place_actor_optimizer(cluster, mesh) -> None:
+    """Places the actor's optimizer state on ``mesh`` ourselves, across processes.
+
+    Tunix's ``PeftTrainer._shard_optimizer`` (called from ``jit_train_and_eval_step``)
+    applies an eager ``jax.lax.with_sharding_constraint`` to the optimizer state under
+    the ``with mesh:`` the RL cluster enters. Across 2 CPU processes (google-tunix 0.1.7,
+    jax 0.10.2, gloo) both ranks wait inside it forever at the first update. As for SFT
+    (``posttrain.sft.trainer.replicate_unplaced``), arrays not yet on a named sharding
+    are replicated on the mesh with ``jax.device_put``, and ``_shard_optimizer`` becomes a
+    no-op on this trainer. One process keeps Tunix's own path.
+    """
+    if jax.process_count() == 1:
+        return
+    from posttrain.sft.trainer import replicate_unplaced
+
+    trainer = cluster.actor_trainer
+    replicate_unplaced(trainer.optimizer, mesh)
+    trainer._shard_optimizer = lambda mesh: None

@@ -281,7 +281,7 @@ class SFTTrainerMixin:
         """
         for holder in (self.optimizer, getattr(self, "grad_accumulator", None)):
             if holder is not None:
-                _replicate_unplaced(holder, self.mesh)
+                replicate_unplaced(holder, self.mesh)
         return super().jit_train_and_eval_step(*args, **kwargs)
 
     # --- inputs and metrics ---------------------------------------------------------------
@@ -385,7 +385,7 @@ def default_moe_aux_loss_weight(model) -> float:
     return 0.0 if moe is None else float(moe.aux_loss_weight)
 
 
-def _replicate_unplaced(holder, mesh: Mesh) -> None:
+def replicate_unplaced(holder, mesh: Mesh) -> None:
     """Replicates on ``mesh`` each array of ``holder``'s state not already on a named
     sharding (in place); arrays placed on the mesh stay where they are."""
     replicated = NamedSharding(mesh, PartitionSpec())
