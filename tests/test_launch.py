@@ -374,3 +374,20 @@ def test_grpo_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
     ]
     for when in ("before", "after"):
         np.testing.assert_allclose(evaluations[0][when], evaluations[1][when], atol=1e-9)
+
+
+@pytest.mark.slow
+def test_moe_sft_with_experts_split_across_processes_equals_one_process(tmp_path):
+    """An MoE model (mixtral-tiny, 8 experts) trained with expert parallelism over all 8
+    devices (expert=8: 4 experts per process, the dispatch crossing the process boundary)
+    and its load-balancing term: the per-step losses, grad norms and moe_aux_loss of 1
+    process x 8 devices."""
+    argv = ["sft", "--model", "mixtral-tiny", "--mesh", "expert=8", "--lora-rank", "4"]
+    argv += ["--steps", "2", "--max-target-length", "64"]
+    got, want = _two_then_one(argv, tmp_path)
+    assert [r["step"] for r in got] == [1, 2]
+    for key in ("loss", "grad_norm", "moe_aux_loss"):
+        np.testing.assert_allclose(
+            [r[key] for r in got], [r[key] for r in want], rtol=1e-5, err_msg=key
+        )
+    assert all(r["moe_aux_loss"] > 0 for r in got)
