@@ -176,21 +176,30 @@ def _exports(run) -> dict[str, np.ndarray]:
 
 @pytest.mark.slow  # ~34 s of the gate's 2 cores, past its budget; the gate runs the next one
 def test_sft_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
-    """``posttrain sft`` (LoRA, gradient accumulation 2) on 2 processes x 4 devices: the
-    same per-step losses and grad norms (fp32, 1e-6) and the same exported weights as 1
-    process x 8 devices; one process writes metrics, run.json and the exports."""
+    """``posttrain sft`` (LoRA, gradient accumulation 2) on 2 processes x 4 devices, each
+    tokenising only its half of the data (2 data shards): the same per-step losses and
+    grad norms (fp32, 1e-6) and the same exported weights as 1 process x 8 devices
+    reading the same 2 shards; one process writes metrics, run.json and the exports."""
     two, one = tmp_path / "two", tmp_path / "one"
     out = io.StringIO()
     status = launch.launch(2, ["posttrain", *SFT, "--output", str(two)], out=out)
     assert status == 0, out.getvalue()[-3000:]
     printed = out.getvalue().splitlines()
     assert not [x for x in printed if x.startswith("[rank 1] step ")]  # rank 0 logs
+    (shards,) = [
+        re.search(r"([\d,]+) rows of 64 in 2 data shard\(s\), ([\d,]+) read here", x)
+        for x in printed
+        if "read here" in x
+    ]
+    total, here = (int(g.replace(",", "")) for g in shards.groups())
+    assert 0.4 * total < here < 0.6 * total  # rank 0 tokenised its shard only
     # The reference in this process (8 devices): what `posttrain sft` runs for SFT's options.
     from posttrain import cli, commands
     from posttrain.sft.run import run_sft
 
     assert jax.device_count() == 8
-    run_sft(commands.sft_config(cli.build_parser().parse_args([*SFT, "--output", str(one)])))
+    argv = [*SFT, "--data-shards", "2", "--output", str(one)]
+    run_sft(commands.sft_config(cli.build_parser().parse_args(argv)))
     records = [
         [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         for run in (two, one)
@@ -204,7 +213,9 @@ def test_sft_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
     assert got.keys() == want.keys() and len(got) > 20
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
-    assert json.loads((two / "run.json").read_text())["global_batch"] == 8
+    facts = json.loads((two / "run.json").read_text())
+    assert facts["global_batch"] == 8 and facts["data_shards"] == 2
+    assert facts["rows"] == json.loads((one / "run.json").read_text())["rows"]
 
 
 def _two_then_one(argv, tmp_path, launches=([],)) -> tuple[list[dict], list[dict]]:
@@ -234,7 +245,7 @@ def test_full_fine_tuning_stopped_and_resumed_across_processes_equals_one_run(tm
     and resumed to step 3 on 2 processes: the per-step losses of one uninterrupted run
     of 1 process x 8 devices, and metrics.jsonl holds each step once."""
     argv = ["sft", "--grad-accum", "2", "--steps", "3", "--max-target-length", "64"]
-    argv += ["--save-every", "1"]
+    argv += ["--save-every", "1", "--data-shards", "2"]  # each process reads one shard
     two = tmp_path / "two"
     got, want = _two_then_one(argv, tmp_path, launches=(["--stop-after", "1"], []))
     assert [r["step"] for r in got] == [1, 2, 3]
@@ -383,7 +394,7 @@ def test_moe_sft_with_experts_split_across_processes_equals_one_process(tmp_path
     and its load-balancing term: the per-step losses, grad norms and moe_aux_loss of 1
     process x 8 devices."""
     argv = ["sft", "--model", "mixtral-tiny", "--mesh", "expert=8", "--lora-rank", "4"]
-    argv += ["--steps", "2", "--max-target-length", "64"]
+    argv += ["--steps", "2", "--max-target-length", "64", "--data-shards", "2"]
     got, want = _two_then_one(argv, tmp_path)
     assert [r["step"] for r in got] == [1, 2]
     for key in ("loss", "grad_norm", "moe_aux_loss"):

@@ -185,3 +185,51 @@ def test_embedded_dataset_is_real_offline_text():
     assert len(set(answers)) == len(answers)
     for c in conversations[:50]:
         data.validate_messages({"messages": c}, where="embedded")
+
+
+def test_sharded_batches_are_the_same_global_batches_whoever_reads_which_shard():
+    """Two processes each reading one of 2 shards yield, side by side, exactly what one
+    process reading both yields; step_target_tokens is the step's count over both
+    shards (the collective stood in by summing the two processes' counts); one shard
+    is the unsharded order of ``batches``."""
+    import itertools
+
+    from posttrain.sft.data import batches, sharded_batches
+
+    rng = np.random.default_rng(0)
+
+    def shard(n, s):
+        seg = (rng.random((n, 8)) > 0.3).astype(np.int32) * (s + 1)
+        return {
+            "input_tokens": rng.integers(0, 50, (n, 8)),
+            "segment_ids": seg,
+            "input_mask": (seg > 0).astype(np.int32),
+        }
+
+    def sum_values(counts):  # each "process" alone: its own shard's count
+        return sum(counts.values())
+
+    rows = {0: shard(12, 0), 1: shard(10, 1)}
+    both = list(itertools.islice(sharded_batches(rows, 2, 4, grad_accum_steps=2, seed=3), 6))
+    alone = [
+        list(
+            itertools.islice(
+                sharded_batches(
+                    {s: rows[s]}, 2, 4, grad_accum_steps=2, seed=3, step_total=sum_values
+                ),
+                6,
+            )
+        )
+        for s in (0, 1)
+    ]
+    for whole, first, second in zip(both, *alone, strict=True):
+        np.testing.assert_array_equal(
+            whole["input_tokens"], np.concatenate([first["input_tokens"], second["input_tokens"]])
+        )
+        want = int(first["step_target_tokens"][0]) + int(second["step_target_tokens"][0])
+        assert set(whole["step_target_tokens"]) == {want}
+    single = next(sharded_batches({0: rows[0]}, 1, 4, seed=3))
+    plain = next(batches(rows[0], 4, seed=3))
+    assert single.keys() == plain.keys()
+    for k in plain:
+        np.testing.assert_array_equal(single[k], plain[k])

@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--max-target-length", type=int, default=256, help="tokens per row")
     sft.add_argument("--no-packing", action="store_true", help="one conversation per row")
     sft.add_argument(
+        "--data-shards",
+        type=int,
+        default=None,
+        help="split the data into N shards, each packed and shuffled on its own; each "
+        "process tokenises only its shards (default: one per process slice of the batch)",
+    )
+    sft.add_argument(
         "--overflow",
         choices=("truncate", "reject"),
         default="truncate",

@@ -164,6 +164,7 @@ def sft_config(args: argparse.Namespace):
         steps=args.steps,
         max_target_length=args.max_target_length,
         packing=not args.no_packing,
+        data_shards=args.data_shards,
         overflow=args.overflow,
         learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps,

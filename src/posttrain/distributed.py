@@ -109,6 +109,45 @@ def host_array(x):
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def local_rows(sharding, rows: int) -> tuple[int, int]:
+    """``[start, stop)``: the rows of a ``[rows, ...]`` array with ``sharding`` that this
+    process's devices hold (all of them in one process; the same range in processes
+    that hold the batch replicated).
+
+    Raises:
+      ValueError: the rows this process holds are not one contiguous range.
+    """
+    held = sorted(
+        {
+            (index[0].start or 0, rows if index[0].stop is None else index[0].stop)
+            for index in sharding.addressable_devices_indices_map((rows,)).values()
+        }
+    )
+    start, stop = held[0]
+    for lo, hi in held[1:]:
+        if lo > stop:
+            raise ValueError(f"this process holds rows {held} of {rows}: not one range")
+        stop = max(stop, hi)
+    return start, stop
+
+
+def sum_by_key(counts: dict[int, int], keys: int) -> int:
+    """The sum over ``range(keys)`` of each key's count, the counts being spread over the
+    processes (a key counted in several processes, which hold the same data, counts
+    once): a collective, every process calls it; one process sums its own."""
+    import numpy as np
+
+    if process_count() == 1:
+        return int(sum(counts.values()))
+    from jax.experimental import multihost_utils
+
+    mine = np.zeros((keys,), np.int32)
+    for key, count in counts.items():
+        mine[key] = count
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, keys]
+    return int(every.max(axis=0).sum())
+
+
 def from_writer(value: int) -> int:
     """Process 0's ``value`` (an int) in every process: a collective, every process calls
     it; ``value`` itself in one process."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -323,3 +323,54 @@ def batches(
                 step_targets = np.int32(targets[idx].sum())
                 batch["step_target_tokens"] = np.full((global_batch,), step_targets, np.int32)
             yield batch
+
+
+def shard_seed(seed: int, shard: int) -> int:
+    """The shuffling seed of data shard ``shard`` (shard 0 keeps ``seed``: one shard is
+    the unsharded order)."""
+    return seed + 7919 * shard
+
+
+def sharded_batches(
+    shard_rows: dict[int, dict[str, np.ndarray]],
+    shards: int,
+    global_batch: int,
+    grad_accum_steps: int = 1,
+    *,
+    seed: int = 0,
+    step_total: Callable[[dict[int, int]], int] | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """This process's part of each micro-batch when the data is split into ``shards``.
+
+    The dataset is split into ``shards`` interleaved shards (conversation i in shard
+    ``i % shards``), each packed and shuffled on its own (:func:`batches`, seeded by
+    :func:`shard_seed`); a global micro-batch is ``global_batch / shards`` rows of each
+    shard, in shard order. ``shard_rows`` holds the rows of the shards this process reads
+    (contiguous ids); it yields their part, ``[len(shard_rows) x global_batch / shards,
+    ...]``. SFT rows carry ``step_target_tokens``: the step's target count over every
+    shard, ``step_total({shard: its count})`` (across processes a collective, called
+    once per micro-batch in every process; default: the sum of the given shards).
+    The same ``shards`` gives the same global batches whatever the number of processes.
+
+    Raises:
+      ValueError: ``global_batch`` not a multiple of ``shards``; no shard given.
+    """
+    if shards < 1 or global_batch % shards:
+        raise ValueError(f"global batch {global_batch} does not divide into {shards} data shards")
+    if not shard_rows:
+        raise ValueError("no data shard to read")
+    per = global_batch // shards
+    ids = sorted(shard_rows)
+    streams = [batches(shard_rows[s], per, grad_accum_steps, seed=shard_seed(seed, s)) for s in ids]
+    total = step_total or (lambda counts: sum(counts.values()))
+    while True:
+        parts = [next(stream, None) for stream in streams]
+        if any(p is None for p in parts):
+            return
+        local = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        if "step_target_tokens" in local:
+            counts = {s: int(p["step_target_tokens"][0]) for s, p in zip(ids, parts, strict=True)}
+            local["step_target_tokens"] = np.full(
+                (len(local["step_target_tokens"]),), total(counts), np.int32
+            )
+        yield local

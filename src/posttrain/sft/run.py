@@ -48,6 +48,12 @@ class SFTConfig:
       steps: optimizer steps (``TrainingConfig.max_steps``).
       max_target_length: tokens per row.
       packing: pack several conversations per row (else one per row, padded).
+      data_shards: split the conversations into this many interleaved shards, each
+        packed and shuffled on its own (:func:`posttrain.sft.data.sharded_batches`);
+        each process tokenises only the shards of its own rows of every global batch.
+        None: one shard per distinct slice of the batch across processes (1 in one
+        process: the unsharded order). The same value gives the same batches on any
+        number of processes.
       overflow: ``truncate`` or ``reject`` conversations longer than a row.
       learning_rate, warmup_steps: peak of a linear-warmup cosine schedule (to 10%).
       lora_rank, lora_alpha: LoRA on the attention and MLP projections when rank > 0
@@ -78,6 +84,7 @@ class SFTConfig:
     steps: int = 60
     max_target_length: int = 256
     packing: bool = True
+    data_shards: int | None = None
     overflow: str = "truncate"
     learning_rate: float = 3e-3
     warmup_steps: int = 5
@@ -125,6 +132,8 @@ class SFTConfig:
             bad("max_target_length", ">= 2")
         if self.remat not in choices(RematPolicy):
             bad("remat", " or ".join(choices(RematPolicy)))
+        if self.data_shards is not None and self.data_shards < 1:
+            bad("data_shards", ">= 1")
         if self.overflow not in ("truncate", "reject"):
             bad("overflow", "truncate or reject")
         if self.replica_parallel_saves not in ("auto", "on", "off"):
@@ -218,16 +227,46 @@ def pad_id_of(tok) -> int:
     return 0
 
 
-def build_rows(cfg: SFTConfig, tok) -> dict[str, np.ndarray]:
-    """The dataset as padded / packed rows (``posttrain.sft.data.to_rows``)."""
+def build_rows(cfg: SFTConfig, tok, shard: tuple[int, int] = (0, 1)) -> dict[str, np.ndarray]:
+    """The dataset as padded / packed rows (``posttrain.sft.data.to_rows``); ``shard``:
+    ``(index, count)``, only conversations ``index, index + count, ...`` are tokenised."""
     from posttrain.sft import data
     from posttrain.sft.default_data import pydoc_conversations
     from posttrain.sft.tokenizer import check_coverage
 
     conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
+    index, count = shard
+    conversations = conversations[index::count]
     examples = data.encode_dataset(conversations, tok, cfg.max_target_length, overflow=cfg.overflow)
     check_coverage((e.tokens for e in examples), tok, repr(cfg.tokenizer or "(embedded)"))
     return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=pad_id_of(tok))
+
+
+def data_shards(cfg: SFTConfig, mesh, global_batch: int) -> tuple[int, range]:
+    """``(shards, the shards this process reads)`` (:attr:`SFTConfig.data_shards`): the
+    process reads the shards whose rows of every global batch its devices hold.
+
+    Raises:
+      ValueError: the global batch does not divide into the shards, or a process's rows
+        are not whole shards (both numbers named).
+    """
+    from posttrain import sharding
+
+    start, stop = distributed.local_rows(sharding.batch_sharding(mesh), global_batch)
+    shards = cfg.data_shards or global_batch // (stop - start)
+    if global_batch % shards:
+        raise ValueError(
+            f"data_shards={shards} (--data-shards): the global batch {global_batch} does "
+            "not divide into it"
+        )
+    per = global_batch // shards
+    if start % per or stop % per:
+        raise ValueError(
+            f"data_shards={shards} (--data-shards): this process holds rows {start}-{stop} "
+            f"of each global batch, not whole shards of {per} rows; expected a multiple of "
+            f"{global_batch // (stop - start)}"
+        )
+    return shards, range(start // per, stop // per)
 
 
 def load_run_model(cfg, mesh, tok):
@@ -352,7 +391,12 @@ def run_sft(
         )
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
     tok = run_tokenizer(cfg, hf_dir)
-    rows = build_rows(cfg, tok)  # bad data fails before the model is built
+    shards, mine = data_shards(cfg, mesh, global_batch)
+    # bad data fails before the model is built; each process tokenises its shards only
+    shard_rows = {s: build_rows(cfg, tok, (s, shards)) for s in mine}
+    n_rows = distributed.sum_by_key(
+        {s: len(r["input_tokens"]) for s, r in shard_rows.items()}, shards
+    )
     model = load_run_model(cfg, mesh, tok)
 
     out = prepare_output(cfg.output)
@@ -368,6 +412,7 @@ def run_sft(
         metrics_path=out / "metrics.jsonl" if writer else None,
         log_every=log_every,
         single_replica_saves=not replica_parallel,
+        process_local_batches=True,
     )
     trainer = cls(model, tx, training_config, options=options)
     params = sum(
@@ -379,8 +424,9 @@ def run_sft(
     if log_every:
         print(
             f"model {cfg.model}: {params:,} params, {trainable:,} trained; "
-            f"{len(rows['input_tokens']):,} rows of {cfg.max_target_length}; global batch "
-            f"{global_batch} x grad_accum {cfg.grad_accum}; Tunix convention "
+            f"{n_rows:,} rows of {cfg.max_target_length} in {shards} data shard(s), "
+            f"{sum(len(r['input_tokens']) for r in shard_rows.values()):,} read here; global "
+            f"batch {global_batch} x grad_accum {cfg.grad_accum}; Tunix convention "
             f"{trainer.convention.name}; replica-parallel saves "
             f"{'on' if replica_parallel else 'off'} ({cfg.replica_parallel_saves})",
             flush=True,
@@ -390,14 +436,23 @@ def run_sft(
     restored = trainer.train_steps  # Tunix restored the latest checkpoint, if any
     facts = {
         "global_batch": global_batch,
-        "rows": len(rows["input_tokens"]),
+        "rows": n_rows,
+        "data_shards": shards,
         "convention": trainer.convention.name,
         "replica_parallel_saves_resolved": replica_parallel,
     }
     if writer:  # metrics.jsonl keeps each step once: replayed steps re-log
         run_record.begin_segment(out, cfg, facts, restored)
     try:
-        trainer.train(data.batches(rows, global_batch, cfg.grad_accum, seed=cfg.seed))
+        batches = data.sharded_batches(
+            shard_rows,
+            shards,
+            global_batch,
+            cfg.grad_accum,
+            seed=cfg.seed,
+            step_total=lambda counts: distributed.sum_by_key(counts, shards),
+        )
+        trainer.train(batches)
     except NonFiniteLossError:
         trainer.abandon()  # no final checkpoint, no export of a non-finite model
         raise

@@ -77,6 +77,10 @@ class SFTOptions:
         one replica (:func:`posttrain._compat.single_replica_array_saves`) instead of
         its replica-parallel default; same checkpoint, faster in one process on CPU.
         ``run_sft`` turns it on there (``SFTConfig.replica_parallel_saves``).
+      process_local_batches: host batches hold only this process's rows of each global
+        batch (``posttrain.sft.data.sharded_batches``), placed with
+        ``jax.make_array_from_process_local_data``; otherwise (default) every process
+        holds the whole global batch. The same in one process.
     """
 
     mesh: Mesh
@@ -87,6 +91,7 @@ class SFTOptions:
     log_every: int | None = None
     convention: tunix_compat.Convention | None = None
     single_replica_saves: bool = False
+    process_local_batches: bool = False
 
 
 class SFTTrainerMixin:
@@ -121,6 +126,7 @@ class SFTTrainerMixin:
         self.mesh = options.mesh
         self.rules = options.rules
         self.single_replica_saves = options.single_replica_saves
+        self.process_local_batches = options.process_local_batches
         self.grad_accum_steps = training_config.gradient_accumulation_steps or 1
         weight = options.moe_aux_loss_weight
         self.moe_aux_loss_weight = float(
@@ -290,12 +296,16 @@ class SFTTrainerMixin:
         """Places each ``[batch, ...]`` leaf on the data-parallel axes (before Tunix's sharding).
 
         Host arrays are placed from the whole global batch, which every process holds
-        (each process writes its own devices' shards); device arrays (a Tunix trainer's
-        prepared inputs, global across processes) are resharded on device, never read
-        back to the host."""
+        (each process writes its own devices' shards), or, with
+        ``SFTOptions.process_local_batches`` across processes, from this process's rows
+        of it; device arrays (a Tunix trainer's prepared inputs, global across
+        processes) are resharded on device, never read back to the host."""
         input_data = super()._prepare_inputs(input_data)
+        local = self.process_local_batches and jax.process_count() > 1
 
         def place(x):
+            if local and isinstance(x, np.ndarray) and np.ndim(x) >= 1:
+                return jax.make_array_from_process_local_data(self._batch_sharding, x)
             if isinstance(x, np.ndarray | jax.Array) and np.ndim(x) >= 1:
                 return jax.device_put(x, self._batch_sharding)
             return x
