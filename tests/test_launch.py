@@ -215,6 +215,7 @@ def test_sft_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
         np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
     facts = json.loads((two / "run.json").read_text())
     assert facts["global_batch"] == 8 and facts["data_shards"] == 2
+    assert len(list((two / "tensorboard").rglob("events.out.tfevents.*"))) == 1  # rank 0's
     assert facts["rows"] == json.loads((one / "run.json").read_text())["rows"]
 
 

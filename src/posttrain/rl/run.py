@@ -410,9 +410,13 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
             max_to_keep=2,
             enable_async_checkpointing=False,
         ),
+        # One TensorBoard file, process 0's: Tunix's logger opens one in every process
+        # it is given options in (and only process 0's gets the scalars).
         metrics_logging_options=metrics_logger.MetricsLoggerOptions(
             log_dir=str(out / "tensorboard"), flush_every_n_steps=10
-        ),
+        )
+        if distributed.is_writer()
+        else None,
         data_sharding_axis=tuple(sharding.batch_spec(mesh))[:1] or ("fsdp",),
     )
     rollout = tunix_rl.rollout_config(

@@ -340,9 +340,13 @@ def peft_training_fields(cfg, out: pathlib.Path, mesh, *, async_saves: bool = Tr
             max_to_keep=2,
             enable_async_checkpointing=async_saves,
         ),
+        # One TensorBoard file, process 0's: Tunix's logger opens one in every process
+        # it is given options in (and only process 0's gets the scalars).
         metrics_logging_options=metrics_logger.MetricsLoggerOptions(
             log_dir=str(out / "tensorboard"), flush_every_n_steps=10
-        ),
+        )
+        if distributed.is_writer()
+        else None,
         data_sharding_axis=batch_axes or ("fsdp",),
     )
 
