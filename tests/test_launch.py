@@ -43,7 +43,15 @@ assert not x.is_fully_addressable
 total = jax.jit(lambda a: (a * 2).sum())(x)  # a reduction across the process boundary
 np.testing.assert_array_equal(distributed.host_array(x), full)  # gathered from both
 distributed.barrier("done")
+try:  # a block failing in rank 1 only: rank 0 learns it instead of waiting
+    with distributed.together("fail in rank 1"):
+        if distributed.process_index() == 1:
+            raise ValueError("rank 1's shard is bad")
+    caught = "none"
+except (RuntimeError, ValueError) as error:
+    caught = type(error).__name__
 line = f"rank {distributed.process_index()} writer {distributed.is_writer()} sum {float(total)}"
+line += f" caught {caught} " + str(distributed.sum_by_key({distributed.process_index(): 5}, 2))
 sys.stdout.write(line + chr(10))  # one write: gloo's own messages share this stream
 """
 
@@ -52,15 +60,21 @@ def test_two_processes_form_one_runtime_and_gather_across_it():
     """The gate's multi-process test: 2 launched processes x 4 devices join through
     ``posttrain.distributed.initialize`` (gloo) into one 8-device runtime; a jitted
     reduction over an array sharded across both, ``host_array``'s gather and the barrier
-    work, and only rank 0 is the writer. (``posttrain sft`` across processes: the slow
-    tier's equality test below.)"""
+    work, and only rank 0 is the writer; a block failing in rank 1 only makes rank 0
+    raise too (``together``), and ``sum_by_key`` sums both ranks' keys. (``posttrain sft``
+    across processes: the slow tier's equality test below.)"""
     out = io.StringIO()
     assert launch.launch(2, ["python", "-c", CROSS_PROCESS], out=out) == 0, out.getvalue()
     want = float(np.arange(48).sum() * 2)
     # gloo prints its connection messages on stdout in pieces, from its own threads: a
     # piece may land on the same line as ours, so each report is found by its pattern.
-    found = sorted(re.findall(r"rank (\d) writer (\w+) sum ([\d.]+)", out.getvalue()))
-    assert found == [("0", "True", str(want)), ("1", "False", str(want))], out.getvalue()
+    found = sorted(
+        re.findall(r"rank (\d) writer (\w+) sum ([\d.]+) caught (\w+) (\d+)", out.getvalue())
+    )
+    assert found == [
+        ("0", "True", str(want), "RuntimeError", "10"),
+        ("1", "False", str(want), "ValueError", "10"),
+    ], out.getvalue()
 
 
 def test_each_rank_gets_its_variables_and_its_lines_are_prefixed():

@@ -233,3 +233,20 @@ def test_sharded_batches_are_the_same_global_batches_whoever_reads_which_shard()
     assert single.keys() == plain.keys()
     for k in plain:
         np.testing.assert_array_equal(single[k], plain[k])
+
+
+def test_a_resumed_run_keeps_its_recorded_data_shards():
+    """Without --data-shards a resume keeps the count the run trained with (1 for runs
+    recorded before the setting), whatever the processes now; another count is refused,
+    naming both; a count that does not divide the batch is named."""
+    from posttrain import sharding
+    from posttrain.sft.run import SFTConfig, data_shards
+
+    mesh = sharding.make_mesh({"fsdp": 8})
+    assert data_shards(SFTConfig(), mesh, 8) == (1, range(0, 1))
+    assert data_shards(SFTConfig(), mesh, 8, recorded=2) == (2, range(0, 2))
+    assert data_shards(SFTConfig(data_shards=4), mesh, 8) == (4, range(0, 4))
+    with pytest.raises(ValueError, match="data_shards=4 .*trained with 2 data shards"):
+        data_shards(SFTConfig(data_shards=4), mesh, 8, recorded=2)
+    with pytest.raises(ValueError, match="the global batch 8 does not divide into it"):
+        data_shards(SFTConfig(data_shards=3), mesh, 8)

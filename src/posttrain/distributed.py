@@ -148,6 +148,46 @@ def sum_by_key(counts: dict[int, int], keys: int) -> int:
     return int(every.max(axis=0).sum())
 
 
+class together:  # noqa: N801 (a context manager, read as a phrase)
+    """``with together("read the data"):`` a block every process runs, which may fail in
+    some: on leaving it, every process learns whether all succeeded (a collective). One
+    that failed raises its own error; the others raise a ``RuntimeError`` naming the
+    failed processes, instead of waiting for them at the next collective. One process:
+    nothing added."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if process_count() == 1:
+            return False
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(
+            -1
+        )
+        if error is None and failed.any():
+            ranks = ", ".join(str(i) for i in np.flatnonzero(failed))
+            raise RuntimeError(
+                f"process(es) {ranks} could not {self.what} (their error is in their output)"
+            )
+        return False
+
+
+def on_writer(fn, what: str):
+    """``fn()`` in process 0 only, its result there (None elsewhere); every process learns
+    whether it succeeded (a collective), and the others raise a ``RuntimeError`` when it
+    did not, instead of waiting for it at the next collective."""
+    if process_count() == 1:
+        return fn()
+    with together(what):
+        return fn() if is_writer() else None
+
+
 def from_writer(value: int) -> int:
     """Process 0's ``value`` (an int) in every process: a collective, every process calls
     it; ``value`` itself in one process."""

@@ -121,15 +121,17 @@ def export_final(model, out: pathlib.Path, step: int) -> list[pathlib.Path]:
 
     writer = distributed.is_writer()
     written = []
+    adapter = out / f"adapter-step{step}"
+    lora = lora_model = None
     if lora_params(model):
-        adapter = out / f"adapter-step{step}"
-        arrays = adapter_arrays(model)
-        if writer and not adapter.exists():
-            written.append(save_adapter(model, adapter, arrays))
+        lora, lora_model = adapter_arrays(model), model  # gathered in every process
         model = merge_lora(model)
     native = out / f"model-step{step}"
     params = flat_params(model)
-    if writer and not native.exists():
-        written.append(save_native(params, model.config, native))
-    distributed.barrier(f"export-step{step}")
+    # Process 0 writes; a failure there stops every process (no one waits for it).
+    with distributed.together(f"export step {step}"):
+        if writer and lora is not None and not adapter.exists():
+            written.append(save_adapter(lora_model, adapter, lora))
+        if writer and not native.exists():
+            written.append(save_native(params, model.config, native))
     return written

@@ -262,9 +262,9 @@ def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
     if done.is_dir():  # finished by an earlier start of this run
         return str(done)
     data = out / "warmup" / "data.jsonl"
-    if distributed.is_writer():
-        arithmetic.write_warmup_jsonl(problems, data, repeats=4)
-    distributed.barrier("grpo-warmup-data")
+    distributed.on_writer(
+        lambda: arithmetic.write_warmup_jsonl(problems, data, repeats=4), "write the warm-up data"
+    )
     sft = SFTConfig(
         model=cfg.model,
         data=str(data),

@@ -206,10 +206,12 @@ def encode_dataset(
     max_target_length: int,
     *,
     overflow: str = "truncate",
+    numbers: Sequence[int] | None = None,
 ) -> list[Example]:
     """Encodes conversations; longer than ``max_target_length`` is truncated or rejected.
 
-    Conversations left without a target token after truncation are dropped.
+    Conversations left without a target token after truncation are dropped. ``numbers``:
+    each conversation's index in the file, for the errors (default: its position).
 
     Raises:
       ValueError: ``overflow="reject"`` and a conversation is too long (naming
@@ -221,7 +223,8 @@ def encode_dataset(
         raise ValueError(f"max_target_length={max_target_length}; expected >= 2")
     vocab = tokenizer.get_vocab_size()
     examples = []
-    for i, ex in enumerate(encode_chats(conversations, tokenizer)):
+    for position, ex in enumerate(encode_chats(conversations, tokenizer)):
+        i = position if numbers is None else numbers[position]
         if len(ex.tokens) > max_target_length:
             if overflow == "reject":
                 raise ValueError(

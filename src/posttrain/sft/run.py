@@ -51,9 +51,10 @@ class SFTConfig:
       data_shards: split the conversations into this many interleaved shards, each
         packed and shuffled on its own (:func:`posttrain.sft.data.sharded_batches`);
         each process tokenises only the shards of its own rows of every global batch.
-        None: one shard per distinct slice of the batch across processes (1 in one
-        process: the unsharded order). The same value gives the same batches on any
-        number of processes.
+        None: a resumed run's count, else one shard per distinct slice of the batch
+        across processes (1 in one process: the unsharded order). The same value gives
+        the same batches on any number of processes whose rows are whole shards (the
+        count a multiple of the processes' slices of the batch).
       overflow: ``truncate`` or ``reject`` conversations longer than a row.
       learning_rate, warmup_steps: peak of a linear-warmup cosine schedule (to 10%).
       lora_rank, lora_alpha: LoRA on the attention and MLP projections when rank > 0
@@ -236,24 +237,47 @@ def build_rows(cfg: SFTConfig, tok, shard: tuple[int, int] = (0, 1)) -> dict[str
 
     conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
     index, count = shard
+    numbers = range(index, len(conversations), count)  # errors name the file's index
     conversations = conversations[index::count]
-    examples = data.encode_dataset(conversations, tok, cfg.max_target_length, overflow=cfg.overflow)
+    examples = data.encode_dataset(
+        conversations, tok, cfg.max_target_length, overflow=cfg.overflow, numbers=numbers
+    )
     check_coverage((e.tokens for e in examples), tok, repr(cfg.tokenizer or "(embedded)"))
     return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=pad_id_of(tok))
 
 
-def data_shards(cfg: SFTConfig, mesh, global_batch: int) -> tuple[int, range]:
+def recorded_shards(cfg: SFTConfig) -> int | None:
+    """The data shards the run in ``cfg.output`` trained with, when there is one to
+    resume (1 for a run recorded before the setting existed); None for a new run."""
+    record = run_record.read(cfg.output)
+    if not record:
+        return None
+    return int(record.get("data_shards", 1))
+
+
+def data_shards(
+    cfg: SFTConfig, mesh, global_batch: int, recorded: int | None = None
+) -> tuple[int, range]:
     """``(shards, the shards this process reads)`` (:attr:`SFTConfig.data_shards`): the
-    process reads the shards whose rows of every global batch its devices hold.
+    process reads the shards whose rows of every global batch its devices hold. A run
+    resumed without ``data_shards`` keeps the count it was ``recorded`` with, so the
+    data order survives a change in the number of processes.
 
     Raises:
-      ValueError: the global batch does not divide into the shards, or a process's rows
-        are not whole shards (both numbers named).
+      ValueError: the global batch does not divide into the shards, a process's rows
+        are not whole shards (both numbers named), or ``data_shards`` differs from the
+        resumed run's.
     """
     from posttrain import sharding
 
     start, stop = distributed.local_rows(sharding.batch_sharding(mesh), global_batch)
-    shards = cfg.data_shards or global_batch // (stop - start)
+    if recorded is not None and cfg.data_shards not in (None, recorded):
+        raise ValueError(
+            f"data_shards={cfg.data_shards} (--data-shards): the run in {cfg.output} "
+            f"trained with {recorded} data shards; resuming with another count would "
+            "change its data order"
+        )
+    shards = cfg.data_shards or recorded or global_batch // (stop - start)
     if global_batch % shards:
         raise ValueError(
             f"data_shards={shards} (--data-shards): the global batch {global_batch} does "
@@ -395,9 +419,12 @@ def run_sft(
         )
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
     tok = run_tokenizer(cfg, hf_dir)
-    shards, mine = data_shards(cfg, mesh, global_batch)
-    # bad data fails before the model is built; each process tokenises its shards only
-    shard_rows = {s: build_rows(cfg, tok, (s, shards)) for s in mine}
+    shards, mine = data_shards(cfg, mesh, global_batch, recorded_shards(cfg))
+    # Bad data fails before the model is built. Each process tokenises its shards only,
+    # so a bad shard fails in one process: every process learns it and stops (a
+    # collective), none waits for the others at the next one.
+    with distributed.together("read the data"):
+        shard_rows = {s: build_rows(cfg, tok, (s, shards)) for s in mine}
     n_rows = distributed.sum_by_key(
         {s: len(r["input_tokens"]) for s, r in shard_rows.items()}, shards
     )

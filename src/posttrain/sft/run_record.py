@@ -37,7 +37,6 @@ TRAINING_FIELDS = (
     "steps",
     "max_target_length",
     "packing",
-    "data_shards",
     "overflow",
     "learning_rate",
     "warmup_steps",
