@@ -111,18 +111,21 @@ def _warning_key(text: str) -> str:
 
 def deprecations(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> list[dict[str, Any]]:
     """Every distinct upstream deprecation: ``{"warning", "where", "first_entry",
-    "entries", "columns"}`` (``where``: its first ``path:line``), in first-seen order."""
-    found: dict[str, dict[str, Any]] = {}
+    "entries", "columns"}`` (``where``: its first ``path:line``), in first-seen order.
+    Distinct: the text, and the package raising it (the first part of its path; the
+    same deprecation from qwix and from tunix are two findings), not the line."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
         for column in cols:
             c = cell(row, column) or {}
             for text in c.get("warnings", []):
                 key = _warning_key(text)
+                where = text[len(key) + 2 : -1] if text != key else ""
                 item = found.setdefault(
-                    key,
+                    (key, where.split("/")[0]),
                     {
                         "warning": key,
-                        "where": text[len(key) + 2 : -1] if text != key else "",
+                        "where": where,
                         "first_entry": row["name"],
                         "entries": [],
                         "columns": [],
