@@ -19,3 +19,19 @@ def hf_tiny():
 
     torch.set_num_threads(1)  # steady timings on a shared CPU
     return hf_tiny
+
+
+@pytest.fixture(scope="module")
+def jax_started():
+    """JAX imported and its backend started before any (function-scoped) pytester fixture.
+
+    pytester drops the modules an in-process run imported; jax first imported
+    inside one would be imported a second time afterwards, which aborts.
+    """
+    import jax
+
+    jax.devices()
+    from harness import pytest_plugin
+
+    pytest_plugin.environment_facts()
+    return jax

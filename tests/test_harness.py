@@ -207,20 +207,6 @@ MARKED_TESTS = """
 """
 
 
-@pytest.fixture(scope="module")
-def jax_started():
-    """JAX imported and its backend started before any (function-scoped) pytester fixture.
-
-    pytester drops the modules an in-process run imported; jax first imported
-    inside one would be imported a second time afterwards, which aborts.
-    """
-    import jax
-
-    jax.devices()
-    pytest_plugin.environment_facts()
-    return jax
-
-
 def _device_count() -> int:
     import jax
 

@@ -282,50 +282,30 @@ DEPRECATING_TESTS = textwrap.dedent(
 )
 
 
-# Under xdist (as the matrix runs it) the properties travel with the worker's reports:
-# the slow tier checks it, for 4 s of the gate's time.
-@pytest.mark.parametrize("workers", ["0", pytest.param("2", marks=pytest.mark.slow)])
-def test_an_upstream_deprecation_is_a_warn_cell_and_our_own_a_failure(tmp_path, workers):
-    """Through real pytest (as the matrix runs it, xdist workers included): the
-    upstream-attributed DeprecationWarning makes a warn cell with its text and origin,
-    the posttrain-attributed one fails, and without the option both fail."""
-    (tmp_path / "fakeupstream").mkdir()
-    (tmp_path / "fakeupstream" / "__init__.py").write_text(
+def _deprecating_project(root):
+    (root / "fakeupstream").mkdir()
+    (root / "fakeupstream" / "__init__.py").write_text(
         "import warnings\n"
         "def old_api():\n"
         "    warnings.warn('old_api is deprecated; use new_api', DeprecationWarning)\n"
         "    return 1\n"
     )
-    (tmp_path / "test_dep.py").write_text(DEPRECATING_TESTS)
-    (tmp_path / "pyproject.toml").write_text(
+    (root / "test_dep.py").write_text(DEPRECATING_TESTS)
+    (root / "pyproject.toml").write_text(
         "[tool.pytest.ini_options]\nfilterwarnings = [\n  'error',\n"
         # a named ignore of the upstream one, as the project has: the matrix still sees it
         "  'ignore:old_api is deprecated:DeprecationWarning:fakeupstream',\n]\n"
     )
 
-    def run(*extra):
-        junit = tmp_path / f"j{len(extra)}.xml"
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-n",
-            workers,
-            f"--junitxml={junit}",
-            "--rootdir",
-            str(tmp_path),
-            *extra,
-        ]
-        subprocess.run(command, cwd=tmp_path, capture_output=True, env=_env(tmp_path))
-        return matrix.junit_cells(junit, tmp_path)
 
+def _check_deprecation_cells(run, root):
+    """The upstream-attributed DeprecationWarning makes a warn cell with its text and
+    origin, the posttrain-attributed one fails; without the option (the gate's mode)
+    the named ignore hides the upstream one and ours still fails."""
     cells = run("--upstream-deprecations", "record")
     warned = cells["fakeupstream.old_api"]
     assert warned["status"] == "warned", cells
-    where = tmp_path / "fakeupstream" / "__init__.py"
+    where = root / "fakeupstream" / "__init__.py"
     assert warned["warnings"] == [
         f"DeprecationWarning: old_api is deprecated; use new_api ({where}:3)"
     ]
@@ -337,6 +317,37 @@ def test_an_upstream_deprecation_is_a_warn_cell_and_our_own_a_failure(tmp_path, 
     plain = run()  # the gate's mode: filterwarnings decides (here: the named ignore)
     assert plain["fakeupstream.old_api"] == {"status": "passed", "message": ""}
     assert plain["ours"]["status"] == "failed"
+
+
+def test_an_upstream_deprecation_is_a_warn_cell_and_our_own_a_failure(
+    jax_started, pytester: pytest.Pytester
+):
+    """Through a real pytest session (in this process): see _check_deprecation_cells."""
+    _deprecating_project(pytester.path)
+    pytester.syspathinsert()
+
+    def run(*extra):
+        junit = pytester.path / f"j{len(extra)}.xml"
+        pytester.runpytest("-p", "no:cacheprovider", f"--junitxml={junit}", *extra)
+        return matrix.junit_cells(junit, pytester.path)
+
+    _check_deprecation_cells(run, pytester.path)
+
+
+@pytest.mark.slow  # two interpreters importing JAX: 4 s of the gate's time
+def test_deprecation_properties_travel_with_xdist_workers(tmp_path):
+    """As the matrix runs pytest (a subprocess, 2 xdist workers): the properties travel
+    with the workers' reports."""
+    _deprecating_project(tmp_path)
+
+    def run(*extra):
+        junit = tmp_path / f"j{len(extra)}.xml"
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2"]
+        command += [f"--junitxml={junit}", "--rootdir", str(tmp_path), *extra]
+        subprocess.run(command, cwd=tmp_path, capture_output=True, env=_env(tmp_path))
+        return matrix.junit_cells(junit, tmp_path)
+
+    _check_deprecation_cells(run, tmp_path)
 
 
 def _env(root):
