@@ -226,7 +226,7 @@ def test_dummy_batch_shape_multiplies_the_rule_axes():
 
 
 @pytest.mark.devices(8)
-@settings(max_examples=scaled(8))
+@settings(max_examples=scaled(5))
 @given(case=presets_and_meshes())
 def test_apply_lora_on_any_mesh(case):
     """On any 8-device mesh a tiny preset allows, scanned or not, apply_lora creates the
@@ -248,7 +248,7 @@ def _check_step(case) -> None:
 
 
 @pytest.mark.devices(8)
-@settings(max_examples=scaled(3))
+@settings(max_examples=scaled(2))
 @given(case=presets_and_meshes())
 def test_lora_forward_and_grad_on_any_mesh(case):
     """On any allowed 8-device mesh the LoRA model's jitted loss and LoRA-only gradient
