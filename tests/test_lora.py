@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -491,6 +492,44 @@ def test_qlora_scanned_runs_and_adapts(qtype, tile_size):
         assert np.abs(forward(lora_model, tokens) - got).max() > 1e-3
 
 
+@pytest.mark.devices(8)
+def test_qlora_merge_gives_the_dequantised_base_plus_the_deltas():
+    """merge_lora of a QLoRA model: each quantised weight becomes qwix's dequantisation
+    of it plus (alpha / rank) A.B, every other parameter is the base's own, and the merged
+    model's logits are the QLoRA model's (the kernels compute on the same values)."""
+    from posttrain.lora.merge import base_weights
+
+    cfg = get_config("qwen3-tiny", scan_layers=True)
+    mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+    base = placed_model(cfg, mesh)
+    lora_model = apply_lora(base, mesh, LORA.replace(weight_qtype="int8"))
+    randomise_adapters(lora_model)
+    weights = {".".join(map(str, p)): np.asarray(v) for p, v in base_weights(lora_model).items()}
+    plain = flat_params(base)
+    assert weights.keys() == plain.keys()
+    deltas = {k: np.asarray(v) for k, v in lora_deltas(lora_model).items()}
+    merged = flat_params(merge_lora(lora_model))
+    quantised = 0
+    for key, value in plain.items():
+        delta = deltas.get(key)
+        if delta is None:
+            np.testing.assert_array_equal(weights[key], value, err_msg=key)
+            np.testing.assert_array_equal(merged[key], value, err_msg=key)
+            continue
+        quantised += 1
+        # int8 with per-channel scales: near the float weight, never equal to it
+        assert not np.array_equal(weights[key], value), key
+        np.testing.assert_allclose(weights[key], value, atol=0.02 * np.abs(value).max())
+        np.testing.assert_allclose(merged[key], weights[key] + delta, rtol=1e-6, atol=1e-6)
+    assert quantised == expected_adapters(cfg) // 2
+    tokens = tokens_on(cfg, mesh, 4, 8)
+    with sharding.use_mesh(mesh):
+        want = forward(lora_model, tokens)
+        np.testing.assert_allclose(
+            forward(merge_lora(lora_model), tokens), want, atol=1e-4 * np.abs(want).max()
+        )
+
+
 # --- bad input ------------------------------------------------------------------------------------
 
 
@@ -694,3 +733,23 @@ def test_iter_adapters_skips_non_string_attribute_keys(monkeypatch):
     vars(list_like)[0] = "an item"  # what vars(nnx.List) holds in flax 0.12.0
     monkeypatch.setattr(layout._compat, "iter_modules", lambda model: [(("layers",), list_like)])
     assert list(layout.iter_adapters(object())) == []
+
+
+@pytest.mark.devices(8)
+def test_merge_refuses_a_model_without_adapters_and_unmerge_a_foreign_one():
+    """merge_lora of a model apply_lora did not build names the fix; unmerge_lora with the
+    adapters of another model names (up to 4 of) the adapted weights the merged one lacks."""
+    mesh = sharding.make_mesh({"fsdp": 8})
+    base = placed_model(get_config("llama3-tiny"), mesh)
+    with pytest.raises(ValueError, match=r"^model has no lora_config; build it with posttrain"):
+        merge_lora(base)
+    tiny = get_config("llama3-tiny")
+    deeper = tiny.replace(
+        num_layers=tiny.num_layers + 1, layer_types=(*tiny.layer_types, tiny.layer_types[-1])
+    )
+    other = apply_lora(placed_model(deeper, mesh), mesh, LORA)  # its last layer's are extra
+    with pytest.raises(ValueError) as caught:
+        unmerge_lora(base, other)
+    message = str(caught.value)
+    assert re.fullmatch(r"adapted weights \[.*\] are not in the model", message), message
+    assert message.count("'") == 2 * 4  # the first 4 of them
