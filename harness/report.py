@@ -215,8 +215,9 @@ def load(report_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        for key in ("entries", "columns", "generated", "machine"):
-            report[key]  # noqa: B018
+        missing = [k for k in ("entries", "columns", "generated", "machine") if k not in report]
+        if missing:
+            raise KeyError(", ".join(missing))
         for i, row in enumerate(report["entries"]):
             missing = [k for k in ("name", "flavour", "convention", "contracts") if k not in row]
             if missing:

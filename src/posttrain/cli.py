@@ -26,7 +26,7 @@ import contextlib
 import os
 import sys
 
-from posttrain import commands
+from posttrain import commands, distributed
 from posttrain.config import RematPolicy, choices
 
 
@@ -425,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     """Runs ``posttrain`` with ``argv``; returns the exit status.
 
     Bad input (a ``ValueError``, an ``OSError`` on a path, an unsupported option) prints
-    one line ``posttrain: error: ...`` and returns 2. Anything else is a bug: one line
-    ``posttrain: internal error: ...`` and 1, the traceback only with ``--debug`` or
+    one line ``posttrain: error: ...`` and returns 2. Another process's failure
+    (``distributed.OtherProcessFailed``) prints one line and returns 1. Anything else is
+    a bug: one line ``posttrain: internal error: ...`` and 1, the traceback only with ``--debug`` or
     ``POSTTRAIN_DEBUG=1``. Ctrl-C and SIGTERM: one line, 130 / 143.
     """
     args = build_parser().parse_args(argv)
@@ -443,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"posttrain: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except distributed.OtherProcessFailed as e:  # not this process's bug: the other's error
+        print(f"posttrain: {_one_line(e)}", file=sys.stderr)
+        return 1
     except Exception as e:
         if debug:
             raise

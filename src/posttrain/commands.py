@@ -86,22 +86,12 @@ def convert(args: argparse.Namespace) -> int:
     and the others wait for it (every process reads the same directories, one writes)."""
     from posttrain import conversion, distributed
 
-    if distributed.process_count() == 1:
-        return _convert(args, conversion)
-    converted = False
-    try:
-        if distributed.is_writer():
-            status = _convert(args, conversion)
-            converted = status == 0
-            return status
-    finally:
-        # rank 0's outcome in every rank (a collective: reached on success and on error)
-        converted = bool(distributed.from_writer(int(converted)))
-    if not converted:
-        print(f"rank {distributed.process_index()}: rank 0 did not convert (its error is above)")
-        return 1
-    print(f"rank {distributed.process_index()}: rank 0 wrote {args.dst}")
-    return 0
+    # A failure in rank 0 reaches the others as OtherProcessFailed (exit 1).
+    status = distributed.on_writer(lambda: _convert(args, conversion), "convert")
+    if not distributed.is_writer():
+        print(f"rank {distributed.process_index()}: rank 0 wrote {args.dst}")
+        return 0
+    return status
 
 
 def _convert(args: argparse.Namespace, conversion) -> int:

@@ -148,12 +148,16 @@ def sum_by_key(counts: dict[int, int], keys: int) -> int:
     return int(every.max(axis=0).sum())
 
 
+class OtherProcessFailed(RuntimeError):
+    """Another process failed in a :class:`together` block; its own error is in its output."""
+
+
 class together:  # noqa: N801 (a context manager, read as a phrase)
     """``with together("read the data"):`` a block every process runs, which may fail in
     some: on leaving it, every process learns whether all succeeded (a collective). One
-    that failed raises its own error; the others raise a ``RuntimeError`` naming the
-    failed processes, instead of waiting for them at the next collective. One process:
-    nothing added."""
+    that failed raises its own error; the others raise :class:`OtherProcessFailed` naming
+    the failed processes, instead of waiting for them at the next collective. One
+    process: nothing added."""
 
     def __init__(self, what: str) -> None:
         self.what = what
@@ -172,7 +176,7 @@ class together:  # noqa: N801 (a context manager, read as a phrase)
         )
         if error is None and failed.any():
             ranks = ", ".join(str(i) for i in np.flatnonzero(failed))
-            raise RuntimeError(
+            raise OtherProcessFailed(
                 f"process(es) {ranks} could not {self.what} (their error is in their output)"
             )
         return False
@@ -180,23 +184,13 @@ class together:  # noqa: N801 (a context manager, read as a phrase)
 
 def on_writer(fn, what: str):
     """``fn()`` in process 0 only, its result there (None elsewhere); every process learns
-    whether it succeeded (a collective), and the others raise a ``RuntimeError`` when it
-    did not, instead of waiting for it at the next collective."""
+    whether it succeeded (a collective), and the others raise :class:`OtherProcessFailed`
+    when it did not, instead of waiting for it at the next collective. One process:
+    ``fn()``."""
     if process_count() == 1:
         return fn()
     with together(what):
         return fn() if is_writer() else None
-
-
-def from_writer(value: int) -> int:
-    """Process 0's ``value`` (an int) in every process: a collective, every process calls
-    it; ``value`` itself in one process."""
-    if process_count() == 1:
-        return value
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
 def barrier(name: str) -> None:
