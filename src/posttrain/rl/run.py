@@ -341,9 +341,9 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         Tunix does not have (one line naming it).
     """
     import optax
-    import orbax.checkpoint as ocp
     from tunix.sft import metrics_logger
 
+    from posttrain import _compat
     from posttrain.loading import export_final, load_trainable
     from posttrain.rl import tunix_rl
     from posttrain.rl.policy import TunixPolicy, reference_of
@@ -405,8 +405,8 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         mini_batch_size=batch,
         micro_batch_size=batch,
         checkpoint_root_directory=str((out / "checkpoints").resolve()),
-        checkpointing_options=ocp.CheckpointManagerOptions(
-            save_interval_steps=min(cfg.save_every, cfg.stop_after or cfg.save_every),
+        checkpointing_options=_compat.interval_checkpoint_options(
+            min(cfg.save_every, cfg.stop_after or cfg.save_every),
             max_to_keep=2,
             enable_async_checkpointing=False,
         ),

@@ -248,7 +248,8 @@ def build_rows(cfg: SFTConfig, tok, shard: tuple[int, int] = (0, 1)) -> dict[str
 
 def recorded_shards(cfg: SFTConfig) -> int | None:
     """The data shards the run in ``cfg.output`` trained with, when there is one to
-    resume (1 for a run recorded before the setting existed); None for a new run."""
+    resume (1 for a run recorded before the setting existed); None for a new run.
+    ``posttrain sft``'s and ``dpo``'s configs (``output``)."""
     record = run_record.read(cfg.output)
     if not record:
         return None
@@ -261,7 +262,8 @@ def data_shards(
     """``(shards, the shards this process reads)`` (:attr:`SFTConfig.data_shards`): the
     process reads the shards whose rows of every global batch its devices hold. A run
     resumed without ``data_shards`` keeps the count it was ``recorded`` with, so the
-    data order survives a change in the number of processes.
+    data order survives a change in the number of processes. ``posttrain sft``'s and
+    ``dpo``'s configs (``data_shards``, ``output``).
 
     Raises:
       ValueError: the global batch does not divide into the shards, a process's rows
@@ -349,8 +351,9 @@ def peft_training_fields(cfg, out: pathlib.Path, mesh, *, async_saves: bool = Tr
     """Tunix ``TrainingConfig`` fields of a run config with ``steps``, ``stop_after``,
     ``grad_accum`` and ``save_every``: checkpoints in ``out/checkpoints`` (2 kept),
     TensorBoard in ``out/tensorboard``, batches on the mesh's first batch axis, no eval."""
-    import orbax.checkpoint as ocp
     from tunix.sft import metrics_logger
+
+    from posttrain import _compat
 
     batch_axes = tuple(sharding.batch_spec(mesh))[:1]
     return dict(
@@ -359,10 +362,8 @@ def peft_training_fields(cfg, out: pathlib.Path, mesh, *, async_saves: bool = Tr
         max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
         gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
         checkpoint_root_directory=str((out / "checkpoints").resolve()),
-        checkpointing_options=ocp.CheckpointManagerOptions(
-            save_interval_steps=cfg.save_every,
-            max_to_keep=2,
-            enable_async_checkpointing=async_saves,
+        checkpointing_options=_compat.interval_checkpoint_options(
+            cfg.save_every, max_to_keep=2, enable_async_checkpointing=async_saves
         ),
         # One TensorBoard file, process 0's: Tunix's logger opens one in every process
         # it is given options in (and only process 0's gets the scalars).
