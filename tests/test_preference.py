@@ -156,6 +156,40 @@ def test_batched_encoding_equals_encoding_each_pair(monkeypatch):
             assert arrays[f"{name}_mask"][row].sum() == len(ids)
 
 
+def test_pairs_split_into_interleaved_shards_and_one_shard_is_the_unsharded_order():
+    """Pair i goes to shard i mod N; each process tokenises only its shards; a global
+    micro-batch takes B/N pairs of each shard, in shard order (each shard shuffled on its
+    own); with one shard the stream and the held-out pass are the unsharded ones."""
+    from posttrain.preference.run import pair_arrays
+    from posttrain.sft import data as sft_data
+
+    cfg = DPORunConfig(max_prompt_length=48, max_response_length=48)
+    tok = byte_tokenizer()
+    whole, held_whole = pair_arrays(cfg, tok, "bytes")
+    (arrays,) = whole.arrays.values()
+    n = whole.total
+    assert whole.here == n == len(arrays["prompt_ids"]) > 16
+    # One shard: exactly data.batches over every pair (the order before shards existed).
+    got = whole.batches(8, 2, seed=3)
+    want = sft_data.batches(arrays, 8, 2, seed=3)
+    for _ in range(5):
+        a, b = next(got), next(want)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert held_whole.whole_batches(8) == held_whole.total // 8
+    # Two shards, read by two "processes": each holds every other pair.
+    halves = [pair_arrays(cfg, tok, "bytes", 2, [s])[0] for s in (0, 1)]
+    assert [h.total for h in halves] == [n, n]
+    assert [h.here for h in halves] == [(n + 1) // 2, n // 2]
+    for s, half in enumerate(halves):
+        np.testing.assert_array_equal(half.arrays[s]["chosen_ids"], arrays["chosen_ids"][s::2])
+    both = pair_arrays(cfg, tok, "bytes", 2, [0, 1])[0]
+    first = next(both.batches(8, 1, seed=0))
+    parts = [next(h.batches(8, 1, seed=0)) for h in halves]
+    for k in first:  # the global micro-batch is shard 0's 4 pairs, then shard 1's
+        np.testing.assert_array_equal(first[k], np.concatenate([p[k] for p in parts]))
+    assert both.whole_batches(8) == n // 2 // 4
+
+
 def test_too_few_held_out_pairs_fail_before_anything_is_written(tmp_path):
     from posttrain.preference.run import run_dpo
 
@@ -192,6 +226,7 @@ def test_the_embedded_pairs_hold_out_one_in_eight_and_reject_off_topic_reversed_
         ("max_prompt_length", 0, "max_prompt_length=0"),
         ("overflow", "drop", "overflow='drop'"),
         ("steps", 0, "steps=0"),
+        ("data_shards", 0, "data_shards=0"),
     ],
 )
 def test_the_run_config_names_the_bad_field(field, value, words, tmp_path):
@@ -208,6 +243,7 @@ def test_the_run_config_names_the_bad_field(field, value, words, tmp_path):
         (["--algorithm", "ipo"], "algorithm='ipo'"),
         (["--mesh", "fsdp=0"], "mesh"),
         (["--data", "/nonexistent.jsonl"], "does not exist"),
+        (["--data-shards", "3"], "global batch 8 does not divide into it"),
     ],
 )
 def test_the_cli_exits_2_with_one_line_and_writes_nothing(argv, words, tmp_path, capsys):

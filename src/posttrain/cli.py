@@ -355,6 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="pairs per data-parallel shard (default %(default)s)",
     )
+    dpo.add_argument(
+        "--data-shards",
+        type=int,
+        default=None,
+        help="split the pairs into N shards, each shuffled on its own; each process "
+        "tokenises only its shards (default: one per process slice of the batch)",
+    )
     dpo.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     dpo.add_argument("--steps", type=int, default=40, help="optimizer steps (default %(default)s)")
     dpo.add_argument("--max-prompt-length", type=int, default=96)

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import pathlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -70,6 +71,12 @@ class DPORunConfig:
       mesh: axis sizes; None puts every device on fsdp.
       per_device_batch_size: pairs per data-parallel shard; global batch = this x the
         mesh's data-parallel size.
+      data_shards: split the pairs (train and held-out) into this many interleaved
+        shards (pair i in shard ``i % data_shards``), each shuffled on its own; each
+        process tokenises only the shards of its own rows of every global batch. None:
+        a resumed run's count, else one per distinct slice of the batch across
+        processes (1 in one process: the unsharded order). As ``posttrain sft``'s
+        (:attr:`posttrain.sft.run.SFTConfig.data_shards`).
       grad_accum: micro-batches per optimizer step.
       steps: optimizer steps.
       max_prompt_length, max_response_length: tokens of the left-padded prompt and of
@@ -95,6 +102,7 @@ class DPORunConfig:
     tokenizer: str | None = None
     mesh: dict[str, int] | None = None
     per_device_batch_size: int = 1
+    data_shards: int | None = None
     grad_accum: int = 1
     steps: int = 40
     max_prompt_length: int = 96
@@ -130,6 +138,8 @@ class DPORunConfig:
                 bad(name, ">= 1")
         if self.stop_after is not None and self.stop_after < 1:
             bad("stop_after", ">= 1")
+        if self.data_shards is not None and self.data_shards < 1:
+            bad("data_shards", ">= 1")
         for name in ("max_prompt_length", "max_response_length"):
             if getattr(self, name) < 1:
                 bad(name, ">= 1")
@@ -193,10 +203,46 @@ def evaluation_line(before: dict, after: dict) -> str:
     )
 
 
-def pair_arrays(cfg: DPORunConfig, tok, tokenizer_name: str) -> tuple[dict, dict | None]:
-    """``(train arrays, held-out arrays or None)``, each from
-    :func:`~posttrain.preference.data.encode_pairs`; ``tokenizer_name`` names the
-    tokenizer in a coverage error."""
+@dataclasses.dataclass(frozen=True)
+class ShardedPairs:
+    """The pairs of the data shards one process reads.
+
+    Attributes:
+      shards: how many interleaved shards the pairs are split into (pair i in shard
+        ``i % shards``).
+      arrays: ``{shard: arrays}`` for this process's shards, each from
+        :func:`~posttrain.preference.data.encode_pairs` (``[pairs of the shard, length]``).
+      total: the pairs of every shard together (every process reads the whole file).
+    """
+
+    shards: int
+    arrays: dict[int, dict[str, np.ndarray]]
+    total: int
+
+    @property
+    def here(self) -> int:
+        """The pairs this process tokenised."""
+        return sum(len(a["prompt_ids"]) for a in self.arrays.values())
+
+    def batches(self, global_batch: int, grad_accum: int, *, seed: int):
+        """This process's part of each global micro-batch, repeating
+        (:func:`posttrain.sft.data.sharded_batches`)."""
+        from posttrain.sft import data
+
+        return data.sharded_batches(self.arrays, self.shards, global_batch, grad_accum, seed=seed)
+
+    def whole_batches(self, global_batch: int) -> int:
+        """How many global batches a single pass takes: each shard holds at least
+        ``total // shards`` pairs, every process computes the same number."""
+        return self.total // self.shards // (global_batch // self.shards)
+
+
+def pair_arrays(
+    cfg: DPORunConfig, tok, tokenizer_name: str, shards: int = 1, mine: Sequence[int] = (0,)
+) -> tuple[ShardedPairs, ShardedPairs | None]:
+    """``(train pairs, held-out pairs or None)``: the shards ``mine`` of ``shards`` of
+    each (:class:`ShardedPairs`); ``tokenizer_name`` names the tokenizer in a coverage
+    error. Every process parses the whole file and tokenises its shards only."""
     from posttrain.preference import data
     from posttrain.preference.default_data import pydoc_pairs
     from posttrain.sft.run import pad_id_of
@@ -224,10 +270,15 @@ def pair_arrays(cfg: DPORunConfig, tok, tokenizer_name: str) -> tuple[dict, dict
         check_coverage(ids, tok, tokenizer_name)
         return arrays
 
-    return encode(train), (encode(held_out) if held_out else None)
+    def sharded(pairs):
+        return ShardedPairs(shards, {s: encode(pairs[s::shards]) for s in mine}, len(pairs))
+
+    return sharded(train), (sharded(held_out) if held_out else None)
 
 
-def evaluate(trainer, arrays: dict, global_batch: int, *, algorithm: str, scale: float) -> dict:
+def evaluate(
+    trainer, pairs: ShardedPairs, global_batch: int, *, algorithm: str, scale: float
+) -> dict:
     """Held-out figures of the trainer's policy, whole batches only (the remainder is
     left out): the means of ``preference_accuracy`` and ``reward_margin`` as training
     logs them, from rewards ``scale x (policy - reference)`` summed completion
@@ -235,16 +286,19 @@ def evaluate(trainer, arrays: dict, global_batch: int, *, algorithm: str, scale:
     (``scale`` is lambda_orpo, no reference); and ``logp_accuracy``, the share of pairs
     whose chosen completion the policy alone gives the higher log-probability. One
     jitted forward of the policy per batch (Tunix's ``compute_logps``); the reference's
-    come from Tunix's preparation."""
+    come from Tunix's preparation. The batches are the first pass of ``pairs``'s
+    stream (seed 0): with one shard, its pairs shuffled, the remainder left out."""
+    import itertools
+
     from posttrain.distributed import host_array
     from posttrain.preference import tunix_dpo
-    from posttrain.sft.data import batches
 
-    n = len(arrays["prompt_ids"]) // global_batch * global_batch
+    count = pairs.whole_batches(global_batch)
+    n = count * global_batch
     compute = tunix_dpo.compute_logps()
     sums = {"preference_accuracy": 0.0, "reward_margin": 0.0, "logp_accuracy": 0.0}
     with sharding.use_mesh(trainer.mesh, trainer.rules, jax_context=False):
-        for batch in batches(arrays, global_batch, 1, seed=0, epochs=1):
+        for batch in itertools.islice(pairs.batches(global_batch, 1, seed=0), count):
             example = trainer._prepare_inputs(batch)
             chosen, rejected = (
                 host_array(x).astype(np.float64)
@@ -280,12 +334,13 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     from posttrain.preference import tunix_dpo
     from posttrain.preference.trainer import DPOTrainer
     from posttrain.rl.policy import TunixPolicy, reference_of
-    from posttrain.sft import data
     from posttrain.sft.run import (
         adamw_schedule,
+        data_shards,
         load_run_model,
         peft_training_fields,
         prepare_output,
+        recorded_shards,
         run_tokenizer_path,
     )
     from posttrain.sft.tokenizer import load_tokenizer
@@ -302,17 +357,21 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
     tokenizer_path = run_tokenizer_path(cfg, hf_dir)
     tok = load_tokenizer(tokenizer_path)
-    # bad data fails before the model is built or anything is written
-    train_arrays, held_out = pair_arrays(cfg, tok, repr(tokenizer_path or "(embedded)"))
-    if len(train_arrays["prompt_ids"]) < global_batch * cfg.grad_accum:
+    shards, mine = data_shards(cfg, mesh, global_batch, recorded_shards(cfg))
+    # Bad data fails before the model is built or anything is written. Each process
+    # tokenises its shards only, so a bad pair fails in one process: every process
+    # learns it and stops (a collective), none waits for the others at the next one.
+    with distributed.together("read the data"):
+        train, held_out = pair_arrays(cfg, tok, repr(tokenizer_path or "(embedded)"), shards, mine)
+    if train.total < global_batch * cfg.grad_accum:
         raise ValueError(
-            f"{cfg.data or '(embedded pairs)'} has {len(train_arrays['prompt_ids'])} training "
-            f"pairs, fewer than one optimizer step ({global_batch} x grad_accum {cfg.grad_accum})"
+            f"{cfg.data or '(embedded pairs)'} has {train.total} training pairs, fewer than "
+            f"one optimizer step ({global_batch} x grad_accum {cfg.grad_accum})"
         )
-    if held_out is not None and len(held_out["prompt_ids"]) < global_batch:
+    if held_out is not None and held_out.total < global_batch:
         raise ValueError(
             f"--eval-data {cfg.eval_data or '(embedded held-out pairs)'} has "
-            f"{len(held_out['prompt_ids'])} pairs, fewer than one global batch ({global_batch})"
+            f"{held_out.total} pairs, fewer than one global batch ({global_batch})"
         )
     model = load_run_model(cfg, mesh, tok)
     policy = TunixPolicy(model)
@@ -333,6 +392,7 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
         metrics_path=out / "metrics.jsonl" if writer else None,
         log_every=log_every,
         single_replica_saves=_single_process_cpu(),
+        process_local_batches=True,
     )
     trainer = DPOTrainer(policy, reference, tx, training_config, options=options)
     if on_built is not None:
@@ -340,8 +400,9 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     restored = trainer.train_steps
     if log_every:
         print(
-            f"model {cfg.model}: {cfg.algorithm} on {len(train_arrays['prompt_ids']):,} pairs "
-            f"(prompt {cfg.max_prompt_length} + response {cfg.max_response_length} tokens); "
+            f"model {cfg.model}: {cfg.algorithm} on {train.total:,} pairs in {shards} data "
+            f"shard(s), {train.here:,} read here (prompt {cfg.max_prompt_length} + response "
+            f"{cfg.max_response_length} tokens); "
             f"global batch {global_batch} pairs x grad_accum {cfg.grad_accum}; reference "
             f"{_reference_kind(cfg)}; Tunix convention {trainer.convention.name}",
             flush=True,
@@ -357,14 +418,15 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
         before = held_out_figures() if not restored else _recorded_before(out)
     facts = {
         "global_batch": global_batch,
-        "pairs": len(train_arrays["prompt_ids"]),
+        "pairs": train.total,
+        "data_shards": shards,
         "convention": trainer.convention.name,
         "evaluation_before": before,
     }
     if writer:
         run_record.begin_segment(out, cfg, facts, restored)
     try:
-        trainer.train(data.batches(train_arrays, global_batch, cfg.grad_accum, seed=cfg.seed))
+        trainer.train(train.batches(global_batch, cfg.grad_accum, seed=cfg.seed))
     except NonFiniteLossError:
         trainer.abandon()
         raise

@@ -147,12 +147,21 @@ class DPOTrainerMixin(SFTTrainerMixin):
 
     def _prepare_inputs(self, input_data):
         """Places the pair arrays on the data-parallel axes first, so Tunix's reference
-        forward runs sharded; then Tunix's preparation and the SFT step's placement."""
+        forward runs sharded; then Tunix's preparation and the SFT step's placement.
+
+        Host arrays hold the whole global batch, or, with
+        ``SFTOptions.process_local_batches`` across processes, this process's rows of it
+        (``posttrain.preference.run.ShardedPairs``), placed with
+        ``jax.make_array_from_process_local_data``."""
         if isinstance(input_data, dict):
-            input_data = {
-                k: jax.device_put(np.asarray(v), self._batch_sharding)
-                for k, v in input_data.items()
-            }
+            local = self.process_local_batches and jax.process_count() > 1
+
+            def place(x):
+                if local:
+                    return jax.make_array_from_process_local_data(self._batch_sharding, x)
+                return jax.device_put(x, self._batch_sharding)
+
+            input_data = {k: place(np.asarray(v)) for k, v in input_data.items()}
         return super()._prepare_inputs(input_data)
 
 
