@@ -24,12 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from posttrain import _compat
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 from posttrain.conversion.native import abstract_params
 from posttrain.models import get_config
 from posttrain.sft.loss import token_nll
-from tests.path_params import model_with_path_values
+from posttrain.tree import path_name
+from tests.path_params import is_variable, model_with_path_values
 
 # The fixture: 2 rows of 24 tokens, longer than the tiny presets' sliding window (8).
 BATCH, SEQ = 2, 24
@@ -200,9 +203,10 @@ def test_every_numeric_field_is_perturbed_or_declared_metadata():
     assert not set(PERTURBATIONS) & set(METADATA)
 
 
-def outputs(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """``(logits [batch, seq, vocab], objective)`` of ``cfg`` on the fixture."""
-    model = model_with_path_values(cfg)
+def outputs(cfg: ModelConfig, model=None) -> tuple[np.ndarray, float]:
+    """``(logits [batch, seq, vocab], objective)`` of ``cfg`` (or of ``model``, built
+    from it by :func:`model_with_path_values`) on the fixture."""
+    model = model_with_path_values(cfg) if model is None else model
     ids = tokens() % cfg.vocab_size
     logits, aux = jax.jit(lambda t: model.forward(t))(ids)
     targets = jnp.ones((BATCH, SEQ - 1), bool)
@@ -229,11 +233,15 @@ def test_perturbing_the_field_changes_the_logits_or_the_objective(field):
     owner, name = field
     assert changed != base, f"the perturbation of {owner}.{name} changed nothing in the config"
     shapes0 = {k: v.shape for k, v in abstract_params(base).items()}
-    shapes1 = {k: v.shape for k, v in abstract_params(changed).items()}
+    model = model_with_path_values(changed)  # one abstract build serves shapes and values
+    state = nnx.state(model, nnx.Param)
+    leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable)
+    shapes1 = {path_name(p): _compat.variable_value(v).shape for p, v in leaves}
+    assert "model.norm.scale" in shapes0.keys() & shapes1.keys()  # one naming for both
     if any(shapes0[k] != shapes1[k] for k in shapes0.keys() & shapes1.keys()):
         return  # a shared parameter changed shape: the field shapes the model
     logits0, objective0 = base_outputs(preset)
-    logits1, objective1 = outputs(changed)
+    logits1, objective1 = outputs(changed, model)
     assert logits0.shape == logits1.shape
     logit_change = float(np.abs(logits1 - logits0).max())
     assert logit_change > MIN_LOGIT_CHANGE or abs(objective1 - objective0) > 1e-6, (

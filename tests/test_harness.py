@@ -536,6 +536,7 @@ def _run_gate(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # the mapping is test_gate_exit_status; the wiring, the devices-skip test
 def test_gate_on_no_tests_exits_1(tmp_path: Path) -> None:
     """pytest's exit 5 (nothing collected) becomes gate exit 1, said and recorded."""
     (tmp_path / "empty").mkdir()

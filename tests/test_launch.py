@@ -61,8 +61,7 @@ def test_two_processes_form_one_runtime_and_gather_across_it():
     ``posttrain.distributed.initialize`` (gloo) into one 8-device runtime; a jitted
     reduction over an array sharded across both, ``host_array``'s gather and the barrier
     work, and only rank 0 is the writer; a block failing in rank 1 only makes rank 0
-    raise too (``together``), and ``sum_by_key`` sums both ranks' keys. (``posttrain sft``
-    across processes: the slow tier's equality test below.)"""
+    raise too (``together``), and ``sum_by_key`` sums both ranks' keys."""
     out = io.StringIO()
     assert launch.launch(2, ["python", "-c", CROSS_PROCESS], out=out) == 0, out.getvalue()
     want = float(np.arange(48).sum() * 2)
@@ -188,18 +187,21 @@ def _exports(run) -> dict[str, np.ndarray]:
     return arrays
 
 
-@pytest.mark.slow  # ~34 s of the gate's 2 cores, past its budget; the gate runs the next one
 def test_sft_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
-    """``posttrain sft`` (LoRA, gradient accumulation 2) on 2 processes x 4 devices, each
-    tokenising only its half of the data (2 data shards): the same per-step losses and
-    grad norms (fp32, 1e-6) and the same exported weights as 1 process x 8 devices
-    reading the same 2 shards; one process writes metrics, run.json and the exports."""
+    """The gate's multi-process test: ``posttrain sft`` (LoRA, gradient accumulation 2)
+    on 2 processes x 4 devices, each tokenising only its half of the data (2 data
+    shards): the same per-step losses and grad norms (fp32, 1e-6) and the same exported
+    weights as 1 process x 8 devices reading the same 2 shards; one process logs and
+    writes metrics, run.json and the exports; the checkpoint holds the adapters only."""
     two, one = tmp_path / "two", tmp_path / "one"
     out = io.StringIO()
     status = launch.launch(2, ["posttrain", *SFT, "--output", str(two)], out=out)
     assert status == 0, out.getvalue()[-3000:]
     printed = out.getvalue().splitlines()
-    assert not [x for x in printed if x.startswith("[rank 1] step ")]  # rank 0 logs
+    assert [x for x in printed if x.startswith("[rank 0] steps 1-2: loss")]
+    # Rank 0 logs and prints the closing lines (gloo's own lines come in pieces).
+    ours = r"\[rank 1\].*(step \d|steps \d|checkpoint|wrote|model qwen3)"
+    assert not [x for x in printed if re.match(ours, x)], printed
     (shards,) = [
         re.search(r"([\d,]+) rows of 64 in 2 data shard\(s\), ([\d,]+) read here", x)
         for x in printed
@@ -231,25 +233,34 @@ def test_sft_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
     assert facts["global_batch"] == 8 and facts["data_shards"] == 2
     assert len(list((two / "tensorboard").rglob("events.out.tfevents.*"))) == 1  # rank 0's
     assert facts["rows"] == json.loads((one / "run.json").read_text())["rows"]
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["2"]  # the last only
+    meta = json.loads((two / "checkpoints" / "2" / "model_params" / "_METADATA").read_text())
+    keys = list(meta["tree_metadata"])
+    assert keys and all("_lora_a" in k or "_lora_b" in k for k in keys), keys[:4]
 
 
-def _two_then_one(argv, tmp_path, launches=([],)) -> tuple[list[dict], list[dict]]:
+def _two_then_one(argv, tmp_path, launches=([],), one=()) -> tuple[list[dict], list[dict]]:
     """``posttrain ARGV`` launched on 2 processes x 4 devices into ``tmp_path/two`` (once
     per entry of ``launches``, its extra options appended: a stop, then a resume), then
-    in 1 process x 8 into ``tmp_path/one``; the ``metrics.jsonl`` records of each."""
-    two, one = tmp_path / "two", tmp_path / "one"
+    in 1 process x 8 into ``tmp_path/one`` (``one`` appended); the ``metrics.jsonl``
+    records of each. The launches' output is in ``tmp_path/launched.txt``."""
+    two, single = tmp_path / "two", tmp_path / "one"
+    printed = []
     for extra in launches:
         out = io.StringIO()
         status = launch.launch(2, ["posttrain", *argv, *extra, "--output", str(two)], out=out)
         assert status == 0, out.getvalue()[-3000:]
+        printed.append(out.getvalue())
+    (tmp_path / "launched.txt").write_text("".join(printed))
     subprocess.run(
-        [sys.executable, "-m", "posttrain.cli", *argv, "--output", str(one), "--devices", "8"],
+        [sys.executable, "-m", "posttrain.cli", *argv, *one, "--output", str(single)]
+        + ["--devices", "8"],
         capture_output=True,
         check=True,
     )
     got, want = (
         [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        for run in (two, one)
+        for run in (two, single)
     )
     return got, want
 
@@ -272,12 +283,19 @@ def test_full_fine_tuning_stopped_and_resumed_across_processes_equals_one_run(tm
 @pytest.mark.slow
 def test_dpo_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
     """``posttrain dpo`` (LoRA, gradient accumulation 2, the held-out evaluation) on 2
-    processes x 4 devices: the per-step losses and margins and the held-out figures of
-    1 process x 8 devices."""
+    processes x 4 devices, each tokenising only its half of the pairs (2 data shards,
+    the default there): the per-step losses and margins and the held-out figures of 1
+    process x 8 devices reading the same 2 shards."""
     argv = ["dpo", "--lora-rank", "4", "--grad-accum", "2", "--steps", "2"]
     argv += ["--max-prompt-length", "48", "--max-response-length", "48"]
     two, one = tmp_path / "two", tmp_path / "one"
-    got, want = _two_then_one(argv, tmp_path)
+    got, want = _two_then_one(argv, tmp_path, one=["--data-shards", "2"])
+    (shards,) = re.findall(
+        r"\[rank 0\].* on ([\d,]+) pairs in 2 data shard\(s\), ([\d,]+) read here",
+        (tmp_path / "launched.txt").read_text(),
+    )
+    total, here = (int(x.replace(",", "")) for x in shards)
+    assert 0.4 * total < here < 0.6 * total  # rank 0 tokenised its shard only
     assert [r["step"] for r in got] == [1, 2]
     for key in ("loss", "reward_margin", "grad_norm"):
         np.testing.assert_allclose(

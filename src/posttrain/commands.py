@@ -12,6 +12,8 @@ import contextlib
 import sys
 import time
 
+from posttrain import distributed
+
 
 def forward(args: argparse.Namespace) -> int:
     import jax
@@ -84,7 +86,7 @@ def forward(args: argparse.Namespace) -> int:
 def convert(args: argparse.Namespace) -> int:
     """``posttrain convert``: host files to host files. Across processes rank 0 converts
     and the others wait for it (every process reads the same directories, one writes)."""
-    from posttrain import conversion, distributed
+    from posttrain import conversion
 
     # A failure in rank 0 reaches the others as OtherProcessFailed (exit 1).
     status = distributed.on_writer(lambda: _convert(args, conversion), "convert")
@@ -179,21 +181,24 @@ def sft(args: argparse.Namespace) -> int:
     # Tunix's tqdm bar shows on a terminal only; elsewhere print ~10 progress lines.
     log_every = None if sys.stderr.isatty() else max(1, cfg.steps // 10)
     result = run_sft(cfg, log_every=log_every)
-    if log_every is None:
+    if log_every is None and distributed.is_writer():
         print(
             f"model {cfg.model}: {result.params:,} params, {result.trainable:,} trained; "
             f"global batch {result.global_batch}; Tunix convention {result.convention}"
         )
-    print(result.summary())
-    _print_outputs(result.output, result.exported, f"checkpoint step {result.checkpoint_step} in ")
+    _print_closing(result, f"checkpoint step {result.checkpoint_step} in ")
     return 0
 
 
-def _print_outputs(output, exported, checkpoints: str = "checkpoints in ") -> None:
-    """The closing lines of a training command: where checkpoints and metrics are, and
-    each directory exported."""
+def _print_closing(result, checkpoints: str = "checkpoints in ") -> None:
+    """The closing lines of a training command, printed by the writer process only: the
+    run's summary, where checkpoints and metrics are, and each directory exported."""
+    if not distributed.is_writer():
+        return
+    print(result.summary())
+    output = result.output
     print(f"{checkpoints}{output / 'checkpoints'}; metrics in {output / 'metrics.jsonl'}")
-    for path in exported:
+    for path in result.exported:
         print(f"wrote {path}")
 
 
@@ -239,8 +244,7 @@ def grpo(args: argparse.Namespace) -> int:
     cfg = grpo_config(args)
     cfg.check()
     result = run_grpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
-    print(result.summary())
-    _print_outputs(result.output, result.exported)
+    _print_closing(result)
     return 0
 
 
@@ -256,6 +260,7 @@ def dpo_config(args: argparse.Namespace):
         tokenizer=args.tokenizer,
         mesh=sharding.parse_mesh_spec(args.mesh) if args.mesh else None,
         per_device_batch_size=args.per_device_batch_size,
+        data_shards=args.data_shards,
         grad_accum=args.grad_accum,
         steps=args.steps,
         max_prompt_length=args.max_prompt_length,
@@ -284,8 +289,7 @@ def dpo(args: argparse.Namespace) -> int:
     cfg = dpo_config(args)
     cfg.check()
     result = run_dpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
-    print(result.summary())
-    _print_outputs(result.output, result.exported)
+    _print_closing(result)
     return 0
 
 
@@ -361,7 +365,7 @@ def generate(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from posttrain import atomic, distributed, sharding
+    from posttrain import atomic, sharding
     from posttrain import generate as gen
     from posttrain.loading import load_model
     from posttrain.sft.data import chat_prompt
