@@ -190,6 +190,18 @@ def test_pairs_split_into_interleaved_shards_and_one_shard_is_the_unsharded_orde
     assert both.whole_batches(8) == n // 2 // 4
 
 
+def test_a_process_parses_only_its_shards_pairs(tmp_path):
+    """A bad line in shard 1 is not shard 0's reader's error; shard 1's names it."""
+    from posttrain.preference.run import pair_arrays
+
+    path = _write(tmp_path, [GOOD, GOOD, GOOD, {"prompt": "p"}])
+    cfg = DPORunConfig(data=path, max_prompt_length=48, max_response_length=48)
+    (mine,) = pair_arrays(cfg, byte_tokenizer(), "bytes", 2, [0])[:1]
+    assert (mine.total, mine.here) == (4, 2)
+    with pytest.raises(ValueError, match=f"{path}, line 4: expected an object"):
+        pair_arrays(cfg, byte_tokenizer(), "bytes", 2, [1])
+
+
 def test_too_few_held_out_pairs_fail_before_anything_is_written(tmp_path):
     from posttrain.preference.run import run_dpo
 

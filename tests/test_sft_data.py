@@ -103,6 +103,21 @@ def test_bad_lines_are_named(tmp_path, line, message):
     assert "\n" not in str(e.value)
 
 
+def test_a_shard_reader_parses_its_lines_only_and_counts_the_others(tmp_path):
+    """``only``: the other shards' conversations are None (counted, blank lines not), a
+    bad line in another shard is not this reader's error, and a bad line in its own
+    shard still names the file and line. Blank line 2 does not shift the shards."""
+    good = json.dumps({"messages": CHAT})
+    other = json.dumps({"messages": [*CHAT, {"role": "user", "content": "more"}]})
+    path = write_jsonl(tmp_path / "d.jsonl", [good, "", other, good, "{not json"])
+    evens = data.read_chat_jsonl(path, only=lambda i: i % 2 == 0)
+    assert evens == [CHAT, None, CHAT, None]  # record 3 (line 5, not JSON) is not read
+    with pytest.raises(ValueError, match=f"^{path}, line 5: not valid JSON"):
+        data.read_chat_jsonl(path, only=lambda i: i % 2 == 1)
+    second = json.loads(other)["messages"]
+    assert data.read_chat_jsonl(path, only=lambda i: i == 1) == [None, second, None, None]
+
+
 def test_empty_and_missing_datasets(tmp_path):
     with pytest.raises(ValueError, match="empty dataset"):
         data.read_chat_jsonl(write_jsonl(tmp_path / "e.jsonl", ["", "  "]))

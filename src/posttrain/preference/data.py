@@ -34,11 +34,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from posttrain.sft.data import Messages, _unpadded, chat_prompt, check_messages, jsonl_records
+from posttrain.sft.data import (
+    NOT_READ,
+    Messages,
+    _unpadded,
+    chat_prompt,
+    check_messages,
+    jsonl_records,
+)
 
 FIELDS = ("prompt", "chosen", "rejected")
 ARRAYS = ("prompt_ids", "prompt_mask", "chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
@@ -55,9 +62,13 @@ class Pair:
     where: str
 
 
-def read_preference_jsonl(path: str | os.PathLike, flag: str = "--data") -> list[Pair]:
+def read_preference_jsonl(
+    path: str | os.PathLike, flag: str = "--data", only: Callable[[int], bool] | None = None
+) -> list[Pair | None]:
     """Reads and validates a preference JSONL file (blank lines are skipped); ``flag``
-    names the option it came from in a missing-file error.
+    names the option it came from in a missing-file error. ``only(i)`` False: pair ``i``
+    is counted but not parsed or validated, and is None in the list (as
+    :func:`posttrain.sft.data.read_chat_jsonl`).
 
     Raises:
       ValueError: naming the file and line: not UTF-8, not JSON, a missing or mistyped
@@ -65,8 +76,8 @@ def read_preference_jsonl(path: str | os.PathLike, flag: str = "--data") -> list
         completion turn that is not the assistant's; or the file has no pairs.
     """
     pairs = [
-        validate_pair(record, where=where)
-        for where, record in jsonl_records(path, "a preference JSONL file", flag)
+        None if record is NOT_READ else validate_pair(record, where=where)
+        for where, record in jsonl_records(path, "a preference JSONL file", flag, only)
     ]
     if not pairs:
         raise ValueError(f"{os.fspath(path)}: no preference pairs (empty dataset)")

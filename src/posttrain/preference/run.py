@@ -242,18 +242,22 @@ def pair_arrays(
 ) -> tuple[ShardedPairs, ShardedPairs | None]:
     """``(train pairs, held-out pairs or None)``: the shards ``mine`` of ``shards`` of
     each (:class:`ShardedPairs`); ``tokenizer_name`` names the tokenizer in a coverage
-    error. Every process parses the whole file and tokenises its shards only."""
+    error. A process parses, validates and tokenises the pairs of its shards only (the
+    others' lines are counted)."""
     from posttrain.preference import data
     from posttrain.preference.default_data import pydoc_pairs
     from posttrain.sft.run import pad_id_of
     from posttrain.sft.tokenizer import check_coverage
 
+    def mine_only(i: int) -> bool:  # the other shards' lines are counted, not parsed
+        return i % shards in mine
+
     if cfg.data:
-        train, held_out = data.read_preference_jsonl(cfg.data), None
+        train, held_out = data.read_preference_jsonl(cfg.data, only=mine_only), None
     else:
         train, held_out = pydoc_pairs()
     if cfg.eval_data:
-        held_out = data.read_preference_jsonl(cfg.eval_data, flag="--eval-data")
+        held_out = data.read_preference_jsonl(cfg.eval_data, "--eval-data", mine_only)
 
     def encode(pairs):
         arrays = data.encode_pairs(

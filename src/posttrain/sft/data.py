@@ -38,8 +38,14 @@ class Example:
     loss_mask: np.ndarray
 
 
-def read_chat_jsonl(path: str | os.PathLike) -> list[Messages]:
+def read_chat_jsonl(
+    path: str | os.PathLike, only: Callable[[int], bool] | None = None
+) -> list[Messages | None]:
     """Reads and validates a chat JSONL file (blank lines are skipped).
+
+    ``only(i)`` False: conversation ``i`` is counted but not parsed or validated, and
+    is None in the list (a process reads only its data shards; the process whose
+    shard holds a bad line reports it).
 
     Raises:
       ValueError: naming the file and line: not JSON, no ``messages`` list, a
@@ -47,28 +53,39 @@ def read_chat_jsonl(path: str | os.PathLike) -> list[Messages]:
         conversation without an assistant turn; or the file has no conversations.
     """
     conversations = [
-        validate_messages(record, where=where)
-        for where, record in jsonl_records(path, "a chat JSONL file")
+        None if record is NOT_READ else validate_messages(record, where=where)
+        for where, record in jsonl_records(path, "a chat JSONL file", only=only)
     ]
     if not conversations:
         raise ValueError(f"{os.fspath(path)}: no conversations (empty dataset)")
     return conversations
 
 
+NOT_READ = object()
+"""The record :func:`jsonl_records` yields for a line its ``only`` leaves unparsed."""
+
+
 def jsonl_records(
-    path: str | os.PathLike, expected: str, flag: str = "--data"
+    path: str | os.PathLike,
+    expected: str,
+    flag: str = "--data",
+    only: Callable[[int], bool] | None = None,
 ) -> Iterator[tuple[str, object]]:
     """``(where, record)`` for each non-blank line of a JSONL file, ``where`` being
-    ``"<path>, line <n>"`` for the caller's own messages.
+    ``"<path>, line <n>"`` for the caller's own messages. ``only(i)`` False: the
+    ``i``-th record (counting non-blank lines from 0) is :data:`NOT_READ` instead,
+    decoded but not parsed.
 
     Raises:
       ValueError: ``path`` is not a file (naming ``flag`` and ``expected``, e.g. "a chat
-        JSONL file"), or a line is not UTF-8 or not JSON, naming the file and line.
+        JSONL file"), or a line is not UTF-8 or (one ``only`` keeps) not JSON, naming
+        the file and line.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         what = "is a directory" if os.path.isdir(path) else "does not exist"
         raise ValueError(f"{flag} {path!r} {what}; expected {expected}")
+    index = -1
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{path}, line {lineno}"
@@ -77,6 +94,10 @@ def jsonl_records(
             except UnicodeDecodeError as e:
                 raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start})") from None
             if not line.strip():
+                continue
+            index += 1
+            if only is not None and not only(index):
+                yield where, NOT_READ
                 continue
             try:
                 record = json.loads(line)

@@ -235,8 +235,11 @@ def build_rows(cfg: SFTConfig, tok, shard: tuple[int, int] = (0, 1)) -> dict[str
     from posttrain.sft.default_data import pydoc_conversations
     from posttrain.sft.tokenizer import check_coverage
 
-    conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
     index, count = shard
+    if cfg.data:  # the other shards' lines are counted, not parsed
+        conversations = data.read_chat_jsonl(cfg.data, only=lambda i: i % count == index)
+    else:
+        conversations = pydoc_conversations()
     numbers = range(index, len(conversations), count)  # errors name the file's index
     conversations = conversations[index::count]
     examples = data.encode_dataset(
