@@ -126,6 +126,18 @@ def test_orbax_sync_saves_option():
     assert options.enable_async_checkpointing is False
 
 
+@pytest.mark.contract("orbax.checkpoint.checkpoint_managers.save_decision_policy")
+def test_checkpoints_follow_the_interval_without_a_first_step_save(tmp_path):
+    """Our options save every N steps and not also the first (Orbax's default adds an
+    InitialSavePolicy); an Orbax without the policies would fall back to saving step 1,
+    which this test reports."""
+    import orbax.checkpoint as ocp
+
+    options = _compat.interval_checkpoint_options(3, max_to_keep=2)
+    manager = ocp.CheckpointManager(tmp_path, options=options)
+    assert [step for step in range(1, 8) if manager.should_save(step)] == [3, 6]
+
+
 @pytest.mark.contract("tunix.sft.checkpoint_manager.CheckpointManager")
 def test_tunix_checkpoint_manager_surface():
     checkpoint_manager = pytest.importorskip("tunix.sft.checkpoint_manager")

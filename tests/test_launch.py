@@ -405,11 +405,20 @@ def test_a_checkpoint_through_a_two_process_mesh_and_back_is_bit_identical(tmp_p
 @pytest.mark.slow
 def test_grpo_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
     """``posttrain grpo`` (LoRA, Tunix's learner, rollouts on the shared mesh, the held-out
-    evaluation before and after) on 2 processes x 4 devices: the per-step rewards, loss
-    and KL and the evaluations of 1 process x 8 devices; one process writes."""
-    argv = ["grpo", "--lora-rank", "4", "--steps", "2", "--warmup-steps", "0"]
+    evaluation before and after, a 2-step warm-up SFT whose processes each read one data
+    shard) on 2 processes x 4 devices: the per-step rewards, loss and KL and the
+    evaluations of 1 process x 8 devices with ``--warmup-data-shards 2``; one process
+    writes."""
+    argv = ["grpo", "--lora-rank", "4", "--steps", "2", "--warmup-steps", "2"]
     argv += ["--max-new-tokens", "4", "--eval-samples", "1"]
-    got, want = _two_then_one(argv, tmp_path)
+    got, want = _two_then_one(argv, tmp_path, one=["--warmup-data-shards", "2"])
+    assert "in 2 data shard(s)" in (tmp_path / "launched.txt").read_text()
+    warmups = [
+        [json.loads(x) for x in (tmp_path / run / "warmup/metrics.jsonl").read_text().splitlines()]
+        for run in ("two", "one")
+    ]
+    for key in ("loss", "grad_norm"):  # the same warm-up data order
+        np.testing.assert_allclose(*([r[key] for r in w] for w in warmups), rtol=1e-6)
     assert [r["step"] for r in got] == [1, 2]
     for key in ("reward/total/mean", "loss", "kl"):
         np.testing.assert_allclose(

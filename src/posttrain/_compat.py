@@ -344,19 +344,21 @@ def interval_checkpoint_options(save_every: int, **options):
 
     Orbax's default decision adds an ``InitialSavePolicy``: a fresh run checkpoints its
     first step whatever the interval (1.7 s of a 6 s tiny SFT run here; minutes and a
-    full copy of the weights on a large model). Where ``save_decision_policy`` exists
-    (orbax-checkpoint >= 0.11.x, every release the matrix installs) the decision is
-    the interval and preemption only; an older Orbax keeps its default. Tunix's own
-    final save is forced, so the last step is saved either way.
+    full copy of the weights on a large model). Where the option and the policies
+    exist the decision is the interval and preemption only; an older Orbax keeps its
+    default. Tunix's own final save is forced, so the last step is saved either way.
+    The policies come from ``checkpoint_managers.save_decision_policy``: 0.11.25 (the
+    matrix's older eras) exports ``PreemptionCheckpointingPolicy`` only there.
     """
     import dataclasses
 
     import orbax.checkpoint as ocp
 
     fields = {f.name for f in dataclasses.fields(ocp.CheckpointManagerOptions)}
-    managers = getattr(ocp, "checkpoint_managers", None)
-    if "save_decision_policy" in fields and hasattr(managers, "FixedIntervalPolicy"):
-        options["save_decision_policy"] = managers.AnySavePolicy(
-            [managers.FixedIntervalPolicy(save_every), managers.PreemptionCheckpointingPolicy()]
+    policies = getattr(getattr(ocp, "checkpoint_managers", None), "save_decision_policy", None)
+    names = ("AnySavePolicy", "FixedIntervalPolicy", "PreemptionCheckpointingPolicy")
+    if "save_decision_policy" in fields and all(hasattr(policies, n) for n in names):
+        options["save_decision_policy"] = policies.AnySavePolicy(
+            [policies.FixedIntervalPolicy(save_every), policies.PreemptionCheckpointingPolicy()]
         )
     return ocp.CheckpointManagerOptions(save_interval_steps=save_every, **options)

@@ -302,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rl.add_argument("--warmup-steps", type=int, default=100, help="SFT steps first (0: none)")
     rl.add_argument(
+        "--warmup-data-shards",
+        type=int,
+        default=None,
+        help="the warm-up SFT's --data-shards (default: one per process slice of the batch)",
+    )
+    rl.add_argument(
         "--eval-samples",
         type=int,
         default=4,

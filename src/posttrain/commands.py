@@ -230,6 +230,7 @@ def grpo_config(args: argparse.Namespace):
         max_new_tokens=args.max_new_tokens,
         reward=tuple(args.reward) if args.reward else rewards.DEFAULT,
         warmup_steps=args.warmup_steps,
+        warmup_data_shards=args.warmup_data_shards,
         eval_samples=args.eval_samples,
         seed=args.seed,
         save_every=args.save_every,

@@ -79,6 +79,9 @@ class GRPORunConfig:
       max_prompt_length, max_new_tokens: rollout lengths (the KV cache holds both).
       reward: reward functions, built-in names or ``module:function``; summed.
       warmup_steps: SFT steps on the task before GRPO (0: none).
+      warmup_data_shards: the warm-up SFT's ``data_shards``
+        (:attr:`posttrain.sft.run.SFTConfig.data_shards`; None: one per process slice
+        of its batch). The same value gives the same warm-up on any number of processes.
       eval_samples: completions of each task problem in the evaluation before and after
         training (0: no evaluation).
       seed: model init, adapters, data order and rollout sampling.
@@ -106,6 +109,7 @@ class GRPORunConfig:
     max_new_tokens: int = 6
     reward: tuple[str, ...] = rewards.DEFAULT
     warmup_steps: int = 100
+    warmup_data_shards: int | None = None
     eval_samples: int = 4
     seed: int = 0
     save_every: int = 10
@@ -131,6 +135,8 @@ class GRPORunConfig:
             bad("max_prompt_length", ">= 1")
         if self.warmup_steps < 0:
             bad("warmup_steps", ">= 0")
+        if self.warmup_data_shards is not None and self.warmup_data_shards < 1:
+            bad("warmup_data_shards", ">= 1")
         if self.eval_samples < 0:
             bad("eval_samples", ">= 0 (0: no evaluation)")
         if self.stop_after is not None and self.stop_after < 1:
@@ -274,6 +280,7 @@ def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
         max_target_length=64,
         learning_rate=3e-3,
         seed=cfg.seed,
+        data_shards=cfg.warmup_data_shards,
         save_every=cfg.warmup_steps,
         sync_saves=True,
         output=str(out / "warmup"),

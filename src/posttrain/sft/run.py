@@ -290,10 +290,14 @@ def data_shards(
         )
     per = global_batch // shards
     if start % per or stop % per:
+        source = (
+            f"the run in {cfg.output} trained with {shards} data shard(s), kept on resume"
+            if cfg.data_shards is None and recorded is not None
+            else f"data_shards={shards} (--data-shards)"
+        )
         raise ValueError(
-            f"data_shards={shards} (--data-shards): this process holds rows {start}-{stop} "
-            f"of each global batch, not whole shards of {per} rows; expected a multiple of "
-            f"{global_batch // (stop - start)}"
+            f"{source}: this process holds rows {start}-{stop} of each global batch, not "
+            f"whole shards of {per} rows; expected a multiple of {global_batch // (stop - start)}"
         )
     return shards, range(start // per, stop // per)
 
