@@ -266,6 +266,37 @@ def test_a_split_rollout_mesh_gets_the_trainers_weights_after_every_sync(tmp_pat
 
 
 @pytest.mark.slow
+def test_an_moe_policy_trains_end_to_end_with_its_load_balancing_term(tmp_path):
+    """qwen3_moe-tiny, full fine-tuning, its experts over ``expert=4``: two GRPO steps
+    (rollouts through the MoE's KV cache) run; the actor's loss is the wrapped one
+    (``with_moe_aux_loss``, its own contract test checks the sum) and the router and
+    the experts trained; the rollout ends with the trainer's weights."""
+    from posttrain.conversion import read_native_params
+    from posttrain.models import flat_params
+    from posttrain.rl.run import run_grpo
+
+    built = {}
+
+    def keep(learner, policies):  # before the first step
+        built.update(learner=learner, initial=flat_params(policies[0].model))
+
+    cfg = _tiny(tmp_path, model="qwen3_moe-tiny", mesh={"fsdp": 2, "expert": 4}, lora_rank=0)
+    result = run_grpo(cfg, on_built=keep)
+    assert result.step == 2 and all(np.isfinite(r["loss"]) for r in result.history)
+    cluster = built["learner"].rl_cluster
+    assert hasattr(cluster.actor_trainer.loss_fn, "__wrapped__")  # weight x moe_aux_loss
+    _, trained = read_native_params(tmp_path / "run" / "model-step2")
+    initial = built["initial"]
+    assert initial.keys() == trained.keys()
+    moved = {k for k in initial if not np.array_equal(initial[k], trained[k])}
+    assert any("router" in k for k in moved) and any("experts" in k for k in moved), moved
+    rollout = nnx.state(cluster.rollout.model(), nnx.Param)
+    actor = nnx.state(cluster.actor_trainer.model, nnx.Param)
+    for a, b in zip(jax.tree.leaves(actor), jax.tree.leaves(rollout), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["dapo", "drgrpo"])
 def test_dapo_and_drgrpo_runs_train_through_their_learners(algorithm, tmp_path):
     """Two real steps through DAPOLearner / DrGRPOLearner (the project's Tunix has both)."""
