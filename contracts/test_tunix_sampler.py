@@ -26,11 +26,15 @@ STEPS = 12  # past the tiny presets' sliding window (8)
 def test_tunix_sampler_greedy_equals_ours(name):
     """The installed release's Sampler (init_cache, prefill and decode calls, masks,
     end_index slots) generates our greedy tokens, token for token; Gemma 4's full layers
-    have their own kv heads and head_dim (the sampler must use our init_cache)."""
+    have their own kv heads and head_dim (the sampler must use our init_cache). A
+    release that probes for ``decode_only_last_token`` (0.1.7+) finds it and prefills
+    with the last position's logits only."""
     model = build_model(get_config(name), seed=1)
     tok = byte_tokenizer()
     eos = tok.token_to_id("<|im_end|>")
     sampler = tunix_sampler.make_sampler(model, tok, cache_size=64)
+    probe = getattr(sampler, "_supports_decode_only_last_token", None)  # 0.1.7+
+    assert probe is None or probe is True
     theirs = tunix_sampler.run(
         sampler,
         PROMPTS,

@@ -83,6 +83,33 @@ def check_incremental(name, scan, mesh_shape=None):
     )
 
 
+def test_a_prefill_of_the_last_token_only_gives_its_logits_and_the_same_cache():
+    """``decode_only_last_token`` (our ``generate``'s prefill, and google-tunix >= 0.1.7's,
+    found by its name in ``__call__``'s signature): the last position's logits
+    ``[batch, 1, vocab]`` of the full prefill, and the same cache. (With LoRA's
+    adapters, through Qwix's wrapped ``forward``: the adapters-vs-merged test below.)"""
+    import inspect
+
+    assert "decode_only_last_token" in inspect.signature(CausalLM.__call__).parameters
+    model = build_model(get_config("qwen3-tiny"), seed=1)
+    tokens, real = padded()
+    batch, seq = tokens.shape
+    positions = jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0)
+    mask = jnp.tril(jnp.ones((seq, seq), bool))[None] & real[:, None, :]
+
+    @functools.partial(nnx.jit, static_argnums=1)
+    def prefill(model, last_only):
+        cache = model.init_cache(batch, seq, "float32")
+        return model(tokens, positions, cache, mask, decode_only_last_token=last_only)
+
+    full, full_cache = prefill(model, False)
+    last, last_cache = prefill(model, True)
+    assert last.shape == (batch, 1, full.shape[-1])
+    np.testing.assert_allclose(np.asarray(last), np.asarray(full[:, -1:]), rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(last_cache), jax.tree.leaves(full_cache), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # the gate: Gemma 4 scanned (per-type kv heads and head_dim, MoE through the scan,
 # sandwich norms), GPT-OSS unscanned (sinks, YaRN); the other ten in the slow tier
 GATE_CASES = {("gemma4-tiny", True), ("gpt_oss-tiny", False)}

@@ -155,7 +155,8 @@ def _generate(model, tokens, real, seed, cfg: SamplingConfig, cache_size: int, o
     cache = model.init_cache(batch, cache_size, model.config.dtype)
     prefill_mask = (slots[None, :] <= jnp.arange(width)[:, None])[None] & valid[:, None, :]
     positions = _positions(real)
-    logits, cache = model(tokens, positions, cache, prefill_mask)  # [B, P, V]
+    # [B, 1, V]: only the last position is sampled from (no projection of the prompt)
+    logits, cache = model(tokens, positions, cache, prefill_mask, decode_only_last_token=True)
     last_position = positions[:, -1]
 
     def choose(logits_last, step):

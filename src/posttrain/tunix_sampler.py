@@ -11,9 +11,12 @@ it is met:
   ``cache=``, ``attention_mask=`` from 0.1.6: ``CausalLM.__call__`` has exactly those
   parameter names in that order, so both calls bind the same way. Tunix's write index is
   ``end_index[0] % cache_size`` with left-padded prompts, as ours.
-- ``get_attention_mask`` (0.1.6+, optional) and ``decode_only_last_token`` (0.1.7+, probed
-  by that literal parameter name): absent, so the sampler builds its own causal x
-  non-pad masks and takes the logits of every position.
+- ``get_attention_mask`` (0.1.6+, optional): absent, so the sampler builds its own
+  causal x non-pad masks.
+- ``decode_only_last_token`` (0.1.7+, probed by that literal parameter name in
+  ``__call__``'s signature): present, so a prefill without ``echo`` projects only the
+  last position onto the vocabulary (``[B, 1, V]`` logits), as our ``generate`` does;
+  older releases never pass it.
 - ``model.config.dtype`` (0.1.7+ passes it to ``init_cache``): ``ModelConfig.dtype``, a
   string ``init_cache`` accepts.
 - ``CacheConfig(cache_size, num_layers, num_kv_heads, head_dim)``: every release reads the

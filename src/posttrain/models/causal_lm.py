@@ -75,6 +75,7 @@ class CausalLM(nnx.Module):
         positions: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
         cache: Any = None,
+        last_only: bool = False,
     ) -> tuple[jax.Array, dict[str, Any]]:
         """Logits and auxiliary outputs (LoRA's adapters apply here: Qwix wraps ``forward``).
 
@@ -85,6 +86,9 @@ class CausalLM(nnx.Module):
             key s; combined with the causal (and sliding-window) mask. ``None``
             for plain causal. With a cache: ``[batch, seq, cache_size]`` over its slots.
           cache: a KV cache (:meth:`init_cache`); see :meth:`__call__`.
+          last_only: the logits of the last position only (``[batch, 1, vocab]``): a
+            prefill that samples from the last token skips the vocabulary projection
+            of the rest of the prompt (with left-padded prompts, every row's last token).
 
         Returns:
           ``(logits [batch, seq, vocab] float32, aux)``: ``aux["moe_aux_loss"]`` a float32
@@ -96,9 +100,11 @@ class CausalLM(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
         if cache is None:
             hidden, aux = self.model(input_tokens, positions, attention_mask)
-            return self._logits(hidden), {"moe_aux_loss": aux}
-        hidden, aux, cache = self.model(input_tokens, positions, attention_mask, cache)
-        return self._logits(hidden), {"moe_aux_loss": aux, "cache": cache}
+            out = {"moe_aux_loss": aux}
+        else:
+            hidden, aux, cache = self.model(input_tokens, positions, attention_mask, cache)
+            out = {"moe_aux_loss": aux, "cache": cache}
+        return self._logits(hidden[:, -1:] if last_only else hidden), out
 
     def __call__(
         self,
@@ -106,6 +112,7 @@ class CausalLM(nnx.Module):
         positions: jax.Array | None = None,
         cache: Any = None,
         attention_mask: jax.Array | None = None,
+        decode_only_last_token: bool = False,
     ) -> tuple[jax.Array, Any]:
         """Tunix's calling convention: ``(logits [batch, seq, vocab] float32, cache)``.
 
@@ -113,6 +120,12 @@ class CausalLM(nnx.Module):
         :meth:`init_cache`), ``input_tokens`` are written at its write index and
         ``attention_mask`` is ``[batch, seq, cache_size]`` over its slots (``None``: each
         token sees every slot up to its own); returns the updated cache.
+        ``decode_only_last_token``: logits ``[batch, 1, vocab]`` of the last position
+        only (``forward``'s ``last_only``). google-tunix >= 0.1.7's ``Sampler`` passes it
+        to the prefill when this signature has it (``inspect.signature``), unless it
+        echoes the prompt's logits; older releases never pass it.
         """
-        logits, aux = self.forward(input_tokens, positions, attention_mask, cache)
+        logits, aux = self.forward(
+            input_tokens, positions, attention_mask, cache, last_only=decode_only_last_token
+        )
         return logits, aux.get("cache")
