@@ -52,6 +52,62 @@ def test_tunix_sampler_greedy_equals_ours(name):
         assert [int(t) for t in tokens] == ours.row(i)[:STEPS], i
 
 
+def _sampler_returns_logprobs() -> bool:
+    import inspect
+
+    from tunix.generate import sampler as sampler_lib
+
+    return "return_logprobs" in inspect.signature(sampler_lib.Sampler.__call__).parameters
+
+
+@pytest.mark.contract("tunix.generate.sampler return_logprobs and the trainer's logps")
+@pytest.mark.slow  # the matrix runs it in every row; the gate's sampler contract is greedy
+@pytest.mark.skipif(
+    not _sampler_returns_logprobs(),
+    reason="this google-tunix's Sampler has no return_logprobs (0.1.6+)",
+)
+def test_the_samplers_logprobs_equal_ours_and_the_trainers():
+    """Greedy over our model: the installed Sampler's per-token logprobs of its
+    completions equal our ``generate``'s and Tunix's trainer logps of the same
+    completions (``compute_per_token_logps``, T = 1): the rollout's and the learner's
+    numbers for one sequence agree (bug class 4's other half)."""
+    from posttrain.rl import tunix_rl
+    from posttrain.rl.policy import TunixPolicy
+
+    model = build_model(get_config("qwen3-tiny"), seed=1)
+    tok = byte_tokenizer()
+    eos = tok.token_to_id("<|im_end|>")
+    sampler = tunix_sampler.make_sampler(model, tok, cache_size=64)
+    theirs = tunix_sampler.run(
+        sampler,
+        PROMPTS,
+        max_generation_steps=STEPS,
+        max_prompt_length=32,
+        temperature=0.0,
+        eos_tokens=[eos],
+        return_logprobs=True,
+    )
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+    pad = tok.token_to_id("<|pad|>")
+    ours = generate.generate(
+        model, ids, generate.SamplingConfig(max_new_tokens=STEPS, eos_ids=(eos,), pad_id=pad)
+    )
+    policy, wrapped = TunixPolicy(model), tunix_sampler.TunixTokenizer(tok)
+    for i, tokens in enumerate(theirs.tokens):
+        n = len(tokens)
+        got = np.asarray(theirs.logprobs[i][:n], np.float32)
+        assert n > 0 and np.all(got < 0), got
+        np.testing.assert_allclose(got, ours.logprobs[i, :n], atol=1e-5, err_msg=str(i))
+        trainer = tunix_rl.per_token_logps(
+            policy,
+            jnp.asarray([ids[i]], jnp.int32),
+            jnp.asarray([list(tokens)], jnp.int32),
+            pad_id=wrapped.pad_id(),
+            eos_id=wrapped.eos_id(),
+        )
+        np.testing.assert_allclose(got, np.asarray(trainer)[0], atol=2e-5, err_msg=str(i))
+
+
 @pytest.mark.contract("tunix.generate.tokenizer_adapter.TokenizerAdapter")
 def test_our_tokenizer_passes_tunix_tokenizer_adapter():
     adapter_lib = pytest.importorskip("tunix.generate.tokenizer_adapter")
