@@ -266,6 +266,50 @@ def test_a_split_rollout_mesh_gets_the_trainers_weights_after_every_sync(tmp_pat
 
 
 @pytest.mark.slow
+def test_reference_logps_on_a_split_mesh_equal_a_direct_computation(tmp_path):
+    """Bug class 6: the trainer on fsdp=4,tensor=2, the rollout on data=8, LoRA (the
+    reference is the base, adapters off). The reference logps Tunix puts in each step's
+    TrainExample (computed from the rollout mesh's completions) equal Tunix's
+    ``compute_per_token_logps`` of the reference on the same tokens copied to the host,
+    at every real completion token."""
+    from posttrain.rl import tunix_rl
+    from posttrain.rl.run import run_grpo
+
+    seen, built = [], {}
+
+    def keep(learner, policies):
+        built.update(learner=learner, reference=policies[1])
+        original = learner._generate_and_compute_advantage
+
+        def capture(*args, **kwargs):
+            seen.append(original(*args, **kwargs))
+            return seen[-1]
+
+        learner._generate_and_compute_advantage = capture
+
+    cfg = _tiny(
+        tmp_path, mesh={"fsdp": 4, "tensor": 2}, rollout_mesh={"data": 8}, lora_rank=4, beta=0.04
+    )
+    run_grpo(cfg, on_built=keep)
+    assert len(seen) == cfg.steps
+    rollout = built["learner"].rl_cluster.rollout
+    for example in seen:
+        assert example.ref_per_token_logps is not None
+        want = tunix_rl.per_token_logps(
+            built["reference"],
+            jnp.asarray(np.asarray(example.prompt_ids)),
+            jnp.asarray(np.asarray(example.completion_ids)),
+            pad_id=rollout.pad_id(),
+            eos_id=rollout.eos_id(),
+            temperature=cfg.temperature,
+        )
+        real = np.asarray(example.completion_mask).astype(bool)
+        assert real.any()
+        got = np.asarray(example.ref_per_token_logps)
+        np.testing.assert_allclose(got[real], np.asarray(want)[real], atol=2e-5)
+
+
+@pytest.mark.slow
 def test_an_moe_policy_trains_end_to_end_with_its_load_balancing_term(tmp_path):
     """qwen3_moe-tiny, full fine-tuning, its experts over ``expert=4``: two GRPO steps
     (rollouts through the MoE's KV cache) run; the actor's loss is the wrapped one
