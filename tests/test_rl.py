@@ -167,6 +167,9 @@ def test_the_task_covers_every_problem_and_its_prompt_is_the_sft_template():
         ("reward", ("nope",), "reward 'nope'"),
         ("stop_after", 0, "stop_after=0"),
         ("eval_samples", -1, "eval_samples=-1"),
+        ("rollout_dtype", "float16", "rollout_dtype='float16' \\(--rollout-dtype\\): expected"),
+        ("rollout_dtype", "bfloat16", "rollout_dtype='bfloat16' .*--rollout-mesh too"),
+        ("warmup_data_shards", 0, "warmup_data_shards=0"),
     ],
 )
 def test_the_run_config_names_the_bad_field(field, value, words, tmp_path):
@@ -188,6 +191,7 @@ def test_dapo_with_a_beta_is_refused():
         (["--reward", "mymod_missing:f"], "cannot import"),
         (["--mesh", "fsdp=0"], "mesh"),
         (["--algorithm", "ppo"], "algorithm='ppo'"),
+        (["--rollout-dtype", "bfloat16"], "--rollout-mesh too"),
     ],
 )
 def test_the_cli_exits_2_with_one_line_and_writes_nothing(argv, words, tmp_path, capsys):
@@ -263,6 +267,31 @@ def test_a_split_rollout_mesh_gets_the_trainers_weights_after_every_sync(tmp_pat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     mesh = next(iter(jax.tree.leaves(rollout))).sharding.mesh
     assert dict(mesh.shape)["data"] == 8
+
+
+@pytest.mark.slow
+def test_a_bfloat16_rollout_copy_gets_the_trainers_weights_cast_at_every_sync(tmp_path):
+    """Bug class 5: ``--rollout-dtype bfloat16`` with the rollout on data=8 and the
+    trainer in float32 on fsdp=4,tensor=2, full fine-tuning: after the run's syncs the
+    rollout's parameters are the trainer's cast to bfloat16, and the two steps ran."""
+    from posttrain.rl.run import run_grpo
+
+    built = {}
+    cfg = _tiny(
+        tmp_path,
+        mesh={"fsdp": 4, "tensor": 2},
+        rollout_mesh={"data": 8},
+        rollout_dtype="bfloat16",
+    )
+    result = run_grpo(cfg, on_built=lambda learner, policies: built.update(learner=learner))
+    assert result.step == 2 and all(np.isfinite(r["loss"]) for r in result.history)
+    cluster = built["learner"].rl_cluster
+    trained = jax.tree.leaves(nnx.state(cluster.actor_trainer.model, nnx.Param))
+    rollout = jax.tree.leaves(nnx.state(cluster.rollout.model(), nnx.Param))
+    assert {x.dtype for x in trained} == {jnp.dtype("float32")}
+    assert {x.dtype for x in rollout} == {jnp.dtype("bfloat16")}
+    for a, b in zip(trained, rollout, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
 
 
 @pytest.mark.slow

@@ -272,6 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="rollout axis sizes on the same devices, e.g. data=8 (default: the actor's)",
     )
     rl.add_argument(
+        "--rollout-dtype",
+        default=None,
+        help="float32 or bfloat16: the rollout copy's parameters, cast at each sync; needs "
+        "--rollout-mesh and google-tunix >= 0.1.2 (default: the actor's)",
+    )
+    rl.add_argument(
         "--devices",
         default=os.environ.get("POSTTRAIN_DEVICES", "8"),
         help="fake CPU devices, or 'real' (default %(default)s)",

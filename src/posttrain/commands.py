@@ -216,6 +216,7 @@ def grpo_config(args: argparse.Namespace):
         tokenizer=args.tokenizer,
         mesh=mesh(args.mesh),
         rollout_mesh=mesh(args.rollout_mesh),
+        rollout_dtype=args.rollout_dtype,
         per_device_batch_size=args.per_device_batch_size,
         num_generations=args.num_generations,
         steps=args.steps,

@@ -35,6 +35,7 @@ TRAINING_FIELDS = (
     "tokenizer",
     "mesh",
     "rollout_mesh",
+    "rollout_dtype",
     "per_device_batch_size",
     "num_generations",
     "steps",
@@ -63,6 +64,10 @@ class GRPORunConfig:
       mesh: the actor's and reference's axis sizes; None puts every device on fsdp.
       rollout_mesh: the rollout's axis sizes (same devices, another layout; weights
         are synced every step); None shares the actor's mesh and model.
+      rollout_dtype: ``float32`` or ``bfloat16``: the rollout copy's parameter dtype
+        (Tunix's ``RolloutConfig.data_type``, google-tunix 0.1.2+; each sync casts the
+        actor's parameters to it); needs ``rollout_mesh`` (on one mesh the rollout
+        shares the actor's parameters). None: the actor's dtype.
       per_device_batch_size: prompts per data-parallel shard of the actor mesh; the
         global batch is this x its data-parallel size, x ``num_generations``
         completions.
@@ -95,6 +100,7 @@ class GRPORunConfig:
     tokenizer: str | None = None
     mesh: dict[str, int] | None = None
     rollout_mesh: dict[str, int] | None = None
+    rollout_dtype: str | None = None
     per_device_batch_size: int = 2
     num_generations: int = 8
     steps: int = 150
@@ -170,6 +176,13 @@ class GRPORunConfig:
             value = getattr(self, name)
             if value is not None and any(v < 1 for v in value.values()):
                 bad(name, "axis sizes >= 1")
+        if self.rollout_dtype not in (None, "float32", "bfloat16"):
+            bad("rollout_dtype", "float32 or bfloat16")
+        if self.rollout_dtype is not None and self.rollout_mesh is None:
+            bad(
+                "rollout_dtype",
+                "--rollout-mesh too (on one mesh the rollout shares the actor's parameters)",
+            )
         check_output_dir(self.output)
 
     def training_settings(self) -> dict:
@@ -347,6 +360,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
       ValueError: a bad config, mesh, model or tokenizer, or an algorithm the installed
         Tunix does not have (one line naming it).
     """
+    import jax.numpy as jnp
     import optax
     from tunix.sft import metrics_logger
 
@@ -426,6 +440,11 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         else None,
         data_sharding_axis=tuple(sharding.batch_spec(mesh))[:1] or ("fsdp",),
     )
+    if cfg.rollout_dtype and not tunix_rl.rollout_takes_data_type():
+        raise ValueError(
+            f"rollout_dtype={cfg.rollout_dtype!r} (--rollout-dtype): this google-tunix's "
+            "RolloutConfig has no data_type (0.1.2+)"
+        )
     rollout = tunix_rl.rollout_config(
         max_tokens_to_generate=cfg.max_new_tokens,
         max_prompt_length=cfg.max_prompt_length,
@@ -435,6 +454,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         top_k=None,
         seed=cfg.seed,
         eos_tokens=[tok.eos_id()],
+        **({"data_type": jnp.dtype(cfg.rollout_dtype)} if cfg.rollout_dtype else {}),
     )
     algo = tunix_rl.algo_config(
         cfg.algorithm, num_generations=cfg.num_generations, beta=cfg.beta, epsilon=cfg.epsilon

@@ -190,6 +190,14 @@ def rollout_config(**values):
     return cls(**{k: v for k, v in values.items() if k in fields})
 
 
+def rollout_takes_data_type() -> bool:
+    """Whether the installed ``RolloutConfig`` has ``data_type`` (0.1.2+): the dtype
+    Tunix casts a rollout copy on another mesh to."""
+    from tunix.rl.rollout import base_rollout
+
+    return "data_type" in _fields(base_rollout.RolloutConfig)
+
+
 def cluster(*, actor, reference, tokenizer, meshes: dict[str, Any], training, rollout):
     """Tunix's cluster (``RLCluster`` or ``RLEngine``) on the vanilla rollout engine.
 
@@ -403,8 +411,9 @@ def reshard_syncs_on_device(learner) -> None:
     host, so the guard stops it ("Disallowed host-to-device transfer"): split meshes
     cannot sync there. Wrapped here: the parameters are first moved by a jitted identity
     with the rollout's shardings as ``out_shardings`` (an XLA collective, which the guard
-    allows), and Tunix's own put then finds them in place. No-op when the learner does not
-    sync (:func:`syncs_weights`: the rollout shares the actor's parameters).
+    allows), and Tunix's own put then finds them in place (and casts them to a
+    ``RolloutConfig.data_type`` copy's dtype itself, 0.1.2+). No-op when the learner does
+    not sync (:func:`syncs_weights`: the rollout shares the actor's parameters).
     """
     import jax
     from flax import nnx
