@@ -83,11 +83,16 @@ class TunixPolicy(nnx.Module):
         positions: jax.Array | None = None,
         cache: Any = None,
         attention_mask: jax.Array | None = None,
+        decode_only_last_token: bool = False,
     ) -> tuple[jax.Array, Any]:
         """``CausalLM.__call__``: ``(logits [batch, seq, vocab] float32, cache or None)``.
         The parameter names and order are the ones Tunix's sampler binds (positional up to
-        google-tunix 0.1.5, keywords from 0.1.6)."""
-        logits, aux = self.model.forward(input_tokens, positions, attention_mask, cache)
+        google-tunix 0.1.5, keywords from 0.1.6); ``decode_only_last_token`` (probed by
+        0.1.7+'s sampler, so rollouts prefill with the last position's logits only) as
+        ``CausalLM.__call__``'s."""
+        logits, aux = self.model.forward(
+            input_tokens, positions, attention_mask, cache, last_only=decode_only_last_token
+        )
         return logits, aux.get("cache")
 
 

@@ -380,6 +380,17 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     tunix_rl.learner_and_config(cfg.algorithm)  # a missing algorithm fails before work
     mesh = sharding.make_mesh(cfg.mesh)
     rollout_mesh = mesh if cfg.rollout_mesh is None else sharding.make_mesh(cfg.rollout_mesh)
+    if cfg.rollout_dtype and not tunix_rl.rollout_takes_data_type():
+        raise ValueError(
+            f"rollout_dtype={cfg.rollout_dtype!r} (--rollout-dtype): this google-tunix's "
+            "RolloutConfig has no data_type (0.1.2+)"
+        )
+    if cfg.rollout_dtype and rollout_mesh == mesh:  # Tunix then shares the actor's model
+        raise ValueError(
+            f"rollout_dtype={cfg.rollout_dtype!r} (--rollout-dtype): the rollout mesh "
+            f"{cfg.rollout_mesh} is the actor's, whose parameters it shares; expected "
+            "another --rollout-mesh"
+        )
     batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
     fns = [rewards.resolve(spec) for spec in cfg.reward]
     tok = TunixTokenizer(load_tokenizer(cfg.tokenizer))
@@ -440,11 +451,6 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         else None,
         data_sharding_axis=tuple(sharding.batch_spec(mesh))[:1] or ("fsdp",),
     )
-    if cfg.rollout_dtype and not tunix_rl.rollout_takes_data_type():
-        raise ValueError(
-            f"rollout_dtype={cfg.rollout_dtype!r} (--rollout-dtype): this google-tunix's "
-            "RolloutConfig has no data_type (0.1.2+)"
-        )
     rollout = tunix_rl.rollout_config(
         max_tokens_to_generate=cfg.max_new_tokens,
         max_prompt_length=cfg.max_prompt_length,
