@@ -81,6 +81,23 @@ VARIANTS = {  # config features the default tiny models leave off
         dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
     ),
     "mixtral-sliding": ("mixtral", dict(sliding_window=6)),
+    # Llama 3's published factors are low 1 / high 4, where old / low == old * low. With
+    # 2 / 6, theta 1e4 and an original context of 128, llama3-tiny's 5 wavelengths (6.3,
+    # 40, 250, 1578, 9958) fall in all three bands: kept (< 21.3), interpolated, scaled
+    # (> 64). Mutation testing found a multiplied low_freq_factor surviving.
+    "llama3-rope-bands": (
+        "llama3",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "low_freq_factor": 2.0,
+                "high_freq_factor": 6.0,
+                "original_max_position_embeddings": 128,
+            }
+        ),
+    ),
 }
 
 
