@@ -68,6 +68,18 @@ def test_converted_logits_match_transformers(hf_tiny, tmp_path, family, layout):
     np.testing.assert_array_equal(parity.hf_logits(tmp_path / "back", tokens, mask), reference)
 
 
+def _yarn(**betas) -> dict:
+    """gpt_oss-tiny's YaRN parameters with other ``beta_fast`` / ``beta_slow``."""
+    return {
+        "rope_type": "yarn",
+        "rope_theta": 150_000.0,
+        "factor": 32.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+        **betas,
+    }
+
+
 VARIANTS = {  # config features the default tiny models leave off
     "qwen3_moe-no-renorm": ("qwen3_moe", dict(norm_topk_prob=False)),
     "gemma4-separate-v": ("gemma4", dict(attention_k_eq_v=False)),
@@ -98,6 +110,11 @@ VARIANTS = {  # config features the default tiny models leave off
             }
         ),
     ),
+    # YaRN's correction range clamped at both ends of head_dim 10's five frequencies
+    # (beta_fast so large the low dim is negative, beta_slow so small the high one is
+    # past 9), and collapsed to a point (beta_fast == beta_slow: HF's 0.001 guard)
+    "gpt_oss-yarn-clamped": ("gpt_oss", dict(rope_parameters=_yarn(beta_fast=1e4, beta_slow=1e-8))),
+    "gpt_oss-yarn-point": ("gpt_oss", dict(rope_parameters=_yarn(beta_fast=8.0, beta_slow=8.0))),
 }
 
 
