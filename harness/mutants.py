@@ -39,13 +39,15 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/layers/attention.py": ["tests/test_models.py", "tests/test_bf16.py"],
     # RoPE values against HF (the families of each RoPE kind, Llama 3's bands with
     # factors other than its published 1 / 4, YaRN's clamped and collapsed correction
-    # ranges), each RoPE field perturbed
+    # ranges, Gemma 4's half rotary), each RoPE field perturbed, the bfloat16 round trip
     "src/posttrain/layers/rope.py": [
         "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
         "tests/test_conversion_parity.py::test_config_variants_match_transformers",
         "tests/test_config_sensitivity.py",
+        "tests/test_bf16.py::test_rope_rotates_in_float32_and_returns_the_activation_dtype",
         "-k",
-        "llama3-hub or gpt_oss-hub or gemma4-hub or qwen3-hub or rope-bands or yarn or Rope",
+        "llama3-hub or gpt_oss-hub or gemma4-hub or qwen3-hub or rope-bands or yarn or rotary "
+        "or Rope or rope_rotates",
     ],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",

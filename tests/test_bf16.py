@@ -120,6 +120,21 @@ def test_every_parameter_takes_the_param_dtype(preset):
     assert not wrong, f"{preset}: parameters not in bfloat16: {wrong}"
 
 
+def test_rope_rotates_in_float32_and_returns_the_activation_dtype():
+    """A bfloat16 ``[batch, seq, heads, head_dim]`` input: rotated in float32 and rounded
+    once, back to bfloat16 (a float32 result would carry attention in float32 on)."""
+    from posttrain.layers.rope import apply_rope, rope_tables
+
+    rope = get_config("qwen3-tiny").attention["full"].rope
+    positions = jnp.arange(5, dtype=jnp.int32)[None]
+    cos, sin = rope_tables(positions, rope, 8)
+    x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8), jnp.bfloat16)
+    out = apply_rope(x, cos, sin)
+    assert out.dtype == jnp.bfloat16
+    reference = apply_rope(x.astype(jnp.float32), cos, sin).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(reference, np.float32))
+
+
 def test_router_picks_the_fp32_winner_when_bf16_rounding_would_tie():
     """Two experts whose logits differ by 2^-10 (below bf16's 2^-7 step at 1.0): the
     router must rank them as float32 does, whatever the activation dtype."""

@@ -68,15 +68,15 @@ def test_converted_logits_match_transformers(hf_tiny, tmp_path, family, layout):
     np.testing.assert_array_equal(parity.hf_logits(tmp_path / "back", tokens, mask), reference)
 
 
-def _yarn(**betas) -> dict:
-    """gpt_oss-tiny's YaRN parameters with other ``beta_fast`` / ``beta_slow``."""
+def _yarn(**overrides) -> dict:
+    """gpt_oss-tiny's YaRN parameters with ``overrides`` (``beta_fast``, ``factor``, ...)."""
     return {
         "rope_type": "yarn",
         "rope_theta": 150_000.0,
         "factor": 32.0,
         "truncate": False,
         "original_max_position_embeddings": 4096,
-        **betas,
+        **overrides,
     }
 
 
@@ -112,9 +112,28 @@ VARIANTS = {  # config features the default tiny models leave off
     ),
     # YaRN's correction range clamped at both ends of head_dim 10's five frequencies
     # (beta_fast so large the low dim is negative, beta_slow so small the high one is
-    # past 9), and collapsed to a point (beta_fast == beta_slow: HF's 0.001 guard)
-    "gpt_oss-yarn-clamped": ("gpt_oss", dict(rope_parameters=_yarn(beta_fast=1e4, beta_slow=1e-8))),
+    # past 9; factor 2, where the attention factor's log term is small but not 0), and
+    # collapsed to a point (beta_fast == beta_slow: HF's 0.001 guard)
+    "gpt_oss-yarn-clamped": (
+        "gpt_oss",
+        dict(rope_parameters=_yarn(beta_fast=1e4, beta_slow=1e-8, factor=2.0)),
+    ),
     "gpt_oss-yarn-point": ("gpt_oss", dict(rope_parameters=_yarn(beta_fast=8.0, beta_slow=8.0))),
+    # Gemma 4's proportional RoPE on half of the full layers' head_dim 12 (6 rotated
+    # dims, where 6 // 2 != 6 // 3; the preset's 0.25 gives 3, where they agree)
+    "gemma4-half-rotary": (
+        "gemma4",
+        dict(
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.5,
+                    "rope_theta": 1_000_000.0,
+                },
+            }
+        ),
+    ),
 }
 
 
