@@ -76,7 +76,8 @@ def test_step_parameters_are_the_names_tunix_donates(name):
 
 
 @pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.train")
-@pytest.mark.parametrize("name", by_convention(BASES))
+# the emulated conventions' real runs in the slow tier (gate budget); the matrix runs them
+@pytest.mark.parametrize("name", by_convention(BASES, emulated_slow=True))
 def test_steps_run_and_params_change_only_on_update_steps(name):
     # GA 3 over 8-row micro-batches: the step program of accumulated() below, so the
     # gate's persistent compilation cache compiles it once for both tests.
@@ -143,7 +144,7 @@ def logged(trainer) -> dict[str, list[float]]:
 
 
 @pytest.mark.contract("tunix gradient accumulation (optax.MultiSteps / GradientAccumulator)")
-@pytest.mark.parametrize("name", by_convention(BASES))
+@pytest.mark.parametrize("name", by_convention(BASES, emulated_slow=True))
 def test_accumulated_steps_equal_one_large_batch(name):
     """k micro-steps == one step on the concatenated batch, from the first micro-step on:
     the same params, the same logged loss and the same logged grad_norm (the norm of the
@@ -165,6 +166,7 @@ def test_accumulated_steps_equal_one_large_batch(name):
 if "bound3_update" in BASES and tunix_compat.detect().name != "bound3_update":
 
     @pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.train")
+    @pytest.mark.slow  # an emulated convention's run (gate budget); the matrix runs it
     def test_main_without_accumulation_steps_as_the_installed_release():
         """Emulated main without accumulation (every call an update step) gives the
         installed release's params and losses (no installable release has main's step)."""
@@ -187,6 +189,7 @@ class SkipsWhenEmpty(te.GradientAccumulator):
 
 @pytest.mark.contract("tunix.sft.peft_trainer.GradientAccumulator (main)")
 @pytest.mark.convention("bound3_update")
+@pytest.mark.slow  # an emulated convention's run (gate budget); the matrix runs it
 @pytest.mark.skipif(
     te.not_applicable("bound3_update") is not None,
     reason=str(te.not_applicable("bound3_update")),

@@ -320,16 +320,20 @@ def contract_bases() -> dict[str, type | None]:
     return {k: v for k, v in every.items() if k != installed}
 
 
-def by_convention(bases) -> list:
+def by_convention(bases, *, emulated_slow: bool = False) -> list:
     """``bases``' names as pytest parameters, each marked with its convention (the
     ``convention`` marker: the matrix picks a row's tests by it), and skipped with the
     reason where the emulation means nothing over the installed base
-    (:func:`not_applicable`: the report's n/a)."""
+    (:func:`not_applicable`: the report's n/a). ``emulated_slow``: the emulated
+    conventions also marked ``slow`` (the gate runs the installed one; the matrix runs
+    every marker)."""
     import pytest
 
     params = []
     for name in bases:
         marks = [pytest.mark.convention(name)]
+        if emulated_slow and name != "installed":
+            marks.append(pytest.mark.slow)
         reason = not_applicable(name)
         if reason:
             marks.append(pytest.mark.skip(reason=reason))

@@ -56,8 +56,9 @@ sys.stdout.write(line + chr(10))  # one write: gloo's own messages share this st
 """
 
 
+@pytest.mark.slow  # the gate's 2-process SFT run spans the same runtime (gate budget)
 def test_two_processes_form_one_runtime_and_gather_across_it():
-    """The gate's multi-process test: 2 launched processes x 4 devices join through
+    """2 launched processes x 4 devices join through
     ``posttrain.distributed.initialize`` (gloo) into one 8-device runtime; a jitted
     reduction over an array sharded across both, ``host_array``'s gather and the barrier
     work, and only rank 0 is the writer; a block failing in rank 1 only makes rank 0
