@@ -19,6 +19,28 @@ PROMPTS = ["hello there", "hi", "a longer prompt, left-padded"]
 STEPS = 12  # past the tiny presets' sliding window (8)
 
 
+def _greedy_both(model, **options):
+    """Tunix's ``Sampler`` and our ``generate``, greedy, over ``model`` on
+    :data:`PROMPTS` (``options`` go to the sampler): ``(sampler, its output, the
+    prompts' ids, our Generation, the pad id)``."""
+    tok = byte_tokenizer()
+    eos = tok.token_to_id("<|im_end|>")
+    sampler = tunix_sampler.make_sampler(model, tok, cache_size=64)
+    theirs = tunix_sampler.run(
+        sampler,
+        PROMPTS,
+        max_generation_steps=STEPS,
+        max_prompt_length=32,
+        temperature=0.0,
+        eos_tokens=[eos],  # the tokenizer's eos_id() too, for releases without the option
+        **options,
+    )
+    ids = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+    pad = tok.token_to_id("<|pad|>")  # TunixTokenizer's: a token the model never generates
+    sampling = generate.SamplingConfig(max_new_tokens=STEPS, eos_ids=(eos,), pad_id=pad)
+    return sampler, theirs, ids, generate.generate(model, ids, sampling), pad
+
+
 @pytest.mark.contract("tunix.generate.sampler.Sampler")
 @pytest.mark.parametrize(
     "name", ["qwen3-tiny", pytest.param("gemma4-tiny", marks=pytest.mark.slow)]
@@ -29,24 +51,9 @@ def test_tunix_sampler_greedy_equals_ours(name):
     have their own kv heads and head_dim (the sampler must use our init_cache). A
     release that probes for ``decode_only_last_token`` (0.1.7+) finds it and prefills
     with the last position's logits only."""
-    model = build_model(get_config(name), seed=1)
-    tok = byte_tokenizer()
-    eos = tok.token_to_id("<|im_end|>")
-    sampler = tunix_sampler.make_sampler(model, tok, cache_size=64)
+    sampler, theirs, _, ours, pad = _greedy_both(build_model(get_config(name), seed=1))
     probe = getattr(sampler, "_supports_decode_only_last_token", None)  # 0.1.7+
     assert probe is None or probe is True
-    theirs = tunix_sampler.run(
-        sampler,
-        PROMPTS,
-        max_generation_steps=STEPS,
-        max_prompt_length=32,
-        temperature=0.0,
-        eos_tokens=[eos],  # the tokenizer's eos_id() too, for releases without the option
-    )
-    ids = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
-    pad = tok.token_to_id("<|pad|>")  # TunixTokenizer's: a token the model never generates
-    sampling = generate.SamplingConfig(max_new_tokens=STEPS, eos_ids=(eos,), pad_id=pad)
-    ours = generate.generate(model, ids, sampling)
     assert all(pad not in ours.row(i) for i in range(len(PROMPTS)))
     for i, tokens in enumerate(theirs.tokens):
         assert [int(t) for t in tokens] == ours.row(i)[:STEPS], i
@@ -75,24 +82,8 @@ def test_the_samplers_logprobs_equal_ours_and_the_trainers():
     from posttrain.rl.policy import TunixPolicy
 
     model = build_model(get_config("qwen3-tiny"), seed=1)
-    tok = byte_tokenizer()
-    eos = tok.token_to_id("<|im_end|>")
-    sampler = tunix_sampler.make_sampler(model, tok, cache_size=64)
-    theirs = tunix_sampler.run(
-        sampler,
-        PROMPTS,
-        max_generation_steps=STEPS,
-        max_prompt_length=32,
-        temperature=0.0,
-        eos_tokens=[eos],
-        return_logprobs=True,
-    )
-    ids = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
-    pad = tok.token_to_id("<|pad|>")
-    ours = generate.generate(
-        model, ids, generate.SamplingConfig(max_new_tokens=STEPS, eos_ids=(eos,), pad_id=pad)
-    )
-    policy, wrapped = TunixPolicy(model), tunix_sampler.TunixTokenizer(tok)
+    _, theirs, ids, ours, _ = _greedy_both(model, return_logprobs=True)
+    policy, wrapped = TunixPolicy(model), tunix_sampler.TunixTokenizer(byte_tokenizer())
     for i, tokens in enumerate(theirs.tokens):
         n = len(tokens)
         got = np.asarray(theirs.logprobs[i][:n], np.float32)

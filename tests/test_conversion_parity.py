@@ -80,6 +80,13 @@ def _yarn(**overrides) -> dict:
     }
 
 
+def _gemma4_rope(**changes) -> dict:
+    """gemma4-tiny's per-layer-type RoPE parameters, each type's dict updated with
+    ``changes[type]``."""
+    ropes = families.get("gemma4").oracle.tiny_config["rope_parameters"]
+    return {t: {**p, **changes.get(t, {})} for t, p in ropes.items()}
+
+
 VARIANTS = {  # config features the default tiny models leave off
     "qwen3_moe-no-renorm": ("qwen3_moe", dict(norm_topk_prob=False)),
     "gemma4-separate-v": ("gemma4", dict(attention_k_eq_v=False)),
@@ -123,16 +130,7 @@ VARIANTS = {  # config features the default tiny models leave off
     # dims, where 6 // 2 != 6 // 3; the preset's 0.25 gives 3, where they agree)
     "gemma4-half-rotary": (
         "gemma4",
-        dict(
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-                "full_attention": {
-                    "rope_type": "proportional",
-                    "partial_rotary_factor": 0.5,
-                    "rope_theta": 1_000_000.0,
-                },
-            }
-        ),
+        dict(rope_parameters=_gemma4_rope(full_attention={"partial_rotary_factor": 0.5})),
     ),
 }
 
