@@ -212,7 +212,7 @@ class ShardedPairs:
         ``i % shards``).
       arrays: ``{shard: arrays}`` for this process's shards, each from
         :func:`~posttrain.preference.data.encode_pairs` (``[pairs of the shard, length]``).
-      total: the pairs of every shard together (every process reads the whole file).
+      total: the pairs of every shard together (every process counts every line).
     """
 
     shards: int
