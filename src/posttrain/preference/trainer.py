@@ -154,14 +154,7 @@ class DPOTrainerMixin(SFTTrainerMixin):
         (``posttrain.preference.run.ShardedPairs``), placed with
         ``jax.make_array_from_process_local_data``."""
         if isinstance(input_data, dict):
-            local = self.process_local_batches and jax.process_count() > 1
-
-            def place(x):
-                if local:
-                    return jax.make_array_from_process_local_data(self._batch_sharding, x)
-                return jax.device_put(x, self._batch_sharding)
-
-            input_data = {k: place(np.asarray(v)) for k, v in input_data.items()}
+            input_data = {k: self._place_rows(np.asarray(v)) for k, v in input_data.items()}
         return super()._prepare_inputs(input_data)
 
 

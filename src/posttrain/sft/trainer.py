@@ -300,17 +300,18 @@ class SFTTrainerMixin:
         ``SFTOptions.process_local_batches`` across processes, from this process's rows
         of it; device arrays (a Tunix trainer's prepared inputs, global across
         processes) are resharded on device, never read back to the host."""
-        input_data = super()._prepare_inputs(input_data)
-        local = self.process_local_batches and jax.process_count() > 1
+        return jax.tree.map(self._place_rows, super()._prepare_inputs(input_data))
 
-        def place(x):
-            if local and isinstance(x, np.ndarray) and np.ndim(x) >= 1:
-                return jax.make_array_from_process_local_data(self._batch_sharding, x)
-            if isinstance(x, np.ndarray | jax.Array) and np.ndim(x) >= 1:
-                return jax.device_put(x, self._batch_sharding)
+    def _place_rows(self, x):
+        """One input leaf on the batch sharding (:meth:`_prepare_inputs`): a host
+        ``[batch, ...]`` array from this process's rows with
+        ``SFTOptions.process_local_batches`` across processes, else from the whole global
+        batch; a device array resharded on device; anything else unchanged."""
+        if not isinstance(x, np.ndarray | jax.Array) or np.ndim(x) < 1:
             return x
-
-        return jax.tree.map(place, input_data)
+        if isinstance(x, np.ndarray) and self.process_local_batches and jax.process_count() > 1:
+            return jax.make_array_from_process_local_data(self._batch_sharding, x)
+        return jax.device_put(x, self._batch_sharding)
 
     @override
     def _post_process_train_step(self, aux) -> None:
