@@ -196,7 +196,7 @@ def test_a_process_parses_only_its_shards_pairs(tmp_path):
 
     path = _write(tmp_path, [GOOD, GOOD, GOOD, {"prompt": "p"}])
     cfg = DPORunConfig(data=path, max_prompt_length=48, max_response_length=48)
-    (mine,) = pair_arrays(cfg, byte_tokenizer(), "bytes", 2, [0])[:1]
+    mine, _ = pair_arrays(cfg, byte_tokenizer(), "bytes", 2, [0])
     assert (mine.total, mine.here) == (4, 2)
     with pytest.raises(ValueError, match=f"{path}, line 4: expected an object"):
         pair_arrays(cfg, byte_tokenizer(), "bytes", 2, [1])
