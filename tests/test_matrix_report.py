@@ -291,14 +291,9 @@ def test_the_committed_html_report_renders_its_grid_colours_and_summary(tmp_path
     probed.write_text(page.replace("</body>", PROBE + "</body>"))
     browser = [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
     shot = tmp_path / "shot.png"
-    subprocess.run(
-        [*browser, "--window-size=1400,900", f"--screenshot={shot}", probed.as_uri()],
-        capture_output=True,
-        timeout=120,
-        check=True,
-    )
-    dom = subprocess.run(
-        [*browser, "--dump-dom", probed.as_uri()],
+    dom = subprocess.run(  # one launch: the screenshot and the DOM after layout
+        [*browser, "--window-size=1400,900", f"--screenshot={shot}", "--dump-dom"]
+        + [probed.as_uri()],
         capture_output=True,
         text=True,
         timeout=120,
