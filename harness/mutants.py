@@ -35,8 +35,27 @@ TARGETS: dict[str, list[str]] = {
     ],
     "src/posttrain/layers/moe/dispatch.py": ["tests/test_moe.py"],
     "src/posttrain/layers/moe/experts.py": ["tests/test_moe.py"],
-    "src/posttrain/layers/moe/block.py": ["tests/test_moe.py", "tests/test_sft_objective.py"],
-    "src/posttrain/layers/attention.py": ["tests/test_models.py", "tests/test_bf16.py"],
+    # the block against HF's MoE families (shared expert, router input, capacity), each
+    # MoE field perturbed, the objective's weighted load-balancing loss
+    "src/posttrain/layers/moe/block.py": [
+        "tests/test_moe.py",
+        "tests/test_sft_objective.py",
+        "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
+        "tests/test_conversion_parity.py::test_config_variants_match_transformers",
+        "tests/test_config_sensitivity.py",
+    ],
+    # test_models and test_bf16 compare the model with itself (scan, meshes, dtypes): the
+    # attention's values come from HF parity (every family, the config variants, each
+    # quirk switched off), the field perturbations and the cached decode
+    "src/posttrain/layers/attention.py": [
+        "tests/test_models.py",
+        "tests/test_bf16.py",
+        "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
+        "tests/test_conversion_parity.py::test_config_variants_match_transformers",
+        "tests/test_parity_fixtures.py",
+        "tests/test_config_sensitivity.py",
+        "tests/test_generate.py::test_incremental_decoding_equals_the_full_forward",
+    ],
     # RoPE values against HF (the families of each RoPE kind, Llama 3's bands with
     # factors other than its published 1 / 4, YaRN's clamped and collapsed correction
     # ranges, Gemma 4's half rotary), each RoPE field perturbed, the bfloat16 round trip
