@@ -34,12 +34,14 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_bf16.py::test_router_picks_the_fp32_winner_when_bf16_rounding_would_tie",
     ],
     "src/posttrain/layers/moe/dispatch.py": ["tests/test_moe.py"],
-    "src/posttrain/layers/moe/experts.py": ["tests/test_moe.py"],
+    # test_bf16: the tiny MoE presets run the sorted experts in bfloat16
+    "src/posttrain/layers/moe/experts.py": ["tests/test_moe.py", "tests/test_bf16.py"],
     # the block against HF's MoE families (shared expert, router input, capacity), each
     # MoE field perturbed, the objective's weighted load-balancing loss
     "src/posttrain/layers/moe/block.py": [
         "tests/test_moe.py",
         "tests/test_sft_objective.py",
+        "tests/test_bf16.py",
         "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
         "tests/test_conversion_parity.py::test_config_variants_match_transformers",
         "tests/test_config_sensitivity.py",
