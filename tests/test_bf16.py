@@ -151,3 +151,79 @@ def test_router_picks_the_fp32_winner_when_bf16_rounding_would_tie():
     assert routing.expert_ids[:, 0].tolist() == [1, 1, 1]
     # the same logits rounded to bf16 tie, and top_k takes the lower index: expert 0
     assert int(route(logits.astype(jnp.bfloat16), moe).expert_ids[0, 0]) == 0
+
+
+# Experts fixture dims, moe_d_ff distinct from every other size so a matmul that reads
+# an expert weight or hidden state is the one with F in an operand's shape.
+EXPERT_TOKENS, EXPERT_D_MODEL, EXPERT_D_FF = 32, 8, 12
+# bf16 matmuls over d_model 8 / moe_d_ff 12 against the float32 twin: max |delta| / std
+# measured 0.025 (dense) and 0.027 (sorted, ragged); ~2x headroom.
+MAX_EXPERT_DELTA_PER_STD = 0.06
+
+
+def expert_matmuls(jaxpr) -> list[tuple[str, ...]]:
+    """The operand dtypes of every dot_general / ragged_dot_general that reads an expert weight or
+    hidden state (an operand with ``EXPERT_D_FF`` in its shape), sub-jaxprs included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        avals = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
+        if eqn.primitive.name in ("dot_general", "ragged_dot_general") and any(
+            EXPERT_D_FF in a.shape for a in avals
+        ):
+            out.append(tuple(str(a.dtype) for a in avals if jnp.issubdtype(a.dtype, jnp.floating)))
+        for sub in sub_jaxprs(eqn.params):
+            out.extend(expert_matmuls(sub))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "expert_bias"),
+    # dense without biases: its float32 result comes from the down einsum alone (a
+    # float32 bias would promote a bfloat16 sum and hide it)
+    [("dense", False), ("sorted", True), ("ragged", True)],
+    ids=["dense", "sorted-bias", "ragged-bias"],
+)
+def test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32(algorithm, expert_bias):
+    """``Experts`` with dtype and param_dtype bfloat16, on a float32 input: every parameter
+    is bfloat16, every matmul
+    of an expert (gate, up, down; in the sorted algorithm's scan and cond too) reads
+    bfloat16 operands, the weighted sum over experts is float32 (the documented result),
+    and it agrees with the float32 twin (the same bf16-representable weights and biases)
+    within bf16 rounding."""
+    from posttrain.config import ActivationConfig
+    from posttrain.layers.moe.experts import Experts
+
+    moe = MoEConfig(
+        num_experts=4, top_k=2, moe_d_ff=EXPERT_D_FF, expert_bias=expert_bias, algorithm=algorithm
+    )
+    activation = ActivationConfig("silu", 1.702, 7.0)
+
+    def build(dtype):
+        return Experts(
+            EXPERT_D_MODEL, moe, activation, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype
+        )
+
+    low, high = build(jnp.bfloat16), build(jnp.float32)
+    assert {str(v.dtype) for v in jax.tree.leaves(nnx.state(low, nnx.Param))} == {"bfloat16"}
+    keys = iter(jax.random.split(jax.random.key(3), 8))
+    values = jax.tree.map(  # biases away from their zero init, in each parameter's dtype
+        lambda v: jax.random.normal(next(keys), v.shape).astype(v.dtype),
+        nnx.state(low, nnx.Param),
+    )
+    nnx.update(low, values)
+    nnx.update(high, jax.tree.map(lambda v: v.astype(jnp.float32), values))
+    x = jax.random.normal(jax.random.key(4), (EXPERT_TOKENS, EXPERT_D_MODEL), jnp.float32)
+    scores = jax.random.normal(jax.random.key(5), (EXPERT_TOKENS, moe.num_experts))
+    weights, expert_ids = jax.lax.top_k(jax.nn.softmax(scores), moe.top_k)  # [T, R]
+
+    def run(experts):
+        return jax.jit(lambda x: experts(x, weights, expert_ids))
+
+    jaxpr = jax.make_jaxpr(run(low))(x).jaxpr
+    matmuls = expert_matmuls(jaxpr)
+    assert len(matmuls) >= 3, matmuls  # gate, up and down were found
+    assert all(set(dtypes) == {"bfloat16"} for dtypes in matmuls), matmuls
+    got, want = run(low)(x), run(high)(x)
+    assert got.dtype == jnp.float32
+    delta = float(jnp.max(jnp.abs(got - want)) / jnp.std(want))
+    assert 0 < delta <= MAX_EXPERT_DELTA_PER_STD, f"{algorithm}: max |delta| / std {delta:.4f}"
