@@ -3,7 +3,8 @@
 ``python -m harness.mutants [MODULE ...] [--max-children N] [--report-dir DIR]`` (what
 ``tox -e mutants`` runs): for each module (default: all of :data:`TARGETS`) it copies the
 project into a scratch directory, writes a ``[tool.mutmut]`` section that mutates only that
-module and runs only its targeted test selection, runs ``mutmut run`` there, and collects
+module (only the functions :data:`FUNCTIONS` names, where it names some) and runs only
+its targeted test selection, runs ``mutmut run`` there, and collects
 mutmut's own counts (``mutmut export-cicd-stats``). The report, ``mutants.json`` and
 ``mutants.md`` in the report directory, gives per module: killed, survived, timed out,
 no tests, the score (killed / (killed + survived + timeout)), and the surviving mutants'
@@ -89,6 +90,25 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
 }
+# module -> the functions mutated (mutmut mutant-name patterns, fnmatch); a module not
+# listed has every function mutated. ``xǁClassǁmethod`` names a method, ``x_name`` a
+# module-level function (mutmut's mangling).
+FUNCTIONS: dict[str, list[str]] = {
+    # the step (objective, gradients, the update or skip, the logged terms), not the
+    # trainer's Tunix plumbing (saves, placement, closing)
+    "src/posttrain/sft/trainer.py": [
+        f"posttrain.sft.trainer.{name}__mutmut_*"
+        for name in (
+            "xǁSFTTrainerMixinǁ_objective",
+            "xǁSFTTrainerMixinǁ_report",
+            "xǁSFTTrainerMixinǁ_grads",
+            "xǁSFTTrainerMixinǁ_step_body",
+            "xǁSFTTrainerMixinǁcreate_train_step_fn",
+            "x__all_finite",
+            "x_default_moe_aux_loss_weight",
+        )
+    ],
+}
 _PYTEST_ARGS = ["-p", "no:cacheprovider", "-x", "-q", "-m", "not slow"]  # the gate's tier
 _COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md")
 
@@ -125,7 +145,8 @@ def run_module(module: str, root: pathlib.Path, work: pathlib.Path, max_children
     )
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci"}
     run = subprocess.run(
-        [sys.executable, "-m", "mutmut", "run", f"--max-children={max_children}"],
+        [sys.executable, "-m", "mutmut", "run", f"--max-children={max_children}"]
+        + FUNCTIONS.get(module, []),
         cwd=work,
         env=env,
         capture_output=True,

@@ -57,3 +57,27 @@ def test_bad_arguments_exit_2(capsys, argv, message):
     with pytest.raises(SystemExit) as exit:
         mutants.main(argv)
     assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_each_function_pattern_names_a_function_of_its_module():
+    """A pattern matching nothing would make mutmut stop with "nothing matches"; one for a
+    renamed function would silently shrink the run, so each must name a real function."""
+    import ast
+
+    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    for module, patterns in mutants.FUNCTIONS.items():
+        assert module in mutants.TARGETS, module
+        tree = ast.parse((root / module).read_text())
+        names = {f"x_{n.name}" for n in tree.body if isinstance(n, ast.FunctionDef)}
+        names |= {
+            f"xǁ{c.name}ǁ{m.name}"
+            for c in tree.body
+            if isinstance(c, ast.ClassDef)
+            for m in c.body
+            if isinstance(m, ast.FunctionDef)
+        }
+        dotted = module.removeprefix("src/").removesuffix(".py").replace("/", ".")
+        for pattern in patterns:
+            prefix, _, rest = pattern.partition(f"{dotted}.")
+            assert prefix == "" and rest.endswith("__mutmut_*"), pattern
+            assert rest.removesuffix("__mutmut_*") in names, pattern
