@@ -161,19 +161,23 @@ EXPERT_TOKENS, EXPERT_D_MODEL, EXPERT_D_FF = 32, 8, 12
 MAX_EXPERT_DELTA_PER_STD = 0.1
 
 
-def expert_matmuls(jaxpr) -> list[tuple[str, ...]]:
-    """The operand dtypes of every dot_general / ragged_dot_general that reads an expert weight or
-    hidden state (an operand with ``EXPERT_D_FF`` in its shape), sub-jaxprs included."""
+def matmuls(jaxpr) -> list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]]:
+    """``(operand shapes, float operand dtypes)`` of every dot_general / ragged_dot_general,
+    sub-jaxprs (scan, cond, jit) included."""
     out = []
     for eqn in jaxpr.eqns:
-        avals = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
-        if eqn.primitive.name in ("dot_general", "ragged_dot_general") and any(
-            EXPERT_D_FF in a.shape for a in avals
-        ):
-            out.append(tuple(str(a.dtype) for a in avals if jnp.issubdtype(a.dtype, jnp.floating)))
+        if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+            avals = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
+            floats = tuple(str(a.dtype) for a in avals if jnp.issubdtype(a.dtype, jnp.floating))
+            out.append((tuple(a.shape for a in avals), floats))
         for sub in sub_jaxprs(eqn.params):
-            out.extend(expert_matmuls(sub))
+            out.extend(matmuls(sub))
     return out
+
+
+def reading(jaxpr, *dims: int) -> list[tuple[str, ...]]:
+    """The float operand dtypes of every matmul with one of ``dims`` in an operand's shape."""
+    return [dtypes for shapes, dtypes in matmuls(jaxpr) if any(set(dims) & set(s) for s in shapes)]
 
 
 # What each algorithm's program must hold (the config picks it, never the platform): its
@@ -236,9 +240,9 @@ def test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32(
         return jax.jit(lambda x: experts(x, weights, expert_ids, down_scale=scale))
 
     jaxpr = jax.make_jaxpr(run(low))(x).jaxpr
-    matmuls = expert_matmuls(jaxpr)
-    assert len(matmuls) >= 3, matmuls  # gate, up and down were found
-    assert all(set(dtypes) == {"bfloat16"} for dtypes in matmuls), matmuls
+    expert = reading(jaxpr, EXPERT_D_FF)  # the matmuls of an expert weight or hidden state
+    assert len(expert) >= 3, expert  # gate, up and down were found
+    assert all(set(dtypes) == {"bfloat16"} for dtypes in expert), expert
     present, absent = ALGORITHM_PRIMITIVES[algorithm]
     primitives = {p for p, _ in primitive_dtypes(jaxpr)}
     assert present <= primitives and not absent & primitives, (algorithm, sorted(primitives))
@@ -246,3 +250,36 @@ def test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32(
     assert got.dtype == jnp.float32
     delta = float(jnp.max(jnp.abs(got - want)) / jnp.std(want))
     assert 0 < delta <= MAX_EXPERT_DELTA_PER_STD, f"{algorithm}: max |delta| / std {delta:.4f}"
+
+
+def test_the_moe_block_hands_its_dtypes_to_the_router_and_both_experts():
+    """``MoEBlock`` with dtype bfloat16, float32 master weights and a shared expert, on a
+    bfloat16 input: the router scores in float32 (its island), every matmul of the
+    routed and of the shared experts reads bfloat16, the output takes the input's dtype
+    and the load-balancing loss is float32. A block that does not pass ``dtype`` on
+    computes its experts in float32 without a word (the values barely move)."""
+    from posttrain.config import ActivationConfig
+    from posttrain.layers.moe.block import MoEBlock
+
+    d_model, num_experts, shared_d_ff = EXPERT_D_MODEL, 4, 6
+    moe = MoEConfig(
+        num_experts=num_experts, top_k=2, moe_d_ff=EXPERT_D_FF, shared_expert_d_ff=shared_d_ff
+    )
+    block = MoEBlock(
+        d_model,
+        moe,
+        ActivationConfig("silu", 1.702, 7.0),
+        norm_eps=1e-6,
+        rngs=nnx.Rngs(0),
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.float32,
+    )
+    x = jax.random.normal(jax.random.key(6), (2, 16, d_model), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x: block(x))(x).jaxpr
+    routed, shared = reading(jaxpr, EXPERT_D_FF), reading(jaxpr, shared_d_ff)
+    assert len(routed) >= 3 and len(shared) >= 3, (routed, shared)
+    assert all(set(dtypes) == {"bfloat16"} for dtypes in routed + shared), (routed, shared)
+    router = [d for shapes, d in matmuls(jaxpr) if (d_model, num_experts) in shapes]
+    assert router and all(set(dtypes) == {"float32"} for dtypes in router), router
+    y, aux_loss = jax.jit(lambda x: block(x))(x)
+    assert (y.dtype, aux_loss.dtype) == (jnp.bfloat16, jnp.float32)
