@@ -253,8 +253,9 @@ def test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32(
 
 
 def test_the_moe_block_hands_its_dtypes_to_the_router_and_both_experts():
-    """``MoEBlock`` with dtype bfloat16, float32 master weights and a shared expert, on a
-    bfloat16 input: the router scores in float32 (its island), every matmul of the
+    """``MoEBlock`` with dtype and param_dtype bfloat16 and a shared expert, on a bfloat16
+    input: every parameter is bfloat16, the router scores in float32 (its island), every
+    matmul of the
     routed and of the shared experts reads bfloat16, the output takes the input's dtype
     and the load-balancing loss is float32. A block that does not pass ``dtype`` on
     computes its experts in float32 without a word (the values barely move)."""
@@ -272,8 +273,9 @@ def test_the_moe_block_hands_its_dtypes_to_the_router_and_both_experts():
         norm_eps=1e-6,
         rngs=nnx.Rngs(0),
         dtype=jnp.bfloat16,
-        param_dtype=jnp.float32,
+        param_dtype=jnp.bfloat16,
     )
+    assert {str(v.dtype) for v in jax.tree.leaves(nnx.state(block, nnx.Param))} == {"bfloat16"}
     x = jax.random.normal(jax.random.key(6), (2, 16, d_model), jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda x: block(x))(x).jaxpr
     routed, shared = reading(jaxpr, EXPERT_D_FF), reading(jaxpr, shared_d_ff)
