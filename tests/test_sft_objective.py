@@ -83,3 +83,25 @@ def test_the_router_gradient_follows_the_weight():
     finally:
         trainer.moe_aux_loss_weight = 0.25
     assert np.abs(g1 - g0).max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("segment_ids", "want_tokens"),
+    [([[1, 1, 2, 0], [1, 0, 0, 0]], 4.0), (None, 8.0)],
+    ids=["packed-rows", "no-segment-ids"],
+)
+@pytest.mark.parametrize(("nll_sum", "target_tokens"), [(3.5, 1.0), (0.0, 0.0), (6.0, 4.0)])
+def test_the_reported_loss_and_token_count(segment_ids, want_tokens, nll_sum, target_tokens):
+    """What a micro-step logs (``_report``): the loss is the mean NLL over its target
+    tokens (a single target token divides by 1; none gives 0, not NaN), ``tokens``
+    counts the non-padding tokens (segment id > 0; every token without segment ids,
+    sft.metrics' definition) as float32, and grad_norm and the forward terms pass on."""
+    inputs = {"input_tokens": jnp.ones((2, 4), jnp.int32)}
+    if segment_ids is not None:
+        inputs["segment_ids"] = jnp.asarray(segment_ids, jnp.int32)
+    terms = {"nll_sum": jnp.float32(nll_sum), "target_tokens": jnp.float32(target_tokens)}
+    report = jax.jit(lambda terms, inputs: SFTTrainer._report(None, terms, inputs, 1.5))
+    loss, aux = report(terms, inputs)
+    assert float(loss) == (nll_sum / target_tokens if target_tokens else 0.0)
+    assert aux["tokens"].dtype == jnp.float32 and float(aux["tokens"]) == want_tokens
+    assert float(aux["grad_norm"]) == 1.5 and float(aux["nll_sum"]) == nll_sum
