@@ -79,9 +79,9 @@ def test_step_parameters_are_the_names_tunix_donates(name):
 # the emulated conventions' real runs in the slow tier (gate budget); the matrix runs them
 @pytest.mark.parametrize("name", by_convention(BASES, emulated_slow=True))
 def test_steps_run_and_params_change_only_on_update_steps(name):
-    # GA 3 over 8-row micro-batches: the step program of accumulated() below, so the
+    # GA 2 over 12-row micro-batches: the step program of accumulated() below, so the
     # gate's persistent compilation cache compiles it once for both tests.
-    trainer, mesh = make_trainer(BASES[name], ga=3)
+    trainer, mesh = make_trainer(BASES[name], ga=2)
     convention = trainer.convention
     traces = []  # one entry per trace of the step body
     body = trainer._step_body
@@ -91,7 +91,7 @@ def test_steps_run_and_params_change_only_on_update_steps(name):
         return body(*args)
 
     trainer._step_body = counted
-    batches = data.batches(rows(), 8, 3)
+    batches = data.batches(rows(), 12, 2)
     snapshots = [params(trainer.model)]
     with sharding.use_mesh(mesh):
         step, _ = trainer.jit_train_and_eval_step()
@@ -102,7 +102,7 @@ def test_steps_run_and_params_change_only_on_update_steps(name):
             elif convention.name == "bound2":
                 out = step(batch)
             else:
-                out = step(batch, is_update_step=jnp.array(micro % 3 == 2, jnp.bool_))
+                out = step(batch, is_update_step=jnp.array(micro % 2 == 1, jnp.bool_))
             assert len(out) == convention.returns
             assert np.isfinite(float(out[0]))
             snapshots.append(params(trainer.model))
@@ -111,7 +111,7 @@ def test_steps_run_and_params_change_only_on_update_steps(name):
         return any(not np.array_equal(a[k], b[k]) for k in a)
 
     updates = [changed(a, b) for a, b in zip(snapshots, snapshots[1:], strict=False)]
-    assert updates == [False, False, True, False, False, True]
+    assert updates == [False, True, False, True, False, True]
     # Traced (so compiled) once: a state array that comes back from the first step
     # with another sharding than it went in with makes every run compile the step twice.
     assert len(traces) == 1, f"the step was traced {len(traces)} times in 6 micro-steps"
@@ -130,11 +130,13 @@ def one_large_batch(name="installed"):
 
 
 def accumulated(name, accumulator=None):
-    """2 optimizer steps of 3 micro-batches of 8 rows (the same rows, in the same order)."""
-    trainer, _ = make_trainer(ALL_BASES[name], ga=3)
+    """2 optimizer steps of 2 micro-batches of 12 rows (the same rows, in the same order).
+    Two, the smallest window: a step that mistakes 2 for 1 (or 1 for 2) applies the
+    wrong sum here."""
+    trainer, _ = make_trainer(ALL_BASES[name], ga=2)
     if accumulator is not None:
         trainer.grad_accumulator = accumulator(trainer.model, nnx.Param)
-    trainer.train(data.batches(rows(), 8, 3))
+    trainer.train(data.batches(rows(), 12, 2))
     return params(trainer.model), logged(trainer)
 
 
@@ -144,7 +146,11 @@ def logged(trainer) -> dict[str, list[float]]:
 
 
 @pytest.mark.contract("tunix gradient accumulation (optax.MultiSteps / GradientAccumulator)")
-@pytest.mark.parametrize("name", by_convention(BASES, emulated_slow=True))
+# main's accumulator stays in the gate: the installed release (MultiSteps) never takes the
+# step's GradientAccumulator branch, and a bug there passed the gate (mutation testing)
+@pytest.mark.parametrize(
+    "name", by_convention(BASES, emulated_slow=True, in_gate=("bound3_update",))
+)
 def test_accumulated_steps_equal_one_large_batch(name):
     """k micro-steps == one step on the concatenated batch, from the first micro-step on:
     the same params, the same logged loss and the same logged grad_norm (the norm of the

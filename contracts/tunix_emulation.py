@@ -320,19 +320,19 @@ def contract_bases() -> dict[str, type | None]:
     return {k: v for k, v in every.items() if k != installed}
 
 
-def by_convention(bases, *, emulated_slow: bool = False) -> list:
+def by_convention(bases, *, emulated_slow: bool = False, in_gate: tuple[str, ...] = ()) -> list:
     """``bases``' names as pytest parameters, each marked with its convention (the
     ``convention`` marker: the matrix picks a row's tests by it), and skipped with the
     reason where the emulation means nothing over the installed base
     (:func:`not_applicable`: the report's n/a). ``emulated_slow``: the emulated
     conventions also marked ``slow`` (the gate runs the installed one; the matrix runs
-    every marker)."""
+    every marker), except those named in ``in_gate``."""
     import pytest
 
     params = []
     for name in bases:
         marks = [pytest.mark.convention(name)]
-        if emulated_slow and name != "installed":
+        if emulated_slow and name != "installed" and name not in in_gate:
             marks.append(pytest.mark.slow)
         reason = not_applicable(name)
         if reason:
