@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
 
@@ -105,3 +106,22 @@ def test_the_reported_loss_and_token_count(segment_ids, want_tokens, nll_sum, ta
     assert float(loss) == (nll_sum / target_tokens if target_tokens else 0.0)
     assert aux["tokens"].dtype == jnp.float32 and float(aux["tokens"]) == want_tokens
     assert float(aux["grad_norm"]) == 1.5 and float(aux["nll_sum"]) == nll_sum
+
+
+def test_the_logged_grad_norm_is_the_norm_of_the_applied_gradient():
+    """One step without accumulation: the step's grad_norm equals the global norm of the
+    gradient of its objective (computed here before the step), and the step applies it
+    (SGD: params move by exactly lr x gradient)."""
+    trainer = trainer_for(0.25)
+    with sharding.use_mesh(trainer.mesh, jax_context=False):
+        _, _, grads = jax.jit(trainer._grads)(trainer.model, batch())
+        before = jax.tree.map(np.asarray, nnx.state(trainer.model, nnx.Param))
+        step = nnx.jit(lambda m, o, x: trainer._step_body(m, o, None, x, None))
+        _, aux, grad_norm = step(trainer.model, trainer.optimizer, batch())
+    assert float(grad_norm) == pytest.approx(float(optax.global_norm(grads)), rel=1e-5)
+    assert float(aux["grad_norm"]) == float(grad_norm) > 0
+    after = nnx.state(trainer.model, nnx.Param)
+    moved = jax.tree.map(
+        lambda a, b, g: np.asarray(a) - b + 0.1 * np.asarray(g), after, before, grads
+    )
+    assert max(float(np.abs(x).max()) for x in jax.tree.leaves(moved)) < 1e-6
