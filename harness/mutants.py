@@ -43,6 +43,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_moe.py",
         "tests/test_sft_objective.py",
         "tests/test_bf16.py",
+        "tests/test_models.py::test_each_documented_stage_scope_holds_its_work",
         "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
         "tests/test_conversion_parity.py::test_config_variants_match_transformers",
         "tests/test_config_sensitivity.py",

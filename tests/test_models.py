@@ -277,3 +277,46 @@ def test_profiles_name_the_attention_and_moe_stages():
         "moe_combine",
     ):
         assert scope in text, scope
+
+
+# Each documented stage scope (Attention.__call__, MoEBlock: for profiles and HLO dumps)
+# and a primitive its stage's work must hold.
+STAGE_SCOPES = {
+    "attention_qkv": "dot_general",  # the q, k, v projections
+    "attention_scores": "dot_general",  # q . k
+    "attention_softmax": "exp",
+    "attention_out": "dot_general",  # probs . v and o_proj
+    "moe_router": "top_k",
+    "moe_dispatch": "select_n",  # capacity drops become zero weights
+    "moe_experts": "dot_general",
+    "moe_combine": "add",  # routed + shared expert
+}
+
+
+def scoped_primitives(jaxpr, out=None) -> dict[str, set[str]]:
+    """Scope name -> the primitives of the equations under it, sub-jaxprs included."""
+    from tests.test_bf16 import sub_jaxprs
+
+    out = {} if out is None else out
+    for eqn in jaxpr.eqns:
+        for scope in str(eqn.source_info.name_stack).split("/"):
+            out.setdefault(scope, set()).add(eqn.primitive.name)
+        for sub in sub_jaxprs(eqn.params):
+            scoped_primitives(sub, out)
+    return out
+
+
+def test_each_documented_stage_scope_holds_its_work():
+    """The named scopes that the attention and MoE docstrings promise for profiles and HLO
+    dumps are in the forward's program, each around its stage's work (a renamed scope
+    breaks every profile query that names it, silently)."""
+    from tests.path_params import model_with_path_values
+
+    cfg = get_config("qwen3_moe-tiny")
+    moe = dataclasses.replace(cfg.moe, shared_expert_d_ff=8, capacity_factor=1.5)
+    cfg = cfg.replace(moe=moe)  # every stage present: capacity drops, a shared expert
+    model = model_with_path_values(cfg)
+    tokens = jnp.ones((1, 8), jnp.int32)
+    scopes = scoped_primitives(jax.make_jaxpr(lambda t: model.forward(t))(tokens).jaxpr)
+    missing = {s: p for s, p in STAGE_SCOPES.items() if p not in scopes.get(s, set())}
+    assert not missing, f"stage scopes without their work: {missing}"
