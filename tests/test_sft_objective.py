@@ -60,8 +60,14 @@ def objective_and_router_grad(trainer):
 
 
 def test_the_weight_comes_from_the_model_config():
+    import types
+
+    from posttrain.sft.trainer import default_moe_aux_loss_weight
+
     assert configured_trainer().moe_aux_loss_weight == 0.25
     assert trainer_for(0.25, moe_aux_loss_weight=0.5).moe_aux_loss_weight == 0.5
+    dense = types.SimpleNamespace(config=get_config("qwen3-tiny"))  # no MoE: no weight
+    assert default_moe_aux_loss_weight(dense) == 0.0
 
 
 def test_objective_is_the_nll_share_plus_the_weighted_load_balancing_loss():
