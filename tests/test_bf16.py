@@ -21,6 +21,7 @@ from posttrain.layers.moe.router import Router, route
 from posttrain.models import get_config
 from posttrain.models.presets import TINY_PRESETS
 from posttrain.sft import loss
+from tests.jaxprs import matmuls, primitive_dtypes, reading
 from tests.path_params import model_with_path_values
 
 BATCH, SEQ = 2, 24
@@ -70,28 +71,6 @@ def test_bf16_model_agrees_with_its_fp32_twin(preset):
     assert abs(float(got_nll) - float(want_nll)) <= MAX_NLL_DELTA, (got_nll, want_nll)
     assert top1 >= MIN_TOP1_AGREEMENT, f"{preset}: top-1 agreement {top1:.3f}"
     assert delta > 0  # the bf16 model really computed in bf16
-
-
-def primitive_dtypes(jaxpr) -> list[tuple[str, str]]:
-    """``(primitive, operand dtype)`` of every equation, sub-jaxprs (scan, jit, cond) included."""
-    out = []
-    for eqn in jaxpr.eqns:
-        for var in eqn.invars:
-            aval = getattr(var, "aval", None)
-            if aval is not None and hasattr(aval, "dtype"):
-                out.append((eqn.primitive.name, str(aval.dtype)))
-        for sub in sub_jaxprs(eqn.params):
-            out.extend(primitive_dtypes(sub))
-    return out
-
-
-def sub_jaxprs(params: dict):
-    """The jaxprs an equation's params hold (scan/cond/pjit/custom_vjp bodies)."""
-    for value in params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr holds a Jaxpr
-            if hasattr(inner, "eqns"):
-                yield inner
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
@@ -159,25 +138,6 @@ EXPERT_TOKENS, EXPERT_D_MODEL, EXPERT_D_FF = 32, 8, 12
 # bf16 matmuls over d_model 8 / moe_d_ff 12 (scales up to 2) against the float32 twin:
 # max |delta| / std measured 0.049 (dense) and 0.038 (sorted, ragged); ~2x headroom.
 MAX_EXPERT_DELTA_PER_STD = 0.1
-
-
-def matmuls(jaxpr) -> list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]]:
-    """``(operand shapes, float operand dtypes)`` of every dot_general / ragged_dot_general,
-    sub-jaxprs (scan, cond, jit) included."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
-            avals = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
-            floats = tuple(str(a.dtype) for a in avals if jnp.issubdtype(a.dtype, jnp.floating))
-            out.append((tuple(a.shape for a in avals), floats))
-        for sub in sub_jaxprs(eqn.params):
-            out.extend(matmuls(sub))
-    return out
-
-
-def reading(jaxpr, *dims: int) -> list[tuple[str, ...]]:
-    """The float operand dtypes of every matmul with one of ``dims`` in an operand's shape."""
-    return [dtypes for shapes, dtypes in matmuls(jaxpr) if any(set(dims) & set(s) for s in shapes)]
 
 
 # What each algorithm's program must hold (the config picks it, never the platform): its

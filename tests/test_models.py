@@ -26,6 +26,7 @@ from posttrain.models import (
 )
 from posttrain.models.decoder import REMAT_POLICIES
 from posttrain.models.presets import TINY_PRESETS
+from tests.jaxprs import scoped_primitives
 from tests.strategies import custom_rules, factorisations, mesh_id, meshes, scaled
 from tests.tracing import tracer_sharding_reads
 
@@ -291,19 +292,6 @@ STAGE_SCOPES = {
     "moe_experts": "dot_general",
     "moe_combine": "add",  # routed + shared expert
 }
-
-
-def scoped_primitives(jaxpr, out=None) -> dict[str, set[str]]:
-    """Scope name -> the primitives of the equations under it, sub-jaxprs included."""
-    from tests.test_bf16 import sub_jaxprs
-
-    out = {} if out is None else out
-    for eqn in jaxpr.eqns:
-        for scope in str(eqn.source_info.name_stack).split("/"):
-            out.setdefault(scope, set()).add(eqn.primitive.name)
-        for sub in sub_jaxprs(eqn.params):
-            scoped_primitives(sub, out)
-    return out
 
 
 def test_each_documented_stage_scope_holds_its_work():
