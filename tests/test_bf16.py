@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.config import MoEConfig
+from posttrain.config import ActivationConfig, MoEConfig
 from posttrain.layers.moe.router import Router, route
 from posttrain.models import get_config
 from posttrain.models.presets import TINY_PRESETS
@@ -138,6 +138,11 @@ EXPERT_TOKENS, EXPERT_D_MODEL, EXPERT_D_FF = 32, 8, 12
 # bf16 matmuls over d_model 8 / moe_d_ff 12 (scales up to 2) against the float32 twin:
 # max |delta| / std measured 0.049 (dense) and 0.038 (sorted, ragged); ~2x headroom.
 MAX_EXPERT_DELTA_PER_STD = 0.1
+SILU = ActivationConfig("silu", 1.702, 7.0)  # the alpha and limit are unused by silu
+
+
+def param_dtypes(module) -> set[str]:
+    return {str(v.dtype) for v in jax.tree.leaves(nnx.state(module, nnx.Param))}
 
 
 # What each algorithm's program must hold (the config picks it, never the platform): its
@@ -169,21 +174,19 @@ def test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32(
     configured algorithm's, the weighted sum over experts is float32 (the documented
     result), and it agrees with the float32 twin (the same bf16-representable weights,
     biases and scale) within bf16 rounding."""
-    from posttrain.config import ActivationConfig
     from posttrain.layers.moe.experts import Experts
 
     moe = MoEConfig(
         num_experts=4, top_k=2, moe_d_ff=EXPERT_D_FF, expert_bias=expert_bias, algorithm=algorithm
     )
-    activation = ActivationConfig("silu", 1.702, 7.0)
 
     def build(dtype, param_dtype):
         return Experts(
-            EXPERT_D_MODEL, moe, activation, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype
+            EXPERT_D_MODEL, moe, SILU, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype
         )
 
     low, high = build(jnp.bfloat16, param_dtype), build(jnp.float32, jnp.float32)
-    assert {str(v.dtype) for v in jax.tree.leaves(nnx.state(low, nnx.Param))} == {param_dtype}
+    assert param_dtypes(low) == {param_dtype}
     keys = iter(jax.random.split(jax.random.key(3), 8))
     values = jax.tree.map(  # biases away from their zero init, bf16-representable
         lambda v: jax.random.normal(next(keys), v.shape).astype(jnp.bfloat16).astype(v.dtype),
@@ -215,11 +218,9 @@ def test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32(
 def test_the_moe_block_hands_its_dtypes_to_the_router_and_both_experts():
     """``MoEBlock`` with dtype and param_dtype bfloat16 and a shared expert, on a bfloat16
     input: every parameter is bfloat16, the router scores in float32 (its island), every
-    matmul of the
-    routed and of the shared experts reads bfloat16, the output takes the input's dtype
-    and the load-balancing loss is float32. A block that does not pass ``dtype`` on
-    computes its experts in float32 without a word (the values barely move)."""
-    from posttrain.config import ActivationConfig
+    matmul of the routed and of the shared experts reads bfloat16, the output takes the
+    input's dtype and the load-balancing loss is float32. A block that does not pass
+    ``dtype`` on computes its experts in float32 without a word (the values barely move)."""
     from posttrain.layers.moe.block import MoEBlock
 
     d_model, num_experts, shared_d_ff = EXPERT_D_MODEL, 4, 6
@@ -229,13 +230,13 @@ def test_the_moe_block_hands_its_dtypes_to_the_router_and_both_experts():
     block = MoEBlock(
         d_model,
         moe,
-        ActivationConfig("silu", 1.702, 7.0),
+        SILU,
         norm_eps=1e-6,
         rngs=nnx.Rngs(0),
         dtype=jnp.bfloat16,
         param_dtype=jnp.bfloat16,
     )
-    assert {str(v.dtype) for v in jax.tree.leaves(nnx.state(block, nnx.Param))} == {"bfloat16"}
+    assert param_dtypes(block) == {"bfloat16"}
     x = jax.random.normal(jax.random.key(6), (2, 16, d_model), jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda x: block(x))(x).jaxpr
     routed, shared = reading(jaxpr, EXPERT_D_FF), reading(jaxpr, shared_d_ff)

@@ -25,6 +25,7 @@ from posttrain.sft import data  # noqa: E402
 from posttrain.sft.trainer import SFTOptions, SFTTrainer  # noqa: E402
 
 MESH = {"fsdp": jax.device_count() // 2, "expert": 2}
+LEARNING_RATE = 0.1  # plain SGD: a step moves the params by exactly this x the gradient
 
 
 @functools.cache
@@ -44,7 +45,9 @@ def trainer_for(aux_loss_weight: float, **kwargs) -> SFTTrainer:
     mesh = sharding.make_mesh(MESH)
     model = build_model(cfg, mesh, seed=3)
     config = tunix.TrainingConfig(eval_every_n_steps=1000, max_steps=1)
-    return SFTTrainer(model, optax.sgd(0.1), config, options=SFTOptions(mesh=mesh, **kwargs))
+    return SFTTrainer(
+        model, optax.sgd(LEARNING_RATE), config, options=SFTOptions(mesh=mesh, **kwargs)
+    )
 
 
 @functools.cache
@@ -128,6 +131,6 @@ def test_the_logged_grad_norm_is_the_norm_of_the_applied_gradient():
     assert float(aux["grad_norm"]) == float(grad_norm) > 0
     after = nnx.state(trainer.model, nnx.Param)
     moved = jax.tree.map(
-        lambda a, b, g: np.asarray(a) - b + 0.1 * np.asarray(g), after, before, grads
+        lambda a, b, g: np.asarray(a) - b + LEARNING_RATE * np.asarray(g), after, before, grads
     )
     assert max(float(np.abs(x).max()) for x in jax.tree.leaves(moved)) < 1e-6
