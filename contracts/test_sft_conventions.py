@@ -33,9 +33,16 @@ MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}  # 8 fake devices by defau
 
 @functools.cache
 def rows():
-    examples = data.encode_dataset(
-        default_data.pydoc_conversations()[:60], tokenizer.byte_tokenizer(), 64
-    )
+    """60 rows of 64 tokens whose target counts differ from row to row (6 to 37) and so
+    from micro-batch to micro-batch (293 and 312 in the first step). The questions are
+    cut to 8-32 characters: whole pydoc questions fill the 64 tokens and leave every row
+    one target token, and with equal counts per micro-batch a step that divides each
+    micro-batch by its own count (not the step's) gives the same update."""
+    conversations = [
+        [{"role": "user", "content": user["content"][: 8 + 4 * (i % 7)]}, assistant]
+        for i, (user, assistant) in enumerate(default_data.pydoc_conversations()[:60])
+    ]
+    examples = data.encode_dataset(conversations, tokenizer.byte_tokenizer(), 64)
     return data.to_rows(examples, 64, packing=True)
 
 
