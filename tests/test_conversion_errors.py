@@ -113,6 +113,10 @@ def corrupt(kind):
             (directory / "config.json").write_bytes('{"a": "caf\u00e9"}'.encode("latin-1"))
         elif kind == "config_nested":
             (directory / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+        elif kind == "config_layers":  # found by the fuzz test: a MemoryError, not exit 2
+            config = json.loads((directory / "config.json").read_text())
+            config["num_hidden_layers"] = 12_000_000_000
+            (directory / "config.json").write_text(json.dumps(config))
         elif kind == "int64":
             rewrite(directory, change={"model.embed_tokens.weight": np.zeros((264, 72), np.int64)})
 
@@ -135,6 +139,7 @@ BAD_INPUTS = {
     "config_latin1": "config.json: not UTF-8 text",
     "config_nested": "config.json: not valid JSON",
     "int64": "dtype I64, expected a floating-point weight",
+    "config_layers": "config.json num_hidden_layers: 12000000000, expected 1 to 10000",
 }
 
 

@@ -112,7 +112,9 @@ def test_matrix_entries_files(tmp_path, text):
     ("field", "value", "message"),
     [
         ("hidden_size", "64", "hidden_size"),
-        ("num_hidden_layers", -1, "num_layers=-1 must be >= 1"),
+        ("num_hidden_layers", -1, "num_hidden_layers: -1, expected 1 to 10000"),
+        # the fuzz test's find: a MemoryError building a per-layer table of this length
+        ("num_hidden_layers", 12_000_000_000, "num_hidden_layers: 12000000000, expected 1 to"),
         ("rope_parameters", [], "rope_parameters"),
     ],
 )
@@ -121,3 +123,9 @@ def test_wrong_field_types_name_the_field(field, value, message):
     config[field] = value
     with pytest.raises(ConversionError, match=message):
         from_hf_config(config)
+
+
+def test_a_native_config_with_more_layers_than_the_bound_fails_before_building_them():
+    """A native config.json (or a preset override) is checked the same way."""
+    with pytest.raises(ValueError, match=r"^num_layers=12000000000 must be at most 10000$"):
+        get_config("llama3-tiny").replace(num_layers=12_000_000_000, layer_types=())

@@ -22,6 +22,11 @@ Activation = Literal["silu", "gelu_tanh", "clamped_swiglu"]
 RematPolicy = Literal["none", "full", "save_dots"]
 MoEAlgorithm = Literal["dense", "sorted", "ragged"]
 
+# The largest num_layers a config may name. The deepest published decoders have about
+# 126 (Llama 3.1 405B); the bound keeps a malformed config (12,000,000,000 layers, found
+# by tests/test_fuzz_inputs.py) from allocating its per-layer tables before any check.
+MAX_NUM_LAYERS = 10_000
+
 
 def _fail(message: str) -> None:
     raise ValueError(message)
@@ -231,7 +236,7 @@ class ModelConfig:
       family: the family name (``posttrain.families``: presets, conversion table, messages).
       vocab_size: V.
       d_model: D.
-      num_layers: L.
+      num_layers: L, 1 to :data:`MAX_NUM_LAYERS`.
       d_ff: dense MLP width F; ``0`` when layers have no dense MLP.
       layer_types: one of ``full``/``sliding`` per layer; defaults to all full.
         The period of this pattern is the unit of layer scanning.
@@ -286,6 +291,8 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "num_layers"):
             if getattr(self, name) < 1:
                 _fail(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_layers > MAX_NUM_LAYERS:
+            _fail(f"num_layers={self.num_layers} must be at most {MAX_NUM_LAYERS}")
         if not self.layer_types:
             object.__setattr__(self, "layer_types", ("full",) * self.num_layers)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from posttrain import families
-from posttrain.config import ModelConfig
+from posttrain.config import MAX_NUM_LAYERS, ModelConfig
 from posttrain.conversion.errors import ConversionError
 from posttrain.conversion.hf_fields import HF_LAYER_TYPES, fail, reject
 
@@ -173,6 +173,9 @@ def _from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
     dtype = str(c.get("dtype") or c.get("torch_dtype") or "float32").replace("torch.", "")
     if dtype not in _DTYPES:
         fail("dtype", f"{dtype!r} must be one of {', '.join(_DTYPES)}")
+    layers = c["num_hidden_layers"]
+    if not 1 <= layers <= MAX_NUM_LAYERS:  # before a family builds a table per layer
+        fail("num_hidden_layers", f"{layers}, expected 1 to {MAX_NUM_LAYERS}")
     heads = c["num_attention_heads"]
     base = dict(
         family=family.name,
