@@ -56,9 +56,9 @@ sys.stdout.write(line + chr(10))  # one write: gloo's own messages share this st
 """
 
 
-@pytest.mark.slow  # the gate's 2-process SFT run spans the same runtime (gate budget)
 def test_two_processes_form_one_runtime_and_gather_across_it():
-    """2 launched processes x 4 devices join through
+    """The gate's multi-process run (about 2 s; the SFT, DPO, GRPO and generate runs on 2
+    processes are in the slow tier, for the gate's budget). 2 launched processes x 4 devices join through
     ``posttrain.distributed.initialize`` (gloo) into one 8-device runtime; a jitted
     reduction over an array sharded across both, ``host_array``'s gather and the barrier
     work, and only rank 0 is the writer; a block failing in rank 1 only makes rank 0
@@ -188,8 +188,9 @@ def _exports(run) -> dict[str, np.ndarray]:
     return arrays
 
 
+@pytest.mark.slow  # 35-40 s of the gate's test time; the runtime test above stays there
 def test_sft_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
-    """The gate's multi-process test: ``posttrain sft`` (LoRA, gradient accumulation 2)
+    """``posttrain sft`` (LoRA, gradient accumulation 2)
     on 2 processes x 4 devices, each tokenising only its half of the data (2 data
     shards): the same per-step losses and grad norms (fp32, 1e-6) and the same exported
     weights as 1 process x 8 devices reading the same 2 shards; one process logs and

@@ -125,8 +125,9 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
     assert [s["stop_after"] for s in run["segments"]] == [2, None]
 
 
-@pytest.mark.slow  # the gate's 2-process SFT test checks a LoRA checkpoint the same way
 def test_lora_run_checkpoints_only_the_adapters(tmp_path):
+    """The gate's LoRA run through run_sft (the 2-process SFT test, which checks the same,
+    is in the slow tier)."""
     result = run_sft(
         SFTConfig(
             model="llama3-tiny",
