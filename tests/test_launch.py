@@ -58,10 +58,10 @@ sys.stdout.write(line + chr(10))  # one write: gloo's own messages share this st
 
 def test_two_processes_form_one_runtime_and_gather_across_it():
     """The gate's multi-process run (about 2 s; the SFT, DPO, GRPO and generate runs on 2
-    processes are in the slow tier, for the gate's budget). 2 launched processes x 4 devices join through
-    ``posttrain.distributed.initialize`` (gloo) into one 8-device runtime; a jitted
-    reduction over an array sharded across both, ``host_array``'s gather and the barrier
-    work, and only rank 0 is the writer; a block failing in rank 1 only makes rank 0
+    processes are in the slow tier, for the gate's budget). 2 launched processes x 4
+    devices join through ``posttrain.distributed.initialize`` (gloo) into one 8-device
+    runtime; a jitted reduction over an array sharded across both, ``host_array``'s
+    gather and the barrier work, and only rank 0 is the writer; a block failing in rank 1 only makes rank 0
     raise too (``together``), and ``sum_by_key`` sums both ranks' keys."""
     out = io.StringIO()
     assert launch.launch(2, ["python", "-c", CROSS_PROCESS], out=out) == 0, out.getvalue()
