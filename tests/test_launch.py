@@ -61,8 +61,9 @@ def test_two_processes_form_one_runtime_and_gather_across_it():
     processes are in the slow tier, for the gate's budget). 2 launched processes x 4
     devices join through ``posttrain.distributed.initialize`` (gloo) into one 8-device
     runtime; a jitted reduction over an array sharded across both, ``host_array``'s
-    gather and the barrier work, and only rank 0 is the writer; a block failing in rank 1 only makes rank 0
-    raise too (``together``), and ``sum_by_key`` sums both ranks' keys."""
+    gather and the barrier work, and only rank 0 is the writer; a block failing in rank
+    1 only makes rank 0 raise too (``together``), and ``sum_by_key`` sums both ranks'
+    keys."""
     out = io.StringIO()
     assert launch.launch(2, ["python", "-c", CROSS_PROCESS], out=out) == 0, out.getvalue()
     want = float(np.arange(48).sum() * 2)
