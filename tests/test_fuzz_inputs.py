@@ -113,6 +113,7 @@ def test_matrix_entries_files(tmp_path, text):
     [
         ("hidden_size", "64", "hidden_size"),
         ("num_hidden_layers", -1, "num_hidden_layers: -1, expected 1 to 10000"),
+        ("num_hidden_layers", None, "num_hidden_layers: None, expected 1 to 10000"),
         # the fuzz test's find: a MemoryError building a per-layer table of this length
         ("num_hidden_layers", 12_000_000_000, "num_hidden_layers: 12000000000, expected 1 to"),
         ("rope_parameters", [], "rope_parameters"),

@@ -174,8 +174,9 @@ def _from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
     if dtype not in _DTYPES:
         fail("dtype", f"{dtype!r} must be one of {', '.join(_DTYPES)}")
     layers = c["num_hidden_layers"]
-    if not 1 <= layers <= MAX_NUM_LAYERS:  # before a family builds a table per layer
-        fail("num_hidden_layers", f"{layers}, expected 1 to {MAX_NUM_LAYERS}")
+    if not (isinstance(layers, int) and 1 <= layers <= MAX_NUM_LAYERS):  # before a family
+        # builds a table per layer; null passes the type check (absent fields may be null)
+        fail("num_hidden_layers", f"{layers!r}, expected 1 to {MAX_NUM_LAYERS}")
     heads = c["num_attention_heads"]
     base = dict(
         family=family.name,
