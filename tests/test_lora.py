@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import safetensors
 import safetensors.numpy
 from flax import nnx
 from hypothesis import given, settings
@@ -45,6 +46,7 @@ from posttrain.lora import (
     save_adapter,
     unmerge_lora,
 )
+from posttrain.lora.adapters import adapter_arrays
 from posttrain.models import PRESETS, CausalLM, flat_params, get_config
 from tests.strategies import ALL_AXES, mesh_id, meshes, presets_and_meshes, scaled
 from tests.tracing import tracer_sharding_reads
@@ -613,6 +615,23 @@ def test_save_load_across_layouts_and_config_check(tmp_path):
         r"alpha 8.0 \(adapter\) != 4.0 \(model\)",
     ):
         load_adapter(other, tmp_path / "adapter")
+
+
+def test_a_saved_adapter_holds_the_arrays_it_was_given_and_names_its_format(tmp_path):
+    """``save_adapter(..., arrays=)`` writes the arrays it is given (across processes every
+    process gathers them and one writes: recomputing them there would be a collective in
+    one process only), and the file's header names the format. Mutation survivors."""
+    mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2, "data": 2})
+    model = apply_lora(placed_model(get_config("qwen3-tiny"), mesh), mesh, LORA)
+    given_arrays = {k: v + 1.0 for k, v in adapter_arrays(model).items()}
+    save_adapter(model, tmp_path / "adapter", arrays=given_arrays)
+    path = tmp_path / "adapter" / "lora_adapter.safetensors"
+    written = safetensors.numpy.load_file(path)
+    assert written.keys() == given_arrays.keys() and len(written) > 4
+    for k, v in given_arrays.items():
+        np.testing.assert_array_equal(written[k], v, err_msg=k)
+    with safetensors.safe_open(path, "np") as f:
+        assert f.metadata() == {"format": "posttrain-lora"}
 
 
 @pytest.mark.devices(8)
