@@ -10,6 +10,7 @@ in ``test_conversion_errors.py``; Orbax trainer and optimizer state by the train
 from __future__ import annotations
 
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -96,4 +97,16 @@ def test_load_adapter_refuses(tmp_path_factory, kind):
         tampered(tensors, kind, victim), str(work / "lora_adapter.safetensors")
     )
     with pytest.raises(ValueError, match=named(kind, victim).replace(".", r"\.")):
+        load_adapter(model, work)
+
+
+def test_load_adapter_refuses_a_config_of_another_format(tmp_path_factory):
+    """A directory whose lora_config.json is not ours (a PEFT adapter_config.json renamed,
+    say) is refused naming the file, before any tensor is read."""
+    directory = tmp_path_factory.getbasetemp() / "adapter-source"
+    model, _ = lora_model_and_adapter(directory)
+    work = tmp_path_factory.mktemp("adapter-format")
+    config = json.loads((directory / "lora_config.json").read_text())
+    (work / "lora_config.json").write_text(json.dumps({**config, "format": "peft"}))
+    with pytest.raises(ValueError, match=r"lora_config\.json is not a posttrain-lora config$"):
         load_adapter(model, work)
