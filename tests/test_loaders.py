@@ -110,3 +110,28 @@ def test_load_adapter_refuses_a_config_of_another_format(tmp_path_factory):
     (work / "lora_config.json").write_text(json.dumps({**config, "format": "peft"}))
     with pytest.raises(ValueError, match=r"lora_config\.json is not a posttrain-lora config$"):
         load_adapter(model, work)
+
+
+def test_load_adapter_lists_the_first_four_names_of_each_kind_and_counts_all(
+    tmp_path_factory,
+):
+    """Many wrong tensors (a layer's adapters renamed): the one-line message names the
+    first 4 missing and the first 4 unexpected, and counts every one."""
+    directory = tmp_path_factory.getbasetemp() / "adapter-source"
+    model, _ = lora_model_and_adapter(directory)
+    tensors = safetensors.numpy.load_file(str(directory / "lora_adapter.safetensors"))
+    layer = sorted(k for k in tensors if ".layers.1." in k)
+    assert len(layer) > 4
+    renamed = {
+        k.replace(".layers.1.", ".layers.9.") if k in layer else k: v for k, v in tensors.items()
+    }
+    work = tmp_path_factory.mktemp("adapter-many")
+    (work / "lora_config.json").write_text((directory / "lora_config.json").read_text())
+    safetensors.numpy.save_file(renamed, str(work / "lora_adapter.safetensors"))
+    with pytest.raises(ValueError) as error:
+        load_adapter(model, work)
+    extra = sorted(k.replace(".layers.1.", ".layers.9.") for k in layer)
+    assert str(error.value) == (
+        f"adapter {work}: missing {layer[:4]}, unexpected {extra[:4]} "
+        f"({len(layer)} missing, {len(layer)} unexpected)"
+    )

@@ -591,21 +591,32 @@ def test_apply_lora_rejects_bad_input(preset, mesh_shape, lora, error, message):
 @pytest.mark.devices(8)
 def test_save_load_across_layouts_and_config_check(tmp_path):
     """An adapter saved from a scanned model loads into an unscanned one (same values,
-    unstacked); loading into a model with another rank/alpha lists each difference."""
+    unstacked) and back (stacked); loading into a model with another rank/alpha lists
+    each difference."""
     mesh = sharding.make_mesh({"fsdp": 4, "data": 2})
-    scanned = apply_lora(
-        placed_model(get_config("gemma4-tiny", scan_layers=True), mesh), mesh, LORA
-    )
+
+    def build(scan_layers):
+        cfg = get_config("gemma4-tiny", scan_layers=scan_layers)
+        return apply_lora(placed_model(cfg, mesh), mesh, LORA)
+
+    def assert_same(scanned, plain):
+        stacked = lora_params(scanned)
+        for key, value in lora_params(plain).items():
+            parts = key.split(".")
+            i = int(parts[2])  # model.layers.{i}...
+            block = ".".join(["model", "blocks", str(i % 2), *parts[3:]])
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(stacked[block])[i // 2])
+
+    scanned = build(scan_layers=True)
     randomise_adapters(scanned)
     save_adapter(scanned, tmp_path / "adapter")
-    plain = apply_lora(placed_model(get_config("gemma4-tiny"), mesh), mesh, LORA)
+    plain = build(scan_layers=False)
     load_adapter(plain, tmp_path / "adapter")
-    stacked = lora_params(scanned)
-    for key, value in lora_params(plain).items():
-        parts = key.split(".")
-        i = int(parts[2])  # model.layers.{i}...
-        block = ".".join(["model", "blocks", str(i % 2), *parts[3:]])
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(stacked[block])[i // 2])
+    assert_same(scanned, plain)
+    randomise_adapters(plain, seed=2)  # other values, so the way back is seen
+    save_adapter(plain, tmp_path / "unscanned-adapter")
+    load_adapter(scanned, tmp_path / "unscanned-adapter")
+    assert_same(scanned, plain)
     other = apply_lora(
         placed_model(get_config("gemma4-tiny"), mesh), mesh, LoraConfig(rank=2, alpha=4.0)
     )
