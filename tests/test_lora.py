@@ -628,6 +628,27 @@ def test_save_load_across_layouts_and_config_check(tmp_path):
         load_adapter(other, tmp_path / "adapter")
 
 
+def test_loading_keeps_each_adapters_sharding_and_the_models_dtype(tmp_path):
+    """A float32 adapter loaded into the bfloat16 twin: each adapter keeps its sharding
+    and the model's dtype (the values rounded to it). Mutation survivors."""
+    mesh = sharding.make_mesh({"fsdp": 4, "data": 2})
+    source = apply_lora(placed_model(get_config("qwen3-tiny"), mesh), mesh, LORA)
+    randomise_adapters(source)
+    save_adapter(source, tmp_path / "adapter")
+    bf16 = get_config("qwen3-tiny", dtype="bfloat16", param_dtype="bfloat16")
+    target = apply_lora(placed_model(bf16, mesh), mesh, LORA)
+    before = {k: (v.dtype, v.sharding) for k, v in lora_params(target).items()}
+    assert {dtype for dtype, _ in before.values()} == {jnp.dtype(jnp.bfloat16)}
+    assert any(not s.is_fully_replicated for _, s in before.values())  # some are sharded
+    load_adapter(target, tmp_path / "adapter")
+    want, got = lora_params(source), lora_params(target)
+    for k, (dtype, placement) in before.items():
+        assert got[k].dtype == dtype and got[k].sharding == placement, k
+        np.testing.assert_array_equal(
+            np.asarray(got[k]), np.asarray(want[k]).astype(jnp.bfloat16), err_msg=k
+        )
+
+
 def test_a_saved_adapter_holds_the_arrays_it_was_given_and_names_its_format(tmp_path):
     """``save_adapter(..., arrays=)`` writes the arrays it is given (across processes every
     process gathers them and one writes: recomputing them there would be a collective in
