@@ -708,18 +708,50 @@ def test_peft_export_matches_conversion_layout(tmp_path, preset):
 
 
 @pytest.mark.devices(8)
+def test_peft_export_of_an_unscanned_model_equals_its_scanned_twins(tmp_path):
+    """The same adapters exported from an unscanned model and from its scanned twin: the
+    same PEFT tensors and config (the scanned test above checks the values)."""
+    mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2, "data": 2})
+    scanned = apply_lora(placed_model(get_config("qwen3-tiny", scan_layers=True), mesh), mesh, LORA)
+    randomise_adapters(scanned)
+    save_adapter(scanned, tmp_path / "adapter")
+    plain = apply_lora(placed_model(get_config("qwen3-tiny"), mesh), mesh, LORA)
+    load_adapter(plain, tmp_path / "adapter")
+    for name, model in (("scanned", scanned), ("plain", plain)):
+        export_peft(model, tmp_path / name)
+    want = safetensors.numpy.load_file(str(tmp_path / "scanned" / "adapter_model.safetensors"))
+    got = safetensors.numpy.load_file(str(tmp_path / "plain" / "adapter_model.safetensors"))
+    assert got.keys() == want.keys() and len(got) == 2 * 7 * get_config("qwen3-tiny").num_layers
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    for name in ("scanned", "plain"):
+        assert (tmp_path / name / "adapter_config.json").read_text() == (
+            tmp_path / "scanned" / "adapter_config.json"
+        ).read_text()
+
+
+@pytest.mark.devices(8)
 def test_peft_export_rejects_expert_adapters(tmp_path):
-    """Adapters on routed experts have no PEFT nn.Linear: export says so."""
+    """Adapters on routed experts have no PEFT nn.Linear, and a family without a conversion
+    table has no HF names: export says so, writing nothing."""
     cfg = get_config("mixtral-tiny")
     cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, algorithm="dense"))
     mesh = sharding.make_mesh({"fsdp": 8})
     lora_model = apply_lora(placed_model(cfg, mesh), mesh, LORA.replace(experts=True))
     with pytest.raises(
         ValueError,
-        match=r"PEFT export supports adapters on attention and dense "
-        r"MLP projections .*experts\.(gate|up|down)_proj",
+        match=r"PEFT export supports adapters on attention and dense MLP projections "
+        r"\(HF nn\.Linear\); model\.layers\.0\.mlp\.experts\.down_proj has transform "
+        r"experts_stack_transpose in the mixtral table$",
     ):
         export_peft(lora_model, tmp_path / "peft")
+    custom = get_config("qwen3-tiny").replace(family="custom")  # no conversion table
+    lora_model = apply_lora(placed_model(custom, mesh), mesh, LORA)
+    with pytest.raises(
+        ValueError, match=r"^family 'custom' has no conversion table; PEFT export needs one$"
+    ):
+        export_peft(lora_model, tmp_path / "peft")
+    assert not (tmp_path / "peft").exists()
 
 
 # --- PEFT on transformers (reference env: torch, transformers, peft) --------------------------
