@@ -733,6 +733,19 @@ def test_peft_export_of_an_unscanned_model_equals_its_scanned_twins(tmp_path):
 
 
 @pytest.mark.devices(8)
+def test_peft_export_names_the_modules_when_a_target_covers_some_layers_only(tmp_path):
+    """q_proj adapted in layer 1 only and v_proj in every layer: PEFT's target_modules
+    names layer 1's q_proj by its path (a bare "q_proj" would adapt every layer's) and v_proj
+    by its short name. Mutation survivors."""
+    mesh = sharding.make_mesh({"fsdp": 8})
+    lora = LORA.replace(target=r"model/layers/1/self_attn/q_proj|.*/v_proj")
+    model = apply_lora(placed_model(get_config("qwen3-tiny"), mesh), mesh, lora)
+    export_peft(model, tmp_path / "peft")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["model.layers.1.self_attn.q_proj", "v_proj"]
+
+
+@pytest.mark.devices(8)
 def test_peft_export_rejects_expert_adapters(tmp_path):
     """Adapters on routed experts have no PEFT nn.Linear, and a family without a conversion
     table has no HF names: export says so, writing nothing."""
