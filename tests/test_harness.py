@@ -18,6 +18,7 @@ import pytest
 from harness import cli, pytest_plugin
 from harness.devices import (
     BACKEND_OPT_FLAG,
+    CODEGEN_SPLIT_FLAG,
     DEVICE_COUNT_FLAG,
     FUSION_EMITTERS_FLAG,
     compile_cache_env,
@@ -52,7 +53,8 @@ def test_count_selects_cpu_and_sets_the_flag(clean_env: pytest.MonkeyPatch) -> N
     """A positive count sets JAX_PLATFORMS=cpu, the XLA flags and POSTTRAIN_DEVICES."""
     assert configure_devices(4) == 4
     assert os.environ["XLA_FLAGS"] == (
-        f"{DEVICE_COUNT_FLAG}=4 {BACKEND_OPT_FLAG}=0 {FUSION_EMITTERS_FLAG}=false"
+        f"{DEVICE_COUNT_FLAG}=4 {BACKEND_OPT_FLAG}=0 {FUSION_EMITTERS_FLAG}=false "
+        f"{CODEGEN_SPLIT_FLAG}=1"
     )
     assert os.environ["JAX_PLATFORMS"] == "cpu"
     assert os.environ["POSTTRAIN_DEVICES"] == "4"
@@ -73,7 +75,12 @@ def test_existing_flag_is_replaced_and_other_flags_kept(clean_env: pytest.Monkey
 
 @pytest.mark.parametrize(
     "given",
-    [f"{BACKEND_OPT_FLAG}=2", BACKEND_OPT_FLAG, f"{FUSION_EMITTERS_FLAG}=true"],
+    [
+        f"{BACKEND_OPT_FLAG}=2",
+        BACKEND_OPT_FLAG,
+        f"{FUSION_EMITTERS_FLAG}=true",
+        f"{CODEGEN_SPLIT_FLAG}=4",
+    ],
 )
 def test_a_chosen_compile_flag_is_kept(clean_env: pytest.MonkeyPatch, given: str) -> None:
     """Fake devices get the fast-compile flags, except one XLA_FLAGS already sets."""
@@ -82,7 +89,7 @@ def test_a_chosen_compile_flag_is_kept(clean_env: pytest.MonkeyPatch, given: str
     tokens = os.environ["XLA_FLAGS"].split()
     flag = given.split("=")[0]
     assert [t for t in tokens if t.split("=")[0] == flag] == [given]
-    others = {BACKEND_OPT_FLAG: "0", FUSION_EMITTERS_FLAG: "false"}
+    others = {BACKEND_OPT_FLAG: "0", FUSION_EMITTERS_FLAG: "false", CODEGEN_SPLIT_FLAG: "1"}
     del others[flag]
     assert [f"{f}={v}" for f, v in others.items()] == [
         t for t in tokens if t.split("=")[0] in others
