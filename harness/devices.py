@@ -136,9 +136,10 @@ def configure_devices(count: int | str | None = None) -> int:
     again with the same count is a no-op.
 
     Fake devices also get :data:`FAST_CPU_COMPILE_FLAGS` (LLVM level 0, no MLIR
-    fusion emitters, one LLVM module per program), each unless ``XLA_FLAGS`` already sets it: tests and the
-    matrix on fake devices spend most of their time compiling tiny programs, and
-    the flags change how XLA:CPU emits machine code, not the HLO program.
+    fusion emitters, one LLVM module per program), each unless ``XLA_FLAGS``
+    already sets it: tests and the matrix on fake devices spend most of their time
+    compiling tiny programs, and the flags change how XLA:CPU emits machine code,
+    not the HLO program.
     Benchmarks do not call this function and keep XLA's defaults.
 
     Args:
