@@ -48,12 +48,21 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_conversion_parity.py::test_config_variants_match_transformers",
         "tests/test_config_sensitivity.py",
     ],
-    # test_models and test_bf16 compare the model with itself (scan, meshes, dtypes): the
-    # attention's values come from HF parity (every family, the config variants, each
-    # quirk switched off), the field perturbations and the cached decode
+    # the attention's values come from HF parity (every family, the config variants, each
+    # quirk switched off), the field perturbations and the cached decode; test_models and
+    # test_bf16 only for what parity cannot see (stage scopes, logical axes, sharding
+    # constraints on a mesh, float32 islands and param dtypes): their scan, remat and MoE
+    # tests compare the attention with itself
     "src/posttrain/layers/attention.py": [
-        "tests/test_models.py",
-        "tests/test_bf16.py",
+        "tests/test_models.py::test_forward_shapes_and_tunix_convention",
+        "tests/test_models.py::test_sharded_forward_equals_single_device",
+        "tests/test_models.py::test_parameters_name_only_known_logical_axes",
+        "tests/test_models.py::test_a_mesh_check_mesh_accepts_shards_every_parameter",
+        "tests/test_models.py::test_profiles_name_the_attention_and_moe_stages",
+        "tests/test_models.py::test_each_documented_stage_scope_holds_its_work",
+        "tests/test_bf16.py::test_bf16_model_agrees_with_its_fp32_twin",
+        "tests/test_bf16.py::test_float32_islands_stay_float32_in_a_bf16_model",
+        "tests/test_bf16.py::test_every_parameter_takes_the_param_dtype",
         "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
         "tests/test_conversion_parity.py::test_config_variants_match_transformers",
         "tests/test_parity_fixtures.py",
