@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -231,6 +232,28 @@ def test_parameters_name_only_known_logical_axes():
     with pytest.raises(ValueError, match="param logical axis 'EMBED' is not one of"):
         sharding.param(nnx.Rngs(0), nnx.initializers.zeros, (4, 2), ("EMBED", "exp"))
     assert sharding.param(nnx.Rngs(0), nnx.initializers.zeros, (4,), (None,)).shape == (4,)
+
+
+@pytest.mark.devices(8)
+def test_activations_name_only_known_logical_axes():
+    """A misspelt activation axis would leave the activation unconstrained on every mesh:
+    ``constrain`` refuses it, outside a mesh as on one, and the default rules give every
+    name it accepts (and the parameters' names) a rule, and no other name."""
+    x, mesh = jnp.zeros((8, 4, 2)), sharding.make_mesh({"data": 8})
+    for context in (contextlib.nullcontext(), sharding.use_mesh(mesh)):
+        with (
+            context,
+            pytest.raises(
+                ValueError, match="activation logical axis 'activation_HEADS' is not one of"
+            ),
+        ):
+            sharding.constrain(x, ("activation_batch", "activation_HEADS", None))
+    with sharding.use_mesh(mesh):
+        got = sharding.constrain(x, ("activation_batch", "activation_heads", None))
+    want = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    assert got.sharding.is_equivalent_to(want, x.ndim)
+    ruled = [name for name, _ in sharding.DEFAULT_RULES]
+    assert sorted(ruled) == sorted(sharding.ACTIVATION_AXIS_NAMES + sharding.PARAM_AXES)
 
 
 @functools.cache

@@ -56,6 +56,18 @@ LogicalAxes = tuple[str | None, ...]
 
 ACTIVATION_AXES: LogicalAxes = ("activation_batch", "activation_length", "activation_embed")
 """The logical axes of the residual stream ``[batch, length, d_model]``."""
+
+ACTIVATION_AXIS_NAMES: tuple[str, ...] = (
+    "activation_batch",
+    "activation_length",
+    "activation_embed",
+    "activation_heads",
+    "activation_kv_heads",
+    "activation_mlp",
+    "activation_exp",
+    "activation_vocab",
+)
+"""The logical axes an activation may name; :func:`constrain` refuses others."""
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
 DEFAULT_RULES: Rules = (
@@ -293,9 +305,18 @@ def current() -> MeshContext | None:
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     """Constrains activation ``x`` to the sharding its logical axes resolve to.
 
-    Returns ``x`` unchanged outside :func:`use_mesh`. Raises ``ValueError`` (from
-    :func:`logical_to_spec`) when a dimension does not divide by its mesh axes.
+    Returns ``x`` unchanged outside :func:`use_mesh` (the names are checked there too).
+
+    Raises:
+      ValueError: ``logical_axes`` names an axis outside :data:`ACTIVATION_AXIS_NAMES`
+        (``None`` replicates a dimension), or (from :func:`logical_to_spec`) a dimension
+        does not divide by its mesh axes.
     """
+    unknown = [a for a in logical_axes if a is not None and a not in ACTIVATION_AXIS_NAMES]
+    if unknown:  # a misspelt name would silently replicate the activation
+        raise ValueError(
+            f"activation logical axis {unknown[0]!r} is not one of {ACTIVATION_AXIS_NAMES}"
+        )
     ctx = _CURRENT.get()
     if ctx is None:
         return x
