@@ -246,3 +246,55 @@ def test_the_moe_block_hands_its_dtypes_to_the_router_and_both_experts():
     assert router and all(set(dtypes) == {"float32"} for dtypes in router), router
     y, aux_loss = jax.jit(lambda x: block(x))(x)
     assert (y.dtype, aux_loss.dtype) == (jnp.bfloat16, jnp.float32)
+
+
+def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_islands():
+    """``Attention`` with dtype and param_dtype bfloat16, every option on (biases, qk-norm,
+    v-norm, sinks): every parameter is bfloat16; the q, k, v and o projections multiply in
+    bfloat16; the scores and the weighted sum read float32 (the softmax's island) made
+    from bfloat16 k and v, as HF's bf16 attention rounds them (v-norm's output included,
+    ``type_as``); the output is bfloat16. A projection without its ``dtype`` computes in
+    float32 without a word: the values move too little for the bf16-vs-fp32 bounds."""
+    from posttrain.config import AttentionConfig
+    from posttrain.layers.attention import Attention, attention_mask
+    from posttrain.layers.rope import rope_tables
+
+    d_model, n, k, h, batch, seq = 20, 6, 2, 8, 2, 5  # all distinct: operands by shape
+    cfg = AttentionConfig(
+        num_heads=n, num_kv_heads=k, head_dim=h, qk_norm=True, v_norm=True, bias=True, sinks=True
+    )
+    attention = Attention(
+        d_model,
+        cfg,
+        norm_eps=1e-6,
+        rngs=nnx.Rngs(0),
+        dtype=jnp.bfloat16,
+        param_dtype=jnp.bfloat16,
+    )
+    assert param_dtypes(attention) == {"bfloat16"}
+    x = jax.random.normal(jax.random.key(7), (batch, seq, d_model), jnp.bfloat16)
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    cos, sin = rope_tables(positions, cfg.rope, h)
+    mask = attention_mask(batch, seq, None, None)
+    jaxpr = jax.make_jaxpr(lambda x: attention(x, cos, sin, mask))(x).jaxpr
+
+    def matmul_dtypes(shape):
+        return [dtypes for shapes, dtypes in matmuls(jaxpr) if shape in shapes]
+
+    for kernel in ((d_model, n, h), (d_model, k, h), (n, h, d_model)):  # q; k and v; o
+        found = matmul_dtypes(kernel)
+        assert found and all(set(d) == {"bfloat16"} for d in found), (kernel, found)
+    assert len(matmul_dtypes((d_model, k, h))) == 2  # k_proj and v_proj
+    kv_shape = (batch, seq, k, h)
+    islands = matmul_dtypes(kv_shape)  # scores (q.k) and weighted sum (p.v)
+    assert len(islands) == 2 and all(set(d) == {"float32"} for d in islands), islands
+    producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            for var in eqn.invars:
+                if getattr(var, "aval", None) is not None and var.aval.shape == kv_shape:
+                    source = producers[var]
+                    assert source.primitive.name == "convert_element_type", source
+                    assert str(source.invars[0].aval.dtype) == "bfloat16", source
+    y = jax.jit(lambda x: attention(x, cos, sin, mask))(x)
+    assert y.dtype == jnp.bfloat16 and y.shape == (batch, seq, d_model)
