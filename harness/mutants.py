@@ -58,6 +58,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_models.py::test_sharded_forward_equals_single_device",
         "tests/test_models.py::test_parameters_name_only_known_logical_axes",
         "tests/test_models.py::test_activations_name_only_known_logical_axes",
+        "tests/test_models.py::test_attention_shards_its_heads_over_tensor_and_d_model_over_fsdp",
         "tests/test_models.py::test_a_mesh_check_mesh_accepts_shards_every_parameter",
         "tests/test_models.py::test_profiles_name_the_attention_and_moe_stages",
         "tests/test_models.py::test_each_documented_stage_scope_holds_its_work",

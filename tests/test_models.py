@@ -256,6 +256,42 @@ def test_activations_name_only_known_logical_axes():
     assert sorted(ruled) == sorted(sharding.ACTIVATION_AXIS_NAMES + sharding.PARAM_AXES)
 
 
+@pytest.mark.devices(8)
+def test_attention_shards_its_heads_over_tensor_and_d_model_over_fsdp():
+    """Tensor parallelism splits attention by heads (Megatron-LM, Shoeybi et al. 2019)
+    and fsdp splits d_model: on an fsdp=4 x tensor=2 mesh each attention parameter's
+    spec says so. A projection built with no heads axis would stay whole on every
+    device, and every forward would still agree."""
+    from posttrain.config import AttentionConfig
+    from posttrain.layers.attention import Attention
+    from posttrain.tree import path_name
+
+    cfg = AttentionConfig(
+        num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True, bias=True, sinks=True
+    )
+    abstract = nnx.eval_shape(lambda: Attention(16, cfg, norm_eps=1e-6, rngs=nnx.Rngs(0)))
+    mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+    shardings = sharding.state_shardings(nnx.state(abstract, nnx.Param), mesh)
+    specs = {
+        path_name(path): tuple(_compat.variable_value(v).spec)
+        for path, v in nnx.to_flat_state(shardings)
+    }
+    heads_in, heads_out = ("fsdp", "tensor"), ("tensor",)  # trailing replicated dims dropped
+    assert specs == {
+        "q_proj.kernel": heads_in,
+        "q_proj.bias": heads_out,
+        "k_proj.kernel": heads_in,
+        "k_proj.bias": heads_out,
+        "v_proj.kernel": heads_in,
+        "v_proj.bias": heads_out,
+        "o_proj.kernel": ("tensor", None, "fsdp"),
+        "o_proj.bias": ("fsdp",),
+        "q_norm.scale": (),
+        "k_norm.scale": (),
+        "sinks": ("tensor",),
+    }
+
+
 @functools.cache
 def abstract_state(name: str) -> nnx.State:
     cfg = get_config(name)
