@@ -21,7 +21,7 @@ from posttrain.layers.moe.router import Router, route
 from posttrain.models import get_config
 from posttrain.models.presets import TINY_PRESETS
 from posttrain.sft import loss
-from tests.jaxprs import matmuls, primitive_dtypes, reading
+from tests.jaxprs import matmuls, primitive_dtypes, reading, sub_jaxprs
 from tests.path_params import model_with_path_values
 
 BATCH, SEQ = 2, 24
@@ -288,13 +288,20 @@ def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_is
     kv_shape = (batch, seq, k, h)
     islands = matmul_dtypes(kv_shape)  # scores (q.k) and weighted sum (p.v)
     assert len(islands) == 2 and all(set(d) == {"float32"} for d in islands), islands
+    # the k and v a matmul reads (jnp.einsum is a jit of its own: the operands it is
+    # handed) are cast to float32 from bfloat16, not computed in float32 all along
     producers = {var: eqn for eqn in jaxpr.eqns for var in eqn.outvars}
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            for var in eqn.invars:
-                if getattr(var, "aval", None) is not None and var.aval.shape == kv_shape:
-                    source = producers[var]
-                    assert source.primitive.name == "convert_element_type", source
-                    assert str(source.invars[0].aval.dtype) == "bfloat16", source
+    sources = [
+        producers[var]
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "dot_general"
+        or any(matmuls(sub) for sub in sub_jaxprs(eqn.params))
+        for var in eqn.invars
+        if getattr(var, "aval", None) is not None and var.aval.shape == kv_shape
+    ]
+    assert len(sources) == 2, sources
+    for source in sources:
+        assert source.primitive.name == "convert_element_type", source
+        assert str(source.invars[0].aval.dtype) == "bfloat16", source
     y = jax.jit(lambda x: attention(x, cos, sin, mask))(x)
     assert y.dtype == jnp.bfloat16 and y.shape == (batch, seq, d_model)
