@@ -248,9 +248,11 @@ def test_the_moe_block_hands_its_dtypes_to_the_router_and_both_experts():
     assert (y.dtype, aux_loss.dtype) == (jnp.bfloat16, jnp.float32)
 
 
-def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_islands():
-    """``Attention`` with dtype and param_dtype bfloat16, every option on (biases, qk-norm,
-    v-norm, sinks): every parameter is bfloat16; the q, k, v and o projections multiply in
+@pytest.mark.parametrize("norms", [True, False], ids=["qk-v-norms", "no-norms"])
+def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_islands(norms):
+    """``Attention`` with dtype and param_dtype bfloat16, biases and sinks, with qk-norm and
+    v-norm (Gemma 4) and without (GPT-OSS: the norms' casts would hide a projection's
+    float32 output): every parameter is bfloat16; the q, k, v and o projections multiply in
     bfloat16; the scores and the weighted sum read float32 (the softmax's island) made
     from bfloat16 k and v, as HF's bf16 attention rounds them (v-norm's output included,
     ``type_as``); the output is bfloat16. A projection without its ``dtype`` computes in
@@ -261,7 +263,7 @@ def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_is
 
     d_model, n, k, h, batch, seq = 20, 6, 2, 8, 2, 5  # all distinct: operands by shape
     cfg = AttentionConfig(
-        num_heads=n, num_kv_heads=k, head_dim=h, qk_norm=True, v_norm=True, bias=True, sinks=True
+        num_heads=n, num_kv_heads=k, head_dim=h, qk_norm=norms, v_norm=norms, bias=True, sinks=True
     )
     attention = Attention(
         d_model,
