@@ -32,20 +32,24 @@ DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # older elemental IR emitters instead of the MLIR fusion emitters. Measured on a
 # remat + MoE test pair, compile cache off: 41.6 s default, 25.2 s with the first,
 # 16.4 s with both; an 8-step SFT run gives the same losses, bit for bit. A third
-# compiles each program's LLVM module as one piece instead of splitting it for parallel
-# codegen threads: on 2 cores both pytest workers already hold a core, and perf showed
-# llvm::SplitModule at 4.6% of a cold tests/test_models.py. The gate with an empty
-# compilation cache, back to back: 281.2 s default, 251.2 s with it; a 6-step
-# qwen3_moe-tiny LoRA SFT run gives the same losses and grad norms, bit for bit. All
-# three flags are known to jaxlib 0.7.1-0.10.2 (every compat entry; `strings` of the
-# 0.7.1 and 0.10.2 wheels); XLA aborts on a flag it does not know.
+# splits each program's LLVM module into one piece per core for the parallel codegen
+# threads (XLA's default makes many more: perf showed llvm::SplitModule at 4.6% of a
+# cold tests/test_models.py, and on 2 cores both pytest workers already hold a core).
+# The gate on 2 cores, empty compilation cache / warm: default 281.2 s / 159.8 s, one
+# piece 251.2 s / 178.6 s (a worker compiling alone cannot use the idle core), one per
+# core 259.6 s / 148.8 s. A 6-step qwen3_moe-tiny LoRA SFT run gives the same losses
+# and grad norms, bit for bit. All three flags are known to jaxlib 0.7.1-0.10.2 (every
+# compat entry; `strings` of the 0.7.1 and 0.10.2 wheels); XLA aborts on a flag it
+# does not know. The flags are part of JAX's compilation-cache key: a run after a change
+# compiles everything once.
 BACKEND_OPT_FLAG = "--xla_backend_optimization_level"
 FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters"
 CODEGEN_SPLIT_FLAG = "--xla_cpu_parallel_codegen_split_count"
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 FAST_CPU_COMPILE_FLAGS: tuple[tuple[str, str], ...] = (
     (BACKEND_OPT_FLAG, "0"),
     (FUSION_EMITTERS_FLAG, "false"),
-    (CODEGEN_SPLIT_FLAG, "1"),
+    (CODEGEN_SPLIT_FLAG, str(CORES or 1)),
 )
 # The distributions whose versions every report names, in report order.
 DISTRIBUTIONS: tuple[str, ...] = (
@@ -136,7 +140,7 @@ def configure_devices(count: int | str | None = None) -> int:
     again with the same count is a no-op.
 
     Fake devices also get :data:`FAST_CPU_COMPILE_FLAGS` (LLVM level 0, no MLIR
-    fusion emitters, one LLVM module per program), each unless ``XLA_FLAGS``
+    fusion emitters, one LLVM module piece per core), each unless ``XLA_FLAGS``
     already sets it: tests and the matrix on fake devices spend most of their time
     compiling tiny programs, and the flags change how XLA:CPU emits machine code,
     not the HLO program.

@@ -19,6 +19,7 @@ from harness import cli, pytest_plugin
 from harness.devices import (
     BACKEND_OPT_FLAG,
     CODEGEN_SPLIT_FLAG,
+    CORES,
     DEVICE_COUNT_FLAG,
     FUSION_EMITTERS_FLAG,
     compile_cache_env,
@@ -54,7 +55,7 @@ def test_count_selects_cpu_and_sets_the_flag(clean_env: pytest.MonkeyPatch) -> N
     assert configure_devices(4) == 4
     assert os.environ["XLA_FLAGS"] == (
         f"{DEVICE_COUNT_FLAG}=4 {BACKEND_OPT_FLAG}=0 {FUSION_EMITTERS_FLAG}=false "
-        f"{CODEGEN_SPLIT_FLAG}=1"
+        f"{CODEGEN_SPLIT_FLAG}={CORES}"
     )
     assert os.environ["JAX_PLATFORMS"] == "cpu"
     assert os.environ["POSTTRAIN_DEVICES"] == "4"
@@ -79,7 +80,7 @@ def test_existing_flag_is_replaced_and_other_flags_kept(clean_env: pytest.Monkey
         f"{BACKEND_OPT_FLAG}=2",
         BACKEND_OPT_FLAG,
         f"{FUSION_EMITTERS_FLAG}=true",
-        f"{CODEGEN_SPLIT_FLAG}=4",
+        f"{CODEGEN_SPLIT_FLAG}=64",
     ],
 )
 def test_a_chosen_compile_flag_is_kept(clean_env: pytest.MonkeyPatch, given: str) -> None:
@@ -89,7 +90,7 @@ def test_a_chosen_compile_flag_is_kept(clean_env: pytest.MonkeyPatch, given: str
     tokens = os.environ["XLA_FLAGS"].split()
     flag = given.split("=")[0]
     assert [t for t in tokens if t.split("=")[0] == flag] == [given]
-    others = {BACKEND_OPT_FLAG: "0", FUSION_EMITTERS_FLAG: "false", CODEGEN_SPLIT_FLAG: "1"}
+    others = {BACKEND_OPT_FLAG: "0", FUSION_EMITTERS_FLAG: "false", CODEGEN_SPLIT_FLAG: str(CORES)}
     del others[flag]
     assert [f"{f}={v}" for f, v in others.items()] == [
         t for t in tokens if t.split("=")[0] in others
