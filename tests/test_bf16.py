@@ -256,12 +256,16 @@ def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_is
     bfloat16; the scores and the weighted sum read float32 (the softmax's island) made
     from bfloat16 k and v, as HF's bf16 attention rounds them (v-norm's output included,
     ``type_as``); the output is bfloat16. A projection without its ``dtype`` computes in
-    float32 without a word: the values move too little for the bf16-vs-fp32 bounds."""
+    float32 without a word: the values move too little for the bf16-vs-fp32 bounds.
+    Traced on an fsdp=4 x tensor=2 mesh: q, k and the weighted sum are constrained (and
+    resharded) in bfloat16; a float32 weighted sum left for ``o_proj`` to cast would move
+    twice the bytes and give the same values."""
+    from posttrain import sharding
     from posttrain.config import AttentionConfig
     from posttrain.layers.attention import Attention, attention_mask
     from posttrain.layers.rope import rope_tables
 
-    d_model, n, k, h, batch, seq = 20, 6, 2, 8, 2, 5  # all distinct: operands by shape
+    d_model, n, k, h, batch, seq = 20, 6, 2, 8, 4, 5  # all distinct: operands by shape
     cfg = AttentionConfig(
         num_heads=n, num_kv_heads=k, head_dim=h, qk_norm=norms, v_norm=norms, bias=True, sinks=True
     )
@@ -278,7 +282,15 @@ def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_is
     positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
     cos, sin = rope_tables(positions, cfg.rope, h)
     mask = attention_mask(batch, seq, None, None)
-    jaxpr = jax.make_jaxpr(lambda x: attention(x, cos, sin, mask))(x).jaxpr
+    with sharding.use_mesh(sharding.make_mesh({"fsdp": 4, "tensor": 2})):
+        jaxpr = jax.make_jaxpr(lambda x: attention(x, cos, sin, mask))(x).jaxpr
+    constrained = [
+        (eqn.invars[0].aval.shape, str(eqn.invars[0].aval.dtype))
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "sharding_constraint"
+    ]
+    heads, kv_heads = ((batch, seq, n, h), "bfloat16"), ((batch, seq, k, h), "bfloat16")
+    assert sorted(constrained) == sorted([heads, kv_heads, heads]), constrained  # q, k, out
 
     def matmul_dtypes(shape):
         return [dtypes for shapes, dtypes in matmuls(jaxpr) if shape in shapes]
