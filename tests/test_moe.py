@@ -22,6 +22,7 @@ from posttrain.layers.moe import (
     default_block_size,
     load_balancing_loss,
     num_blocks_bound,
+    sort_by_expert,
 )
 from tests.strategies import moe_cases, scaled
 
@@ -423,6 +424,7 @@ def test_capacity_mask_hand_computed(expert_ids, capacity_factor, expected):
     keep = jax.jit(capacity_mask, static_argnums=(1, 2))(
         jnp.asarray(expert_ids), 2, capacity_factor
     )
+    assert keep.dtype == jnp.bool_, keep.dtype  # dropless too: a mask, not float ones
     np.testing.assert_array_equal(np.asarray(keep), np.asarray(expected, bool))
 
 
@@ -468,6 +470,41 @@ def test_capacity_drops_contribute_nothing():
         )
 
 
+# --- sorting by expert -------------------------------------------------------------
+
+
+_sort_by_expert = jax.jit(sort_by_expert, static_argnums=1)
+
+
+@settings(deadline=None, max_examples=scaled(6))
+@given(num_experts=st.integers(1, 5), data=st.data())
+def test_sort_by_expert_matches_a_stable_numpy_sort(num_experts, data):
+    """Every field of :class:`SortedAssignments` against numpy's stable argsort, bincount
+    and cumsum: ties (one expert's assignments) stay in token, then slot order."""
+    top_k = data.draw(st.integers(1, 3))
+    row = st.lists(st.integers(0, num_experts - 1), min_size=top_k, max_size=top_k)
+    ids = np.asarray(data.draw(st.lists(row, min_size=1, max_size=6)), np.int32)  # [T, R]
+    s = _sort_by_expert(jnp.asarray(ids), num_experts)
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    sizes = np.bincount(flat, minlength=num_experts)
+    starts = np.cumsum(sizes) - sizes
+    position = np.empty_like(order)
+    position[order] = np.arange(flat.size)
+    expected = {
+        "order": order,
+        "sorted_ids": flat[order],
+        "group_sizes": sizes,
+        "group_starts": starts,
+        "rank": (position - starts[flat]).reshape(ids.shape),
+        "position": position.reshape(ids.shape),
+    }
+    for field, want in expected.items():
+        got = getattr(s, field)
+        assert got.dtype == jnp.int32, (field, got.dtype)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=field)
+
+
 # --- block layout -------------------------------------------------------------------
 
 
@@ -494,6 +531,9 @@ def test_block_layout_puts_each_assignment_in_a_block_of_its_expert(num_experts,
     np.testing.assert_array_equal(np.asarray(layout.row_token)[rows], tokens)
     used = sum(math.ceil(np.sum(ids == e) / block_size) for e in range(num_experts))
     assert int(layout.num_used_blocks) == used
+    # the unused trailing blocks repeat the last expert: an index a kernel may read
+    np.testing.assert_array_equal(block_expert[used:], num_experts - 1)
+    assert layout.block_size == block_size
 
 
 @pytest.mark.parametrize(
