@@ -24,6 +24,7 @@ from posttrain.layers.moe import (
     num_blocks_bound,
     sort_by_expert,
 )
+from tests.jaxprs import sub_jaxprs
 from tests.strategies import moe_cases, scaled
 
 ALGORITHMS = ("dense", "sorted", "ragged")
@@ -239,7 +240,9 @@ def test_every_algorithm_matches_dense_reference(case):
 
 def test_fused_expert_scale_matches_unfused():
     """Folding per_expert_scale into down_proj (and its bias) gives the unfused output;
-    a uniform scale c multiplies the routed output by c on both paths.
+    a uniform scale c multiplies the routed output by c on both paths. Only the fused
+    program multiplies a ``[E, F, D]`` kernel (the fold): a block that ignored
+    ``fuse_expert_scales`` would give the same values.
 
     One algorithm (dense, the cheapest to compile): every algorithm reads the
     folded weights from ``Experts._params``, and the reference test above draws
@@ -260,6 +263,19 @@ def test_fused_expert_scale_matches_unfused():
     }
     x = inputs((2, 6, D_MODEL), seed=2)
     y = dict(zip(blocks, (out[0] for out in run_all(list(blocks.values()), x)), strict=True))
+
+    def folds(block) -> bool:  # a multiply whose result has down_proj's [E, F, D] shape
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name == "mul" and eqn.outvars[0].aval.shape == (5, D_FF, D_MODEL):
+                    return True
+                if any(walk(sub) for sub in sub_jaxprs(eqn.params)):
+                    return True
+            return False
+
+        return walk(jax.make_jaxpr(lambda x: block(x))(jnp.asarray(x)).jaxpr)
+
+    assert folds(blocks[True]) and not folds(blocks[False])
     np.testing.assert_allclose(y[True], y[False], rtol=0, atol=ROUTED_ATOL)
     np.testing.assert_allclose(
         y[False], reference_moe(blocks[False], x, None, "silu")[0], rtol=0, atol=ROUTED_ATOL
