@@ -134,9 +134,17 @@ def test_step_objective_edges():
     ) == pytest.approx(6.0)
 
 
-def test_eval_loss_is_the_mean_nll_over_targets():
-    """Tunix's eval ``loss_fn(model, **batch)``: (summed NLL / target tokens, the terms)."""
+@pytest.mark.parametrize("targets", ["many", "one", "none"])
+def test_eval_loss_is_the_mean_nll_over_targets(targets):
+    """Tunix's eval ``loss_fn(model, **batch)``: (summed NLL / target tokens, the terms),
+    down to a batch of one target token; a batch without targets is 0, not NaN."""
     _, rows = rows_for([7, 9, 5, 12], 32)
+    if targets != "many":  # keep the first target token only, or none
+        seg = rows["segment_ids"]
+        same = (seg[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1])  # t continues t-1's segment
+        first = np.argwhere(rows["input_mask"][:, 1:] & same)[0]
+        rows["input_mask"] = np.zeros_like(rows["input_mask"])
+        rows["input_mask"][first[0], first[1] + 1] = targets == "one"
     m = model()
     batch = {k: jnp.asarray(v) for k, v in rows.items()}
     mean, terms = jax.jit(lambda r: loss.eval_loss_fn(m, **r))(batch)
@@ -146,8 +154,9 @@ def test_eval_loss_is_the_mean_nll_over_targets():
         )[0],
         rows,
     )
-    assert float(terms["target_tokens"]) == count
-    assert float(mean) == pytest.approx(want / count, rel=1e-5)
+    assert float(terms["target_tokens"]) == count == {"one": 1, "none": 0}.get(targets, count)
+    assert count > 1 or targets != "many"
+    assert float(mean) == pytest.approx(want / max(count, 1), rel=1e-5)
 
 
 def test_without_segment_ids_every_token_is_one_segment():
