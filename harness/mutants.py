@@ -74,8 +74,10 @@ TARGETS: dict[str, list[str]] = {
     ],
     # RoPE values against HF (the families of each RoPE kind, Llama 3's bands with
     # factors other than its published 1 / 4, YaRN's clamped and collapsed correction
-    # ranges, Gemma 4's half rotary), each RoPE field perturbed, the bfloat16 round trip
+    # ranges, Gemma 4's half rotary; HF's init functions over drawn parameters), each
+    # RoPE field perturbed, the bfloat16 round trip
     "src/posttrain/layers/rope.py": [
+        "tests/test_rope.py",
         "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
         "tests/test_conversion_parity.py::test_config_variants_match_transformers",
         "tests/test_config_sensitivity.py",

@@ -1,0 +1,83 @@
+"""RoPE's inverse frequencies and attention factor against transformers' own init functions.
+
+The HF parity tests run each family's RoPE through a whole model at a handful of
+parameter points; these draw the parameters instead (no model, no XLA compile), down
+to the corners a tiny preset never reaches: YaRN at factor 1 and below (HF's attention
+factor is 1.0 for ``factor <= 1``), a proportional RoPE with a factor other than 1,
+Llama 3 bands with any factors, YaRN's truncated and clamped correction ranges.
+Reference: ``transformers/modeling_rope_utils.py`` ``ROPE_INIT_FUNCTIONS``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posttrain.config import RopeConfig
+from posttrain.conversion.hf_fields import rope_config, rope_dict
+from posttrain.layers.rope import inverse_frequencies
+from tests.strategies import scaled
+
+pytestmark = pytest.mark.reference
+
+HEAD_DIMS = st.sampled_from([4, 6, 10, 12, 16, 64])
+THETAS = st.sampled_from([1e3, 1e4, 5e5, 1.5e5])
+
+
+@st.composite
+def ropes(draw) -> RopeConfig:
+    """A RoPE of each scaled kind, parameters drawn wide of the presets'."""
+    kind = draw(st.sampled_from(["llama3", "yarn", "proportional"]))
+    theta = draw(THETAS)
+    if kind == "llama3":
+        low = draw(st.sampled_from([0.5, 1.0, 2.0, 3.0]))
+        return RopeConfig(
+            kind="llama3",
+            theta=theta,
+            factor=draw(st.sampled_from([1.0, 2.0, 4.0, 8.0, 32.0])),
+            low_freq_factor=low,
+            high_freq_factor=low + draw(st.sampled_from([0.5, 3.0, 8.0])),
+            original_max_position_embeddings=draw(st.sampled_from([16, 128, 8192])),
+        )
+    if kind == "yarn":
+        return RopeConfig(
+            kind="yarn",
+            theta=theta,
+            factor=draw(st.sampled_from([0.5, 1.0, 1.5, 4.0, 32.0])),
+            beta_fast=draw(st.sampled_from([4.0, 32.0, 1e4])),
+            beta_slow=draw(st.sampled_from([1e-8, 1.0, 4.0])),
+            truncate=draw(st.booleans()),
+            original_max_position_embeddings=draw(st.sampled_from([16, 4096])),
+        )
+    return RopeConfig(
+        kind="proportional",
+        theta=theta,
+        factor=draw(st.sampled_from([0.5, 1.0, 2.0, 8.0])),
+        partial_rotary_factor=draw(st.sampled_from([0.25, 0.5, 0.75, 1.0])),
+    )
+
+
+@settings(deadline=None, max_examples=scaled(60))
+@given(rope=ropes(), head_dim=HEAD_DIMS)
+def test_inverse_frequencies_and_attention_factor_match_transformers(rope, head_dim):
+    """``inverse_frequencies`` gives HF's ``inv_freq`` (float32 there, float64 here) and its
+    attention factor; the HF dict we write reads back as the same RoPE."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = rope_dict(rope)
+    assert rope_config(params, 1.0, None, "rope_parameters") == rope
+    hf_config = transformers.PretrainedConfig(
+        hidden_size=4 * head_dim,
+        num_attention_heads=4,
+        head_dim=head_dim,
+        max_position_embeddings=4 * rope.original_max_position_embeddings,
+        rope_parameters=params,
+    )
+    want, want_scale = ROPE_INIT_FUNCTIONS[rope.kind](hf_config, "cpu")
+    got, scale = inverse_frequencies(rope, head_dim)
+    assert got.shape == (head_dim // 2,)
+    np.testing.assert_allclose(got, want.double().numpy(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(want_scale, rel=1e-12)
