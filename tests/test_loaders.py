@@ -112,6 +112,46 @@ def test_load_adapter_refuses_a_config_of_another_format(tmp_path_factory):
         load_adapter(model, work)
 
 
+def test_load_adapter_refuses_a_config_of_another_version(tmp_path_factory):
+    """A lora_config.json of another layout version (a later release's, say) is refused
+    naming the file and both versions, before any tensor is read: read as this layout it
+    could misload without a word."""
+    directory = tmp_path_factory.getbasetemp() / "adapter-source"
+    model, _ = lora_model_and_adapter(directory)
+    config = json.loads((directory / "lora_config.json").read_text())
+    assert config["version"] == 1  # the layout save_adapter writes
+    for version in (2, None):
+        work = tmp_path_factory.mktemp("adapter-version")
+        (work / "lora_config.json").write_text(json.dumps({**config, "version": version}))
+        with pytest.raises(ValueError) as error:
+            load_adapter(model, work)
+        assert str(error.value) == (
+            f"{work / 'lora_config.json'} has posttrain-lora version {version!r}; "
+            "this release reads version 1"
+        )
+
+
+def test_adapter_files_refuse_a_model_apply_lora_did_not_build(tmp_path, tmp_path_factory):
+    """save_adapter, load_adapter (of a good adapter) and export_peft of a plain model
+    name the fix, and write nothing."""
+    from posttrain.lora import export_peft
+
+    directory = tmp_path_factory.getbasetemp() / "adapter-source"
+    lora_model_and_adapter(directory)
+    plain = build_model(get_config("llama3-tiny"))
+    for name, call in [
+        ("save", lambda: save_adapter(plain, tmp_path / "save")),
+        ("load", lambda: load_adapter(plain, directory)),
+        ("export", lambda: export_peft(plain, tmp_path / "export")),
+    ]:
+        with pytest.raises(ValueError) as error:
+            call()
+        assert str(error.value) == (
+            "model has no lora_config; build it with posttrain.lora.apply_lora"
+        ), name
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_load_adapter_lists_the_first_four_names_of_each_kind_and_counts_all(
     tmp_path_factory,
 ):

@@ -32,24 +32,22 @@ from posttrain import _compat, families
 from posttrain.conversion.rows import expand
 from posttrain.conversion.safetensors_io import atomic_directory
 from posttrain.lora import layout
+from posttrain.lora.config import lora_config_of
 from posttrain.models.decoder import stack_layers, unstack_layers
 from posttrain.tree import path_name
 
 CONFIG_FILE, ADAPTER_FILE = "lora_config.json", "lora_adapter.safetensors"
 PEFT_CONFIG_FILE, PEFT_ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"
-FORMAT = "posttrain-lora"
+FORMAT, VERSION = "posttrain-lora", 1  # VERSION: of lora_config.json's layout
 _CHECKED = ("family", "num_layers", "rank", "alpha", "target", "weight_qtype", "tile_size")
 _PEFT_TRANSFORMS = ("heads_in", "heads_out", "transpose")
 
 
 def _describe(model: nnx.Module) -> dict:
-    config = model.lora_config
-    if config is None:
-        raise ValueError("model has no lora_config; build it with posttrain.lora.apply_lora")
-    cfg = model.config
+    config, cfg = lora_config_of(model), model.config
     return {
         "format": FORMAT,
-        "version": 1,
+        "version": VERSION,
         "family": cfg.family,
         "num_layers": cfg.num_layers,
         "scan_layers": cfg.scan_layers,
@@ -102,7 +100,9 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
       ``model``.
 
     Raises:
-      ValueError: the saved config differs from the model's in family,
+      ValueError: the model was not built by ``apply_lora``, the config is not a
+        ``posttrain-lora`` one of version :data:`VERSION`, the saved config differs from
+        the model's in family,
         num_layers, rank, alpha, target, weight_qtype or tile_size (the message
         lists each difference), or the tensors do not match the model's
         adapters (names or shapes).
@@ -111,6 +111,11 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
     saved = json.loads((directory / CONFIG_FILE).read_text())
     if saved.get("format") != FORMAT:
         raise ValueError(f"{directory / CONFIG_FILE} is not a {FORMAT} config")
+    if saved.get("version") != VERSION:  # a later layout read as this one would misload
+        raise ValueError(
+            f"{directory / CONFIG_FILE} has {FORMAT} version {saved.get('version')!r}; "
+            f"this release reads version {VERSION}"
+        )
     want = _describe(model)
     diffs = [
         f"{k} {saved.get(k)!r} (adapter) != {want[k]!r} (model)"
@@ -169,8 +174,9 @@ def export_peft(
     """Writes ``model``'s adapters as a PEFT LoRA adapter of the HF model to a new ``directory``.
 
     Raises:
-      ValueError: an adapter sits on a weight with no HF ``nn.Linear`` in the
-        family's conversion table (e.g. routed experts), or the family has no table.
+      ValueError: the model was not built by ``apply_lora``, an adapter sits on a weight
+        with no HF ``nn.Linear`` in the family's conversion table (e.g. routed experts),
+        or the family has no table.
     """
     cfg, meta = model.config, _describe(model)
     if cfg.family not in families.FAMILIES:

@@ -16,15 +16,13 @@ from flax import nnx
 
 from posttrain import _compat
 from posttrain.lora import layout
+from posttrain.lora.config import lora_config_of
 from posttrain.models.causal_lm import CausalLM
 from posttrain.tree import path_name
 
 
 def _scale(model: nnx.Module) -> float:
-    config = model.lora_config
-    if config is None:
-        raise ValueError("model has no lora_config; build it with posttrain.lora.apply_lora")
-    return config.scale
+    return lora_config_of(model).scale
 
 
 @functools.partial(jax.jit, static_argnames=("specs", "scale", "sign"))
