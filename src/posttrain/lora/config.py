@@ -34,18 +34,6 @@ def _fail(message: str) -> None:
     raise ValueError(message)
 
 
-def lora_config_of(model) -> LoraConfig:
-    """The :class:`LoraConfig` that :func:`posttrain.lora.apply_lora` attached to ``model``.
-
-    Raises:
-      ValueError: ``model`` was not built by ``apply_lora`` (its ``lora_config`` is None).
-    """
-    config = model.lora_config
-    if config is None:
-        _fail("model has no lora_config; build it with posttrain.lora.apply_lora")
-    return config
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraConfig:
     """Low-rank adapters ``W x + (alpha / rank) * B(A(x))`` on the target modules' weights.
@@ -119,3 +107,15 @@ class LoraConfig:
     def replace(self, **changes) -> LoraConfig:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
+
+
+def lora_config_of(model) -> LoraConfig:
+    """The :class:`LoraConfig` that :func:`posttrain.lora.apply_lora` attached to ``model``.
+
+    Raises:
+      ValueError: ``model`` was not built by ``apply_lora`` (its ``lora_config`` is None).
+    """
+    config = model.lora_config
+    if config is None:
+        raise ValueError("model has no lora_config; build it with posttrain.lora.apply_lora")
+    return config
