@@ -6,17 +6,22 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
+def equations(jaxpr):
+    """Every equation, each followed by those of its sub-jaxprs (scan, cond, jit bodies)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in sub_jaxprs(eqn.params):
+            yield from equations(sub)
+
+
 def primitive_dtypes(jaxpr) -> list[tuple[str, str]]:
     """``(primitive, operand dtype)`` of every equation, sub-jaxprs (scan, jit, cond) included."""
-    out = []
-    for eqn in jaxpr.eqns:
-        for var in eqn.invars:
-            aval = getattr(var, "aval", None)
-            if aval is not None and hasattr(aval, "dtype"):
-                out.append((eqn.primitive.name, str(aval.dtype)))
-        for sub in sub_jaxprs(eqn.params):
-            out.extend(primitive_dtypes(sub))
-    return out
+    return [
+        (eqn.primitive.name, str(var.aval.dtype))
+        for eqn in equations(jaxpr)
+        for var in eqn.invars
+        if hasattr(getattr(var, "aval", None), "dtype")
+    ]
 
 
 def sub_jaxprs(params: dict):
@@ -32,13 +37,11 @@ def matmuls(jaxpr) -> list[tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]]:
     """``(operand shapes, float operand dtypes)`` of every dot_general / ragged_dot_general,
     sub-jaxprs (scan, cond, jit) included."""
     out = []
-    for eqn in jaxpr.eqns:
+    for eqn in equations(jaxpr):
         if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
             avals = [v.aval for v in eqn.invars if hasattr(getattr(v, "aval", None), "shape")]
             floats = tuple(str(a.dtype) for a in avals if jnp.issubdtype(a.dtype, jnp.floating))
             out.append((tuple(a.shape for a in avals), floats))
-        for sub in sub_jaxprs(eqn.params):
-            out.extend(matmuls(sub))
     return out
 
 
@@ -47,12 +50,10 @@ def reading(jaxpr, *dims: int) -> list[tuple[str, ...]]:
     return [dtypes for shapes, dtypes in matmuls(jaxpr) if any(set(dims) & set(s) for s in shapes)]
 
 
-def scoped_primitives(jaxpr, out=None) -> dict[str, set[str]]:
+def scoped_primitives(jaxpr) -> dict[str, set[str]]:
     """Scope name -> the primitives of the equations under it, sub-jaxprs included."""
-    out = {} if out is None else out
-    for eqn in jaxpr.eqns:
+    out: dict[str, set[str]] = {}
+    for eqn in equations(jaxpr):
         for scope in str(eqn.source_info.name_stack).split("/"):
             out.setdefault(scope, set()).add(eqn.primitive.name)
-        for sub in sub_jaxprs(eqn.params):
-            scoped_primitives(sub, out)
     return out

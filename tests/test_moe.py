@@ -24,7 +24,7 @@ from posttrain.layers.moe import (
     num_blocks_bound,
     sort_by_expert,
 )
-from tests.jaxprs import sub_jaxprs
+from tests.jaxprs import equations
 from tests.strategies import moe_cases, scaled
 
 ALGORITHMS = ("dense", "sorted", "ragged")
@@ -265,15 +265,11 @@ def test_fused_expert_scale_matches_unfused():
     y = dict(zip(blocks, (out[0] for out in run_all(list(blocks.values()), x)), strict=True))
 
     def folds(block) -> bool:  # a multiply whose result has down_proj's [E, F, D] shape
-        def walk(jaxpr):
-            for eqn in jaxpr.eqns:
-                if eqn.primitive.name == "mul" and eqn.outvars[0].aval.shape == (5, D_FF, D_MODEL):
-                    return True
-                if any(walk(sub) for sub in sub_jaxprs(eqn.params)):
-                    return True
-            return False
-
-        return walk(jax.make_jaxpr(lambda x: block(x))(jnp.asarray(x)).jaxpr)
+        jaxpr = jax.make_jaxpr(lambda x: block(x))(jnp.asarray(x)).jaxpr
+        return any(
+            eqn.primitive.name == "mul" and eqn.outvars[0].aval.shape == (5, D_FF, D_MODEL)
+            for eqn in equations(jaxpr)
+        )
 
     assert folds(blocks[True]) and not folds(blocks[False])
     np.testing.assert_allclose(y[True], y[False], rtol=0, atol=ROUTED_ATOL)
