@@ -1,16 +1,18 @@
 """Mutation testing of the numerics-critical modules with mutmut, one module at a time.
 
-``python -m harness.mutants [MODULE ...] [--max-children N] [--report-dir DIR]`` (what
-``tox -e mutants`` runs): for each module (default: all of :data:`TARGETS`) it copies the
-project into a scratch directory, writes a ``[tool.mutmut]`` section that mutates only that
-module (only the functions :data:`FUNCTIONS` names, where it names some) and runs only
+``python -m harness.mutants [MODULE ...] [--max-children N] [--report-dir DIR]
+[--functions NAME,...]`` (what ``tox -e mutants`` runs): for each module (default: all of
+:data:`TARGETS`) it copies the project into a scratch directory, writes a
+``[tool.mutmut]`` section that mutates only that module (only the functions
+``--functions`` or :data:`FUNCTIONS` names, where either names some) and runs only
 its targeted test selection, runs ``mutmut run`` there, and collects
 mutmut's own counts (``mutmut export-cicd-stats``). The report, ``mutants.json`` and
 ``mutants.md`` in the report directory, gives per module: killed, survived, timed out,
 no tests, the score (killed / (killed + survived + timeout)), and the surviving mutants'
 names (``mutmut show NAME`` in that module's scratch directory prints each diff).
 
-Each selection is sized so one module's run fits in about 20 minutes on 2 cores.
+Each selection is sized so one module's run fits in about 20 minutes on 2 cores; the
+attention's 413 mutants run as two shards (``--functions``) in the weekly workflow.
 Workers are forked from a fork server that has imported nothing (``forkserver_warmup =
 none``): JAX is not fork-safe once its backend has started.
 """
@@ -18,6 +20,7 @@ none``): JAX is not fork-safe once its backend has started.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import pathlib
@@ -25,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 
 from posttrain import atomic
 
@@ -108,23 +112,21 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
 }
-# module -> the functions mutated (mutmut mutant-name patterns, fnmatch); a module not
-# listed has every function mutated. ``xǁClassǁmethod`` names a method, ``x_name`` a
-# module-level function (mutmut's mangling). mutmut 3 leaves decorated functions alone
-# (the step's ``create_train_step_fn`` is ``@override``, ``_all_finite`` ``@jax.jit``).
-FUNCTIONS: dict[str, list[str]] = {
+# module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
+# not listed has every function mutated, and ``--functions`` overrides either.
+# ``xǁClassǁmethod`` names a method, ``x_name`` a module-level function (mutmut's
+# mangling). mutmut 3 leaves decorated functions alone (the step's
+# ``create_train_step_fn`` is ``@override``, ``_all_finite`` ``@jax.jit``).
+FUNCTIONS: dict[str, tuple[str, ...]] = {
     # the step (objective, gradients, the update or skip, the logged terms), not the
     # trainer's Tunix plumbing (saves, placement, closing)
-    "src/posttrain/sft/trainer.py": [
-        f"posttrain.sft.trainer.{name}__mutmut_*"
-        for name in (
-            "xǁSFTTrainerMixinǁ_objective",
-            "xǁSFTTrainerMixinǁ_report",
-            "xǁSFTTrainerMixinǁ_grads",
-            "xǁSFTTrainerMixinǁ_step_body",
-            "x_default_moe_aux_loss_weight",
-        )
-    ],
+    "src/posttrain/sft/trainer.py": (
+        "xǁSFTTrainerMixinǁ_objective",
+        "xǁSFTTrainerMixinǁ_report",
+        "xǁSFTTrainerMixinǁ_grads",
+        "xǁSFTTrainerMixinǁ_step_body",
+        "x_default_moe_aux_loss_weight",
+    ),
 }
 _PYTEST_ARGS = ["-p", "no:cacheprovider", "-x", "-q", "-m", "not slow"]  # the gate's tier
 _COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md")
@@ -147,8 +149,36 @@ def _section(module: str, selection: list[str], max_children: int) -> str:
     )
 
 
-def run_module(module: str, root: pathlib.Path, work: pathlib.Path, max_children: int) -> dict:
-    """Runs mutmut on ``module`` in ``work`` (a fresh copy of ``root``); returns its row."""
+def function_names(module: str, root: pathlib.Path) -> set[str]:
+    """mutmut's names of the functions of ``module`` it mutates: ``x_name`` for each
+    undecorated module-level function, ``xǁClassǁmethod`` for each undecorated method."""
+    tree = ast.parse((root / module).read_text(encoding="utf-8"))
+
+    def undecorated(nodes):
+        return [n.name for n in nodes if isinstance(n, ast.FunctionDef) and not n.decorator_list]
+
+    names = {f"x_{name}" for name in undecorated(tree.body)}
+    for c in tree.body:
+        if isinstance(c, ast.ClassDef):
+            names |= {f"xǁ{c.name}ǁ{name}" for name in undecorated(c.body)}
+    return names
+
+
+def mutant_patterns(module: str, functions: Sequence[str]) -> list[str]:
+    """The ``mutmut run`` arguments that select ``functions``' mutants of ``module``."""
+    dotted = module.removeprefix("src/").removesuffix(".py").replace("/", ".")
+    return [f"{dotted}.{name}__mutmut_*" for name in functions]
+
+
+def run_module(
+    module: str,
+    root: pathlib.Path,
+    work: pathlib.Path,
+    max_children: int,
+    functions: Sequence[str] = (),
+) -> dict:
+    """Runs mutmut on ``module`` in ``work`` (a fresh copy of ``root``), on the mutants of
+    ``functions`` only where given (mutmut's names); returns its row."""
     for name in _COPIED:
         source = root / name
         if source.is_dir():
@@ -163,7 +193,7 @@ def run_module(module: str, root: pathlib.Path, work: pathlib.Path, max_children
     env = {**os.environ, "HYPOTHESIS_PROFILE": "ci"}
     run = subprocess.run(
         [sys.executable, "-m", "mutmut", "run", f"--max-children={max_children}"]
-        + FUNCTIONS.get(module, []),
+        + mutant_patterns(module, functions),
         cwd=work,
         env=env,
         capture_output=True,
@@ -217,21 +247,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-children", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--report-dir", default="reports")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directories")
+    parser.add_argument(
+        "--functions",
+        help="comma-separated functions of the one MODULE to mutate, by mutmut's names "
+        "(x_name, xǁClassǁmethod; default: FUNCTIONS' or all): one shard of a long run",
+    )
     args = parser.parse_args(argv)
     unknown = [m for m in args.modules if m not in TARGETS]
     if unknown:
         parser.error(f"unknown module {unknown[0]!r}; expected one of {sorted(TARGETS)}")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    functions = {m: FUNCTIONS.get(m, ()) for m in args.modules or list(TARGETS)}
+    if args.functions is not None:
+        if len(args.modules) != 1:
+            parser.error(f"--functions needs exactly one MODULE, got {len(args.modules)}")
+        (module,) = args.modules
+        names = tuple(n.strip() for n in args.functions.split(","))
+        known = function_names(module, root)
+        bad = [n for n in names if n not in known]
+        if bad:
+            parser.error(
+                f"--functions {bad[0]!r} is not a function mutmut mutates in {module}; "
+                f"expected one of {sorted(known)}"
+            )
+        functions[module] = names
     if args.max_children < 1:
         parser.error(f"--max-children {args.max_children}: expected >= 1")
     report_dir = pathlib.Path(args.report_dir)
     if report_dir.exists() and not report_dir.is_dir():
         parser.error(f"--report-dir {report_dir} is a file, expected a directory")
-    root = pathlib.Path(__file__).resolve().parent.parent
     rows = []
-    for module in args.modules or list(TARGETS):
+    for module, names in functions.items():
         work = pathlib.Path(tempfile.mkdtemp(prefix="mutants-"))
         print(f"mutants: {module} in {work}", flush=True)
-        row = run_module(module, root, work, args.max_children)
+        row = run_module(module, root, work, args.max_children, names)
         rows.append(row)
         print(markdown([row]).splitlines()[-1], flush=True)
         if not args.keep:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 import tomllib
 
 import pytest
@@ -59,30 +60,73 @@ def test_bad_arguments_exit_2(capsys, argv, message):
     assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_each_function_pattern_names_a_function_of_its_module():
+def test_each_function_names_a_function_mutmut_mutates():
     """A pattern matching nothing would make mutmut stop with "nothing matches"; one for a
     renamed function would silently shrink the run, so each must name a real function,
     and an undecorated one (mutmut 3 does not mutate decorated functions)."""
-    import ast
-
     root = pathlib.Path(mutants.__file__).resolve().parent.parent
-    for module, patterns in mutants.FUNCTIONS.items():
+    for module, names in mutants.FUNCTIONS.items():
         assert module in mutants.TARGETS, module
-        tree = ast.parse((root / module).read_text())
-        names = {
-            f"x_{n.name}"
-            for n in tree.body
-            if isinstance(n, ast.FunctionDef) and not n.decorator_list
-        }
-        names |= {
-            f"xǁ{c.name}ǁ{m.name}"
-            for c in tree.body
-            if isinstance(c, ast.ClassDef)
-            for m in c.body
-            if isinstance(m, ast.FunctionDef) and not m.decorator_list
-        }
-        dotted = module.removeprefix("src/").removesuffix(".py").replace("/", ".")
-        for pattern in patterns:
-            prefix, _, rest = pattern.partition(f"{dotted}.")
-            assert prefix == "" and rest.endswith("__mutmut_*"), pattern
-            assert rest.removesuffix("__mutmut_*") in names, pattern
+        assert set(names) <= mutants.function_names(module, root), module
+    trainer = mutants.function_names("src/posttrain/sft/trainer.py", root)
+    assert "xǁSFTTrainerMixinǁ_step_body" in trainer and "x_default_moe_aux_loss_weight" in trainer
+    assert "xǁSFTTrainerMixinǁcreate_train_step_fn" not in trainer  # @override: not mutated
+    assert mutants.mutant_patterns("src/posttrain/sft/loss.py", ["x_token_nll"]) == [
+        "posttrain.sft.loss.x_token_nll__mutmut_*"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--functions", "x_token_nll"], "--functions needs exactly one MODULE, got 0"),
+        (
+            ["src/posttrain/sft/loss.py", "src/posttrain/lora/merge.py", "--functions", "x_a"],
+            "--functions needs exactly one MODULE, got 2",
+        ),
+        (
+            ["src/posttrain/sft/loss.py", "--functions", "x_token_nll,x_tokn_nll"],
+            "--functions 'x_tokn_nll' is not a function mutmut mutates in src/posttrain/sft/loss",
+        ),
+        (
+            ["src/posttrain/sft/loss.py", "--functions", ""],
+            "--functions '' is not a function mutmut mutates",
+        ),
+    ],
+)
+def test_bad_functions_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit:
+        mutants.main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_weekly_workflow_runs_every_module_and_every_attention_function():
+    """Each TARGETS module is a job of the weekly mutants matrix; attention.py's shards
+    (``--functions``) together name each function it has, once."""
+    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    text = (root / ".github/workflows/matrix.yml").read_text()
+    for module in mutants.TARGETS:
+        assert f"- module: {module}\n" in text, module
+    attention = "src/posttrain/layers/attention.py"
+    shards = re.findall(rf"- module: {re.escape(attention)}\n\s+functions: \"([^\"]+)\"", text)
+    names = [n for shard in shards for n in shard.split(",")]
+    assert len(shards) == 2 and sorted(names) == sorted(mutants.function_names(attention, root))
+
+
+def test_functions_reach_the_run_and_the_defaults_stay(monkeypatch, tmp_path):
+    """``--functions`` narrows its module's run; without it a module runs FUNCTIONS' names
+    (the trainer's step) or all of its functions (no names)."""
+    calls = {}
+
+    def run(module, root, work, max_children, functions=()):
+        calls[module] = tuple(functions)
+        return {"module": module, "killed": 1, "survived": 0, "timeout": 0, "no_tests": 0,
+                "total": 1, "score": 1.0, "survivors": []}  # fmt: skip
+
+    monkeypatch.setattr(mutants, "run_module", run)
+    loss, trainer = "src/posttrain/sft/loss.py", "src/posttrain/sft/trainer.py"
+    argv = ["--report-dir", str(tmp_path), "--max-children", "1"]
+    assert mutants.main([loss, trainer, *argv]) == 0
+    assert calls == {loss: (), trainer: mutants.FUNCTIONS[trainer]}
+    assert mutants.main([loss, "--functions", "x_token_nll,x_target_mask", *argv]) == 0
+    assert calls[loss] == ("x_token_nll", "x_target_mask")
