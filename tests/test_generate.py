@@ -136,6 +136,61 @@ def test_incremental_decoding_equals_the_full_forward(name, scan):
     check_incremental(name, scan)
 
 
+@pytest.mark.parametrize("masked", [None, "causal", "all"])
+def test_a_cached_prefill_longer_than_the_window_then_decoding(masked):
+    """gpt_oss-tiny (sliding window 8): a 12-token prefill, then 4 one-token steps, give
+    the full forward's logits, with the caller's causal mask over the slots, without one
+    (``attention_mask=None``: each query sees the slots up to its own), and with one
+    that opens every slot (the cache stays causal, as the full forward's mask does). The
+    prefill's late queries must not see the slots 8 or more behind them."""
+    cfg = get_config("gpt_oss-tiny")
+    window = cfg.attention["sliding"].sliding_window
+    prefill, seq = window + 4, window + 8
+    model = build_model(cfg, seed=1)
+    tokens = jnp.asarray(np.random.RandomState(2).randint(3, cfg.vocab_size, (2, seq)))
+    positions = jnp.broadcast_to(jnp.arange(seq), (2, seq))
+    want, _ = model(tokens, positions, None, None)
+    slots = jnp.arange(seq)
+
+    def mask(first, count):  # [B, count, S] causal over the slots or all True, or None
+        causal = slots[None, :] <= first + jnp.arange(count)[:, None]
+        pattern = {None: None, "causal": causal, "all": jnp.ones_like(causal)}[masked]
+        return None if pattern is None else jnp.broadcast_to(pattern, (2, count, seq))
+
+    cache = model.init_cache(2, seq, "float32")
+    step = nnx.jit(lambda m, t, p, c, k: m(t, p, c, k))
+    logits, cache = step(
+        model, tokens[:, :prefill], positions[:, :prefill], cache, mask(0, prefill)
+    )
+    got = [logits]
+    for t in range(prefill, seq):
+        logits, cache = step(
+            model, tokens[:, t : t + 1], positions[:, t : t + 1], cache, mask(t, 1)
+        )
+        got.append(logits)
+    got = np.asarray(jnp.concatenate(got, axis=1))
+    np.testing.assert_allclose(got, np.asarray(want), atol=INCREMENTAL_ATOL)
+
+
+def test_a_bfloat16_cache_under_a_float32_model():
+    """``init_cache(dtype=bfloat16)`` for a float32 model: keys and values are stored in
+    bfloat16 (half the bytes) and decoding stays within bf16 rounding of the float32
+    cache's logits."""
+    model = build_model(get_config("qwen3-tiny"), seed=1)
+    tokens = jnp.asarray([[5, 6, 7, 8, 9, 10]])
+    positions = jnp.arange(6)[None]
+    step = nnx.jit(lambda m, t, p, c: m(t, p, c, None))
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        cache = model.init_cache(1, 8, dtype)
+        logits, cache = step(model, tokens, positions, cache)
+        assert {str(x.dtype) for x in jax.tree.leaves(cache) if x.ndim > 1} == {dtype}
+        out[dtype] = np.asarray(logits)
+    assert np.abs(out["float32"]).max() > 0.1
+    np.testing.assert_allclose(out["bfloat16"], out["float32"], atol=0.05)
+    assert not np.array_equal(out["bfloat16"], out["float32"])  # the bf16 cache was read
+
+
 @pytest.mark.slow
 @pytest.mark.devices(8)
 @settings(max_examples=scaled(4), deadline=None)

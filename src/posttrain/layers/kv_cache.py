@@ -11,8 +11,8 @@ One layer's cache (Tunix's ``models/*`` layout, ``shared/research/tunix-rl.md`` 
 layers keep their own ``v``, the k projection before norm and RoPE), both in the cache
 dtype. A call writes its T tokens at slots ``end_index[0] % S`` onward (one write
 index for the batch: prompts are left-padded, so slot i is token-buffer index i) and
-returns ``end_index + T``. The caller's mask ``[B, T, S]`` says which slots a query
-sees (Tunix: causal x non-pad); sliding-window layers also mask slots ``W`` or more
+returns ``end_index + T``. The caller's mask ``[B, T, S]`` says which of the slots up
+to its own a query sees (Tunix: causal x non-pad); sliding-window layers also mask slots ``W`` or more
 behind the query's slot (masked slots: every layer keeps S slots, no ring buffer, so
 the slot arithmetic is the same for every layer type).
 
@@ -70,13 +70,16 @@ def slot_mask(
 ) -> jax.Array:
     """``[B, T, S]`` bool: the slots each of ``tokens`` queries (at slots ``start + t``) sees.
 
-    ``mask`` is the caller's (``None``: every slot up to the query's own); a sliding
-    window W also hides slots W or more behind the query (``q - s < W``, HF
-    ``sliding_window_causal``).
+    Every slot up to the query's own (causal over the slots, as
+    :func:`posttrain.layers.attention.attention_mask` is for the full forward), and of
+    those the ones ``mask`` (the caller's ``[B, T, S]``, Tunix's causal x non-pad; or
+    ``None``) allows: a caller's mask cannot open a later slot, which holds a later
+    token or nothing yet. A sliding window W also hides slots W or more behind the query
+    (``q - s < W``, HF ``sliding_window_causal``).
     """
     query = start + jnp.arange(tokens)[:, None]  # [T, 1]
     slots = jnp.arange(cache_size)[None, :]  # [1, S]
-    allowed = slots <= query if mask is None else jnp.ones((tokens, cache_size), bool)
+    allowed = slots <= query  # [T, S]
     if sliding_window is not None:
         allowed &= (query - slots) < sliding_window
     allowed = jnp.broadcast_to(allowed, (batch, tokens, cache_size))
