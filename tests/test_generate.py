@@ -5,6 +5,7 @@ distributions, the cache's memory, LoRA == merged, bad input."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import re
@@ -231,6 +232,26 @@ def recompute_greedy(name: str) -> list[list[int]]:
             seq.append(int(jnp.argmax(forward(model, tokens)[len(seq) - 1])))
         rows.append(seq[len(prompt) :])
     return rows
+
+
+def test_on_token_streams_every_step_in_order_and_a_new_seed_compiles_nothing():
+    """``on_token`` gets each step's tokens of every row and which rows had stopped,
+    in order: together they are the result (a stopped row's later tokens are padding).
+    Sampling again with another seed reuses the compiled loop (the seed is traced)."""
+    model = build_model(get_config("qwen3-tiny"), seed=1)
+    steps = []
+    cfg = generate.SamplingConfig(max_new_tokens=5, temperature=0.8, seed=1, eos_ids=(7,))
+    result = generate.generate(model, PROMPTS, cfg, on_token=lambda t, d: steps.append((t, d)))
+    streamed = np.stack([t for t, _ in steps], axis=1)  # [B, steps]
+    assert len(steps) == max(result.lengths) and streamed.shape[0] == len(PROMPTS)
+    for i, (row, length) in enumerate(zip(result.tokens, result.lengths, strict=True)):
+        np.testing.assert_array_equal(streamed[i, :length], row[:length])
+        assert not any(d[i] for _, d in steps[:length]) and all(d[i] for _, d in steps[length:])
+    again = generate.generate(model, PROMPTS, dataclasses.replace(cfg, seed=2))  # no on_token
+    compiled = generate._generate.jitted_fn._cache_size()
+    generate.generate(model, PROMPTS, dataclasses.replace(cfg, seed=3))
+    assert generate._generate.jitted_fn._cache_size() == compiled
+    assert again.tokens.shape == result.tokens.shape
 
 
 @pytest.mark.parametrize(
