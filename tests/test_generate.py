@@ -359,6 +359,18 @@ def test_samplers_draw_the_specified_distribution(options):
     assert p_value > ALPHA, (counts, DRAWS * want)
 
 
+def test_top_p_cuts_each_row_of_a_batch_by_its_own_mass():
+    """Two rows (one the other's reverse) sampled as one batch: each row keeps exactly
+    its own top-p set, normalised over its own vocabulary, not the batch's."""
+    cfg = generate.SamplingConfig(seed=0, temperature=1.0, top_p=0.6)
+    logits = jnp.asarray(np.stack([LOGITS, LOGITS[::-1]]), jnp.float32)  # [2, V]
+    keys = jax.random.split(jax.random.key(99), 2000)
+    draws = np.asarray(jax.vmap(lambda k: generate.sample(logits, k, cfg))(keys))  # [N, 2]
+    support = expected(top_p=0.6) > 0
+    for row, keep in ((0, support), (1, support[::-1])):
+        assert set(np.unique(draws[:, row])) == set(np.flatnonzero(keep)), row
+
+
 def test_the_chi_square_check_rejects_a_wrong_sampler():
     """Teeth: a sampler with the right support but temperature 0.95 instead of 1 (the
     cut-token check cannot see it) is rejected at the same draws and significance."""
@@ -479,8 +491,16 @@ def test_a_prompt_longer_than_the_cache_and_an_empty_prompt_are_refused():
     model = build_model(get_config("qwen3-tiny"))
     with pytest.raises(ValueError, match="cache_size=8 is too small: the longest prompt has 7"):
         generate.generate(model, PROMPTS, generate.SamplingConfig(max_new_tokens=4), cache_size=8)
-    with pytest.raises(ValueError, match="every prompt needs at least one token"):
+    with pytest.raises(ValueError, match="^generate: every prompt needs at least one token$"):
         generate.generate(model, [[1], []], generate.SamplingConfig())
+
+
+def test_the_smallest_valid_request_generates_one_token():
+    """The edges of every range are accepted: one-token prompts, ``max_new_tokens=1``,
+    ``top_p=1``, ``top_k=1``, ``temperature=0``."""
+    cfg = generate.SamplingConfig(max_new_tokens=1, temperature=0.0, top_k=1, top_p=1.0)
+    out = generate.generate(build_model(get_config("qwen3-tiny")), [[5], [6]], cfg)
+    assert out.tokens.shape == (2, 1) and list(out.lengths) == [1, 1]
 
 
 # --- posttrain generate ---------------------------------------------------------------
