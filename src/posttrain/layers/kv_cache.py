@@ -12,9 +12,9 @@ layers keep their own ``v``, the k projection before norm and RoPE), both in the
 dtype. A call writes its T tokens at slots ``end_index[0] % S`` onward (one write
 index for the batch: prompts are left-padded, so slot i is token-buffer index i) and
 returns ``end_index + T``. The caller's mask ``[B, T, S]`` says which of the slots up
-to its own a query sees (Tunix: causal x non-pad); sliding-window layers also mask slots ``W`` or more
-behind the query's slot (masked slots: every layer keeps S slots, no ring buffer, so
-the slot arithmetic is the same for every layer type).
+to its own a query sees (Tunix: causal x non-pad); sliding-window layers also mask
+slots ``W`` or more behind the query's slot (masked slots: every layer keeps S slots,
+no ring buffer, so the slot arithmetic is the same for every layer type).
 
 Memory (:func:`cache_bytes`): sum over layers of ``2 * B * S * K * H * itemsize + 4 * B``.
 The model cache is ``{"layer_{i}": ...}`` unscanned and ``{"block_{p}": ...}`` scanned,
