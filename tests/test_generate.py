@@ -419,9 +419,13 @@ def test_generating_with_adapters_equals_generating_with_the_merged_weights():
         sampling = generate.SamplingConfig(max_new_tokens=10)
         with_adapters = generate.generate(lora, PROMPTS, sampling)
         merged = generate.generate(merge_lora(lora), PROMPTS, sampling)
-        base = generate.generate(build_model(cfg, mesh, seed=1), PROMPTS, sampling)
+        base_model = build_model(cfg, mesh, seed=1)
+        base = generate.generate(base_model, PROMPTS, sampling)
+        # one prompt, filled up to the 4 data-parallel rows (the same [4, 7] program)
+        one = generate.generate(base_model, PROMPTS[:1], sampling)
     np.testing.assert_array_equal(with_adapters.tokens, merged.tokens)
     assert (with_adapters.tokens != base.tokens).any()  # the adapters were applied
+    np.testing.assert_array_equal(one.tokens, base.tokens[:1])
 
 
 # --- against transformers -------------------------------------------------------------
