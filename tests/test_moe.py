@@ -499,16 +499,15 @@ def test_sort_by_expert_matches_a_stable_numpy_sort(num_experts, data):
     s = _sort_by_expert(jnp.asarray(ids), num_experts)
     flat = ids.reshape(-1)
     order = np.argsort(flat, kind="stable")
-    sizes = np.bincount(flat, minlength=num_experts)
-    starts = np.cumsum(sizes) - sizes
-    position = np.empty_like(order)
-    position[order] = np.arange(flat.size)
+    # each from its definition, not from the implementation's arithmetic
+    position = np.array([list(order).index(i) for i in range(flat.size)])
+    rank = np.array([np.sum(flat[:i] == flat[i]) for i in range(flat.size)])  # earlier, same
     expected = {
         "order": order,
         "sorted_ids": flat[order],
-        "group_sizes": sizes,
-        "group_starts": starts,
-        "rank": (position - starts[flat]).reshape(ids.shape),
+        "group_sizes": np.array([np.sum(flat == e) for e in range(num_experts)]),
+        "group_starts": np.array([np.sum(flat < e) for e in range(num_experts)]),
+        "rank": rank.reshape(ids.shape),
         "position": position.reshape(ids.shape),
     }
     for field, want in expected.items():
