@@ -9,6 +9,8 @@ ignores alike). Each one seen while a test is set up, run or torn down, or while
 module is collected, is recorded on the test as the JUnit property
 ``upstream_deprecations``: a JSON list of ``"Category: message (file:line)"`` lines.
 A passing contract with such a property is a ``warn`` cell (``harness.matrix``).
+The pytest side (the plugin object that records) is ``harness.pytest_plugin.Recorder``;
+this module needs no pytest, as the matrix's own process reads the properties.
 
 A deprecation attributed to our own code stays whatever ``filterwarnings`` makes it
 (``error`` in this project): calling a deprecated API is our bug to fix, not an
@@ -29,8 +31,6 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 OWN_PACKAGES: tuple[str, ...] = ("posttrain", "harness", "contracts", "tests")
 """Top-level packages whose warnings are ours (and stay errors)."""
@@ -92,51 +92,6 @@ def recording(sink: list[str]) -> Iterator[None]:
         warnings.warn_explicit(
             message.message, message.category, str(message.filename), message.lineno
         )
-
-
-_SEEN = pytest.StashKey[list[str]]()
-
-
-class Recorder:
-    """The pytest plugin object ``--upstream-deprecations=record`` registers."""
-
-    def __init__(self) -> None:
-        self.collected: dict[str, list[str]] = {}  # collector node id -> descriptions
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_make_collect_report(self, collector: pytest.Collector):
-        sink = self.collected.setdefault(collector.nodeid, [])
-        with recording(sink):
-            return (yield)
-
-    def _phase(self, item: pytest.Item):
-        sink = item.stash.setdefault(_SEEN, [])
-        return recording(sink)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(self, item: pytest.Item):
-        with self._phase(item):
-            return (yield)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item):
-        with self._phase(item):
-            return (yield)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None):
-        try:
-            with self._phase(item):
-                return (yield)
-        finally:
-            # After teardown, before its report: the JUnit writer reads the properties
-            # of the teardown report.
-            seen = [
-                text for node in item.listchain() for text in self.collected.get(node.nodeid, [])
-            ]
-            seen += [t for t in item.stash.get(_SEEN, []) if t not in seen]
-            if seen:
-                item.user_properties.append((PROPERTY, json.dumps(seen)))
 
 
 def from_properties(properties: dict[str, str]) -> list[str]:
