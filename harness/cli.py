@@ -44,6 +44,10 @@ JUNIT_NAME = "junit-gate.xml"
 SUMMARY_NAME = "gate-summary.json"
 MAX_LISTED = 20  # failures / skip reasons printed; the JSON summary has them all
 MESSAGE_WIDTH = 160
+REFERENCE_REPORTS = "reports"
+"""The committed matrix report (the project's reference), relative to the checkout."""
+LATEST_REPORTS = "reports/latest"
+"""Where a user's matrix run writes by default (ignored by git)."""
 
 
 def default_compile_cache() -> str:
@@ -134,7 +138,14 @@ def _parser() -> argparse.ArgumentParser:
         "--jobs", "-j", default="2", type=_jobs, help="pytest-xdist workers per entry"
     )
     matrix.add_argument("--rebuild", action="store_true", help="rebuild the environments")
-    matrix.add_argument("--report-dir", default="reports", type=Path)
+    matrix.add_argument(
+        "--report-dir",
+        default=LATEST_REPORTS,
+        type=Path,
+        help="where the report goes (default: %(default)s, untracked; the committed "
+        f"reference in {REFERENCE_REPORTS}/ is regenerated on purpose with --report-dir "
+        f"{REFERENCE_REPORTS})",
+    )
     matrix.add_argument(
         "--cache",
         default=None,
@@ -176,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument(
         "parts", nargs="+", type=Path, metavar="DIR", help="directories holding compat-matrix.json"
     )
-    merge.add_argument("--report-dir", default="reports", type=Path)
+    merge.add_argument("--report-dir", default=LATEST_REPORTS, type=Path)
     merge.add_argument("--entries", default=None, type=Path, help="entries file (row order)")
     _index_option(merge)
     return parser
@@ -272,7 +283,7 @@ def run_matrix(args: argparse.Namespace) -> int:
     """
     import platform
 
-    from harness import entries, envs, matrix, report, sources
+    from harness import entries, envs, matrix, progress, report, sources
 
     try:
         loaded = entries.load_entries(args.entries or entries.ENTRIES_FILE)
@@ -288,14 +299,19 @@ def run_matrix(args: argparse.Namespace) -> int:
     if args.list:
         return _list_entries(chosen, as_json=args.json)
     start = time.monotonic()
-    rows = matrix.run(
-        chosen,
-        loaded,
-        envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
-        args.report_dir,
-        args.jobs,
-        rebuild=args.rebuild,
-    )
+    shown = progress.Progress(len(chosen))
+    try:
+        rows = matrix.run(
+            chosen,
+            loaded,
+            envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
+            args.report_dir,
+            args.jobs,
+            rebuild=args.rebuild,
+            progress=shown,
+        )
+    finally:
+        shown.close()
     machine = (
         f"{platform.node()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, {len(rows)} entries in "
@@ -310,15 +326,39 @@ def run_matrix(args: argparse.Namespace) -> int:
         ran = len(rows)
         rows = report.combine([previous["entries"], rows], [e.name for e in loaded])
         machine += f" ({ran} rerun with --update; the other {len(rows) - ran} rows kept)"
-    return _write_report(rows, machine, previous, args)
+    if previous is None:
+        previous = _reference_report(args.report_dir)
+    return _write_report(rows, machine, previous, args, [e.name for e in loaded])
 
 
-def _write_report(rows, machine: str, previous, args: argparse.Namespace) -> int:
-    """Builds (with drift and the flips against ``previous``), writes and prints the
-    report; the exit status of its cells."""
+def _reference_report(report_dir: Path) -> dict[str, Any] | None:
+    """The committed reference report, to compare a first run in another directory with
+    (None when ``report_dir`` is the reference's, or it is absent or unreadable)."""
+    from harness import entries, report
+
+    reference = entries.REPO / REFERENCE_REPORTS
+    if report_dir.resolve() == reference.resolve():
+        return None
+    try:
+        return report.load(reference)
+    except ValueError:
+        return None
+
+
+def _write_report(
+    rows, machine: str, previous, args: argparse.Namespace, every: Sequence[str]
+) -> int:
+    """Builds (with drift, the flips against ``previous`` and the entries of ``every``
+    it leaves out), writes and prints the report; the exit status of its cells."""
     from harness import drift, report, report_md
 
-    built = report.build(rows, machine, previous=previous, drift=drift.check(rows, args.index_url))
+    built = report.build(
+        rows,
+        machine,
+        previous=previous,
+        drift=drift.check(rows, args.index_url),
+        not_run=every,
+    )
     paths = report.write(built, args.report_dir)
     print(report_md.markdown(built))
     print("report: " + ", ".join(str(p) for p in paths), file=sys.stderr)
@@ -356,7 +396,7 @@ def run_report_merge(args: argparse.Namespace) -> int:
     rows = report.combine([p["entries"] for p in parts], [e.name for e in loaded])
     machines = sorted({p["machine"].split(",")[0] for p in parts})
     machine = f"{', '.join(machines)}; merged from {len(parts)} reports ({len(rows)} entries)"
-    return _write_report(rows, machine, previous, args)
+    return _write_report(rows, machine, previous, args, [e.name for e in loaded])
 
 
 def show_devices(devices: str | None) -> int:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +46,7 @@ from harness import deprecations, junit, sources
 from harness.devices import suite_env
 from harness.entries import REPO, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error, versions
+from harness.progress import Progress
 from harness.report import RUN_CELLS
 
 SFT_RUN: dict[str, Any] = {
@@ -145,17 +145,22 @@ def run(
     jobs: str,
     *,
     rebuild: bool = False,
-    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    progress: Progress | None = None,
+    log: Callable[[str], None] | None = None,
     runner: Runner | None = None,
 ) -> list[dict[str, Any]]:
     """Builds (or reuses) each chosen entry's environment and runs it; its report rows,
     one per entry in order (:func:`run_entry`). ``entries``: all of them, where an
-    emulated entry finds the release whose environment it borrows. Progress goes to
-    ``log``, one line per stage; ``runner`` runs the commands (tests: a fake)."""
+    emulated entry finds the release whose environment it borrows. ``progress`` shows
+    the row and phase (default: log lines on stderr only); its lines, one per stage,
+    go to ``log`` when given; ``runner`` runs the commands (tests: a fake)."""
+    progress = progress or Progress(len(chosen), live=False)
+    log = log or progress.log
     by_name = {e.name: e for e in entries}
     rows = []
     for i, entry in enumerate(chosen, 1):
         where = f"[{i}/{len(chosen)}] {entry.name}"
+        progress.row(i, entry.name)
         if entry.source is not None:
             try:
                 entry = resolve(entry)
@@ -168,6 +173,7 @@ def run(
             log(f"{where}: source {entry.source} resolved to {entry.resolved[0]}")
         env_entry = by_name[entry.base] if entry.emulated else entry
         log(f"{where}: environment {cache.path(env_entry).name}")
+        progress.phase("environment")
         env = (
             EnvResult(None, False, 0.0)
             if entry.broken
@@ -178,7 +184,7 @@ def run(
             f"{'env error: ' + env.error if env.error else 'running contracts, sft, rl and dpo'}"
             f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)"
         )
-        row = run_entry(entry, env, report_dir, jobs, run=runner or _run)
+        row = run_entry(entry, env, report_dir, jobs, run=runner or _run, phase=progress.phase)
         rows.append(row)
         cells = [*row["contracts"].values(), *(row[c] for c in RUN_CELLS if row.get(c))]
         bad = [c for c in cells if c["status"] in ("failed", "error")]
@@ -201,9 +207,15 @@ def resolve(entry: Entry) -> Entry:
 
 
 def run_entry(
-    entry: Entry, env: EnvResult, report_dir: Path, jobs: str, run: Runner = _run
+    entry: Entry,
+    env: EnvResult,
+    report_dir: Path,
+    jobs: str,
+    run: Runner = _run,
+    phase: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
-    """Contracts and the SFT run of one entry in its env; the report row.
+    """Contracts and the SFT run of one entry in its env; the report row. ``phase`` hears
+    the name of each phase as it starts (the live progress line).
 
     The row (what ``reports/compat-matrix.json`` holds per entry):
       ``name``, ``tunix``, ``flavour``, ``convention``, ``emulated``: the entry's;
@@ -216,6 +228,8 @@ def run_entry(
       ``sft``, ``rl``, ``dpo``: ``{"status": "passed" | "failed" | "skipped", "message"}`` or
         ``None`` (not run); ``skipped``: n/a there, the message says why;
       ``seconds``: wall time of the contracts and the runs;
+      ``phase_seconds``: phase -> its wall time (versions, contracts, sft run, rl run,
+        dpo run);
       ``error`` (only when the entry could not run): why, in one line.
     """
     row: dict[str, Any] = {
@@ -241,14 +255,25 @@ def run_entry(
         row["error"] = env.error or f"not run: {entry.broken}"
         return row
     start = time.monotonic()
-    row["versions"] = versions(env.python, run)
+    row["phase_seconds"] = timings = {}
+
+    def timed(name: str, work: Callable[[], Any]) -> Any:
+        phase(name)
+        begun = time.monotonic()
+        try:
+            return work()
+        finally:
+            timings[name] = round(time.monotonic() - begun, 1)
+
+    row["versions"] = timed("versions", lambda: versions(env.python, run))
     junit = report_dir / "matrix" / f"{entry.name}.xml"
     junit.parent.mkdir(parents=True, exist_ok=True)
     junit.unlink(missing_ok=True)
     environ = {
-        # The compile cache in the environment's folder: a warm environment is also a warm
-        # compile cache, and --rebuild (or a changed key) starts both afresh.
-        **suite_env(str(env.path / "jax-compile")),
+        # One compile cache beside the environments, shared by every row: rows on the same
+        # jax/jaxlib (most of them) compile the same model programs, and JAX keys each entry
+        # by program, compile options, backend and version, so other versions only miss.
+        **suite_env(str(compile_cache(env))),
         "POSTTRAIN_DEVICES": "8",
         "JAX_PLATFORMS": "cpu",
         "POSTTRAIN_CONTRACT_CONVENTIONS": entry.convention if entry.emulated else "installed",
@@ -272,16 +297,22 @@ def run_entry(
     command += ["--conventions", entry.convention if entry.emulated else "installed"]
     # Upstream deprecations: warn cells, not failures (harness/deprecations.py).
     command += ["--upstream-deprecations", "record"]
-    done = run(command, environ)
+    done = timed("contracts", lambda: run(command, environ))
     if junit.is_file():
         row["contracts"] = junit_cells(junit)
     if not row["contracts"]:
         row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
-    row["sft"] = _sft(entry, env, environ, run)
-    row["rl"] = _rl(entry, env, environ, run)
-    row["dpo"] = _dpo(entry, env, environ, run)
+    for cell, runs in (("sft", _sft), ("rl", _rl), ("dpo", _dpo)):
+        row[cell] = timed(f"{cell} run", lambda runs=runs: runs(entry, env, environ, run))
     row["seconds"] = round(time.monotonic() - start, 1)
     return row
+
+
+def compile_cache(env: EnvResult) -> Path:
+    """The JAX compilation cache of the matrix's runs: ``jax-compile`` beside the
+    environments (in the environment cache's root), shared by every row."""
+    assert env.path is not None
+    return env.path.parent / "jax-compile"
 
 
 def _sft(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> dict[str, str]:

@@ -111,6 +111,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
+    "harness/progress.py": ["tests/test_matrix_progress.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.
@@ -129,23 +130,25 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     ),
 }
 _PYTEST_ARGS = ["-p", "no:cacheprovider", "-x", "-q", "-m", "not slow"]  # the gate's tier
-_COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md")
+_COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md", ".gitignore")
 
 
 def _section(module: str, selection: list[str], max_children: int) -> str:
     def toml_list(items):
         return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
+    top = module.split("/")[0]  # src (the posttrain package) or harness: mutmut's import root
+    copied = [d for d in ("src", "harness", "contracts", ".gitignore") if d != top]
     return (
         "\n[tool.mutmut]\n"
-        'source_paths = ["src"]\n'
+        f"source_paths = {toml_list([top])}\n"
         f"only_mutate = {toml_list([module])}\n"
         f"pytest_add_cli_args_test_selection = {toml_list(selection)}\n"
         f"pytest_add_cli_args = {toml_list(_PYTEST_ARGS)}\n"
         'process_isolation = "forkserver"\n'
         'forkserver_warmup = "none"\n'
         f"max_children = {max_children}\n"
-        'also_copy = ["harness", "contracts"]\n'
+        f"also_copy = {toml_list(copied)}\n"
     )
 
 

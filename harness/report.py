@@ -177,9 +177,12 @@ def build(
     *,
     previous: dict[str, Any] | None = None,
     drift: dict[str, Any] | None = None,
+    not_run: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The report of ``rows``; ``previous``: the report it replaces (its statuses are
-    kept, to mark flips); ``drift``: :func:`harness.drift.check`'s result."""
+    kept, to mark flips); ``drift``: :func:`harness.drift.check`'s result; ``not_run``:
+    the entries of the entries file this report leaves out (the summary names them and
+    the command that runs them: :func:`not_run_lines`)."""
     cols = columns(rows)
     report: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -190,6 +193,7 @@ def build(
         "broken": broken(rows, cols),
         "deprecations": deprecations(rows, cols),
         "drift": drift,
+        "not_run": [name for name in not_run if name not in {r["name"] for r in rows}],
     }
     report["previous"] = (
         {
@@ -202,6 +206,18 @@ def build(
     )
     report["changed"] = changed(report["previous"], report)
     return report
+
+
+def not_run_lines(report: dict[str, Any]) -> list[str]:
+    """What the report leaves out and how to run it (``[]`` when it holds every entry)."""
+    left = report.get("not_run") or []
+    if not left:
+        return []
+    return [
+        f"Not run here ({len(left)} entries): {', '.join(left)}.",
+        "Run them with `posttrain-harness matrix --all` (every entry) or "
+        "`posttrain-harness matrix --only NAME` (repeatable, prefixes allowed).",
+    ]
 
 
 def load(report_dir: Path) -> dict[str, Any] | None:

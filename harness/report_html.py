@@ -20,6 +20,7 @@ Every cell carries ``data-status`` (the JSON status, ``none``: not run) and
 from __future__ import annotations
 
 import html
+import re
 from typing import Any
 
 from harness import drift as _drift
@@ -29,6 +30,7 @@ from harness.report import (
     cell,
     compact_versions,
     full_versions,
+    not_run_lines,
     short_label,
     source_line,
     totals,
@@ -191,6 +193,15 @@ def summary(report: dict[str, Any]) -> str:
     ]
     if sources:
         cards.append(_card("Tunix from source", sources))
+    left = not_run_lines(report)
+    if left:
+        cards.insert(
+            0,
+            _card(
+                "Not run in this report",
+                [re.sub(r"`([^`]+)`", r"<code>\1</code>", esc(x)) for x in left],
+            ),
+        )
     return total + '<div class="summary">' + "".join(cards) + "</div>"
 
 

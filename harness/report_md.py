@@ -10,7 +10,15 @@ from __future__ import annotations
 from typing import Any
 
 from harness import drift as _drift
-from harness.report import LABELS, VERSION_COLUMNS, cell, compact_versions, source_line, totals
+from harness.report import (
+    LABELS,
+    VERSION_COLUMNS,
+    cell,
+    compact_versions,
+    not_run_lines,
+    source_line,
+    totals,
+)
 
 GLYPHS = {
     "passed": "✅",
@@ -53,6 +61,7 @@ def summary(report: dict[str, Any]) -> list[str]:
         + ", ".join(f"{counts[s]} {LABELS[s]}" for s in counts)
         + "**\n",
     ]
+    out += [f"{line}\n" for line in not_run_lines(report)]
     broken = report.get("broken", [])
     out.append(f"### What broke ({len(broken)})\n")
     out += _listed(
