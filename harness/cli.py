@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import junit
+from harness import junit, sources
 from harness.devices import configure_devices, device_facts, suite_env
 from posttrain import atomic
 
@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:
         if os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0"):
             raise
-        text = (str(error).strip().splitlines() or [""])[0]
+        text = sources.redact((str(error).strip().splitlines() or [""])[0])
         print(
             f"posttrain-harness: internal error: {type(error).__name__}: {text} "
             "(rerun with POSTTRAIN_DEBUG=1 for the traceback)",
@@ -272,6 +272,9 @@ def run_launch(args: argparse.Namespace, command: list[str]) -> int:
     except ValueError as error:
         print(f"posttrain-harness launch: error: {error}", file=sys.stderr)
         return 2
+    except launch.Stopped as stopped:
+        print(f"posttrain-harness launch: {stopped}; ranks stopped", file=sys.stderr)
+        return 128 + stopped.signum
 
 
 def run_matrix(args: argparse.Namespace) -> int:
@@ -283,18 +286,20 @@ def run_matrix(args: argparse.Namespace) -> int:
     """
     import platform
 
-    from harness import entries, envs, matrix, progress, report, sources
+    from harness import entries, envs, matrix, progress, report
 
     try:
         loaded = entries.load_entries(args.entries or entries.ENTRIES_FILE)
         chosen = entries.select(loaded, args.only, args.all)
         if args.tunix_source is not None:
-            sources.parse(args.tunix_source)  # malformed: exit 2 now; unreachable: a row
+            parsed = sources.parse(args.tunix_source)  # malformed: exit 2 now
+            if parsed.path is not None:  # a local tree that is not there: bad input, not a row
+                sources.check_directory(parsed.path, args.tunix_source)
             loaded, row = entries.with_source(loaded, args.tunix_source)
             chosen = [row if e.name == row.name else e for e in chosen]
             chosen += [] if row in chosen else [row]
     except ValueError as error:
-        print(f"posttrain-harness matrix: {error}", file=sys.stderr)
+        print(f"posttrain-harness matrix: {sources.redact(str(error))}", file=sys.stderr)
         return 2
     if args.list:
         return _list_entries(chosen, as_json=args.json)
@@ -360,7 +365,7 @@ def _write_report(
         not_run=every,
     )
     paths = report.write(built, args.report_dir)
-    print(report_md.markdown(built))
+    print(sources.redact(report_md.markdown(built)))
     print("report: " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 1 if built["broken"] else 0
 
@@ -368,10 +373,10 @@ def _write_report(
 def _list_entries(chosen, as_json: bool) -> int:
     if as_json:
         fields = ("name", "tunix", "flavour", "convention", "default", "emulated", "source")
-        print(json.dumps([{f: getattr(e, f) for f in fields} for e in chosen]))
+        print(sources.redact(json.dumps([{f: getattr(e, f) for f in fields} for e in chosen])))
         return 0
     for e in chosen:
-        print(f"{e.name}\t{e.flavour}\t{e.convention}\t{e.source or e.tunix}")
+        print(sources.redact(f"{e.name}\t{e.flavour}\t{e.convention}\t{e.source or e.tunix}"))
     return 0
 
 
@@ -388,6 +393,8 @@ def run_report_merge(args: argparse.Namespace) -> int:
             part = report.load(directory)
             if part is None:
                 raise ValueError(f"{directory} holds no compat-matrix.json")
+            if not part["entries"]:
+                raise ValueError(f"{directory}: its report holds no entries; nothing to merge")
             parts.append(part)
         previous = report.load(args.report_dir)
     except ValueError as error:

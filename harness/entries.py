@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
+import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from posttrain.sft import tunix_compat
 
@@ -56,13 +59,43 @@ class Entry:
         return [f"google-tunix=={self.tunix}", *self.pins, *TEST_TOOLS]
 
 
+_FIELD_TYPES: dict[str, Any] = typing.get_type_hints(Entry)
+"""Entry field -> its annotation: what a key of the file must hold (a TOML list for a
+tuple)."""
+
+
+def _has_type(value: Any, expected: Any) -> bool:
+    """Whether a TOML value fits a field annotation (str, bool, tuple[str, ...], X | None)."""
+    if expected is str or expected is bool:
+        return type(value) is expected  # a TOML integer 1 or a string "no" is no bool
+    if typing.get_origin(expected) in (types.UnionType, typing.Union):
+        return any(_has_type(value, arm) for arm in typing.get_args(expected))
+    if expected is type(None):
+        return value is None
+    if typing.get_origin(expected) is tuple:
+        return isinstance(value, list) and all(isinstance(x, str) for x in value)
+    raise TypeError(f"no TOML check for {expected!r}")  # a new Entry field: add its check
+
+
+def _describe(expected: Any) -> str:
+    if expected is bool:
+        return "true or false"
+    if expected is str:
+        return "a string"
+    if typing.get_origin(expected) is tuple:
+        return "a list of requirement strings"
+    arms = [a for a in typing.get_args(expected) if a is not type(None)]
+    return " or ".join(_describe(a) for a in arms)
+
+
 def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
     """Reads and checks the entries.
 
     Raises:
       ValueError: naming the file, entry or field: a missing or malformed file, an entry
         that is not a table, an unknown key, flavour or convention, a field of the wrong
-        type (``pins`` a string), a duplicate name, an emulated entry without ``base``.
+        type (``pins`` a string, ``default = "no"``: each key's type is its ``Entry``
+        annotation), a duplicate name, an emulated entry without ``base``.
     """
     path = Path(path)
     if not path.is_file():
@@ -96,6 +129,10 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
         pins = item.get("pins", [])
         if not (isinstance(pins, list) and all(isinstance(p, str) for p in pins)):
             raise ValueError(f"{where}: pins = {pins!r}; expected a list of requirement strings")
+        for name, value in item.items():
+            expected = _FIELD_TYPES[name]
+            if not _has_type(value, expected):
+                raise ValueError(f"{where}: {name} = {value!r}; expected {_describe(expected)}")
         try:
             entry = Entry(**{**item, "pins": tuple(pins)})
         except TypeError as e:

@@ -22,6 +22,7 @@ import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from harness import sources
 from harness.devices import DISTRIBUTIONS
 from harness.entries import REPO, Entry
 
@@ -132,7 +133,7 @@ class EnvCache:
                 {
                     "entry": entry.name,
                     "key": env_key(entry),
-                    "spec": entry.install_spec(),
+                    "spec": [sources.redact(x) for x in entry.install_spec()],
                     "source": entry.resolved[0] if entry.resolved else None,
                 }
             )

@@ -16,14 +16,22 @@ with gloo collectives: what a pod slice's hosts are, on one machine.
   status is that process's (``128 + signal`` for a signal), or 0 when every process
   exits 0. It never waits on a process that can no longer finish: a peer of a dead
   rank blocks in a collective, and is stopped within ``grace`` seconds.
-- ``posttrain`` as COMMAND runs this interpreter's ``posttrain.cli``.
-- Bad input, found before any process starts (one line, exit 2): N or M below 1, or a
-  ``--mesh`` in the command whose axis sizes do not multiply to N x M.
+- ``posttrain`` as COMMAND runs this interpreter's ``posttrain.cli`` with ``python -P``:
+  the working directory is not put on ``sys.path``, so a ``tokenizers.py`` lying there is
+  never imported in place of the package.
+- Ranks die with their launcher. SIGTERM, SIGHUP or Ctrl-C of the launcher stops them as
+  a failing rank does (SIGTERM, SIGKILL after ``grace``); a SIGKILL of the launcher
+  reaches them through Linux's parent-death signal (``PR_SET_PDEATHSIG``), which a small
+  shim sets before it execs the command.
+- Bad input, found before any process starts (one line, exit 2): N or M below 1, a
+  negative or non-finite ``grace``, or a ``--mesh`` in the command whose axis sizes do not
+  multiply to N x M.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -44,8 +52,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check(num_processes: int, devices_per_process: int, command: Sequence[str]) -> None:
+def check(
+    num_processes: int, devices_per_process: int, command: Sequence[str], grace: float = 10.0
+) -> None:
     """Raises ValueError (one line) when the launch cannot work; see the module docstring."""
+    if not (math.isfinite(grace) and grace >= 0):
+        raise ValueError(f"--grace {grace}: expected a finite number of seconds >= 0")
     if num_processes < 1:
         raise ValueError(f"-n {num_processes}: expected at least 1 process")
     if devices_per_process < 1:
@@ -77,9 +89,29 @@ def _mesh_option(command: Sequence[str]) -> str | None:
     return None
 
 
+# Runs first in each rank: asks Linux to SIGKILL it when the launcher (argv[1], its
+# parent) dies, leaves at once if the launcher is already gone, then becomes the command.
+_PARENT_DEATH_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "except (AttributeError, OSError):\n"
+    "    pass  # not Linux: the launcher's own signal handling still stops the ranks\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _with_parent_death(program: list[str]) -> list[str]:
+    """``program`` started through :data:`_PARENT_DEATH_SHIM` (``program[0]``: a path)."""
+    return [sys.executable, "-P", "-c", _PARENT_DEATH_SHIM, str(os.getpid()), *program]
+
+
 def _program(command: Sequence[str]) -> list[str]:
     if command[0] == "posttrain":
-        return [sys.executable, "-m", "posttrain.cli", *command[1:]]
+        # -P: the working directory stays off sys.path (no module planted there is run)
+        return [sys.executable, "-P", "-m", "posttrain.cli", *command[1:]]
     if command[0] in ("python", "python3"):
         return [sys.executable, *command[1:]]
     found = shutil.which(command[0])
@@ -134,8 +166,8 @@ def launch(
     Raises:
       ValueError: bad input (:func:`check`), before any process starts.
     """
-    check(num_processes, devices_per_process, command)
-    program = _program(command)
+    check(num_processes, devices_per_process, command, grace)
+    program = _with_parent_death(_program(command))
     out = out or sys.stdout
     port = free_port()
     lock = threading.Lock()
@@ -149,6 +181,7 @@ def launch(
                 print(f"[rank {rank}] {line}", file=out, flush=True)
         stream.close()
 
+    restore = _stop_on_signals()
     try:
         for rank in range(num_processes):
             # stdout and stderr on their own pipes, each read by line: with PYTHONUNBUFFERED
@@ -170,9 +203,37 @@ def launch(
     except BaseException:
         _stop(procs, grace)
         raise
+    finally:
+        restore()
     for reader in readers:
         reader.join(timeout=grace)
     return status
+
+
+class Stopped(BaseException):
+    """The launcher received SIGTERM or SIGHUP (:attr:`signum`); its ranks are stopped."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+def _stop_on_signals():
+    """SIGTERM and SIGHUP raise :class:`Stopped` in the main thread while ranks run (so
+    the launch stops them); returns the function that puts the old handlers back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+    def restore() -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 def _supervise(procs: list[subprocess.Popen], grace: float, out, lock) -> int:

@@ -248,7 +248,7 @@ def run_entry(
     }
     if entry.source is not None:
         row["source"] = {
-            "spec": entry.source,
+            "spec": sources.redact(entry.source),
             "resolved": entry.resolved[0] if entry.resolved else None,
         }
     if env.error or entry.broken:

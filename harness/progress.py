@@ -20,6 +20,8 @@ from typing import IO
 from rich.console import Console
 from rich.status import Status
 
+from harness import sources
+
 
 def clock(seconds: float) -> str:
     """``m:ss`` (``h:mm:ss`` from an hour on) of a non-negative duration, rounded down."""
@@ -87,8 +89,9 @@ class Progress:
         self.current = name
 
     def log(self, line: str) -> None:
-        """A line kept in the log (printed above the live line on a terminal)."""
-        self.console.print(line, markup=False, emoji=False)
+        """A line kept in the log (printed above the live line on a terminal), with the
+        credentials of any URL in it redacted (:func:`harness.sources.redact`)."""
+        self.console.print(sources.redact(line), markup=False, emoji=False)
 
     def close(self) -> None:
         """Removes the live line (idempotent)."""

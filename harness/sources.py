@@ -42,6 +42,32 @@ class SourceError(ValueError):
     """A source spec that is malformed, unreachable or not a package; one line."""
 
 
+_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][\w+.-]*://)[^/@\s'\"]+@")
+REDACTED = "***"
+
+
+def redact(text: str) -> str:
+    """``text`` with the user-info of every URL in it (``https://user:token@host``)
+    replaced by :data:`REDACTED`: what is shown or stored of a source spec, never what
+    is installed from it. An scp-like ``git@host:path`` has no secret and stays."""
+    return _USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
+
+
+def check_directory(path: Path, spec: str) -> None:
+    """A local source must be a directory holding a Python package.
+
+    Raises:
+      SourceError: ``path`` is not a directory, or holds no ``pyproject.toml`` or
+        ``setup.py``.
+    """
+    if not path.is_dir():
+        raise SourceError(f"source {spec!r}: {path} is not a directory")
+    if not any((path / name).is_file() for name in ("pyproject.toml", "setup.py")):
+        raise SourceError(
+            f"source {spec!r}: {path} has no pyproject.toml or setup.py; expected a Tunix checkout"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
     """A parsed source spec.
@@ -217,13 +243,7 @@ def _resolve_directory(source: Source) -> Resolved:
 def _pin_directory(source: Source) -> Resolved:
     path = source.path
     assert path is not None
-    if not path.is_dir():
-        raise SourceError(f"source {source.spec!r}: {path} is not a directory")
-    if not any((path / name).is_file() for name in ("pyproject.toml", "setup.py")):
-        raise SourceError(
-            f"source {source.spec!r}: {path} has no pyproject.toml or setup.py; "
-            "expected a Tunix checkout"
-        )
+    check_directory(path, source.spec)
     requirement = f"{DISTRIBUTION} @ {path.as_uri()}"
     try:
         top = _git(["rev-parse", "--show-toplevel"], cwd=path)

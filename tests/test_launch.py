@@ -5,12 +5,16 @@ with one process of 8; the others drive the launcher with small Python programs.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,6 +22,8 @@ import pytest
 
 from harness import launch
 from harness.cli import main as harness_main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 RANK = "import os, signal, sys, time\nr = int(os.environ['POSTTRAIN_PROCESS_ID'])\n"
 """The start of a rank's program: ``r`` is its process id."""
@@ -130,6 +136,9 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(capsys):
         (["-n", "2", "--devices-per-process", "0", "--", "python"], "expected at least 1"),
         (["-n", "2"], "no command after --"),
         (["-n", "2", "--", "no-such-program-here"], "not found on PATH"),
+        (["-n", "2", "--grace", "-1", "--", "python"], "--grace -1.0: expected a finite number"),
+        (["-n", "2", "--grace", "nan", "--", "python"], "--grace nan: expected a finite number"),
+        (["-n", "2", "--grace", "inf", "--", "python"], "--grace inf: expected a finite number"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_any_process_starts(argv, words, capsys):
@@ -450,3 +459,85 @@ def test_moe_sft_with_experts_split_across_processes_equals_one_process(tmp_path
             [r[key] for r in got], [r[key] for r in want], rtol=1e-5, err_msg=key
         )
     assert all(r["moe_aux_loss"] > 0 for r in got)
+
+
+RANK_WAITS = (
+    "import os, time\n"
+    "from posttrain import distributed\n"
+    "distributed.initialize()\n"
+    "print('pid', os.getpid(), flush=True)\n"
+    "time.sleep(120)\n"
+)
+"""A rank that joins the runtime (JAX's preemption notifier then holds SIGTERM) and waits."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _launched_ranks(n: int) -> tuple[subprocess.Popen, list[int]]:
+    """A launcher process of ``n`` waiting ranks, and their pids once each is ready."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "launch", "-n", str(n), "--grace", "30", "--",
+         "python", "-c", RANK_WAITS],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    pids = []
+    while len(pids) < n:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        if found := re.search(r"\] pid (\d+)", line):
+            pids.append(int(found.group(1)))
+    return proc, pids
+
+
+def _gone_within(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_ranks_die_with_their_launcher_promptly(sig):
+    """A stopped launcher leaves no rank behind: on SIGTERM it stops them and exits 143
+    within seconds (not its 30 s grace: a launched rank ends on SIGTERM, which JAX's
+    preemption notifier would hold); a SIGKILL of the launcher reaches them through the
+    parent-death signal."""
+    proc, pids = _launched_ranks(2)
+    try:
+        started = time.monotonic()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) == (143 if sig == signal.SIGTERM else -9)
+        if sig == signal.SIGTERM:
+            assert time.monotonic() - started < 5
+            assert "stopped by SIGTERM; ranks stopped" in proc.stderr.read()
+        assert _gone_within(pids, 5), [p for p in pids if _alive(p)]
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate()  # closes its pipes
+
+
+def test_a_module_planted_in_the_working_directory_is_never_imported(tmp_path):
+    """Ranks of `posttrain` run with `python -P`: an `argparse.py` in the working
+    directory (which `python -m` would import first) is not run."""
+    marker = tmp_path / "planted-ran"
+    (tmp_path / "argparse.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nraise SystemExit(7)\n"
+    )
+    launcher = Path(sys.executable).parent / "posttrain-harness"  # the installed command
+    done = subprocess.run(
+        [str(launcher), "launch", "-n", "1", "--", "posttrain", "--help"],
+        cwd=tmp_path, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not marker.exists()

@@ -62,6 +62,30 @@ def test_compat_entries_cover_every_release_in_both_flavours():
         ("entry = 3\n", "'entry' is a int; expected [[entry]] tables"),
         ("[[entry]\nname=", "not valid TOML"),
         ('[[entry]]\nname=1\ntunix="1"\nflavour="current"\nconvention="bound2"\n', "name = 1"),
+        # every key's type, as its Entry annotation says: a string is not a bool
+        (
+            '[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound2"\n'
+            'default="no"\n',
+            "entry 0 (a): default = 'no'; expected true or false",
+        ),
+        (
+            '[[entry]]\nname="m"\ntunix="main"\nflavour="emulated"\nconvention="bound2"\n'
+            'emulated="maybe"\nbase="a"\n',
+            "entry 0 (m): emulated = 'maybe'; expected true or false",
+        ),
+        (
+            '[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound2"\ndefault=1\n',
+            "entry 0 (a): default = 1; expected true or false",
+        ),
+        (
+            '[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound2"\nbroken=true\n',
+            "entry 0 (a): broken = True; expected a string",
+        ),
+        (
+            '[[entry]]\nname="a"\ntunix="1"\nflavour="current"\nconvention="bound2"\n'
+            'requirements=["x", 2]\n',
+            "entry 0 (a): requirements = ['x', 2]; expected a list of requirement strings",
+        ),
     ],
 )
 def test_bad_entries_are_named(tmp_path, text, message):

@@ -188,14 +188,17 @@ def test_the_merged_report_equals_one_produced_in_a_single_run(tmp_path, capsys)
     assert "is not a matrix report ('machine')" in capsys.readouterr().err
 
 
-def test_matrix_list_json_prints_the_selected_entries(capsys):
+def test_matrix_list_json_prints_the_selected_entries(capsys, tmp_path):
     assert cli.main(["matrix", "--list", "--json", "--all"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert [e["name"] for e in listed] == [e.name for e in entries.load_entries()]
     assert {"name", "tunix", "flavour", "convention", "source"} <= set(listed[0])
-    assert cli.main(["matrix", "--list", "--json", "--tunix-source", "/x/tunix"]) == 0
+    tree = tmp_path / "tunix"  # a local source must be a package (checked up front)
+    tree.mkdir()
+    (tree / "pyproject.toml").write_text("")
+    assert cli.main(["matrix", "--list", "--json", "--tunix-source", str(tree)]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert listed[-1]["name"] == "tunix-main" and listed[-1]["source"] == "/x/tunix"
+    assert listed[-1]["name"] == "tunix-main" and listed[-1]["source"] == str(tree)
     with pytest.raises(SystemExit) as stopped:
         cli.main(["matrix", "--json"])
     assert stopped.value.code == 2

@@ -7,7 +7,8 @@ one of two sources:
 
 - the local launcher (``posttrain-harness launch``, :mod:`harness.launch`) sets
   :data:`COORDINATOR`, :data:`NUM_PROCESSES` and :data:`PROCESS_ID`; on the CPU backend
-  the cross-process collectives are gloo's (``jax_cpu_collectives_implementation``);
+  the cross-process collectives are gloo's (``jax_cpu_collectives_implementation``), and
+  SIGTERM ends the process at once (JAX's preemption notifier would hold it);
 - ``POSTTRAIN_DISTRIBUTED=auto`` on a real TPU or GPU cluster: ``jax.distributed.initialize()``
   with no arguments, which reads the platform's own environment (Cloud TPU metadata,
   SLURM, Open MPI).
@@ -18,6 +19,8 @@ Without either, nothing happens: one process, its own devices, as before.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 COORDINATOR = "POSTTRAIN_COORDINATOR"
 """``host:port`` of process 0's coordination service."""
@@ -55,6 +58,11 @@ def initialize() -> None:
         if os.environ.get("JAX_PLATFORMS", "") == "cpu":
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator, num_processes=count, process_id=index)
+        # JAX's preemption notifier takes SIGTERM over (a cloud's "you will be preempted"),
+        # so a launched rank outlived the launcher's SIGTERM until its SIGKILL, `grace`
+        # seconds later. Under the local launcher SIGTERM means stop: its default again.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
     elif os.environ.get(AUTO, "") == "auto":
         import jax
 
