@@ -171,6 +171,40 @@ def _parser() -> argparse.ArgumentParser:
     )
     matrix.add_argument("--json", action="store_true", help="with --list: as a JSON list")
     _index_option(matrix)
+    bisect = commands.add_parser(
+        "bisect",
+        help="name the upstream commit that first breaks a contract (or a run cell)",
+        description="Binary search over an upstream checkout's first-parent history "
+        "good..bad: each step builds the commit's environment as the matrix's source rows "
+        "do, runs one contract or run cell, and calls it good, bad or skip.",
+        allow_abbrev=False,
+    )
+    bisect.add_argument(
+        "--contract",
+        required=True,
+        metavar="NODEID|COLUMN|CELL",
+        help="a node id (contracts/FILE::test), a contract name (a matrix column) or a run "
+        "cell (sft, rl, dpo)",
+    )
+    bisect.add_argument(
+        "--source", required=True, metavar="PATH_OR_URL", help="a git checkout (or URL)"
+    )
+    bisect.add_argument("--good", required=True, metavar="REF", help="a commit that passes")
+    bisect.add_argument("--bad", required=True, metavar="REF", help="a commit that fails")
+    bisect.add_argument(
+        "--package", default="tunix", choices=("tunix", "qwix", "flax"), help="what it holds"
+    )
+    bisect.add_argument(
+        "--verdict",
+        default="fail",
+        choices=("fail", "warn"),
+        help="'warn': the first commit that makes the contract warn (an upstream "
+        "deprecation on our path, the matrix's warn cell) or fail",
+    )
+    bisect.add_argument("--report-dir", default=LATEST_REPORTS, type=Path)
+    bisect.add_argument(
+        "--cache", default=None, type=Path, help="environment cache (as matrix --cache)"
+    )
     report_cmd = commands.add_parser(
         "report",
         help="the matrix report from per-entry reports (report merge DIR...)",
@@ -213,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, passthrough = argv[:cut], argv[cut + 1 :]
     parser = _parser()
     args = parser.parse_args(argv)
-    reports = args.report_dir if args.command in ("gate", "matrix", "report") else None
+    reports = args.report_dir if args.command in ("gate", "matrix", "report", "bisect") else None
     if reports is not None and reports.exists() and not reports.is_dir():
         parser.error(f"--report-dir {reports} is a file; expected a directory")
     try:
@@ -251,6 +285,10 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, passthr
         if args.json and not args.list:
             parser.error("--json goes with --list")
         return run_matrix(args)
+    if args.command == "bisect":
+        if passthrough:
+            parser.error("arguments after -- are for 'gate' and 'launch' only")
+        return run_bisect(args)
     if args.command == "report":
         if passthrough:
             parser.error("arguments after -- are for 'gate' and 'launch' only")
@@ -378,6 +416,47 @@ def _list_entries(chosen, as_json: bool) -> int:
     for e in chosen:
         print(sources.redact(f"{e.name}\t{e.flavour}\t{e.convention}\t{e.source or e.tunix}"))
     return 0
+
+
+def run_bisect(args: argparse.Namespace) -> int:
+    """``bisect``: the first bad commit, printed and written to ``bisect.json``. Exit
+    status 0 when one commit is named, 1 when skips leave a range, 2 for bad input
+    (refs, a contract that does not exist, endpoints that are not what they claim)."""
+    import tempfile
+
+    from harness import bisect, envs
+
+    def log(line: str) -> None:
+        print(sources.redact(line), file=sys.stderr, flush=True)
+
+    try:
+        target = bisect.parse_target(args.contract)
+        if target.kind == "cell" and args.verdict == "warn":
+            raise ValueError(f"--verdict warn needs a contract; run cell {target.name!r} "
+                             "records no deprecations")  # fmt: skip
+        repo = bisect.local_checkout(args.source, (args.cache or envs.DEFAULT_CACHE).parent)
+        with tempfile.TemporaryDirectory(prefix="bisect-") as work:
+            stepper = bisect.Stepper(
+                repo,
+                target,
+                package=args.package,
+                verdict=args.verdict,
+                cache=envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
+                work=Path(work),
+                log=log,
+            )
+            result = bisect.bisect(
+                repo, args.good, args.bad, target, stepper,
+                package=args.package, verdict=args.verdict,
+            )  # fmt: skip
+    except ValueError as error:
+        print(f"posttrain-harness bisect: {sources.redact(str(error))}", file=sys.stderr)
+        return 2
+    path = bisect.write(result, args.report_dir)
+    for line in bisect.summary(result):
+        print(line)
+    print(f"bisect: {path}", file=sys.stderr)
+    return 0 if result["first_bad"] else 1
 
 
 def run_report_merge(args: argparse.Namespace) -> int:

@@ -269,6 +269,22 @@ def run_entry(
     junit = report_dir / "matrix" / f"{entry.name}.xml"
     junit.parent.mkdir(parents=True, exist_ok=True)
     junit.unlink(missing_ok=True)
+    environ = entry_environ(entry, env)
+    command = contracts_command(entry, env, junit, jobs)
+    done = timed("contracts", lambda: run(command, environ))
+    if junit.is_file():
+        row["contracts"] = junit_cells(junit)
+    if not row["contracts"]:
+        row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
+    for cell, runs in (("sft", _sft), ("rl", _rl), ("dpo", _dpo)):
+        row[cell] = timed(f"{cell} run", lambda runs=runs: runs(entry, env, environ, run))
+    row["seconds"] = round(time.monotonic() - start, 1)
+    return row
+
+
+def entry_environ(entry: Entry, env: EnvResult) -> dict[str, str]:
+    """The environment of an entry's commands: 8 fake CPU devices, the shared compile
+    cache (:func:`compile_cache`), the conventions its contracts drive."""
     environ = {
         # One compile cache beside the environments, shared by every row: rows on the same
         # jax/jaxlib (most of them) compile the same model programs, and JAX keys each entry
@@ -279,11 +295,19 @@ def run_entry(
         "POSTTRAIN_CONTRACT_CONVENTIONS": entry.convention if entry.emulated else "installed",
     }
     environ.pop("VIRTUAL_ENV", None)
+    return environ
+
+
+def contracts_command(
+    entry: Entry, env: EnvResult, junit: Path, jobs: str, select: Sequence[str] = ()
+) -> list[str]:
+    """The pytest command of an entry's contracts (``select``: other pytest arguments,
+    e.g. one node id or ``--contract NAME``, in place of the whole ``contracts/``)."""
     command = [
         str(env.python),
         "-m",
         "pytest",
-        str(REPO / "contracts"),
+        *(select or [str(REPO / "contracts")]),
         "-q",
         "-p",
         "no:cacheprovider",
@@ -297,15 +321,7 @@ def run_entry(
     command += ["--conventions", entry.convention if entry.emulated else "installed"]
     # Upstream deprecations: warn cells, not failures (harness/deprecations.py).
     command += ["--upstream-deprecations", "record"]
-    done = timed("contracts", lambda: run(command, environ))
-    if junit.is_file():
-        row["contracts"] = junit_cells(junit)
-    if not row["contracts"]:
-        row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
-    for cell, runs in (("sft", _sft), ("rl", _rl), ("dpo", _dpo)):
-        row[cell] = timed(f"{cell} run", lambda runs=runs: runs(entry, env, environ, run))
-    row["seconds"] = round(time.monotonic() - start, 1)
-    return row
+    return command
 
 
 def compile_cache(env: EnvResult) -> Path:

@@ -112,6 +112,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
     "harness/progress.py": ["tests/test_matrix_progress.py"],
+    "harness/bisect.py": ["tests/test_bisect.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

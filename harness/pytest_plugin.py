@@ -106,6 +106,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="keep only the tests marked convention(NAME) for these names, and the "
         "unmarked ones when 'installed' is among them (default: every test)",
     )
+    group.addoption(
+        "--contract",
+        dest="contract",
+        metavar="NAME",
+        default=None,
+        help="keep only the tests marked contract(NAME) (a matrix column; bisect runs one)",
+    )
 
 
 def _apply_devices(value: str | None) -> int:
@@ -281,13 +288,20 @@ def _marker_int(marker: pytest.Mark) -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     chosen = config.getoption("conventions")
-    if chosen is None:
+    contract = config.getoption("contract")
+    if chosen is None and contract is None:
         return
-    names = {name.strip() for name in chosen.split(",") if name.strip()}
+    names = {name.strip() for name in (chosen or "").split(",") if name.strip()}
     kept, dropped = [], []
     for item in items:
         marker = item.get_closest_marker("convention")
-        wanted = "installed" in names if marker is None else _one_name(item, marker) in names
+        if chosen is None:
+            wanted = True
+        else:
+            wanted = "installed" in names if marker is None else _one_name(item, marker) in names
+        if contract is not None:
+            pinned = item.get_closest_marker("contract")
+            wanted = wanted and pinned is not None and _contract_name(pinned) == contract
         (kept if wanted else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)

@@ -336,6 +336,45 @@ def test_conventions_option_keeps_a_rows_tests(jax_started, pytester, chosen, ke
     assert result.ret == pytest.ExitCode.OK
 
 
+CONTRACT_TESTS = """
+import pytest
+
+@pytest.mark.contract("tunix.a")
+@pytest.mark.convention("bound2")
+def test_a_emulated():
+    pass
+
+@pytest.mark.contract("tunix.a")
+def test_a():
+    pass
+
+@pytest.mark.contract("tunix.b")
+def test_b():
+    pass
+
+def test_unpinned():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("options", "kept"),
+    [
+        (["--contract", "tunix.a"], {"test_a_emulated", "test_a"}),
+        (["--contract", "tunix.a", "--conventions", "installed"], {"test_a"}),
+        (["--contract", "tunix.c"], set()),
+    ],
+    ids=["one-contract", "with-conventions", "unknown"],
+)
+def test_contract_option_keeps_one_matrix_column(jax_started, pytester, options, kept) -> None:
+    """--contract NAME keeps the tests marked contract(NAME), whatever their convention
+    unless --conventions also selects (how bisect runs one column)."""
+    pytester.makepyfile(CONTRACT_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-v", "--strict-markers", *options)
+    ran = {line.split("::")[1].split(" ")[0] for line in result.outlines if " PASSED" in line}
+    assert ran == kept
+
+
 def test_a_convention_marker_without_one_name_is_a_usage_error(jax_started, pytester) -> None:
     pytester.makepyfile(
         """

@@ -1,0 +1,394 @@
+"""Name the upstream commit that broke us: a binary search over an upstream checkout.
+
+``posttrain-harness bisect --source PATH_OR_URL --good REF --bad REF --contract ID``
+walks the first-parent history ``good..bad`` of a Tunix (or Qwix, Flax) checkout. Each
+step exports one commit's tree (``git archive``), builds (or reuses, keyed by that tree)
+its environment exactly as the matrix's source rows do (:class:`harness.envs.EnvCache`),
+runs only the chosen contract (a pytest node id, or a matrix column: the name of a
+``contract(...)`` marker) or run cell (``sft``, ``rl``, ``dpo``), and classifies it:
+
+- **good**: the target passes (``--verdict warn``: passes with no upstream deprecation);
+- **bad**: it fails or errors (``--verdict warn``: it also warns);
+- **skip**: the environment cannot be built, or the target did not run (n/a): an
+  uninstallable commit is never called bad.
+
+The endpoints are checked first (a ``--good`` that is bad, or a ``--bad`` that is
+good, is refused in one line), then a binary search names the first bad commit in about
+log2(N) + skips steps, one progress line each. Skipped commits around the boundary
+leave a range, listed. The result (the commit's hash, date, subject and the files it
+touched under the package, every step with its verdict and reason) is printed and
+written to ``bisect.json``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import json
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from harness import matrix, sources
+from harness.entries import CONVENTIONS, REPO, TEST_TOOLS, Entry
+from harness.envs import EnvCache, EnvResult, Runner, _run, first_error
+from harness.report import STATUSES
+from posttrain import atomic
+
+Verdict = Literal["good", "bad", "skip"]
+PACKAGES: dict[str, str] = {"tunix": "google-tunix", "qwix": "qwix", "flax": "flax"}
+"""``--package`` -> the distribution a commit's tree installs as."""
+BASE_TUNIX = "0.1.7"
+"""The Tunix release installed beside a Qwix or Flax commit."""
+RUN_CELLS = ("sft", "rl", "dpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a step runs: ``kind`` ``node`` (a pytest node id under ``contracts/``, or a
+    path anywhere), ``contract`` (a ``contract(name)`` marker: a matrix column) or
+    ``cell`` (a real run: sft, rl, dpo)."""
+
+    kind: Literal["node", "contract", "cell"]
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+    sha: str
+    date: str
+    subject: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    commit: Commit
+    verdict: Verdict
+    why: str
+
+
+def contract_names(root: Path = REPO) -> set[str]:
+    """Every ``contract("...")`` marker name in ``root/contracts``."""
+    names = set()
+    for path in sorted((root / "contracts").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", "")) == "contract"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                names.add(node.args[0].value)
+    return names
+
+
+def parse_target(text: str, root: Path = REPO) -> Target:
+    """``--contract``: a run cell, a node id (``FILE::test``; FILE relative to the
+    checkout or absolute) or a contract name.
+
+    Raises:
+      ValueError: the node's file or test function does not exist, or the name is no
+        contract, naming what was looked for.
+    """
+    if text in RUN_CELLS:
+        return Target("cell", text)
+    if "::" in text:
+        file, _, test = text.partition("::")
+        path = Path(file) if Path(file).is_absolute() else root / file
+        function = test.split("[")[0].split("::")[-1]
+        if not path.is_file():
+            raise ValueError(f"--contract {text!r}: {path} does not exist")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        if function not in defined:
+            raise ValueError(f"--contract {text!r}: {path.name} has no test {function!r}")
+        return Target("node", f"{path}::{test}")
+    if text in contract_names(root):
+        return Target("contract", text)
+    raise ValueError(
+        f"--contract {text!r}: no such contract; expected a node id (contracts/FILE::test), "
+        f"a contract name (a matrix column) or one of {', '.join(RUN_CELLS)}"
+    )
+
+
+def local_checkout(source: str, cache_root: Path) -> Path:
+    """``--source`` as a local repository: a directory as it is; a URL cloned (or
+    fetched again) into ``cache_root/sources/<hash of the URL>``.
+
+    Raises:
+      ValueError: the spec is empty, or the clone or fetch fails (git's last line).
+    """
+    parsed = sources.parse(source)
+    if parsed.path is not None:
+        return parsed.path
+    assert parsed.url is not None
+    digest = hashlib.sha256(parsed.url.encode()).hexdigest()[:16]
+    target = cache_root / "sources" / digest
+    if (target / ".git").is_dir():
+        command = ["git", "-C", str(target), "fetch", "--quiet", "--tags", "origin"]
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        command = ["git", "clone", "--quiet", parsed.url, str(target)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["git failed"])[-1]
+        raise ValueError(f"--source {source!r} cannot be had: {last}")
+    return target
+
+
+def _git(repo: Path, *args: str) -> str:
+    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["git failed"])[-1]
+        raise ValueError(f"git {' '.join(args[:2])} in {repo}: {last}")
+    return done.stdout
+
+
+def commits_between(repo: Path, good: str, bad: str) -> tuple[Commit, Commit, list[Commit]]:
+    """The good and bad commits and the first-parent commits after good up to bad,
+    oldest first (bad last).
+
+    Raises:
+      ValueError: ``repo`` is not a git repository, a ref names nothing, or good is not
+        an ancestor of bad (one line each).
+    """
+    if (
+        not repo.is_dir()
+        or subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--git-dir"], capture_output=True
+        ).returncode
+    ):
+        raise ValueError(f"--source {repo}: not a git repository")
+
+    def one(ref: str, flag: str) -> Commit:
+        try:
+            line = _git(repo, "log", "-1", "--format=%H%x00%cI%x00%s", ref, "--")
+        except ValueError:
+            raise ValueError(f"{flag} {ref!r}: no such commit in {repo}") from None
+        sha, date, subject = line.rstrip("\n").split("\x00", 2)
+        return Commit(sha, date, subject)
+
+    first, last = one(good, "--good"), one(bad, "--bad")
+    if subprocess.run(
+        ["git", "-C", str(repo), "merge-base", "--is-ancestor", first.sha, last.sha]
+    ).returncode:
+        raise ValueError(f"--good {good!r} is not an ancestor of --bad {bad!r}")
+    log = _git(
+        repo, "log", "--reverse", "--first-parent", "--format=%H%x00%cI%x00%s",
+        f"{first.sha}..{last.sha}",
+    )  # fmt: skip
+    between = [Commit(*line.split("\x00", 2)) for line in log.splitlines() if line]
+    return first, last, between
+
+
+def search(
+    commits: Sequence[Commit], classify: Callable[[Commit], tuple[Verdict, str]]
+) -> tuple[list[Commit], list[Step]]:
+    """Binary search for the first bad commit of ``commits`` (oldest first; the one
+    before the first is good, the last is bad): the candidates left (one commit, or
+    the range skips leave around the boundary) and the steps taken."""
+    steps: list[Step] = []
+    low, high = -1, len(commits) - 1  # commits[low] good (-1: the good ref), [high] bad
+    skipped: set[int] = set()
+    while high - low > 1:
+        middle = (low + high) // 2
+        order = sorted(range(low + 1, high), key=lambda i: (abs(i - middle), i))
+        untried = [i for i in order if i not in skipped]
+        if not untried:
+            break
+        i = untried[0]
+        verdict, why = classify(commits[i])
+        steps.append(Step(commits[i], verdict, why))
+        if verdict == "good":
+            low = i
+        elif verdict == "bad":
+            high = i
+        else:
+            skipped.add(i)
+    return list(commits[low + 1 : high + 1]), steps
+
+
+class Stepper:
+    """Classifies commits of ``repo`` for ``target`` (builds each tree's environment).
+
+    ``runner``: runs the commands (the matrix's). ``log``: a progress line per step.
+    """
+
+    def __init__(
+        self,
+        repo: Path,
+        target: Target,
+        *,
+        package: str = "tunix",
+        verdict: Literal["fail", "warn"] = "fail",
+        cache: EnvCache,
+        work: Path,
+        runner: Runner = _run,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.repo, self.target, self.package, self.verdict = repo, target, package, verdict
+        self.cache, self.work, self.runner, self.log = cache, work, runner, log
+        self.count = 0
+
+    def entry(self, commit: Commit) -> Entry:
+        """The environment's entry for ``commit``: its exported tree installed as the
+        package (beside Tunix :data:`BASE_TUNIX` for Qwix or Flax)."""
+        tree = self.work / "trees" / commit.sha
+        if not (tree / ".complete").is_file():
+            shutil.rmtree(tree, ignore_errors=True)
+            tree.mkdir(parents=True)
+            archive = subprocess.run(
+                ["git", "-C", str(self.repo), "archive", "--format=tar", commit.sha],
+                capture_output=True, check=True,
+            )  # fmt: skip
+            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+            (tree / ".complete").write_text(commit.sha)
+        install = [f"{PACKAGES[self.package]} @ {tree.as_uri()}"]
+        if self.package != "tunix":
+            install.append(f"google-tunix=={BASE_TUNIX}")
+        return Entry(
+            name=f"bisect-{commit.sha[:12]}",
+            tunix="source",
+            flavour="source",
+            convention=CONVENTIONS[-1],
+            source=str(tree),
+            requirements=(*install, *TEST_TOOLS),
+            resolved=(commit.sha, install[0]),
+        )
+
+    def __call__(self, commit: Commit) -> tuple[Verdict, str]:
+        self.count += 1
+        entry = self.entry(commit)
+        env = self.cache.ensure(entry)
+        if env.error:
+            verdict, why = "skip", f"environment: {env.error}"
+        else:
+            verdict, why = self._run(entry, env)
+        built = "built" if env.built else "cached"
+        self.log(
+            f"bisect: step {self.count}: {commit.sha[:12]} {commit.subject[:60]!r}: "
+            f"{verdict} ({why[:160]}; env {built} in {env.seconds:.0f} s)"
+        )
+        return verdict, why
+
+    def _run(self, entry: Entry, env: EnvResult) -> tuple[Verdict, str]:
+        environ = matrix.entry_environ(entry, env)
+        if self.target.kind == "cell":
+            runs = {"sft": matrix._sft, "rl": matrix._rl, "dpo": matrix._dpo}
+            cell = runs[self.target.name](entry, env, environ, self.runner)
+            return _verdict([cell], "fail"), cell["message"]
+        with tempfile.TemporaryDirectory() as tmp:
+            junit_file = Path(tmp) / "bisect.xml"
+            select = (
+                [self.target.name]
+                if self.target.kind == "node"
+                else [str(REPO / "contracts"), "--contract", self.target.name]
+            )
+            done = self.runner(
+                matrix.contracts_command(entry, env, junit_file, "1", select), environ
+            )
+            cells = list(matrix.junit_cells(junit_file).values()) if junit_file.is_file() else []
+        if not cells:
+            return "skip", f"the contract did not run: {first_error(done.stdout + done.stderr)}"
+        return _verdict(cells, self.verdict), _describe(cells)
+
+
+def _verdict(cells: Sequence[dict[str, Any]], verdict: str) -> Verdict:
+    statuses = {c["status"] for c in cells}
+    if statuses & {"failed", "error"}:
+        return "bad"
+    if statuses == {"skipped"}:
+        return "skip"
+    if verdict == "warn" and "warned" in statuses:
+        return "bad"
+    return "good"
+
+
+def _describe(cells: Sequence[dict[str, Any]]) -> str:
+    """The worst cell's status and message."""
+    worst = max(cells, key=lambda c: STATUSES.index(c["status"]))
+    return f"{worst['status']}: {worst['message']}" if worst["message"] else worst["status"]
+
+
+def touched(repo: Path, commit: Commit, package: str) -> list[str]:
+    """The files ``commit`` changed under the package's directory (all, if none)."""
+    names = _git(repo, "show", "--name-only", "--format=", commit.sha).split()
+    inside = [n for n in names if n.startswith(f"{package}/")]
+    return inside or names
+
+
+def bisect(
+    repo: Path,
+    good: str,
+    bad: str,
+    target: Target,
+    stepper: Callable[[Commit], tuple[Verdict, str]],
+    *,
+    package: str = "tunix",
+    verdict: str = "fail",
+) -> dict[str, Any]:
+    """The whole bisection (endpoints first); the result as :func:`main` writes it.
+
+    Raises:
+      ValueError: bad refs (:func:`commits_between`), a good ref that is bad or a bad
+        ref that is good (one line naming it and why).
+    """
+    first, last, between = commits_between(repo, good, bad)
+    steps: list[Step] = []
+    for commit, wanted, flag in ((first, "good", "--good"), (last, "bad", "--bad")):
+        got, why = stepper(commit)
+        steps.append(Step(commit, got, why))
+        if got != wanted:
+            what = "cannot be built or run" if got == "skip" else f"is in fact {got}"
+            raise ValueError(f"{flag} {commit.sha[:12]} {what}: {why}")
+    candidates, searched = search(between, stepper)
+    steps += searched
+    result: dict[str, Any] = {
+        "source": sources.redact(str(repo)),
+        "package": package,
+        "target": dataclasses.asdict(target),
+        "verdict": verdict,
+        "good": dataclasses.asdict(first),
+        "bad": dataclasses.asdict(last),
+        "commits": len(between),
+        "steps": [
+            {**dataclasses.asdict(s.commit), "verdict": s.verdict, "why": s.why} for s in steps
+        ],
+        "candidates": [dataclasses.asdict(c) for c in candidates],
+        "first_bad": None,
+    }
+    if len(candidates) == 1:
+        result["first_bad"] = {
+            **dataclasses.asdict(candidates[0]),
+            "files": touched(repo, candidates[0], package),
+        }
+    return result
+
+
+def summary(result: dict[str, Any]) -> list[str]:
+    """The lines printed at the end."""
+    steps = len(result["steps"])
+    found = result["first_bad"]
+    if found:
+        return [
+            f"first {'warning' if result['verdict'] == 'warn' else 'bad'} commit: "
+            f"{found['sha']} ({found['date']})",
+            f"  {found['subject']}",
+            f"  files: {', '.join(found['files'][:12])}"
+            + (f" (+{len(found['files']) - 12})" if len(found["files"]) > 12 else ""),
+            f"{result['commits']} commits between good and bad; {steps} steps",
+        ]
+    shas = ", ".join(c["sha"][:12] for c in result["candidates"])
+    return [f"skipped commits leave the first bad one among: {shas} ({steps} steps)"]
+
+
+def write(result: dict[str, Any], report_dir: Path) -> Path:
+    path = report_dir / "bisect.json"
+    report_dir.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(path, json.dumps(result, indent=2) + "\n")
+    return path

@@ -1,0 +1,234 @@
+"""``posttrain-harness bisect`` over a fake upstream repository built here (no network).
+
+The fake ``google-tunix`` has seven commits: c1 the good base, c2 and c4 harmless, c3
+does not install, c5 renames a keyword a contract pins (the break), c6 harmless, c7
+deprecates a function the second contract calls (the early signal)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness import bisect, cli, envs
+
+PYPROJECT = """\
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+[project]
+name = "google-tunix"
+version = "0.1.99"
+"""
+
+CONTRACTS = """\
+import tunix
+
+
+def test_train_step_takes_is_update_step():
+    assert tunix.train_step(1, is_update_step=True) == 2
+
+
+def test_helper_is_quiet():
+    assert tunix.helper() == 1
+"""
+
+SIGNATURE = "def train_step(x, is_update_step):\n    return x + 1\n"
+RENAMED = "def train_step(x, update):\n    return x + 1\n"
+STEPS = {
+    "c1 base": SIGNATURE,
+    "c2 docs": '"""Fake tunix."""\n' + SIGNATURE,
+    "c3 broken build": None,  # a pyproject.toml no installer accepts
+    "c4 more docs": '"""Fake tunix, documented."""\n' + SIGNATURE,
+    "c5 rename is_update_step": '"""Fake tunix, documented."""\n' + RENAMED,
+    "c6 tidy": '"""Fake tunix, tidied."""\n' + RENAMED,
+}
+HELPER = "def helper():\n    return 1\n"
+DEPRECATED = (
+    "import warnings\n\n\ndef helper():\n"
+    "    warnings.warn('helper is deprecated', DeprecationWarning, stacklevel=2)\n"
+    "    return 1\n"
+)
+
+
+def git(*args: str, cwd: Path) -> str:
+    done = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=cwd, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return done.stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
+    """The fake repository, its commits by subject, and the contracts file."""
+    root = tmp_path_factory.mktemp("upstream")
+    git("init", "-q", "-b", "main", cwd=root)
+    (root / "tunix").mkdir()
+    shas = {}
+    body = ""
+    for subject, code in STEPS.items():
+        (root / "pyproject.toml").write_text(PYPROJECT if code else "[project\n")
+        body = code or body
+        (root / "tunix" / "__init__.py").write_text(body + HELPER)
+        git("add", "-A", cwd=root)
+        git("commit", "-q", "-m", subject, cwd=root)
+        shas[subject] = git("rev-parse", "HEAD", cwd=root)
+    (root / "tunix" / "__init__.py").write_text(body + DEPRECATED)
+    git("commit", "-qam", "c7 deprecate helper", cwd=root)
+    shas["c7 deprecate helper"] = git("rev-parse", "HEAD", cwd=root)
+    contracts = tmp_path_factory.mktemp("contracts") / "test_fake_contracts.py"
+    contracts.write_text(textwrap.dedent(CONTRACTS))
+    return root, shas, contracts
+
+
+def _run(upstream, tmp_path, contract: str, good: str, bad: str, verdict: str = "fail"):
+    root, shas, contracts = upstream
+    cache = tmp_path.parent / "bisect-envs"  # shared by this module's tests: one build a tree
+    lines: list[str] = []
+    stepper = bisect.Stepper(
+        root, bisect.Target("node", f"{contracts}::{contract}"), verdict=verdict,
+        cache=envs.EnvCache(cache), work=tmp_path, log=lines.append,
+    )  # fmt: skip
+    target = bisect.Target("node", str(contracts))
+    return bisect.bisect(root, shas[good], shas[bad], target, stepper, verdict=verdict), lines
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="the environment build uses uv here")
+def test_a_real_bisection_skips_the_uninstallable_commit_and_names_the_break(upstream, tmp_path):
+    """The gate's run (4 environments): c2 good, c5 bad; c3 cannot be built, so it is a
+    skip, never bad; c4 passes; c5 is named."""
+    root, shas, _ = upstream
+    result, lines = _run(upstream, tmp_path, "test_train_step_takes_is_update_step", "c2 docs",
+                         "c5 rename is_update_step")  # fmt: skip
+    assert [(s["subject"], s["verdict"]) for s in result["steps"]] == [
+        ("c2 docs", "good"),
+        ("c5 rename is_update_step", "bad"),
+        ("c3 broken build", "skip"),
+        ("c4 more docs", "good"),
+    ], lines
+    assert result["first_bad"]["sha"] == shas["c5 rename is_update_step"]
+    assert "environment build failed" in result["steps"][2]["why"]
+
+
+@pytest.mark.slow  # 9 environments; the gate runs the 4-step bisection above
+@pytest.mark.skipif(shutil.which("uv") is None, reason="the environment build uses uv here")
+def test_bisect_names_the_breaking_commit_and_skips_the_uninstallable_one(upstream, tmp_path):
+    """c1 good, c6 bad: c3 cannot be built (skip, never bad), c5 is named with its
+    subject and the file it touched; the steps stay within the endpoints + log2(N) +
+    skips; the warn verdict names c7, the commit that added the deprecation."""
+    root, shas, _ = upstream
+    result, lines = _run(upstream, tmp_path, "test_train_step_takes_is_update_step", "c1 base",
+                         "c6 tidy")  # fmt: skip
+    assert result["first_bad"]["sha"] == shas["c5 rename is_update_step"], lines
+    assert result["first_bad"]["subject"] == "c5 rename is_update_step"
+    assert result["first_bad"]["files"] == ["tunix/__init__.py"]
+    verdicts = {s["subject"]: s["verdict"] for s in result["steps"]}
+    assert verdicts == {"c1 base": "good", "c6 tidy": "bad", "c3 broken build": "skip",
+                        "c2 docs": "good", "c4 more docs": "good",
+                        "c5 rename is_update_step": "bad"}, lines  # fmt: skip
+    assert len(result["steps"]) <= 2 + 3 + 1  # endpoints, log2(5) rounded up, one skip
+    assert len(lines) == len(result["steps"])
+    assert all(line.startswith("bisect: step ") for line in lines), lines
+    warned, lines = _run(upstream, tmp_path, "test_helper_is_quiet", "c5 rename is_update_step",
+                         "c7 deprecate helper", verdict="warn")  # fmt: skip
+    assert warned["first_bad"]["sha"] == shas["c7 deprecate helper"], lines
+    # the same range with the fail verdict: the deprecation alone is no failure
+    with pytest.raises(ValueError, match="--bad .* is in fact good"):
+        _run(upstream, tmp_path, "test_helper_is_quiet", "c5 rename is_update_step",
+             "c7 deprecate helper")  # fmt: skip
+
+
+class FakeStepper:
+    """Verdicts by subject, no environments: the search and the refusals alone."""
+
+    def __init__(self, verdicts: dict[str, str]) -> None:
+        self.verdicts = verdicts
+
+    def __call__(self, commit):
+        return self.verdicts[commit.subject], "fake"
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "found"),
+    [
+        ({"c2 docs": "good", "c3 broken build": "skip", "c4 more docs": "good",
+          "c5 rename is_update_step": "bad"}, ["c5 rename is_update_step"]),
+        ({"c2 docs": "bad", "c3 broken build": "bad", "c4 more docs": "bad",
+          "c5 rename is_update_step": "bad"}, ["c2 docs"]),
+        ({"c2 docs": "good", "c3 broken build": "good", "c4 more docs": "good",
+          "c5 rename is_update_step": "good"}, ["c6 tidy"]),
+        # a skip right before the first bad commit: the range is named, not a guess
+        ({"c2 docs": "good", "c3 broken build": "good", "c4 more docs": "skip",
+          "c5 rename is_update_step": "bad"}, ["c4 more docs", "c5 rename is_update_step"]),
+        ({"c2 docs": "skip", "c3 broken build": "skip", "c4 more docs": "skip",
+          "c5 rename is_update_step": "skip"},
+         ["c2 docs", "c3 broken build", "c4 more docs", "c5 rename is_update_step", "c6 tidy"]),
+    ],
+)  # fmt: skip
+def test_the_search_names_the_first_bad_commit_or_the_range_skips_leave(upstream, verdicts,
+                                                                        found):  # fmt: skip
+    root, shas, contracts = upstream
+    fake = FakeStepper({"c1 base": "good", "c6 tidy": "bad", **verdicts})
+    result = bisect.bisect(root, shas["c1 base"], shas["c6 tidy"],
+                           bisect.Target("node", str(contracts)), fake)  # fmt: skip
+    assert [c["subject"] for c in result["candidates"]] == found
+    assert (result["first_bad"] is not None) == (len(found) == 1)
+
+
+def test_a_good_ref_that_is_bad_and_a_bad_ref_that_is_good_are_refused(upstream):
+    root, shas, contracts = upstream
+    target = bisect.Target("node", str(contracts))
+    with pytest.raises(ValueError, match=r"^--good [0-9a-f]{12} is in fact bad: fake$"):
+        bisect.bisect(root, shas["c1 base"], shas["c6 tidy"], target,
+                      FakeStepper({"c1 base": "bad", "c6 tidy": "bad"}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--bad [0-9a-f]{12} is in fact good: fake$"):
+        bisect.bisect(root, shas["c1 base"], shas["c6 tidy"], target,
+                      FakeStepper({"c1 base": "good", "c6 tidy": "good"}))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--contract", "contracts/test_nope.py::test_x"], "test_nope.py does not exist"),
+        (["--contract", "contracts/test_tunix_rl.py::test_nope"], "has no test 'test_nope'"),
+        (["--contract", "tunix.no.such.symbol"], "no such contract"),
+        (["--contract", "sft", "--verdict", "warn"], "--verdict warn needs a contract"),
+        (["--source", "NOTGIT"], "not a git repository"),
+        (["--good", "nope"], "--good 'nope': no such commit"),
+        (["--bad", "HEAD~9"], "--bad 'HEAD~9': no such commit"),
+        (["--good", "HEAD", "--bad", "HEAD~1"], "is not an ancestor of --bad"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(upstream, tmp_path, capsys, argv, words):
+    root, shas, _ = upstream
+    defaults = {"--contract": "tunix.sft.peft_trainer.PeftTrainer._train_step",
+                "--source": str(root), "--good": "HEAD~2", "--bad": "HEAD"}  # fmt: skip
+    given = dict(zip(argv[::2], argv[1::2], strict=True))
+    if given.get("--source") == "NOTGIT":
+        given["--source"] = str(tmp_path)
+    merged = [x for k, v in {**defaults, **given}.items() for x in (k, v)]
+    out = tmp_path / "reports"
+    assert cli.main(["bisect", *merged, "--report-dir", str(out), "--cache",
+                     str(tmp_path / "envs")]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
+    assert not out.exists() and not (tmp_path / "envs").exists()
+
+
+def test_the_result_is_written_and_summarised(tmp_path):
+    commit = {"sha": "a" * 40, "date": "2026-11-30T10:00:00+00:00", "subject": "rename it"}
+    result = {"verdict": "fail", "commits": 9, "steps": [{}] * 5, "candidates": [commit],
+              "first_bad": {**commit, "files": ["tunix/sft/peft_trainer.py"]}}  # fmt: skip
+    path = bisect.write(result, tmp_path)
+    assert json.loads(path.read_text()) == result
+    assert bisect.summary(result) == [
+        f"first bad commit: {'a' * 40} (2026-11-30T10:00:00+00:00)",
+        "  rename it",
+        "  files: tunix/sft/peft_trainer.py",
+        "9 commits between good and bad; 5 steps",
+    ]
