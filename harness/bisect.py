@@ -26,6 +26,7 @@ import ast
 import dataclasses
 import hashlib
 import json
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -37,6 +38,8 @@ from harness import matrix, sources
 from harness.entries import CONVENTIONS, REPO, TEST_TOOLS, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error
 from harness.report import STATUSES
+from harness.report import cell as report_cell
+from harness.report import columns as report_columns
 from posttrain import atomic
 
 Verdict = Literal["good", "bad", "skip"]
@@ -45,6 +48,12 @@ PACKAGES: dict[str, str] = {"tunix": "google-tunix", "qwix": "qwix", "flax": "fl
 BASE_TUNIX = "0.1.7"
 """The Tunix release installed beside a Qwix or Flax commit."""
 RUN_CELLS = ("sft", "rl", "dpo")
+BUILD_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in")
+"""Top-level files of a commit's tree that a build reads, besides the package itself."""
+
+
+class TreeError(Exception):
+    """A commit's tree cannot be exported (a snapshot without some of its objects)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,10 +251,17 @@ class Stepper:
         if not (tree / ".complete").is_file():
             shutil.rmtree(tree, ignore_errors=True)
             tree.mkdir(parents=True)
+            # only what a build reads: the package and the top-level build files (a
+            # snapshot may lack large blobs elsewhere, docs' images)
+            top = _git(self.repo, "ls-tree", "--name-only", commit.sha).split("\n")
+            keep = [n for n in top if n == self.package or n in BUILD_FILES
+                    or n.startswith(("README", "LICENSE"))]  # fmt: skip
             archive = subprocess.run(
-                ["git", "-C", str(self.repo), "archive", "--format=tar", commit.sha],
-                capture_output=True, check=True,
+                ["git", "-C", str(self.repo), "archive", "--format=tar", commit.sha, "--", *keep],
+                capture_output=True,
             )  # fmt: skip
+            if archive.returncode != 0:
+                raise TreeError(archive.stderr.decode(errors="replace").strip().splitlines()[-1])
             subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
             (tree / ".complete").write_text(commit.sha)
         install = [f"{PACKAGES[self.package]} @ {tree.as_uri()}"]
@@ -263,7 +279,11 @@ class Stepper:
 
     def __call__(self, commit: Commit) -> tuple[Verdict, str]:
         self.count += 1
-        entry = self.entry(commit)
+        try:
+            entry = self.entry(commit)
+        except TreeError as error:
+            self.log(f"bisect: step {self.count}: {commit.sha[:12]}: skip (tree: {error})")
+            return "skip", f"tree: {error}"
         env = self.cache.ensure(entry)
         if env.error:
             verdict, why = "skip", f"environment: {env.error}"
@@ -385,6 +405,55 @@ def summary(result: dict[str, Any]) -> list[str]:
         ]
     shas = ", ".join(c["sha"][:12] for c in result["candidates"])
     return [f"skipped commits leave the first bad one among: {shas} ({steps} steps)"]
+
+
+def suggestions(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
+    """For each FAIL or warn cell of a source row whose column the newest release row
+    passes cleanly (no deprecation): the ``bisect`` command that names the commit.
+    ``{"entry", "column", "status", "command"}`` each; the report's summary lists them."""
+    from packaging.version import InvalidVersion, Version
+
+    def version(row: dict[str, Any]) -> Version:
+        try:
+            return Version(row["tunix"])
+        except InvalidVersion:
+            return Version("0")
+
+    releases = [
+        r for r in rows
+        if r["flavour"] == "current" and not r.get("emulated") and not r.get("source")
+    ]  # fmt: skip
+    if not releases:
+        return []
+    newest = max(releases, key=version)
+    found = []
+    for row in rows:
+        source = row.get("source") or {}
+        if not source.get("resolved"):
+            continue
+        for column in report_columns([row]):
+            here, there = report_cell(row, column), report_cell(newest, column)
+            if not here or here["status"] not in ("failed", "error", "warned"):
+                continue
+            if not there or there["status"] != "passed" or there.get("warnings"):
+                continue
+            target = column if column in RUN_CELLS else here.get("test") or column
+            command = [
+                "posttrain-harness", "bisect", "--source", source["spec"],
+                "--good", f"v{newest['tunix']}", "--bad", source["resolved"],
+                "--contract", target,
+            ]  # fmt: skip
+            if here["status"] == "warned":
+                command += ["--verdict", "warn"]
+            found.append(
+                {
+                    "entry": row["name"],
+                    "column": column,
+                    "status": here["status"],
+                    "command": shlex.join(command),
+                }
+            )
+    return found
 
 
 def write(result: dict[str, Any], report_dir: Path) -> Path:

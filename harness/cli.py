@@ -393,7 +393,7 @@ def _write_report(
 ) -> int:
     """Builds (with drift, the flips against ``previous`` and the entries of ``every``
     it leaves out), writes and prints the report; the exit status of its cells."""
-    from harness import drift, report, report_md
+    from harness import bisect, drift, report, report_md
 
     built = report.build(
         rows,
@@ -401,6 +401,7 @@ def _write_report(
         previous=previous,
         drift=drift.check(rows, args.index_url),
         not_run=every,
+        bisect=bisect.suggestions(rows),
     )
     paths = report.write(built, args.report_dir)
     print(sources.redact(report_md.markdown(built)))

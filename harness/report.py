@@ -179,11 +179,14 @@ def build(
     previous: dict[str, Any] | None = None,
     drift: dict[str, Any] | None = None,
     not_run: Sequence[str] = (),
+    bisect: Sequence[dict[str, str]] = (),
 ) -> dict[str, Any]:
     """The report of ``rows``; ``previous``: the report it replaces (its statuses are
     kept, to mark flips); ``drift``: :func:`harness.drift.check`'s result; ``not_run``:
     the entries of the entries file this report leaves out (the summary names them and
-    the command that runs them: :func:`not_run_lines`)."""
+    the command that runs them: :func:`not_run_lines`); ``bisect``: the ``bisect``
+    commands that would name the commit behind a source row's FAIL or warn cell
+    (:func:`harness.bisect.suggestions`)."""
     cols = columns(rows)
     report: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -195,6 +198,7 @@ def build(
         "deprecations": deprecations(rows, cols),
         "drift": drift,
         "not_run": [name for name in not_run if name not in {r["name"] for r in rows}],
+        "bisect": list(bisect),
     }
     report["previous"] = (
         {

@@ -193,6 +193,14 @@ def summary(report: dict[str, Any]) -> str:
     ]
     if sources:
         cards.append(_card("Tunix from source", sources))
+    suggested = report.get("bisect") or []
+    if suggested:
+        commands = [
+            f"<b>{esc(b['entry'])}</b> / <code>{esc(b['column'])}</code>: "
+            f"<code>{esc(b['command'])}</code>"
+            for b in suggested
+        ]
+        cards.append(_card("Bisect: the commit behind a source row's cell", commands))
     left = not_run_lines(report)
     if left:
         cards.insert(

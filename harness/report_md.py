@@ -101,6 +101,13 @@ def summary(report: dict[str, Any]) -> list[str]:
     if sources:
         out.append("\n### Tunix from source\n")
         out += sources
+    suggested = report.get("bisect") or []
+    if suggested:
+        out.append("\n### Bisect: the commit behind a source row's cell\n")
+        out += [
+            f"- **{b['entry']}** / `{b['column']}` ({LABELS[b['status']]}): `{b['command']}`"
+            for b in suggested
+        ]
     return out
 
 

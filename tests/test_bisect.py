@@ -232,3 +232,52 @@ def test_the_result_is_written_and_summarised(tmp_path):
         "  files: tunix/sft/peft_trainer.py",
         "9 commits between good and bad; 5 steps",
     ]
+
+
+def _cell(status: str, **more) -> dict:
+    return {"status": status, "message": "m", **more}
+
+
+def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_release_passes():
+    """A FAIL or warn cell of a source row gets the exact command, where the newest
+    current release passes that column cleanly; a column the release also warns or
+    fails in is no upstream regression between them, and gets none."""
+    from harness import report, report_md
+
+    def row(name, tunix, contracts, sft, **more):
+        return {"name": name, "tunix": tunix, "flavour": more.pop("flavour", "current"),
+                "convention": "bound2", "contracts": contracts, "sft": sft, **more}  # fmt: skip
+
+    rows = [
+        row(
+            "tunix-0.1.5", "0.1.5", {"c": _cell("failed"), "d": _cell("passed")}, _cell("passed")
+        ),  # fmt: skip
+        row(
+            "tunix-0.1.7",
+            "0.1.7",
+            {"c": _cell("passed"), "d": _cell("passed", warnings=["w"]), "e": _cell("passed")},
+            _cell("passed"),
+        ),  # fmt: skip
+        row(
+            "tunix-main",
+            "main",
+            {
+                "c": _cell("failed", test="contracts/test_x.py::test_c"),
+                "d": _cell("failed"),
+                "e": _cell("warned"),
+            },
+            _cell("failed"),
+            flavour="source",
+            source={"spec": "/src/tunix", "resolved": "f" * 40},
+        ),  # fmt: skip
+    ]
+    found = bisect.suggestions(rows)
+    base = f"posttrain-harness bisect --source /src/tunix --good v0.1.7 --bad {'f' * 40}"
+    assert [(f["column"], f["command"]) for f in found] == [
+        ("c", f"{base} --contract contracts/test_x.py::test_c"),
+        ("e", f"{base} --contract e --verdict warn"),
+        ("sft", f"{base} --contract sft"),
+    ]
+    built = report.build(rows, "m", bisect=found)
+    assert f"`{base} --contract sft`" in report_md.markdown(built)
+    assert bisect.suggestions(rows[:2]) == []  # no source row
