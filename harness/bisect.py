@@ -451,9 +451,41 @@ def suggestions(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
                     "column": column,
                     "status": here["status"],
                     "command": shlex.join(command),
+                    "source": source["spec"],
+                    "good": f"v{newest['tunix']}",
+                    "bad": source["resolved"],
+                    "contract": target,
+                    "verdict": "warn" if here["status"] == "warned" else "fail",
                 }
             )
     return found
+
+
+def run_suggestions(
+    found: list[dict[str, str]], cache: EnvCache, log: Callable[[str], None] = print
+) -> list[dict[str, Any]]:
+    """``matrix --bisect``: each suggestion run (:func:`bisect`); each gets ``named``,
+    the first bad commit (``{"sha", "date", "subject", "files"}``), or ``why`` it could
+    not name one."""
+    done = []
+    for item in found:
+        result: dict[str, Any] = dict(item)
+        try:
+            target = parse_target(item["contract"])
+            repo = local_checkout(item["source"], cache.root.parent)
+            with tempfile.TemporaryDirectory(prefix="bisect-") as work:
+                stepper = Stepper(repo, target, verdict=item["verdict"], cache=cache,
+                                  work=Path(work), log=log)  # fmt: skip
+                outcome = bisect(repo, item["good"], item["bad"], target, stepper,
+                                 verdict=item["verdict"])  # fmt: skip
+            if outcome["first_bad"]:
+                result["named"] = outcome["first_bad"]
+            else:
+                result["why"] = summary(outcome)[0]
+        except ValueError as error:
+            result["why"] = str(error)
+        done.append(result)
+    return done
 
 
 def write(result: dict[str, Any], report_dir: Path) -> Path:

@@ -170,6 +170,12 @@ def _parser() -> argparse.ArgumentParser:
         "--list", action="store_true", help="print the selected entries and exit (no run)"
     )
     matrix.add_argument("--json", action="store_true", help="with --list: as a JSON list")
+    matrix.add_argument(
+        "--bisect",
+        action="store_true",
+        help="for each source row's FAIL or warn cell that the newest release passes "
+        "cleanly, run the bisect the report suggests and name the commit in its summary",
+    )
     _index_option(matrix)
     bisect = commands.add_parser(
         "bisect",
@@ -371,7 +377,16 @@ def run_matrix(args: argparse.Namespace) -> int:
         machine += f" ({ran} rerun with --update; the other {len(rows) - ran} rows kept)"
     if previous is None:
         previous = _reference_report(args.report_dir)
-    return _write_report(rows, machine, previous, args, [e.name for e in loaded])
+    named = None
+    if args.bisect:
+        from harness import bisect
+
+        named = bisect.run_suggestions(
+            bisect.suggestions(rows),
+            envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
+            log=lambda line: print(sources.redact(line), file=sys.stderr, flush=True),
+        )
+    return _write_report(rows, machine, previous, args, [e.name for e in loaded], named)
 
 
 def _reference_report(report_dir: Path) -> dict[str, Any] | None:
@@ -389,7 +404,12 @@ def _reference_report(report_dir: Path) -> dict[str, Any] | None:
 
 
 def _write_report(
-    rows, machine: str, previous, args: argparse.Namespace, every: Sequence[str]
+    rows,
+    machine: str,
+    previous,
+    args: argparse.Namespace,
+    every: Sequence[str],
+    bisected: list[dict[str, Any]] | None = None,
 ) -> int:
     """Builds (with drift, the flips against ``previous`` and the entries of ``every``
     it leaves out), writes and prints the report; the exit status of its cells."""
@@ -401,7 +421,7 @@ def _write_report(
         previous=previous,
         drift=drift.check(rows, args.index_url),
         not_run=every,
-        bisect=bisect.suggestions(rows),
+        bisect=bisect.suggestions(rows) if bisected is None else bisected,
     )
     paths = report.write(built, args.report_dir)
     print(sources.redact(report_md.markdown(built)))

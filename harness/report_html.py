@@ -198,6 +198,13 @@ def summary(report: dict[str, Any]) -> str:
         commands = [
             f"<b>{esc(b['entry'])}</b> / <code>{esc(b['column'])}</code>: "
             f"<code>{esc(b['command'])}</code>"
+            + (
+                f" → first bad: <code>{esc(b['named']['sha'][:12])}</code> "
+                f"{esc(b['named']['subject'])}"
+                if b.get("named")
+                else ""
+            )
+            + (f" → not named: {esc(b['why'])}" if b.get("why") else "")
             for b in suggested
         ]
         cards.append(_card("Bisect: the commit behind a source row's cell", commands))

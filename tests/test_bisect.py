@@ -78,6 +78,8 @@ def upstream(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
         git("add", "-A", cwd=root)
         git("commit", "-q", "-m", subject, cwd=root)
         shas[subject] = git("rev-parse", "HEAD", cwd=root)
+        if subject == "c2 docs":
+            git("tag", "v0.1.7", cwd=root)  # the newest release, as the matrix names it
     (root / "tunix" / "__init__.py").write_text(body + DEPRECATED)
     git("commit", "-qam", "c7 deprecate helper", cwd=root)
     shas["c7 deprecate helper"] = git("rev-parse", "HEAD", cwd=root)
@@ -273,6 +275,9 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
     ]
     found = bisect.suggestions(rows)
     base = f"posttrain-harness bisect --source /src/tunix --good v0.1.7 --bad {'f' * 40}"
+    assert found[0]["verdict"] == "fail" and found[1]["verdict"] == "warn"
+    assert (found[0]["good"], found[0]["bad"], found[0]["source"]) == ("v0.1.7", "f" * 40,
+                                                                      "/src/tunix")  # fmt: skip
     assert [(f["column"], f["command"]) for f in found] == [
         ("c", f"{base} --contract contracts/test_x.py::test_c"),
         ("e", f"{base} --contract e --verdict warn"),
@@ -281,3 +286,26 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
     built = report.build(rows, "m", bisect=found)
     assert f"`{base} --contract sft`" in report_md.markdown(built)
     assert bisect.suggestions(rows[:2]) == []  # no source row
+
+
+@pytest.mark.slow  # 4 environments
+@pytest.mark.skipif(shutil.which("uv") is None, reason="the environment build uses uv here")
+def test_matrix_bisect_runs_each_suggestion_and_names_the_commit(upstream, tmp_path):
+    """matrix --bisect: the suggestion for a source row's failing cell, run, names c5 in
+    the report's summary."""
+    from harness import report, report_md
+
+    root, shas, contracts = upstream
+    node = f"{contracts}::test_train_step_takes_is_update_step"
+    rows = [
+        {"name": "tunix-0.1.7", "tunix": "0.1.7", "flavour": "current", "convention": "bound2",
+         "contracts": {"t": _cell("passed")}},
+        {"name": "tunix-main", "tunix": "main", "flavour": "source", "convention": "bound2",
+         "contracts": {"t": _cell("failed", test=node)},
+         "source": {"spec": str(root), "resolved": shas["c5 rename is_update_step"]}},
+    ]  # fmt: skip
+    named = bisect.run_suggestions(bisect.suggestions(rows), envs.EnvCache(tmp_path / "envs"),
+                                   log=lambda _: None)  # fmt: skip
+    assert named[0]["named"]["sha"] == shas["c5 rename is_update_step"], named
+    text = report_md.markdown(report.build(rows, "m", bisect=named))
+    assert f"first bad: `{shas['c5 rename is_update_step'][:12]}` c5 rename" in text
