@@ -329,6 +329,15 @@ def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
         return [float(len(c)) for c in completions]
 
     learner, actor, reference, _ = _build(reward_fns=[length])
+    cluster = learner.rl_cluster
+    inner, drawn = cluster.rollout.generate, []  # the seed each rollout call samples with
+
+    def record(prompts, rollout_config, *args, **kwargs):
+        drawn.append((int(cluster.global_steps), list(prompts), rollout_config.seed))
+        return inner(prompts, rollout_config, *args, **kwargs)
+
+    cluster.rollout.generate = record
+    tunix_rl.vary_rollout_seed(cluster, 0)  # as run_grpo does
     assert not tunix_rl.syncs_weights(learner)  # one mesh: the rollout holds the actor's
     tunix_rl.sync_rollout(learner)  # a no-op here (it must not snapshot the live weights)
     before = jax.tree.map(np.asarray, nnx.state(actor, nnx.Param))
@@ -338,6 +347,10 @@ def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
     batch = {"prompts": np.array(["1+1=", "2+2="]), "answer": np.array([2, 4])}
     learner.train([batch, batch])
     assert int(learner.rl_cluster.actor_trainer.train_steps) == 2
+    # the same prompts at two GRPO steps: each step's rollout draws with its own seed
+    steps = sorted({step for step, _, _ in drawn})
+    assert len(steps) == 2 and drawn[0][1] == drawn[-1][1], drawn
+    assert len({seed for _, _, seed in drawn}) == len(drawn), drawn
     trained = learner.rl_cluster.actor_trainer.model  # Tunix placed it on the ACTOR mesh
     assert isinstance(trained, TunixPolicy)
     after = jax.tree.map(np.asarray, nnx.state(trained, nnx.Param))

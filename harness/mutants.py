@@ -15,6 +15,19 @@ Each selection is sized so one module's run fits in about 20 minutes on 2 cores;
 attention's 413 mutants run as two shards (``--functions``) in the weekly workflow.
 Workers are forked from a fork server that has imported nothing (``forkserver_warmup =
 none``): JAX is not fork-safe once its backend has started.
+
+Jitted functions: mutmut 3 leaves every decorated function alone, which left the decode
+loop (``generate._generate``, ``@nnx.jit``) and every ``@jax.jit`` body unmutated. In
+the scratch copy (never in the checkout) :func:`undecorate` moves each decorator that
+matches :data:`TRANSFORMS` below its function, ``@nnx.jit(...) def f`` becoming
+``def f ...; f = (nnx.jit(...))(f)``: the same function at import, and one mutmut
+mutates (its trampoline, chosen when JAX traces, is what the transform wraps).
+Production code keeps its decorators: applying them at the call sites instead would
+scatter one ``jit`` per caller for the sake of a tool. A jitted body runs its trampoline
+only when JAX traces it, not on a cache hit, so mutmut's stats phase (which records the
+functions each test reaches) clears JAX's caches before each test (:func:`
+pytest_runtest_setup`, loaded with ``-p harness.mutants``); without that, a test that
+reuses a compiled program would never be run against that function's mutants.
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -118,7 +132,8 @@ TARGETS: dict[str, list[str]] = {
 # not listed has every function mutated, and ``--functions`` overrides either.
 # ``xǁClassǁmethod`` names a method, ``x_name`` a module-level function (mutmut's
 # mangling). mutmut 3 leaves decorated functions alone (the step's
-# ``create_train_step_fn`` is ``@override``, ``_all_finite`` ``@jax.jit``).
+# ``create_train_step_fn`` is ``@override``), except those :func:`undecorate` frees
+# (``_all_finite``, ``@jax.jit``).
 FUNCTIONS: dict[str, tuple[str, ...]] = {
     # the step (objective, gradients, the update or skip, the logged terms), not the
     # trainer's Tunix plumbing (saves, placement, closing)
@@ -128,9 +143,16 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         "xǁSFTTrainerMixinǁ_grads",
         "xǁSFTTrainerMixinǁ_step_body",
         "x_default_moe_aux_loss_weight",
+        "x__all_finite",
     ),
 }
-_PYTEST_ARGS = ["-p", "no:cacheprovider", "-x", "-q", "-m", "not slow"]  # the gate's tier
+TRANSFORMS = re.compile(
+    r"(functools\.)?(partial\()?(jax|nnx)\.(jit|remat|checkpoint|vmap|scan|grad|value_and_grad)\b"
+)
+"""Decorators :func:`undecorate` moves below their function (JAX / NNX transforms, bare
+or through ``functools.partial``); a function with any other decorator stays as it is."""
+# the gate's tier, and this module as a plugin (the stats phase's cache clearing)
+_PYTEST_ARGS = ["-p", "no:cacheprovider", "-p", "harness.mutants", "-x", "-q", "-m", "not slow"]
 _COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md", ".gitignore")
 
 
@@ -153,13 +175,60 @@ def _section(module: str, selection: list[str], max_children: int) -> str:
     )
 
 
+def _movable(node: ast.AST) -> bool:
+    """A function whose decorators are all :data:`TRANSFORMS` (at least one)."""
+    return (
+        isinstance(node, ast.FunctionDef)
+        and bool(node.decorator_list)
+        and all(TRANSFORMS.fullmatch(_call_head(d)) for d in node.decorator_list)
+    )
+
+
+def _call_head(decorator: ast.expr) -> str:
+    """``nnx.jit`` of ``nnx.jit(static_argnames=...)``; ``functools.partial(jax.jit`` of
+    ``functools.partial(jax.jit, ...)``: what names the transform."""
+    if isinstance(decorator, ast.Call):
+        head = ast.unparse(decorator.func)
+        if head.endswith("partial") and decorator.args:
+            return f"{head}({ast.unparse(decorator.args[0])}"
+        return head
+    return ast.unparse(decorator)
+
+
+def undecorate(source: str) -> str:
+    """``source`` with each function decorated only by :data:`TRANSFORMS` (module level
+    or a method) undecorated, its decorators applied by an assignment right after it:
+    ``@a @b def f`` becomes ``def f ...`` then ``f = (a)((b)(f))``, the same object."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    found = [n for n in tree.body if _movable(n)]
+    for c in tree.body:
+        if isinstance(c, ast.ClassDef):
+            found += [n for n in c.body if _movable(n)]
+    for node in sorted(found, key=lambda n: n.lineno, reverse=True):
+        expr = node.name
+        for decorator in reversed(node.decorator_list):
+            expr = f"({ast.get_source_segment(source, decorator)})({expr})"
+        indent = " " * node.col_offset
+        end = node.end_lineno  # 1-based, inclusive
+        lines.insert(end, f"{indent}{node.name} = {expr}\n")
+        first = min(d.lineno for d in node.decorator_list) - 1
+        del lines[first : node.lineno - 1]
+    return "".join(lines)
+
+
 def function_names(module: str, root: pathlib.Path) -> set[str]:
     """mutmut's names of the functions of ``module`` it mutates: ``x_name`` for each
-    undecorated module-level function, ``xǁClassǁmethod`` for each undecorated method."""
+    module-level function, ``xǁClassǁmethod`` for each method, undecorated or decorated
+    only by :data:`TRANSFORMS` (:func:`undecorate`)."""
     tree = ast.parse((root / module).read_text(encoding="utf-8"))
 
     def undecorated(nodes):
-        return [n.name for n in nodes if isinstance(n, ast.FunctionDef) and not n.decorator_list]
+        return [
+            n.name
+            for n in nodes
+            if isinstance(n, ast.FunctionDef) and (not n.decorator_list or _movable(n))
+        ]
 
     names = {f"x_{name}" for name in undecorated(tree.body)}
     for c in tree.body:
@@ -189,6 +258,8 @@ def run_module(
             shutil.copytree(source, work / name, ignore=shutil.ignore_patterns("__pycache__"))
         elif source.exists():
             shutil.copy2(source, work / name)
+    target = work / module
+    target.write_text(undecorate(target.read_text(encoding="utf-8")), encoding="utf-8")
     pyproject = work / "pyproject.toml"
     pyproject.write_text(
         pyproject.read_text(encoding="utf-8") + _section(module, TARGETS[module], max_children),
@@ -221,6 +292,14 @@ def run_module(
         "survivors": survivors,
         "workdir": str(work),
     }
+
+
+def pytest_runtest_setup(item) -> None:
+    """In mutmut's stats phase (``MUTANT_UNDER_TEST=stats``), JAX's caches cleared before
+    each test: a jitted function's trampoline runs when JAX traces it, so each test must
+    trace again for mutmut to record that it reaches the function."""
+    if os.environ.get("MUTANT_UNDER_TEST") == "stats" and "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
 
 
 def markdown(rows: list[dict]) -> str:

@@ -147,3 +147,158 @@ def test_unwritable_destinations_are_refused_up_front(tmp_path, monkeypatch, cap
     assert cli.main(["sft", "--output", str(locked / "run")]) == 2
     assert f"{locked} is not writable" in capsys.readouterr().err
     assert list(locked.iterdir()) == []
+
+
+# --- interrupts at each point, and another user's writer ------------------------------
+
+INTERRUPTS = [KeyboardInterrupt, SystemExit, OSError]  # Ctrl-C / SIGTERM, sys.exit, an error
+
+
+class _FailingFile:
+    """A file object whose ``write`` raises ``error`` (an interrupt mid-write)."""
+
+    def __init__(self, inner, error):
+        self._inner, self._error = inner, error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._inner.close()
+
+    def write(self, text):
+        self._inner.write(text[: len(text) // 2])
+        raise self._error
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("error", INTERRUPTS, ids=lambda e: e.__name__)
+@pytest.mark.parametrize("point", ["write", "fsync", "chmod", "replace"])
+def test_an_atomic_file_write_interrupted_at_any_point_leaves_the_old_file(
+    tmp_path, monkeypatch, error, point
+):
+    """``atomic.write_text`` interrupted by KeyboardInterrupt, SystemExit or an OSError
+    raised at each of its steps (mid-write, the fsync, the chmod, the rename): the
+    exception propagates, the old file is whole, and no temporary is left."""
+    from posttrain import atomic
+
+    path = tmp_path / "report.json"
+    path.write_text("old")
+    raised = error("at " + point)
+
+    def fail(*args, **kwargs):
+        raise raised
+
+    if point == "write":
+        fdopen = os.fdopen
+        monkeypatch.setattr(
+            atomic.os, "fdopen", lambda *a, **k: _FailingFile(fdopen(*a, **k), raised)
+        )
+    else:
+        monkeypatch.setattr(atomic.os, point, fail)
+    with pytest.raises(error, match=f"at {point}"):
+        atomic.write_text(path, "new" * 1000)
+    monkeypatch.undo()
+    assert path.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
+
+
+@pytest.mark.parametrize("error", INTERRUPTS, ids=lambda e: e.__name__)
+@pytest.mark.parametrize("point", ["block", "chmod", "fsync", "rename"])
+def test_an_atomic_directory_interrupted_at_any_point_leaves_nothing(
+    tmp_path, monkeypatch, error, point
+):
+    """``atomic_directory`` interrupted inside its block or at its chmod, fsync or rename
+    (KeyboardInterrupt, SystemExit, OSError): no ``dst``, no temporary sibling."""
+    raised = error("at " + point)
+
+    def fail(*args, **kwargs):
+        raise raised
+
+    if point != "block":
+        target = {
+            "chmod": (sio.os, "chmod"),
+            "fsync": (sio, "fsync_path"),
+            "rename": (sio.os, "rename"),
+        }
+        monkeypatch.setattr(*target[point], fail)
+    with pytest.raises(error, match=f"at {point}"), sio.atomic_directory(tmp_path / "out") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"x" * 64)
+        if point == "block":
+            raise raised
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """A native llama3-tiny checkpoint directory (written once for this module)."""
+    from posttrain.conversion import save_native
+    from posttrain.models import build_model, flat_params, get_config
+
+    cfg = get_config("llama3-tiny")
+    return save_native(flat_params(build_model(cfg)), cfg, tmp_path_factory.mktemp("native") / "n")
+
+
+def _is_link(fd: int) -> bool:
+    try:
+        fd_path(fd)
+    except OSError:  # closed between listing and reading
+        return False
+    return True
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit], ids=lambda e: e.__name__)
+@pytest.mark.parametrize("point", ["write", "finish"])
+def test_a_conversion_interrupted_mid_shard_leaves_nothing(
+    tmp_path, monkeypatch, native, error, point
+):
+    """An in-process conversion (native -> HF) interrupted while its writer writes the
+    second tensor or finishes its shards: the exception propagates, the shard files are
+    closed, and the output's parent holds nothing."""
+    from posttrain.conversion import convert_native_to_hf
+
+    calls = []
+    real = getattr(sio.CheckpointWriter, point)
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(point)
+        if point == "finish" or len(calls) == 2:
+            raise error(f"at {point}")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(sio.CheckpointWriter, point, interrupted)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(error, match=f"at {point}"):
+        convert_native_to_hf(native, out / "hf", fsync=False)
+    assert list(out.iterdir()) == []
+    fds = [fd_path(int(fd)) for fd in os.listdir("/proc/self/fd") if _is_link(int(fd))]
+    assert not [f for f in fds if f.startswith(str(out))], fds  # every shard closed
+
+
+@pytest.mark.parametrize(
+    ("raised", "swept"),
+    [(None, False), (PermissionError, False), (ProcessLookupError, True)],
+    ids=["own-live", "other-users-live", "dead"],
+)
+def test_a_temporary_is_swept_only_when_its_writer_is_gone(tmp_path, monkeypatch, raised, swept):
+    """The sweep asks ``os.kill(pid, 0)``: no error (our live process), PermissionError
+    (alive, another user's: a shared output directory) keep the temporary; only
+    ProcessLookupError (no such process) sweeps it."""
+    pid = 4_000_000  # beyond pid_max: only the fake below answers for it
+    asked = []
+
+    def kill(p, sig):
+        asked.append((p, sig))
+        if raised is not None:
+            raise raised(1, "from os.kill")
+
+    monkeypatch.setattr(sio.os, "kill", kill)
+    temporary = tmp_path / f".out.tmp-{pid}-abc123"
+    temporary.mkdir()
+    assert sio.sweep_stale_temporaries(tmp_path, "out") == ([temporary] if swept else [])
+    assert asked == [(pid, 0)]
+    assert temporary.exists() is not swept

@@ -308,6 +308,36 @@ def test_a_seed_gives_the_same_tokens_and_top_k_1_is_greedy():
     np.testing.assert_array_equal(top1.tokens, greedy.tokens)
 
 
+def _uniform_model() -> CausalLM:
+    """qwen3-tiny with every parameter 0: every logit is exactly 0 at every step and row,
+    so what each step draws depends on its random key alone (uniform over the vocab)."""
+    model = build_model(get_config("qwen3-tiny"), seed=1)
+    nnx.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+    return model
+
+
+def test_each_step_draws_with_fold_in_of_its_index_and_rows_and_steps_are_independent():
+    """Randomness across steps and rows. Documented: step i samples with
+    ``fold_in(key(seed), i)``. On a model whose logits are all 0 (the same prompt in
+    every row), the tokens of step i are exactly ``categorical(fold_in(key(seed), i),
+    zeros [B, V])``; so no two steps of a row, and no two rows, repeat one draw (one key
+    reused across steps or rows would repeat it; by chance: V^-7 per row, V = 264). The
+    same seed gives the same tokens; another seed others."""
+    model = _uniform_model()
+    prompts = [PROMPTS[0]] * len(PROMPTS)  # the shapes of the test above: no new compile
+    cfg = generate.SamplingConfig(max_new_tokens=8, temperature=1.5, seed=7)
+    out = generate.generate(model, prompts, cfg)
+    zeros = jnp.zeros((len(prompts), model.config.vocab_size))
+    key = jax.random.key(7)
+    want = [jax.random.categorical(jax.random.fold_in(key, i), zeros) for i in range(8)]
+    np.testing.assert_array_equal(out.tokens, np.stack(want, axis=1))
+    assert all(len(set(row.tolist())) > 1 for row in out.tokens), out.tokens  # steps differ
+    assert len({tuple(row.tolist()) for row in out.tokens}) == len(prompts), out.tokens
+    np.testing.assert_array_equal(generate.generate(model, prompts, cfg).tokens, out.tokens)
+    other = generate.generate(model, prompts, dataclasses.replace(cfg, seed=8))
+    assert (other.tokens != out.tokens).any()
+
+
 # --- the samplers' distributions -----------------------------------------------------
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))  # one row, V = 6

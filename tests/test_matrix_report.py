@@ -8,7 +8,9 @@ import http.server
 import json
 import shutil
 import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -97,11 +99,14 @@ def test_deprecations_are_listed_once_with_the_first_entry_showing_them():
     ]
 
 
-def _fake_matrix_runner(outcomes):
+def _fake_matrix_runner(outcomes, stall_s=0.0):
     """Stands in for the entry's commands: pytest writes a JUnit file whose cases have
-    ``outcomes[entry]``; the runs fail (no metrics)."""
+    ``outcomes[entry]``; the runs fail (no metrics). The first command stalls ``stall_s``
+    seconds, as a busy machine stalls one now and then."""
+    stalls = [stall_s]
 
     def run(command, env=None):
+        time.sleep(stalls.pop() if stalls else 0.0)
         junit = next((c.split("=", 1)[1] for c in command if c.startswith("--junitxml=")), None)
         if junit:
             name = Path(junit).stem
@@ -117,9 +122,23 @@ def _fake_matrix_runner(outcomes):
     return run
 
 
+def _without_wall_times(built):
+    """A report less what differs between two runs of the same entries: when and where it
+    was made, and each row's wall times (a stalled command moves them by a tenth of a
+    second: this test once failed under xdist on a busy machine for that alone)."""
+    volatile = ("generated", "machine", "drift", "previous", "changed")
+    out = {k: v for k, v in built.items() if k not in volatile}
+    out["entries"] = [
+        {**r, "seconds": 0.0, "env": {**r["env"], "seconds": 0.0}, "phase_seconds": {}}
+        for r in built["entries"]
+    ]
+    return out
+
+
 def test_the_merged_report_equals_one_produced_in_a_single_run(tmp_path, capsys):
     """The fan-out: one report per entry (as one CI job each writes), merged by
-    `report merge`, equals the report of one run of the same entries."""
+    `report merge`, equals the report of one run of the same entries, whatever their
+    wall times."""
     path = tmp_path / "entries.toml"
     path.write_text(
         "".join(
@@ -143,7 +162,7 @@ def test_the_merged_report_equals_one_produced_in_a_single_run(tmp_path, capsys)
 
             return EnvResult(self.path(entry), False, 0.0)
 
-    runner = _fake_matrix_runner(outcomes)
+    runner = _fake_matrix_runner(outcomes, stall_s=0.12)
 
     def rows_of(chosen, where):
         return matrix.run(chosen, loaded, Cache(), where, "1", log=lambda _: None, runner=runner)
@@ -158,15 +177,7 @@ def test_the_merged_report_equals_one_produced_in_a_single_run(tmp_path, capsys)
     status = cli.main([*argv, "--entries", str(path), "--index-url", "off"])
     assert status == 1  # e1's failing cell
     merged = json.loads((tmp_path / "merged" / "compat-matrix.json").read_text())
-    volatile = ("generated", "machine", "drift", "previous", "changed")
-    timings = ("seconds", "phase_seconds")  # wall times: 0.0 or 0.1 s by the machine's load
-
-    def steady(built):
-        out = {k: v for k, v in built.items() if k not in volatile}
-        out["entries"] = [{k: v for k, v in r.items() if k not in timings} for r in out["entries"]]
-        return out
-
-    assert steady(merged) == steady(whole)
+    assert _without_wall_times(merged) == _without_wall_times(whole)
     assert [r["name"] for r in merged["entries"]] == ["e1", "e2", "e3"]
     # the same entry in two parts: the later part's row wins
     again = tmp_path / "again"
@@ -357,3 +368,38 @@ def test_an_index_that_is_not_http_is_reported_not_raised():
     finally:
         listener.close()
     assert "could not be asked" in found["error"]
+
+
+def test_the_report_tests_pass_twice_side_by_side(tmp_path):
+    """The report's tests (this file and tests/test_verdicts.py) run twice at once, one
+    copy per xdist worker (``--dist each``), on one machine: every test passes in both
+    copies. A test that shares a path, a clock reading or any other state between
+    workers fails here, where a single gate run shows it only now and then. The browser
+    test is left out (a real chromium twice costs seconds and shares nothing of ours)."""
+    from harness import junit
+
+    xml = tmp_path / "twice.xml"
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(Path(__file__)),
+        str(REPO / "tests" / "test_verdicts.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "2",
+        "--dist",
+        "each",
+        "-k",
+        "not html and not side_by_side",
+        f"--basetemp={tmp_path / 'inner'}",
+        f"--junitxml={xml}",
+    ]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    cases = junit.read(xml).cases if xml.is_file() else []
+    bad = [f"{c.name}: {c.outcome} {c.message}" for c in cases if c.outcome != "passed"]
+    assert done.returncode == 0 and not bad, bad or done.stdout[-2000:] + done.stderr[-2000:]
+    names = [c.classname + "::" + c.name for c in cases]
+    assert len(names) > 10 and all(names.count(n) == 2 for n in names)

@@ -130,3 +130,138 @@ def test_functions_reach_the_run_and_the_defaults_stay(monkeypatch, tmp_path):
     assert calls == {loss: (), trainer: mutants.FUNCTIONS[trainer]}
     assert mutants.main([loss, "--functions", "x_token_nll,x_target_mask", *argv]) == 0
     assert calls[loss] == ("x_token_nll", "x_target_mask")
+
+
+JITTED = """import functools
+import jax
+from flax import nnx
+
+
+@nnx.jit(static_argnames=("n",))
+def loop(x, n):
+    return x * n
+
+
+@functools.partial(
+    jax.jit, static_argnames=("k",)
+)
+def shifted(x, *, k):
+    return x + k
+
+
+@functools.cache
+@jax.jit
+def mixed(x):
+    return x
+
+
+class C:
+    @jax.jit
+    def method(self, x):
+        return x - 1
+
+    @property
+    def p(self):
+        return 1
+"""
+
+
+def test_undecorate_frees_jitted_functions_and_keeps_what_they_compute(tmp_path):
+    """mutmut skips decorated functions; in the scratch copy a function decorated only by
+    JAX / NNX transforms is undecorated and rewrapped right after its body (the same
+    object at import), so mutmut mutates it; any other decorator stays."""
+    out = mutants.undecorate(JITTED)
+    assert "@nnx.jit" not in out and "@functools.partial" not in out
+    assert "@functools.cache\n@jax.jit\ndef mixed" in out and "@property" in out
+    names, original = {}, {}
+    exec(compile(out, "undecorated", "exec"), names)
+    exec(compile(JITTED, "decorated", "exec"), original)
+    assert float(names["loop"](2.0, 3)) == float(original["loop"](2.0, 3)) == 6.0
+    assert float(names["shifted"](2.0, k=4)) == 6.0
+    assert float(names["C"].method(0.0, 3.0)) == 2.0  # self: any array here
+    assert type(names["loop"]) is type(original["loop"])  # still an nnx.jit wrapper
+    module = tmp_path / "m.py"
+    module.write_text(JITTED)
+    assert mutants.function_names("m.py", tmp_path) == {"x_loop", "x_shifted", "xǁCǁmethod"}
+
+
+def _weekly_functions(module: str, root: pathlib.Path) -> set[str]:
+    """The functions of ``module`` the weekly mutants jobs mutate."""
+    text = (root / ".github/workflows/matrix.yml").read_text()
+    shards = re.findall(rf"- module: {re.escape(module)}\n\s+functions: \"([^\"]+)\"", text)
+    if shards:
+        return {n for shard in shards for n in shard.split(",")}
+    return set(mutants.FUNCTIONS.get(module, ())) or mutants.function_names(module, root)
+
+
+def test_the_weekly_jobs_mutate_every_jitted_function_of_their_modules():
+    """Each TARGETS module's functions decorated by a JAX / NNX transform (the decode loop,
+    the merge's shift, the step's finiteness check) are among those its weekly job mutates."""
+    import ast
+
+    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    jitted = {}
+    for module in mutants.TARGETS:
+        tree = ast.parse((root / module).read_text(encoding="utf-8"))
+        nodes = [(None, n) for n in tree.body] + [
+            (c.name, n) for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body
+        ]
+        for owner, node in nodes:
+            if isinstance(node, ast.FunctionDef) and any(
+                re.search(r"\b(jax|nnx)\.jit\b", ast.unparse(d)) for d in node.decorator_list
+            ):
+                name = f"xǁ{owner}ǁ{node.name}" if owner else f"x_{node.name}"
+                jitted.setdefault(module, set()).add(name)
+    assert jitted["src/posttrain/generate.py"] == {"x__generate"}
+    for module, names in jitted.items():
+        assert names <= _weekly_functions(module, root), module
+
+
+def test_the_stats_phase_traces_again_for_each_test(monkeypatch):
+    """mutmut records the functions a test reaches from their trampolines, which a jitted
+    body runs only when traced: in the stats phase each test starts with JAX's caches
+    cleared, so a second test of the same shapes traces (and is recorded) again."""
+    import jax
+
+    calls = []
+
+    @jax.jit
+    def f(x):
+        calls.append(1)
+        return x + 1
+
+    f(1.0)
+    f(1.0)
+    assert len(calls) == 1
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
+    mutants.pytest_runtest_setup(None)
+    f(1.0)
+    assert len(calls) == 2
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "posttrain.generate.x__generate__mutmut_3")
+    mutants.pytest_runtest_setup(None)
+    f(1.0)
+    assert len(calls) == 2  # a mutant's own run keeps its compiled programs
+    assert "harness.mutants" in mutants._PYTEST_ARGS
+
+
+def test_the_scratch_copy_is_the_one_undecorated(monkeypatch, tmp_path):
+    """run_module undecorates its module in the scratch copy before mutmut reads it, and
+    leaves the checkout's file as it was."""
+    import subprocess
+
+    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    module = "src/posttrain/generate.py"
+    before = (root / module).read_text(encoding="utf-8")
+    seen = []
+
+    def run(command, cwd=None, **kwargs):
+        seen.append((pathlib.Path(cwd) / module).read_text(encoding="utf-8"))
+        return subprocess.CompletedProcess(command, 1, "", "mutmut stopped")
+
+    monkeypatch.setattr(mutants.subprocess, "run", run)
+    work = tmp_path / "work"
+    work.mkdir()
+    row = mutants.run_module(module, root, work, 1, ["x__generate"])
+    assert row["error"] == "mutmut stopped"
+    assert "@nnx.jit" not in seen[0] and "\n_generate = (nnx.jit(" in seen[0]
+    assert (root / module).read_text(encoding="utf-8") == before

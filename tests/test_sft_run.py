@@ -89,7 +89,19 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
         "mesh": mesh,
     }
     listening = _compat.scalar_listeners()
+    # The check before each save (finite weights, the step's record): at the interval
+    # save (step 2) and at Tunix's final save (step 3, off the interval: forced).
+    from posttrain.sft.trainer import SFTTrainerMixin
+
+    checked, check = [], SFTTrainerMixin._check_before_save
+    monkeypatch.setattr(
+        SFTTrainerMixin,
+        "_check_before_save",
+        lambda self, step: checked.append(step) or check(self, step),
+    )
     full = run_sft(SFTConfig(**common, output=str(tmp_path / "full")))
+    assert checked == [2, 3]
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["2", "3"]
     options = []  # the Orbax options the run hands Tunix
     first = run_sft(
         SFTConfig(**common, stop_after=2, sync_saves=True, output=str(tmp_path / "cut")),
