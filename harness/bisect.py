@@ -386,8 +386,19 @@ def bisect(
         result["first_bad"] = {
             **dataclasses.asdict(candidates[0]),
             "files": touched(repo, candidates[0], package),
+            "merged": merged(repo, candidates[0]),
         }
     return result
+
+
+def merged(repo: Path, commit: Commit) -> list[str]:
+    """A merge's own commits (``sha subject``, oldest first: what its second parent
+    brought in, where the change itself is); ``[]`` for a plain commit."""
+    parents = _git(repo, "log", "-1", "--format=%P", commit.sha).split()
+    if len(parents) < 2:
+        return []
+    log = _git(repo, "log", "--reverse", "--format=%H %s", f"{parents[0]}..{parents[1]}")
+    return log.splitlines()
 
 
 def summary(result: dict[str, Any]) -> list[str]:
@@ -401,6 +412,7 @@ def summary(result: dict[str, Any]) -> list[str]:
             f"  {found['subject']}",
             f"  files: {', '.join(found['files'][:12])}"
             + (f" (+{len(found['files']) - 12})" if len(found["files"]) > 12 else ""),
+            *(f"  merged: {line}" for line in found.get("merged", [])[:10]),
             f"{result['commits']} commits between good and bad; {steps} steps",
         ]
     shas = ", ".join(c["sha"][:12] for c in result["candidates"])

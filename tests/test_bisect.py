@@ -309,3 +309,21 @@ def test_matrix_bisect_runs_each_suggestion_and_names_the_commit(upstream, tmp_p
     assert named[0]["named"]["sha"] == shas["c5 rename is_update_step"], named
     text = report_md.markdown(report.build(rows, "m", bisect=named))
     assert f"first bad: `{shas['c5 rename is_update_step'][:12]}` c5 rename" in text
+
+
+def test_a_merge_named_as_first_bad_lists_the_commits_it_brought_in(tmp_path):
+    """First-parent bisection names a merge (a pull request); its own commits, where the
+    change is, come with it. A plain commit has none."""
+    root = tmp_path / "r"
+    root.mkdir()
+    git("init", "-q", "-b", "main", cwd=root)
+    git("commit", "-q", "--allow-empty", "-m", "base", cwd=root)
+    git("checkout", "-q", "-b", "pr", cwd=root)
+    git("commit", "-q", "--allow-empty", "-m", "stop decode one step earlier", cwd=root)
+    git("checkout", "-q", "main", cwd=root)
+    git("commit", "-q", "--allow-empty", "-m", "unrelated", cwd=root)
+    git("merge", "-q", "--no-ff", "-m", "Merge pull request #1", "pr", cwd=root)
+    merge = bisect.Commit(git("rev-parse", "HEAD", cwd=root), "", "")
+    pr = git("rev-parse", "pr", cwd=root)
+    assert bisect.merged(root, merge) == [f"{pr} stop decode one step earlier"]
+    assert bisect.merged(root, bisect.Commit(pr, "", "")) == []
