@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 
 from harness import bisect, cli, envs
+from tests.test_matrix_sources import FAKE_PYPROJECT
 
-PYPROJECT = """\
-[build-system]
-requires = ["setuptools>=61"]
-build-backend = "setuptools.build_meta"
-[project]
-name = "google-tunix"
-version = "0.1.99"
-"""
+
+def git(*args: str, cwd: Path) -> str:
+    done = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=cwd, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return done.stdout.strip()
+
 
 CONTRACTS = """\
 import tunix
@@ -55,14 +56,6 @@ DEPRECATED = (
 )
 
 
-def git(*args: str, cwd: Path) -> str:
-    done = subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-        cwd=cwd, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return done.stdout.strip()
-
-
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
     """The fake repository, its commits by subject, and the contracts file."""
@@ -72,7 +65,7 @@ def upstream(tmp_path_factory) -> tuple[Path, dict[str, str], Path]:
     shas = {}
     body = ""
     for subject, code in STEPS.items():
-        (root / "pyproject.toml").write_text(PYPROJECT if code else "[project\n")
+        (root / "pyproject.toml").write_text(FAKE_PYPROJECT if code else "[project\n")
         body = code or body
         (root / "tunix" / "__init__.py").write_text(body + HELPER)
         git("add", "-A", cwd=root)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli, entries, envs, matrix, progress, report, report_html, report_md
+from tests.test_matrix_inputs import _row
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,17 +129,6 @@ def test_the_matrix_reports_each_row_and_phase_in_order(tmp_path):
     lines = shown.console.file.getvalue().splitlines()
     assert lines[0] == "[1/1] r: environment r"
     assert lines[-1].startswith("[1/1] r: 0/3 cells pass"), lines
-
-
-def _row(name: str) -> dict:
-    return {
-        "name": name,
-        "tunix": "0.1.7",
-        "flavour": "current",
-        "convention": "bound2",
-        "emulated": False,
-        "contracts": {"c": {"status": "passed", "message": ""}},
-    }
 
 
 def test_a_report_of_some_entries_names_the_others_and_how_to_run_them():
