@@ -21,7 +21,7 @@ from posttrain import _compat  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.rl import tunix_rl  # noqa: E402
 from posttrain.rl.policy import TunixPolicy, reference_of  # noqa: E402
-from posttrain.sft import tunix_compat  # noqa: E402
+from posttrain.runs import tunix_loss  # noqa: E402
 from posttrain.sft.tokenizer import byte_tokenizer  # noqa: E402
 from posttrain.tunix_sampler import TunixTokenizer  # noqa: E402
 
@@ -105,7 +105,7 @@ def _example(learner, actor, tok, advantages, old_shift=None, ref_shift=0.0):
 def _loss(learner, model, example):
     """(mean loss, metrics) of the actor's loss: (loss, aux) up to 0.1.7, LossOutput on main."""
     trainer = learner.rl_cluster.actor_trainer
-    return tunix_compat.loss_and_metrics(
+    return tunix_loss.loss_and_metrics(
         trainer.loss_fn(model, **trainer.gen_model_input_fn(example))
     )
 

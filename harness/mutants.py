@@ -111,6 +111,15 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
+    # the CLI generated from the options, and the checks every run shares
+    "src/posttrain/flags.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
+    "src/posttrain/runs/options.py": [
+        "tests/test_run_options.py",
+        "tests/test_sft_run.py::test_cli_bad_input_is_one_line_and_exit_2",
+        "tests/test_preference.py::test_the_run_config_names_the_bad_field",
+        "tests/test_rl.py::test_the_run_config_names_the_bad_field",
+    ],
+    "src/posttrain/runs/tunix_loss.py": ["tests/test_tunix_compat.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

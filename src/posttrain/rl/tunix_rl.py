@@ -40,9 +40,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from posttrain.sft import tunix_compat
+from posttrain.config import choices
+from posttrain.rl.options import GRPOAlgorithm
+from posttrain.runs import tunix_loss
 
-ALGORITHMS = ("grpo", "dapo", "drgrpo")
+ALGORITHMS = choices(GRPOAlgorithm)
 
 #: algorithm -> (learner class names, config class names, first release), newest first.
 _CLASSES = {
@@ -374,7 +376,7 @@ def with_moe_aux_loss(trainer, weight: float) -> None:
         if example is None or not hasattr(example, "completion_ids"):
             raise UnknownRLShapeError("the actor's loss is called without a train_example")
         # (loss, aux) up to 0.1.7, main's LossOutput (a weighted sum) after
-        return tunix_compat.add_to_loss(out, weight * moe_aux_loss(model, example))
+        return tunix_loss.add_to_loss(out, weight * moe_aux_loss(model, example))
 
     trainer.with_loss_fn(loss_fn, has_aux=True)
 
