@@ -38,26 +38,13 @@ class DPORunConfig(PeftRunOptions):
 
     #: Settings that change what a resumed run computes.
     TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
-        "model",
-        "data",
-        "tokenizer",
-        "mesh",
-        "per_device_batch_size",
-        "grad_accum",
-        "steps",
+        *PeftRunOptions.TRAINING_FIELDS,
         "max_prompt_length",
         "max_response_length",
-        "overflow",
         "algorithm",
         "beta",
         "label_smoothing",
         "lambda_orpo",
-        "learning_rate",
-        "warmup_steps",
-        "lora_rank",
-        "lora_alpha",
-        "scan_layers",
-        "seed",
     )
 
     model: str = option(

@@ -320,8 +320,12 @@ def _trainer(cfg: DPORunConfig, model, mesh, out: pathlib.Path, log_every):
     from posttrain.preference import tunix_dpo
     from posttrain.preference.trainer import DPOTrainer
     from posttrain.rl.policy import TunixPolicy, reference_of
-    from posttrain.runs.training import adamw_schedule, peft_training_fields, single_process_cpu
-    from posttrain.sft.trainer import SFTOptions
+    from posttrain.runs.training import (
+        adamw_schedule,
+        peft_training_fields,
+        single_process_cpu,
+        trainer_options,
+    )
 
     policy = TunixPolicy(model)
     reference = None if cfg.algorithm == "orpo" else reference_of(policy)
@@ -333,13 +337,8 @@ def _trainer(cfg: DPORunConfig, model, mesh, out: pathlib.Path, log_every):
         lambda_orpo=cfg.lambda_orpo,
         **peft_training_fields(cfg, out, mesh),
     )
-    options = SFTOptions(
-        mesh=mesh,
-        learning_rate_fn=schedule,
-        metrics_path=out / "metrics.jsonl" if distributed.is_writer() else None,
-        log_every=log_every,
-        single_replica_saves=single_process_cpu(),
-        process_local_batches=True,
+    options = trainer_options(
+        mesh, schedule, out, log_every, single_replica_saves=single_process_cpu()
     )
     return DPOTrainer(policy, reference, tx, training_config, options=options)
 

@@ -55,17 +55,10 @@ class GRPORunConfig(RunOptions):
 
     #: Settings that change what a resumed run computes.
     TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
-        "model",
-        "tokenizer",
-        "mesh",
+        *RunOptions.TRAINING_FIELDS,
         "rollout_mesh",
         "rollout_dtype",
-        "per_device_batch_size",
         "num_generations",
-        "steps",
-        "learning_rate",
-        "lora_rank",
-        "lora_alpha",
         "algorithm",
         "beta",
         "epsilon",
@@ -74,7 +67,6 @@ class GRPORunConfig(RunOptions):
         "max_new_tokens",
         "reward",
         "warmup_steps",
-        "seed",
     )
 
     model: str = option("qwen3-tiny", "preset, native or HF directory", show_default=False)

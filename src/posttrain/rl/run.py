@@ -313,7 +313,7 @@ def _configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_id: int):
 def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: bool):
     """Builds Tunix's cluster and learner over ``model`` and trains from the step it
     restored; returns ``(trained model, step, restored step, history, seconds)``."""
-    from posttrain.rl import tunix_rl
+    from posttrain.rl import tunix_cluster, tunix_rl
     from posttrain.rl.policy import TunixPolicy, reference_of
 
     mesh, rollout_mesh = meshes
@@ -335,15 +335,15 @@ def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: 
     )
     recorded = [rewards.recorded(fn, sink) for fn in fns]
     learner = tunix_rl.learner(cfg.algorithm, cluster, algo, recorded, seed=None)
-    tunix_rl.place_actor_optimizer(cluster, mesh)
+    tunix_cluster.place_actor_optimizer(cluster, mesh)
     moe = model.config.moe
     tunix_rl.with_moe_aux_loss(cluster.actor_trainer, moe.aux_loss_weight if moe else 0.0)
-    tap = tunix_rl.MetricsTap()
+    tap = tunix_cluster.MetricsTap()
     tap.attach(cluster)
     restored = int(cluster.actor_trainer.train_steps)
-    tunix_rl.reshard_syncs_on_device(learner)
-    tunix_rl.sync_rollout(learner)  # a restored actor must not leave the rollout stale
-    tunix_rl.vary_rollout_seed(cluster, cfg.seed)
+    tunix_cluster.reshard_syncs_on_device(learner)
+    tunix_cluster.sync_rollout(learner)  # a restored actor must not leave the rollout stale
+    tunix_cluster.vary_rollout_seed(cluster, cfg.seed)
     if on_built is not None:
         on_built(learner, (actor, reference))
     started = time.perf_counter()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, NoReturn
+from typing import ClassVar, Literal, NoReturn
 
 from posttrain.config import RematPolicy, choices
 from posttrain.flags import flag_of, option
@@ -42,6 +42,21 @@ def finite_positive(value: float) -> bool:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunOptions:
     """What every training run needs; see each field's help."""
+
+    #: Settings that change what a resumed run computes: a rerun into the same output
+    #: with another value is refused (:func:`posttrain.runs.record.check_resumable`);
+    #: the others (output, save cadence, stop) may change between segments.
+    TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
+        "model",
+        "tokenizer",
+        "mesh",
+        "per_device_batch_size",
+        "steps",
+        "learning_rate",
+        "lora_rank",
+        "lora_alpha",
+        "seed",
+    )
 
     model: str = option(DEFAULT_MODEL, "preset name, native or HF checkpoint directory")
     tokenizer: str | None = option(
@@ -93,6 +108,15 @@ class RunOptions:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PeftRunOptions(RunOptions):
     """A run over a dataset file through a Tunix ``PeftTrainer`` (``sft``, ``dpo``)."""
+
+    TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
+        *RunOptions.TRAINING_FIELDS,
+        "data",
+        "grad_accum",
+        "overflow",
+        "warmup_steps",
+        "scan_layers",
+    )
 
     data: str | None = option(None, "data JSONL file (default: the embedded set)")
     data_shards: int | None = option(

@@ -62,3 +62,19 @@ def single_process_cpu() -> bool:
     import jax
 
     return jax.default_backend() == "cpu" and jax.process_count() == 1
+
+
+def trainer_options(mesh, schedule, out: pathlib.Path, log_every, *, single_replica_saves: bool):
+    """Our trainer options (:class:`posttrain.sft.trainer.SFTOptions`) of a
+    ``PeftTrainer`` run: its mesh and schedule, ``metrics.jsonl`` written by the writer
+    process only, each process's share of every batch (``process_local_batches``)."""
+    from posttrain.sft.trainer import SFTOptions
+
+    return SFTOptions(
+        mesh=mesh,
+        learning_rate_fn=schedule,
+        metrics_path=out / "metrics.jsonl" if distributed.is_writer() else None,
+        log_every=log_every,
+        single_replica_saves=single_replica_saves,
+        process_local_batches=True,
+    )

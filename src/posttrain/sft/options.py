@@ -43,22 +43,9 @@ class SFTConfig(PeftRunOptions):
     #: save_every, stop_after, remat, sync_saves, replica_parallel_saves, data_shards)
     #: may change between segments (a resumed run keeps its data shards unless given).
     TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
-        "model",
-        "data",
-        "tokenizer",
-        "mesh",
-        "per_device_batch_size",
-        "grad_accum",
-        "steps",
+        *PeftRunOptions.TRAINING_FIELDS,
         "max_target_length",
         "packing",
-        "overflow",
-        "learning_rate",
-        "warmup_steps",
-        "lora_rank",
-        "lora_alpha",
-        "scan_layers",
-        "seed",
     )
 
     data: str | None = option(None, "chat JSONL file (default: embedded pydoc_data)")

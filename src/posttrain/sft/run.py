@@ -30,7 +30,7 @@ from posttrain.runs import record as run_record
 from posttrain.runs.directory import prepare_output
 from posttrain.runs.loading import load_run_model, pad_id_of, run_tokenizer
 from posttrain.runs.shards import data_shards, recorded_shards
-from posttrain.runs.training import adamw_schedule, peft_training_fields
+from posttrain.runs.training import adamw_schedule, peft_training_fields, trainer_options
 from posttrain.sft.options import SFTConfig
 
 __all__ = ["SFTConfig", "SFTResult", "build_rows", "run_sft"]
@@ -190,7 +190,7 @@ def _trainer(cfg: SFTConfig, model, mesh, out: pathlib.Path, log_every, trainer_
     """``(trainer, whether Orbax's saves are replica-parallel)`` of the run ``cfg``."""
     from tunix.sft import peft_trainer
 
-    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+    from posttrain.sft.trainer import SFTTrainer
 
     schedule, tx = adamw_schedule(cfg)
     training_config = peft_trainer.TrainingConfig(
@@ -198,13 +198,8 @@ def _trainer(cfg: SFTConfig, model, mesh, out: pathlib.Path, log_every, trainer_
     )
     replica_parallel = cfg.resolved_replica_parallel_saves()
     cls = trainer_class or SFTTrainer  # its train() makes the mesh current
-    options = SFTOptions(
-        mesh=mesh,
-        learning_rate_fn=schedule,
-        metrics_path=out / "metrics.jsonl" if distributed.is_writer() else None,
-        log_every=log_every,
-        single_replica_saves=not replica_parallel,
-        process_local_batches=True,
+    options = trainer_options(
+        mesh, schedule, out, log_every, single_replica_saves=not replica_parallel
     )
     return cls(model, tx, training_config, options=options), replica_parallel
 
