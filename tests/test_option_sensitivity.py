@@ -1,7 +1,8 @@
 """Every run option reaches Tunix (#41 class 2): for each option of ``posttrain sft`` and
 ``posttrain dpo``, a value other than its default (explicit zeros included) changes what
-the run hands Tunix (the trainer's ``TrainingConfig``, optimizer schedule, options and
-model, and the first batch it trains on) or stops the run with a one-line error. A
+the run hands Tunix (the trainer's ``TrainingConfig``, optimizer, mesh, save mode and
+model, and the first batch it trains on), what it records before training (the
+held-out evaluation), or stops the run with a one-line error. A
 filter such as ``if value:`` that drops an explicit 0, or a field the run never reads,
 leaves the handed-over objects equal and fails here. Options that cannot have an effect
 in the base run are listed in :data:`NO_EFFECT` with the reason.
@@ -62,10 +63,28 @@ def _plain(value, depth: int = 0):
 
 
 def _model_picture(model) -> dict:
-    """The model's config and a digest of every variable (LoRA included) by path."""
+    """The model's config, its LoRA config (rank, alpha: the scale Qwix applies) and a
+    digest of every variable (LoRA included) by path."""
+    from posttrain.lora import lora_params
+    from posttrain.lora.config import lora_config_of
+
     flat = nnx.to_flat_state(nnx.state(model))
     values = {"/".join(map(str, path)): _plain(v.get_value()) for path, v in flat}
-    return {"config": _plain(model.config), "variables": _digest(sorted(values.items()))}
+    return {
+        "config": _plain(model.config),
+        "lora": _plain(lora_config_of(model)) if lora_params(model) else None,
+        "variables": _digest(sorted(values.items())),
+    }
+
+
+def _recorded_facts(cfg) -> dict:
+    """What the run recorded of this start in ``run.json`` before training (global batch,
+    rows or pairs, data shards, the held-out evaluation before), without the settings."""
+    from posttrain.runs import record
+
+    body = record.read(cfg.output) or {}
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    return {k: v for k, v in body.items() if k not in fields | {"settings", "segments", "started"}}
 
 
 def _optimizer_picture(tx, steps: int) -> str:
@@ -106,7 +125,7 @@ def _capture(run, cfg, steps: int) -> dict:
 
     def on_built(trainer):
         def train(batches, *args, **kwargs):
-            seen.update(_received(trainer, batches, steps))
+            seen.update(_received(trainer, batches, steps), recorded=_recorded_facts(cfg))
             trainer.abandon()
             raise _Stop
 
@@ -167,12 +186,12 @@ SFT_VALUES: dict[str, tuple] = {
     "data": ("{chat}", {}),
     "data_shards": (2, {}),
     "grad_accum": (2, {}),
-    "overflow": ("reject", {"max_target_length": 16}),  # the embedded set overflows 16
+    "overflow": ("reject", {}),  # the embedded set has conversations over 64 tokens
     "warmup_steps": (0, {}),  # an explicit zero: no warm-up
     "remat": ("full", {}),
     "scan_layers": (True, {}),
-    "max_target_length": (64, {}),
-    "packing": (False, {}),
+    "max_target_length": (128, {}),
+    "packing": (False, {"max_target_length": 256}),  # rows that hold several conversations
     "sync_saves": (True, {}),
     "replica_parallel_saves": ("on", {}),
 }
@@ -198,7 +217,7 @@ NO_EFFECT: dict[str, str] = {
     "is taken out of the picture (the checkpoint and TensorBoard paths name it)",
 }
 
-SMALL_SFT = {"steps": 3, "max_target_length": 32}
+SMALL_SFT = {"steps": 3, "max_target_length": 64}
 SMALL_DPO = {"steps": 3, "max_prompt_length": 16, "max_response_length": 16}
 
 
