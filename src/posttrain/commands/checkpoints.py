@@ -11,8 +11,8 @@ from posttrain import distributed
 
 
 def forward(args) -> int:
+    """``posttrain forward``: a preset built on a mesh, its jitted forward timed."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
@@ -40,7 +40,28 @@ def forward(args) -> int:
         f"global batch {batch} = {args.per_device_batch_size} x data-parallel {dp}"
     )
     tokens = np.random.RandomState(args.seed).randint(0, cfg.vocab_size, (batch, args.seq))
-    tokens = tokens.astype(np.int32)
+    stats, compiled, per_step = _timed_forwards(model, mesh, tokens.astype(np.int32), args.repeats)
+    mean, std, finite, moe = (np.asarray(x) for x in stats)
+    print(
+        f"logits {[batch, args.seq, cfg.vocab_size]} float32: mean {float(mean):+.6f}, "
+        f"std {float(std):.6f}, finite {bool(finite)}; moe_aux_loss {float(moe):.4f}"
+    )
+    print(
+        f"init {built:.2f} s, first forward (compile) {compiled:.2f} s, "
+        f"forward {per_step * 1e3:.1f} ms, {batch * args.seq / per_step:,.0f} tokens/s"
+    )
+    return 0
+
+
+def _timed_forwards(model, mesh, tokens, repeats: int):
+    """``(logits mean, std, finiteness, moe_aux_loss)`` of the jitted forward of
+    ``tokens`` ``[batch, seq]`` int32 on ``mesh``, the first call's seconds (compile) and
+    the mean seconds of ``repeats`` more."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from posttrain import sharding
 
     def forward_stats(m, t):
         # Reduced inside the jit: across processes the logits' shards are not all
@@ -54,28 +75,18 @@ def forward(args) -> int:
             ("activation_batch", "activation_length"), tokens.shape, dict(mesh.shape)
         )
         # Each process places the shards of its own devices (all of them in one process).
-        tokens = jax.make_array_from_callback(
+        placed = jax.make_array_from_callback(
             tokens.shape, jax.sharding.NamedSharding(mesh, spec), lambda index: tokens[index]
         )
         step = nnx.jit(forward_stats)
         t0 = time.perf_counter()
-        stats = jax.block_until_ready(step(model, tokens))
+        stats = jax.block_until_ready(step(model, placed))
         compiled = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for _ in range(args.repeats):
-            stats = step(model, tokens)
+        for _ in range(repeats):
+            stats = step(model, placed)
         stats = jax.block_until_ready(stats)
-        per_step = (time.perf_counter() - t0) / args.repeats
-    mean, std, finite, moe = (np.asarray(x) for x in stats)
-    print(
-        f"logits {[batch, args.seq, cfg.vocab_size]} float32: mean {float(mean):+.6f}, "
-        f"std {float(std):.6f}, finite {bool(finite)}; moe_aux_loss {float(moe):.4f}"
-    )
-    print(
-        f"init {built:.2f} s, first forward (compile) {compiled:.2f} s, "
-        f"forward {per_step * 1e3:.1f} ms, {batch * args.seq / per_step:,.0f} tokens/s"
-    )
-    return 0
+    return stats, compiled, (time.perf_counter() - t0) / repeats
 
 
 def convert(args) -> int:
