@@ -19,9 +19,9 @@ pytest.importorskip("tunix.rl.rl_cluster", reason="google-tunix is not installed
 
 from posttrain import _compat  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.rl import tunix_rl  # noqa: E402
+from posttrain.rl import tunix_cluster, tunix_rl  # noqa: E402
 from posttrain.rl.policy import TunixPolicy, reference_of  # noqa: E402
-from posttrain.sft import tunix_compat  # noqa: E402
+from posttrain.runs import tunix_loss  # noqa: E402
 from posttrain.sft.tokenizer import byte_tokenizer  # noqa: E402
 from posttrain.tunix_sampler import TunixTokenizer  # noqa: E402
 
@@ -105,7 +105,7 @@ def _example(learner, actor, tok, advantages, old_shift=None, ref_shift=0.0):
 def _loss(learner, model, example):
     """(mean loss, metrics) of the actor's loss: (loss, aux) up to 0.1.7, LossOutput on main."""
     trainer = learner.rl_cluster.actor_trainer
-    return tunix_compat.loss_and_metrics(
+    return tunix_loss.loss_and_metrics(
         trainer.loss_fn(model, **trainer.gen_model_input_fn(example))
     )
 
@@ -298,7 +298,7 @@ def test_reward_functions_receive_what_the_release_passes():
 def test_the_rollout_draws_the_same_numbers_every_call_unless_the_seed_varies():
     """Found here: every release's vanilla rollout samples each call with
     ``PRNGKey(RolloutConfig.seed)``, so two rollouts of the same prompts by the same
-    policy are identical; ``tunix_rl.vary_rollout_seed`` makes them differ, and a given
+    policy are identical; ``tunix_cluster.vary_rollout_seed`` makes them differ, and a given
     (seed, global step, call) always draws the same."""
     learner, *_ = _build()
     cluster = learner.rl_cluster
@@ -309,14 +309,14 @@ def test_the_rollout_draws_the_same_numbers_every_call_unless_the_seed_varies():
 
     first = texts()
     assert texts() == first  # Tunix's own: one seed for every call
-    tunix_rl.vary_rollout_seed(cluster, 0)
+    tunix_cluster.vary_rollout_seed(cluster, 0)
     varied = [texts(), texts()]
     assert varied[0] != varied[1]
     cluster.global_steps += 1
     again = texts()
     assert again != varied[0]
     cluster.global_steps -= 1
-    tunix_rl.vary_rollout_seed(cluster, 0)  # a fresh wrapper: the same draws again
+    tunix_cluster.vary_rollout_seed(cluster, 0)  # a fresh wrapper: the same draws again
     assert texts() == varied[0]
 
 
@@ -337,12 +337,12 @@ def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
         return inner(prompts, rollout_config, *args, **kwargs)
 
     cluster.rollout.generate = record
-    tunix_rl.vary_rollout_seed(cluster, 0)  # as run_grpo does
-    assert not tunix_rl.syncs_weights(learner)  # one mesh: the rollout holds the actor's
-    tunix_rl.sync_rollout(learner)  # a no-op here (it must not snapshot the live weights)
+    tunix_cluster.vary_rollout_seed(cluster, 0)  # as run_grpo does
+    assert not tunix_cluster.syncs_weights(learner)  # one mesh: the rollout holds the actor's
+    tunix_cluster.sync_rollout(learner)  # a no-op here (it must not snapshot the live weights)
     before = jax.tree.map(np.asarray, nnx.state(actor, nnx.Param))
     ref_before = jax.tree.map(np.asarray, nnx.state(reference, nnx.Param))
-    tap = tunix_rl.MetricsTap()
+    tap = tunix_cluster.MetricsTap()
     tap.attach(learner.rl_cluster)
     batch = {"prompts": np.array(["1+1=", "2+2="]), "answer": np.array([2, 4])}
     learner.train([batch, batch])

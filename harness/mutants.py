@@ -127,6 +127,15 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
     "harness/progress.py": ["tests/test_matrix_progress.py"],
     "harness/bisect.py": ["tests/test_bisect.py"],
+    # the CLI generated from the options, and the checks every run shares
+    "src/posttrain/flags.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
+    "src/posttrain/runs/options.py": [
+        "tests/test_run_options.py",
+        "tests/test_sft_run.py::test_cli_bad_input_is_one_line_and_exit_2",
+        "tests/test_preference.py::test_the_run_config_names_the_bad_field",
+        "tests/test_rl.py::test_the_run_config_names_the_bad_field",
+    ],
+    "src/posttrain/runs/tunix_loss.py": ["tests/test_tunix_compat.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

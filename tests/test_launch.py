@@ -222,12 +222,12 @@ def test_sft_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
     total, here = (int(g.replace(",", "")) for g in shards.groups())
     assert 0.4 * total < here < 0.6 * total  # rank 0 tokenised its shard only
     # The reference in this process (8 devices): what `posttrain sft` runs for SFT's options.
-    from posttrain import cli, commands
+    from posttrain import cli
     from posttrain.sft.run import run_sft
 
     assert jax.device_count() == 8
     argv = [*SFT, "--data-shards", "2", "--output", str(one)]
-    run_sft(commands.sft_config(cli.build_parser().parse_args(argv)))
+    run_sft(cli.parse_options(argv))
     records = [
         [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         for run in (two, one)
@@ -362,7 +362,8 @@ from posttrain import distributed
 distributed.initialize()
 import jax
 from posttrain import sharding
-from posttrain.loading import export_final, load_model
+from posttrain.loading import load_model
+from posttrain.runs.export import export_final
 hf, out = Path(sys.argv[1]), Path(sys.argv[2])
 mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
 model, _ = load_model(str(hf), mesh, scratch=out / "scratch")

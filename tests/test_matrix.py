@@ -374,21 +374,20 @@ def test_run_returns_a_row_per_entry_and_emulated_rows_borrow_their_release_env(
 
 def test_the_sft_run_is_one_description_for_both_paths(tmp_path):
     """The release path's ``posttrain sft`` options parse to the emulated path's SFTConfig."""
-    from posttrain import cli, commands
+    from posttrain import cli
     from posttrain.sft.run import SFTConfig
 
     output = str(tmp_path / "out")
-    args = cli.build_parser().parse_args(matrix.sft_argv(output))
-    assert commands.sft_config(args) == SFTConfig(**matrix.SFT_RUN, output=output)
+    assert cli.parse_options(matrix.sft_argv(output)) == SFTConfig(**matrix.SFT_RUN, output=output)
 
 
 def test_the_rl_run_parses_as_a_grpo_run_config(tmp_path):
     """The rl cell's ``posttrain grpo`` options are all real options with the intended
     values, and the run they describe passes its checks."""
-    from posttrain import cli, commands
+    from posttrain import cli
 
     output = str(tmp_path / "out")
-    cfg = commands.grpo_config(cli.build_parser().parse_args(matrix.rl_argv(output)))
+    cfg = cli.parse_options(matrix.rl_argv(output))
     assert {k: getattr(cfg, k) for k in matrix.RL_RUN} == matrix.RL_RUN
     assert cfg.output == output
     cfg.check()
@@ -397,10 +396,10 @@ def test_the_rl_run_parses_as_a_grpo_run_config(tmp_path):
 def test_the_dpo_run_parses_as_a_dpo_run_config(tmp_path):
     """The dpo cell's ``posttrain dpo`` options are all real options with the intended
     values, and the run they describe passes its checks."""
-    from posttrain import cli, commands
+    from posttrain import cli
 
     output = str(tmp_path / "out")
-    cfg = commands.dpo_config(cli.build_parser().parse_args(matrix.dpo_argv(output)))
+    cfg = cli.parse_options(matrix.dpo_argv(output))
     assert {k: getattr(cfg, k) for k in matrix.DPO_RUN} == matrix.DPO_RUN
     assert cfg.output == output
     cfg.check()

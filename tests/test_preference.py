@@ -374,7 +374,7 @@ def test_a_short_lora_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
 def test_a_run_from_an_export_continues_with_the_tokenizer_its_run_recorded(tmp_path):
     """``posttrain dpo --model runs/sft/model-step60`` after ``posttrain sft --tokenizer
     T``: the tokenizer is T (the export holds none), not the embedded one."""
-    from posttrain.sft.run import run_tokenizer
+    from posttrain.runs.loading import run_tokenizer
 
     tok = byte_tokenizer()
     tok.add_special_tokens(["<|extra|>"])

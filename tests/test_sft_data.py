@@ -255,7 +255,8 @@ def test_a_resumed_run_keeps_its_recorded_data_shards():
     recorded before the setting), whatever the processes now; another count is refused,
     naming both; a count that does not divide the batch is named."""
     from posttrain import sharding
-    from posttrain.sft.run import SFTConfig, data_shards
+    from posttrain.runs.shards import data_shards
+    from posttrain.sft.run import SFTConfig
 
     mesh = sharding.make_mesh({"fsdp": 8})
     assert data_shards(SFTConfig(), mesh, 8) == (1, range(0, 1))

@@ -295,7 +295,7 @@ def test_sft_accepts_a_native_checkpoint_directory(tmp_path, capsys):
 def test_a_resume_with_other_training_settings_is_refused_before_any_write(tmp_path, capsys):
     """run.json names the run's settings: a rerun that changes a training-relevant one
     (learning rate, seed, model ...) is refused, naming each; others may change."""
-    from posttrain.sft import run_record
+    from posttrain.runs import record as run_record
 
     out = tmp_path / "run"
     out.mkdir()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posttrain.runs import tunix_loss
 from posttrain.sft import tunix_compat
 
 JIT_UNBOUND = """
@@ -177,13 +178,13 @@ def test_a_term_added_to_mains_loss_output_moves_its_mean_by_the_term(
         _WeightedMetric(jnp.float32(total), jnp.float32(denominator), **options),
         {"kl": _WeightedMetric(jnp.float32(2.0), jnp.float32(4.0))},
     )
-    added = tunix_compat.add_to_loss(out, jnp.float32(0.25))
-    loss, metrics = tunix_compat.loss_and_metrics(added)
+    added = tunix_loss.add_to_loss(out, jnp.float32(0.25))
+    loss, metrics = tunix_loss.loss_and_metrics(added)
     np.testing.assert_allclose(float(loss), want, rtol=1e-6)
     assert float(metrics["kl"]) == 0.5
     # the older shapes
-    loss, aux = tunix_compat.add_to_loss((jnp.float32(1.0), {"kl": 0.5}), 0.25)
+    loss, aux = tunix_loss.add_to_loss((jnp.float32(1.0), {"kl": 0.5}), 0.25)
     assert float(loss) == 1.25 and aux == {"kl": 0.5}
-    assert float(tunix_compat.add_to_loss(jnp.float32(1.0), 0.25)) == 1.25
-    with pytest.raises(tunix_compat.UnknownLossShapeError, match="returned list"):
-        tunix_compat.add_to_loss([1.0], 0.25)
+    assert float(tunix_loss.add_to_loss(jnp.float32(1.0), 0.25)) == 1.25
+    with pytest.raises(tunix_loss.UnknownLossShapeError, match="returned list"):
+        tunix_loss.add_to_loss([1.0], 0.25)

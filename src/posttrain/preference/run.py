@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import pathlib
 from collections.abc import Sequence
@@ -27,142 +26,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from posttrain import atomic, distributed, sharding
-from posttrain.config import RematPolicy, choices
-from posttrain.sft import run_record
-from posttrain.sft.run import check_output_dir
+from posttrain.preference.options import DPORunConfig
+from posttrain.runs import record as run_record
 
-#: Settings that change what a resumed run computes.
-TRAINING_FIELDS = (
-    "model",
-    "data",
-    "tokenizer",
-    "mesh",
-    "per_device_batch_size",
-    "grad_accum",
-    "steps",
-    "max_prompt_length",
-    "max_response_length",
-    "overflow",
-    "algorithm",
-    "beta",
-    "label_smoothing",
-    "lambda_orpo",
-    "learning_rate",
-    "warmup_steps",
-    "lora_rank",
-    "lora_alpha",
-    "scan_layers",
-    "seed",
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DPORunConfig:
-    """Everything one preference run needs; defaults are the embedded run.
-
-    Attributes:
-      model: preset, native directory (e.g. ``runs/sft/model-step60``) or HF directory.
-      data: preference JSONL (:mod:`posttrain.preference.data`); None for the embedded
-        pairs.
-      eval_data: held-out preference JSONL for the evaluation before and after; None:
-        the embedded held-out pairs with the embedded data, no evaluation with ``data``.
-      tokenizer: ``tokenizer.json``; None for the HF directory's own, else the embedded
-        byte tokenizer.
-      mesh: axis sizes; None puts every device on fsdp.
-      per_device_batch_size: pairs per data-parallel shard; global batch = this x the
-        mesh's data-parallel size.
-      data_shards: split the pairs (train and held-out) into this many interleaved
-        shards (pair i in shard ``i % data_shards``), each shuffled on its own; each
-        process tokenises only the shards of its own rows of every global batch. None:
-        a resumed run's count, else one per distinct slice of the batch across
-        processes (1 in one process: the unsharded order). As ``posttrain sft``'s
-        (:attr:`posttrain.sft.run.SFTConfig.data_shards`).
-      grad_accum: micro-batches per optimizer step.
-      steps: optimizer steps.
-      max_prompt_length, max_response_length: tokens of the left-padded prompt and of
-        each right-padded completion.
-      overflow: ``truncate`` or ``reject`` pairs longer than those.
-      algorithm: ``dpo`` or ``orpo`` (google-tunix >= 0.1.4).
-      beta: DPO's inverse temperature (scales the log-ratios).
-      label_smoothing: the DPO (and ORPO odds-ratio) label smoothing, in [0, 0.5).
-      lambda_orpo: ORPO's weight of the odds-ratio term.
-      learning_rate, warmup_steps: peak of a linear-warmup cosine schedule (to 10%).
-      lora_rank, lora_alpha: LoRA when rank > 0 (the reference is then the policy with
-        adapters off); 0 trains every weight (the reference is a frozen copy).
-      remat, scan_layers: decoder options.
-      seed: model init (presets), adapter init and data order.
-      save_every: checkpoint interval in steps.
-      stop_after: stop at this step (the schedule still spans ``steps``); rerun to resume.
-      output: run directory (see the module docstring).
-    """
-
-    model: str = "qwen3-tiny"
-    data: str | None = None
-    eval_data: str | None = None
-    tokenizer: str | None = None
-    mesh: dict[str, int] | None = None
-    per_device_batch_size: int = 1
-    data_shards: int | None = None
-    grad_accum: int = 1
-    steps: int = 40
-    max_prompt_length: int = 96
-    max_response_length: int = 160
-    overflow: str = "truncate"
-    algorithm: str = "dpo"
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    lambda_orpo: float = 0.1
-    learning_rate: float = 1e-3
-    warmup_steps: int = 5
-    lora_rank: int = 0
-    lora_alpha: float | None = None
-    remat: str = "none"
-    scan_layers: bool = False
-    seed: int = 0
-    save_every: int = 50
-    stop_after: int | None = None
-    output: str = "runs/dpo"
-
-    def check(self) -> None:
-        """Raises ValueError naming the first bad field (and its ``posttrain dpo`` flag)."""
-
-        def bad(name: str, expected: str):
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{name}={getattr(self, name)!r} ({flag}): expected {expected}")
-
-        def finite_positive(value) -> bool:
-            return math.isfinite(value) and value > 0
-
-        for name in ("per_device_batch_size", "grad_accum", "steps", "save_every"):
-            if getattr(self, name) < 1:
-                bad(name, ">= 1")
-        if self.stop_after is not None and self.stop_after < 1:
-            bad("stop_after", ">= 1")
-        if self.data_shards is not None and self.data_shards < 1:
-            bad("data_shards", ">= 1")
-        for name in ("max_prompt_length", "max_response_length"):
-            if getattr(self, name) < 1:
-                bad(name, ">= 1")
-        if self.overflow not in ("truncate", "reject"):
-            bad("overflow", "truncate or reject")
-        if self.algorithm not in ("dpo", "orpo"):
-            bad("algorithm", "dpo or orpo")
-        for name in ("beta", "lambda_orpo", "learning_rate"):
-            if not finite_positive(getattr(self, name)):
-                bad(name, "a finite value > 0")
-        if not (0.0 <= self.label_smoothing < 0.5):
-            bad("label_smoothing", "a value in [0, 0.5)")
-        if self.warmup_steps < 0:
-            bad("warmup_steps", ">= 0")
-        if self.lora_rank < 0:
-            bad("lora_rank", ">= 0 (0 = full fine-tuning)")
-        if self.lora_alpha is not None and not finite_positive(self.lora_alpha):
-            bad("lora_alpha", "a finite value > 0")
-        if self.remat not in choices(RematPolicy):
-            bad("remat", " or ".join(choices(RematPolicy)))
-        if self.seed < 0:
-            bad("seed", "a non-negative integer")
-        check_output_dir(self.output)
+__all__ = ["DPORunConfig", "DPOResult", "pair_arrays", "run_dpo"]
 
 
 @dataclasses.dataclass
@@ -246,7 +113,7 @@ def pair_arrays(
     others' lines are counted)."""
     from posttrain.preference import data
     from posttrain.preference.default_data import pydoc_pairs
-    from posttrain.sft.run import pad_id_of
+    from posttrain.runs.loading import pad_id_of
     from posttrain.sft.tokenizer import check_coverage
 
     def mine_only(i: int) -> bool:  # the other shards' lines are counted, not parsed
@@ -334,25 +201,15 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
         ORPO on a release without it.
     """
 
-    from posttrain.loading import export_final
     from posttrain.preference import tunix_dpo
-    from posttrain.preference.trainer import DPOTrainer
-    from posttrain.rl.policy import TunixPolicy, reference_of
-    from posttrain.sft.run import (
-        adamw_schedule,
-        data_shards,
-        load_run_model,
-        peft_training_fields,
-        prepare_output,
-        recorded_shards,
-        run_tokenizer_path,
-    )
+    from posttrain.runs.directory import prepare_output
+    from posttrain.runs.export import export_final
+    from posttrain.runs.loading import load_run_model, run_tokenizer_path
     from posttrain.sft.tokenizer import load_tokenizer
-    from posttrain.sft.trainer import NonFiniteLossError, SFTOptions
 
     cfg.check()
     tunix_dpo.check_algorithm(cfg.algorithm)  # before anything is read or written
-    run_record.check_resumable(cfg, cfg.output, TRAINING_FIELDS)
+    run_record.check_resumable(cfg, cfg.output)
     # Across processes, process 0 alone writes metrics, progress, run.json and exports.
     writer = distributed.is_writer()
     log_every = log_every if writer else None
@@ -361,47 +218,13 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
     tokenizer_path = run_tokenizer_path(cfg, hf_dir)
     tok = load_tokenizer(tokenizer_path)
-    shards, mine = data_shards(cfg, mesh, global_batch, recorded_shards(cfg))
-    # Bad data fails before the model is built or anything is written. Each process
-    # tokenises its shards only, so a bad pair fails in one process: every process
-    # learns it and stops (a collective), none waits for the others at the next one.
-    with distributed.together("read the data"):
-        train, held_out = pair_arrays(cfg, tok, repr(tokenizer_path or "(embedded)"), shards, mine)
-    if train.total < global_batch * cfg.grad_accum:
-        raise ValueError(
-            f"{cfg.data or '(embedded pairs)'} has {train.total} training pairs, fewer than "
-            f"one optimizer step ({global_batch} x grad_accum {cfg.grad_accum})"
-        )
-    if held_out is not None and held_out.total < global_batch:
-        raise ValueError(
-            f"--eval-data {cfg.eval_data or '(embedded held-out pairs)'} has "
-            f"{held_out.total} pairs, fewer than one global batch ({global_batch})"
-        )
+    name = repr(tokenizer_path or "(embedded)")
+    shards, train, held_out = _read_pairs(cfg, tok, name, mesh, global_batch)
     model = load_run_model(cfg, mesh, tok)
-    policy = TunixPolicy(model)
-    reference = None if cfg.algorithm == "orpo" else reference_of(policy)
-
     out = prepare_output(cfg.output)
-    schedule, tx = adamw_schedule(cfg)
-    training_config = tunix_dpo.training_config(
-        algorithm=cfg.algorithm,
-        beta=cfg.beta,
-        label_smoothing=cfg.label_smoothing,
-        lambda_orpo=cfg.lambda_orpo,
-        **peft_training_fields(cfg, out, mesh),
-    )
-    options = SFTOptions(
-        mesh=mesh,
-        learning_rate_fn=schedule,
-        metrics_path=out / "metrics.jsonl" if writer else None,
-        log_every=log_every,
-        single_replica_saves=_single_process_cpu(),
-        process_local_batches=True,
-    )
-    trainer = DPOTrainer(policy, reference, tx, training_config, options=options)
+    trainer = _trainer(cfg, model, mesh, out, log_every)
     if on_built is not None:
         on_built(trainer)
-    restored = trainer.train_steps
     if log_every:
         print(
             f"model {cfg.model}: {cfg.algorithm} on {train.total:,} pairs in {shards} data "
@@ -411,32 +234,13 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
             f"{_reference_kind(cfg)}; Tunix convention {trainer.convention.name}",
             flush=True,
         )
-    scale = cfg.beta if cfg.algorithm == "dpo" else cfg.lambda_orpo
-
-    def held_out_figures():
-        return evaluate(trainer, held_out, global_batch, algorithm=cfg.algorithm, scale=scale)
-
-    before = None
-    if held_out is not None:
-        # A resumed run reports the evaluation of the run's start, recorded then.
-        before = held_out_figures() if not restored else _recorded_before(out)
     facts = {
         "global_batch": global_batch,
         "pairs": train.total,
         "data_shards": shards,
         "convention": trainer.convention.name,
-        "evaluation_before": before,
     }
-    if writer:
-        run_record.begin_segment(out, cfg, facts, restored)
-    try:
-        trainer.train(train.batches(global_batch, cfg.grad_accum, seed=cfg.seed))
-    except NonFiniteLossError:
-        trainer.abandon()
-        raise
-    after = held_out_figures() if held_out is not None else None
-    if after is not None and writer:
-        _record_evaluation(out, before, after)
+    before, after = _train(trainer, cfg, out, facts, train, held_out, write=writer)
     step = trainer.train_steps
     exported = export_final(trainer.model.model, out, step)
     return DPOResult(
@@ -451,11 +255,92 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     )
 
 
-def _single_process_cpu() -> bool:
-    """Orbax saves each replicated array from one replica (as ``posttrain sft``'s ``auto``)."""
-    import jax
+def _train(trainer, cfg: DPORunConfig, out, facts: dict, train, held_out, *, write: bool):
+    """Evaluates on ``held_out`` (a resumed run reports its start's evaluation, recorded
+    then), records this segment (the writer), trains from the step Tunix restored and
+    evaluates again; returns the figures ``(before, after)`` (None without held-out
+    pairs). A non-finite loss abandons the run (no final checkpoint, no export)."""
+    from posttrain.sft.trainer import NonFiniteLossError
 
-    return jax.default_backend() == "cpu" and jax.process_count() == 1
+    global_batch = facts["global_batch"]
+    scale = cfg.beta if cfg.algorithm == "dpo" else cfg.lambda_orpo
+
+    def held_out_figures():
+        return evaluate(trainer, held_out, global_batch, algorithm=cfg.algorithm, scale=scale)
+
+    restored = trainer.train_steps
+    before = None
+    if held_out is not None:
+        before = held_out_figures() if not restored else _recorded_before(out)
+    if write:
+        run_record.begin_segment(out, cfg, {**facts, "evaluation_before": before}, restored)
+    try:
+        trainer.train(train.batches(global_batch, cfg.grad_accum, seed=cfg.seed))
+    except NonFiniteLossError:
+        trainer.abandon()
+        raise
+    after = held_out_figures() if held_out is not None else None
+    if after is not None and write:
+        _record_evaluation(out, before, after)
+    return before, after
+
+
+def _read_pairs(cfg: DPORunConfig, tok, tokenizer_name: str, mesh, global_batch: int):
+    """``(data shards, train pairs, held-out pairs or None)`` of this process
+    (:func:`pair_arrays`).
+
+    Raises:
+      ValueError: bad pairs, or fewer than one optimizer step of them (one global batch
+        of held-out pairs).
+    """
+    from posttrain.runs.shards import data_shards, recorded_shards
+
+    shards, mine = data_shards(cfg, mesh, global_batch, recorded_shards(cfg))
+    # Bad data fails before the model is built or anything is written. Each process
+    # tokenises its shards only, so a bad pair fails in one process: every process
+    # learns it and stops (a collective), none waits for the others at the next one.
+    with distributed.together("read the data"):
+        train, held_out = pair_arrays(cfg, tok, tokenizer_name, shards, mine)
+    if train.total < global_batch * cfg.grad_accum:
+        raise ValueError(
+            f"{cfg.data or '(embedded pairs)'} has {train.total} training pairs, fewer than "
+            f"one optimizer step ({global_batch} x grad_accum {cfg.grad_accum})"
+        )
+    if held_out is not None and held_out.total < global_batch:
+        raise ValueError(
+            f"--eval-data {cfg.eval_data or '(embedded held-out pairs)'} has "
+            f"{held_out.total} pairs, fewer than one global batch ({global_batch})"
+        )
+    return shards, train, held_out
+
+
+def _trainer(cfg: DPORunConfig, model, mesh, out: pathlib.Path, log_every):
+    """Our ``DPOTrainer`` of the run ``cfg``: the policy ``model`` and its reference
+    (none for ORPO; the policy with adapters off under LoRA, else a frozen copy)."""
+    from posttrain.preference import tunix_dpo
+    from posttrain.preference.trainer import DPOTrainer
+    from posttrain.rl.policy import TunixPolicy, reference_of
+    from posttrain.runs.training import (
+        adamw_schedule,
+        peft_training_fields,
+        single_process_cpu,
+        trainer_options,
+    )
+
+    policy = TunixPolicy(model)
+    reference = None if cfg.algorithm == "orpo" else reference_of(policy)
+    schedule, tx = adamw_schedule(cfg)
+    training_config = tunix_dpo.training_config(
+        algorithm=cfg.algorithm,
+        beta=cfg.beta,
+        label_smoothing=cfg.label_smoothing,
+        lambda_orpo=cfg.lambda_orpo,
+        **peft_training_fields(cfg, out, mesh),
+    )
+    options = trainer_options(
+        mesh, schedule, out, log_every, single_replica_saves=single_process_cpu()
+    )
+    return DPOTrainer(policy, reference, tx, training_config, options=options)
 
 
 def _reference_kind(cfg: DPORunConfig) -> str:

@@ -33,7 +33,7 @@ import inspect
 
 from flax import nnx
 
-from posttrain.sft import tunix_compat
+from posttrain.runs import tunix_loss
 
 #: The metrics every release's loss reports, by their Tunix names.
 METRICS = (
@@ -129,15 +129,15 @@ def training_config(
 
 def loss_and_metrics(result) -> tuple:
     """``(mean loss, {metric: mean})`` of what Tunix's DPO loss returned
-    (:func:`posttrain.sft.tunix_compat.loss_and_metrics`: ``(loss, aux)`` up to
+    (:func:`posttrain.sft.tunix_loss.loss_and_metrics`: ``(loss, aux)`` up to
     google-tunix 0.1.7, main's ``LossOutput``).
 
     Raises:
       UnknownPreferenceShapeError: neither shape.
     """
     try:
-        return tunix_compat.loss_and_metrics(result)
-    except tunix_compat.UnknownLossShapeError as error:
+        return tunix_loss.loss_and_metrics(result)
+    except tunix_loss.UnknownLossShapeError as error:
         raise UnknownPreferenceShapeError(f"dpo_loss_fn: {error}") from None
 
 

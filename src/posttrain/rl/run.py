@@ -9,7 +9,8 @@ Output directory (``GRPORunConfig.output``)::
     checkpoints/      Tunix's checkpoints of the actor (LoRA only when LoRA is on); a
                       rerun with the same settings resumes from the latest
     run.json          settings, and per start: the step resumed from and the evaluation
-    metrics.jsonl     one record per GRPO step (see :func:`step_record`), each step once
+    metrics.jsonl     one record per GRPO step (:func:`posttrain.rl.metrics.step_record`),
+                      each step once
     tensorboard/      Tunix's metrics
     model-step<N>/    native safetensors of the final policy (LoRA merged) ...
     adapter-step<N>/  ... and its adapters, when LoRA is on
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import sys
 import time
@@ -28,167 +28,10 @@ import numpy as np
 
 from posttrain import atomic, distributed, sharding
 from posttrain.rl import arithmetic, rewards
+from posttrain.rl.metrics import progress_line, step_record, write_metrics
+from posttrain.rl.options import GRPORunConfig
 
-#: Settings that change what a resumed run computes.
-TRAINING_FIELDS = (
-    "model",
-    "tokenizer",
-    "mesh",
-    "rollout_mesh",
-    "rollout_dtype",
-    "per_device_batch_size",
-    "num_generations",
-    "steps",
-    "learning_rate",
-    "lora_rank",
-    "lora_alpha",
-    "algorithm",
-    "beta",
-    "epsilon",
-    "temperature",
-    "max_prompt_length",
-    "max_new_tokens",
-    "reward",
-    "warmup_steps",
-    "seed",
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GRPORunConfig:
-    """Everything one GRPO run needs; defaults are the embedded run.
-
-    Attributes:
-      model: preset, native or HF directory (as ``posttrain sft --model``).
-      tokenizer: ``tokenizer.json``; None for the embedded byte tokenizer.
-      mesh: the actor's and reference's axis sizes; None puts every device on fsdp.
-      rollout_mesh: the rollout's axis sizes (same devices, another layout; weights
-        are synced every step); None shares the actor's mesh and model.
-      rollout_dtype: ``float32`` or ``bfloat16``: the rollout copy's parameter dtype
-        (Tunix's ``RolloutConfig.data_type``, google-tunix 0.1.2+; each sync casts the
-        actor's parameters to it); needs ``rollout_mesh`` (on one mesh the rollout
-        shares the actor's parameters). None: the actor's dtype.
-      per_device_batch_size: prompts per data-parallel shard of the actor mesh; the
-        global batch is this x its data-parallel size, x ``num_generations``
-        completions.
-      num_generations: G, completions per prompt (>= 2).
-      steps: GRPO steps (one rollout and one optimizer update each).
-      learning_rate: AdamW's, constant.
-      lora_rank, lora_alpha: LoRA on the projections when rank > 0 (the reference is
-        then the actor with adapters off); 0 trains every weight (the reference is a
-        frozen copy).
-      algorithm: ``grpo``, ``dapo`` (google-tunix >= 0.1.4) or ``drgrpo`` (>= 0.1.6).
-      beta: the KL coefficient (None: the algorithm's; DAPO has no KL term).
-      epsilon: the clipping range.
-      temperature: rollout sampling temperature (> 0).
-      max_prompt_length, max_new_tokens: rollout lengths (the KV cache holds both).
-      reward: reward functions, built-in names or ``module:function``; summed.
-      warmup_steps: SFT steps on the task before GRPO (0: none).
-      warmup_data_shards: the warm-up SFT's ``data_shards``
-        (:attr:`posttrain.sft.run.SFTConfig.data_shards`; None: one per process slice
-        of its batch). The same value gives the same warm-up on any number of processes.
-      eval_samples: completions of each task problem in the evaluation before and after
-        training (0: no evaluation).
-      seed: model init, adapters, data order and rollout sampling.
-      save_every: checkpoint interval in steps.
-      stop_after: stop at this step (a checkpoint is written there); a rerun with the
-        same output resumes, as after an interruption.
-      output: run directory (see the module docstring).
-    """
-
-    model: str = "qwen3-tiny"
-    tokenizer: str | None = None
-    mesh: dict[str, int] | None = None
-    rollout_mesh: dict[str, int] | None = None
-    rollout_dtype: str | None = None
-    per_device_batch_size: int = 2
-    num_generations: int = 8
-    steps: int = 150
-    learning_rate: float = 5e-4
-    lora_rank: int = 0
-    lora_alpha: float | None = None
-    algorithm: str = "grpo"
-    beta: float | None = None
-    epsilon: float = 0.2
-    temperature: float = 1.0
-    max_prompt_length: int = 32
-    max_new_tokens: int = 6
-    reward: tuple[str, ...] = rewards.DEFAULT
-    warmup_steps: int = 100
-    warmup_data_shards: int | None = None
-    eval_samples: int = 4
-    seed: int = 0
-    save_every: int = 10
-    stop_after: int | None = None
-    output: str = "runs/grpo"
-
-    def check(self) -> None:
-        """Raises ValueError naming the first bad field (and its ``posttrain grpo`` flag);
-        nothing is read or written before this passes."""
-        from posttrain.rl.tunix_rl import ALGORITHMS
-        from posttrain.sft.run import check_output_dir
-
-        def bad(name: str, expected: str):
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"{name}={getattr(self, name)!r} ({flag}): expected {expected}")
-
-        for name in ("per_device_batch_size", "steps", "save_every", "max_new_tokens"):
-            if getattr(self, name) < 1:
-                bad(name, ">= 1")
-        if self.num_generations < 2:
-            bad("num_generations", ">= 2 (advantages are relative to the group)")
-        if self.max_prompt_length < 1:
-            bad("max_prompt_length", ">= 1")
-        if self.warmup_steps < 0:
-            bad("warmup_steps", ">= 0")
-        if self.warmup_data_shards is not None and self.warmup_data_shards < 1:
-            bad("warmup_data_shards", ">= 1")
-        if self.eval_samples < 0:
-            bad("eval_samples", ">= 0 (0: no evaluation)")
-        if self.stop_after is not None and self.stop_after < 1:
-            bad("stop_after", ">= 1")
-        if self.lora_rank < 0:
-            bad("lora_rank", ">= 0 (0 = full fine-tuning)")
-        if self.lora_alpha is not None and not (
-            math.isfinite(self.lora_alpha) and self.lora_alpha > 0
-        ):
-            bad("lora_alpha", "a finite value > 0")
-        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-            bad("learning_rate", "a finite value > 0")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            bad("temperature", "a finite value > 0 (GRPO samples its rollouts)")
-        if not (math.isfinite(self.epsilon) and 0 < self.epsilon < 1):
-            bad("epsilon", "a value in (0, 1)")
-        if self.algorithm not in ALGORITHMS:
-            bad("algorithm", " or ".join(ALGORITHMS))
-        if self.beta is not None:
-            if not (math.isfinite(self.beta) and self.beta >= 0):
-                bad("beta", "a finite value >= 0")
-            if self.algorithm == "dapo":
-                bad("beta", "unset with --algorithm dapo (DAPO has no KL term)")
-        if self.seed < 0:
-            bad("seed", "a non-negative integer")
-        if not self.reward:
-            bad("reward", "at least one reward function")
-        for spec in self.reward:
-            rewards.resolve(spec)
-        for name in ("mesh", "rollout_mesh"):
-            value = getattr(self, name)
-            if value is not None and any(v < 1 for v in value.values()):
-                bad(name, "axis sizes >= 1")
-        if self.rollout_dtype not in (None, "float32", "bfloat16"):
-            bad("rollout_dtype", "float32 or bfloat16")
-        if self.rollout_dtype is not None and self.rollout_mesh is None:
-            bad(
-                "rollout_dtype",
-                "--rollout-mesh too (on one mesh the rollout shares the actor's parameters)",
-            )
-        check_output_dir(self.output)
-
-    def training_settings(self) -> dict:
-        out = {k: getattr(self, k) for k in TRAINING_FIELDS}
-        out["reward"] = list(self.reward)
-        return out
+__all__ = ["GRPOResult", "GRPORunConfig", "progress_line", "run_grpo", "step_record"]
 
 
 @dataclasses.dataclass
@@ -219,10 +62,6 @@ class GRPOResult:
         )
 
 
-def _mesh_text(mesh) -> str:
-    return ",".join(f"{a}={s}" for a, s in mesh.shape.items() if s > 1) or "one device"
-
-
 def _check_resumable(cfg: GRPORunConfig, out: pathlib.Path) -> dict | None:
     path = out / "run.json"
     if not path.exists():
@@ -233,7 +72,7 @@ def _check_resumable(cfg: GRPORunConfig, out: pathlib.Path) -> dict | None:
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path}: not a posttrain grpo run record ({err})") from None
     current = json.loads(json.dumps(cfg.training_settings()))
-    changed = [k for k in TRAINING_FIELDS if settings.get(k) != current[k]]
+    changed = [k for k in cfg.TRAINING_FIELDS if settings.get(k) != current[k]]
     if changed:
         k = changed[0]
         raise ValueError(
@@ -304,50 +143,6 @@ def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
     return str(done)
 
 
-def step_record(step: int, tunix: dict, rewards_by_fn: dict, tap) -> dict:
-    """One ``metrics.jsonl`` record: ``step``; ``reward/<fn>/mean|std`` per function and
-    ``reward/total/mean|std``; Tunix's ``loss``, ``kl``, ``pg_clipfrac`` and
-    ``completions/mean_length`` where the release logs them; rollout tokens and
-    tokens/s; the step's wall time."""
-    record: dict = {"step": step}
-    total = None
-    for name, values in rewards_by_fn.items():
-        record[f"reward/{name}/mean"] = float(np.mean(values))
-        record[f"reward/{name}/std"] = float(np.std(values))
-        total = values if total is None else total + values
-    if total is not None:
-        record["reward/total/mean"] = float(np.mean(total))
-        record["reward/total/std"] = float(np.std(total))
-    for key in ("loss", "kl", "pg_clipfrac", "completions/mean_length"):
-        for name, value in tunix.items():
-            if name == key or name.endswith("/" + key):
-                record[key] = value
-                break
-    seconds = tap.rollout_seconds.get(step - 1)
-    if seconds:
-        record["rollout_tokens"] = tap.rollout_tokens[step - 1]
-        record["rollout_tokens_per_s"] = tap.rollout_tokens[step - 1] / seconds
-    return record
-
-
-def progress_line(record: dict) -> str:
-    """``step 15: reward 0.414 (exact_answer 0.180, answer_format 0.234), kl 0.193, ...``"""
-    per_fn = ", ".join(
-        f"{k.split('/')[1]} {v:.3f}"
-        for k, v in record.items()
-        if k.startswith("reward/") and k.endswith("/mean") and k != "reward/total/mean"
-    )
-    parts = [f"step {record['step']}: reward {record.get('reward/total/mean', float('nan')):.3f}"]
-    parts[0] += f" ({per_fn})" if per_fn else ""
-    if "kl" in record:
-        parts.append(f"kl {record['kl']:.3f}")
-    if "completions/mean_length" in record:
-        parts.append(f"{record['completions/mean_length']:.1f} tokens per completion")
-    if "rollout_tokens_per_s" in record:
-        parts.append(f"rollout {record['rollout_tokens_per_s']:,.0f} tokens/s")
-    return ", ".join(parts)
-
-
 def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None) -> GRPOResult:
     """Runs (or resumes) one GRPO run; see the module docstring for what it writes.
 
@@ -360,14 +155,9 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
       ValueError: a bad config, mesh, model or tokenizer, or an algorithm the installed
         Tunix does not have (one line naming it).
     """
-    import jax.numpy as jnp
-    import optax
-    from tunix.sft import metrics_logger
-
-    from posttrain import _compat
-    from posttrain.loading import export_final, load_trainable
+    from posttrain.loading import load_trainable
     from posttrain.rl import tunix_rl
-    from posttrain.rl.policy import TunixPolicy, reference_of
+    from posttrain.runs.export import export_final
     from posttrain.sft.tokenizer import load_tokenizer
     from posttrain.tunix_sampler import TunixTokenizer
 
@@ -378,6 +168,65 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     out = pathlib.Path(cfg.output)
     previous = _check_resumable(cfg, out)
     tunix_rl.learner_and_config(cfg.algorithm)  # a missing algorithm fails before work
+    mesh, rollout_mesh = _meshes(cfg)
+    fns = [rewards.resolve(spec) for spec in cfg.reward]
+    tok = TunixTokenizer(load_tokenizer(cfg.tokenizer))
+    task = _task(cfg, tok)
+    found = _surface(cfg, writer, log_every)
+    out.mkdir(parents=True, exist_ok=True)
+    start = _warmup(cfg, out, task, log_every)
+    model = load_trainable(
+        start,
+        mesh,
+        vocab_size=tok.tokenizer.get_vocab_size(),
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        seed=cfg.seed,
+        scratch=cfg.output,
+    )
+    # Our mesh for tracing, not JAX's mesh context: Orbax's eager per-shard copies fail
+    # under it on jax 0.7-0.8 (as in SFTTrainer.train).
+    with sharding.use_mesh(mesh, jax_context=False):
+        before = previous["evaluations"][0]["before"] if previous else None
+        if before is None and cfg.eval_samples:
+            before = evaluate(model, tok, task, cfg, fns)
+        trained = _train(cfg, model, tok, (mesh, rollout_mesh), task, fns, on_built, writer)
+        model, step, restored, history, seconds = trained
+        after = evaluate(model, tok, task, cfg, fns) if cfg.eval_samples else None
+    exported = export_final(model, out, step)
+    if writer:
+        _record(out, cfg, previous, restored, before, after, step, seconds, found)
+    if log_every:
+        for record in history[log_every - 1 :: log_every]:
+            print(progress_line(record), flush=True)
+    return GRPOResult(history, out, step, before, after, exported, cfg.eval_samples)
+
+
+def _task(cfg: GRPORunConfig, tok) -> list:
+    """The embedded task's problems (:func:`posttrain.rl.arithmetic.problems`).
+
+    Raises:
+      ValueError: its longest prompt is over ``max_prompt_length`` tokens.
+    """
+    task = arithmetic.problems()
+    too_long = max(len(tok.encode(p.prompt)) for p in task)
+    if too_long > cfg.max_prompt_length:
+        raise ValueError(
+            f"max_prompt_length={cfg.max_prompt_length} (--max-prompt-length): the task's "
+            f"longest prompt has {too_long} tokens"
+        )
+    return task
+
+
+def _meshes(cfg: GRPORunConfig):
+    """``(actor mesh, rollout mesh)``; the rollout's is the actor's without
+    ``rollout_mesh``.
+
+    Raises:
+      ValueError: ``rollout_dtype`` on a Tunix without it, or with one mesh.
+    """
+    from posttrain.rl import tunix_rl
+
     mesh = sharding.make_mesh(cfg.mesh)
     rollout_mesh = mesh if cfg.rollout_mesh is None else sharding.make_mesh(cfg.rollout_mesh)
     if cfg.rollout_dtype and not tunix_rl.rollout_takes_data_type():
@@ -391,16 +240,15 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
             f"{cfg.rollout_mesh} is the actor's, whose parameters it shares; expected "
             "another --rollout-mesh"
         )
-    batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
-    fns = [rewards.resolve(spec) for spec in cfg.reward]
-    tok = TunixTokenizer(load_tokenizer(cfg.tokenizer))
-    task = arithmetic.problems()
-    too_long = max(len(tok.encode(p.prompt)) for p in task)
-    if too_long > cfg.max_prompt_length:
-        raise ValueError(
-            f"max_prompt_length={cfg.max_prompt_length} (--max-prompt-length): the task's "
-            f"longest prompt has {too_long} tokens"
-        )
+    return mesh, rollout_mesh
+
+
+def _surface(cfg: GRPORunConfig, writer: bool, log_every) -> dict:
+    """What the installed Tunix RL does (:func:`posttrain.rl.tunix_rl.surface`), printed
+    with ``log_every``; warns of a biased ratio at a temperature other than 1 where its
+    trainer computes logps at 1."""
+    from posttrain.rl import tunix_rl
+
     found = tunix_rl.surface()
     if writer and cfg.temperature != 1.0 and found["trainer logps at rollout temperature"] == "no":
         print(
@@ -411,25 +259,19 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         )
     if log_every:
         print("Tunix RL: " + "; ".join(f"{k}: {v}" for k, v in found.items()), flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    start = _warmup(cfg, out, task, log_every)
-    model = load_trainable(
-        start,
-        mesh,
-        vocab_size=tok.tokenizer.get_vocab_size(),
-        lora_rank=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        seed=cfg.seed,
-        scratch=cfg.output,
-    )
-    actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
+    return found
 
-    rewards_seen: dict[int, dict[str, np.ndarray]] = {}
 
-    def sink(name: str, values: np.ndarray) -> None:  # called inside step global_steps + 1
-        rewards_seen.setdefault(int(cluster.global_steps) + 1, {})[name] = values
+def _configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_id: int):
+    """Tunix's ``(training config, rollout config, algorithm config)`` of the run."""
+    import jax.numpy as jnp
+    import optax
+    from tunix.sft import metrics_logger
 
-    recorded = [rewards.recorded(fn, sink) for fn in fns]
+    from posttrain import _compat
+    from posttrain.rl import tunix_rl
+
+    batch = _batch(cfg, mesh)
     training = tunix_rl.training_config(
         actor_optimizer=optax.adamw(cfg.learning_rate, b2=0.99, weight_decay=0.0),
         eval_every_n_steps=cfg.steps + 1,
@@ -459,56 +301,67 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         top_p=1.0,
         top_k=None,
         seed=cfg.seed,
-        eos_tokens=[tok.eos_id()],
+        eos_tokens=[eos_id],
         **({"data_type": jnp.dtype(cfg.rollout_dtype)} if cfg.rollout_dtype else {}),
     )
     algo = tunix_rl.algo_config(
         cfg.algorithm, num_generations=cfg.num_generations, beta=cfg.beta, epsilon=cfg.epsilon
     )
-    # Our mesh for tracing, not JAX's mesh context: Orbax's eager per-shard copies fail
-    # under it on jax 0.7-0.8 (as in SFTTrainer.train).
-    with sharding.use_mesh(mesh, jax_context=False):
-        before = previous["evaluations"][0]["before"] if previous else None
-        if before is None and cfg.eval_samples:
-            before = evaluate(model, tok, task, cfg, fns)
-        cluster = tunix_rl.cluster(
-            actor=actor,
-            reference=reference,
-            tokenizer=tok,
-            meshes={"actor": mesh, "reference": mesh, "rollout": rollout_mesh},
-            training=training,
-            rollout=rollout,
-        )
-        learner = tunix_rl.learner(cfg.algorithm, cluster, algo, recorded, seed=None)
-        tunix_rl.place_actor_optimizer(cluster, mesh)
-        moe = model.config.moe
-        tunix_rl.with_moe_aux_loss(cluster.actor_trainer, moe.aux_loss_weight if moe else 0.0)
-        tap = tunix_rl.MetricsTap()
-        tap.attach(cluster)
-        restored = int(cluster.actor_trainer.train_steps)
-        tunix_rl.reshard_syncs_on_device(learner)
-        tunix_rl.sync_rollout(learner)  # a restored actor must not leave the rollout stale
-        tunix_rl.vary_rollout_seed(cluster, cfg.seed)
-        if on_built is not None:
-            on_built(learner, (actor, reference))
-        started = time.perf_counter()
-        data = arithmetic.batches(task, batch, cfg.steps, cfg.seed)
-        try:
-            with _saves():
-                learner.train(data)
-        finally:
-            history = _write_metrics(out, restored, tap, rewards_seen, write=writer)
-        seconds = time.perf_counter() - started
-        step = int(cluster.actor_trainer.train_steps)
-        model = cluster.actor_trainer.model.model  # the trained one (Tunix may re-place it)
-        after = evaluate(model, tok, task, cfg, fns) if cfg.eval_samples else None
-    exported = export_final(model, out, step)
-    if writer:
-        _record(out, cfg, previous, restored, before, after, step, seconds, found)
-    if log_every:
-        for record in history[log_every - 1 :: log_every]:
-            print(progress_line(record), flush=True)
-    return GRPOResult(history, out, step, before, after, exported, cfg.eval_samples)
+    return training, rollout, algo
+
+
+def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: bool):
+    """Builds Tunix's cluster and learner over ``model`` and trains from the step it
+    restored; returns ``(trained model, step, restored step, history, seconds)``."""
+    from posttrain.rl import tunix_cluster, tunix_rl
+    from posttrain.rl.policy import TunixPolicy, reference_of
+
+    mesh, rollout_mesh = meshes
+    out = pathlib.Path(cfg.output)
+    training, rollout, algo = _configs(cfg, out, mesh, tok.eos_id())
+    rewards_seen: dict[int, dict[str, np.ndarray]] = {}
+
+    def sink(name: str, values: np.ndarray) -> None:  # called inside step global_steps + 1
+        rewards_seen.setdefault(int(cluster.global_steps) + 1, {})[name] = values
+
+    actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
+    cluster = tunix_rl.cluster(
+        actor=actor,
+        reference=reference,
+        tokenizer=tok,
+        meshes={"actor": mesh, "reference": mesh, "rollout": rollout_mesh},
+        training=training,
+        rollout=rollout,
+    )
+    recorded = [rewards.recorded(fn, sink) for fn in fns]
+    learner = tunix_rl.learner(cfg.algorithm, cluster, algo, recorded, seed=None)
+    tunix_cluster.place_actor_optimizer(cluster, mesh)
+    moe = model.config.moe
+    tunix_rl.with_moe_aux_loss(cluster.actor_trainer, moe.aux_loss_weight if moe else 0.0)
+    tap = tunix_cluster.MetricsTap()
+    tap.attach(cluster)
+    restored = int(cluster.actor_trainer.train_steps)
+    tunix_cluster.reshard_syncs_on_device(learner)
+    tunix_cluster.sync_rollout(learner)  # a restored actor must not leave the rollout stale
+    tunix_cluster.vary_rollout_seed(cluster, cfg.seed)
+    if on_built is not None:
+        on_built(learner, (actor, reference))
+    started = time.perf_counter()
+    data = arithmetic.batches(task, _batch(cfg, mesh), cfg.steps, cfg.seed)
+    try:
+        with _saves():
+            learner.train(data)
+    finally:
+        history = write_metrics(out, restored, tap, rewards_seen, write=writer)
+    seconds = time.perf_counter() - started
+    step = int(cluster.actor_trainer.train_steps)
+    trained = cluster.actor_trainer.model.model  # the trained one (Tunix may re-place it)
+    return trained, step, restored, history, seconds
+
+
+def _batch(cfg: GRPORunConfig, mesh) -> int:
+    """Prompts per GRPO step: ``per_device_batch_size`` x the mesh's data-parallel size."""
+    return cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
 
 
 def _saves():
@@ -529,25 +382,6 @@ def _saves():
 def _pow2(n: int) -> int:
     """Tunix's sampler pads prompts to the next power of two of the longest."""
     return 1 << max(0, (n - 1).bit_length())
-
-
-def _write_metrics(
-    out: pathlib.Path, restored: int, tap, rewards_seen, *, write: bool = True
-) -> list[dict]:
-    """Appends the steps after ``restored`` to ``metrics.jsonl`` (dropping any a killed
-    run logged past its checkpoint; ``write=False``: only computes them); returns them."""
-    path = out / "metrics.jsonl"
-    kept = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip() and json.loads(line)["step"] <= restored:
-                kept.append(line)
-    steps = sorted(s for s in set(tap.records) | set(rewards_seen) if s > restored)
-    history = [step_record(s, tap.records.get(s, {}), rewards_seen.get(s, {}), tap) for s in steps]
-    lines = kept + [json.dumps(r) for r in history]
-    if write:
-        atomic.write_text(path, "\n".join(lines) + ("\n" if lines else ""))
-    return history
 
 
 def _record(out, cfg, previous, restored, before, after, step, seconds, found) -> None:

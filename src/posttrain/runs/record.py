@@ -1,12 +1,12 @@
 """What a run directory says about itself: ``run.json`` and ``metrics.jsonl`` on resume.
 
-``run.json`` holds the settings of the run (the :class:`~posttrain.sft.run.SFTConfig`
-fields), the facts of its latest segment at the top level (``global_batch``, ``rows``,
-``convention``, ``replica_parallel_saves_resolved``, ``started``), and ``segments``: one
+``run.json`` holds the settings of the run (its options' fields,
+:mod:`posttrain.runs.options`), the facts of its latest segment at the top level
+(``global_batch``, ``rows``, ``convention``, ``started`` ...), and ``segments``: one
 record per start or resume, each with its own settings and the step it resumed from.
 
-A rerun into the same directory resumes only when every training-relevant setting
-(:data:`TRAINING_FIELDS`) equals the recorded one; otherwise it is refused before
+A rerun into the same directory resumes only when every training-relevant setting (the
+options' ``TRAINING_FIELDS``) equals the recorded one; otherwise it is refused before
 anything is read or written. ``metrics.jsonl`` keeps each step once: on resume from step
 k the records past k (steps the interrupted run logged but did not checkpoint) are
 dropped before training replays them.
@@ -24,27 +24,6 @@ from typing import Any
 from posttrain import atomic
 
 RUN_FILE, METRICS_FILE = "run.json", "metrics.jsonl"
-
-#: Settings that change what a resumed run computes; the others (output, save_every,
-#: stop_after, remat, replica_parallel_saves) may change between segments.
-TRAINING_FIELDS = (
-    "model",
-    "data",
-    "tokenizer",
-    "mesh",
-    "per_device_batch_size",
-    "grad_accum",
-    "steps",
-    "max_target_length",
-    "packing",
-    "overflow",
-    "learning_rate",
-    "warmup_steps",
-    "lora_rank",
-    "lora_alpha",
-    "scan_layers",
-    "seed",
-)
 
 
 def read(out: str | os.PathLike) -> dict[str, Any] | None:
@@ -65,9 +44,9 @@ def read(out: str | os.PathLike) -> dict[str, Any] | None:
     return body
 
 
-def check_resumable(cfg, out: str | os.PathLike, fields: tuple[str, ...] = TRAINING_FIELDS) -> None:
-    """Refuses to run ``cfg`` into ``out`` when ``out`` holds a run with other ``fields``
-    (default: SFT's :data:`TRAINING_FIELDS`; ``posttrain dpo`` passes its own).
+def check_resumable(cfg, out: str | os.PathLike) -> None:
+    """Refuses to run ``cfg`` into ``out`` when ``out`` holds a run with other
+    ``cfg.TRAINING_FIELDS``.
 
     Raises:
       ValueError: one line naming each training-relevant field that differs, with the
@@ -80,7 +59,7 @@ def check_resumable(cfg, out: str | os.PathLike, fields: tuple[str, ...] = TRAIN
     new = dataclasses.asdict(cfg)
     differ = [
         f"{name} {settings.get(name)!r} -> {new[name]!r}"
-        for name in fields
+        for name in cfg.TRAINING_FIELDS
         if _normal(settings.get(name)) != _normal(new[name])
     ]
     if differ:

@@ -1,0 +1,239 @@
+"""``posttrain generate``: prompts (text, chat messages or a JSONL file) through a model
+and its KV cache; one prompt streams, several write JSONL."""
+
+from __future__ import annotations
+
+from posttrain import distributed
+
+
+def newest_export(run_dir: str = "runs/sft") -> str | None:
+    """The ``model-step<N>`` directory with the largest N under ``run_dir`` (``None``: none)."""
+    import pathlib
+    import re
+
+    steps = [
+        (int(m.group(1)), p)
+        for p in pathlib.Path(run_dir).glob("model-step*")
+        if (m := re.fullmatch(r"model-step(\d+)", p.name)) and p.is_dir()
+    ]
+    return str(max(steps)[1]) if steps else None
+
+
+def _generation_tokenizer(args, model_spec: str):
+    """``--tokenizer``; else the HF directory's ``tokenizer.json``; else the tokenizer the
+    ``posttrain sft`` run that exported ``model_spec`` recorded; else the embedded one."""
+    import os
+
+    from posttrain.loading import recorded_tokenizer
+    from posttrain.sft.tokenizer import load_tokenizer
+
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer)
+    if os.path.isfile(os.path.join(model_spec, "tokenizer.json")):
+        return load_tokenizer(model_spec)
+    return load_tokenizer(recorded_tokenizer(model_spec))
+
+
+def _prompts(args) -> list[dict]:
+    """``[{"prompt": text} | {"messages": [...]}]`` from ``--prompt`` and ``--prompts``."""
+    import json
+
+    from posttrain.sft.data import validate_messages
+
+    prompts = [{"prompt": text} for text in args.prompt or ()]
+    if args.prompts:
+        with open(args.prompts, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{args.prompts}:{number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{where}: not JSON ({error.msg})") from None
+                if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+                    prompts.append({"prompt": record["prompt"]})
+                elif isinstance(record, dict) and "messages" in record:
+                    messages = record["messages"]
+                    if not isinstance(messages, list) or not messages:
+                        raise ValueError(f"{where}: 'messages' must be a non-empty list")
+                    prompts.append({"messages": messages})
+                    validate_messages({"messages": [*messages, _STUB]}, where=where)
+                else:
+                    raise ValueError(
+                        f'{where}: expected {{"prompt": "..."}} or {{"messages": [...]}}'
+                    )
+    if not prompts:
+        raise ValueError("no prompt: pass --prompt TEXT (repeatable) or --prompts FILE.jsonl")
+    return prompts
+
+
+_STUB = {"role": "assistant", "content": ""}  # validate_messages wants an assistant turn
+
+
+def generate(args) -> int:
+    """``posttrain generate``: one prompt streams its text to stdout; several write JSONL
+    (``--output`` or stdout), one record per prompt."""
+    from posttrain import generate as gen
+    from posttrain import sharding
+
+    spec = args.model or newest_export()
+    if spec is None:
+        raise ValueError(
+            "no --model given and runs/sft holds no model-step<N> export; "
+            "run `posttrain sft` first, or pass --model PRESET|DIR"
+        )
+    prompts = _prompts(args)
+    mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
+    with sharding.use_mesh(mesh):
+        model, tok = _model_and_tokenizer(args, spec, mesh)
+        ids = [_prompt_ids(p, tok, args.chat) for p in prompts]
+        sampling = _sampling(args, tok)
+        stream = None
+        # One process streams; across processes the text is printed once, at the end.
+        if len(ids) == 1 and not args.output and distributed.process_count() == 1:
+            stream = _streamer(tok, sampling.eos_ids)
+        out = gen.generate(model, ids, sampling, cache_size=args.cache_size, on_token=stream)
+    if stream is not None:
+        print(flush=True)
+    elif distributed.is_writer():  # every process generated; one writes
+        _print_or_write(args, prompts, out, tok)
+    return 0
+
+
+def _model_and_tokenizer(args, spec: str, mesh):
+    """The model ``spec`` (with ``--adapter``) and its tokenizer.
+
+    Raises:
+      ValueError: the tokenizer has more ids than the model's vocabulary.
+    """
+    from posttrain.loading import load_model
+
+    model, _ = load_model(spec, mesh, seed=args.seed, scratch=args.output or "generate")
+    if args.adapter:
+        model = _with_adapter(model, mesh, args.adapter)
+    tok = _generation_tokenizer(args, spec)
+    if tok.get_vocab_size() > model.config.vocab_size:
+        raise ValueError(
+            f"tokenizer has {tok.get_vocab_size()} ids but the model's vocab_size is "
+            f"{model.config.vocab_size}; pass a matching --tokenizer"
+        )
+    return model, tok
+
+
+def _prompt_ids(prompt: dict, tok, chat: bool) -> list[int]:
+    """A prompt's token ids: messages (or ``--chat`` text) through the chat template,
+    else the text's own tokens."""
+    from posttrain.sft.data import chat_prompt
+
+    if "messages" in prompt or chat:
+        messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
+        return chat_prompt(messages, tok)
+    return tok.encode(prompt["prompt"], add_special_tokens=False).ids
+
+
+def _sampling(args, tok):
+    """The sampling options of ``args``; stop ids and the pad id from the tokenizer."""
+    from posttrain import generate as gen
+
+    eos = tuple(
+        i
+        for name in ("<|im_end|>", "<|endoftext|>", "</s>")
+        if (i := tok.token_to_id(name)) is not None
+    )
+    pad = next((i for n in ("<|pad|>", "<pad>") if (i := tok.token_to_id(n)) is not None), 0)
+    return gen.SamplingConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_ids=eos,
+        pad_id=pad,
+    )
+
+
+def _streamer(tok, eos: tuple[int, ...]):
+    """An ``on_token`` callback printing row 0's text as it grows (a partial UTF-8
+    character waits for the rest)."""
+    shown: list[int] = []
+    printed = [""]
+
+    def stream(tokens, stopped) -> None:
+        if stopped[0] or int(tokens[0]) in eos:
+            return
+        shown.append(int(tokens[0]))
+        text = tok.decode(shown, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            print(text[len(printed[0]) :], end="", flush=True)
+            printed[0] = text
+
+    return stream
+
+
+def _print_or_write(args, prompts: list[dict], out, tok) -> None:
+    """One prompt without ``--output``: its text on stdout; else one JSONL record per
+    prompt (text, tokens, logprobs, stop reason) to ``--output`` or stdout."""
+    import json
+
+    from posttrain import atomic
+
+    def text_of(i: int) -> str:
+        row = out.row(i)
+        ids = row[:-1] if out.stop_reasons[i] == "eos" else row
+        return tok.decode(ids, skip_special_tokens=True)
+
+    if len(prompts) == 1 and not args.output:
+        print(text_of(0))
+        return
+    records = [
+        {
+            **p,
+            "text": text_of(i),
+            "tokens": out.row(i),
+            "logprobs": [round(float(x), 6) for x in out.logprobs[i, : len(out.row(i))]],
+            "stop_reason": out.stop_reasons[i],
+        }
+        for i, p in enumerate(prompts)
+    ]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    if args.output:
+        atomic.write_text(args.output, text)
+    else:
+        print(text, end="")
+
+
+def _with_adapter(model, mesh, directory: str):
+    """``model`` with the LoRA adapter saved in ``directory`` applied and loaded.
+
+    Raises:
+      ValueError: no adapter there, or one that does not fit the model (named).
+    """
+    import json
+    import os
+
+    from posttrain.lora import LoraConfig, apply_lora
+    from posttrain.lora.adapters import CONFIG_FILE, load_adapter
+
+    path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"--adapter {directory}: no {CONFIG_FILE} (not a posttrain adapter)")
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    if (
+        saved.get("family") != model.config.family
+        or saved.get("num_layers") != model.config.num_layers
+    ):
+        raise ValueError(
+            f"--adapter {directory}: made for {saved.get('family')} with "
+            f"{saved.get('num_layers')} layers, the model is {model.config.family} with "
+            f"{model.config.num_layers}"
+        )
+    lora = LoraConfig(
+        rank=saved["rank"],
+        alpha=saved["alpha"],
+        target=saved["target"],
+        weight_qtype=saved["weight_qtype"],
+        tile_size=saved["tile_size"],
+    )
+    return load_adapter(apply_lora(model, mesh, lora), directory)

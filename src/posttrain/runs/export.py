@@ -1,0 +1,37 @@
+"""A run's export: its final weights, native (LoRA merged) and its adapters."""
+
+from __future__ import annotations
+
+import pathlib
+
+
+def export_final(model, out: pathlib.Path, step: int) -> list[pathlib.Path]:
+    """A run's final weights: ``out/model-step<step>`` (native safetensors, LoRA merged)
+    and, for a LoRA model, ``out/adapter-step<step>``; an existing directory is kept.
+    Returns the directories written (by this process).
+
+    Across processes every process gathers the weights (a collective) and process 0
+    writes them; the others wait until it has.
+    """
+    from posttrain import distributed
+    from posttrain.conversion.native import save_native
+    from posttrain.lora import lora_params, merge_lora, save_adapter
+    from posttrain.lora.adapters import adapter_arrays
+    from posttrain.models.params import flat_params
+
+    writer = distributed.is_writer()
+    written = []
+    adapter = out / f"adapter-step{step}"
+    lora = lora_model = None
+    if lora_params(model):
+        lora, lora_model = adapter_arrays(model), model  # gathered in every process
+        model = merge_lora(model)
+    native = out / f"model-step{step}"
+    params = flat_params(model)
+    # Process 0 writes; a failure there stops every process (no one waits for it).
+    with distributed.together(f"export step {step}"):
+        if writer and lora is not None and not adapter.exists():
+            written.append(save_adapter(lora_model, adapter, lora))
+        if writer and not native.exists():
+            written.append(save_native(params, model.config, native))
+    return written

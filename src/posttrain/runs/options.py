@@ -1,0 +1,144 @@
+"""The options every training run shares, extended by each workflow's own (as Tunix's
+``DPOTrainingConfig`` extends ``TrainingConfig``):
+
+- :class:`RunOptions`: model, tokenizer, mesh, batch, steps, learning rate, LoRA, seed,
+  save cadence, stop, output (``posttrain sft``, ``dpo`` and ``grpo``);
+- :class:`PeftRunOptions`: a dataset file, its shards, gradient accumulation, the
+  overflow rule, the warm-up of the learning-rate schedule and the decoder options
+  (``posttrain sft`` and ``dpo``, whose trainers are Tunix ``PeftTrainer``\\ s).
+
+Each field is also its command-line flag (:mod:`posttrain.flags`); a workflow that wants
+another default redeclares the field. ``check()`` raises one line naming the first bad
+field and its flag; nothing is read or written before it passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, Literal, NoReturn
+
+from posttrain.config import RematPolicy, choices
+from posttrain.flags import flag_of, option
+from posttrain.runs.directory import check_output_dir
+
+DEFAULT_MODEL = "qwen3-tiny"
+#: What to do with an example longer than a row.
+Overflow = Literal["truncate", "reject"]
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``--mesh data=2,fsdp=4`` -> ``{"data": 2, "fsdp": 4}``
+    (:func:`posttrain.sharding.parse_mesh_spec`; JAX is imported only here)."""
+    from posttrain import sharding
+
+    return sharding.parse_mesh_spec(text)
+
+
+def finite_positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """What every training run needs; see each field's help."""
+
+    #: Settings that change what a resumed run computes: a rerun into the same output
+    #: with another value is refused (:func:`posttrain.runs.record.check_resumable`);
+    #: the others (output, save cadence, stop) may change between segments.
+    TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
+        "model",
+        "tokenizer",
+        "mesh",
+        "per_device_batch_size",
+        "steps",
+        "learning_rate",
+        "lora_rank",
+        "lora_alpha",
+        "seed",
+    )
+
+    model: str = option(DEFAULT_MODEL, "preset name, native or HF checkpoint directory")
+    tokenizer: str | None = option(
+        None, "tokenizer.json (default: the HF dir's, else the byte tokenizer)"
+    )
+    mesh: dict[str, int] | None = option(
+        None, "axis sizes, e.g. data=2,fsdp=4 (default: every device on fsdp)", parse=parse_mesh
+    )
+    per_device_batch_size: int = option(1, "global batch = this x data-parallel size")
+    steps: int = option(60, "optimizer steps")
+    learning_rate: float = option(3e-3, "peak learning rate", show_default=False)
+    lora_rank: int = option(0, "LoRA rank (0: full fine-tuning)", show_default=False)
+    lora_alpha: float | None = option(None, "default 2 x rank")
+    seed: int = option(0, "model init, adapter init, data order", show_default=False)
+    save_every: int = option(50, "checkpoint interval (steps)", show_default=False)
+    stop_after: int | None = option(
+        None, "stop at this step; rerun with the same --output to resume"
+    )
+    output: str = option("runs/sft", "run directory; a rerun resumes from its checkpoint")
+
+    def bad(self, name: str, expected: str) -> NoReturn:
+        """Raises the one-line ValueError of a bad field: its name, value and flag."""
+        flag = flag_of(type(self), name)
+        raise ValueError(f"{name}={getattr(self, name)!r} ({flag}): expected {expected}")
+
+    def check(self) -> None:
+        """Raises ValueError naming the first bad field (and its flag), the output path
+        last (:func:`~posttrain.runs.directory.check_output_dir`)."""
+        self.check_fields()
+        check_output_dir(self.output)
+
+    def check_fields(self) -> None:
+        """The fields' own rules; a workflow's options add theirs after calling this."""
+        for name in ("per_device_batch_size", "steps", "save_every"):
+            if getattr(self, name) < 1:
+                self.bad(name, ">= 1")
+        if self.stop_after is not None and self.stop_after < 1:
+            self.bad("stop_after", ">= 1")
+        if self.lora_rank < 0:
+            self.bad("lora_rank", ">= 0 (0 = full fine-tuning)")
+        if self.lora_alpha is not None and not finite_positive(self.lora_alpha):
+            self.bad("lora_alpha", "a finite value > 0")
+        if not finite_positive(self.learning_rate):
+            self.bad("learning_rate", "a finite value > 0")
+        if self.seed < 0:
+            self.bad("seed", "a non-negative integer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PeftRunOptions(RunOptions):
+    """A run over a dataset file through a Tunix ``PeftTrainer`` (``sft``, ``dpo``)."""
+
+    TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
+        *RunOptions.TRAINING_FIELDS,
+        "data",
+        "grad_accum",
+        "overflow",
+        "warmup_steps",
+        "scan_layers",
+    )
+
+    data: str | None = option(None, "data JSONL file (default: the embedded set)")
+    data_shards: int | None = option(
+        None,
+        "split the data into N shards, each shuffled on its own; each process tokenises "
+        "only its shards (default: one per process slice of the batch)",
+    )
+    grad_accum: int = option(1, "micro-batches per step", show_default=False)
+    overflow: Overflow = option("truncate", "examples longer than a row")
+    warmup_steps: int = option(5, "linear warm-up steps of the learning rate", show_default=False)
+    remat: RematPolicy = option("none", "rematerialisation of the decoder layers")
+    scan_layers: bool = option(False, "scan_layers=True", flag="--scan")
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.grad_accum < 1:
+            self.bad("grad_accum", ">= 1")
+        if self.data_shards is not None and self.data_shards < 1:
+            self.bad("data_shards", ">= 1")
+        if self.overflow not in choices(Overflow):
+            self.bad("overflow", " or ".join(choices(Overflow)))
+        if self.warmup_steps < 0:
+            self.bad("warmup_steps", ">= 0")
+        if self.remat not in choices(RematPolicy):
+            self.bad("remat", " or ".join(choices(RematPolicy)))

@@ -1,0 +1,80 @@
+"""A run's optimizer and schedule, and the Tunix ``TrainingConfig`` fields every
+``PeftTrainer`` run sets."""
+
+from __future__ import annotations
+
+import pathlib
+
+from posttrain import distributed, sharding
+
+
+def adamw_schedule(cfg):
+    """``(schedule, optimizer)`` of a run config with ``learning_rate``, ``warmup_steps``
+    and ``steps``: linear warm-up to the peak, cosine to 10% of it; AdamW (b2 0.95, no
+    weight decay) after clipping the global norm at 1. ``posttrain sft`` and ``dpo``."""
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        cfg.learning_rate,
+        min(cfg.warmup_steps, cfg.steps - 1),
+        cfg.steps,
+        end_value=cfg.learning_rate * 0.1,
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.0)
+    )
+    return schedule, tx
+
+
+def peft_training_fields(cfg, out: pathlib.Path, mesh, *, async_saves: bool = True) -> dict:
+    """Tunix ``TrainingConfig`` fields of a run config with ``steps``, ``stop_after``,
+    ``grad_accum`` and ``save_every``: checkpoints in ``out/checkpoints`` (2 kept),
+    TensorBoard in ``out/tensorboard``, batches on the mesh's first batch axis, no eval."""
+    from tunix.sft import metrics_logger
+
+    from posttrain import _compat
+
+    batch_axes = tuple(sharding.batch_spec(mesh))[:1]
+    return dict(
+        # No eval dataset; google-tunix <= 0.1.2 still requires a multiple of the GA steps.
+        eval_every_n_steps=(cfg.steps + 1) * cfg.grad_accum,
+        max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
+        gradient_accumulation_steps=cfg.grad_accum if cfg.grad_accum > 1 else None,
+        checkpoint_root_directory=str((out / "checkpoints").resolve()),
+        checkpointing_options=_compat.interval_checkpoint_options(
+            cfg.save_every, max_to_keep=2, enable_async_checkpointing=async_saves
+        ),
+        # One TensorBoard file, process 0's: Tunix's logger opens one in every process
+        # it is given options in (and only process 0's gets the scalars).
+        metrics_logging_options=metrics_logger.MetricsLoggerOptions(
+            log_dir=str(out / "tensorboard"), flush_every_n_steps=10
+        )
+        if distributed.is_writer()
+        else None,
+        data_sharding_axis=batch_axes or ("fsdp",),
+    )
+
+
+def single_process_cpu() -> bool:
+    """One process on the CPU backend: Orbax saves each replicated array from one replica
+    there (nobody to share the writes with; ``posttrain sft``'s ``auto``)."""
+    import jax
+
+    return jax.default_backend() == "cpu" and jax.process_count() == 1
+
+
+def trainer_options(mesh, schedule, out: pathlib.Path, log_every, *, single_replica_saves: bool):
+    """Our trainer options (:class:`posttrain.sft.trainer.SFTOptions`) of a
+    ``PeftTrainer`` run: its mesh and schedule, ``metrics.jsonl`` written by the writer
+    process only, each process's share of every batch (``process_local_batches``)."""
+    from posttrain.sft.trainer import SFTOptions
+
+    return SFTOptions(
+        mesh=mesh,
+        learning_rate_fn=schedule,
+        metrics_path=out / "metrics.jsonl" if distributed.is_writer() else None,
+        log_every=log_every,
+        single_replica_saves=single_replica_saves,
+        process_local_batches=True,
+    )

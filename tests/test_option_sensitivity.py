@@ -1,0 +1,268 @@
+"""Every run option reaches Tunix (#41 class 2): for each option of ``posttrain sft`` and
+``posttrain dpo``, a value other than its default (explicit zeros included) changes what
+the run hands Tunix (the trainer's ``TrainingConfig``, optimizer, mesh, save mode and
+model, and the first batch it trains on), what it records before training (the
+held-out evaluation), or stops the run with a one-line error. A
+filter such as ``if value:`` that drops an explicit 0, or a field the run never reads,
+leaves the handed-over objects equal and fails here. Options that cannot have an effect
+in the base run are listed in :data:`NO_EFFECT` with the reason.
+
+The runs are real (the run functions, the model loaded on the 8-device mesh, Tunix's
+trainer built); each stops at the trainer's first ``train`` call."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
+
+from flax import nnx  # noqa: E402
+
+from posttrain.preference.options import DPORunConfig  # noqa: E402
+from posttrain.sft.options import SFTConfig  # noqa: E402
+
+
+class _Stop(Exception):
+    """Raised at the first ``train`` call, once what Tunix receives is recorded."""
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:16]
+
+
+def _plain(value, depth: int = 0):
+    """A comparable picture of ``value``: dataclasses and objects by their fields, arrays
+    by shape, dtype and a digest of their bytes, callables by name."""
+    if depth > 6:
+        return type(value).__name__
+    if isinstance(value, (str, int, float, bool, type(None))):
+        return value
+    if isinstance(value, (jax.Array, np.ndarray)):
+        host = np.asarray(value)
+        return (host.shape, str(host.dtype), hashlib.sha256(host.tobytes()).hexdigest()[:16])
+    if isinstance(value, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, depth + 1) for v in value]
+    if isinstance(value, jax.sharding.Mesh):
+        return dict(value.shape)
+    if dataclasses.is_dataclass(value):
+        fields = dataclasses.fields(value)
+        return {f.name: _plain(getattr(value, f.name), depth + 1) for f in fields}
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__name__)
+    if hasattr(value, "__dict__"):
+        return {k: _plain(v, depth + 1) for k, v in vars(value).items() if not k.startswith("_")}
+    return repr(value)
+
+
+def _model_picture(model) -> dict:
+    """The model's config, its LoRA config (rank, alpha: the scale Qwix applies) and a
+    digest of every variable (LoRA included) by path."""
+    from posttrain.lora import lora_params
+    from posttrain.lora.config import lora_config_of
+
+    flat = nnx.to_flat_state(nnx.state(model))
+    values = {"/".join(map(str, path)): _plain(v.get_value()) for path, v in flat}
+    return {
+        "config": _plain(model.config),
+        "lora": _plain(lora_config_of(model)) if lora_params(model) else None,
+        "variables": _digest(sorted(values.items())),
+    }
+
+
+def _recorded_facts(cfg) -> dict:
+    """What the run recorded of this start in ``run.json`` before training (global batch,
+    rows or pairs, data shards, the held-out evaluation before), without the settings."""
+    from posttrain.runs import record
+
+    body = record.read(cfg.output) or {}
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    return {k: v for k, v in body.items() if k not in fields | {"settings", "segments", "started"}}
+
+
+def _optimizer_picture(tx, steps: int) -> str:
+    """The optimizer's updates of a fixed parameter under a fixed gradient at every step:
+    its schedule (peak, warm-up, length) and its transformation, as optax applies them."""
+    import jax.numpy as jnp
+
+    params = {"w": jnp.linspace(-1.0, 1.0, 5)}
+    grads = {"w": jnp.linspace(0.5, -0.5, 5)}
+    state = tx.init(params)
+    updates = []
+    for _ in range(steps + 1):
+        update, state = tx.update(grads, state, params)
+        updates.append(np.asarray(update["w"]).round(9).tolist())
+    return _digest(updates)
+
+
+def _received(trainer, batches, steps: int) -> dict:
+    """What Tunix receives from our run: its ``TrainingConfig``, the optimizer, the
+    model, our trainer's mesh and save mode, the first batch."""
+    from posttrain.rl.policy import TunixPolicy
+
+    model = trainer.model.model if isinstance(trainer.model, TunixPolicy) else trainer.model
+    return {
+        "config": _plain(trainer.config),
+        "optimizer": _optimizer_picture(trainer.optimizer.tx, steps),
+        "model": _model_picture(model),
+        "mesh": dict(trainer.mesh.shape),
+        "single_replica_saves": trainer.single_replica_saves,
+        "first_batch": _digest(_plain(next(iter(batches)))),
+    }
+
+
+def _capture(run, cfg, steps: int) -> dict:
+    """Runs ``cfg`` up to its trainer's first ``train`` call and returns what Tunix
+    receives, or ``{"error": one line}`` when the run refuses the options."""
+    seen = {}
+
+    def on_built(trainer):
+        def train(batches, *args, **kwargs):
+            seen.update(_received(trainer, batches, steps), recorded=_recorded_facts(cfg))
+            trainer.abandon()
+            raise _Stop
+
+        trainer.train = train
+
+    try:
+        run(cfg, on_built=on_built)
+    except _Stop:
+        # Each capture writes to a fresh directory: its path is not part of the picture.
+        return json.loads(json.dumps(seen, default=str).replace(cfg.output, "<output>"))
+    except ValueError as error:
+        return {"error": str(error).splitlines()[0]}
+    raise AssertionError("the run trained instead of stopping at train()")
+
+
+def _run_sft(cfg, on_built):
+    from posttrain.sft.run import run_sft
+
+    return run_sft(cfg, on_built=on_built)
+
+
+def _run_dpo(cfg, on_built):
+    from posttrain.preference.run import run_dpo
+
+    return run_dpo(cfg, on_built=on_built)
+
+
+def _files(tmp_path) -> dict:
+    """Inputs an option can name: a chat JSONL, a preference JSONL, another tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    chat = tmp_path / "chat.jsonl"
+    pairs = tmp_path / "pairs.jsonl"
+    turn = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    chat.write_text("".join(json.dumps({"messages": turn}) + "\n" for _ in range(16)))
+    pair = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
+    pairs.write_text("".join(json.dumps(pair) + "\n" for _ in range(16)))
+    words = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "words.json"))
+    return {"chat": str(chat), "pairs": str(pairs), "tokenizer": str(tmp_path / "words.json")}
+
+
+#: option -> (its other value, base overrides it needs to have an effect); "{chat}" etc.
+#: name a file of :func:`_files`.
+SFT_VALUES: dict[str, tuple] = {
+    "model": ("llama3-tiny", {}),
+    "tokenizer": ("{tokenizer}", {}),
+    "mesh": ({"data": 2, "fsdp": 4}, {}),
+    "per_device_batch_size": (2, {}),
+    "steps": (4, {}),
+    "learning_rate": (1e-2, {}),
+    "lora_rank": (4, {}),
+    "lora_alpha": (3.0, {"lora_rank": 4}),  # alpha scales the adapters only
+    "seed": (0, {"seed": 1}),  # an explicit 0 against another base seed
+    "save_every": (1, {}),
+    "stop_after": (1, {}),
+    "data": ("{chat}", {}),
+    "data_shards": (2, {}),
+    "grad_accum": (2, {}),
+    "overflow": ("reject", {}),  # the embedded set has conversations over 64 tokens
+    "warmup_steps": (0, {}),  # an explicit zero: no warm-up
+    "remat": ("full", {}),
+    "scan_layers": (True, {}),
+    "max_target_length": (128, {}),
+    "packing": (False, {"max_target_length": 256}),  # rows that hold several conversations
+    "sync_saves": (True, {}),
+    "replica_parallel_saves": ("on", {}),
+}
+DPO_VALUES: dict[str, tuple] = {
+    **{k: SFT_VALUES[k] for k in ("model", "tokenizer", "mesh", "steps", "learning_rate")},
+    **{k: SFT_VALUES[k] for k in ("lora_rank", "lora_alpha", "seed", "save_every")},
+    **{k: SFT_VALUES[k] for k in ("stop_after", "grad_accum", "warmup_steps")},
+    **{k: SFT_VALUES[k] for k in ("remat", "scan_layers", "data_shards")},
+    "per_device_batch_size": (2, {}),
+    "data": ("{pairs}", {}),
+    "eval_data": ("{pairs}", {}),
+    "overflow": ("reject", {"max_prompt_length": 8}),
+    "max_prompt_length": (32, {}),
+    "max_response_length": (32, {}),
+    "algorithm": ("orpo", {}),
+    "beta": (0.5, {}),
+    "label_smoothing": (0.0, {"label_smoothing": 0.2}),  # an explicit zero
+    "lambda_orpo": (0.5, {"algorithm": "orpo"}),  # ORPO's weight only
+}
+#: Options with no effect on what Tunix receives, and why.
+NO_EFFECT: dict[str, str] = {
+    "output": "where the run writes: each capture writes to a fresh directory, whose path "
+    "is taken out of the picture (the checkpoint and TensorBoard paths name it)",
+}
+
+SMALL_SFT = {"steps": 3, "max_target_length": 64}
+SMALL_DPO = {"steps": 3, "max_prompt_length": 16, "max_response_length": 16}
+
+
+def _resolve(value, files: dict):
+    if isinstance(value, str) and value.startswith("{"):
+        return files[value.strip("{}")]
+    return value
+
+
+def _sensitivity(cls, run, values, small, name, tmp_path) -> None:
+    value, needs = values[name]
+    files = _files(tmp_path)
+    base = cls(**{**small, **needs, "output": str(tmp_path / "base")})
+    value = _resolve(value, files)
+    other = dataclasses.replace(base, **{name: value, "output": str(tmp_path / "other")})
+    assert value != getattr(cls(), name) or needs, (name, "is the default")
+    before = _capture(run, base, base.steps)
+    assert "error" not in before, before
+    after = _capture(run, other, other.steps)
+    assert after != before, f"{name}={value!r}: Tunix receives the same as with {base}"
+
+
+def test_the_tables_name_every_option():
+    """Every field of the options is a row of its table or of :data:`NO_EFFECT`."""
+    for cls, values in ((SFTConfig, SFT_VALUES), (DPORunConfig, DPO_VALUES)):
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert names == set(values) | (set(NO_EFFECT) & names), cls.__name__
+
+
+# In the gate: the explicit-zero options (a truthiness filter would drop them).
+GATE_SFT = ("warmup_steps", "seed")
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in GATE_SFT else pytest.mark.slow) for n in SFT_VALUES]
+)
+def test_each_sft_option_changes_what_tunix_receives(name, tmp_path):
+    """A non-default value of the SFT option changes what Tunix receives (or is
+    refused in one line)."""
+    _sensitivity(SFTConfig, _run_sft, SFT_VALUES, SMALL_SFT, name, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DPO_VALUES))
+def test_each_dpo_option_changes_what_tunix_receives(name, tmp_path):
+    """A non-default value of the DPO option changes what Tunix receives (or is
+    refused in one line)."""
+    _sensitivity(DPORunConfig, _run_dpo, DPO_VALUES, SMALL_DPO, name, tmp_path)

@@ -1,0 +1,104 @@
+"""The options dataclasses and the flags generated from them (:mod:`posttrain.flags`,
+:mod:`posttrain.runs.options`): every field reaches its options from the command line,
+and the shared checks name the field and its flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from posttrain import cli, flags
+from posttrain.preference.options import DPORunConfig
+from posttrain.rl.options import GRPORunConfig
+from posttrain.runs.options import RunOptions
+from posttrain.sft.options import SFTConfig
+
+
+def _other_value(field: dataclasses.Field, hint) -> tuple[list[str], object]:
+    """``(command-line words, the value they give)`` for a value other than the field's
+    default (explicit zeros where the default is not zero)."""
+    base, _ = flags._base_type(hint)
+    default = None if field.default is dataclasses.MISSING else field.default
+    if field.metadata["parse"] is not None:  # a mesh
+        return ["fsdp=2,tensor=4"], {"fsdp": 2, "tensor": 4}
+    if typing.get_origin(base) is typing.Literal:
+        other = next(v for v in typing.get_args(base) if v != default)
+        return [other], other
+    if base is int:
+        value = 0 if default not in (0, None) else 3
+        return [str(value)], value
+    if base is float:
+        value = 0.0 if default not in (0.0, None) else 0.25
+        return [str(value)], value
+    if typing.get_origin(base) is tuple:
+        return ["a:b", "--" + field.name.replace("_", "-"), "c:d"], ("a:b", "c:d")
+    if base is str:
+        return ["some/where"], "some/where"
+    raise AssertionError(f"{field.name}: no other value for {hint}")
+
+
+@pytest.mark.parametrize("command", [c for c in cli.COMMANDS], ids=lambda c: c.name)
+def test_every_field_reaches_its_options_from_the_command_line(command):
+    """For each field of each subcommand's options, a command line giving another value
+    (explicit zeros included; a flag switches a bool) parses to options holding exactly
+    that value, every other field at its default (positionals and required flags given)."""
+    required = []
+    for field, hint in flags._fields(command.options):
+        if field.metadata["positional"]:
+            required.append("x")
+        elif field.metadata["required"]:
+            required += [flags.flag_of(command.options, field.name), typing.get_args(hint)[0]]
+    baseline = cli.parse_options([command.name, *required])
+    for field, hint in flags._fields(command.options):
+        if field.metadata["positional"] or field.metadata["required"]:
+            continue
+        flag = flags.flag_of(command.options, field.name)
+        if hint is bool:
+            words, value = [flag], not field.default
+        else:
+            words, value = _other_value(field, hint)
+            words = [flag, *words]
+        parsed = cli.parse_options([command.name, *required, *words])
+        assert getattr(parsed, field.name) == value, (flag, words)
+        assert dataclasses.replace(parsed, **{field.name: getattr(baseline, field.name)}) == (
+            baseline
+        ), flag
+
+
+@pytest.mark.parametrize("cls", [SFTConfig, DPORunConfig, GRPORunConfig], ids=lambda c: c.__name__)
+def test_the_defaults_are_a_valid_run(cls, tmp_path):
+    """Each workflow's defaults (the embedded run) pass its checks."""
+    cls(output=str(tmp_path / "run")).check()
+
+
+@pytest.mark.parametrize("cls", [SFTConfig, DPORunConfig, GRPORunConfig], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("steps", 0, "steps=0 (--steps): expected >= 1"),
+        ("per_device_batch_size", 0, "(--per-device-batch-size): expected >= 1"),
+        ("save_every", 0, "save_every=0 (--save-every): expected >= 1"),
+        ("stop_after", 0, "stop_after=0 (--stop-after): expected >= 1"),
+        ("lora_rank", -1, "lora_rank=-1 (--lora-rank): expected >= 0 (0 = full fine-tuning)"),
+        ("lora_alpha", 0.0, "lora_alpha=0.0 (--lora-alpha): expected a finite value > 0"),
+        ("learning_rate", float("nan"), "(--learning-rate): expected a finite value > 0"),
+        ("seed", -1, "seed=-1 (--seed): expected a non-negative integer"),
+        ("output", "", "output=''; expected a run directory path"),
+    ],
+)
+def test_each_workflow_refuses_a_bad_shared_option_in_one_line(cls, field, value, message):
+    """The options every run shares (:class:`RunOptions`) are checked the same way in every
+    workflow, one line naming the field, its value and its flag."""
+    assert field in {f.name for f in dataclasses.fields(RunOptions)}
+    with pytest.raises(ValueError) as error:
+        cls(**{field: value}).check()
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_flag_other_than_the_field_name_is_named_in_the_message():
+    """``scan_layers`` is ``--scan``; ``packing`` (default on) is ``--no-packing``."""
+    assert flags.flag_of(SFTConfig, "scan_layers") == "--scan"
+    assert flags.flag_of(SFTConfig, "packing") == "--no-packing"
+    assert flags.flag_of(SFTConfig, "grad_accum") == "--grad-accum"
