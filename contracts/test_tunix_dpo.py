@@ -289,6 +289,28 @@ def test_accumulated_dpo_steps_equal_one_large_batch(name):
     assert any(not np.allclose(want[k], initial[k]) for k in want)  # training moved them
 
 
+@pytest.mark.contract("tunix.sft.dpo gradient accumulation")
+@pytest.mark.convention("installed")
+def test_an_accumulated_lora_dpo_step_equals_one_large_batch():
+    """The gate's cut of the contract above (the installed convention, LoRA, one step):
+    2 micro-batches of 4 pairs == one batch of 8, the same adapters and the same logged
+    loss. A gradient not divided by the accumulation (or divided twice) moves the
+    adapters twice (or half) as far."""
+    runs = {}
+    for ga, size in ((1, 8), (2, 4)):
+        trainer, _ = make_trainer(lora=True, steps=1, ga=ga)
+        before = params(trainer.model, nnx.LoRAParam)
+        trainer.train(sft_data.batches({k: v[:8] for k, v in pairs().items()}, size, ga))
+        after = params(trainer.model, nnx.LoRAParam)
+        runs[ga] = after, [r["loss"] for r in trainer.history]
+    (want, want_loss), (got, got_loss) = runs[1], runs[2]
+    assert len(got_loss) == 1
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+    assert any(not np.allclose(want[k], before[k]) for k in want)  # the step moved them
+
+
 @pytest.mark.contract("tunix.sft.dpo DPOTrainer over our policy")
 @pytest.mark.parametrize(
     "algorithm",
