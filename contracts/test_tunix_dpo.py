@@ -311,6 +311,52 @@ def test_an_accumulated_lora_dpo_step_equals_one_large_batch():
     assert any(not np.allclose(want[k], before[k]) for k in want)  # the step moved them
 
 
+@pytest.mark.contract("tunix.sft.dpo metrics")
+def test_each_logged_metric_equals_its_computation_from_the_same_batch():
+    """One DPO step on 8 pairs, the adapters moved off zero first (so the policy is not
+    the reference): every logged figure equals its definition (``PreferenceMetrics``)
+    computed here from the same batch, the summed completion log-probabilities of the
+    policy and the reference from Tunix's ``compute_logps``: rewards ``beta x`` the
+    log-ratio (whatever the release reports), their margin and accuracy, the
+    log-probabilities, the loss ``-log sigmoid(margin)``, the tokens through the policy.
+    A figure scaled or averaged twice, or summed instead of averaged, differs."""
+    beta = 0.1  # config()'s
+    trainer, mesh = make_trainer(lora=True, steps=1)
+    lora = nnx.state(trainer.model, nnx.LoRAParam)
+    nnx.update(trainer.model, jax.tree.map(lambda x: x + 0.05, lora))
+    batch = {k: v[:8] for k, v in pairs().items()}
+    with sharding.use_mesh(mesh, jax_context=False):
+        example = trainer._prepare_inputs(batch)
+        chosen, rejected = tunix_dpo.compute_logps()(
+            trainer.model,
+            example.input_ids,
+            example.positions,
+            example.attention_mask,
+            example.logits_to_keep,
+            example.completion_mask,
+        )[:2]
+    chosen, rejected = np.asarray(chosen, np.float64), np.asarray(rejected, np.float64)
+    reward_c = beta * (chosen - np.asarray(example.ref_chosen_logps, np.float64))
+    reward_r = beta * (rejected - np.asarray(example.ref_rejected_logps, np.float64))
+    assert np.ptp(reward_c - reward_r) > 1e-3  # the pairs differ: a real check below
+    trainer.train(sft_data.batches(batch, 8, 1))
+    (record,) = trainer.history
+    margin = reward_c - reward_r
+    want = {
+        "rewards_chosen": reward_c.mean(),
+        "rewards_rejected": reward_r.mean(),
+        "reward_margin": margin.mean(),
+        "preference_accuracy": (margin > 0).mean(),
+        "logps_chosen": chosen.mean(),
+        "logps_rejected": rejected.mean(),
+        "loss": np.mean(np.logaddexp(0.0, -margin)),  # -log sigmoid(margin)
+    }
+    for key, value in want.items():
+        np.testing.assert_allclose(record[key], value, rtol=2e-5, atol=1e-6, err_msg=key)
+    tokens = 2 * batch["prompt_mask"].sum() + batch["chosen_mask"].sum()
+    assert record["tokens"] == tokens + batch["rejected_mask"].sum()
+
+
 @pytest.mark.contract("tunix.sft.dpo DPOTrainer over our policy")
 @pytest.mark.parametrize(
     "algorithm",
