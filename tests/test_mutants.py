@@ -220,27 +220,21 @@ def test_the_weekly_jobs_mutate_every_jitted_function_of_their_modules():
 def test_the_stats_phase_traces_again_for_each_test(monkeypatch):
     """mutmut records the functions a test reaches from their trampolines, which a jitted
     body runs only when traced: in the stats phase each test starts with JAX's caches
-    cleared, so a second test of the same shapes traces (and is recorded) again."""
+    cleared (``jax.clear_caches``: a program compiled by an earlier test is traced again,
+    and recorded); a mutant's own run keeps them. (Recorded, not called: clearing the
+    gate worker's caches would make every later test in it trace again.)"""
     import jax
 
-    calls = []
-
-    @jax.jit
-    def f(x):
-        calls.append(1)
-        return x + 1
-
-    f(1.0)
-    f(1.0)
-    assert len(calls) == 1
+    cleared = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1))
     monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
     mutants.pytest_runtest_setup(None)
-    f(1.0)
-    assert len(calls) == 2
+    assert cleared == [1]
     monkeypatch.setenv("MUTANT_UNDER_TEST", "posttrain.generate.x__generate__mutmut_3")
     mutants.pytest_runtest_setup(None)
-    f(1.0)
-    assert len(calls) == 2  # a mutant's own run keeps its compiled programs
+    monkeypatch.delenv("MUTANT_UNDER_TEST")
+    mutants.pytest_runtest_setup(None)
+    assert cleared == [1]
     assert "harness.mutants" in mutants._PYTEST_ARGS
 
 
