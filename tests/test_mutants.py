@@ -101,16 +101,21 @@ def test_bad_functions_exit_2(capsys, argv, message):
 
 
 def test_the_weekly_workflow_runs_every_module_and_every_attention_function():
-    """Each TARGETS module is a job of the weekly mutants matrix; attention.py's shards
-    (``--functions``) together name each function it has, once."""
+    """Each TARGETS module is a job of the weekly mutants matrix; a module split into
+    shards (``--functions``: attention.py, and generate.py's jitted decode loop apart)
+    names each function it has in them, once."""
     root = pathlib.Path(mutants.__file__).resolve().parent.parent
     text = (root / ".github/workflows/matrix.yml").read_text()
     for module in mutants.TARGETS:
         assert f"- module: {module}\n" in text, module
-    attention = "src/posttrain/layers/attention.py"
-    shards = re.findall(rf"- module: {re.escape(attention)}\n\s+functions: \"([^\"]+)\"", text)
-    names = [n for shard in shards for n in shard.split(",")]
-    assert len(shards) == 2 and sorted(names) == sorted(mutants.function_names(attention, root))
+    split = {}
+    for module in mutants.TARGETS:
+        pattern = rf"- module: {re.escape(module)}\n\s+functions: \"([^\"]+)\""
+        if shards := re.findall(pattern, text):
+            split[module] = [n for shard in shards for n in shard.split(",")]
+    assert {"src/posttrain/layers/attention.py", "src/posttrain/generate.py"} <= set(split)
+    for module, names in split.items():
+        assert sorted(names) == sorted(mutants.function_names(module, root)), module
 
 
 def test_functions_reach_the_run_and_the_defaults_stay(monkeypatch, tmp_path):
