@@ -289,6 +289,74 @@ def test_accumulated_dpo_steps_equal_one_large_batch(name):
     assert any(not np.allclose(want[k], initial[k]) for k in want)  # training moved them
 
 
+@pytest.mark.contract("tunix.sft.dpo gradient accumulation")
+@pytest.mark.convention("installed")
+def test_an_accumulated_lora_dpo_step_equals_one_large_batch():
+    """The gate's cut of the contract above (the installed convention, LoRA, one step):
+    2 micro-batches of 4 pairs == one batch of 8, the same adapters and the same logged
+    loss. A gradient not divided by the accumulation (or divided twice) moves the
+    adapters twice (or half) as far."""
+    runs = {}
+    for ga, size in ((1, 8), (2, 4)):
+        trainer, _ = make_trainer(lora=True, steps=1, ga=ga)
+        before = params(trainer.model, nnx.LoRAParam)
+        trainer.train(sft_data.batches({k: v[:8] for k, v in pairs().items()}, size, ga))
+        after = params(trainer.model, nnx.LoRAParam)
+        runs[ga] = after, [r["loss"] for r in trainer.history]
+    (want, want_loss), (got, got_loss) = runs[1], runs[2]
+    assert len(got_loss) == 1
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+    assert any(not np.allclose(want[k], before[k]) for k in want)  # the step moved them
+
+
+@pytest.mark.contract("tunix.sft.dpo metrics")
+def test_each_logged_metric_equals_its_computation_from_the_same_batch():
+    """One DPO step on 8 pairs, the adapters moved off zero first (so the policy is not
+    the reference): every logged figure equals its definition (``PreferenceMetrics``)
+    computed here from the same batch, the summed completion log-probabilities of the
+    policy and the reference from Tunix's ``compute_logps``: rewards ``beta x`` the
+    log-ratio (whatever the release reports), their margin and accuracy, the
+    log-probabilities, the loss ``-log sigmoid(margin)``, the tokens through the policy.
+    A figure scaled or averaged twice, or summed instead of averaged, differs."""
+    beta = 0.1  # config()'s
+    trainer, mesh = make_trainer(lora=True, steps=1)
+    lora = nnx.state(trainer.model, nnx.LoRAParam)
+    nnx.update(trainer.model, jax.tree.map(lambda x: x + 0.05, lora))
+    batch = {k: v[:8] for k, v in pairs().items()}
+    with sharding.use_mesh(mesh, jax_context=False):
+        example = trainer._prepare_inputs(batch)
+        chosen, rejected = tunix_dpo.compute_logps()(
+            trainer.model,
+            example.input_ids,
+            example.positions,
+            example.attention_mask,
+            example.logits_to_keep,
+            example.completion_mask,
+        )[:2]
+    chosen, rejected = np.asarray(chosen, np.float64), np.asarray(rejected, np.float64)
+    reward_c = beta * (chosen - np.asarray(example.ref_chosen_logps, np.float64))
+    reward_r = beta * (rejected - np.asarray(example.ref_rejected_logps, np.float64))
+    assert np.ptp(reward_c - reward_r) > 1e-3  # the pairs differ: a real check below
+    trainer.train(sft_data.batches(batch, 8, 1))
+    (record,) = trainer.history
+    margin = reward_c - reward_r
+    want = {
+        "rewards_chosen": reward_c.mean(),
+        "rewards_rejected": reward_r.mean(),
+        "reward_margin": margin.mean(),
+        "preference_accuracy": (margin > 0).mean(),
+        "logps_chosen": chosen.mean(),
+        "logps_rejected": rejected.mean(),
+        "loss": np.mean(np.logaddexp(0.0, -margin)),  # -log sigmoid(margin)
+    }
+    for key, value in want.items():
+        np.testing.assert_allclose(record[key], value, rtol=2e-5, atol=1e-6, err_msg=key)
+    tokens = 2 * batch["prompt_mask"].sum() + batch["chosen_mask"].sum()
+    assert record["tokens"] == tokens + batch["rejected_mask"].sum()
+
+
 @pytest.mark.contract("tunix.sft.dpo DPOTrainer over our policy")
 @pytest.mark.parametrize(
     "algorithm",

@@ -320,16 +320,24 @@ def test_the_rollout_draws_the_same_numbers_every_call_unless_the_seed_varies():
     assert texts() == varied[0]
 
 
+REWARD_MEANS = ("rewards/mean", "rewards/score/mean")
+"""Tunix's names for the step's mean reward (both on 0.1.7 and main)."""
+
+
 @pytest.mark.contract("tunix.rl GRPO run over our policy")
 def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
     """Two real GRPO steps (rollout on the vanilla sampler over our KV cache, reference
     logps, update) change the actor, leave the reference, and log Tunix's metrics."""
 
+    scored, at = {}, {}  # global step of each reward call -> the rewards it returned
+
     def length(prompts, completions, **kwargs):
-        return [float(len(c)) for c in completions]
+        values = [float(len(c)) for c in completions]
+        scored.setdefault(int(at["cluster"].global_steps), []).extend(values)
+        return values
 
     learner, actor, reference, _ = _build(reward_fns=[length])
-    cluster = learner.rl_cluster
+    cluster = at["cluster"] = learner.rl_cluster
     inner, drawn = cluster.rollout.generate, []  # the seed each rollout call samples with
 
     def record(prompts, rollout_config, *args, **kwargs):
@@ -363,5 +371,17 @@ def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
     for a, b in zip(jax.tree.leaves(ref_before), jax.tree.leaves(ref_after), strict=True):
         np.testing.assert_array_equal(a, b)
     assert sum(tap.rollout_tokens.values()) > 0, "no rollout was timed"
+    # Tunix's reward means (computed by Tunix from the same rollouts) are the mean of
+    # what the reward returned, logged at the global step of the rollout: update s's
+    # rollout at step s - 1, with update s - 1's actor metrics (so a step's record
+    # must take its rollout figures, completions/mean_length included, from step s - 1)
+    assert sorted(scored) == [0, 1], scored
+    for step, values in scored.items():
+        means = {k: v for k, v in tap.records[step].items() if k in REWARD_MEANS}
+        assert means, tap.records[step]
+        for name, value in means.items():
+            np.testing.assert_allclose(value, np.mean(values), rtol=1e-6, err_msg=name)
+    assert "completions/mean_length" in tap.records[0]
+    assert not any(k.endswith("mean_length") for k in tap.records.get(2, {}))
     logged = set().union(*tap.records.values())
     assert any(name.endswith("loss") for name in logged), logged

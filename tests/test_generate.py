@@ -244,6 +244,7 @@ def test_on_token_streams_every_step_in_order_and_a_new_seed_compiles_nothing():
     result = generate.generate(model, PROMPTS, cfg, on_token=lambda t, d: steps.append((t, d)))
     streamed = np.stack([t for t, _ in steps], axis=1)  # [B, steps]
     assert len(steps) == max(result.lengths) and streamed.shape[0] == len(PROMPTS)
+    assert all(t.dtype == np.int32 and d.dtype == np.bool_ for t, d in steps)  # ids, flags
     for i, (row, length) in enumerate(zip(result.tokens, result.lengths, strict=True)):
         np.testing.assert_array_equal(streamed[i, :length], row[:length])
         assert not any(d[i] for _, d in steps[:length]) and all(d[i] for _, d in steps[length:])

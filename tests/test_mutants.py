@@ -101,16 +101,21 @@ def test_bad_functions_exit_2(capsys, argv, message):
 
 
 def test_the_weekly_workflow_runs_every_module_and_every_attention_function():
-    """Each TARGETS module is a job of the weekly mutants matrix; attention.py's shards
-    (``--functions``) together name each function it has, once."""
+    """Each TARGETS module is a job of the weekly mutants matrix; a module split into
+    shards (``--functions``: attention.py, and generate.py's jitted decode loop apart)
+    names each function it has in them, once."""
     root = pathlib.Path(mutants.__file__).resolve().parent.parent
     text = (root / ".github/workflows/matrix.yml").read_text()
     for module in mutants.TARGETS:
         assert f"- module: {module}\n" in text, module
-    attention = "src/posttrain/layers/attention.py"
-    shards = re.findall(rf"- module: {re.escape(attention)}\n\s+functions: \"([^\"]+)\"", text)
-    names = [n for shard in shards for n in shard.split(",")]
-    assert len(shards) == 2 and sorted(names) == sorted(mutants.function_names(attention, root))
+    split = {}
+    for module in mutants.TARGETS:
+        pattern = rf"- module: {re.escape(module)}\n\s+functions: \"([^\"]+)\""
+        if shards := re.findall(pattern, text):
+            split[module] = [n for shard in shards for n in shard.split(",")]
+    assert {"src/posttrain/layers/attention.py", "src/posttrain/generate.py"} <= set(split)
+    for module, names in split.items():
+        assert sorted(names) == sorted(mutants.function_names(module, root)), module
 
 
 def test_functions_reach_the_run_and_the_defaults_stay(monkeypatch, tmp_path):
@@ -220,27 +225,21 @@ def test_the_weekly_jobs_mutate_every_jitted_function_of_their_modules():
 def test_the_stats_phase_traces_again_for_each_test(monkeypatch):
     """mutmut records the functions a test reaches from their trampolines, which a jitted
     body runs only when traced: in the stats phase each test starts with JAX's caches
-    cleared, so a second test of the same shapes traces (and is recorded) again."""
+    cleared (``jax.clear_caches``: a program compiled by an earlier test is traced again,
+    and recorded); a mutant's own run keeps them. (Recorded, not called: clearing the
+    gate worker's caches would make every later test in it trace again.)"""
     import jax
 
-    calls = []
-
-    @jax.jit
-    def f(x):
-        calls.append(1)
-        return x + 1
-
-    f(1.0)
-    f(1.0)
-    assert len(calls) == 1
+    cleared = []
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(1))
     monkeypatch.setenv("MUTANT_UNDER_TEST", "stats")
     mutants.pytest_runtest_setup(None)
-    f(1.0)
-    assert len(calls) == 2
+    assert cleared == [1]
     monkeypatch.setenv("MUTANT_UNDER_TEST", "posttrain.generate.x__generate__mutmut_3")
     mutants.pytest_runtest_setup(None)
-    f(1.0)
-    assert len(calls) == 2  # a mutant's own run keeps its compiled programs
+    monkeypatch.delenv("MUTANT_UNDER_TEST")
+    mutants.pytest_runtest_setup(None)
+    assert cleared == [1]
     assert "harness.mutants" in mutants._PYTEST_ARGS
 
 

@@ -309,3 +309,45 @@ def test_merging_parts_keeps_the_later_row_in_entry_order(parts, order):
         assert r == next(x for x in parts[r["part"]] if x["name"] == r["name"])
     known = [n for n in order if n in names]
     assert [r["name"] for r in merged][: len(known)] == known
+
+
+@given(
+    outcomes=st.lists(st.sampled_from(OUTCOMES), max_size=12),
+    pytest_code=st.sampled_from([0, 1, 2, 3, 4, 5]),
+)
+def test_the_gate_summary_counts_every_outcome_and_its_verdict_needs_a_run(outcomes, pytest_code):
+    """The gate's own verdict: the summary counts each outcome of the JUnit file and
+    names exactly the failed and errored tests, in order, in its last line too; the
+    gate passes only when pytest passed and at least one test passed, failed or
+    errored (all skipped, or none collected, is "ran no tests", exit 1); any other
+    pytest status is the gate's."""
+    import pathlib
+    import tempfile
+
+    from harness import cli
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "junit.xml"
+        cases = [_testcase(f"test_{i}", o, (), None) for i, o in enumerate(outcomes)]
+        path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
+        summary = cli.summarize_junit(path, root=pathlib.Path(tmp))
+    assert summary["counts"] == {
+        **{o: outcomes.count(o) for o in OUTCOMES},
+        "total": len(outcomes),
+    }
+    bad = [(f"contracts.test_c::test_{i}", o) for i, o in enumerate(outcomes) if o in report.BAD]
+    assert [(f["id"], f["outcome"]) for f in summary["failures"]] == bad
+    executed = sum(o != "skipped" for o in outcomes)
+    status, _ = cli.gate_exit_status(pytest_code, executed)
+    if pytest_code == 0 and executed:
+        assert status == 0
+    elif pytest_code in (0, 5):
+        assert status == 1
+    else:
+        assert status == pytest_code
+    summary.update(message="m", wall_time_s=1.0, junit=None)
+    last = cli.format_summary(summary, pathlib.Path("s.json")).splitlines()[-1]
+    assert last == (
+        f"gate: {outcomes.count('passed')} passed, {len(bad)} failed, "
+        f"{outcomes.count('skipped')} skipped"
+    )
