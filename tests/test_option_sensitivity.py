@@ -123,6 +123,19 @@ def _received(trainer, batches, steps: int) -> dict:
     }
 
 
+def _stopped(start, cfg, seen: dict) -> dict:
+    """Runs ``start()`` to its ``_Stop`` and returns ``seen`` (the output path taken out:
+    each capture writes to a fresh directory), or ``{"error": one line}`` when the run
+    refuses the options."""
+    try:
+        start()
+    except _Stop:
+        return json.loads(json.dumps(seen, default=str).replace(cfg.output, "<output>"))
+    except ValueError as error:
+        return {"error": str(error).splitlines()[0]}
+    raise AssertionError("the run trained instead of stopping at train()")
+
+
 def _capture(run, cfg) -> dict:
     """Runs ``cfg`` up to its trainer's first ``train`` call and returns what Tunix
     receives, or ``{"error": one line}`` when the run refuses the options."""
@@ -136,14 +149,7 @@ def _capture(run, cfg) -> dict:
 
         trainer.train = train
 
-    try:
-        run(cfg, on_built=on_built)
-    except _Stop:
-        # Each capture writes to a fresh directory: its path is not part of the picture.
-        return json.loads(json.dumps(seen, default=str).replace(cfg.output, "<output>"))
-    except ValueError as error:
-        return {"error": str(error).splitlines()[0]}
-    raise AssertionError("the run trained instead of stopping at train()")
+    return _stopped(lambda: run(cfg, on_built=on_built), cfg, seen)
 
 
 def _grpo_received(learner, policies, data, steps: int) -> dict:
@@ -189,13 +195,7 @@ def _capture_grpo(cfg) -> dict:
 
         learner.train = train
 
-    try:
-        run_grpo(cfg, on_built=on_built)
-    except _Stop:
-        return json.loads(json.dumps(seen, default=str).replace(cfg.output, "<output>"))
-    except ValueError as error:
-        return {"error": str(error).splitlines()[0]}
-    raise AssertionError("the run trained instead of stopping at train()")
+    return _stopped(lambda: run_grpo(cfg, on_built=on_built), cfg, seen)
 
 
 def _run_sft(cfg, on_built):
