@@ -1,18 +1,22 @@
-"""Every run option reaches Tunix (#41 class 2): for each option of ``posttrain sft`` and
-``posttrain dpo``, a value other than its default (explicit zeros included) changes what
-the run hands Tunix (the trainer's ``TrainingConfig``, optimizer, mesh, save mode and
-model, and the first batch it trains on), what it records before training (the
-held-out evaluation), or stops the run with a one-line error. A
-filter such as ``if value:`` that drops an explicit 0, or a field the run never reads,
-leaves the handed-over objects equal and fails here. Options that cannot have an effect
-in the base run are listed in :data:`NO_EFFECT` with the reason.
+"""Every run option reaches Tunix (#41 class 2): for each option of ``posttrain sft``,
+``posttrain dpo`` and ``posttrain grpo``, a value other than its default (explicit zeros
+included) changes what the run hands Tunix (the trainer's ``TrainingConfig``, optimizer,
+mesh, save mode and model, and the first batch it trains on; GRPO's cluster, rollout and
+algorithm configs, rewards and actor), what it records before training (the held-out
+evaluation), or stops the run with a one-line error. A filter such as ``if value:`` that
+drops an explicit 0, or a field the run never reads, leaves the handed-over objects
+equal and fails here. Options that cannot have an effect are listed in
+:data:`NO_EFFECT` with the reason.
 
 The runs are real (the run functions, the model loaded on the 8-device mesh, Tunix's
-trainer built); each stops at the trainer's first ``train`` call."""
+trainer or learner built); each stops at the first ``train`` call. An option read in
+several places passes when any of them changes (a filter in one of them can hide behind
+another's use: the seed reaches the model init and the data order)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 
@@ -25,6 +29,7 @@ pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not instal
 from flax import nnx  # noqa: E402
 
 from posttrain.preference.options import DPORunConfig  # noqa: E402
+from posttrain.rl.options import GRPORunConfig  # noqa: E402
 from posttrain.sft.options import SFTConfig  # noqa: E402
 
 
@@ -118,27 +123,79 @@ def _received(trainer, batches, steps: int) -> dict:
     }
 
 
-def _capture(run, cfg, steps: int) -> dict:
+def _stopped(start, cfg, seen: dict) -> dict:
+    """Runs ``start()`` to its ``_Stop`` and returns ``seen`` (the output path taken out:
+    each capture writes to a fresh directory), or ``{"error": one line}`` when the run
+    refuses the options."""
+    try:
+        start()
+    except _Stop:
+        return json.loads(json.dumps(seen, default=str).replace(cfg.output, "<output>"))
+    except ValueError as error:
+        return {"error": str(error).splitlines()[0]}
+    raise AssertionError("the run trained instead of stopping at train()")
+
+
+def _capture(run, cfg) -> dict:
     """Runs ``cfg`` up to its trainer's first ``train`` call and returns what Tunix
     receives, or ``{"error": one line}`` when the run refuses the options."""
     seen = {}
 
     def on_built(trainer):
         def train(batches, *args, **kwargs):
-            seen.update(_received(trainer, batches, steps), recorded=_recorded_facts(cfg))
+            seen.update(_received(trainer, batches, cfg.steps), recorded=_recorded_facts(cfg))
             trainer.abandon()
             raise _Stop
 
         trainer.train = train
 
-    try:
-        run(cfg, on_built=on_built)
-    except _Stop:
-        # Each capture writes to a fresh directory: its path is not part of the picture.
-        return json.loads(json.dumps(seen, default=str).replace(cfg.output, "<output>"))
-    except ValueError as error:
-        return {"error": str(error).splitlines()[0]}
-    raise AssertionError("the run trained instead of stopping at train()")
+    return _stopped(lambda: run(cfg, on_built=on_built), cfg, seen)
+
+
+def _grpo_received(learner, policies, data, steps: int) -> dict:
+    """What Tunix's GRPO learner receives: its cluster's training and rollout configs and
+    meshes, its algorithm config, its reward functions, the actor, the first batch."""
+    from posttrain.rl import tunix_rl
+
+    names = set(vars(learner))
+    cluster = learner.rl_engine if "rl_engine" in names else learner.rl_cluster
+    config = cluster.cluster_config
+    algo = learner.algo_config if "algo_config" in names else learner.grpo_config
+    training = config.training_config
+    return {
+        "training": _plain(training),
+        "optimizer": _optimizer_picture(training.actor_optimizer, steps),
+        "rollout": _plain(config.rollout_config),
+        "meshes": {str(role): dict(mesh.shape) for role, mesh in config.role_to_mesh.items()},
+        "algorithm": [type(learner).__name__, _plain(algo)],
+        "rewards": [getattr(fn, "__name__", repr(fn)) for fn in _reward_fns(learner)],
+        "actor": _model_picture(policies[0].model),
+        "first_batch": _digest(_plain(next(iter(data)))),
+        "tunix": tunix_rl.surface(),
+    }
+
+
+def _reward_fns(learner) -> list:
+    """The learner's reward functions: its own (google-tunix <= 0.1.5) or its reward
+    manager's (0.1.6+)."""
+    owner = vars(learner).get("reward_manager", learner)
+    return list(owner.reward_fns)
+
+
+def _capture_grpo(cfg) -> dict:
+    """``_capture`` for ``posttrain grpo``: stops at the learner's ``train``."""
+    from posttrain.rl.run import run_grpo
+
+    seen = {}
+
+    def on_built(learner, policies):
+        def train(data, *args, **kwargs):
+            seen.update(_grpo_received(learner, policies, data, cfg.steps))
+            raise _Stop
+
+        learner.train = train
+
+    return _stopped(lambda: run_grpo(cfg, on_built=on_built), cfg, seen)
 
 
 def _run_sft(cfg, on_built):
@@ -211,14 +268,43 @@ DPO_VALUES: dict[str, tuple] = {
     "label_smoothing": (0.0, {"label_smoothing": 0.2}),  # an explicit zero
     "lambda_orpo": (0.5, {"algorithm": "orpo"}),  # ORPO's weight only
 }
+GRPO_VALUES: dict[str, tuple] = {
+    **{k: SFT_VALUES[k] for k in ("model", "tokenizer", "mesh", "lora_rank", "lora_alpha")},
+    **{k: SFT_VALUES[k] for k in ("seed", "save_every", "stop_after")},
+    "per_device_batch_size": (3, {}),
+    "steps": (4, {}),
+    "learning_rate": (1e-3, {}),
+    "rollout_mesh": ({"data": 8}, {}),
+    "rollout_dtype": ("bfloat16", {"rollout_mesh": {"data": 8}}),
+    "num_generations": (3, {}),
+    "algorithm": ("dapo", {}),
+    "beta": (0.0, {}),  # an explicit zero: no KL term, not the algorithm's default
+    "epsilon": (0.3, {}),
+    "temperature": (0.7, {}),
+    "max_prompt_length": (40, {}),
+    "max_new_tokens": (4, {}),
+    "reward": (("exact_answer",), {}),
+    "warmup_steps": (1, {}),
+    "warmup_data_shards": (2, {"warmup_steps": 1}),  # the warm-up's data order
+}
 #: Options with no effect on what Tunix receives, and why.
 NO_EFFECT: dict[str, str] = {
+    "eval_samples": "the evaluation before and after training only (``posttrain grpo``'s "
+    "run.json, written at the end; tests/test_rl checks it); Tunix never sees it",
     "output": "where the run writes: each capture writes to a fresh directory, whose path "
     "is taken out of the picture (the checkpoint and TensorBoard paths name it)",
 }
 
 SMALL_SFT = {"steps": 3, "max_target_length": 64}
 SMALL_DPO = {"steps": 3, "max_prompt_length": 16, "max_response_length": 16}
+SMALL_GRPO = {
+    "steps": 2,
+    "warmup_steps": 0,
+    "per_device_batch_size": 1,
+    "num_generations": 2,
+    "max_new_tokens": 3,
+    "eval_samples": 0,
+}
 
 
 def _resolve(value, files: dict):
@@ -234,21 +320,23 @@ def _sensitivity(cls, run, values, small, name, tmp_path) -> None:
     value = _resolve(value, files)
     other = dataclasses.replace(base, **{name: value, "output": str(tmp_path / "other")})
     assert value != getattr(cls(), name) or needs, (name, "is the default")
-    before = _capture(run, base, base.steps)
+    before, after = run(base), run(other)
     assert "error" not in before, before
-    after = _capture(run, other, other.steps)
     assert after != before, f"{name}={value!r}: Tunix receives the same as with {base}"
 
 
 def test_the_tables_name_every_option():
     """Every field of the options is a row of its table or of :data:`NO_EFFECT`."""
-    for cls, values in ((SFTConfig, SFT_VALUES), (DPORunConfig, DPO_VALUES)):
+    tables = ((SFTConfig, SFT_VALUES), (DPORunConfig, DPO_VALUES), (GRPORunConfig, GRPO_VALUES))
+    for cls, values in tables:
         names = {f.name for f in dataclasses.fields(cls)}
         assert names == set(values) | (set(NO_EFFECT) & names), cls.__name__
 
 
-# In the gate: the explicit-zero options (a truthiness filter would drop them).
-GATE_SFT = ("warmup_steps", "seed")
+# In the gate: one explicit zero (a truthiness filter would drop it), to keep the gate's
+# time; the slow tier sweeps every option (GRPO's beta=0.0 is the other explicit zero).
+GATE_SFT = ("warmup_steps",)
+GATE_GRPO: tuple[str, ...] = ()
 
 
 @pytest.mark.parametrize(
@@ -257,7 +345,8 @@ GATE_SFT = ("warmup_steps", "seed")
 def test_each_sft_option_changes_what_tunix_receives(name, tmp_path):
     """A non-default value of the SFT option changes what Tunix receives (or is
     refused in one line)."""
-    _sensitivity(SFTConfig, _run_sft, SFT_VALUES, SMALL_SFT, name, tmp_path)
+    run = functools.partial(_capture, _run_sft)
+    _sensitivity(SFTConfig, run, SFT_VALUES, SMALL_SFT, name, tmp_path)
 
 
 @pytest.mark.slow
@@ -265,4 +354,14 @@ def test_each_sft_option_changes_what_tunix_receives(name, tmp_path):
 def test_each_dpo_option_changes_what_tunix_receives(name, tmp_path):
     """A non-default value of the DPO option changes what Tunix receives (or is
     refused in one line)."""
-    _sensitivity(DPORunConfig, _run_dpo, DPO_VALUES, SMALL_DPO, name, tmp_path)
+    run = functools.partial(_capture, _run_dpo)
+    _sensitivity(DPORunConfig, run, DPO_VALUES, SMALL_DPO, name, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in GATE_GRPO else pytest.mark.slow) for n in GRPO_VALUES]
+)
+def test_each_grpo_option_changes_what_tunix_receives(name, tmp_path):
+    """A non-default value of the GRPO option changes what Tunix's learner receives (or
+    is refused in one line)."""
+    _sensitivity(GRPORunConfig, _capture_grpo, GRPO_VALUES, SMALL_GRPO, name, tmp_path)

@@ -19,7 +19,7 @@ from posttrain.sft.options import SFTConfig
 def _other_value(field: dataclasses.Field, hint) -> tuple[list[str], object]:
     """``(command-line words, the value they give)`` for a value other than the field's
     default (explicit zeros where the default is not zero)."""
-    base, _ = flags._base_type(hint)
+    base = flags._base_type(hint)
     default = None if field.default is dataclasses.MISSING else field.default
     if field.metadata["parse"] is not None:  # a mesh
         return ["fsdp=2,tensor=4"], {"fsdp": 2, "tensor": 4}
@@ -102,3 +102,41 @@ def test_a_flag_other_than_the_field_name_is_named_in_the_message():
     assert flags.flag_of(SFTConfig, "scan_layers") == "--scan"
     assert flags.flag_of(SFTConfig, "packing") == "--no-packing"
     assert flags.flag_of(SFTConfig, "grad_accum") == "--grad-accum"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Toy:
+    """Options of each kind the generator knows, with multi-word names."""
+
+    max_new_tokens: int = flags.option(3, "tokens")
+    quiet_steps: int = flags.option(4, "steps", show_default=False)
+    keep_going_on: bool = flags.option(True, "stop instead")
+    dry_run_first: bool = flags.option(False, "dry run")
+    name_or_number: int | str | None = flags.option(None, "either")
+    kind: typing.Literal["a", "b"] = flags.option("a", "a kind")
+    checked_kind: typing.Literal["x", "y"] = flags.option("x", "checked", checked=True)
+    where: str = flags.option(help="where", positional=True)
+
+
+def test_the_generator_names_helps_and_types_each_kind_of_field():
+    """Flag names from multi-word fields (``--no-`` for a bool on by default), the
+    default in the help unless ``show_default=False``, ``choices`` or a metavar from a
+    ``Literal``, a positional, and a union of two types left untyped."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="toy")
+    flags.add_options(parser, _Toy)
+    actions = {a.dest: a for a in parser._actions}
+    assert actions["keep_going_on"].option_strings == ["--no-keep-going-on"]
+    assert actions["dry_run_first"].option_strings == ["--dry-run-first"]
+    assert actions["max_new_tokens"].option_strings == ["--max-new-tokens"]
+    assert actions["name_or_number"].type is None
+    assert actions["kind"].choices == ("a", "b") and actions["kind"].metavar is None
+    assert actions["checked_kind"].choices is None
+    assert actions["checked_kind"].metavar == "{x,y}"
+    assert actions["where"].option_strings == [] and actions["where"].required
+    text = " ".join(parser.format_help().split())
+    assert "tokens (default 3)" in text and "steps (default" not in text
+    assert "--no-keep-going-on stop instead" in text
+    toy = flags.options_from(_Toy, parser.parse_args(["here", "--no-keep-going-on"]))
+    assert toy == _Toy(where="here", keep_going_on=False)

@@ -12,8 +12,9 @@ Subcommands:
   check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
                 tokens; print max |delta logit|, mean KL(HF || native), top-1 agreement.
 
-The subcommands' work is in :mod:`posttrain.commands`. Errors in the arguments or
-inputs print one line and exit with status 2; an internal
+Each subcommand is a row of :data:`COMMANDS`: its options dataclass, whose fields are
+its flags (:mod:`posttrain.flags`), and its function in :mod:`posttrain.commands`.
+Errors in the arguments or inputs print one line and exit with status 2; an internal
 error prints one line and exits with 1 (``--debug`` or ``POSTTRAIN_DEBUG=1``: the
 traceback); check-logits exits with 1 past its thresholds; SIGINT / SIGTERM clean up,
 print one line and exit with 130 / 143.
@@ -44,13 +45,13 @@ def _set_devices(count: str) -> None:
     if count == "real":
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    flags = [
+    xla_flags = [
         f
         for f in os.environ.get("XLA_FLAGS", "").split()
         if not f.startswith("--xla_force_host_platform_device_count")
     ]
-    flags.append(f"--xla_force_host_platform_device_count={int(count)}")
-    os.environ["XLA_FLAGS"] = " ".join(flags)
+    xla_flags.append(f"--xla_force_host_platform_device_count={int(count)}")
+    os.environ["XLA_FLAGS"] = " ".join(xla_flags)
 
 
 @dataclasses.dataclass(frozen=True)

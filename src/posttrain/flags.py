@@ -77,12 +77,13 @@ def option(
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def _base_type(annotation) -> tuple[Any, bool]:
-    """``(type without None, whether it was optional)``."""
+def _base_type(annotation):
+    """``annotation`` without its ``| None`` (``int | None`` -> ``int``); a union of
+    several types stays whole."""
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return (args[0] if len(args) == 1 else annotation), True
-    return annotation, False
+        return args[0] if len(args) == 1 else annotation
+    return annotation
 
 
 def _flag_name(field: dataclasses.Field, hint) -> str:
@@ -97,7 +98,7 @@ def _fields(cls) -> list[tuple[dataclasses.Field, Any]]:
     """``(field, its annotation without None)`` of each command-line field of ``cls``."""
     hints = typing.get_type_hints(cls)
     return [
-        (field, _base_type(hints[field.name])[0])
+        (field, _base_type(hints[field.name]))
         for field in dataclasses.fields(cls)
         if "help" in field.metadata  # an option(), not a plain field
     ]

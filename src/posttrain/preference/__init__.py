@@ -6,5 +6,6 @@
 - :mod:`posttrain.preference.tunix_dpo`: the adapter to Tunix's DPO trainer, config and
   loss (every release's drift, detected by feature).
 - :mod:`posttrain.preference.trainer`: our step over Tunix's ``DPOTrainer``.
+- :mod:`posttrain.preference.options`: ``DPORunConfig``, ``posttrain dpo``'s options.
 - :mod:`posttrain.preference.run`: one run end to end (``posttrain dpo``).
 """

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from posttrain.config import choices
 from posttrain.flags import option
-from posttrain.runs.options import PeftRunOptions, finite_positive
+from posttrain.runs.options import DEFAULT_MODEL, PeftRunOptions, finite_positive
 
 PreferenceAlgorithm = Literal["dpo", "orpo"]
 
@@ -48,7 +48,7 @@ class DPORunConfig(PeftRunOptions):
     )
 
     model: str = option(
-        "qwen3-tiny", "preset, native directory (e.g. runs/sft/model-step60) or HF directory"
+        DEFAULT_MODEL, "preset, native directory (e.g. runs/sft/model-step60) or HF directory"
     )
     data: str | None = option(
         None, "preference JSONL: prompt, chosen, rejected (default: embedded)"

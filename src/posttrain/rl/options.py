@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 from posttrain.config import choices
 from posttrain.flags import option
 from posttrain.rl import rewards
-from posttrain.runs.options import RunOptions, finite_positive, parse_mesh
+from posttrain.runs.options import DEFAULT_MODEL, RunOptions, finite_positive, parse_mesh
 
 #: GRPO's family of learners: ``dapo`` since google-tunix 0.1.4, ``drgrpo`` since 0.1.6.
 GRPOAlgorithm = Literal["grpo", "dapo", "drgrpo"]
@@ -69,7 +69,7 @@ class GRPORunConfig(RunOptions):
         "warmup_steps",
     )
 
-    model: str = option("qwen3-tiny", "preset, native or HF directory", show_default=False)
+    model: str = option(DEFAULT_MODEL, "preset, native or HF directory", show_default=False)
     tokenizer: str | None = option(None, "tokenizer.json (default: byte tokenizer)")
     mesh: dict[str, int] | None = option(
         None, "actor/reference axis sizes (default: fsdp)", parse=parse_mesh

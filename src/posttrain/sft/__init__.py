@@ -11,5 +11,7 @@ Modules, in data-flow order:
   convention, the trainer base class, the optimizer state <= 0.1.5 does not checkpoint;
 * :mod:`.trainer`: ``SFTTrainer`` (imports Tunix): the step and Tunix's hooks;
 * :mod:`.metrics`: the per-step records (``metrics.jsonl``, the stdout line);
-* :mod:`.run`: ``SFTConfig`` / ``run_sft``, what ``posttrain sft`` runs.
+* :mod:`.options`: ``SFTConfig``, ``posttrain sft``'s options (on
+  :mod:`posttrain.runs.options`, which every run shares);
+* :mod:`.run`: ``run_sft``, what ``posttrain sft`` runs.
 """

@@ -1,4 +1,5 @@
-"""Per-step SFT metrics: the micro-step buffer, ``metrics.jsonl`` and the stdout line.
+"""Per-step SFT metrics: the micro-step buffer, ``metrics.jsonl`` and the stdout line;
+the finiteness checks before a record or a checkpoint is written.
 
 One record per optimizer step, written when the next step has been dispatched (so
 reading the device values never stalls the step in flight):
@@ -29,7 +30,10 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from posttrain import _compat
 
 AUX_KEYS = ("nll_sum", "target_tokens", "moe_aux_loss", "grad_norm", "tokens")
 
@@ -162,3 +166,28 @@ class StepMetrics:
         if self.metrics_path:
             with open(self.metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, allow_nan=False) + "\n")
+
+
+class CheckedSaves:
+    """Tunix's checkpoint manager whose saves first call ``check(step)``, for the steps
+    it will actually write (:func:`posttrain._compat.checkpoint_due`); every other
+    attribute is the manager's."""
+
+    def __init__(self, inner, check) -> None:
+        self._inner = inner
+        self._check = check
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def save(self, step, model, *args, **kwargs):
+        if _compat.checkpoint_due(self._inner, step, kwargs.get("force", False)):
+            self._check(step)
+        return self._inner.save(step, model, *args, **kwargs)
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Whether every element of every array in ``tree`` is finite (bool ``[]``)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)

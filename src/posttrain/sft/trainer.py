@@ -42,7 +42,7 @@ from typing_extensions import override
 from posttrain import _compat, sharding
 from posttrain.sft import loss as sft_loss
 from posttrain.sft import tunix_compat
-from posttrain.sft.metrics import NonFiniteLossError, StepMetrics
+from posttrain.sft.metrics import CheckedSaves, NonFiniteLossError, StepMetrics, all_finite
 
 __all__ = [
     "NonFiniteLossError",
@@ -165,7 +165,7 @@ class SFTTrainerMixin:
           NonFiniteLossError: either is not (a resumed run would restart from it).
         """
         self.metrics.flush()
-        if not bool(_all_finite(nnx.state(self.model, self._wrt))):
+        if not bool(all_finite(nnx.state(self.model, self._wrt))):
             raise NonFiniteLossError(
                 f"step {step}: the updated weights are not finite (a learning rate too "
                 "high?); training stopped before checkpointing them"
@@ -359,31 +359,6 @@ class SFTTrainerMixin:
             for listener in getattr(self, "_scalar_listeners", ()):
                 _compat.unregister_scalar_listener(listener)
             self._scalar_listeners = []
-
-
-class CheckedSaves:
-    """Tunix's checkpoint manager whose saves first call ``check(step)``, for the steps
-    it will actually write (:func:`posttrain._compat.checkpoint_due`); every other
-    attribute is the manager's."""
-
-    def __init__(self, inner, check) -> None:
-        self._inner = inner
-        self._check = check
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def save(self, step, model, *args, **kwargs):
-        if _compat.checkpoint_due(self._inner, step, kwargs.get("force", False)):
-            self._check(step)
-        return self._inner.save(step, model, *args, **kwargs)
-
-
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-    """Whether every element of every array in ``tree`` is finite (bool ``[]``)."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def default_moe_aux_loss_weight(model) -> float:
