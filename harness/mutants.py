@@ -112,11 +112,13 @@ TARGETS: dict[str, list[str]] = {
     ],
     "src/posttrain/sft/loss.py": ["tests/test_sft_loss.py", "tests/test_sft_objective.py"],
     # the LoRA run: in full fine-tuning the frozen part of the step's split is empty, so
-    # mutants of its filter and its copy passed the others
+    # mutants of its filter and its copy passed the others; the NaN-weights save: the
+    # jitted _all_finite's mutants that check nothing passed without it
     "src/posttrain/sft/trainer.py": [
         "tests/test_sft_objective.py",
         "contracts/test_sft_conventions.py",
         "tests/test_sft_run.py::test_lora_run_checkpoints_only_the_adapters",
+        "tests/test_sft_run.py::test_non_finite_weights_are_never_checkpointed",
     ],
     "src/posttrain/sft/metrics.py": ["tests/test_sft_run.py", "contracts/test_sft_conventions.py"],
     "src/posttrain/layers/kv_cache.py": ["tests/test_generate.py", "-k", "incremental or cache"],

@@ -495,6 +495,21 @@ def test_qlora_scanned_runs_and_adapts(qtype, tile_size):
 
 
 @pytest.mark.devices(8)
+def test_merging_a_bfloat16_model_keeps_every_weights_dtype():
+    """merge_lora of a bfloat16 model: each merged weight is bfloat16 (the sum formed in
+    float32, rounded back once), and the adapted ones moved. Mutation survivor of the
+    jitted ``_shifted`` (the sum left in float32)."""
+    mesh = sharding.make_mesh({"fsdp": 4, "data": 2})
+    bf16 = get_config("qwen3-tiny", dtype="bfloat16", param_dtype="bfloat16")
+    model = apply_lora(placed_model(bf16, mesh), mesh, LORA)
+    randomise_adapters(model)
+    base, merged = flat_params(placed_model(bf16, mesh)), flat_params(merge_lora(model))
+    assert base.keys() == merged.keys()
+    assert {v.dtype for v in merged.values()} == {jnp.dtype(jnp.bfloat16)}
+    assert any(not np.array_equal(base[k], merged[k]) for k in base)
+
+
+@pytest.mark.devices(8)
 def test_qlora_merge_gives_the_dequantised_base_plus_the_deltas():
     """merge_lora of a QLoRA model: each quantised weight becomes qwix's dequantisation
     of it plus (alpha / rank) A.B, every other parameter is the base's own, and the merged

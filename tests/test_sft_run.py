@@ -319,7 +319,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
 
     from posttrain import sharding
     from posttrain.models import build_model, get_config
-    from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
+    from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer, _all_finite
 
     mesh = sharding.make_mesh({"fsdp": 8})
     model = build_model(get_config("qwen3-tiny"), mesh, seed=0)
@@ -328,6 +328,8 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     )
     trainer = SFTTrainer(model, optax.sgd(0.1), config, options=SFTOptions(mesh=mesh))
     trainer._check_before_save(1)  # finite weights pass
+    assert bool(_all_finite({})) and bool(_all_finite({"w": jnp.ones(3)}))  # nothing to fault
+    assert not bool(_all_finite({"w": jnp.ones(3), "v": jnp.array([1.0, jnp.inf])}))
     _, variable = nnx.to_flat_state(nnx.state(model, nnx.Param))[0]
     _compat.set_variable_value(variable, _compat.variable_value(variable) * jnp.nan)
     with pytest.raises(NonFiniteLossError, match="step 3: the updated weights are not finite"):
