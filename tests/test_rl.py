@@ -403,3 +403,23 @@ def test_dapo_and_drgrpo_runs_train_through_their_learners(algorithm, tmp_path):
     assert result.step == 2 and [r["step"] for r in result.history] == [1, 2]
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert run["settings"]["algorithm"] == algorithm
+
+
+def test_a_steps_record_takes_its_rollout_figures_from_the_step_before():
+    """Tunix logs update s's rollout (its completion length) at global step s - 1, beside
+    update s - 1's actor figures: step s's record reads the rollout's from s - 1 and its
+    loss and KL from s (each step once showed the next step's completion length)."""
+    from types import SimpleNamespace
+
+    from posttrain.rl.metrics import step_record
+
+    records = {
+        0: {"actor/completions/mean_length": 3.0},
+        1: {"actor/loss": 0.5, "actor/kl": 0.1, "actor/completions/mean_length": 5.0},
+        2: {"actor/loss": 0.4, "actor/kl": 0.2},
+    }
+    tap = SimpleNamespace(records=records, rollout_seconds={}, rollout_tokens={})
+    first = step_record(1, records[1], {}, tap)
+    second = step_record(2, records[2], {}, tap)
+    assert (first["completions/mean_length"], first["loss"], first["kl"]) == (3.0, 0.5, 0.1)
+    assert (second["completions/mean_length"], second["loss"]) == (5.0, 0.4)
