@@ -9,6 +9,8 @@ Subcommands:
                 the embedded preference pairs.
   forward       build a preset on a mesh, run a jitted forward, print shardings and figures.
   convert       HF checkpoint directory <-> native checkpoint directory (streamed, atomic).
+  plan          compile a workflow's step for a TPU slice on this CPU (libtpu, the tpu
+                extra): per-device memory, FLOPs, roofline floor; exit 1 when it does not fit.
   check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
                 tokens; print max |delta logit|, mean KL(HF || native), top-1 agreement.
 
@@ -28,6 +30,7 @@ import sys
 
 from posttrain import commands, distributed
 from posttrain.config import RematPolicy, choices
+from posttrain.plan import cli as plan_cli
 
 
 def _set_devices(count: str) -> None:
@@ -409,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="runs/dpo",
         help="run directory; a rerun resumes from its checkpoint (default %(default)s)",
     )
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -528,6 +532,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             raise ValueError("--per-device-batch-size, --seq and --repeats must be >= 1")
         return commands.forward(args)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion and parity are CPU work
+    if args.command == "plan":
+        return plan_cli.run(args)
     if args.command == "convert":
         distributed.initialize()  # rank 0 converts, the others wait (commands.convert)
         return commands.convert(args)
