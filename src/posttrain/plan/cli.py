@@ -57,6 +57,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="compile this many layers (the fast route; default: the model's)",
     )
+    p.add_argument(
+        "--extrapolate",
+        action="store_true",
+        help="the fast route: compile 1 and 2 layer periods and extrapolate to the full depth",
+    )
     p.add_argument("--json", default=None, help="write the JSON record to this file")
     return p
 
@@ -87,6 +92,7 @@ def options_of(args: argparse.Namespace) -> PlanOptions:
         param_dtype=args.param_dtype,
         scan_layers=not args.no_scan,
         num_layers=args.num_layers,
+        extrapolate=args.extrapolate,
         json_path=args.json,
     )
 

@@ -40,7 +40,9 @@ class PlanOptions:
       optimizer: the optax transformation.
       dtype, param_dtype: activation and parameter dtypes.
       scan_layers: scan the decoder's layers (one compiled layer body).
-      num_layers: compile this many layers instead of the model's (the fast route).
+      num_layers: compile this many layers instead of the model's.
+      extrapolate: the fast route: compile one and two layer periods and extrapolate the
+        figures to the full depth (:mod:`posttrain.plan.depth`) instead of compiling it.
       json_path: write the JSON record here.
 
     Raises:
@@ -64,6 +66,7 @@ class PlanOptions:
     param_dtype: DType = "bfloat16"
     scan_layers: bool = True
     num_layers: int | None = None
+    extrapolate: bool = False
     json_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -93,6 +96,8 @@ class PlanOptions:
             raise ValueError(f"batch={self.batch} must be >= 1")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"num_layers={self.num_layers} must be >= 1")
+        if self.extrapolate and not self.scan_layers:
+            raise ValueError("extrapolate=True compiles scanned layer periods; drop --no-scan")
         if self.workflow == "generate" and (self.lora_rank or self.grad_accum > 1):
             raise ValueError("generate plans the base model: drop --lora-rank and --grad-accum")
 

@@ -35,7 +35,10 @@ class Figures:
         ``gradients``, ``inputs``, ``KV cache``).
       flops, bytes_accessed: ``cost_analysis()`` per device.
       model_flops: the step's model FLOPs, whole slice.
-      compile_seconds: ``lower`` + ``compile`` wall time.
+      compile_seconds: ``lower`` + ``compile`` wall time (every compile the figures
+        needed).
+      cost_source: where ``flops`` and ``bytes_accessed`` come from (``compiled``, or the
+        shallow unscanned compiles they were extrapolated from).
     """
 
     arguments: int
@@ -48,6 +51,7 @@ class Figures:
     bytes_accessed: float
     model_flops: float
     compile_seconds: float
+    cost_source: str = "compiled"
 
     @property
     def peak(self) -> int:
@@ -144,7 +148,7 @@ def table(what: str, topology: Topology, figures: Figures, verdict: Verdict) -> 
         ("headroom", gib(verdict.headroom)),
         ("verdict", "fits" if verdict.fits else "does NOT fit"),
         ("compile", f"{figures.compile_seconds:.1f} s"),
-        ("FLOPs per device", f"{figures.flops:.3e}"),
+        ("FLOPs per device", f"{figures.flops:.3e} ({figures.cost_source})"),
         ("model FLOPs (slice)", f"{figures.model_flops:.3e}"),
         ("roofline floor", f"{verdict.floor_seconds * 1e3:.1f} ms ({verdict.bound}-bound)"),
         ("MFU at the floor", f"{verdict.mfu:.1%}"),
