@@ -111,6 +111,17 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
+    # the plan: the table, the verdict and roofline logic, the options and one real compile
+    # (tests/test_plan.py needs libtpu: the tpu extra); the seeds' tests are minutes each
+    "src/posttrain/plan/topology.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/report.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/options.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/depth.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/abstract.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/steps.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/cli.py": ["tests/test_plan.py"],
+    "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

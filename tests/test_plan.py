@@ -191,3 +191,44 @@ def test_the_record_carries_the_options_and_the_figures(small_plan):
     assert rec["options"] == dataclasses.asdict(small_plan.options)
     assert rec["arguments"] == small_plan.figures.arguments and rec["chips"] == 4
     assert "peak per device" in small_plan.table()
+
+
+# --- the abstract model ------------------------------------------------------------------------
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("qtype", [None, "int8"], ids=["lora", "qlora-int8"])
+def test_abstract_lora_matches_apply_lora(qtype):
+    """Qwix on the abstract model adds the variables apply_lora adds to a real one, with the
+    same shapes, dtypes and logical axes (so the plan shards them the same way)."""
+    from flax import nnx
+
+    from posttrain import sharding
+    from posttrain.lora import LoraConfig, apply_lora
+    from posttrain.lora.abstract import abstract_lora
+    from posttrain.models import build_model, get_config
+    from posttrain.plan import abstract
+
+    mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+    cfg = get_config("qwen3-tiny", scan_layers=True)
+    lora = LoraConfig(rank=4, alpha=4, weight_qtype=qtype)
+
+    def layout(model):
+        return {
+            path: (v.get_value().shape, v.get_value().dtype, sharding.variable_logical_axes(v))
+            for path, v in nnx.to_flat_state(nnx.state(model))
+        }
+
+    real = layout(apply_lora(build_model(cfg, mesh), mesh, lora))
+    planned = layout(abstract_lora(abstract.abstract_model(cfg), mesh, lora))
+    assert planned == real
+    assert any("lora_a" in str(path[-1]) for path in planned)
+
+
+def test_depth_line_through_one_and_two_periods():
+    from posttrain.plan.depth import linear
+
+    assert linear(10.0, 13.0, 48, 1) == 10.0 + 47 * 3.0
+    assert linear(10.0, 16.0, 12, 2) == 10.0 + 5 * 6.0  # 6 periods of 2 layers
+    with pytest.raises(ValueError, match="layers=5 must be a positive multiple of period=2"):
+        linear(1.0, 2.0, 5, 2)

@@ -39,6 +39,8 @@ def abstract_lora(
     mesh: Mesh,
     lora_config: LoraConfig,
     rules: sharding.Rules = sharding.DEFAULT_RULES,
+    *,
+    dummy_shape: tuple[int, int] | None = None,
 ) -> nnx.Module:
     """The LoRA (QLoRA with ``weight_qtype``) model of an abstract ``model``, abstract too.
 
@@ -49,6 +51,9 @@ def abstract_lora(
         batch and the divisibility checks); its devices need not exist here.
       lora_config: rank, alpha, targets, QLoRA type.
       rules: the logical-axis rules.
+      dummy_shape: ``(batch, seq)`` of the traced tokens; default
+        :func:`posttrain.lora.dummy_batch_shape` (tests pass others, e.g. the seed's old
+        ``(1, 1)``, to show what a wrong one does on a large slice).
 
     Returns:
       Qwix's LoRA model, abstract: ``nnx.LoRAParam`` adapters and (QLoRA) quantised
@@ -63,7 +68,7 @@ def abstract_lora(
     if not matched:
         raise ValueError(f"LoRA target {target!r} matches no module path of {model.config.family}")
     apply._check(model, lora_config, mesh, rules, matched)
-    tokens = jnp.zeros(apply.dummy_batch_shape(mesh, rules), jnp.int32)
+    tokens = jnp.zeros(dummy_shape or apply.dummy_batch_shape(mesh, rules), jnp.int32)
     base = model
     with sharding.use_mesh(mesh, rules, jax_context=False):
         if lora_config.weight_qtype:
