@@ -87,8 +87,18 @@ def test_roofline_floor_is_the_slower_of_compute_and_memory():
     v5p = topology.get("v5p-8")
     assert report.roofline(459e12, 2765e9 / 2, v5p) == pytest.approx((1.0, "compute"))
     assert report.roofline(459e12 / 4, 2765e9, v5p) == pytest.approx((1.0, "memory"))
-    with pytest.raises(ValueError, match="must be >= 0"):
-        report.roofline(-1.0, 0.0, v5p)
+    assert report.roofline(0.0, 0.0, v5p) == (0.0, "compute")  # nothing to do is allowed
+    for flops, moved in ((-1.0, 0.0), (0.0, -1.0)):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            report.roofline(flops, moved, v5p)
+
+
+def test_a_program_exactly_the_size_of_hbm_fits_and_an_empty_one_has_no_mfu():
+    v5p = topology.get("v5p-8")
+    exact = report.judge(_figures(temporaries=84 * topology.GIB), v5p)  # 10 + 3 - 2 + 84
+    assert exact.fits and exact.headroom == 0
+    empty = report.judge(_figures(flops=0.0, bytes_accessed=0.0), v5p)
+    assert empty.floor_seconds == 0.0 and empty.mfu == 0.0
 
 
 def test_verdict_headroom_and_mfu():
@@ -106,7 +116,8 @@ def test_verdict_headroom_and_mfu():
 
 def test_overflow_line_names_the_overflow_and_the_knobs():
     line = report.overflow_line(96 * topology.GIB, topology.get("v5p-8"), "llama sft")
-    assert "llama sft does not fit v5p-8" in line and "1.00 GiB over" in line
+    assert line.startswith("llama sft does not fit v5p-8: 96.00 GiB per device, 1.00 GiB over ")
+    assert "the chip's 95.00 GiB HBM" in line
     assert "--remat full" in line and "fsdp" in line and "--per-device-batch-size" in line
     assert "\n" not in line
 
