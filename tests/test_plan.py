@@ -236,10 +236,12 @@ def test_abstract_lora_matches_apply_lora(qtype):
     assert any("lora_a" in str(path[-1]) for path in planned)
 
 
-def test_depth_line_through_one_and_two_periods():
+def test_depth_line_through_two_depths():
     from posttrain.plan.depth import linear
 
-    assert linear(10.0, 13.0, 48, 1) == 10.0 + 47 * 3.0
-    assert linear(10.0, 16.0, 12, 2) == 10.0 + 5 * 6.0  # 6 periods of 2 layers
-    with pytest.raises(ValueError, match="layers=5 must be a positive multiple of period=2"):
-        linear(1.0, 2.0, 5, 2)
+    assert linear((1, 10.0), (2, 13.0), 48) == 10.0 + 47 * 3.0
+    assert linear((2, 10.0), (4, 16.0), 12) == 10.0 + 10 * 3.0  # 3 per layer after depth 2
+    with pytest.raises(ValueError, match="depths 4 and 2 must satisfy 1 <= n1 < n2"):
+        linear((4, 16.0), (2, 10.0), 12)
+    with pytest.raises(ValueError, match="depths 0 and 2"):
+        linear((0, 1.0), (2, 2.0), 12)
