@@ -17,9 +17,12 @@ from posttrain.plan import DoesNotFit, PlanOptions, plan, topology
 
 pytestmark = [pytest.mark.slow, pytest.mark.aot]
 
-# The compiled arguments are the parameters, optimizer state and batch; XLA pads none of
-# them here, so 1% is room for nothing but a miscount.
+# The compiled arguments are the parameters, optimizer state and batch. With every minor
+# dimension a multiple of the TPU's 128-lane tile (Qwen3, Llama) they equal the analytic
+# bytes within 1%; gpt-oss's d_model 2880 (22.5 tiles) is padded to 2944 in the TPU layout,
+# 2.2% more, so it gets the padding's allowance.
 ARGUMENT_BYTES_RTOL = 0.01
+TILE_PADDED_RTOL = {"gpt_oss-20b": 0.03}
 
 
 def _consistent(result) -> None:
@@ -28,7 +31,9 @@ def _consistent(result) -> None:
     f, v = result.figures, result.verdict
     kinds = f.kinds
     analytic = sum(kinds[k] for k in ("parameters", "optimizer state", "inputs") if k in kinds)
-    assert f.arguments == pytest.approx(analytic, rel=ARGUMENT_BYTES_RTOL)
+    rtol = TILE_PADDED_RTOL.get(result.options.model, ARGUMENT_BYTES_RTOL)
+    assert analytic <= f.arguments * (1 + ARGUMENT_BYTES_RTOL)
+    assert f.arguments == pytest.approx(analytic, rel=rtol)
     assert f.peak == f.arguments + f.outputs - f.aliased + f.temporaries
     assert v.headroom == topology.get(result.options.topology).hbm_bytes - f.peak
     assert 0 < v.mfu <= 1, f"MFU {v.mfu:.1%}: FLOPs undercounted (a scanned loop?)"
