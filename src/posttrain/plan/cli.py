@@ -60,7 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--extrapolate",
         action="store_true",
-        help="the fast route: compile 1 and 2 layer periods and extrapolate to the full depth",
+        help="compile 2 and 4 layer periods and extrapolate to the full depth: arguments "
+        "exact, temporaries underestimated (docs/scale.md)",
     )
     p.add_argument("--json", default=None, help="write the JSON record to this file")
     return p
