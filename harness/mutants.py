@@ -47,6 +47,10 @@ from collections.abc import Sequence
 from posttrain import atomic
 
 # module -> the tests that exercise it (pytest node ids or -k expressions after "-k").
+# tests/test_plan.py without its compiles (seconds, not a minute, per mutant): the logic
+# modules' own tests are the table, roofline, verdict, options and depth-line ones
+_NO_COMPILE = "not small_lora and not record_carries and not abstract_lora"
+
 TARGETS: dict[str, list[str]] = {
     "src/posttrain/layers/moe/router.py": [
         "tests/test_moe.py",
@@ -138,6 +142,17 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_rl.py::test_the_run_config_names_the_bad_field",
     ],
     "src/posttrain/runs/tunix_loss.py": ["tests/test_tunix_compat.py"],
+    # the plan: the table, the verdict and roofline logic, the options and one real compile
+    # (tests/test_plan.py needs libtpu: the tpu extra); the seeds' tests are minutes each
+    "src/posttrain/plan/topology.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
+    "src/posttrain/plan/report.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
+    "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
+    "src/posttrain/plan/depth.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
+    "src/posttrain/plan/abstract.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/steps.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/cli.py": ["tests/test_plan.py"],
+    "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

@@ -54,6 +54,8 @@ MARKERS: tuple[str, ...] = (
     "accelerator: needs a real accelerator backend (TPU or GPU)",
     "slow: slow test; the gate leaves it out unless --slow",
     "reference: needs torch and transformers (HF reference implementations)",
+    "aot: compiles for a TPU slice through libtpu (the tpu extra); skipped where libtpu "
+    "is not installed (a failure under --strict-skips)",
     "contract(name): pins the upstream symbol `name`; reports group results by it",
     "convention(name): exercises Tunix train-step convention `name` (see --conventions)",
 )
@@ -360,6 +362,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         missing = ", ".join(_missing_reference_modules())
         pytest.skip(f"reference test needs torch and transformers; not importable: {missing}")
 
+    if item.get_closest_marker("aot") is not None and importlib.util.find_spec("libtpu") is None:
+        reason = "needs libtpu to compile for a TPU slice: install the tpu extra"
+        if item.config.getoption("strict_skips"):
+            pytest.fail(f"{reason} (--strict-skips: the gate runs the aot tests)", pytrace=False)
+        pytest.skip(reason)
 
 _SEEN = pytest.StashKey[list[str]]()
 

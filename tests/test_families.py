@@ -137,3 +137,44 @@ def test_the_oracle_names_transformers_classes(name):
     assert config_class.model_type == family.model_type
     for arch in family.read_architectures:
         assert getattr(transformers, arch).__name__ == arch
+
+
+FULL_SIZE = [n for n in presets.PRESETS if n not in presets.TINY_PRESETS]
+# Published parameter counts: the full-size presets' dimensions are real only if they add up
+# to them. The HF hub's safetensors totals of meta-llama/Llama-3.1-8B and -70B,
+# Qwen/Qwen3-0.6B and Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1; the gpt-oss model
+# card's 20.9B (its checkpoint holds MXFP4 experts, so the hub's total counts packed bytes).
+PUBLISHED_PARAMS = {
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3_moe-30b-a3b": 30_532_122_624,
+    "mixtral-8x7b": 46_702_792_704,
+    "gpt_oss-20b": 20.9e9,
+}
+# gpt-oss's card rounds to 3 figures; one layer of Llama 3.1 70B is 1.2% of it, a d_ff off
+# by 672 (28000) 1.9%.
+PARAM_COUNT_RTOL = 0.005
+
+
+@pytest.mark.parametrize("name", FULL_SIZE)
+def test_full_size_presets_convert_both_ways_abstractly(name):
+    """Each full-size preset's HF config reads back as itself, and its conversion plans
+    (native -> HF -> native) cover every tensor from shapes alone; no weight is made."""
+    cfg = presets.get_config(name)
+    written = hf_config.to_hf_config(cfg)
+    assert hf_config.hf_view(hf_config.from_hf_config(written)) == hf_config.hf_view(cfg)
+    abstract = conversion.abstract_params(cfg)
+    infos = {
+        k: sio.OutputSpec(k, sio.CODES[np.dtype(v.dtype)], tuple(v.shape))
+        for k, v in abstract.items()
+    }
+    to_hf = conversion.plan_to_hf(NativeMeta(cfg), infos)
+    back = conversion.plan_to_native(written, {s.name: s for s in to_hf.outputs})
+    assert {s.name for s in back.outputs} == set(abstract)
+    params = sum(int(np.prod(v.shape)) for v in abstract.values())
+    assert params == pytest.approx(PUBLISHED_PARAMS[name], rel=PARAM_COUNT_RTOL)
+
+
+def test_every_full_size_preset_has_a_published_count():
+    assert sorted(FULL_SIZE) == sorted(PUBLISHED_PARAMS)

@@ -11,6 +11,8 @@ Subcommands:
   convert       HF checkpoint directory <-> native checkpoint directory (streamed, atomic).
   check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
                 tokens; print max |delta logit|, mean KL(HF || native), top-1 agreement.
+  plan          compile a workflow's step for a TPU slice on this CPU (libtpu, the tpu
+                extra): per-device memory, FLOPs, roofline floor; exit 1 when it does not fit.
 
 Each subcommand is a row of :data:`COMMANDS`: its options dataclass, whose fields are
 its flags (:mod:`posttrain.flags`), and its function in :mod:`posttrain.commands`.
@@ -154,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                 default=os.environ.get("POSTTRAIN_DEVICES", "8"),
                 help="fake CPU devices, or 'real' (default %(default)s)",
             )
+    from posttrain.plan import cli as plan_cli  # its own parser (not yet a COMMANDS row)
+
+    plan_cli.add_parser(sub)
     return parser
 
 
@@ -262,6 +267,11 @@ def _terminate_as_interrupt():
 def _dispatch(args: argparse.Namespace) -> int:
     import importlib
 
+    if args.command == "plan":
+        from posttrain.plan import cli as plan_cli
+
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU compiles need no backend
+        return plan_cli.run(args)
     command = _command(args.command)
     if distributed.launched() and not command.multi_process:
         raise ValueError(

@@ -36,6 +36,23 @@ def llama3_8b() -> ModelConfig:
     )
 
 
+def llama3_70b() -> ModelConfig:
+    """Llama 3.1 70B (meta-llama/Llama-3.1-70B config.json: hidden_size 8192,
+    intermediate_size 28672, 80 layers, 64 heads, 8 kv heads, head_dim 128, vocab 128256,
+    rope_theta 500000 with llama3 scaling factor 8, rms_norm_eps 1e-5, untied)."""
+    return llama3_8b().replace(
+        d_model=8192,
+        num_layers=80,
+        layer_types=("full",) * 80,
+        d_ff=28_672,
+        attention={
+            "full": AttentionConfig(
+                num_heads=64, num_kv_heads=8, head_dim=128, rope=llama3_8b().attention["full"].rope
+            )
+        },
+    )
+
+
 def llama3_tiny() -> ModelConfig:
     """CPU-sized Llama 3; original_max_position_embeddings=256 puts the 5 RoPE
     frequencies of head_dim 10 (wavelengths 6.3, 87, 1197 ...) in all three llama3
@@ -73,7 +90,7 @@ def to_hf(cfg: ModelConfig) -> dict:
 
 FAMILY = Family(
     name="llama3",
-    presets={"llama3-8b": llama3_8b, "llama3-tiny": llama3_tiny},
+    presets={"llama3-8b": llama3_8b, "llama3-70b": llama3_70b, "llama3-tiny": llama3_tiny},
     table=Table(GLOBAL_ROWS + ATTENTION_ROWS + DENSE_MLP_ROWS),
     architecture="LlamaForCausalLM",
     model_type="llama",

@@ -1,0 +1,146 @@
+"""``PlanOptions``: everything ``posttrain plan`` takes, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Literal
+
+from posttrain.config import ModelConfig, RematPolicy, choices
+
+Workflow = Literal["sft", "dpo", "grpo", "generate"]
+Optimizer = Literal["adamw", "sgd", "adafactor"]
+DType = Literal["bfloat16", "float32"]
+
+#: workflows this release plans; the others are refused with one line
+PLANNED: tuple[str, ...] = ("sft", "generate")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """One plan.
+
+    Attributes:
+      model: a preset name or an HF checkpoint / config directory (``config.json``).
+      topology: a :data:`posttrain.plan.topology.TOPOLOGIES` name (``v5p-32``).
+      mesh: axis sizes (``{"tensor": 4, "fsdp": 2, "expert": 2}``); ``None`` puts every
+        device on ``fsdp`` (the trainer's default).
+      workflow: ``sft`` or ``generate`` (``dpo`` / ``grpo`` are refused for now).
+      lora_rank: LoRA rank; 0 trains every parameter.
+      qlora: QLoRA's base-weight type (``int8`` ...), or ``None``; needs ``lora_rank``.
+      remat: the decoder's rematerialisation policy.
+      per_device_batch_size: rows per data-parallel shard; the global batch is this x
+        the data-parallel size. Ignored when ``batch`` is given.
+      batch: the global batch (rows per micro-step), or ``None``.
+      seq: tokens per row (the prompt length for ``generate``).
+      new_tokens: tokens ``generate`` samples after the prompt.
+      grad_accum: micro-batches per optimizer step.
+      optimizer: the optax transformation.
+      dtype, param_dtype: activation and parameter dtypes.
+      scan_layers: scan the decoder's layers (one compiled layer body).
+      num_layers: compile this many layers instead of the model's.
+      extrapolate: the fast route: compile one and two layer periods and extrapolate the
+        figures to the full depth (:mod:`posttrain.plan.depth`) instead of compiling it.
+      json_path: write the JSON record here.
+
+    Raises:
+      ValueError: a value outside its range, naming it and what was expected.
+    """
+
+    model: str
+    topology: str
+    mesh: dict[str, int] | None = None
+    workflow: Workflow = "sft"
+    lora_rank: int = 0
+    qlora: str | None = None
+    remat: RematPolicy = "full"
+    per_device_batch_size: int = 1
+    batch: int | None = None
+    seq: int = 2048
+    new_tokens: int = 128
+    grad_accum: int = 1
+    optimizer: Optimizer = "adamw"
+    dtype: DType = "bfloat16"
+    param_dtype: DType = "bfloat16"
+    scan_layers: bool = True
+    num_layers: int | None = None
+    extrapolate: bool = False
+    json_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, literal in (
+            ("workflow", Workflow),
+            ("remat", RematPolicy),
+            ("optimizer", Optimizer),
+            ("dtype", DType),
+            ("param_dtype", DType),
+        ):
+            value = getattr(self, name)
+            if value not in choices(literal):
+                raise ValueError(f"{name}={value!r} must be one of {', '.join(choices(literal))}")
+        if self.qlora is not None:
+            from posttrain.lora.config import WEIGHT_QTYPES  # imports Qwix (train extra)
+
+            if self.qlora not in WEIGHT_QTYPES:
+                raise ValueError(f"qlora={self.qlora!r} must be one of {', '.join(WEIGHT_QTYPES)}")
+        for name in ("per_device_batch_size", "seq", "new_tokens", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.lora_rank < 0:
+            raise ValueError(f"lora_rank={self.lora_rank} must be >= 0")
+        if self.qlora and not self.lora_rank:
+            raise ValueError(f"qlora={self.qlora!r} needs lora_rank >= 1")
+        if self.batch is not None and self.batch < 1:
+            raise ValueError(f"batch={self.batch} must be >= 1")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num_layers={self.num_layers} must be >= 1")
+        if self.extrapolate and not self.scan_layers:
+            raise ValueError("extrapolate=True compiles scanned layer periods; drop --no-scan")
+        if self.workflow == "generate" and (self.lora_rank or self.grad_accum > 1):
+            raise ValueError("generate plans the base model: drop --lora-rank and --grad-accum")
+
+
+def load_config(spec: str) -> ModelConfig:
+    """The ``ModelConfig`` of a preset name or of an HF directory's ``config.json``.
+
+    Raises:
+      ValueError: neither a preset nor a directory with a readable ``config.json``.
+    """
+    from posttrain.conversion.hf_config import from_hf_config
+    from posttrain.models import get_config
+    from posttrain.models.presets import PRESETS
+
+    if spec in PRESETS:
+        return get_config(spec)
+    path = pathlib.Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        return from_hf_config(json.loads((path / "config.json").read_text(encoding="utf-8")))
+    raise ValueError(
+        f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+        f"directory with a config.json"
+    )
+
+
+def planned_config(options: PlanOptions) -> ModelConfig:
+    """The model config a plan compiles: the model's, with the plan's dtypes, remat,
+    scanning and (the fast route) depth."""
+    from posttrain.plan.abstract import with_depth
+
+    cfg = load_config(options.model)
+    cfg = cfg.replace(
+        remat=options.remat,
+        dtype=options.dtype,
+        param_dtype=options.param_dtype,
+        scan_layers=options.scan_layers,
+    )
+    if options.num_layers is not None:
+        cfg = with_depth(cfg, options.num_layers)
+    return cfg
+
+
+def check_output(path: str | None) -> None:
+    """Refuses a JSON path whose directory does not exist, before any compile."""
+    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ValueError(f"--json {path!r}: its directory does not exist")

@@ -1,0 +1,179 @@
+"""What a compiled program needs of one device, against what the chip has.
+
+Per-device bytes come from the compiler (``Compiled.memory_analysis()``: arguments,
+outputs, aliased outputs, temporaries) and, by kind, from the shardings of the
+abstract arguments (parameters, optimizer state, inputs, KV cache) and of the trained
+parameters (gradients, which live among the temporaries). The peak estimate is XLA's:
+``arguments + outputs - aliased + temporaries`` (what MaxText's ``train_compile.py``
+prints as the total), against the chip's HBM.
+
+The roofline floor of one step (Williams et al. 2009, "Roofline"): ``max(FLOPs / peak
+FLOP/s, bytes accessed / HBM bandwidth)`` per device, from ``cost_analysis()``; the MFU
+it implies is the step's model FLOPs (:class:`posttrain.plan.steps.Program`) over
+``floor x peak x chips``: an upper bound, as collectives and overheads only add time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from posttrain.plan.topology import GIB, Topology
+
+#: what helps a program that does not fit, in the order worth trying
+KNOBS = "--remat full, more fsdp (--mesh fsdp=N), a smaller --per-device-batch-size, LoRA"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Figures:
+    """One compiled program on one device.
+
+    Attributes:
+      arguments, outputs, aliased, temporaries, code: ``memory_analysis()`` bytes.
+      kinds: bytes by kind from the shardings (``parameters``, ``optimizer state``,
+        ``gradients``, ``inputs``, ``KV cache``).
+      flops, bytes_accessed: ``cost_analysis()`` per device.
+      model_flops: the step's model FLOPs, whole slice.
+      compile_seconds: ``lower`` + ``compile`` wall time (every compile the figures
+        needed).
+      cost_source: where ``flops`` and ``bytes_accessed`` come from (``compiled``, or the
+        shallow unscanned compiles they were extrapolated from).
+    """
+
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    code: int
+    kinds: dict
+    flops: float
+    bytes_accessed: float
+    model_flops: float
+    compile_seconds: float
+    cost_source: str = "compiled"
+
+    @property
+    def peak(self) -> int:
+        """Estimated peak bytes: arguments + outputs - aliased + temporaries."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+def figures_of(compiled, kinds: dict, model_flops: float, seconds: float) -> Figures:
+    """:class:`Figures` of a ``jax.stages.Compiled``."""
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return Figures(
+        arguments=int(memory.argument_size_in_bytes),
+        outputs=int(memory.output_size_in_bytes),
+        aliased=int(memory.alias_size_in_bytes),
+        temporaries=int(memory.temp_size_in_bytes),
+        code=int(memory.generated_code_size_in_bytes),
+        kinds=dict(kinds),
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        model_flops=float(model_flops),
+        compile_seconds=float(seconds),
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """Whether a program fits one chip of ``topology``.
+
+    Attributes:
+      fits: peak <= HBM (and the compiler accepted it).
+      headroom: HBM - peak, bytes (negative: the overflow).
+      floor_seconds: the roofline step-time floor.
+      mfu: model FLOPs / (floor x peak FLOP/s x chips).
+      bound: ``compute`` or ``memory``: which term sets the floor.
+    """
+
+    fits: bool
+    headroom: int
+    floor_seconds: float
+    mfu: float
+    bound: str
+
+
+def roofline(flops: float, bytes_accessed: float, topology: Topology) -> tuple[float, str]:
+    """``(floor seconds, 'compute' | 'memory')`` of one device's step.
+
+    Raises:
+      ValueError: negative figures.
+    """
+    if flops < 0 or bytes_accessed < 0:
+        raise ValueError(f"flops={flops} and bytes_accessed={bytes_accessed} must be >= 0")
+    compute = flops / topology.chip.peak_flops
+    memory = bytes_accessed / topology.chip.hbm_bandwidth
+    return (compute, "compute") if compute >= memory else (memory, "memory")
+
+
+def judge(figures: Figures, topology: Topology) -> Verdict:
+    """The :class:`Verdict` of ``figures`` on ``topology``."""
+    headroom = topology.hbm_bytes - figures.peak
+    floor, bound = roofline(figures.flops, figures.bytes_accessed, topology)
+    denominator = floor * topology.chip.peak_flops * topology.chips
+    mfu = figures.model_flops / denominator if denominator > 0 else 0.0
+    return Verdict(fits=headroom >= 0, headroom=headroom, floor_seconds=floor, mfu=mfu, bound=bound)
+
+
+def overflow_line(peak: int, topology: Topology, what: str) -> str:
+    """The one line of a program that does not fit."""
+    over = peak - topology.hbm_bytes
+    return (
+        f"{what} does not fit {topology.name}: {gib(peak)} per device, {gib(over)} over the "
+        f"chip's {gib(topology.hbm_bytes)} HBM; try {KNOBS}"
+    )
+
+
+def gib(n: float) -> str:
+    """``12.34 GiB``, or ``56.7 MiB`` below one GiB."""
+    if abs(n) < GIB:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / GIB:.2f} GiB"
+
+
+def table(what: str, topology: Topology, figures: Figures, verdict: Verdict) -> str:
+    """The plan's table (one program), for stdout."""
+    rows = [("what", what), ("topology", f"{topology.name} ({topology.chips} chips)")]
+    rows += [(f"  {kind}", gib(n)) for kind, n in figures.kinds.items()]
+    rows += [
+        ("arguments (compiled)", gib(figures.arguments)),
+        ("temporaries (compiled)", gib(figures.temporaries)),
+        ("outputs - aliased", gib(figures.outputs - figures.aliased)),
+        ("peak per device", gib(figures.peak)),
+        ("HBM per chip", gib(topology.hbm_bytes)),
+        ("headroom", gib(verdict.headroom)),
+        ("verdict", "fits" if verdict.fits else "does NOT fit"),
+        ("compile", f"{figures.compile_seconds:.1f} s"),
+        ("FLOPs per device", f"{figures.flops:.3e} ({figures.cost_source})"),
+        ("model FLOPs (slice)", f"{figures.model_flops:.3e}"),
+        ("roofline floor", f"{verdict.floor_seconds * 1e3:.1f} ms ({verdict.bound}-bound)"),
+        ("MFU at the floor", f"{verdict.mfu:.1%}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def record(what: str, topology: Topology, figures: Figures, verdict: Verdict, **extra) -> dict:
+    """The plan's JSON record (one program)."""
+    return {
+        "what": what,
+        "topology": topology.name,
+        "chips": topology.chips,
+        "hbm_bytes": topology.hbm_bytes,
+        "chip_source": topology.chip.source,
+        **dataclasses.asdict(figures),
+        "peak_bytes": figures.peak,
+        **dataclasses.asdict(verdict),
+        **extra,
+    }
+
+
+def write_json(path: str | os.PathLike, records: list[dict]) -> None:
+    """Writes ``records`` to ``path`` atomically (a partial file never appears)."""
+    from posttrain import atomic
+
+    atomic.write_text(path, json.dumps(records, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,247 @@
+"""``posttrain plan``: the topology table, the roofline and verdict logic, the options, and
+one real deviceless compile of the trainer's step for a TPU slice (libtpu, the tpu extra).
+
+The full-size seed configurations are in ``tests/test_plan_seeds.py`` (slow tier).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from posttrain.plan import report, topology
+from posttrain.plan.options import PlanOptions
+
+# Compiled argument bytes against the analytic bytes of the arguments' shardings: XLA adds
+# no padding to these (bf16 / f32 / int32 arrays whose shards divide evenly), so 1% is room
+# for nothing but a wrong count.
+ARGUMENT_BYTES_RTOL = 0.01
+
+
+def _figures(**changes) -> report.Figures:
+    base = dict(
+        arguments=10 * topology.GIB,
+        outputs=3 * topology.GIB,
+        aliased=2 * topology.GIB,
+        temporaries=5 * topology.GIB,
+        code=1 << 20,
+        kinds={"parameters": 8 * topology.GIB},
+        flops=4.59e12,
+        bytes_accessed=2765e9 / 100,
+        model_flops=4.59e12 * 4,
+        compile_seconds=1.0,
+    )
+    return report.Figures(**{**base, **changes})
+
+
+# --- the table ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [n for n, t in topology.TOPOLOGIES.items() if t.libtpu_name])
+def test_tpu_names_count_their_chips(name):
+    """v5p-N and v4-N name TensorCores (two per chip), v5e-N and v6e-N chips; each libtpu
+    shape holds the row's chips."""
+    topo = topology.TOPOLOGIES[name]
+    generation, count = name.split("-")
+    per_chip = 2 if generation in ("v4", "v5p") else 1
+    assert topo.chips * per_chip == int(count)
+    assert math.prod(int(d) for d in topo.libtpu_name.split(":")[1].split("x")) == topo.chips
+    assert topo.libtpu_name.startswith(generation + ":")
+    assert topo.chip.name == generation and generation in topo.chip.source
+
+
+def test_a_topology_whose_shape_disagrees_with_its_chips_is_refused():
+    with pytest.raises(ValueError, match="holds 8 chips, not 4"):
+        topology.Topology(name="x", chip=topology.CHIPS["v5p"], chips=4, libtpu_name="v5p:2x2x2")
+
+
+def test_unknown_topology_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown topology 'v5p-7'.*v5p-8"):
+        topology.get("v5p-7")
+
+
+def test_a_gpu_topology_is_refused_for_deviceless_compiles():
+    with pytest.raises(NotImplementedError, match="h200.*TPUs only"):
+        topology.devices(topology.get("h200"))
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("name", ["v5p-32", "v5e-1", "v4-8", "v6e-16"])
+def test_libtpu_gives_each_slice_its_chips_with_jax_on_cpu(name):
+    """The devices come from libtpu while JAX's own backend stays the CPU."""
+    import jax
+
+    found = topology.devices(topology.get(name))
+    assert len(found) == topology.get(name).chips
+    assert {d.platform for d in found} == {"tpu"}
+    assert jax.default_backend() == "cpu"
+
+
+# --- roofline and verdict --------------------------------------------------------------------
+
+
+def test_roofline_floor_is_the_slower_of_compute_and_memory():
+    v5p = topology.get("v5p-8")
+    assert report.roofline(459e12, 2765e9 / 2, v5p) == pytest.approx((1.0, "compute"))
+    assert report.roofline(459e12 / 4, 2765e9, v5p) == pytest.approx((1.0, "memory"))
+    assert report.roofline(0.0, 0.0, v5p) == (0.0, "compute")  # nothing to do is allowed
+    for flops, moved in ((-1.0, 0.0), (0.0, -1.0)):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            report.roofline(flops, moved, v5p)
+
+
+def test_a_program_exactly_the_size_of_hbm_fits_and_an_empty_one_has_no_mfu():
+    v5p = topology.get("v5p-8")
+    exact = report.judge(_figures(temporaries=84 * topology.GIB), v5p)  # 10 + 3 - 2 + 84
+    assert exact.fits and exact.headroom == 0
+    empty = report.judge(_figures(flops=0.0, bytes_accessed=0.0), v5p)
+    assert empty.floor_seconds == 0.0 and empty.mfu == 0.0
+
+
+def test_verdict_headroom_and_mfu():
+    v5p = topology.get("v5p-8")  # 4 chips, 95 GiB each
+    figures = _figures()
+    verdict = report.judge(figures, v5p)
+    assert figures.peak == 16 * topology.GIB  # 10 + 3 - 2 + 5
+    assert verdict.fits and verdict.headroom == (95 - 16) * topology.GIB
+    assert verdict.bound == "compute" and verdict.floor_seconds == pytest.approx(0.01)
+    # model FLOPs / (floor x peak x chips) = 4 x 4.59e12 / (0.01 x 459e12 x 4)
+    assert verdict.mfu == pytest.approx(1.0)
+    over = report.judge(_figures(temporaries=85 * topology.GIB), v5p)
+    assert not over.fits and over.headroom == -topology.GIB
+
+
+def test_overflow_line_names_the_overflow_and_the_knobs():
+    line = report.overflow_line(96 * topology.GIB, topology.get("v5p-8"), "llama sft")
+    assert line.startswith("llama sft does not fit v5p-8: 96.00 GiB per device, 1.00 GiB over ")
+    assert "the chip's 95.00 GiB HBM" in line
+    assert "--remat full" in line and "fsdp" in line and "--per-device-batch-size" in line
+    assert "\n" not in line
+
+
+def test_json_record_round_trips(tmp_path):
+    v5p = topology.get("v5p-8")
+    figures = _figures()
+    path = tmp_path / "plan.json"
+    report.write_json(path, [report.record("x", v5p, figures, report.judge(figures, v5p))])
+    (rec,) = json.loads(path.read_text())
+    assert rec["peak_bytes"] == figures.peak and rec["hbm_bytes"] == 95 * topology.GIB
+    assert rec["fits"] is True and rec["kinds"] == {"parameters": 8 * topology.GIB}
+
+
+# --- options ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"workflow": "ppo"}, "workflow='ppo' must be one of sft, dpo, grpo, generate"),
+        ({"remat": "some"}, "remat='some' must be one of none, full, save_dots"),
+        ({"seq": 0}, "seq=0 must be >= 1"),
+        ({"qlora": "int8"}, "qlora='int8' needs lora_rank >= 1"),
+        ({"qlora": "int3", "lora_rank": 4}, "qlora='int3' must be one of"),
+        ({"lora_rank": -1}, "lora_rank=-1 must be >= 0"),
+        ({"workflow": "generate", "lora_rank": 4}, "generate plans the base model"),
+    ],
+    ids=["workflow", "remat", "seq", "qlora-no-rank", "qlora-type", "rank", "generate-lora"],
+)
+def test_bad_options_are_refused_naming_the_value(changes, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        PlanOptions(model="qwen3-0.6b", topology="v5p-8", **changes)
+
+
+def test_cli_refuses_an_unplanned_workflow_with_one_line(capsys):
+    from posttrain import cli
+
+    status = cli.main(
+        ["plan", "--model", "qwen3-0.6b", "--topology", "v5p-8", "--workflow", "grpo"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and err == [
+        "posttrain: error: workflow 'grpo' is not planned yet; planned: sft, generate"
+    ]
+
+
+# --- one real compile --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    """qwen3-0.6b LoRA SFT, one layer, on a v5p-8, compiled through libtpu."""
+    from posttrain.plan import plan
+
+    return plan(
+        PlanOptions(
+            model="qwen3-0.6b", topology="v5p-8", lora_rank=8, num_layers=1, seq=256, batch=4
+        )
+    )
+
+
+@pytest.mark.aot
+def test_small_lora_sft_step_compiles_for_a_v5p_8_and_fits(small_plan):
+    """The trainer's own step compiles for 4 v5p chips; the compiled argument bytes are
+    the parameters, optimizer state and batch the shardings say (within 1%), and the
+    peak is the compiler's arguments + outputs - aliased + temporaries."""
+    figures, verdict = small_plan.figures, small_plan.verdict
+    kinds = figures.kinds
+    analytic = kinds["parameters"] + kinds["optimizer state"] + kinds["inputs"]
+    assert figures.arguments == pytest.approx(analytic, rel=ARGUMENT_BYTES_RTOL)
+    # LoRA: the adapters are what is trained, a small fraction of the parameters
+    assert 0 < kinds["gradients"] < kinds["parameters"] / 20
+    assert verdict.fits and verdict.headroom == topology.get("v5p-8").hbm_bytes - figures.peak
+    assert figures.flops > 0 and figures.bytes_accessed > 0 and 0 < verdict.mfu <= 1
+    assert "mesh fsdp=4" in small_plan.what and "lora r8" in small_plan.what
+
+
+@pytest.mark.aot
+def test_the_record_carries_the_options_and_the_figures(small_plan):
+    rec = small_plan.record()
+    assert rec["options"] == dataclasses.asdict(small_plan.options)
+    assert rec["arguments"] == small_plan.figures.arguments and rec["chips"] == 4
+    assert "peak per device" in small_plan.table()
+
+
+# --- the abstract model ------------------------------------------------------------------------
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("qtype", [None, "int8"], ids=["lora", "qlora-int8"])
+def test_abstract_lora_matches_apply_lora(qtype):
+    """Qwix on the abstract model adds the variables apply_lora adds to a real one, with the
+    same shapes, dtypes and logical axes (so the plan shards them the same way)."""
+    from flax import nnx
+
+    from posttrain import sharding
+    from posttrain.lora import LoraConfig, apply_lora
+    from posttrain.lora.abstract import abstract_lora
+    from posttrain.models import build_model, get_config
+    from posttrain.plan import abstract
+
+    mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+    cfg = get_config("qwen3-tiny", scan_layers=True)
+    lora = LoraConfig(rank=4, alpha=4, weight_qtype=qtype)
+
+    def layout(model):
+        return {
+            path: (v.get_value().shape, v.get_value().dtype, sharding.variable_logical_axes(v))
+            for path, v in nnx.to_flat_state(nnx.state(model))
+        }
+
+    real = layout(apply_lora(build_model(cfg, mesh), mesh, lora))
+    planned = layout(abstract_lora(abstract.abstract_model(cfg), mesh, lora))
+    assert planned == real
+    assert any("lora_a" in str(path[-1]) for path in planned)
+
+
+def test_depth_line_through_two_depths():
+    from posttrain.plan.depth import linear
+
+    assert linear((1, 10.0), (2, 13.0), 48) == 10.0 + 47 * 3.0
+    assert linear((2, 10.0), (4, 16.0), 12) == 10.0 + 10 * 3.0  # 3 per layer after depth 2
+    with pytest.raises(ValueError, match="depths 4 and 2 must satisfy 1 <= n1 < n2"):
+        linear((4, 16.0), (2, 10.0), 12)
+    with pytest.raises(ValueError, match="depths 0 and 2"):
+        linear((0, 1.0), (2, 2.0), 12)
