@@ -117,7 +117,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/sft/loss.py": ["tests/test_sft_loss.py", "tests/test_sft_objective.py"],
     # the LoRA run: in full fine-tuning the frozen part of the step's split is empty, so
     # mutants of its filter and its copy passed the others; the NaN-weights save: the
-    # jitted _all_finite's mutants that check nothing passed without it
+    # check before saving
     "src/posttrain/sft/trainer.py": [
         "tests/test_sft_objective.py",
         "contracts/test_sft_conventions.py",
@@ -159,7 +159,7 @@ TARGETS: dict[str, list[str]] = {
 # ``xǁClassǁmethod`` names a method, ``x_name`` a module-level function (mutmut's
 # mangling). mutmut 3 leaves decorated functions alone (the step's
 # ``create_train_step_fn`` is ``@override``), except those :func:`undecorate` frees
-# (``_all_finite``, ``@jax.jit``).
+# (metrics.py's ``all_finite``, ``@jax.jit``).
 FUNCTIONS: dict[str, tuple[str, ...]] = {
     # the step (objective, gradients, the update or skip, the logged terms), not the
     # trainer's Tunix plumbing (saves, placement, closing)
@@ -169,7 +169,6 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
         "xǁSFTTrainerMixinǁ_grads",
         "xǁSFTTrainerMixinǁ_step_body",
         "x_default_moe_aux_loss_weight",
-        "x__all_finite",
     ),
 }
 TRANSFORMS = re.compile(

@@ -319,7 +319,8 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
 
     from posttrain import sharding
     from posttrain.models import build_model, get_config
-    from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer, _all_finite
+    from posttrain.sft.metrics import all_finite as _all_finite
+    from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh({"fsdp": 8})
     model = build_model(get_config("qwen3-tiny"), mesh, seed=0)
