@@ -112,6 +112,18 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
     "harness/progress.py": ["tests/test_matrix_progress.py"],
+    # a checkpoint's formats: the family tests (transformers' masks and ids, the SFT
+    # spans written from each published format) and the unit tests
+    "src/posttrain/chat/template.py": ["tests/test_chat.py", "tests/test_chat_families.py"],
+    "src/posttrain/chat/encode.py": [
+        "tests/test_chat.py",
+        "tests/test_chat_families.py",
+        "tests/test_preference.py",
+    ],
+    "src/posttrain/chat/generation_config.py": [
+        "tests/test_chat.py",
+        "tests/test_chat_families.py",
+    ],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.
