@@ -286,6 +286,13 @@ def test_stop_ids_come_from_the_checkpoint_in_order(tmp_path):
         chat.stop_ids(tok, checkpoint=d)
 
 
+def test_a_checkpoints_eos_wins_over_a_token_named_im_end(tmp_path):
+    """The issue's Mixtral-style checkpoint: its config says EOS 2 while its (byte)
+    tokenizer has <|im_end|> at 258; generation stops at 2 only, as transformers does."""
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert chat.stop_ids(byte_tokenizer(), checkpoint=tmp_path) == (2,)
+
+
 def test_sampling_defaults_follow_generation_config_and_the_user_wins(tmp_path):
     assert chat.resolve_sampling(None) == {"temperature": 0.0, "top_k": None, "top_p": None}
     path = tmp_path / "generation_config.json"

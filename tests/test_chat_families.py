@@ -80,7 +80,14 @@ def test_sft_trains_exactly_the_assistant_spans(family):
     tok = cf.build_tokenizer(fam)
     examples = data.encode_dataset(fam.conversations, tok, 512, template=_template(fam))
     rows = data.to_rows(examples, 512, packing=False)
+    bos = tok.token_to_id(fam.tokens.get("bos_token", ""))
     for r, conversation in enumerate(fam.conversations):
+        if bos is not None:  # the template's BOS, once (Llama 3's tokenizer would add one)
+            assert (
+                rows["input_tokens"][r, :2].tolist().count(bos)
+                == 1
+                == (rows["input_tokens"][r, 0] == bos)
+            )
         mask = rows["input_mask"][r].astype(bool)
         runs = [
             tok.decode(run, skip_special_tokens=False)
