@@ -293,6 +293,32 @@ def test_a_checkpoints_eos_wins_over_a_token_named_im_end(tmp_path):
     assert chat.stop_ids(byte_tokenizer(), checkpoint=tmp_path) == (2,)
 
 
+def test_checkpoint_formats_read_the_export_then_the_tokenizer(tmp_path):
+    """A preset: ChatML and the default names; a Llama 3 checkpoint: its template and
+    three ids; an export carrying its own template and generation config wins over the
+    recorded tokenizer's."""
+    byte = byte_tokenizer()
+    preset = chat.checkpoint_formats("llama3-tiny", byte)
+    assert (preset.template.source, preset.eos_ids, preset.checkpoint) == (
+        chat.CHATML,
+        (258, 256),
+        None,
+    )
+    fam = cf.FAMILIES["llama3"]
+    d = cf.write_checkpoint(fam, tmp_path / "ckpt")
+    tok = cf.build_tokenizer(fam)
+    own = chat.checkpoint_formats(d, tok)
+    assert own.template.source == fam.template and len(own.eos_ids) == 3
+    assert own.sampling(top_k=3) == {"temperature": 0.0, "top_k": 3, "top_p": None}
+    assert chat.checkpoint_formats(d, tok, chat_template="chatml").template.source == chat.CHATML
+    export = tmp_path / "export"
+    export.mkdir()
+    chat.save_template(export, chat.chatml())
+    chat.write_generation_config(export, eos_ids=(7,))
+    formats = chat.checkpoint_formats(export, tok, tokenizer_path=d)
+    assert (formats.template.source, formats.eos_ids) == (chat.CHATML, (7,))
+
+
 def test_sampling_defaults_follow_generation_config_and_the_user_wins(tmp_path):
     assert chat.resolve_sampling(None) == {"temperature": 0.0, "top_k": None, "top_p": None}
     path = tmp_path / "generation_config.json"

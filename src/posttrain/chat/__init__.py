@@ -16,6 +16,8 @@ from posttrain.chat.encode import (
 )
 from posttrain.chat.generation_config import (
     DEFAULT_STOP_TOKENS,
+    CheckpointFormats,
+    checkpoint_formats,
     resolve_sampling,
     sampling_defaults,
     stop_ids,
@@ -37,10 +39,12 @@ __all__ = [
     "CHATML",
     "DEFAULT_STOP_TOKENS",
     "ChatTemplate",
+    "CheckpointFormats",
     "MaskError",
     "TemplateError",
     "assistant_spans",
     "chatml",
+    "checkpoint_formats",
     "check_conversation",
     "encode_conversations",
     "encode_prompt",

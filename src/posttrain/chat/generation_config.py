@@ -22,11 +22,19 @@ only when present. A value the user gives wins, one by one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 
-from posttrain.chat.template import TemplateError, special_tokens, tokenizer_directory
+from posttrain.chat.template import (
+    ChatTemplate,
+    TemplateError,
+    load_template,
+    resolve_template,
+    special_tokens,
+    tokenizer_directory,
+)
 
 GENERATION_CONFIG = "generation_config.json"
 MODEL_CONFIG = "config.json"
@@ -184,3 +192,50 @@ def write_generation_config(
     atomic.write_text(
         pathlib.Path(directory) / GENERATION_CONFIG, json.dumps(config, indent=2) + "\n"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFormats:
+    """What a model's files say about its formats (:func:`checkpoint_formats`).
+
+    Attributes:
+      template: the chat template prompts are rendered with.
+      eos_ids: the stop ids (:func:`stop_ids_with_source`), ``eos_source`` where from.
+      checkpoint: the checkpoint directory read (None for a preset).
+    """
+
+    template: ChatTemplate
+    eos_ids: tuple[int, ...]
+    eos_source: str
+    checkpoint: str | None
+
+    def sampling(self, *, temperature=None, top_k=None, top_p=None) -> dict:
+        """:func:`resolve_sampling` of this checkpoint with the user's values."""
+        return resolve_sampling(self.checkpoint, temperature=temperature, top_k=top_k, top_p=top_p)
+
+
+def checkpoint_formats(
+    spec: str | os.PathLike | None,
+    tokenizer,
+    *,
+    tokenizer_path: str | os.PathLike | None = None,
+    chat_template: str | None = None,
+) -> CheckpointFormats:
+    """The formats of the model ``spec`` (a checkpoint or export directory; anything else,
+    e.g. a preset name, has no files) used with ``tokenizer`` (loaded from
+    ``tokenizer_path``, default the checkpoint). The template: ``chat_template`` (``chatml``
+    or a file), else the checkpoint's own (an export carries the one it was trained
+    with), else the tokenizer directory's, else the built-in ChatML.
+
+    Raises:
+      TemplateError: as :func:`~posttrain.chat.template.resolve_template` and
+        :func:`stop_ids_with_source`.
+    """
+    checkpoint = os.fspath(spec) if spec is not None and os.path.isdir(spec) else None
+    tokenizer_dir = tokenizer_path if tokenizer_path is not None else checkpoint
+    own = load_template(checkpoint) if checkpoint is not None and chat_template is None else None
+    template = own or resolve_template(tokenizer_dir, chat_template)
+    ids, source = stop_ids_with_source(
+        tokenizer, checkpoint=checkpoint, tokenizer_dir=tokenizer_dir
+    )
+    return CheckpointFormats(template, ids, source, checkpoint)
