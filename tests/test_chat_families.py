@@ -97,6 +97,67 @@ def test_sft_trains_exactly_the_assistant_spans(family):
 
 
 @pytest.mark.parametrize("family", cf.NAMES)
+def test_dpo_completions_are_the_assistant_turns_and_the_prompt_keeps_one_bos(family):
+    """Each conversation as a preference pair (its last assistant turn chosen, a made-up
+    one rejected): the completions are exactly the turns' trained text, the prompt has
+    the template's BOS once, and a prompt cut to fit keeps it."""
+    from posttrain.preference import data as pref
+
+    fam = cf.FAMILIES[family]
+    tok = cf.build_tokenizer(fam)
+    template = _template(fam)
+    rejected = {"role": "assistant", "content": "No."}
+    pairs = [
+        pref.Pair(c[:-1], c[-1:], [rejected], f"f.jsonl, line {i}")
+        for i, c in enumerate(fam.conversations, 1)
+    ]
+    arrays = pref.encode_pairs(
+        pairs, tok, max_prompt_length=400, max_response_length=64, template=template
+    )
+    bos = tok.token_to_id(fam.tokens.get("bos_token", ""))
+    for row, pair in enumerate(pairs):
+        for name, turn in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+            ids = arrays[f"{name}_ids"][row][arrays[f"{name}_mask"][row].astype(bool)]
+            want = expected_targets(fam, [*pair.prompt, *turn])[-1]
+            assert tok.decode(ids.tolist(), skip_special_tokens=False) == want
+        prompt = arrays["prompt_ids"][row][arrays["prompt_mask"][row].astype(bool)].tolist()
+        assert prompt == chat.encode_prompt(pair.prompt, tok, template)
+        if bos is not None:
+            assert prompt.count(bos) == 1 and prompt[0] == bos
+    if bos is not None:
+        cut = pref.encode_pairs(
+            pairs[:1], tok, max_prompt_length=6, max_response_length=64, template=template
+        )
+        assert cut["prompt_ids"][0, 0] == bos and cut["prompt_ids"][0, 1] != bos
+
+
+def test_dpo_names_the_pair_its_template_refuses():
+    from posttrain.preference import data as pref
+
+    fam = cf.FAMILIES["gemma"]
+    system = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    pairs = [
+        pref.Pair(
+            fam.conversations[0][:1],
+            fam.conversations[0][1:],
+            fam.conversations[0][1:],
+            "a, line 1",
+        ),
+        pref.Pair(system, fam.conversations[0][1:], fam.conversations[0][1:], "a, line 2"),
+    ]
+    with pytest.raises(
+        ValueError, match="^a, line 2: chat template gemma: System role not supported$"
+    ):
+        pref.encode_pairs(
+            pairs,
+            cf.build_tokenizer(fam),
+            max_prompt_length=64,
+            max_response_length=64,
+            template=_template(fam),
+        )
+
+
+@pytest.mark.parametrize("family", cf.NAMES)
 def test_stop_ids_are_the_generation_configs(tmp_path, family):
     """Llama 3's three EOS ids, Qwen3's two, harmony's <|return|>/<|endoftext|>/<|call|>:
     the generation config's, in its order, whatever the tokens are named."""
