@@ -319,3 +319,26 @@ def hf_tokenizer(family: Family, tok: Tokenizer, template: str | None = None):
         chat_template=template or family.template,
         **family.tokens,
     )
+
+
+def write_tiny_model(family: Family, directory: pathlib.Path, hf_family: str) -> pathlib.Path:
+    """A tiny random transformers checkpoint of ``hf_family`` (:mod:`tests.hf_tiny`) in
+    ``family``'s format: its tokenizer, template, generation config (imports torch)."""
+    from tests import hf_tiny
+
+    tok = build_tokenizer(family)
+    hf_tiny.save(hf_tiny.build(hf_family, vocab_size=tok.get_vocab_size()), directory)
+    config = json.loads((directory / "config.json").read_text())
+    write_checkpoint(family, directory)  # the format files (config.json: its EOS only)
+    config["eos_token_id"] = tok.token_to_id(family.config_eos)
+    config["bos_token_id"] = tok.token_to_id(family.tokens.get("bos_token", "")) or None
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+if __name__ == "__main__":  # python -m tests.chat_formats DIR: a tiny Llama-3-format model
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.chat_formats DIR")
+    print(write_tiny_model(FAMILIES["llama3"], pathlib.Path(sys.argv[1]), "llama3"))
