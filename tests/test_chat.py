@@ -6,6 +6,7 @@ read from the checkpoint in their order; validation in the template's terms."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -140,6 +141,9 @@ def test_rendering_has_transformers_globals_and_filters():
     refusing = chat.ChatTemplate("{{ raise_exception('no system\nrole') }}", origin="fam")
     with pytest.raises(chat.TemplateError, match="^chat template fam: no system role$"):
         refusing.render([])
+    adding = chat.ChatTemplate("{{ messages[0]['content'] + '!' }}", origin="t")
+    with pytest.raises(chat.TemplateError, match="^chat template t: can only concatenate list"):
+        adding.render([{"content": []}])
     mutating = chat.ChatTemplate("{% set x = [] %}{{ x.append(1) }}")
     with pytest.raises(chat.TemplateError, match="unsafe"):  # the sandbox is immutable
         mutating.render([])
@@ -317,6 +321,23 @@ def test_checkpoint_formats_read_the_export_then_the_tokenizer(tmp_path):
     chat.write_generation_config(export, eos_ids=(7,))
     formats = chat.checkpoint_formats(export, tok, tokenizer_path=d)
     assert (formats.template.source, formats.eos_ids) == (chat.CHATML, (7,))
+
+
+def test_a_chatml_run_stops_at_im_end_and_needs_its_tokens(tmp_path):
+    """Trained in the built-in ChatML, an export stops at <|im_end|> first, then the
+    checkpoint's ids; ChatML with a tokenizer that would split its markers is refused."""
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    byte = byte_tokenizer()
+    assert chat.run_stop_ids(chat.chatml(), byte, checkpoint=tmp_path) == (258, 2)
+    assert chat.run_stop_ids(chat.chatml(), byte) == (258, 256)
+    llama = chat.ChatTemplate(cf.LLAMA3)
+    assert chat.run_stop_ids(llama, byte, checkpoint=tmp_path) == (2,)
+    chat.check_template_tokens(chat.chatml(), byte)
+    chat.check_template_tokens(llama, cf.build_tokenizer(cf.FAMILIES["llama3"]))
+    with pytest.raises(
+        chat.TemplateError, match=re.escape("no chat template and no <|im_start|> token")
+    ):
+        chat.check_template_tokens(chat.chatml(), cf.build_tokenizer(cf.FAMILIES["llama3"]))
 
 
 def test_sampling_defaults_follow_generation_config_and_the_user_wins(tmp_path):

@@ -28,6 +28,7 @@ import os
 import pathlib
 
 from posttrain.chat.template import (
+    CHATML,
     ChatTemplate,
     TemplateError,
     load_template,
@@ -119,6 +120,36 @@ def stop_ids_with_source(
 def stop_ids(tokenizer, *, checkpoint=None, tokenizer_dir=None) -> tuple[int, ...]:
     """:func:`stop_ids_with_source`'s ids."""
     return stop_ids_with_source(tokenizer, checkpoint=checkpoint, tokenizer_dir=tokenizer_dir)[0]
+
+
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def check_template_tokens(template: ChatTemplate, tokenizer) -> None:
+    """Refuses the built-in ChatML with a tokenizer that lacks its markers as tokens: the
+    model would learn ``<|im_end|>`` as plain text and never emit a stop id.
+
+    Raises:
+      TemplateError: naming the missing token and the way out (``--chat-template``).
+    """
+    if template.source != CHATML:
+        return
+    for token in CHATML_TOKENS:
+        if tokenizer.token_to_id(token) is None:
+            raise TemplateError(
+                f"the tokenizer has no chat template and no {token} token, so ChatML would "
+                "be split into plain text; pass --chat-template FILE (a Jinja template in "
+                "the model's format)"
+            )
+
+
+def run_stop_ids(template: ChatTemplate, tokenizer, *, checkpoint=None, tokenizer_dir=None):
+    """The stop ids an export of a run trained in ``template`` writes: the checkpoint's
+    (:func:`stop_ids`), with ChatML's ``<|im_end|>`` first when the run trains the built-in
+    ChatML (what the model learns to end a turn with), each once."""
+    ids = stop_ids(tokenizer, checkpoint=checkpoint, tokenizer_dir=tokenizer_dir)
+    end = tokenizer.token_to_id("<|im_end|>") if template.source == CHATML else None
+    return tuple(dict.fromkeys(ids if end is None else (end, *ids)))
 
 
 def sampling_defaults(checkpoint: str | os.PathLike | None) -> dict[str, float | int]:

@@ -132,7 +132,9 @@ class ChatTemplate:
         }
         try:
             text = _compile(self.source).render(**variables)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
+            # raise_exception, the sandbox, undefined names; a value of the wrong type
+            # (a list where the template adds strings) fails in Python's own operators
             raise TemplateError(f"chat template {self.origin}: {_one_line(e)}") from None
         return _strip_markers(text, begin, end)
 
