@@ -276,7 +276,10 @@ def test_stop_ids_come_from_the_checkpoint_in_order(tmp_path):
     (d / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": [4, 4, 5]}}))
     assert chat.stop_ids(tok, checkpoint=d) == (4, 5)
     (d / "config.json").unlink()
-    assert chat.stop_ids(tok, checkpoint=d) == (tok.token_to_id("<|eot_id|>"),)
+    assert chat.stop_ids_with_source(tok, checkpoint=d) == (
+        (tok.token_to_id("<|eot_id|>"),),
+        f"{d}/tokenizer_config.json",
+    )
     byte = byte_tokenizer()
     assert chat.stop_ids_with_source(byte) == (
         (258, 256),
@@ -351,6 +354,11 @@ def test_sampling_defaults_follow_generation_config_and_the_user_wins(tmp_path):
         "top_k": 5,
         "top_p": 0.95,
     }
+    defaults = chat.sampling_defaults(tmp_path)  # top_k an int (SamplingConfig's), the rest floats
+    assert [type(defaults[k]) for k in ("temperature", "top_k", "top_p")] == [float, int, float]
+    path.write_text(json.dumps({"do_sample": True, "top_k": True}))
+    with pytest.raises(chat.TemplateError, match="top_k=True; expected a number"):
+        chat.sampling_defaults(tmp_path)
     path.write_text(json.dumps({"do_sample": True, "temperature": "hot"}))
     with pytest.raises(chat.TemplateError, match="temperature='hot'; expected a number"):
         chat.sampling_defaults(tmp_path)
