@@ -11,9 +11,10 @@ Stop (EOS) ids, the first source that names any (one id or a list):
 4. only when none of these says anything (the embedded byte tokenizer, a preset):
    :data:`DEFAULT_STOP_TOKENS`, the tokens of those names the vocabulary has.
 
-This is the order transformers' ``generate`` resolves ``eos_token_id`` in (5.x:
-``GenerationConfig.from_model_config`` falls back to the model config when the generation
-config has none; the tokenizer is the pipeline's last resort).
+transformers 5.12 reads ``generation_config.json`` when the checkpoint has one, else
+builds a generation config from ``config.json`` (``GenerationMixin`` loading in
+``generation/utils.py``); where a generation config names no EOS it stops at none, and
+here ``config.json`` is read next, then the tokenizer.
 
 Sampling defaults, as transformers reads generation_config.json: ``do_sample`` not true is
 greedy (temperature 0 here); otherwise its ``temperature``, ``top_k`` and ``top_p``, each
