@@ -275,6 +275,10 @@ def test_stop_ids_come_from_the_checkpoint_in_order(tmp_path):
     assert chat.stop_ids(tok, checkpoint=d) == (tok.token_to_id("<|end_of_text|>"),)
     (d / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": [4, 4, 5]}}))
     assert chat.stop_ids(tok, checkpoint=d) == (4, 5)
+    (d / "config.json").write_text(
+        json.dumps({"eos_token_id": 9, "text_config": {"eos_token_id": 4}})
+    )
+    assert chat.stop_ids(tok, checkpoint=d) == (9,)  # the top level first
     (d / "config.json").unlink()
     assert chat.stop_ids_with_source(tok, checkpoint=d) == (
         (tok.token_to_id("<|eot_id|>"),),
