@@ -5,6 +5,7 @@ read from the checkpoint in their order; validation in the template's terms."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -205,15 +206,59 @@ def test_blocks_that_mark_nothing_are_refused():
         "{% for m in messages %}{{ m['content'] }}{% endfor %}"
         "{% if false %}{% generation %}x{% endgeneration %}{% endif %}"
     )
-    with pytest.raises(chat.MaskError, match="mark no text"):
+    with pytest.raises(
+        chat.MaskError, match="mark no text of this conversation's assistant turns$"
+    ):
         chat.assistant_spans(t, CHAT)
+    assert chat.assistant_spans(t, CHAT[:2]) == ("Be brief.Hi <|im_end|> there", [])  # a prompt
+
+
+_TURNS = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}U{{ m['content'] }}"
+    "{% else %}{% generation %}{{ m['content'] }}{% endgeneration %}E{% endif %}{% endfor %}"
+)
+
+
+def test_completions_that_cannot_be_cut_from_the_prompt_are_refused():
+    """Split a completion from its prompt: refused when the generation prompt is not what
+    the conversation continues with, when a token merges across the boundary, and when
+    the completion trains no token."""
+    byte = byte_tokenizer()
+    user, said = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}
+    other_header = chat.ChatTemplate(
+        chat.CHATML.replace("assistant\\n' -}}{%- endif", "model\\n' -}}{%- endif"), origin="t"
+    )
+    assert other_header.render([user], add_generation_prompt=True).endswith("model\n")
+    with pytest.raises(
+        chat.MaskError, match="^chat template t: the prompt with its generation prompt is not"
+    ):
+        chat.split_completion([user], [said], byte, other_header)
+    merging = cf.build_tokenizer(
+        dataclasses.replace(
+            cf.FAMILIES["mixtral"],
+            conversations=([user, {"role": "assistant", "content": "xy" * 40}],),
+        )
+    )
+    assert merging.encode("Uxy").ids[1:] == merging.encode("xy").ids  # the merge exists
+    turns = chat.ChatTemplate(_TURNS, origin="t")
+    with pytest.raises(
+        chat.MaskError, match="^chat template t: the prompt with its generation prompt is not"
+    ):
+        chat.split_completion([user], [said], merging, turns)
+    assert chat.split_completion([user], [said], byte, turns) == ([ord("U"), ord("x")], [ord("y")])
+    empty = {"role": "assistant", "content": ""}
+    with pytest.raises(
+        chat.MaskError, match="^chat template t: the completion holds no assistant token$"
+    ):
+        chat.split_completion([user, said, user], [empty], byte, turns)
 
 
 def test_token_mask_marks_tokens_overlapping_a_span():
     offsets = [(0, 2), (2, 3), (3, 6), (6, 6), (6, 9)]
     assert chat.token_mask(offsets, [(2, 4)]).tolist() == [False, True, True, False, False]
     assert chat.token_mask(offsets, [(1, 2), (8, 9)]).tolist() == [True, False, False, False, True]
-    assert chat.token_mask([], [(0, 1)]).shape == (0,)
+    empty = chat.token_mask([], [(0, 1)])
+    assert (empty.shape, empty.dtype) == ((0,), np.dtype(bool))
 
 
 # --- validation -----------------------------------------------------------------------
