@@ -195,7 +195,12 @@ def test_a_template_that_rewrites_earlier_turns_cannot_be_masked_by_prefixes(fam
     fam = cf.FAMILIES[family]
     plain = chat.ChatTemplate(_without_blocks(fam.template), fam.tokens, family)
     conversation = fam.conversations[-1 if family == "qwen3" else 1]  # two assistant turns
-    with pytest.raises(chat.MaskError, match=f"^chat template {family} cannot isolate assistant"):
+    message = (
+        f"chat template {family} cannot isolate assistant message 1: it renders the "
+        "conversation up to that turn differently from the start of the whole conversation; "
+        "give it {% generation %} blocks (--chat-template FILE)"
+    )
+    with pytest.raises(chat.MaskError, match=f"^{re.escape(message)}$"):
         chat.assistant_spans(plain, conversation)
     with pytest.raises(ValueError, match="^f.jsonl, line 3: chat template"):
         chat.check_conversation(plain, conversation, where="f.jsonl, line 3")
