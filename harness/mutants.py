@@ -153,6 +153,28 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
     "src/posttrain/plan/cli.py": ["tests/test_plan.py"],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
+    # a checkpoint's formats: the family tests (transformers' masks and ids, the SFT and
+    # DPO spans written from each published format) and the unit tests; not the greedy
+    # generation test (a compile per mutant; the stop ids have their own tests)
+    "src/posttrain/chat/template.py": [
+        "tests/test_chat.py",
+        "tests/test_chat_families.py",
+        "-k",
+        "not greedy",
+    ],
+    "src/posttrain/chat/encode.py": [
+        "tests/test_chat.py",
+        "tests/test_chat_families.py",
+        "tests/test_preference.py",
+        "-k",
+        "not greedy",
+    ],
+    "src/posttrain/chat/generation_config.py": [
+        "tests/test_chat.py",
+        "tests/test_chat_families.py",
+        "-k",
+        "not greedy",
+    ],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

@@ -108,7 +108,15 @@ def test_a_shard_reader_parses_its_lines_only_and_counts_the_others(tmp_path):
     bad line in another shard is not this reader's error, and a bad line in its own
     shard still names the file and line. Blank line 2 does not shift the shards."""
     good = json.dumps({"messages": CHAT})
-    other = json.dumps({"messages": [*CHAT, {"role": "user", "content": "more"}]})
+    other = json.dumps(
+        {
+            "messages": [
+                *CHAT,
+                {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "k"},
+            ]
+        }
+    )
     path = write_jsonl(tmp_path / "d.jsonl", [good, "", other, good, "{not json"])
     evens = data.read_chat_jsonl(path, only=lambda i: i % 2 == 0)
     assert evens == [CHAT, None, CHAT, None]  # record 3 (line 5, not JSON) is not read

@@ -46,7 +46,11 @@ class TunixTokenizer:
 
     Args:
       tokenizer: the ``tokenizers.Tokenizer`` (e.g. :func:`posttrain.sft.tokenizer.byte_tokenizer`).
-      eos: the end-of-sequence token (default ``<|im_end|>``, ChatML's).
+      eos: the end-of-sequence token's name (default ``<|im_end|>``, ChatML's), used
+        when ``eos_ids`` is not given.
+      eos_ids: the checkpoint's stop ids (:func:`posttrain.chat.stop_ids`), one or more:
+        ``eos_id()`` is the first, :attr:`stop_ids` all of them (a sampler's
+        ``eos_tokens``).
       pad: the token prompts are padded with (default ``<|pad|>``; id 0 when the
         vocabulary has no such token). Tunix's decode masks hide every slot whose token
         is the pad id, generated ones included, so it must be one the model does not
@@ -54,14 +58,30 @@ class TunixTokenizer:
       bos: the beginning-of-sequence token to prepend (default none).
 
     Raises:
-      ValueError: ``eos`` or ``bos`` is not in the vocabulary.
+      ValueError: ``eos`` (without ``eos_ids``) or ``bos`` is not in the vocabulary, or
+        ``eos_ids`` is empty.
     """
 
-    def __init__(self, tokenizer, *, eos: str = "<|im_end|>", pad: str = "<|pad|>", bos=None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        eos: str = "<|im_end|>",
+        pad: str = "<|pad|>",
+        bos=None,
+        eos_ids=None,
+    ):
         self.tokenizer = tokenizer
-        self._eos = tokenizer.token_to_id(eos)
-        if self._eos is None:
-            raise ValueError(f"eos token {eos!r} is not in the tokenizer's vocabulary")
+        if eos_ids is not None:
+            self.stop_ids = tuple(int(i) for i in eos_ids)
+            if not self.stop_ids:
+                raise ValueError("eos_ids=(): expected at least one stop id")
+        else:
+            eos_id = tokenizer.token_to_id(eos)
+            if eos_id is None:
+                raise ValueError(f"eos token {eos!r} is not in the tokenizer's vocabulary")
+            self.stop_ids = (eos_id,)
+        self._eos = self.stop_ids[0]
         pad_id = tokenizer.token_to_id(pad)
         self._bos = None if bos is None else tokenizer.token_to_id(bos)
         if bos is not None and self._bos is None:

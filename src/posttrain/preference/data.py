@@ -8,20 +8,23 @@ Input, one pair per line, in the two forms TRL's preference datasets use::
      "rejected": [{"role": "assistant", "content": ...}]}
 
 A string prompt is one user turn; a string completion is one assistant turn. Template:
-ChatML, as ``posttrain sft`` trains (:mod:`posttrain.sft.data`): the prompt is the
-conversation so far followed by ``<|im_start|>assistant\\n``; a completion is the
-assistant's content and its ``<|im_end|>`` (further assistant turns joined with
-``\\n<|im_start|>assistant\\n``, whose tokens then count in the completion, where SFT
-masks the header). Every piece is encoded on its own, without special tokens, so the
-masks cover exactly the completion tokens.
+the model's own, as ``posttrain sft`` trains (:mod:`posttrain.chat`), or the built-in
+ChatML by default. The prompt is the conversation so far rendered with the template's
+generation prompt (ChatML: ``<|im_start|>assistant\n``); a completion is what rendering
+the prompt with the completion's turns adds after it, up to its last assistant token
+(ChatML: the content and ``<|im_end|>``; further assistant turns' headers are then part of
+the completion and its mask, where SFT masks them). The completion must extend the
+prompt's own tokens (:func:`posttrain.chat.split_completions`), so the masks cover exactly
+the completion tokens.
 
-BOS: the prompt starts with the tokenizer's own prefix (what its post-processor puts
-before a text, e.g. Llama 3's ``<|begin_of_text|>``; nothing for ChatML tokenizers such
-as Qwen's and the embedded byte tokenizer) exactly once: the template's pieces are
-encoded without special tokens, so nothing adds a second one (google-tunix <= 0.1.5's
-DPO tokenisation prepended the BOS to a text its tokenizer had already given one,
-``shared/research/tunix-rl.md`` 7, bug 2). Text is text: a message whose content
-spells a special token (``<|begin_of_text|>``) gets that token, as in ``posttrain sft``.
+BOS. With a template: the template's way (its rendering, encoded without special tokens,
+holds the BOS its family wants, e.g. Llama 3's ``<|begin_of_text|>``, exactly once). Without
+one (the default, as before templates were read): the prompt starts with the tokenizer's
+own prefix (what its post-processor puts before a text; nothing for ChatML tokenizers such
+as Qwen's and the embedded byte tokenizer) exactly once (google-tunix <= 0.1.5's DPO
+tokenisation prepended the BOS to a text its tokenizer had already given one,
+``shared/research/tunix-rl.md`` 7, bug 2). Text is text: a message whose content spells a
+special token (``<|begin_of_text|>``) gets that token, as in ``posttrain sft``.
 
 Arrays (``[pairs, length]``, int32), the names of Tunix's ``TrainingInput``:
 ``prompt_ids`` / ``prompt_mask`` left-padded to ``max_prompt_length``; ``chosen_ids`` /
@@ -38,11 +41,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from posttrain import chat
+from posttrain.chat import ChatTemplate
 from posttrain.sft.data import (
     NOT_READ,
     Messages,
     _unpadded,
-    chat_prompt,
     check_messages,
     jsonl_records,
 )
@@ -131,70 +135,50 @@ def bos_prefix(tokenizer) -> list[int]:
     return []
 
 
-def _prompt_pieces(messages: Messages) -> list[str]:
-    """ChatML pieces of the conversation so far and the assistant's header."""
-    pieces = [
-        p
-        for m in messages
-        for p in (f"<|im_start|>{m['role']}\n", m["content"], "<|im_end|>", "\n")
-    ]
-    return [*pieces, "<|im_start|>assistant\n"]
+def encode_prompt(
+    messages: Messages, tokenizer, prefix: Sequence[int], template: ChatTemplate | None = None
+) -> list[int]:
+    """``prefix`` (the tokenizer's BOS when no template is given), then the prompt with the
+    template's generation prompt (default: the built-in ChatML), encoded without special
+    tokens, so nothing adds another BOS."""
+    return [*prefix, *chat.encode_prompt(messages, tokenizer, template or chat.chatml())]
 
 
-def _completion_pieces(turns: Messages) -> list[str]:
-    """The assistant turns: content and ``<|im_end|>``, turns joined by
-    ``\n<|im_start|>assistant\n``. A single-turn completion is exactly what ``posttrain
-    sft`` trains on (content and ``<|im_end|>``); in a multi-turn one the join's tokens
-    are part of the completion (and its mask), where SFT leaves the header out."""
-    pieces: list[str] = []
-    for i, m in enumerate(turns):
-        if i:
-            pieces += ["\n", "<|im_start|>assistant\n"]
-        pieces += [m["content"], "<|im_end|>"]
-    return pieces
-
-
-def encode_prompt(messages: Messages, tokenizer, prefix: Sequence[int]) -> list[int]:
-    """``prefix`` (the BOS), then the ChatML prompt with the assistant's header; the
-    template's pieces are encoded without special tokens, so nothing adds another BOS."""
-    return [*prefix, *chat_prompt(messages, tokenizer)]
-
-
-def encode_completion(turns: Messages, tokenizer) -> list[int]:
-    """The ids of :func:`_completion_pieces`."""
-    encodings = _unpadded(tokenizer).encode_batch(
-        _completion_pieces(turns), add_special_tokens=False
-    )
-    return [i for e in encodings for i in e.ids]
+def encode_completion(
+    turns: Messages, tokenizer, template: ChatTemplate | None = None, prompt: Messages = ()
+) -> list[int]:
+    """The ids of a completion's assistant ``turns`` after ``prompt`` (default: none) in
+    ``template`` (default: the built-in ChatML), as :func:`encode_pairs` cuts them."""
+    return chat.split_completion(list(prompt), turns, tokenizer, template or chat.chatml())[1]
 
 
 _ENCODE_CHUNK = 1024  # pairs per encode_batch call, as posttrain.sft.data's
 
 
-def _encode_all(pairs: Sequence[Pair], tokenizer) -> list[tuple[list[int], ...]]:
+def _encode_all(
+    pairs: Sequence[Pair], tokenizer, template: ChatTemplate
+) -> list[tuple[list[int], ...]]:
     """``(prompt, chosen, rejected)`` ids (prompt without the BOS prefix) of each pair,
-    one ``encode_batch`` call per :data:`_ENCODE_CHUNK` pairs."""
-    tokenizer = _unpadded(tokenizer)
+    one ``encode_batch`` call per :data:`_ENCODE_CHUNK` pairs.
+
+    Raises:
+      ValueError: naming the pair's file and line: the template refuses it or cannot cut
+        a completion from it.
+    """
     encoded = []
     for first in range(0, len(pairs), _ENCODE_CHUNK):
         chunk = pairs[first : first + _ENCODE_CHUNK]
-        pieces: list[str] = []
-        counts: list[int] = []
-        for pair in chunk:
-            for part in (
-                _prompt_pieces(pair.prompt),
-                _completion_pieces(pair.chosen),
-                _completion_pieces(pair.rejected),
-            ):
-                pieces += part
-                counts.append(len(part))
-        encodings = tokenizer.encode_batch(pieces, add_special_tokens=False)
-        start = 0
-        parts = []
-        for count in counts:
-            parts.append([i for e in encodings[start : start + count] for i in e.ids])
-            start += count
-        encoded += [tuple(parts[i : i + 3]) for i in range(0, len(parts), 3)]
+        items = [(pair.prompt, (pair.chosen, pair.rejected)) for pair in chunk]
+        try:
+            parts = chat.split_completions(items, tokenizer, template)
+        except chat.TemplateError:  # find the pair, for its file and line
+            for pair, item in zip(chunk, items, strict=True):
+                try:
+                    chat.split_completions([item], tokenizer, template)
+                except chat.TemplateError as e:
+                    raise ValueError(f"{pair.where}: {e}") from None
+            raise
+        encoded += [(prompt, *completions) for prompt, completions in parts]
     return encoded
 
 
@@ -206,8 +190,10 @@ def encode_pairs(
     max_response_length: int,
     overflow: str = "truncate",
     pad_id: int = 0,
+    template: ChatTemplate | None = None,
 ) -> dict[str, np.ndarray]:
-    """The pairs as Tunix's tokenized ``TrainingInput`` arrays (see the module docstring).
+    """The pairs as Tunix's tokenized ``TrainingInput`` arrays (see the module docstring),
+    in ``template`` (default: the built-in ChatML, and the tokenizer's BOS prefix).
 
     Raises:
       ValueError: a length below its minimum (the prompt's BOS prefix + 1, the
@@ -216,7 +202,7 @@ def encode_pairs(
     """
     if overflow not in ("truncate", "reject"):
         raise ValueError(f"overflow={overflow!r}; expected 'truncate' or 'reject'")
-    prefix = bos_prefix(tokenizer)
+    prefix = bos_prefix(tokenizer) if template is None else _template_bos(tokenizer, template)
     if max_prompt_length < len(prefix) + 1:
         raise ValueError(
             f"max_prompt_length={max_prompt_length} (--max-prompt-length): expected >= "
@@ -236,13 +222,15 @@ def encode_pairs(
         for name in ARRAYS
     }
     for row, (pair, (prompt, *completions)) in enumerate(
-        zip(pairs, _encode_all(pairs, tokenizer), strict=True)
+        zip(pairs, _encode_all(pairs, tokenizer, template or chat.chatml()), strict=True)
     ):
-        prompt = [*prefix, *prompt]
+        if template is None:
+            prompt = [*prefix, *prompt]
         if len(prompt) > max_prompt_length:
             _overflow(overflow, pair, "prompt", len(prompt), "max_prompt_length", max_prompt_length)
-            keep = max_prompt_length - len(prefix)
-            prompt = [*prefix, *prompt[len(prompt) - keep :]]
+            kept = prefix if prompt[: len(prefix)] == prefix else []
+            keep = max_prompt_length - len(kept)
+            prompt = [*kept, *prompt[len(prompt) - keep :]]
         out["prompt_ids"][row, max_prompt_length - len(prompt) :] = prompt
         out["prompt_mask"][row, max_prompt_length - len(prompt) :] = 1
         for name, ids in zip(("chosen", "rejected"), completions, strict=True):
@@ -254,6 +242,13 @@ def encode_pairs(
             out[f"{name}_ids"][row, : len(ids)] = ids
             out[f"{name}_mask"][row, : len(ids)] = 1
     return out
+
+
+def _template_bos(tokenizer, template: ChatTemplate) -> list[int]:
+    """The template's BOS id (``[]`` without one): kept when a long prompt is cut."""
+    bos = template.bos_token
+    bos_id = None if bos is None else tokenizer.token_to_id(bos)
+    return [] if bos_id is None else [bos_id]
 
 
 def _overflow(mode: str, pair: Pair, what: str, length: int, limit: str, value: int) -> None:

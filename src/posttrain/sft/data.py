@@ -4,13 +4,17 @@ Input format, one conversation per line::
 
     {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
 
-Template: ChatML (Qwen's chat template, without tools)::
+Template: the model's own (:mod:`posttrain.chat`: ``chat_template.jinja`` or
+``tokenizer_config.json``'s ``chat_template``), or the built-in ChatML (Qwen's chat
+template, without tools) for a tokenizer without one, the default::
 
-    <|im_start|>{role}\\n{content}<|im_end|>\\n
+    <|im_start|>{role}\n{content}<|im_end|>\n
 
-Loss mask: the content of assistant turns and their ``<|im_end|>`` are targets;
-role headers, system and user turns are not. Each piece is tokenised on its own
-and concatenated, so the mask boundaries are exact for any tokenizer.
+Loss mask: the template's assistant spans (its ``{% generation %}`` blocks, else found by
+rendering prefixes): for ChatML the content of assistant turns and their ``<|im_end|>``;
+role headers, system and user turns are not targets. The rendering is encoded whole,
+without the tokenizer's special tokens (the template renders its family's BOS), and the
+mask follows the tokens' character offsets.
 
 Rows are ``max_target_length`` long. ``packing=True`` fills each row greedily
 with whole conversations in order (segment ids 1.., positions restart per
@@ -26,6 +30,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from posttrain import chat
+from posttrain.chat import ChatTemplate
+
 ROLES = ("system", "user", "assistant")
 Messages = list[dict[str, str]]
 
@@ -39,23 +46,35 @@ class Example:
 
 
 def read_chat_jsonl(
-    path: str | os.PathLike, only: Callable[[int], bool] | None = None
+    path: str | os.PathLike,
+    only: Callable[[int], bool] | None = None,
+    *,
+    template: ChatTemplate | None = None,
 ) -> list[Messages | None]:
     """Reads and validates a chat JSONL file (blank lines are skipped).
 
     ``only(i)`` False: conversation ``i`` is counted but not parsed or validated, and
     is None in the list (a process reads only its data shards; the process whose
-    shard holds a bad line reports it).
+    shard holds a bad line reports it). ``template``: each conversation is also checked
+    in its terms (:func:`posttrain.chat.check_conversation`).
 
     Raises:
       ValueError: naming the file and line: not JSON, no ``messages`` list, a
         message without string ``role``/``content``, an unknown role, a
-        conversation without an assistant turn; or the file has no conversations.
+        conversation without an assistant turn or not ending in one; with
+        ``template``: a conversation it refuses (its ``raise_exception``), a system
+        message it leaves out, an assistant turn it cannot mask; or the file has no
+        conversations.
     """
-    conversations = [
-        None if record is NOT_READ else validate_messages(record, where=where)
-        for where, record in jsonl_records(path, "a chat JSONL file", only=only)
-    ]
+    conversations = []
+    for where, record in jsonl_records(path, "a chat JSONL file", only=only):
+        if record is NOT_READ:
+            conversations.append(None)
+            continue
+        messages = validate_messages(record, where=where)
+        if template is not None:
+            chat.check_conversation(template, messages, where=where)
+        conversations.append(messages)
     if not conversations:
         raise ValueError(f"{os.fspath(path)}: no conversations (empty dataset)")
     return conversations
@@ -123,6 +142,11 @@ def validate_messages(record, *, where: str) -> Messages:
     check_messages(messages, where=where)
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: no assistant message, so nothing to train on")
+    if messages[-1]["role"] != "assistant":
+        raise ValueError(
+            f"{where}: the conversation ends with a {messages[-1]['role']!r} message; "
+            "expected it to end with an assistant turn (SFT trains up to the last one)"
+        )
     return messages
 
 
@@ -153,72 +177,35 @@ def check_messages(messages: list, *, where: str) -> None:
             )
 
 
-def encode_chat(messages: Messages, tokenizer) -> Example:
-    """ChatML token ids and the assistant loss mask of one conversation."""
-    return encode_chats([messages], tokenizer)[0]
+def encode_chat(messages: Messages, tokenizer, template: ChatTemplate | None = None) -> Example:
+    """Token ids and the assistant loss mask of one conversation in ``template`` (default:
+    the built-in ChatML)."""
+    return encode_chats([messages], tokenizer, template)[0]
 
 
-def chat_prompt(messages: Messages, tokenizer) -> list[int]:
-    """ChatML token ids of ``messages`` followed by the assistant's header
-    (``<|im_start|>assistant\n``): what a model trained by :func:`encode_chat` continues.
-    Pieces are encoded on their own, as in training."""
-    tokenizer = _unpadded(tokenizer)
-    pieces = [
-        p
-        for m in messages
-        for p in (f"<|im_start|>{m['role']}\n", m["content"], "<|im_end|>", "\n")
-    ]
-    pieces.append("<|im_start|>assistant\n")
-    encodings = tokenizer.encode_batch(pieces, add_special_tokens=False)
-    return [i for e in encodings for i in e.ids]
+def chat_prompt(messages: Messages, tokenizer, template: ChatTemplate | None = None) -> list[int]:
+    """Token ids of ``messages`` rendered by ``template`` (default: the built-in ChatML)
+    with its generation prompt (ChatML: ``<|im_start|>assistant\n``): what a model trained
+    by :func:`encode_chat` continues. Encoded as in training, without special tokens."""
+    return chat.encode_prompt(messages, tokenizer, template or chat.chatml())
 
 
-_ENCODE_CHUNK = 1024  # conversations per encode_batch call: bounds the live Encodings
+def encode_chats(
+    conversations: Sequence[Messages], tokenizer, template: ChatTemplate | None = None
+) -> list[Example]:
+    """:func:`encode_chat` of each conversation (:func:`posttrain.chat.encode_conversations`:
+    one ``encode_batch`` call per 1024 conversations; padding and truncation set in a
+    ``tokenizer.json`` are ignored, rows are padded and cut by :func:`encode_dataset` /
+    :func:`to_rows`).
 
-
-def encode_chats(conversations: Sequence[Messages], tokenizer) -> list[Example]:
-    """:func:`encode_chat` of each conversation, with batched ``tokenizer.encode_batch`` calls.
-
-    Each ChatML piece (``<|im_start|>{role}\\n``, the content, ``<|im_end|>``, ``\\n``) is
-    encoded on its own, without special tokens, so that a piece's ids never merge with
-    its neighbours' and the loss mask follows piece boundaries: ``<|im_end|>`` of an
-    assistant turn is a target, the role header and the newline are not. One call per
-    1024 conversations instead of four per message (the Rust tokenizer encodes a batch
-    in parallel). Padding and truncation set in a ``tokenizer.json`` are ignored: rows
-    are padded and cut by :func:`encode_dataset` / :func:`to_rows`, and a padded batch
-    would put pad ids inside the pieces.
+    Raises:
+      posttrain.chat.TemplateError: the template refuses a conversation or cannot mask it.
     """
-    tokenizer = _unpadded(tokenizer)
-    examples = []
-    for first in range(0, len(conversations), _ENCODE_CHUNK):
-        chunk = conversations[first : first + _ENCODE_CHUNK]
-        pieces: list[str] = []
-        targets: list[bool] = []
-        for messages in chunk:
-            for m in messages:
-                target = m["role"] == "assistant"
-                pieces += [f"<|im_start|>{m['role']}\n", m["content"], "<|im_end|>", "\n"]
-                targets += [False, target, target, False]
-        encodings = tokenizer.encode_batch(pieces, add_special_tokens=False) if pieces else []
-        start = 0
-        for messages in chunk:  # four pieces per message
-            end = start + 4 * len(messages)
-            ids = [e.ids for e in encodings[start:end]]
-            mask = [t for piece, t in zip(ids, targets[start:end], strict=True) for _ in piece]
-            flat = [i for piece in ids for i in piece]
-            examples.append(Example(np.asarray(flat, np.int32), np.asarray(mask, bool)))
-            start = end
-    return examples
+    encoded = chat.encode_conversations(conversations, tokenizer, template or chat.chatml())
+    return [Example(ids, mask) for ids, mask in encoded]
 
 
-def _unpadded(tokenizer):
-    """``tokenizer``, or a copy without padding and truncation when it has either."""
-    if tokenizer.padding is None and tokenizer.truncation is None:
-        return tokenizer
-    copy = type(tokenizer).from_str(tokenizer.to_str())
-    copy.no_padding()
-    copy.no_truncation()
-    return copy
+_unpadded = chat.unpadded
 
 
 def encode_dataset(
@@ -228,8 +215,10 @@ def encode_dataset(
     *,
     overflow: str = "truncate",
     numbers: Sequence[int] | None = None,
+    template: ChatTemplate | None = None,
 ) -> list[Example]:
-    """Encodes conversations; longer than ``max_target_length`` is truncated or rejected.
+    """Encodes conversations in ``template`` (default: the built-in ChatML); longer than
+    ``max_target_length`` is truncated or rejected.
 
     Conversations left without a target token after truncation are dropped. ``numbers``:
     each conversation's index in the file, for the errors (default: its position).
@@ -244,7 +233,7 @@ def encode_dataset(
         raise ValueError(f"max_target_length={max_target_length}; expected >= 2")
     vocab = tokenizer.get_vocab_size()
     examples = []
-    for position, ex in enumerate(encode_chats(conversations, tokenizer)):
+    for position, ex in enumerate(encode_chats(conversations, tokenizer, template)):
         i = position if numbers is None else numbers[position]
         if len(ex.tokens) > max_target_length:
             if overflow == "reject":
