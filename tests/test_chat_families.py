@@ -266,3 +266,14 @@ def test_greedy_chat_generation_stops_at_eot_like_transformers(hf_tiny, tmp_path
     )
     out = generate.generate(native, [prompt], sampling)
     assert (out.row(0), out.stop_reasons[0]) == (want, "eos")
+    # the same through `posttrain generate` on the checkpoint directory: its template and
+    # its generation config's stop ids, nothing guessed from token names
+    from posttrain import cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": fam.conversations[1][:3]}) + "\n")
+    written = tmp_path / "out.jsonl"
+    argv = ["generate", "--model", str(src), "--prompts", str(prompts), "--output", str(written)]
+    assert cli.main([*argv, "--max-new-tokens", str(GENERATED), "--devices", "1"]) == 0
+    record = json.loads(written.read_text())
+    assert (record["tokens"], record["stop_reason"]) == (want, "eos")

@@ -3,7 +3,7 @@ and its KV cache; one prompt streams, several write JSONL."""
 
 from __future__ import annotations
 
-from posttrain import distributed
+from posttrain import chat, distributed
 
 
 def newest_export(run_dir: str = "runs/sft") -> str | None:
@@ -87,8 +87,11 @@ def generate(args) -> int:
     mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
     with sharding.use_mesh(mesh):
         model, tok = _model_and_tokenizer(args, spec, mesh)
-        ids = [_prompt_ids(p, tok, args.chat) for p in prompts]
-        sampling = _sampling(args, tok)
+        # the checkpoint's own template and stop ids (its generation_config.json, then
+        # config.json, then its tokenizer's eos_token; token names only when none says)
+        formats = chat.checkpoint_formats(spec, tok, tokenizer_path=args.tokenizer)
+        ids = [_prompt_ids(p, tok, args.chat, formats.template) for p in prompts]
+        sampling = _sampling(args, tok, formats.eos_ids)
         stream = None
         # One process streams; across processes the text is printed once, at the end.
         if len(ids) == 1 and not args.output and distributed.process_count() == 1:
@@ -121,26 +124,22 @@ def _model_and_tokenizer(args, spec: str, mesh):
     return model, tok
 
 
-def _prompt_ids(prompt: dict, tok, chat: bool) -> list[int]:
-    """A prompt's token ids: messages (or ``--chat`` text) through the chat template,
-    else the text's own tokens."""
+def _prompt_ids(prompt: dict, tok, chat: bool, template=None) -> list[int]:
+    """A prompt's token ids: messages (or ``--chat`` text) through the chat template
+    (``template``: the checkpoint's; default ChatML), else the text's own tokens."""
     from posttrain.sft.data import chat_prompt
 
     if "messages" in prompt or chat:
         messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
-        return chat_prompt(messages, tok)
+        return chat_prompt(messages, tok, template)
     return tok.encode(prompt["prompt"], add_special_tokens=False).ids
 
 
-def _sampling(args, tok):
-    """The sampling options of ``args``; stop ids and the pad id from the tokenizer."""
+def _sampling(args, tok, eos: tuple[int, ...]):
+    """The sampling options of ``args``, stopping at ``eos`` (the checkpoint's stop ids:
+    :func:`posttrain.chat.checkpoint_formats`); the pad id from the tokenizer."""
     from posttrain import generate as gen
 
-    eos = tuple(
-        i
-        for name in ("<|im_end|>", "<|endoftext|>", "</s>")
-        if (i := tok.token_to_id(name)) is not None
-    )
     pad = next((i for n in ("<|pad|>", "<pad>") if (i := tok.token_to_id(n)) is not None), 0)
     return gen.SamplingConfig(
         max_new_tokens=args.max_new_tokens,
