@@ -362,3 +362,26 @@ def interval_checkpoint_options(save_every: int, **options):
             [policies.FixedIntervalPolicy(save_every), policies.PreemptionCheckpointingPolicy()]
         )
     return ocp.CheckpointManagerOptions(save_interval_steps=save_every, **options)
+
+
+@contextlib.contextmanager
+def no_persistent_compilation_cache():
+    """JAX's persistent compilation cache off inside (deviceless TPU compiles: a
+    compile-only client cannot load a cached executable, jax 0.10.2: "PjRtCompiler must be
+    constructed with a Client to call DeserializeLoadedExecutable").
+
+    JAX decides once per process whether the cache is used (``is_cache_used`` caches it),
+    so the flag alone does nothing after the first compile: the decision is reset on the
+    way in and out (``jax._src.compilation_cache.reset_cache``, jax 0.4.31+), and the next
+    compile outside decides again under the restored flag.
+    """
+    from jax._src import compilation_cache
+
+    was = jax.config.jax_enable_compilation_cache
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 from posttrain.plan.options import PLANNED, PlanOptions
@@ -64,7 +63,13 @@ def compile_figures(options: PlanOptions) -> tuple[str, Figures]:
     what = describe(options, cfg, mesh, batch)
     start = time.perf_counter()
     try:
-        with sharding.use_mesh(mesh, rules, jax_context=False), _no_persistent_cache():
+        from posttrain import _compat
+
+        # a deviceless compiler cannot load cached executables: the cache stays out
+        with (
+            sharding.use_mesh(mesh, rules, jax_context=False),
+            _compat.no_persistent_compilation_cache(),
+        ):
             compiled = program.jitted.lower(*program.args, **program.kwargs).compile()
     except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED at compile time
         if "RESOURCE_EXHAUSTED" not in str(e):
@@ -76,23 +81,6 @@ def compile_figures(options: PlanOptions) -> tuple[str, Figures]:
         ) from None
     seconds = time.perf_counter() - start
     return what, report.figures_of(compiled, program.kinds, program.model_flops, seconds)
-
-
-@contextlib.contextmanager
-def _no_persistent_cache():
-    """JAX's persistent compilation cache off while compiling for a slice without chips:
-    a deviceless compiler cannot load a cached executable (jax 0.10.2: "PjRtCompiler must
-    be constructed with a Client to call DeserializeLoadedExecutable"), so a warm cache
-    (the gate's, CI's) turned every later plan into a warning, and the entries it wrote
-    could never be read."""
-    import jax
-
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", was)
 
 
 def describe(options: PlanOptions, cfg, mesh, batch: int) -> str:
