@@ -136,6 +136,10 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_rl.py::test_the_run_config_names_the_bad_field",
     ],
     "src/posttrain/runs/tunix_loss.py": ["tests/test_tunix_compat.py"],
+    # distillation: the hand-computed loss, the broken variants, a real run, accumulation
+    "src/posttrain/distill/loss.py": ["contracts/test_tunix_distill.py"],
+    "src/posttrain/distill/tunix_distill.py": ["contracts/test_tunix_distill.py"],
+    "src/posttrain/distill/trainer.py": ["contracts/test_tunix_distill.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.
