@@ -22,6 +22,8 @@ optimizer state, one record per optimizer step) and replaces only what it must:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,7 @@ class DistillMetrics(StepMetrics):
     ``loss``             the distillation objective per target token (without MoE term)
     ``kl``               KL(teacher || student) at temperature 1 per target token
     ``task_loss``        the student's cross-entropy per target token
+    ``perplexity``       ``exp(task_loss)``
     ``grad_norm``        global norm of the applied (accumulated) gradient
     ``moe_aux_loss``     the student's load-balancing loss (unweighted; 0 if dense)
     ``target_tokens``    target tokens in the step
@@ -102,6 +105,7 @@ class DistillMetrics(StepMetrics):
             "loss": per_token("distill_sum"),
             "kl": per_token("kl_sum"),
             "task_loss": per_token("nll_sum"),
+            "perplexity": math.exp(min(per_token("nll_sum"), 80.0)),
             "grad_norm": float(micro[-1]["grad_norm"]),
             "moe_aux_loss": float(np.mean([m["moe_aux_loss"] for m in micro])),
             "target_tokens": int(targets),
