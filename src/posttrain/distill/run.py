@@ -21,7 +21,7 @@ import pathlib
 
 from posttrain.distill.options import SFT_EXPORT, DistillRunConfig
 
-__all__ = ["DistillResult", "run_distill"]
+__all__ = ["DistillResult", "check_student_vocabulary", "run_distill"]
 
 #: the on-the-fly teacher's preset (another family than the default student's)
 TEACHER_PRESET = "llama3-tiny"
@@ -56,22 +56,31 @@ def run_distill(cfg: DistillRunConfig, *, log_every: int | None = None) -> Disti
     """
     from posttrain import sharding
     from posttrain.distill import tunix_distill
-    from posttrain.distill.trainer import distill_trainer_class, held_out_kl, labels_fn
-    from posttrain.distill.trainer import model_logits
+    from posttrain.distill.trainer import (
+        distill_trainer_class,
+        held_out_kl,
+        labels_fn,
+        model_logits,
+    )
     from posttrain.loading import load_model
     from posttrain.runs.loading import run_tokenizer
     from posttrain.sft.run import build_rows, run_sft
 
     cfg.check()
     tunix_distill.check_strategy(cfg.strategy, cfg.distill_top_k)
+    mesh = sharding.make_mesh(cfg.mesh)
     out = pathlib.Path(cfg.output)
+    teacher = None
+    if cfg.teacher is not None:  # a given teacher is checked before anything is written
+        teacher, _ = load_model(cfg.teacher, mesh, seed=cfg.seed + 1, scratch=cfg.output)
+        check_student_vocabulary(cfg, teacher.config.vocab_size)
     train_path, held_path = _split_data(cfg, out / "data")
     teacher_spec = cfg.teacher or _default_teacher(cfg, out, train_path)
     run_cfg = dataclasses.replace(
         cfg, data=str(train_path), model=_student(cfg, out / "student-init")
     )
-    mesh = sharding.make_mesh(cfg.mesh)
-    teacher, _ = load_model(teacher_spec, mesh, seed=cfg.seed + 1, scratch=cfg.output)
+    if teacher is None:
+        teacher, _ = load_model(teacher_spec, mesh, seed=cfg.seed + 1, scratch=cfg.output)
     tok = run_tokenizer(run_cfg, run_cfg.model if os.path.isdir(run_cfg.model) else None)
     held_out = build_rows(dataclasses.replace(run_cfg, data=str(held_path), packing=True), tok)
     strategy = tunix_distill.logit_strategy(
@@ -95,6 +104,25 @@ def run_distill(cfg: DistillRunConfig, *, log_every: int | None = None) -> Disti
     result = run_sft(run_cfg, trainer_class=trainer, on_built=on_built, log_every=log_every)
     after = held_out_kl(built["trainer"].model, teacher, held_out)
     return DistillResult(result, teacher_spec, built["before"], after)
+
+
+def check_student_vocabulary(cfg: DistillRunConfig, teacher_vocab: int) -> None:
+    """Raises ValueError (one line) when a preset or native student's ``vocab_size`` is
+    not ``teacher_vocab`` (an HF student is checked when the trainer is built)."""
+    from posttrain.conversion.native import NativeMeta, is_native_dir
+    from posttrain.models import PRESETS, get_config
+
+    if cfg.model in PRESETS:
+        vocab = get_config(cfg.model).vocab_size
+    elif is_native_dir(cfg.model):
+        vocab = NativeMeta.read(cfg.model).cfg.vocab_size
+    else:
+        return
+    if vocab != teacher_vocab:
+        raise ValueError(
+            f"--teacher {cfg.teacher!r} has vocab_size {teacher_vocab} but the student "
+            f"{cfg.model!r} has {vocab}: distillation needs the same vocabulary"
+        )
 
 
 def _split_data(cfg: DistillRunConfig, where: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
