@@ -291,3 +291,29 @@ def test_accumulated_steps_equal_one_large_batch():
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+
+
+def objective_and_terms(trainer, weight):
+    trainer.moe_aux_loss_weight = weight
+    with sharding.use_mesh(trainer.mesh):
+        inputs = trainer._prepare_inputs(next(data.batches(rows(), 8, 1)))
+        objective, terms = trainer._objective(trainer.model, inputs)
+    return float(objective), {k: float(v) for k, v in terms.items()}
+
+
+def test_the_students_load_balancing_term_enters_the_objective():
+    """A routed student: the objective is the distillation loss + weight x its MoE term."""
+    trainer = make_trainer(student="qwen3_moe-tiny")
+    plain, terms = objective_and_terms(trainer, 0.0)
+    weighted, _ = objective_and_terms(trainer, 0.5)
+    assert terms["moe_aux_loss"] > 0
+    np.testing.assert_allclose(weighted - plain, 0.5 * terms["moe_aux_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow  # by construction today (the teacher's forward returns logits only)
+def test_the_teachers_load_balancing_term_does_not():
+    """A routed teacher, a dense student: no MoE term reaches the objective."""
+    trainer = make_trainer(teacher="qwen3_moe-tiny")
+    plain, terms = objective_and_terms(trainer, 0.0)
+    weighted, _ = objective_and_terms(trainer, 0.5)
+    assert terms["moe_aux_loss"] == 0.0 and weighted == plain
