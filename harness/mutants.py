@@ -140,6 +140,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/distill/loss.py": ["contracts/test_tunix_distill.py"],
     "src/posttrain/distill/tunix_distill.py": ["contracts/test_tunix_distill.py"],
     "src/posttrain/distill/trainer.py": ["contracts/test_tunix_distill.py"],
+    "harness/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.
