@@ -317,3 +317,45 @@ def test_the_teachers_load_balancing_term_does_not():
     plain, terms = objective_and_terms(trainer, 0.0)
     weighted, _ = objective_and_terms(trainer, 0.5)
     assert terms["moe_aux_loss"] == 0.0 and weighted == plain
+
+
+@pytest.mark.slow
+def test_a_lora_student_moves_only_its_adapters():
+    """LoRA on the student: after 2 steps only its adapters moved; the teacher and the
+    student's base weights are bit-identical."""
+    from posttrain.lora import LoraConfig, apply_lora
+
+    mesh = sharding.make_mesh(MESH)
+    student = build_model(shallower(get_config("qwen3-tiny"), 1), mesh, seed=0)
+    student = apply_lora(student, mesh, LoraConfig(rank=4, alpha=8.0))
+    teacher = build_model(get_config("llama3-tiny"), mesh, seed=1)
+    trainer = make_trainer_over(student, teacher, mesh)
+    base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # LoRAParam subclasses Param
+    before = params_of(trainer.model, base)
+    adapters = params_of(trainer.model, nnx.LoRAParam)
+    teacher = params(trainer.teacher_model)
+    trainer.train(data.batches(rows(), 8, 1))
+    assert len(trainer.history) == 2
+    assert all(np.array_equal(v, params_of(trainer.model, base)[k]) for k, v in before.items())
+    assert all(np.array_equal(v, params(trainer.teacher_model)[k]) for k, v in teacher.items())
+    moved = params_of(trainer.model, nnx.LoRAParam)
+    assert any(not np.array_equal(v, moved[k]) for k, v in adapters.items())
+
+
+def params_of(model, which) -> dict[str, np.ndarray]:
+    return {
+        "/".join(map(str, p)): np.asarray(v[...])
+        for p, v in nnx.to_flat_state(nnx.state(model, which))
+    }
+
+
+def make_trainer_over(student, teacher, mesh):
+    config = tunix_distill.config_class()(eval_every_n_steps=1000, max_steps=2)
+    return distill_trainer_class()(
+        student,
+        teacher,
+        strategy(temperature=2.0, alpha=0.5),
+        optax.adam(1e-2),
+        config,
+        options=SFTOptions(mesh=mesh),
+    )
