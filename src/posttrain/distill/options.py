@@ -48,7 +48,9 @@ class DistillRunConfig(SFTConfig):
     )
     student_layers: int = option(1, "keep the first N layers of a preset student (0: all)")
     strategy: str = option("logit", "Tunix's distillation strategy (logit)")
-    temperature: float = option(2.0, "softmax temperature of the KL term")
+    temperature: float = option(
+        1.0, "softmax temperature of the KL term (Tunix's default: 2; see docs/distill.md)"
+    )
     alpha: float = option(0.5, "weight of the KL term; 1 - alpha weighs the task loss")
     distill_top_k: int = option(
         0, "KL over the teacher's top k logits (0: all; google-tunix >= 0.1.7)"
