@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import deprecations, junit, sources
+from harness import deprecations, distill_cell, junit, sources
 from harness.devices import suite_env
 from harness.entries import REPO, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error, versions
@@ -179,9 +179,10 @@ def run(
             if entry.broken
             else cache.ensure(env_entry, rebuild=rebuild)
         )
+        cells = ", ".join(RUN_CELLS)
         log(
             f"{where}: "
-            f"{'env error: ' + env.error if env.error else 'running contracts, sft, rl and dpo'}"
+            f"{'env error: ' + env.error if env.error else 'running contracts and ' + cells}"
             f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)"
         )
         row = run_entry(entry, env, report_dir, jobs, run=runner or _run, phase=progress.phase)
@@ -244,6 +245,7 @@ def run_entry(
         "sft": None,
         "rl": None,
         "dpo": None,
+        "distill": None,
         "seconds": 0.0,
     }
     if entry.source is not None:
@@ -276,7 +278,8 @@ def run_entry(
         row["contracts"] = junit_cells(junit)
     if not row["contracts"]:
         row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
-    for cell, runs in (("sft", _sft), ("rl", _rl), ("dpo", _dpo)):
+    cells = (("sft", _sft), ("rl", _rl), ("dpo", _dpo), ("distill", distill_cell.run_cell))
+    for cell, runs in cells:
         row[cell] = timed(f"{cell} run", lambda runs=runs: runs(entry, env, environ, run))
     row["seconds"] = round(time.monotonic() - start, 1)
     return row

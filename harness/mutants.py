@@ -175,6 +175,11 @@ TARGETS: dict[str, list[str]] = {
         "-k",
         "not greedy",
     ],
+    # distillation: the hand-computed loss, the broken variants, a real run, accumulation
+    "src/posttrain/distill/loss.py": ["contracts/test_tunix_distill.py"],
+    "src/posttrain/distill/tunix_distill.py": ["contracts/test_tunix_distill.py"],
+    "src/posttrain/distill/trainer.py": ["contracts/test_tunix_distill.py"],
+    "harness/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -214,7 +216,7 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     md, js, page = (p.read_text() for p in paths)
     assert "first fails in **v3** after passing in v2: boom in v3" in md
     assert "| v3 | - · 0.10.2 · - · - · - | ❌ | 💥 | ❌ |  |  |" in md
-    assert json.loads(js)["columns"] == ["A", "B", "sft", "rl", "dpo"]
+    assert json.loads(js)["columns"] == ["A", "B", "sft", "rl", "dpo", "distill"]
     assert "<b>v3</b>" in page and "boom in v3" in page
 
 
@@ -272,7 +274,7 @@ def test_every_entry_runs_with_one_compile_cache_beside_the_environments(tmp_pat
         env = envs.EnvResult(path=path, built=False, seconds=0.0)
         matrix.run_entry(entry, env, tmp_path / "reports", "1", run=fake_run)
     cache_dirs = [e.get("JAX_COMPILATION_CACHE_DIR") for e in seen if "POSTTRAIN_DEVICES" in e]
-    assert len(cache_dirs) == 8  # contracts, sft, rl and dpo of each row
+    assert len(cache_dirs) == 12  # contracts, sft, rl, dpo, the distill probe and run
     assert set(cache_dirs) == {str((tmp_path / "envs" / "jax-compile").resolve())}, cache_dirs
     assert not any("PYTHONDONTWRITEBYTECODE" in e for e in seen)
 
@@ -454,3 +456,48 @@ def test_two_checkouts_do_not_share_an_environment(monkeypatch, tmp_path):
     (other / "pyproject.toml").write_bytes((envs.REPO / "pyproject.toml").read_bytes())
     monkeypatch.setattr(envs, "REPO", other)
     assert envs.env_key(entry) != here
+
+
+def test_the_distill_run_parses_as_a_distill_run_config(tmp_path):
+    """The distill cell's ``posttrain distill`` options are all real options with the
+    intended values, and the run they describe passes its checks."""
+    from harness import distill_cell
+    from posttrain import cli
+
+    output = str(tmp_path / "out")
+    cfg = cli.parse_options(distill_cell.distill_argv(output))
+    assert {k: getattr(cfg, k) for k in distill_cell.DISTILL_RUN} == distill_cell.DISTILL_RUN
+    assert cfg.output == output
+    cfg.check()
+
+
+def test_the_distill_cell_reads_the_run_and_says_na_without_the_module(tmp_path):
+    """``passed`` with the first and last step's loss and KL; n/a where the entry's Tunix has
+    no ``tunix.distillation`` or the row is emulated; ``failed`` with the error line."""
+    from harness import distill_cell
+
+    release = entries.Entry(name="r", tunix="0.1.7", flavour="current", convention="bound2")
+    emulated = dataclasses.replace(release, emulated=True)
+    env = envs.EnvResult(path=tmp_path, built=False, seconds=0.0)
+
+    def runner(probe_rc, run_rc, steps):
+        def run(command, env=None):
+            if "-c" in command:
+                return subprocess.CompletedProcess(command, probe_rc, "", "ModuleNotFoundError")
+            out = Path(command[command.index("--output") + 1])
+            records = [{"step": i + 1, "loss": 2.0 - i, "kl": 0.5 - 0.1 * i} for i in range(steps)]
+            (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            return subprocess.CompletedProcess(command, run_rc, "", "ValueError: boom")
+
+        return run
+
+    cell = distill_cell.run_cell(release, env, {}, runner(0, 0, 2))
+    assert cell == {
+        "status": "passed",
+        "message": "2 distill steps, loss 2.0000 -> 1.0000, kl 0.5000 -> 0.4000",
+    }
+    cell = distill_cell.run_cell(release, env, {}, runner(1, 0, 2))
+    assert cell == {"status": "skipped", "message": "this Tunix has no tunix.distillation"}
+    assert distill_cell.run_cell(emulated, env, {}, runner(0, 0, 2))["status"] == "skipped"
+    assert distill_cell.run_cell(release, env, {}, runner(0, 1, 2))["status"] == "failed"
+    assert distill_cell.run_cell(release, env, {}, runner(0, 0, 1))["status"] == "failed"

@@ -10,6 +10,7 @@ import typing
 import pytest
 
 from posttrain import cli, flags
+from posttrain.distill.options import DistillRunConfig
 from posttrain.preference.options import DPORunConfig
 from posttrain.rl.options import GRPORunConfig
 from posttrain.runs.options import RunOptions
@@ -67,13 +68,16 @@ def test_every_field_reaches_its_options_from_the_command_line(command):
         ), flag
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, DPORunConfig, GRPORunConfig], ids=lambda c: c.__name__)
+WORKFLOWS = [SFTConfig, DPORunConfig, GRPORunConfig, DistillRunConfig]
+
+
+@pytest.mark.parametrize("cls", WORKFLOWS, ids=lambda c: c.__name__)
 def test_the_defaults_are_a_valid_run(cls, tmp_path):
     """Each workflow's defaults (the embedded run) pass its checks."""
     cls(output=str(tmp_path / "run")).check()
 
 
-@pytest.mark.parametrize("cls", [SFTConfig, DPORunConfig, GRPORunConfig], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", WORKFLOWS, ids=lambda c: c.__name__)
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

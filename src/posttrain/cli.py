@@ -7,6 +7,8 @@ Subcommands:
                 embedded addition task after a short warm-up SFT.
   dpo           preference tuning (DPO, ORPO) through Tunix's DPOTrainer; no arguments:
                 the embedded preference pairs.
+  distill       distillation (logit) through Tunix's DistillationTrainer; no arguments: a
+                tiny teacher into a smaller student, the held-out KL printed.
   forward       build a preset on a mesh, run a jitted forward, print shardings and figures.
   convert       HF checkpoint directory <-> native checkpoint directory (streamed, atomic).
   check-logits  run an HF checkpoint (transformers, fp32 CPU) and a native one on the same
@@ -37,6 +39,7 @@ from posttrain.cli_options import (
     ForwardOptions,
     GenerateOptions,
 )
+from posttrain.distill.options import DistillRunConfig
 from posttrain.preference.options import DPORunConfig
 from posttrain.rl.options import GRPORunConfig
 from posttrain.sft.options import SFTConfig
@@ -130,6 +133,17 @@ COMMANDS = (
         "embedded pydoc_data preference pairs (the true answer chosen, another topic's "
         "answer with its words reversed rejected; 1 in 8 held out), every device on fsdp. "
         "After posttrain sft: --model runs/sft/model-step60.",
+    ),
+    Command(
+        "distill",
+        DistillRunConfig,
+        "distill",
+        "distillation through Tunix; no arguments: a tiny teacher into a smaller student",
+        "Logit distillation with Tunix's DistillationTrainer and LogitStrategy, our step in "
+        "front (prompt and padding out of the objective). Defaults: the student qwen3-tiny "
+        "one layer deep, the teacher runs/sft/model-step60 if present, else llama3-tiny "
+        "trained on the fly; the embedded pydoc_data set, 1 in 8 held out for the KL.",
+        multi_process=False,
     ),
 )
 

@@ -10,6 +10,16 @@ from __future__ import annotations
 
 from posttrain.commands.checkpoints import check_logits, convert, forward
 from posttrain.commands.generate import generate, newest_export
-from posttrain.commands.training import dpo, grpo, sft
+from posttrain.commands.training import distill, dpo, grpo, sft
 
-__all__ = ["check_logits", "convert", "dpo", "forward", "generate", "grpo", "newest_export", "sft"]
+__all__ = [
+    "check_logits",
+    "convert",
+    "distill",
+    "dpo",
+    "forward",
+    "generate",
+    "grpo",
+    "newest_export",
+    "sft",
+]

@@ -52,3 +52,15 @@ def dpo(cfg) -> int:
     result = run_dpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
     _print_closing(result)
     return 0
+
+
+def distill(cfg) -> int:
+    """``posttrain distill``: one :class:`~posttrain.distill.options.DistillRunConfig` run;
+    its last line is the held-out KL to the teacher before and after."""
+    from posttrain.distill.run import run_distill
+
+    result = run_distill(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
+    if distributed.is_writer():
+        print(f"teacher {result.teacher}")
+    _print_closing(result)
+    return 0

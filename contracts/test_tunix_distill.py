@@ -1,0 +1,361 @@
+"""Contracts on Tunix's distillation trainer and logit strategy around our models
+(``posttrain.distill``): each release row runs them against its installed Tunix. Facts
+read from google-tunix 0.1.5 and 0.1.7's ``tunix/distillation`` sources."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+pytest.importorskip("tunix.distillation", reason="the installed Tunix has no tunix.distillation")
+
+from posttrain import sharding  # noqa: E402
+from posttrain.distill import loss as distill_loss  # noqa: E402
+from posttrain.distill import tunix_distill  # noqa: E402
+from posttrain.distill.trainer import (  # noqa: E402
+    distill_trainer_class,
+    held_out_kl,
+    labels_fn,
+    model_logits,
+    shallower,
+)
+from posttrain.models import build_model, get_config  # noqa: E402
+from posttrain.sft import data, default_data, tokenizer  # noqa: E402
+from posttrain.sft.trainer import SFTOptions  # noqa: E402
+
+MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}
+TOP_K = 5 if tunix_distill.has_top_k() else 0
+
+
+def strategy(*, temperature=2.0, alpha=0.3, distill_top_k=0, cls=None):
+    if cls is None:
+        return tunix_distill.logit_strategy(
+            model_logits,
+            model_logits,
+            labels_fn(264),
+            temperature=temperature,
+            alpha=alpha,
+            distill_top_k=distill_top_k,
+        )
+    extra = {"distill_top_k": distill_top_k} if tunix_distill.has_top_k() else {}
+    return cls(
+        model_logits, model_logits, labels_fn(264), temperature=temperature, alpha=alpha, **extra
+    )
+
+
+# --- the surface --------------------------------------------------------------------
+
+
+@pytest.mark.contract("tunix.distillation.DistillationTrainer constructor")
+def test_the_trainer_takes_student_teacher_strategy_optimizer_config():
+    params = tuple(inspect.signature(tunix_distill.trainer_class().__init__).parameters)[1:]
+    assert params == ("student_model", "teacher_model", "strategy", "optimizer", "training_config")
+    # the teacher runs in _prepare_inputs (through the strategy), outside the step
+    source = inspect.getsource(tunix_distill.trainer_class()._prepare_inputs)
+    assert "get_teacher_outputs" in source
+
+
+@pytest.mark.contract("tunix.distillation.strategies.LogitStrategy arguments")
+def test_the_logit_strategy_takes_the_arguments_we_pass():
+    params = tunix_distill.strategy_parameters("logit")
+    assert params[:3] == ("student_forward_fn", "teacher_forward_fn", "labels_fn")
+    assert {"temperature", "alpha"} <= set(params)
+    assert tunix_distill.has_top_k() == ("distill_top_k" in params)
+    s = strategy(temperature=3.0, alpha=0.25)
+    assert (s.temperature, s.alpha) == (3.0, 0.25)
+    for name in tunix_distill.STRATEGIES:  # every strategy the CLI names exists
+        assert tunix_distill.strategy_class(name).__name__ == tunix_distill.STRATEGIES[name]
+
+
+def test_top_k_is_refused_in_one_line_where_the_release_lacks_it():
+    if tunix_distill.has_top_k():
+        assert strategy(distill_top_k=3).distill_top_k == 3
+    else:
+        with pytest.raises(ValueError, match=r"^--distill-top-k 3: .*0\.1\.7"):
+            strategy(distill_top_k=3)
+    with pytest.raises(ValueError, match="^--strategy 'feature-pooling': posttrain distill runs"):
+        tunix_distill.check_strategy("feature-pooling", 0)
+
+
+@pytest.mark.contract("tunix.distillation loss output convention")
+def test_the_loss_output_convention_matches_the_trainer():
+    """0.1.5: strategies return a scalar; 0.1.7: ``(loss, metrics)``, with the trainer's
+    ``_standardize_loss_output`` arriving in the same release."""
+    convention = tunix_distill.loss_convention()
+    standardizes = hasattr(tunix_distill.trainer_class(), "_standardize_loss_output")
+    assert convention == ("(loss, metrics)" if standardizes else "scalar")
+
+
+# --- the loss, by hand --------------------------------------------------------------
+
+
+def batch(seed=0, b=2, t=6, v=11):
+    rng = np.random.default_rng(seed)
+    student = jnp.asarray(rng.normal(size=(b, t, v)) * 2, jnp.float32)
+    teacher = jnp.asarray(rng.normal(size=(b, t, v)) * 2, jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]], jnp.int32)
+    segments = jnp.asarray([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]], jnp.int32)
+    return student, teacher, tokens, mask, segments
+
+
+def by_hand(student, teacher, tokens, mask, segments, *, temperature, alpha, top_k):
+    """sum over targets of alpha T^2 KL(p_T || q_T) + (1 - alpha) CE(q, next token), in
+    float64 numpy; top-k: both distributions renormalised over the teacher's top k."""
+    s, te, y = (np.asarray(x, np.float64) for x in (student, teacher, tokens))
+    total = 0.0
+    for i in range(s.shape[0]):
+        for t in range(s.shape[1] - 1):
+            target = mask[i, t + 1] and segments[i, t + 1] == segments[i, t] and segments[i, t + 1]
+            if not target:
+                continue
+            si, ti = s[i, t], te[i, t]
+            if top_k:
+                keep = np.argsort(-ti)[:top_k]
+                si, ti = si[keep], ti[keep]
+            p = np.exp(ti / temperature - np.logaddexp.reduce(ti / temperature))
+            log_q = si / temperature - np.logaddexp.reduce(si / temperature)
+            kl = np.sum(p * (np.log(p) - log_q))
+            ce = -(s[i, t, int(y[i, t + 1])] - np.logaddexp.reduce(s[i, t]))
+            total += alpha * temperature**2 * kl + (1 - alpha) * ce
+    return total
+
+
+class TemperatureNotSquared(tunix_distill.strategy_class("logit")):
+    """A broken variant: the KL not scaled by T^2."""
+
+    def compute_loss(self, student_output, teacher_output, labels):
+        loss, metrics = tunix_distill.loss_and_metrics(
+            super().compute_loss(student_output, teacher_output, labels)
+        )
+        ce = jnp.mean(optax.softmax_cross_entropy(student_output, labels))
+        kl_scaled = (loss - (1 - self.alpha) * ce) / self.alpha
+        return self.alpha * kl_scaled / self.temperature**2 + (1 - self.alpha) * ce, metrics
+
+
+def ours(s, t, tokens, mask, segments, *, cls=None, temperature, alpha, top_k):
+    st = strategy(temperature=temperature, alpha=alpha, distill_top_k=top_k, cls=cls)
+    return float(distill_loss.distill_terms(st, s, t, tokens, mask, segments)["distill_sum"])
+
+
+@pytest.mark.contract("tunix.distillation.strategies.LogitStrategy.compute_loss")
+@pytest.mark.parametrize("top_k", sorted({0, TOP_K}))
+def test_the_masked_loss_is_the_hand_computed_one(top_k):
+    """Temperature 2, alpha 0.3 (and top-k 5 where the release has it): our masked sum of
+    Tunix's per-position loss equals the hand computation; each broken variant does not."""
+    s, t, tokens, mask, segments = batch()
+    hyper = dict(temperature=2.0, alpha=0.3, top_k=top_k)
+    want = by_hand(s, t, tokens, mask, segments, **hyper)
+    np.testing.assert_allclose(ours(s, t, tokens, mask, segments, **hyper), want, rtol=1e-5)
+    broken = {
+        "temperature not squared": ours(
+            s, t, tokens, mask, segments, cls=TemperatureNotSquared, **hyper
+        ),
+        "labels shifted by one": ours(s, t, jnp.roll(tokens, 1, axis=1), mask, segments, **hyper),
+        "prompt and padding in": ours(
+            s, t, tokens, jnp.ones_like(mask), jnp.ones_like(segments), **hyper
+        ),
+    }
+    for name, value in broken.items():
+        assert not np.isclose(value, want, rtol=1e-3), name
+
+
+def test_with_every_position_a_target_it_is_tunix_mean_times_the_count():
+    """Tunix's own ``compute_loss`` on the whole batch (its mean over every position) x the
+    count of positions == our sum when every position is a target."""
+    s, t, tokens, _, _ = batch(seed=1)
+    st = strategy(temperature=1.5, alpha=0.6, distill_top_k=TOP_K)
+    ones = jnp.ones_like(tokens)
+    got = distill_loss.distill_terms(st, s, t, tokens, ones, ones)
+    labels = jax.nn.one_hot(tokens[:, 1:], s.shape[-1])
+    mean, _ = tunix_distill.loss_and_metrics(st.compute_loss(s[:, :-1], t[:, :-1], labels))
+    np.testing.assert_allclose(
+        float(got["distill_sum"]), float(mean) * got["target_tokens"], rtol=1e-5
+    )
+
+
+def test_no_gradient_reaches_the_teacher_logits(monkeypatch):
+    s, t, tokens, mask, segments = batch()
+    st = strategy(temperature=2.0, alpha=0.5)
+
+    def grad_wrt_teacher():
+        def f(teacher):
+            return distill_loss.distill_terms(st, s, teacher, tokens, mask, segments)["distill_sum"]
+
+        return np.abs(np.asarray(jax.grad(f)(t))).max()
+
+    assert grad_wrt_teacher() == 0.0
+    monkeypatch.setattr(distill_loss, "frozen", lambda x: x)  # broken: not stopped
+    assert grad_wrt_teacher() > 1e-3
+
+
+# --- a real run ---------------------------------------------------------------------
+
+
+@functools.cache
+def rows():
+    conversations = [
+        [{"role": "user", "content": user["content"][: 8 + 4 * (i % 7)]}, assistant]
+        for i, (user, assistant) in enumerate(default_data.pydoc_conversations()[:48])
+    ]
+    examples = data.encode_dataset(conversations, tokenizer.byte_tokenizer(), 64)
+    return data.to_rows(examples, 64, packing=True)
+
+
+def params(model) -> dict[str, np.ndarray]:
+    return {
+        "/".join(map(str, p)): np.asarray(v[...])
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+
+
+def make_trainer(*, ga=1, steps=2, student="qwen3-tiny", teacher="llama3-tiny", tx=None, alpha=1.0):
+    mesh = sharding.make_mesh(MESH)
+    student_cfg = shallower(get_config(student), 1)
+    student_model = build_model(student_cfg, mesh, seed=0)
+    teacher_model = build_model(get_config(teacher), mesh, seed=1)
+    config = tunix_distill.config_class()(
+        eval_every_n_steps=ga * 1000,
+        max_steps=steps,
+        gradient_accumulation_steps=ga if ga > 1 else None,
+    )
+    cls = distill_trainer_class()
+    trainer = cls(
+        student_model,
+        teacher_model,
+        strategy(temperature=2.0, alpha=alpha),
+        tx or optax.adam(1e-2),
+        config,
+        options=SFTOptions(mesh=mesh),
+    )
+    return trainer
+
+
+@pytest.mark.contract("tunix.distillation.DistillationTrainer.train")
+def test_a_real_run_moves_the_student_not_the_teacher():
+    """4 steps of pure distillation (alpha 1: the random teacher's soft targets, not the
+    data, are what the student should move to): the held-out KL to the teacher falls;
+    the teacher is bit-identical."""
+    trainer = make_trainer(steps=4)
+    teacher_before = params(trainer.teacher_model)
+    student_before = params(trainer.model)
+    held_out = {k: v[-8:] for k, v in rows().items()}
+    before = held_out_kl(trainer.model, trainer.teacher_model, held_out)
+    trainer.train(data.batches({k: v[:-8] for k, v in rows().items()}, 8, 1))
+    after = held_out_kl(trainer.model, trainer.teacher_model, held_out)
+    assert len(trainer.history) == 4 and all(np.isfinite(r["loss"]) for r in trainer.history)
+    assert after < 0.8 * before, (before, after)
+    teacher_after = params(trainer.teacher_model)
+    for k, v in teacher_before.items():
+        assert np.array_equal(v, teacher_after[k]), k  # bit-identical
+    assert any(not np.array_equal(v, params(trainer.model)[k]) for k, v in student_before.items())
+
+
+def test_another_vocabulary_is_refused():
+    mesh = sharding.make_mesh(MESH)
+    student = build_model(
+        dataclasses.replace(shallower(get_config("qwen3-tiny"), 1), vocab_size=300), mesh
+    )
+    teacher = build_model(get_config("llama3-tiny"), mesh)
+    with pytest.raises(ValueError, match=r"^student vocab_size 300 and teacher vocab_size 264"):
+        distill_trainer_class()(
+            student,
+            teacher,
+            strategy(),
+            optax.sgd(0.1),
+            tunix_distill.config_class()(eval_every_n_steps=10, max_steps=1),
+            options=SFTOptions(mesh=mesh),
+        )
+
+
+def one_large_batch_or_accumulated(ga):
+    trainer = make_trainer(ga=ga, steps=2, tx=optax.sgd(0.5), alpha=0.5)
+    trainer.train(data.batches(rows(), 8 // ga, ga))
+    return params(trainer.model), [r["loss"] for r in trainer.history]
+
+
+@pytest.mark.contract("tunix gradient accumulation (optax.MultiSteps / GradientAccumulator)")
+def test_accumulated_steps_equal_one_large_batch():
+    """2 micro-batches of 4 rows (their target counts differ) == 1 batch of 8 rows: the
+    same student and the same logged loss after 2 optimizer steps."""
+    want, want_loss = one_large_batch_or_accumulated(1)
+    got, got_loss = one_large_batch_or_accumulated(2)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], atol=1e-6, rtol=0, err_msg=k)
+
+
+def objective_and_terms(trainer, weight):
+    trainer.moe_aux_loss_weight = weight
+    with sharding.use_mesh(trainer.mesh):
+        inputs = trainer._prepare_inputs(next(data.batches(rows(), 8, 1)))
+        objective, terms = trainer._objective(trainer.model, inputs)
+    return float(objective), {k: float(v) for k, v in terms.items()}
+
+
+def test_the_students_load_balancing_term_enters_the_objective():
+    """A routed student: the objective is the distillation loss + weight x its MoE term."""
+    trainer = make_trainer(student="qwen3_moe-tiny")
+    plain, terms = objective_and_terms(trainer, 0.0)
+    weighted, _ = objective_and_terms(trainer, 0.5)
+    assert terms["moe_aux_loss"] > 0
+    np.testing.assert_allclose(weighted - plain, 0.5 * terms["moe_aux_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow  # by construction today (the teacher's forward returns logits only)
+def test_the_teachers_load_balancing_term_does_not():
+    """A routed teacher, a dense student: no MoE term reaches the objective."""
+    trainer = make_trainer(teacher="qwen3_moe-tiny")
+    plain, terms = objective_and_terms(trainer, 0.0)
+    weighted, _ = objective_and_terms(trainer, 0.5)
+    assert terms["moe_aux_loss"] == 0.0 and weighted == plain
+
+
+@pytest.mark.slow
+def test_a_lora_student_moves_only_its_adapters():
+    """LoRA on the student: after 2 steps only its adapters moved; the teacher and the
+    student's base weights are bit-identical."""
+    from posttrain.lora import LoraConfig, apply_lora
+
+    mesh = sharding.make_mesh(MESH)
+    student = build_model(shallower(get_config("qwen3-tiny"), 1), mesh, seed=0)
+    student = apply_lora(student, mesh, LoraConfig(rank=4, alpha=8.0))
+    teacher = build_model(get_config("llama3-tiny"), mesh, seed=1)
+    trainer = make_trainer_over(student, teacher, mesh)
+    base = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))  # LoRAParam subclasses Param
+    before = params_of(trainer.model, base)
+    adapters = params_of(trainer.model, nnx.LoRAParam)
+    teacher = params(trainer.teacher_model)
+    trainer.train(data.batches(rows(), 8, 1))
+    assert len(trainer.history) == 2
+    assert all(np.array_equal(v, params_of(trainer.model, base)[k]) for k, v in before.items())
+    assert all(np.array_equal(v, params(trainer.teacher_model)[k]) for k, v in teacher.items())
+    moved = params_of(trainer.model, nnx.LoRAParam)
+    assert any(not np.array_equal(v, moved[k]) for k, v in adapters.items())
+
+
+def params_of(model, which) -> dict[str, np.ndarray]:
+    return {
+        "/".join(map(str, p)): np.asarray(v[...])
+        for p, v in nnx.to_flat_state(nnx.state(model, which))
+    }
+
+
+def make_trainer_over(student, teacher, mesh):
+    config = tunix_distill.config_class()(eval_every_n_steps=1000, max_steps=2)
+    return distill_trainer_class()(
+        student,
+        teacher,
+        strategy(temperature=2.0, alpha=0.5),
+        optax.adam(1e-2),
+        config,
+        options=SFTOptions(mesh=mesh),
+    )

@@ -1,0 +1,194 @@
+"""One distillation run end to end, on the SFT run's pipeline (``posttrain.sft.run``):
+the same data, rows, checkpoints, record, metrics and export, with
+:class:`~posttrain.distill.trainer.DistillTrainerMixin` over Tunix's
+``DistillationTrainer`` as its trainer.
+
+Output directory (``DistillRunConfig.output``): an SFT run's (``posttrain.sft.run``),
+plus::
+
+    data/train.jsonl      the conversations trained on (7 in 8)
+    data/held_out.jsonl   the others: the held-out KL to the teacher is measured on them
+    student-init/         a preset student cut to ``student_layers`` layers (native)
+    teacher/              the teacher's SFT run, when it is trained on the fly
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+
+from posttrain.distill.options import SFT_EXPORT, DistillRunConfig
+
+__all__ = ["DistillResult", "check_student_vocabulary", "run_distill"]
+
+#: the on-the-fly teacher's preset (another family than the default student's)
+TEACHER_PRESET = "llama3-tiny"
+
+
+@dataclasses.dataclass
+class DistillResult:
+    """The SFT pipeline's result (``posttrain.sft.run.SFTResult``), the teacher used and
+    the held-out KL(teacher || student) per target token before and after training."""
+
+    sft: object
+    teacher: str
+    kl_before: float
+    kl_after: float
+
+    def __getattr__(self, name):
+        return getattr(self.sft, name)
+
+    def summary(self) -> str:
+        return (
+            f"{self.sft.summary()}; held-out KL to the teacher {self.kl_before:.4f} -> "
+            f"{self.kl_after:.4f}"
+        )
+
+
+def run_distill(cfg: DistillRunConfig, *, log_every: int | None = None) -> DistillResult:
+    """Runs (or resumes) one distillation run; see the module docstring.
+
+    Raises:
+      ValueError: a bad option, a strategy or ``distill_top_k`` the release lacks, a
+        teacher whose vocabulary is not the student's (one line each).
+    """
+    from posttrain import sharding
+    from posttrain.distill import tunix_distill
+    from posttrain.distill.trainer import (
+        distill_trainer_class,
+        held_out_kl,
+        labels_fn,
+        model_logits,
+    )
+    from posttrain.loading import load_model
+    from posttrain.runs.loading import run_tokenizer
+    from posttrain.sft.run import build_rows, run_sft
+
+    cfg.check()
+    tunix_distill.check_strategy(cfg.strategy, cfg.distill_top_k)
+    mesh = sharding.make_mesh(cfg.mesh)
+    out = pathlib.Path(cfg.output)
+    teacher = None
+    if cfg.teacher is not None:  # a given teacher is checked before anything is written
+        teacher, _ = load_model(cfg.teacher, mesh, seed=cfg.seed + 1, scratch=cfg.output)
+        check_student_vocabulary(cfg, teacher.config.vocab_size)
+    train_path, held_path = _split_data(cfg, out / "data")
+    teacher_spec = cfg.teacher or _default_teacher(cfg, out, train_path)
+    run_cfg = dataclasses.replace(
+        cfg, data=str(train_path), model=_student(cfg, out / "student-init")
+    )
+    if teacher is None:
+        teacher, _ = load_model(teacher_spec, mesh, seed=cfg.seed + 1, scratch=cfg.output)
+    tok = run_tokenizer(run_cfg, run_cfg.model if os.path.isdir(run_cfg.model) else None)
+    held_out = build_rows(dataclasses.replace(run_cfg, data=str(held_path), packing=True), tok)
+    strategy = tunix_distill.logit_strategy(
+        model_logits,
+        model_logits,
+        labels_fn(teacher.config.vocab_size),
+        temperature=cfg.temperature,
+        alpha=cfg.alpha,
+        distill_top_k=cfg.distill_top_k,
+    )
+    built = {}
+
+    def trainer(model, tx, training_config, options):
+        cls = distill_trainer_class()
+        return cls(model, teacher, strategy, tx, training_config, options=options)
+
+    def on_built(t):
+        built["before"] = held_out_kl(t.model, teacher, held_out)
+        built["trainer"] = t
+
+    result = run_sft(run_cfg, trainer_class=trainer, on_built=on_built, log_every=log_every)
+    after = held_out_kl(built["trainer"].model, teacher, held_out)
+    return DistillResult(result, teacher_spec, built["before"], after)
+
+
+def check_student_vocabulary(cfg: DistillRunConfig, teacher_vocab: int) -> None:
+    """Raises ValueError (one line) when a preset or native student's ``vocab_size`` is
+    not ``teacher_vocab`` (an HF student is checked when the trainer is built)."""
+    from posttrain.conversion.native import NativeMeta, is_native_dir
+    from posttrain.models import PRESETS, get_config
+
+    if cfg.model in PRESETS:
+        vocab = get_config(cfg.model).vocab_size
+    elif is_native_dir(cfg.model):
+        vocab = NativeMeta.read(cfg.model).cfg.vocab_size
+    else:
+        return
+    if vocab != teacher_vocab:
+        raise ValueError(
+            f"--teacher {cfg.teacher!r} has vocab_size {teacher_vocab} but the student "
+            f"{cfg.model!r} has {vocab}: distillation needs the same vocabulary"
+        )
+
+
+def _split_data(cfg: DistillRunConfig, where: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """``(train, held-out)`` chat JSONL files of ``cfg.data`` (or the embedded set): every
+    8th conversation held out. Rewritten only when absent (a resumed run keeps them)."""
+    from posttrain.sft import data
+    from posttrain.sft.default_data import pydoc_conversations
+
+    train, held = where / "train.jsonl", where / "held_out.jsonl"
+    if train.exists() and held.exists():
+        return train, held
+    conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
+    if len(conversations) < 8:
+        raise ValueError(
+            f"data {cfg.data!r}: {len(conversations)} conversations; expected >= 8 "
+            "(1 in 8 is held out)"
+        )
+    where.mkdir(parents=True, exist_ok=True)
+    for path, part in ((held, conversations[7::8]), (train, _without_every_8th(conversations))):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in part))
+        os.replace(tmp, path)
+    return train, held
+
+
+def _without_every_8th(items: list) -> list:
+    return [c for i, c in enumerate(items) if i % 8 != 7]
+
+
+def _student(cfg: DistillRunConfig, where: pathlib.Path) -> str:
+    """The student's model spec: a preset cut to ``student_layers`` layers is written once
+    as a native directory (seed ``cfg.seed``); anything else is ``cfg.model``."""
+    from posttrain.models import PRESETS, build_model, get_config
+
+    if cfg.model not in PRESETS or cfg.student_layers in (0, get_config(cfg.model).num_layers):
+        return cfg.model
+    if not where.exists():
+        from posttrain.conversion.native import save_native
+        from posttrain.distill.trainer import shallower
+        from posttrain.models.params import flat_params
+
+        config = shallower(get_config(cfg.model), cfg.student_layers)
+        save_native(flat_params(build_model(config, seed=cfg.seed)), config, where)
+    return str(where)
+
+
+def _default_teacher(cfg: DistillRunConfig, out: pathlib.Path, train: pathlib.Path) -> str:
+    """:data:`SFT_EXPORT` if present, else :data:`TEACHER_PRESET` trained by a short SFT
+    run on the training split (``out/teacher``), reused by a rerun."""
+    if os.path.isdir(SFT_EXPORT):
+        return SFT_EXPORT
+    from posttrain.sft.options import SFTConfig
+    from posttrain.sft.run import run_sft
+
+    teacher_out = out / "teacher"
+    export = teacher_out / f"model-step{cfg.teacher_steps}"
+    if not export.is_dir():
+        run_sft(
+            SFTConfig(
+                model=TEACHER_PRESET,
+                data=str(train),
+                mesh=cfg.mesh,
+                steps=cfg.teacher_steps,
+                max_target_length=cfg.max_target_length,
+                seed=cfg.seed,
+                output=str(teacher_out),
+            )
+        )
+    return str(export)

@@ -1,0 +1,260 @@
+"""``DistillTrainer``: Tunix's ``DistillationTrainer`` with our train step in front.
+
+Tunix's trainer subclasses ``PeftTrainer``; ours puts
+:class:`~posttrain.sft.trainer.SFTTrainerMixin`'s step in front of it (every step
+convention, exact gradient accumulation, finiteness checks, checkpoints with the
+optimizer state, one record per optimizer step) and replaces only what it must:
+
+- The teacher runs where Tunix runs it, in ``_prepare_inputs``, through the strategy's
+  own ``get_teacher_outputs`` (its ``nnx.jit`` of the teacher forward and
+  ``jax.lax.stop_gradient``); our ``_prepare_inputs`` keeps every batch field (Tunix's
+  rebuilds a ``TrainingInput`` of tokens and mask only) and places the rows on the
+  data-parallel axes first, so the teacher runs sharded on the student's mesh.
+- The objective is the strategy's own ``compute_loss`` per target position, summed over
+  completion tokens and divided by the step's target-token count
+  (:mod:`posttrain.distill.loss`): prompt and padding stay out (Tunix's strategy means
+  over every position), and the micro-steps' shares sum to one large batch's loss.
+- The student's MoE load-balancing term enters the objective as in SFT (weight: the
+  student config's ``moe.aux_loss_weight``); the teacher's forward returns logits only,
+  so its term never does.
+- Eval (no eval set by default) is the student's task loss, as Tunix's eval is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posttrain.distill import loss as distill_loss
+from posttrain.distill import tunix_distill
+from posttrain.sft import loss as sft_loss
+from posttrain.sft.metrics import StepMetrics
+from posttrain.sft.trainer import SFTOptions, SFTTrainerMixin
+
+__all__ = [
+    "DistillMetrics",
+    "DistillTrainerMixin",
+    "check_vocabularies",
+    "distill_trainer_class",
+    "held_out_kl",
+    "labels_fn",
+    "model_logits",
+    "shallower",
+]
+
+#: the batch fields the teacher forward reads
+TEACHER_FIELDS = ("input_tokens", "positions", "segment_ids")
+
+
+def model_logits(model, input_tokens, positions=None, segment_ids=None, **_):
+    """``[batch, seq, vocab]`` logits of a :class:`posttrain.models.CausalLM` on a packed
+    batch (Tunix's ``ModelForwardCallable``); its auxiliary outputs are dropped."""
+    if segment_ids is None:
+        segment_ids = jnp.ones_like(input_tokens)
+    logits, _ = model.forward(input_tokens, positions, sft_loss.packed_attention_mask(segment_ids))
+    return logits
+
+
+def labels_fn(vocab_size: int):
+    """Tunix's ``labels_fn``: ``[batch, seq-1, vocab]`` one-hot ``input_tokens[:, 1:]``
+    (Tunix's ``get_train_loss`` would use it; our step builds the same labels per
+    position in :mod:`posttrain.distill.loss`)."""
+
+    def labels(input_tokens, **_):
+        return jax.nn.one_hot(input_tokens[:, 1:], vocab_size, dtype=jnp.float32)
+
+    return labels
+
+
+class DistillMetrics(StepMetrics):
+    """One record per optimizer step (``metrics.jsonl``):
+
+    ===================  ================================================================
+    ``step``             optimizer step, from 1
+    ``loss``             the distillation objective per target token (without MoE term)
+    ``kl``               KL(teacher || student) at temperature 1 per target token
+    ``task_loss``        the student's cross-entropy per target token
+    ``perplexity``       ``exp(task_loss)``
+    ``grad_norm``        global norm of the applied (accumulated) gradient
+    ``moe_aux_loss``     the student's load-balancing loss (unweighted; 0 if dense)
+    ``target_tokens``    target tokens in the step
+    ``tokens``           non-padding tokens through the student
+    ===================  ================================================================
+    """
+
+    keys = (
+        "distill_sum",
+        "nll_sum",
+        "kl_sum",
+        "target_tokens",
+        "moe_aux_loss",
+        "grad_norm",
+        "tokens",
+    )
+
+    def summarise(self, micro: list[dict]) -> dict:
+        targets = max(float(sum(m["target_tokens"] for m in micro)), 1.0)
+
+        def per_token(key):
+            return float(sum(m[key] for m in micro)) / targets
+
+        return {
+            "loss": per_token("distill_sum"),
+            "kl": per_token("kl_sum"),
+            "task_loss": per_token("nll_sum"),
+            "perplexity": math.exp(min(per_token("nll_sum"), 80.0)),
+            "grad_norm": float(micro[-1]["grad_norm"]),
+            "moe_aux_loss": float(np.mean([m["moe_aux_loss"] for m in micro])),
+            "target_tokens": int(targets),
+            "tokens": int(sum(m["tokens"] for m in micro)),
+        }
+
+    def line(self, record: dict) -> str:
+        return (
+            f"loss {record['loss']:.4f}, kl {record['kl']:.4f}, task {record['task_loss']:.4f}, "
+            f"grad_norm {record['grad_norm']:.3f}"
+        )
+
+
+class DistillTrainerMixin(SFTTrainerMixin):
+    """The distillation step; mix in front of Tunix's ``DistillationTrainer``.
+
+    Args:
+      model: the student (a :class:`posttrain.models.CausalLM`, LoRA or not).
+      teacher: the teacher, frozen (never in the optimizer; its logits are constants).
+      strategy: a Tunix strategy (:func:`posttrain.distill.tunix_distill.logit_strategy`
+        with :func:`model_logits`).
+      optimizer, training_config: Tunix's (``training_config`` of
+        :func:`posttrain.distill.tunix_distill.config_class`).
+      options: :class:`~posttrain.sft.trainer.SFTOptions` (keyword-only).
+
+    Raises:
+      ValueError: the student's and teacher's vocabularies differ.
+      posttrain.sft.tunix_compat.UnknownConventionError: an unknown step convention.
+    """
+
+    metrics_class = DistillMetrics
+
+    def __init__(
+        self, model, teacher, strategy, optimizer, training_config, *, options: SFTOptions
+    ):
+        check_vocabularies(model, teacher)
+        self._teacher, self._strategy = teacher, strategy
+        super().__init__(model, optimizer, training_config, options=options)
+        self.gen_model_input_fn = lambda x: x  # our batches are dicts of every field
+
+    def _init_tunix(self, model, optimizer, training_config, *args, **kwargs):
+        super(SFTTrainerMixin, self).__init__(
+            model, self._teacher, self._strategy, optimizer, training_config, *args, **kwargs
+        )
+
+    def _objective(self, model, inputs):
+        segment_ids = inputs.get("segment_ids")
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(inputs["input_tokens"])
+        logits, aux = model.forward(
+            inputs["input_tokens"],
+            inputs.get("positions"),
+            sft_loss.packed_attention_mask(segment_ids),
+        )
+        terms = distill_loss.distill_terms(
+            self.strategy,
+            logits,
+            inputs["teacher_output"],
+            inputs["input_tokens"],
+            inputs["input_mask"],
+            segment_ids,
+        )
+        terms["moe_aux_loss"] = jnp.asarray(aux["moe_aux_loss"], jnp.float32)
+        objective = sft_loss.step_objective(
+            {**terms, "nll_sum": terms["distill_sum"]},
+            inputs.get("step_target_tokens"),
+            moe_aux_weight=self.moe_aux_loss_weight,
+            grad_accum_steps=self.grad_accum_steps,
+        )
+        return objective, terms
+
+    def _report(self, terms, inputs, grad_norm):
+        tokens = (
+            jnp.sum(inputs["segment_ids"] > 0)
+            if "segment_ids" in inputs
+            else jnp.asarray(inputs["input_tokens"].size)
+        )
+        aux = {**terms, "grad_norm": grad_norm, "tokens": tokens.astype(jnp.float32)}
+        return terms["distill_sum"] / jnp.maximum(terms["target_tokens"], 1.0), aux
+
+    def _prepare_inputs(self, input_data):
+        """Every batch field placed on the data-parallel axes, plus ``teacher_output``
+        (``[batch, seq, vocab]``, the strategy's ``get_teacher_outputs``) in training."""
+        from tunix.sft import metrics_logger
+
+        placed = {k: self._place_rows(v) for k, v in dict(input_data).items()}
+        if self._mode != metrics_logger.Mode.EVAL:
+            fields = {k: placed[k] for k in TEACHER_FIELDS if k in placed}
+            placed["teacher_output"] = self.strategy.get_teacher_outputs(self.teacher_model, fields)
+        return placed
+
+
+def check_vocabularies(student, teacher) -> None:
+    """Raises ValueError (one line) unless both models have the same ``vocab_size``."""
+    s, t = student.config.vocab_size, teacher.config.vocab_size
+    if s != t:
+        raise ValueError(
+            f"student vocab_size {s} and teacher vocab_size {t}: distillation needs the "
+            "same vocabulary (the same tokenizer)"
+        )
+
+
+def distill_trainer_class(base: type | None = None) -> type:
+    """``DistillTrainerMixin`` over ``base`` (default: the installed Tunix
+    ``DistillationTrainer``)."""
+    base = base or tunix_distill.trainer_class()
+    return type(f"DistillTrainer[{base.__name__}]", (DistillTrainerMixin, base), {})
+
+
+def shallower(config, num_layers: int):
+    """``config`` with its first ``num_layers`` layers (the embedded run's student: the
+    tiny preset one layer deep).
+
+    Raises:
+      ValueError: ``num_layers`` is not in 1..``config.num_layers``.
+    """
+    import dataclasses
+
+    if not 1 <= num_layers <= config.num_layers:
+        raise ValueError(f"num_layers {num_layers}: expected 1..{config.num_layers}")
+    return dataclasses.replace(
+        config, num_layers=num_layers, layer_types=config.layer_types[:num_layers]
+    )
+
+
+def held_out_kl(student, teacher, batch: dict) -> float:
+    """Mean ``KL(teacher || student)`` at temperature 1 over the target tokens of
+    ``batch`` (``[batch, seq]`` fields of :mod:`posttrain.sft.loss`): the figure
+    ``posttrain distill`` reports falling."""
+    from flax import nnx
+
+    @nnx.jit
+    def kl(student, teacher, tokens, mask, positions, segments):
+        s = model_logits(student, tokens, positions, segments)
+        t = model_logits(teacher, tokens, positions, segments)
+        targets = sft_loss.target_mask(mask, segments).astype(jnp.float32)
+        per_token = distill_loss.kl_to_teacher(s[:, :-1], t[:, :-1])
+        return jnp.sum(targets * per_token) / jnp.maximum(jnp.sum(targets), 1.0)
+
+    segments = batch.get("segment_ids")
+    if segments is None:
+        segments = np.ones_like(batch["input_tokens"])
+    return float(
+        kl(
+            student,
+            teacher,
+            batch["input_tokens"],
+            batch["input_mask"],
+            batch.get("positions"),
+            segments,
+        )
+    )
