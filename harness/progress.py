@@ -85,8 +85,11 @@ class Progress:
             self._status.start()
 
     def phase(self, name: str) -> None:
-        """The current row enters phase ``name`` (shown live only)."""
+        """The current row enters phase ``name`` (shown live only, drawn at once: the
+        redraw timer alone could skip a short phase)."""
         self.current = name
+        if self._status is not None:
+            self._status.update(self)
 
     def log(self, line: str) -> None:
         """A line kept in the log (printed above the live line on a terminal), with the
