@@ -180,6 +180,44 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/distill/tunix_distill.py": ["contracts/test_tunix_distill.py"],
     "src/posttrain/distill/trainer.py": ["contracts/test_tunix_distill.py"],
     "harness/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
+    # the run base and the generated CLI (#37): their targets, first scores to come
+    "src/posttrain/cli_options.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
+    "src/posttrain/commands/checkpoints.py": [
+        "tests/test_conversion_errors.py",
+        "tests/test_cli_options.py",
+    ],
+    "src/posttrain/commands/generate.py": [
+        "tests/test_generate.py",
+        "tests/test_chat_families.py",
+        "-k",
+        "cli or greedy",
+    ],
+    "src/posttrain/commands/training.py": [
+        "tests/test_sft_run.py",
+        "tests/test_preference.py",
+        "tests/test_rl.py",
+        "tests/test_distill_run.py",
+    ],
+    "src/posttrain/distill/options.py": ["tests/test_distill_run.py", "tests/test_run_options.py"],
+    "src/posttrain/distill/run.py": ["tests/test_distill_run.py"],
+    "src/posttrain/preference/options.py": [
+        "tests/test_preference.py",
+        "tests/test_run_options.py",
+    ],
+    "src/posttrain/rl/metrics.py": ["tests/test_rl.py"],
+    "src/posttrain/rl/options.py": ["tests/test_rl.py", "tests/test_run_options.py"],
+    "src/posttrain/rl/tunix_cluster.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
+    "src/posttrain/runs/directory.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
+    "src/posttrain/runs/export.py": [
+        "tests/test_sft_run.py",
+        "tests/test_lora.py",
+        "-k",
+        "export or run",
+    ],
+    "src/posttrain/runs/loading.py": ["tests/test_sft_run.py", "tests/test_preference.py"],
+    "src/posttrain/runs/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
+    "src/posttrain/runs/training.py": ["tests/test_option_sensitivity.py", "tests/test_sft_run.py"],
+    "src/posttrain/sft/options.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

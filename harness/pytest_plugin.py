@@ -368,6 +368,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             pytest.fail(f"{reason} (--strict-skips: the gate runs the aot tests)", pytrace=False)
         pytest.skip(reason)
 
+
 _SEEN = pytest.StashKey[list[str]]()
 
 
