@@ -110,7 +110,7 @@ def test_the_reported_loss_and_token_count(segment_ids, want_tokens, nll_sum, ta
     if segment_ids is not None:
         inputs["segment_ids"] = jnp.asarray(segment_ids, jnp.int32)
     terms = {"nll_sum": jnp.float32(nll_sum), "target_tokens": jnp.float32(target_tokens)}
-    report = jax.jit(lambda terms, inputs: SFTTrainer._report(None, terms, inputs, 1.5))
+    report = jax.jit(lambda terms, inputs: SFTTrainer._report(SFTTrainer, terms, inputs, 1.5))
     loss, aux = report(terms, inputs)
     assert float(loss) == (nll_sum / target_tokens if target_tokens else 0.0)
     assert aux["tokens"].dtype == jnp.float32 and float(aux["tokens"]) == want_tokens

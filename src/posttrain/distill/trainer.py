@@ -136,6 +136,8 @@ class DistillTrainerMixin(SFTTrainerMixin):
       posttrain.sft.tunix_compat.UnknownConventionError: an unknown step convention.
     """
 
+    reported_sum = "distill_sum"  # the reported loss: the distillation objective's mean
+
     metrics_class = DistillMetrics
 
     def __init__(
@@ -176,15 +178,6 @@ class DistillTrainerMixin(SFTTrainerMixin):
             grad_accum_steps=self.grad_accum_steps,
         )
         return objective, terms
-
-    def _report(self, terms, inputs, grad_norm):
-        tokens = (
-            jnp.sum(inputs["segment_ids"] > 0)
-            if "segment_ids" in inputs
-            else jnp.asarray(inputs["input_tokens"].size)
-        )
-        aux = {**terms, "grad_norm": grad_norm, "tokens": tokens.astype(jnp.float32)}
-        return terms["distill_sum"] / jnp.maximum(terms["target_tokens"], 1.0), aux
 
     def _prepare_inputs(self, input_data):
         """Every batch field placed on the data-parallel axes, plus ``teacher_output``

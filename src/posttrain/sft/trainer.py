@@ -106,6 +106,8 @@ class SFTTrainerMixin:
         the trainer class calls its step in an unknown way.
     """
 
+    reported_sum = "nll_sum"  # the term whose per-target-token mean is the reported loss
+
     #: the per-step record writer (:mod:`posttrain.sft.metrics`)
     metrics_class: type[StepMetrics] = StepMetrics
 
@@ -199,7 +201,7 @@ class SFTTrainerMixin:
             else (jnp.asarray(inputs["input_tokens"].size))
         )
         aux = {**terms, "grad_norm": grad_norm, "tokens": tokens.astype(jnp.float32)}
-        return terms["nll_sum"] / jnp.maximum(terms["target_tokens"], 1.0), aux
+        return terms[self.reported_sum] / jnp.maximum(terms["target_tokens"], 1.0), aux
 
     def _grads(self, model, inputs):
         """``(objective, terms, grads)``: :meth:`_objective` and d(objective)/d(trained
