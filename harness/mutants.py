@@ -49,7 +49,10 @@ from posttrain import atomic
 # module -> the tests that exercise it (pytest node ids or -k expressions after "-k").
 # tests/test_plan.py without its compiles (seconds, not a minute, per mutant): the logic
 # modules' own tests are the table, roofline, verdict, options and depth-line ones
-_NO_COMPILE = "not small_lora and not record_carries and not abstract_lora"
+_NO_COMPILE = (
+    "not small_lora and not record_carries and not abstract_lora and not dpo_compiles "
+    "and not grpo_plan and not zeroed_lora_b"
+)
 
 TARGETS: dict[str, list[str]] = {
     "src/posttrain/layers/moe/router.py": [
@@ -152,6 +155,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/steps.py": ["tests/test_plan.py"],
     "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
     "src/posttrain/plan/cli.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/workflows.py": ["tests/test_plan.py"],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
     # a checkpoint's formats: the family tests (transformers' masks and ids, the SFT and
     # DPO spans written from each published format) and the unit tests; not the greedy

@@ -153,16 +153,37 @@ def test_bad_options_are_refused_naming_the_value(changes, message):
         PlanOptions(model="qwen3-0.6b", topology="v5p-8", **changes)
 
 
-def test_cli_refuses_an_unplanned_workflow_with_one_line(capsys):
-    from posttrain import cli
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"workflow": "dpo", "extrapolate": True}, "workflow='dpo' plans one micro-step"),
+        ({"workflow": "grpo", "grad_accum": 2}, "workflow='grpo' plans one micro-step"),
+        ({"rollout_mesh": {"fsdp": 4}}, "rollout_mesh is GRPO's; workflow='sft'"),
+    ],
+    ids=["dpo-extrapolate", "grpo-grad-accum", "sft-rollout-mesh"],
+)
+def test_workflow_options_are_refused_naming_the_value(changes, message):
+    with pytest.raises(ValueError, match=message):
+        PlanOptions(model="qwen3-0.6b", topology="v5p-8", **changes)
 
-    status = cli.main(
-        ["plan", "--model", "qwen3-0.6b", "--topology", "v5p-8", "--workflow", "grpo"]
-    )
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and err == [
-        "posttrain: error: workflow 'grpo' is not planned yet; planned: sft, generate"
-    ]
+
+def test_a_workflow_fits_only_when_each_program_does():
+    """DPO / GRPO run several programs per step: the tightest one sets the headroom and
+    the verdict, the floors add up, and so do the model FLOPs."""
+    v5p = topology.get("v5p-8")  # 4 chips, 95 GiB each
+    train = _figures()  # peak 16 GiB, floor 10 ms
+    rollout = _figures(temporaries=85 * topology.GIB, model_flops=0.0)  # peak 96 GiB
+    verdict = report.judge_stages({"rollout": rollout, "train step": train}, v5p)
+    assert not verdict.fits and verdict.stage == "rollout"
+    assert verdict.headroom == -topology.GIB
+    assert verdict.floor_seconds == pytest.approx(0.02)
+    assert verdict.mfu == pytest.approx(0.5)  # the train step's FLOPs over both floors
+    alone = report.judge_stages({"train step": train}, v5p)
+    assert alone == report.judge(train, v5p)  # one program: the single-program verdict
+    held = _figures(resident=80 * topology.GIB)  # another model held beside it
+    assert held.peak == 96 * topology.GIB and not report.judge(held, v5p).fits
+    with pytest.raises(ValueError, match="at least one program"):
+        report.judge_stages({}, v5p)
 
 
 # --- one real compile --------------------------------------------------------------------------
@@ -202,6 +223,113 @@ def test_the_record_carries_the_options_and_the_figures(small_plan):
     assert rec["options"] == dataclasses.asdict(small_plan.options)
     assert rec["arguments"] == small_plan.figures.arguments and rec["chips"] == 4
     assert "peak per device" in small_plan.table()
+
+
+# --- DPO and GRPO: the programs of one step ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dpo():
+    """qwen3-tiny LoRA DPO, one layer, 4 pairs of 32 + 16 tokens, on a v5p-8."""
+    from posttrain.plan import plan
+
+    return plan(
+        PlanOptions(
+            model="qwen3-tiny",
+            topology="v5p-8",
+            workflow="dpo",
+            lora_rank=4,
+            num_layers=1,
+            batch=4,
+            seq=32,
+            new_tokens=16,
+        )
+    )
+
+
+@pytest.mark.aot
+def test_dpo_compiles_the_reference_forward_and_the_step_on_chosen_and_rejected(tiny_dpo):
+    """Tunix's DPO step sees the chosen and rejected rows stacked: 2 x 4 rows of 32 + 16
+    tokens, their [rows, T, T] mask and the reference's log-probabilities; the reference
+    forward runs on the same rows. The reference (LoRA: its zeroed lora_b) stays on the
+    device while the policy trains, and the policy's optimizer state while the reference
+    runs."""
+    step, forward = tiny_dpo.stages["train step"], tiny_dpo.stages["reference forward"]
+    rows, t, dp = 8, 48, 4
+    int32, f32, mask = 4, 4, 1
+    # tokens and positions, the causal x real mask, the completion mask, the two ref logps
+    batch = 2 * rows * t * int32 + rows * t * t * mask + rows * 16 * int32 + 2 * 4 * f32
+    assert step.kinds["inputs"] == batch // dp
+    assert step.arguments >= step.kinds["parameters"] + step.kinds["optimizer state"]
+    assert 0 < step.resident < step.kinds["parameters"] / 4  # the zeroed lora_b only
+    held = step.kinds["parameters"] + step.kinds["optimizer state"] + step.resident
+    assert forward.resident == held - forward.kinds["parameters"]
+    assert forward.model_flops == pytest.approx(step.model_flops / 2)  # 2 N vs 4 N (LoRA)
+    verdict = tiny_dpo.verdict
+    assert verdict.fits and verdict.stage == "train step" and step.peak > forward.peak
+    assert tiny_dpo.figures is step and "8 pairs" not in tiny_dpo.what
+    assert "4 pairs x 32 prompt + 16 response" in tiny_dpo.what
+
+
+@pytest.mark.aot
+def test_grpo_plan_from_the_cli_compiles_rollout_reference_and_step(tmp_path, capsys):
+    """``posttrain plan --workflow grpo``: the rollout (prefill + decode with the KV
+    cache), the reference forward and the actor's train step, one column each, and a
+    JSON record holding every program's figures."""
+    from posttrain import cli
+
+    path = tmp_path / "grpo.json"
+    argv = ["plan", "--model", "qwen3-tiny", "--topology", "v5p-8", "--workflow", "grpo"]
+    argv += ["--lora-rank", "4", "--num-layers", "1", "--batch", "8", "--seq", "32"]
+    argv += ["--new-tokens", "16", "--json", str(path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rollout | reference forward | train step" in out and "fits" in out
+    (rec,) = json.loads(path.read_text())
+    stages = rec["stages"]
+    assert set(stages) == {"rollout", "reference forward", "train step"}
+    rollout, step = stages["rollout"], stages["train step"]
+    assert rollout["kinds"]["KV cache"] > 0 and "decode" in rollout["cost_source"]
+    # the rollout shares the actor's model: the optimizer state is held beside it
+    assert rollout["resident"] >= step["kinds"]["optimizer state"]
+    # prompt and completion ids, their masks, the advantages, the reference's logps
+    batch = 8 * 32 * (4 + 1) + 8 * 16 * (4 + 1) + 8 * 4 + 8 * 16 * 4
+    assert step["kinds"]["inputs"] == batch // 4
+    assert rec["peak_bytes"] == step["peak_bytes"] and rec["stage"] in stages
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("rank", [0, 4], ids=["full", "lora"])
+def test_the_reference_holds_a_copy_or_only_its_zeroed_lora_b(rank):
+    """Without LoRA the reference is a frozen copy (all of the parameters again); with
+    LoRA it shares the base weights and holds only its zeroed lora_b."""
+    from flax import nnx
+
+    from posttrain import sharding
+    from posttrain.lora import LoraConfig
+    from posttrain.lora.abstract import abstract_lora
+    from posttrain.models import get_config
+    from posttrain.plan import abstract, workflows
+    from posttrain.rl.policy import TunixPolicy
+
+    mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+    model = abstract.abstract_model(get_config("qwen3-tiny", scan_layers=True))
+    if rank:
+        model = abstract_lora(model, mesh, LoraConfig(rank=rank, alpha=rank))
+    policy = TunixPolicy(model)
+    abstract.place(policy, mesh)
+    _, own = workflows._reference(policy)
+    whole = abstract.device_bytes(nnx.state(policy))
+    if not rank:
+        assert own == whole
+    else:
+        lora = abstract.device_bytes(nnx.state(policy, nnx.LoRAParam))
+        assert 0 < own < lora  # lora_b, not lora_a
+        assert own == lora - sum(
+            abstract.device_bytes([v.get_value()])
+            for path, v in nnx.to_flat_state(nnx.state(policy, nnx.LoRAParam))
+            if str(path[-1]).endswith("lora_a")
+        )
 
 
 # --- the abstract model ------------------------------------------------------------------------

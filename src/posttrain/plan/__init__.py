@@ -30,28 +30,42 @@ class Plan:
     Attributes:
       what: a one-line description (model, workflow, mesh, batch).
       options: the :class:`PlanOptions`.
-      figures: :class:`~posttrain.plan.report.Figures`.
-      verdict: :class:`~posttrain.plan.report.Verdict`.
+      figures: :class:`~posttrain.plan.report.Figures` of the main program (the train
+        step; ``generate``'s decode loop).
+      verdict: :class:`~posttrain.plan.report.Verdict` of the whole workflow
+        (:func:`~posttrain.plan.report.judge_stages`).
+      stages: every program's figures by name (DPO: ``reference forward``, ``train
+        step``; GRPO: ``rollout``, ``reference forward``, ``train step``).
     """
 
     what: str
     options: PlanOptions
     figures: Figures
     verdict: Verdict
+    stages: dict = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
         from posttrain.plan import report, topology
 
-        return report.table(
-            self.what, topology.get(self.options.topology), self.figures, self.verdict
-        )
+        topo = topology.get(self.options.topology)
+        if len(self.stages) > 1:
+            return report.stages_table(self.what, topo, self.stages, self.verdict)
+        return report.table(self.what, topo, self.figures, self.verdict)
 
     def record(self) -> dict:
         from posttrain.plan import report, topology
 
         topo = topology.get(self.options.topology)
+        stages = {
+            name: {**dataclasses.asdict(f), "peak_bytes": f.peak} for name, f in self.stages.items()
+        }
         return report.record(
-            self.what, topo, self.figures, self.verdict, options=dataclasses.asdict(self.options)
+            self.what,
+            topo,
+            self.figures,
+            self.verdict,
+            options=dataclasses.asdict(self.options),
+            stages=stages,
         )
 
 
@@ -64,17 +78,18 @@ def plan(options: PlanOptions) -> Plan:
     (:func:`posttrain.plan.depth.with_unscanned_costs`); its memory from the real compile.
 
     Raises:
-      NotImplementedError: a workflow not planned yet, or a GPU topology.
+      NotImplementedError: a GPU topology.
       ValueError: a mesh, batch or model the others do not divide (one line).
       DoesNotFit: the compiler itself rejected the program for lack of memory.
     """
     from posttrain.plan import depth, report, topology
-    from posttrain.plan.compile import compile_figures
+    from posttrain.plan.compile import compile_stages, main_stage
 
     if options.extrapolate:
-        what, figures = depth.extrapolated_figures(options)
+        what, stages = depth.extrapolated_figures(options)
     else:
-        what, figures = compile_figures(options)
+        what, stages = compile_stages(options)
     if options.scan_layers and not options.extrapolate:
-        figures = depth.with_unscanned_costs(options, figures)
-    return Plan(what, options, figures, report.judge(figures, topology.get(options.topology)))
+        stages = depth.with_unscanned_costs(options, stages)
+    verdict = report.judge_stages(stages, topology.get(options.topology))
+    return Plan(what, options, stages[main_stage(stages)], verdict, stages)

@@ -33,6 +33,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="axis sizes, e.g. tensor=4,fsdp=2,expert=2 (default: every device on fsdp)",
     )
+    p.add_argument(
+        "--rollout-mesh",
+        default=None,
+        help="grpo: the rollout's axis sizes (default: the trainer's mesh, model shared)",
+    )
     p.add_argument("--workflow", default="sft", choices=choices(Workflow))
     p.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning")
     p.add_argument(
@@ -79,6 +84,7 @@ def options_of(args: argparse.Namespace) -> PlanOptions:
         model=args.model,
         topology=args.topology,
         mesh=sharding.parse_mesh_spec(args.mesh) if args.mesh else None,
+        rollout_mesh=sharding.parse_mesh_spec(args.rollout_mesh) if args.rollout_mesh else None,
         workflow=args.workflow,
         lora_rank=args.lora_rank,
         qlora=args.qlora,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from posttrain.plan.options import PLANNED, PlanOptions
+from posttrain.plan.options import PlanOptions
 from posttrain.plan.report import Figures
 
 
@@ -14,26 +14,51 @@ class DoesNotFit(Exception):
 
 
 def compile_figures(options: PlanOptions) -> tuple[str, Figures]:
-    """``(description, figures)`` of ``options``' program compiled for its topology, as the
-    compiler reports them (a scanned decoder's costs count its layer body once).
+    """``(description, figures)`` of ``options``' main program (the train step; for
+    ``generate`` the decode loop) compiled for its topology (:func:`compile_stages`)."""
+    what, stages = compile_stages(options)
+    return what, stages[main_stage(stages)]
+
+
+def main_stage(stages: dict) -> str:
+    """The program a plan's single figures describe: the train step when there is one."""
+    return "train step" if "train step" in stages else next(iter(stages))
+
+
+def compile_stages(options: PlanOptions) -> tuple[str, dict[str, Figures]]:
+    """``(description, {program: figures})`` of ``options``' workflow compiled for its
+    topology, as the compiler reports them (a scanned decoder's costs count its layer
+    body once; a decode loop's its first step, the rest added analytically).
 
     Raises:
-      NotImplementedError: a workflow not planned yet, or a GPU topology.
+      NotImplementedError: a GPU topology.
       ValueError: a mesh, batch or model the others do not divide (one line).
-      DoesNotFit: the compiler refused the program for lack of memory.
+      DoesNotFit: the compiler refused a program for lack of memory.
     """
-    from posttrain import sharding
-    from posttrain.plan import abstract, report, steps, topology
-    from posttrain.plan.options import check_output, planned_config
+    from posttrain.plan import topology
+    from posttrain.plan.options import check_output
 
-    if options.workflow not in PLANNED:
-        raise NotImplementedError(
-            f"workflow {options.workflow!r} is not planned yet; planned: {', '.join(PLANNED)}"
-        )
     check_output(options.json_path)
     topo = topology.get(options.topology)
+    what, programs, mesh = build_programs(options, topo)
+    stages = {}
+    for name, program in programs.items():
+        stages[name] = _compile(
+            program, mesh, f"{what}: {name}" if len(programs) > 1 else what, topo
+        )
+    return what, stages
+
+
+def build_programs(options: PlanOptions, topo) -> tuple[str, dict, object]:
+    """``(description, {program name: Program}, trainer mesh)`` of ``options``' workflow on
+    the abstract model."""
+    from posttrain import sharding
+    from posttrain.plan import abstract, steps, topology, workflows
+    from posttrain.plan.options import planned_config
+
     cfg = planned_config(options)
-    mesh = sharding.make_mesh(options.mesh, devices=topology.devices(topo))
+    devices = topology.devices(topo)
+    mesh = sharding.make_mesh(options.mesh, devices=devices)
     rules = sharding.DEFAULT_RULES
     cfg.check_mesh(dict(mesh.shape), rules)
     batch = options.batch or options.per_device_batch_size * sharding.data_parallel_size(mesh)
@@ -46,28 +71,61 @@ def compile_figures(options: PlanOptions) -> tuple[str, Figures]:
             rank=options.lora_rank, alpha=options.lora_rank, weight_qtype=options.qlora
         )
         model = abstract_lora(model, mesh, lora, rules)
+    common = {"optimizer": options.optimizer, "rules": rules}
     if options.workflow == "sft":
-        program = steps.sft_program(
+        programs = {
+            "train step": steps.sft_program(
+                model, mesh, batch=batch, seq=options.seq, grad_accum=options.grad_accum, **common
+            )
+        }
+    elif options.workflow == "dpo":
+        programs = workflows.dpo_programs(
+            model, mesh, pairs=batch, prompt=options.seq, response=options.new_tokens, **common
+        )
+    elif options.workflow == "grpo":
+        rollout_mesh = mesh
+        if options.rollout_mesh is not None:
+            rollout_mesh = sharding.make_mesh(options.rollout_mesh, devices=devices)
+            cfg.check_mesh(dict(rollout_mesh.shape), rules)
+        programs = workflows.grpo_programs(
             model,
             mesh,
-            optimizer=options.optimizer,
-            batch=batch,
-            seq=options.seq,
-            grad_accum=options.grad_accum,
-            rules=rules,
+            rollout_mesh,
+            rows=batch,
+            prompt=options.seq,
+            completion=options.new_tokens,
+            **common,
         )
     else:
-        program = steps.generate_program(
-            model, mesh, batch=batch, prompt=options.seq, new_tokens=options.new_tokens, rules=rules
-        )
-    what = describe(options, cfg, mesh, batch)
+        programs = {
+            "generate": steps.generate_program(
+                model,
+                mesh,
+                batch=batch,
+                prompt=options.seq,
+                new_tokens=options.new_tokens,
+                rules=rules,
+            )
+        }
+    return describe(options, cfg, mesh, batch), programs, mesh
+
+
+def _compile(program, mesh, what: str, topo) -> Figures:
+    """One program lowered and compiled for ``topo``'s devices; its figures.
+
+    Raises:
+      DoesNotFit: the compiler refused it for lack of memory (``what`` names it).
+    """
+    import dataclasses
+
+    from posttrain import _compat, sharding
+    from posttrain.plan import report
+
     start = time.perf_counter()
     try:
-        from posttrain import _compat
-
         # a deviceless compiler cannot load cached executables: the cache stays out
         with (
-            sharding.use_mesh(mesh, rules, jax_context=False),
+            sharding.use_mesh(mesh, sharding.DEFAULT_RULES, jax_context=False),
             _compat.no_persistent_compilation_cache(),
         ):
             compiled = program.jitted.lower(*program.args, **program.kwargs).compile()
@@ -80,7 +138,18 @@ def compile_figures(options: PlanOptions) -> tuple[str, Figures]:
             f"try {report.KNOBS}"
         ) from None
     seconds = time.perf_counter() - start
-    return what, report.figures_of(compiled, program.kinds, program.model_flops, seconds)
+    figures = report.figures_of(
+        compiled, program.kinds, program.model_flops, seconds, program.resident
+    )
+    flops, moved = program.uncounted
+    if flops or moved:
+        figures = dataclasses.replace(
+            figures,
+            flops=figures.flops + flops,
+            bytes_accessed=figures.bytes_accessed + moved,
+            cost_source="compiled prefill + first decode step, later steps analytic",
+        )
+    return figures
 
 
 def describe(options: PlanOptions, cfg, mesh, batch: int) -> str:
@@ -90,10 +159,18 @@ def describe(options: PlanOptions, cfg, mesh, batch: int) -> str:
     tuning = f"lora r{options.lora_rank}" if options.lora_rank else "full"
     if options.qlora:
         tuning = f"qlora {options.qlora} r{options.lora_rank}"
+    rows = f"batch {batch} x {options.seq}"
     if options.workflow == "generate":
         tuning = f"{options.new_tokens} new tokens"
+    elif options.workflow == "dpo":
+        rows = f"{batch} pairs x {options.seq} prompt + {options.new_tokens} response"
+    elif options.workflow == "grpo":
+        rows = f"{batch} rows x {options.seq} prompt + {options.new_tokens} completion"
+        if options.rollout_mesh:
+            rollout = ",".join(f"{a}={n}" for a, n in options.rollout_mesh.items() if n > 1)
+            axes += f", rollout mesh {rollout or '1 device'}"
     accum = f", grad_accum {options.grad_accum}" if options.grad_accum > 1 else ""
     return (
         f"{options.model} {options.workflow} {tuning}, {cfg.num_layers} layers, mesh {axes}, "
-        f"batch {batch} x {options.seq}{accum}, remat {cfg.remat}, {cfg.param_dtype} params"
+        f"{rows}{accum}, remat {cfg.remat}, {cfg.param_dtype} params"
     )

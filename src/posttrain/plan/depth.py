@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from posttrain.plan.compile import compile_figures
+from posttrain.plan.compile import compile_stages
 from posttrain.plan.options import PlanOptions, planned_config
 from posttrain.plan.report import Figures
 
-_MEMORY_FIELDS = ("arguments", "outputs", "aliased", "temporaries", "code")
+_MEMORY_FIELDS = ("arguments", "outputs", "aliased", "temporaries", "code", "resident")
 
 
 def linear(first: tuple[int, float], second: tuple[int, float], layers: int) -> float:
@@ -41,38 +41,44 @@ def linear(first: tuple[int, float], second: tuple[int, float], layers: int) -> 
     return f1 + (layers - n1) * (f2 - f1) / (n2 - n1)
 
 
-def _shallow(options: PlanOptions, layers: int, scan: bool) -> Figures:
+def _shallow(options: PlanOptions, layers: int, scan: bool) -> dict[str, Figures]:
     shallow = dataclasses.replace(
         options, num_layers=layers, scan_layers=scan, extrapolate=False, json_path=None
     )
-    return compile_figures(shallow)[1]
+    return compile_stages(shallow)[1]
 
 
-def with_unscanned_costs(options: PlanOptions, figures: Figures) -> Figures:
-    """``figures`` (a scanned compile) with FLOPs and bytes accessed of the full depth,
-    from unscanned compiles of one and two layer periods; unchanged when the model has a
-    single period (its one loop iteration is counted right)."""
+def with_unscanned_costs(options: PlanOptions, stages: dict[str, Figures]) -> dict[str, Figures]:
+    """``stages`` (each program's figures, from a scanned compile) with FLOPs and bytes
+    accessed of the full depth, from unscanned compiles of one and two layer periods;
+    unchanged when the model has a single period (its one loop iteration is counted
+    right)."""
     cfg = planned_config(options)
     period, layers = cfg.layer_period, cfg.num_layers
     if layers <= period:
-        return figures
-    one, two = _shallow(options, period, False), _shallow(options, 2 * period, False)
-    return dataclasses.replace(
-        figures,
-        flops=linear((period, one.flops), (2 * period, two.flops), layers),
-        bytes_accessed=linear(
-            (period, one.bytes_accessed), (2 * period, two.bytes_accessed), layers
-        ),
-        compile_seconds=figures.compile_seconds + one.compile_seconds + two.compile_seconds,
-        cost_source=f"unscanned {period} and {2 * period} layers, extrapolated to {layers}",
-    )
+        return stages
+    ones, twos = _shallow(options, period, False), _shallow(options, 2 * period, False)
+
+    def full(name: str) -> Figures:
+        figures, one, two = stages[name], ones[name], twos[name]
+        return dataclasses.replace(
+            figures,
+            flops=linear((period, one.flops), (2 * period, two.flops), layers),
+            bytes_accessed=linear(
+                (period, one.bytes_accessed), (2 * period, two.bytes_accessed), layers
+            ),
+            compile_seconds=figures.compile_seconds + one.compile_seconds + two.compile_seconds,
+            cost_source=f"unscanned {period} and {2 * period} layers, extrapolated to {layers}",
+        )
+
+    return {name: full(name) for name in stages}
 
 
-def extrapolated_figures(options: PlanOptions) -> tuple[str, Figures]:
-    """The fast route: ``(description, figures)`` of the full depth from scanned compiles of
-    two and four layer periods (memory) and unscanned ones of one and two (costs), never
-    compiling the whole model. Kinds (parameters, optimizer state ...) are exact: sharded
-    bytes of stacked weights are linear in depth.
+def extrapolated_figures(options: PlanOptions) -> tuple[str, dict[str, Figures]]:
+    """The fast route: ``(description, {program: figures})`` of the full depth from scanned
+    compiles of two and four layer periods (memory) and unscanned ones of one and two
+    (costs), never compiling the whole model. Kinds (parameters, optimizer state ...) are
+    exact: sharded bytes of stacked weights are linear in depth.
 
     Raises:
       ValueError: the model has fewer than four layer periods (compile it whole).
@@ -82,17 +88,20 @@ def extrapolated_figures(options: PlanOptions) -> tuple[str, Figures]:
     if layers < 4 * period:
         raise ValueError(f"extrapolate needs >= {4 * period} layers, the model has {layers}")
     n1, n2 = 2 * period, 4 * period
-    a, b = _shallow(options, n1, True), _shallow(options, n2, True)
+    shallow = _shallow(options, n1, True), _shallow(options, n2, True)
 
     def line(x: float, y: float) -> int:
         return int(linear((n1, x), (n2, y), layers))
 
-    figures = dataclasses.replace(
-        a,
-        **{f: line(getattr(a, f), getattr(b, f)) for f in _MEMORY_FIELDS},
-        kinds={k: line(a.kinds[k], b.kinds[k]) for k in a.kinds},
-        model_flops=float(line(a.model_flops, b.model_flops)),
-        compile_seconds=a.compile_seconds + b.compile_seconds,
-    )
+    def deep(a: Figures, b: Figures) -> Figures:
+        return dataclasses.replace(
+            a,
+            **{f: line(getattr(a, f), getattr(b, f)) for f in _MEMORY_FIELDS},
+            kinds={k: line(a.kinds[k], b.kinds[k]) for k in a.kinds},
+            model_flops=float(line(a.model_flops, b.model_flops)),
+            compile_seconds=a.compile_seconds + b.compile_seconds,
+        )
+
+    stages = {name: deep(shallow[0][name], shallow[1][name]) for name in shallow[0]}
     what = f"{options.model} {options.workflow}, {layers} layers extrapolated from {n1} and {n2}"
-    return what, with_unscanned_costs(options, figures)
+    return what, with_unscanned_costs(options, stages)

@@ -14,9 +14,6 @@ Workflow = Literal["sft", "dpo", "grpo", "generate"]
 Optimizer = Literal["adamw", "sgd", "adafactor"]
 DType = Literal["bfloat16", "float32"]
 
-#: workflows this release plans; the others are refused with one line
-PLANNED: tuple[str, ...] = ("sft", "generate")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanOptions:
@@ -27,15 +24,19 @@ class PlanOptions:
       topology: a :data:`posttrain.plan.topology.TOPOLOGIES` name (``v5p-32``).
       mesh: axis sizes (``{"tensor": 4, "fsdp": 2, "expert": 2}``); ``None`` puts every
         device on ``fsdp`` (the trainer's default).
-      workflow: ``sft`` or ``generate`` (``dpo`` / ``grpo`` are refused for now).
+      workflow: ``sft``, ``dpo`` (the train step and the reference forward), ``grpo``
+        (the rollout, the reference forward and the train step) or ``generate``.
+      rollout_mesh: GRPO's rollout mesh (``None``: the trainer's, whose model it shares).
       lora_rank: LoRA rank; 0 trains every parameter.
       qlora: QLoRA's base-weight type (``int8`` ...), or ``None``; needs ``lora_rank``.
       remat: the decoder's rematerialisation policy.
       per_device_batch_size: rows per data-parallel shard; the global batch is this x
         the data-parallel size. Ignored when ``batch`` is given.
-      batch: the global batch (rows per micro-step), or ``None``.
-      seq: tokens per row (the prompt length for ``generate``).
-      new_tokens: tokens ``generate`` samples after the prompt.
+      batch: the global batch (rows per micro-step; DPO: pairs, GRPO: completions, i.e.
+        prompts x generations), or ``None``.
+      seq: tokens per row (the prompt length for ``generate``, ``dpo`` and ``grpo``).
+      new_tokens: tokens ``generate`` samples after the prompt; the completion length of
+        ``dpo`` and ``grpo``.
       grad_accum: micro-batches per optimizer step.
       optimizer: the optax transformation.
       dtype, param_dtype: activation and parameter dtypes.
@@ -52,6 +53,7 @@ class PlanOptions:
     model: str
     topology: str
     mesh: dict[str, int] | None = None
+    rollout_mesh: dict[str, int] | None = None
     workflow: Workflow = "sft"
     lora_rank: int = 0
     qlora: str | None = None
@@ -100,6 +102,13 @@ class PlanOptions:
             raise ValueError("extrapolate=True compiles scanned layer periods; drop --no-scan")
         if self.workflow == "generate" and (self.lora_rank or self.grad_accum > 1):
             raise ValueError("generate plans the base model: drop --lora-rank and --grad-accum")
+        if self.workflow in ("dpo", "grpo") and (self.extrapolate or self.grad_accum > 1):
+            raise ValueError(
+                f"workflow={self.workflow!r} plans one micro-step of whole compiles: drop "
+                "--extrapolate and --grad-accum"
+            )
+        if self.rollout_mesh is not None and self.workflow != "grpo":
+            raise ValueError(f"rollout_mesh is GRPO's; workflow={self.workflow!r}")
 
 
 def load_config(spec: str) -> ModelConfig:

@@ -5,7 +5,11 @@ outputs, aliased outputs, temporaries) and, by kind, from the shardings of the
 abstract arguments (parameters, optimizer state, inputs, KV cache) and of the trained
 parameters (gradients, which live among the temporaries). The peak estimate is XLA's:
 ``arguments + outputs - aliased + temporaries`` (what MaxText's ``train_compile.py``
-prints as the total), against the chip's HBM.
+prints as the total), plus what the workflow keeps on the device outside the program
+(``resident``: DPO's reference while the policy trains, GRPO's optimizer state while it
+samples), against the chip's HBM. A workflow of several programs (DPO: the train step
+and the reference forward; GRPO: the rollout, the reference forward and the train step)
+fits when each of them does (:func:`judge_stages`).
 
 The roofline floor of one step (Williams et al. 2009, "Roofline"): ``max(FLOPs / peak
 FLOP/s, bytes accessed / HBM bandwidth)`` per device, from ``cost_analysis()``; the MFU
@@ -39,6 +43,8 @@ class Figures:
         needed).
       cost_source: where ``flops`` and ``bytes_accessed`` come from (``compiled``, or the
         shallow unscanned compiles they were extrapolated from).
+      resident: bytes the workflow holds on the device outside this program's arguments
+        (other models, the optimizer state while sampling), computed from shardings.
     """
 
     arguments: int
@@ -52,15 +58,18 @@ class Figures:
     model_flops: float
     compile_seconds: float
     cost_source: str = "compiled"
+    resident: int = 0
 
     @property
     def peak(self) -> int:
-        """Estimated peak bytes: arguments + outputs - aliased + temporaries."""
-        return self.arguments + self.outputs - self.aliased + self.temporaries
+        """Estimated peak bytes: arguments + outputs - aliased + temporaries + resident."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries + self.resident
 
 
-def figures_of(compiled, kinds: dict, model_flops: float, seconds: float) -> Figures:
-    """:class:`Figures` of a ``jax.stages.Compiled``."""
+def figures_of(
+    compiled, kinds: dict, model_flops: float, seconds: float, resident: int = 0
+) -> Figures:
+    """:class:`Figures` of a ``jax.stages.Compiled`` (``resident``: :attr:`Figures.resident`)."""
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
@@ -75,6 +84,7 @@ def figures_of(compiled, kinds: dict, model_flops: float, seconds: float) -> Fig
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         model_flops=float(model_flops),
         compile_seconds=float(seconds),
+        resident=int(resident),
     )
 
 
@@ -87,7 +97,9 @@ class Verdict:
       headroom: HBM - peak, bytes (negative: the overflow).
       floor_seconds: the roofline step-time floor.
       mfu: model FLOPs / (floor x peak FLOP/s x chips).
-      bound: ``compute`` or ``memory``: which term sets the floor.
+      bound: ``compute`` or ``memory``: which term sets the floor (of a workflow: the
+        slowest program's).
+      stage: the program with the least headroom (a workflow of several), else ``""``.
     """
 
     fits: bool
@@ -95,6 +107,7 @@ class Verdict:
     floor_seconds: float
     mfu: float
     bound: str
+    stage: str = ""
 
 
 def roofline(flops: float, bytes_accessed: float, topology: Topology) -> tuple[float, str]:
@@ -119,6 +132,33 @@ def judge(figures: Figures, topology: Topology) -> Verdict:
     return Verdict(fits=headroom >= 0, headroom=headroom, floor_seconds=floor, mfu=mfu, bound=bound)
 
 
+def judge_stages(stages: dict[str, Figures], topology: Topology) -> Verdict:
+    """The :class:`Verdict` of a workflow whose step runs the programs ``stages`` (name ->
+    figures) one after the other: it fits when every program does; its headroom is the
+    tightest program's (named in ``stage``); its floor is the sum of the programs' floors
+    and its MFU the sum of their model FLOPs over ``floor x peak x chips``.
+
+    Raises:
+      ValueError: no stages.
+    """
+    if not stages:
+        raise ValueError("judge_stages needs at least one program")
+    verdicts = {name: judge(f, topology) for name, f in stages.items()}
+    tightest = min(verdicts, key=lambda name: verdicts[name].headroom)
+    slowest = max(verdicts, key=lambda name: verdicts[name].floor_seconds)
+    floor = sum(v.floor_seconds for v in verdicts.values())
+    denominator = floor * topology.chip.peak_flops * topology.chips
+    flops = sum(f.model_flops for f in stages.values())
+    return Verdict(
+        fits=all(v.fits for v in verdicts.values()),
+        headroom=verdicts[tightest].headroom,
+        floor_seconds=floor,
+        mfu=flops / denominator if denominator > 0 else 0.0,
+        bound=verdicts[slowest].bound,
+        stage=tightest if len(stages) > 1 else "",
+    )
+
+
 def overflow_line(peak: int, topology: Topology, what: str) -> str:
     """The one line of a program that does not fit."""
     over = peak - topology.hbm_bytes
@@ -137,24 +177,47 @@ def gib(n: float) -> str:
 
 def table(what: str, topology: Topology, figures: Figures, verdict: Verdict) -> str:
     """The plan's table (one program), for stdout."""
-    rows = [("what", what), ("topology", f"{topology.name} ({topology.chips} chips)")]
-    rows += [(f"  {kind}", gib(n)) for kind, n in figures.kinds.items()]
+    return stages_table(what, topology, {"": figures}, verdict)
+
+
+def stages_table(
+    what: str, topology: Topology, stages: dict[str, Figures], verdict: Verdict
+) -> str:
+    """The plan's table, for stdout: one column per program of the workflow (``stages``,
+    name -> figures; one unnamed column for a single program), then the workflow's
+    verdict, floor and MFU."""
+    named = len(stages) > 1
+    kinds = list(dict.fromkeys(k for f in stages.values() for k in f.kinds))
+
+    def per(fn) -> list[str]:
+        return [fn(f) for f in stages.values()]
+
+    rows = [("what", [what]), ("topology", [f"{topology.name} ({topology.chips} chips)"])]
+    if named:
+        rows.append(("program", list(stages)))
     rows += [
-        ("arguments (compiled)", gib(figures.arguments)),
-        ("temporaries (compiled)", gib(figures.temporaries)),
-        ("outputs - aliased", gib(figures.outputs - figures.aliased)),
-        ("peak per device", gib(figures.peak)),
-        ("HBM per chip", gib(topology.hbm_bytes)),
-        ("headroom", gib(verdict.headroom)),
-        ("verdict", "fits" if verdict.fits else "does NOT fit"),
-        ("compile", f"{figures.compile_seconds:.1f} s"),
-        ("FLOPs per device", f"{figures.flops:.3e} ({figures.cost_source})"),
-        ("model FLOPs (slice)", f"{figures.model_flops:.3e}"),
-        ("roofline floor", f"{verdict.floor_seconds * 1e3:.1f} ms ({verdict.bound}-bound)"),
-        ("MFU at the floor", f"{verdict.mfu:.1%}"),
+        (f"  {k}", per(lambda f, k=k: gib(f.kinds[k]) if k in f.kinds else "-")) for k in kinds
+    ]
+    rows += [
+        ("arguments (compiled)", per(lambda f: gib(f.arguments))),
+        ("temporaries (compiled)", per(lambda f: gib(f.temporaries))),
+        ("outputs - aliased", per(lambda f: gib(f.outputs - f.aliased))),
+    ]
+    if any(f.resident for f in stages.values()):
+        rows.append(("held outside it", per(lambda f: gib(f.resident))))
+    rows += [
+        ("peak per device", per(lambda f: gib(f.peak))),
+        ("HBM per chip", [gib(topology.hbm_bytes)]),
+        ("headroom", [gib(verdict.headroom) + (f" ({verdict.stage})" if verdict.stage else "")]),
+        ("verdict", ["fits" if verdict.fits else "does NOT fit"]),
+        ("compile", [f"{sum(f.compile_seconds for f in stages.values()):.1f} s"]),
+        ("FLOPs per device", per(lambda f: f"{f.flops:.3e} ({f.cost_source})")),
+        ("model FLOPs (slice)", per(lambda f: f"{f.model_flops:.3e}")),
+        ("roofline floor", [f"{verdict.floor_seconds * 1e3:.1f} ms ({verdict.bound}-bound)"]),
+        ("MFU at the floor", [f"{verdict.mfu:.1%}"]),
     ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return "\n".join(f"{k:<{width}}  {' | '.join(v)}" for k, v in rows)
 
 
 def record(what: str, topology: Topology, figures: Figures, verdict: Verdict, **extra) -> dict:

@@ -51,6 +51,10 @@ class Program:
       model_flops: the step's model FLOPs over the whole slice (``2 N`` per token
         forward, ``4 N`` more backward for full fine-tuning, ``2 N`` for LoRA, whose
         weights get no gradient): the numerator of MFU.
+      resident: bytes one device holds for the workflow outside these arguments
+        (:attr:`posttrain.plan.report.Figures.resident`).
+      uncounted: ``(FLOPs, bytes accessed)`` per device the compiled costs leave out: the
+        decode steps after the first, which a while loop's cost counts once.
     """
 
     jitted: object
@@ -58,6 +62,8 @@ class Program:
     kwargs: dict
     kinds: dict
     model_flops: float
+    resident: int = 0
+    uncounted: tuple[float, float] = (0.0, 0.0)
 
 
 def make_optimizer(name: str, learning_rate: float = 1e-5) -> optax.GradientTransformation:
@@ -197,13 +203,17 @@ def generate_program(
         "parameters": abstract.device_bytes(nnx.state(model)),
         "KV cache": cache // (dp * _kv_head_shards(model.config, mesh, rules)),
     }
-    flops = 2 * abstract.active_matmul_params(model) * batch * cache_size
+    n = abstract.active_matmul_params(model)
+    # each later decode step: 2 N per row over the slice; reads the weights and the cache
+    steps = new_tokens - 1
+    uncounted = (steps * 2 * n * batch / mesh.size, steps * float(sum(kinds.values())))
     return Program(
         generate._generate,
         (model, tokens, real, seed),
         {"cfg": cfg, "cache_size": cache_size},
         kinds,
-        flops,
+        2 * n * batch * cache_size,
+        uncounted=uncounted,
     )
 
 

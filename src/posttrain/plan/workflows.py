@@ -1,0 +1,265 @@
+"""The programs of DPO and GRPO, built the way their trainers build them, on an abstract
+policy (google-tunix 0.1.7; the same abstract optimizer as SFT's, :mod:`posttrain.plan.steps`).
+
+DPO (``posttrain dpo``: our :class:`~posttrain.preference.trainer.DPOTrainer` over Tunix's):
+  - ``train step``: the trainer's own step (``create_train_step_fn``, ``nnx.jit`` donating
+    the optimizer) on Tunix's prepared ``TrainExample``: the chosen and rejected
+    completions stacked into one ``[2 x pairs, prompt + response]`` batch, its
+    ``[2 x pairs, T, T]`` attention mask and the reference log-probabilities;
+  - ``reference forward``: Tunix's jitted ``compute_logps`` on the reference, which
+    ``DPOTrainer._prepare_inputs`` runs before each step.
+
+GRPO (``posttrain grpo``: Tunix's ``RLCluster`` actor trainer, ``tunix.rl.trainer.Trainer``,
+with the loss ``GRPOLearner`` installs and our MoE term):
+  - ``rollout``: prefill + decode with the KV cache on the rollout mesh
+    (``posttrain generate``'s loop, :func:`posttrain.plan.steps.generate_program`; Tunix's
+    sampler runs the same model calls through :mod:`posttrain.tunix_sampler`);
+  - ``reference forward``: Tunix's jitted ``compute_per_token_logps`` on the reference;
+  - ``train step``: the actor trainer's ``_train_step`` on the learner's ``TrainExample``.
+  The old-policy forward runs only with ``num_iterations > 1`` (``posttrain grpo`` keeps
+  Tunix's 1, where the loss takes the current log-probabilities, stop-gradient); it is
+  the reference forward's program on the policy.
+
+What stays on the device between programs (``Program.resident``): the policy, its
+optimizer state and the reference. With LoRA the reference is the policy with its
+``lora_b`` zeroed (:func:`posttrain.rl.policy.reference_of`): only those are its own
+bytes; without, a full copy. A rollout mesh other than the trainer's holds its own copy
+of the policy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from posttrain import sharding
+from posttrain.plan import abstract
+from posttrain.plan.steps import Program, abstract_init, generate_program, make_optimizer
+
+#: the steps' Tunix configs: learning rate and loss hyperparameters change no shape
+_PEFT = {"eval_every_n_steps": 10**9, "max_steps": 10**9}
+
+
+def _rows(mesh: Mesh, rules, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, rules))
+
+
+def _check_batch(mesh: Mesh, rules, rows: int) -> None:
+    dp = sharding.data_parallel_size(mesh, rules)
+    if rows % dp:
+        raise ValueError(f"batch={rows} rows must divide by the data-parallel size {dp}")
+
+
+def _reference(policy) -> tuple[nnx.Module, int]:
+    """``(abstract reference, bytes one device holds for it beyond the policy)``: a copy
+    of the placed ``policy``; with LoRA its own bytes are the zeroed ``lora_b``
+    (:func:`posttrain.rl.policy.reference_of`), else all of it."""
+    from posttrain.lora.layout import LORA_B
+    from posttrain.rl.policy import has_lora
+
+    reference = nnx.clone(policy)
+    if not has_lora(policy):
+        return reference, abstract.device_bytes(nnx.state(reference))
+    own = [
+        v.get_value()
+        for path, v in nnx.to_flat_state(nnx.state(reference, nnx.LoRAParam))
+        if str(path[-1]).endswith(LORA_B)
+    ]
+    return reference, abstract.device_bytes(own)
+
+
+def _trained_kinds(trainer, inputs) -> dict:
+    trained = nnx.LoRAParam if trainer._lora_enabled else nnx.Param
+    return {
+        "parameters": abstract.device_bytes(nnx.state(trainer.model)),
+        "optimizer state": abstract.device_bytes(nnx.state(trainer.optimizer)),
+        "gradients": abstract.device_bytes(nnx.state(trainer.model, trained)),
+        "inputs": abstract.device_bytes(inputs),
+    }
+
+
+def _step_flops(policy, lora: bool, tokens: int) -> float:
+    """Model FLOPs of a train step over ``tokens`` tokens (``6 N``, ``4 N`` with LoRA)."""
+    return 2 * abstract.active_matmul_params(policy.model) * (2 if lora else 3) * tokens
+
+
+def dpo_programs(
+    model, mesh: Mesh, *, optimizer: str, pairs: int, prompt: int, response: int, rules
+) -> dict[str, Program]:
+    """``{"reference forward": ..., "train step": ...}`` of one DPO micro-step on the
+    abstract ``model`` (LoRA or not): ``pairs`` preference pairs of ``prompt + response``
+    tokens, each completion ``response`` tokens.
+
+    Raises:
+      ValueError: ``2 x pairs`` rows do not divide by the data-parallel size.
+    """
+    from posttrain.preference import tunix_dpo
+    from posttrain.preference.trainer import DPOTrainer
+    from posttrain.rl.policy import TunixPolicy
+    from posttrain.sft.trainer import SFTOptions
+
+    rows, seq = 2 * pairs, prompt + response
+    _check_batch(mesh, rules, rows)
+    policy = TunixPolicy(model)
+    config = tunix_dpo.training_config(
+        algorithm="dpo", beta=0.1, label_smoothing=0.0, lambda_orpo=0.1, **_PEFT
+    )
+    tx = abstract_init(make_optimizer(optimizer))
+    options = SFTOptions(mesh=mesh, rules=rules)
+    trainer = DPOTrainer(policy, None, tx, config, options=options)
+    try:
+        abstract.place(trainer.model, mesh, rules)
+        abstract.place(trainer.optimizer, mesh, rules)
+        reference, own = _reference(trainer.model)
+        logps = _rows(mesh, rules, (pairs,), jnp.float32)
+        example = tunix_dpo.train_example(
+            input_ids=_rows(mesh, rules, (rows, seq), jnp.int32),
+            positions=_rows(mesh, rules, (rows, seq), jnp.int32),
+            attention_mask=_rows(mesh, rules, (rows, seq, seq), jnp.bool_),
+            ref_chosen_logps=logps,
+            ref_rejected_logps=logps,
+            completion_mask=_rows(mesh, rules, (rows, response), jnp.int32),
+            logits_to_keep=response,
+        )
+        kinds = _trained_kinds(trainer, example)
+        step = Program(
+            nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",)),
+            (trainer.model, trainer.optimizer, example),
+            {},
+            kinds,
+            _step_flops(policy, trainer._lora_enabled, rows * seq),
+            resident=own,
+        )
+        ref_args = (example.input_ids, example.positions, example.attention_mask, response)
+        ref_kinds = {"parameters": abstract.device_bytes(nnx.state(reference))}
+        ref_kinds["inputs"] = abstract.device_bytes(ref_args[:3] + (example.completion_mask,))
+        forward = Program(
+            tunix_dpo.compute_logps(),
+            (reference, *ref_args, example.completion_mask),
+            {},
+            ref_kinds,
+            2 * abstract.active_matmul_params(policy.model) * rows * seq,
+            resident=kinds["parameters"] + kinds["optimizer state"] + own - ref_kinds["parameters"],
+        )
+        return {"reference forward": forward, "train step": step}
+    finally:
+        trainer.abandon()
+
+
+def grpo_programs(
+    model,
+    mesh: Mesh,
+    rollout_mesh: Mesh,
+    *,
+    optimizer: str,
+    rows: int,
+    prompt: int,
+    completion: int,
+    rules,
+) -> dict[str, Program]:
+    """``{"rollout": ..., "reference forward": ..., "train step": ...}`` of one GRPO step
+    on the abstract ``model``: ``rows`` completions (prompts x generations) of
+    ``completion`` tokens after ``prompt``-token prompts, Tunix's default GRPO config
+    (beta 0.04: the reference forward runs).
+
+    Raises:
+      ValueError: ``rows`` does not divide by either mesh's data-parallel size.
+      NotImplementedError: a Tunix without ``function_registry.get_policy_loss_fn``
+        (google-tunix < 0.1.7), whose learner wires its loss otherwise.
+    """
+    from tunix.rl import common, function_registry
+    from tunix.rl import trainer as rl_trainer
+    from tunix.rl.grpo import grpo_learner
+    from tunix.sft import peft_trainer
+
+    from posttrain.rl import tunix_rl
+    from posttrain.rl.policy import TunixPolicy
+    from posttrain.sft.trainer import default_moe_aux_loss_weight
+
+    if not hasattr(function_registry, "get_policy_loss_fn"):
+        raise NotImplementedError("plan builds GRPO's loss as google-tunix 0.1.7 does")
+    _check_batch(mesh, rules, rows)
+    _check_batch(rollout_mesh, rules, rows)
+    algo = tunix_rl.algo_config("grpo", num_generations=2, epsilon=0.2)
+    algo.temperature = 1.0  # GRPOLearner sets it to the rollout's (a value, not a shape)
+    loss = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
+    policy = TunixPolicy(model)
+    trainer = rl_trainer.Trainer(
+        policy,
+        abstract_init(make_optimizer(optimizer)),
+        peft_trainer.TrainingConfig(**_PEFT),
+        custom_checkpoint_metadata_fn=dict,
+    )
+    try:
+        # what GRPOLearner.__init__ installs (pad 0, eos 1: values, not shapes)
+        trainer.with_loss_fn(
+            lambda model, train_example, algo_config: loss(
+                model, train_example, algo_config=algo, pad_id=0, eos_id=1
+            ),
+            has_aux=True,
+        )
+        trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo})
+        tunix_rl.with_moe_aux_loss(trainer, default_moe_aux_loss_weight(model))
+        abstract.place(trainer.model, mesh, rules)
+        abstract.place(trainer.optimizer, mesh, rules)
+        reference, own = _reference(trainer.model)
+        prompt_ids = _rows(mesh, rules, (rows, prompt), jnp.int32)
+        completion_ids = _rows(mesh, rules, (rows, completion), jnp.int32)
+        logps = _rows(mesh, rules, (rows, completion), jnp.float32)
+        example = grpo_learner.TrainExample(
+            prompt_ids=prompt_ids,
+            prompt_mask=_rows(mesh, rules, (rows, prompt), jnp.bool_),
+            completion_ids=completion_ids,
+            completion_mask=_rows(mesh, rules, (rows, completion), jnp.bool_),
+            advantages=_rows(mesh, rules, (rows,), jnp.float32),
+            ref_per_token_logps=logps,
+            old_per_token_logps=None,
+        )
+        kinds = _trained_kinds(trainer, example)
+        held = kinds["parameters"] + kinds["optimizer state"] + own
+        step = Program(
+            nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",)),
+            (trainer.model, trainer.optimizer, example),
+            {},
+            kinds,
+            _step_flops(policy, trainer._lora_enabled, rows * (prompt + completion)),
+            resident=own,
+        )
+        graphdef, state = nnx.split(reference)
+        ref_kinds = {"parameters": abstract.device_bytes(state)}
+        ref_kinds["inputs"] = abstract.device_bytes((prompt_ids, completion_ids))
+        forward = Program(
+            common.compute_per_token_logps,
+            (graphdef, state, prompt_ids, completion_ids),
+            {"pad_id": 0, "eos_id": 1, "stop_gradient": True, "return_logits": False},
+            ref_kinds,
+            2 * abstract.active_matmul_params(model) * rows * (prompt + completion),
+            resident=held - ref_kinds["parameters"],
+        )
+        rollout = _rollout(trainer.model.model, mesh, rollout_mesh, rows, prompt, completion, rules)
+        # a rollout on the trainer's mesh shares the actor's model; another holds a copy
+        copy = rollout.kinds["parameters"] if rollout_mesh is not mesh else 0
+        rollout = _with_resident(rollout, held + copy - rollout.kinds["parameters"])
+        step = _with_resident(step, step.resident + copy)
+        forward = _with_resident(forward, forward.resident + copy)
+        return {"rollout": rollout, "reference forward": forward, "train step": step}
+    finally:
+        trainer.checkpoint_manager.close()
+        trainer.metrics_logger.close()
+
+
+def _rollout(model, mesh, rollout_mesh, rows, prompt, completion, rules) -> Program:
+    """The rollout's program: on the trainer's mesh the actor's own (placed) model, on
+    another mesh a copy placed there."""
+    sampled = model if rollout_mesh is mesh else nnx.clone(model)
+    return generate_program(
+        sampled, rollout_mesh, batch=rows, prompt=prompt, new_tokens=completion, rules=rules
+    )
+
+
+def _with_resident(program: Program, resident: int) -> Program:
+    import dataclasses
+
+    return dataclasses.replace(program, resident=resident)
