@@ -156,6 +156,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
     "src/posttrain/plan/cli.py": ["tests/test_plan.py"],
     "src/posttrain/plan/workflows.py": ["tests/test_plan.py"],
+    "harness/fits.py": ["tests/test_fits.py"],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
     # a checkpoint's formats: the family tests (transformers' masks and ids, the SFT and
     # DPO spans written from each published format) and the unit tests; not the greedy

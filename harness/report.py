@@ -13,7 +13,9 @@ them:
   order) where it appears and how many entries show it;
 - ``previous`` and ``changed``: the statuses of the report this one replaced (when
   there was one) and the cells whose status flipped since;
-- ``drift``: newer upstream releases than the newest tested (:mod:`harness.drift`).
+- ``drift``: newer upstream releases than the newest tested (:mod:`harness.drift`);
+- ``fits``: the seed's scale configurations compiled for their TPU slices by
+  ``posttrain plan`` (:mod:`harness.fits`), or None when no plan rows exist.
 
 The Markdown (:mod:`harness.report_md`) is for a PR comment; the HTML
 (:mod:`harness.report_html`) is one self-contained page.
@@ -180,13 +182,15 @@ def build(
     drift: dict[str, Any] | None = None,
     not_run: Sequence[str] = (),
     bisect: Sequence[dict[str, str]] = (),
+    fits: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The report of ``rows``; ``previous``: the report it replaces (its statuses are
     kept, to mark flips); ``drift``: :func:`harness.drift.check`'s result; ``not_run``:
     the entries of the entries file this report leaves out (the summary names them and
     the command that runs them: :func:`not_run_lines`); ``bisect``: the ``bisect``
     commands that would name the commit behind a source row's FAIL or warn cell
-    (:func:`harness.bisect.suggestions`)."""
+    (:func:`harness.bisect.suggestions`); ``fits``: the rows of
+    :func:`harness.fits.load` (None: no plans were run)."""
     cols = columns(rows)
     report: dict[str, Any] = {
         "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -199,6 +203,7 @@ def build(
         "drift": drift,
         "not_run": [name for name in not_run if name not in {r["name"] for r in rows}],
         "bisect": list(bisect),
+        "fits": None if fits is None else list(fits),
     }
     report["previous"] = (
         {

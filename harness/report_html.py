@@ -193,6 +193,12 @@ def summary(report: dict[str, Any]) -> str:
     ]
     if sources:
         cards.append(_card("Tunix from source", sources))
+    if report.get("fits") is not None:
+        from harness import fits
+
+        lines = fits.markdown_lines(report["fits"])[2:]  # the rows, without the header
+        items = [" · ".join(esc(c.strip()) for c in line.strip("|").split("|")) for line in lines]
+        cards.append(_card("Fits on TPU slices (posttrain plan)", items))
     suggested = report.get("bisect") or []
     if suggested:
         commands = [

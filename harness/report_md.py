@@ -114,6 +114,20 @@ def summary(report: dict[str, Any]) -> list[str]:
     return out
 
 
+def fits_section(report: dict[str, Any]) -> list[str]:
+    """The seed configurations on their TPU slices (:mod:`harness.fits`); nothing when the
+    report has no plan rows."""
+    from harness import fits
+
+    if report.get("fits") is None:
+        return []
+    return [
+        "### Fits on TPU slices (`posttrain plan`, deviceless compiles)\n",
+        *fits.markdown_lines(report["fits"]),
+        "",
+    ]
+
+
 def markdown(report: dict[str, Any]) -> str:
     rows, cols = report["entries"], report["columns"]
     flipped = {(f["entry"], f["column"]) for f in report.get("changed", [])}
@@ -145,6 +159,7 @@ def markdown(report: dict[str, Any]) -> str:
                 reasons.setdefault(c.get("message", ""), []).append(f"{row['name']} / {column}")
         out.append(f"| {name} | {compact_versions(row)} | " + " | ".join(marks) + " |")
     out.append("\nColumns: " + "; ".join(f"{i + 1} = `{c}`" for i, c in enumerate(cols)) + ".\n")
+    out += fits_section(report)
     failures = report.get("first_failures", [])
     out.append("### First failing entry per contract\n")
     out += _listed(
