@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 
+from harness import fits
 from posttrain.plan import DoesNotFit, PlanOptions, plan, topology
 
 pytestmark = [pytest.mark.slow, pytest.mark.aot]
@@ -34,46 +35,53 @@ def _consistent(result) -> None:
     rtol = TILE_PADDED_RTOL.get(result.options.model, ARGUMENT_BYTES_RTOL)
     assert analytic <= f.arguments * (1 + ARGUMENT_BYTES_RTOL)
     assert f.arguments == pytest.approx(analytic, rel=rtol)
-    assert f.peak == f.arguments + f.outputs - f.aliased + f.temporaries
+    assert f.peak == f.arguments + f.outputs - f.aliased + f.temporaries + f.resident
     assert v.headroom == topology.get(result.options.topology).hbm_bytes - f.peak
     assert 0 < v.mfu <= 1, f"MFU {v.mfu:.1%}: FLOPs undercounted (a scanned loop?)"
 
 
+def _seed(name: str) -> PlanOptions:
+    """The seed configuration ``name`` (:data:`harness.fits.SEEDS`, what the report plans)."""
+    return PlanOptions(**fits.seed(name).options)
+
+
 def test_qwen3_moe_lora_fits_v5p_32_at_tensor4_fsdp2_expert2():
-    result = plan(
-        PlanOptions(
-            model="qwen3_moe-30b-a3b",
-            topology="v5p-32",
-            mesh={"tensor": 4, "fsdp": 2, "expert": 2},
-            lora_rank=16,
-            batch=16,
-            seq=2048,
-        )
-    )
+    result = plan(_seed("qwen3-30b-a3b lora sft"))
     _consistent(result)
     assert result.verdict.fits
 
 
+def test_qwen3_moe_lora_grpo_fits_v5p_32():
+    """The rollout (with its KV cache), the reference forward and the actor's step each
+    fit, with the optimizer state held beside the rollout and the reference forward."""
+    result = plan(_seed("qwen3-30b-a3b lora grpo"))
+    _consistent(result)
+    rollout, forward = result.stages["rollout"], result.stages["reference forward"]
+    assert rollout.kinds["KV cache"] > 0
+    optimizer = result.figures.kinds["optimizer state"]
+    assert rollout.resident >= optimizer and forward.resident >= optimizer
+    assert result.verdict.fits and all(_fits_its_chip(f, result) for f in result.stages.values())
+
+
+def _fits_its_chip(figures, result) -> bool:
+    return figures.peak <= topology.get(result.options.topology).hbm_bytes
+
+
 def test_llama_70b_full_sft_on_v5p_128_needs_remat_full():
     """remat none overflows the v5p's HBM (the compiler refuses it); remat full fits."""
-    options = PlanOptions(model="llama3-70b", topology="v5p-128", remat="none", seq=2048)
     with pytest.raises(DoesNotFit, match="does not fit v5p-128.*--remat full"):
-        plan(options)
-    result = plan(dataclasses.replace(options, remat="full"))
+        plan(_seed("llama3.1-70b sft remat none"))
+    result = plan(_seed("llama3.1-70b sft remat full"))
     _consistent(result)
     assert result.verdict.fits
 
 
 def test_gpt_oss_20b_lora_and_rollout_fit_v5p_8_on_the_auto_mesh():
     """Every device on fsdp (no hard-coded fsdp=64), tensor=1 for the rollout."""
-    train = plan(PlanOptions(model="gpt_oss-20b", topology="v5p-8", lora_rank=16, seq=2048))
+    train = plan(_seed("gpt-oss-20b lora sft"))
     _consistent(train)
     assert train.verdict.fits and "mesh fsdp=4" in train.what
-    rollout = plan(
-        PlanOptions(
-            model="gpt_oss-20b", topology="v5p-8", workflow="generate", seq=1024, new_tokens=256
-        )
-    )
+    rollout = plan(_seed("gpt-oss-20b rollout"))
     assert rollout.verdict.fits and rollout.figures.kinds["KV cache"] > 0
 
 
@@ -89,9 +97,7 @@ def test_lora_on_v5p_128_fsdp64_compiles_where_the_old_dummy_batch_fails():
     model = abstract.abstract_model(get_config("llama3-70b", scan_layers=True))
     with pytest.raises(ValueError, match="of size 1 is not divisible by mesh axes fsdp=64"):
         abstract_lora(model, mesh, LoraConfig(rank=16, alpha=16), dummy_shape=(1, 1))
-    result = plan(
-        PlanOptions(model="llama3-70b", topology="v5p-128", mesh={"fsdp": 64}, lora_rank=16)
-    )
+    result = plan(_seed("llama3.1-70b lora sft fsdp=64"))
     _consistent(result)
     assert result.verdict.fits
 
@@ -115,7 +121,7 @@ def test_remat_policies_order_their_temporaries():
 
 def test_llama_70b_unsharded_on_one_v5e_chip_is_rejected():
     with pytest.raises(DoesNotFit, match="does not fit v5e-1"):
-        plan(PlanOptions(model="llama3-70b", topology="v5e-1", seq=512))
+        plan(_seed("llama3.1-70b unsharded on one v5e"))
 
 
 def test_extrapolated_depth_against_the_full_compile():
