@@ -147,6 +147,30 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--stop-after": ("value", None, None, "int", False),
         "--output": ("value", "runs/dpo", None, None, False),
     },
+    # pinned from the hand-written parser plan/cli.add_parser had before it became a
+    # COMMANDS row (#34); --rollout-mesh added with the grpo plan
+    "plan": {
+        "--model": ("value", None, None, None, True),
+        "--topology": ("value", None, None, None, True),
+        "--mesh": ("value", None, None, None, False),
+        "--rollout-mesh": ("value", None, None, None, False),
+        "--workflow": ("value", "sft", ("sft", "dpo", "grpo", "generate"), None, False),
+        "--lora-rank": ("value", 0, None, "int", False),
+        "--qlora": ("value", None, None, None, False),
+        "--remat": ("value", "full", ("none", "full", "save_dots"), None, False),
+        "--per-device-batch-size": ("value", 1, None, "int", False),
+        "--batch": ("value", None, None, "int", False),
+        "--seq": ("value", 2048, None, "int", False),
+        "--new-tokens": ("value", 128, None, "int", False),
+        "--grad-accum": ("value", 1, None, "int", False),
+        "--optimizer": ("value", "adamw", ("adamw", "sgd", "adafactor"), None, False),
+        "--dtype": ("value", "bfloat16", ("bfloat16", "float32"), None, False),
+        "--param-dtype": ("value", "bfloat16", ("bfloat16", "float32"), None, False),
+        "--no-scan": ("flag", None, None, None, False),
+        "--num-layers": ("value", None, None, "int", False),
+        "--extrapolate": ("flag", None, None, None, False),
+        "--json": ("value", None, None, None, False),
+    },
 }
 
 

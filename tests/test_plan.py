@@ -167,6 +167,25 @@ def test_workflow_options_are_refused_naming_the_value(changes, message):
         PlanOptions(model="qwen3-0.6b", topology="v5p-8", **changes)
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--workflow", "dpo", "--extrapolate"], "workflow='dpo' plans one micro-step"),
+        (["--mesh", "fsdp=four"], "fsdp=four"),
+        (["--json", "/nonexistent/plan.json"], "--json '/nonexistent/plan.json': its directory"),
+    ],
+    ids=["dpo-extrapolate", "mesh", "json-directory"],
+)
+def test_cli_refuses_bad_input_with_one_line_before_compiling(flags, message, capsys):
+    """``posttrain plan`` is a COMMANDS row: its options' errors are one line, exit 2."""
+    from posttrain import cli
+
+    status = cli.main(["plan", "--model", "qwen3-0.6b", "--topology", "v5p-8", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("posttrain: error: ")
+    assert message in err[0]
+
+
 def test_a_workflow_fits_only_when_each_program_does():
     """DPO / GRPO run several programs per step: the tightest one sets the headroom and
     the verdict, the floors add up, and so do the model FLOPs."""

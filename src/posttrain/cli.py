@@ -40,6 +40,7 @@ from posttrain.cli_options import (
     GenerateOptions,
 )
 from posttrain.distill.options import DistillRunConfig
+from posttrain.plan.options import PlanOptions
 from posttrain.preference.options import DPORunConfig
 from posttrain.rl.options import GRPORunConfig
 from posttrain.sft.options import SFTConfig
@@ -145,6 +146,17 @@ COMMANDS = (
         "trained on the fly; the embedded pydoc_data set, 1 in 8 held out for the KL.",
         multi_process=False,
     ),
+    Command(
+        "plan",
+        PlanOptions,
+        "plan",
+        "compile a workflow's step for a TPU slice on this CPU; say whether it fits",
+        "Compile the step a workflow runs for a TPU slice without the chips (libtpu, the "
+        "tpu extra) and report per-device memory, FLOPs, a roofline floor and whether it "
+        "fits. Exit 1 when it does not.",
+        devices=False,  # JAX runs on the CPU; libtpu gives the slice's devices
+        multi_process=False,
+    ),
 )
 
 #: Subcommands that run correctly across processes (``posttrain-harness launch``).
@@ -170,9 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
                 default=os.environ.get("POSTTRAIN_DEVICES", "8"),
                 help="fake CPU devices, or 'real' (default %(default)s)",
             )
-    from posttrain.plan import cli as plan_cli  # its own parser (not yet a COMMANDS row)
-
-    plan_cli.add_parser(sub)
     return parser
 
 
@@ -281,11 +290,6 @@ def _terminate_as_interrupt():
 def _dispatch(args: argparse.Namespace) -> int:
     import importlib
 
-    if args.command == "plan":
-        from posttrain.plan import cli as plan_cli
-
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the TPU compiles need no backend
-        return plan_cli.run(args)
     command = _command(args.command)
     if distributed.launched() and not command.multi_process:
         raise ValueError(
@@ -297,7 +301,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         _set_devices(parse_devices(args.devices))
         distributed.initialize()  # a no-op outside the launcher and POSTTRAIN_DISTRIBUTED
     else:
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion and parity are CPU work
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion, parity, plans: CPU work
     options = flags.options_from(command.options, args)
     options.check()
     return getattr(importlib.import_module("posttrain.commands"), command.run)(options)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from posttrain.commands.checkpoints import check_logits, convert, forward
 from posttrain.commands.generate import generate, newest_export
 from posttrain.commands.training import distill, dpo, grpo, sft
+from posttrain.plan.cli import run as plan
 
 __all__ = [
     "check_logits",
@@ -21,5 +22,6 @@ __all__ = [
     "generate",
     "grpo",
     "newest_export",
+    "plan",
     "sft",
 ]

@@ -9,10 +9,22 @@ import pathlib
 from typing import Literal
 
 from posttrain.config import ModelConfig, RematPolicy, choices
+from posttrain.flags import option
 
 Workflow = Literal["sft", "dpo", "grpo", "generate"]
 Optimizer = Literal["adamw", "sgd", "adafactor"]
 DType = Literal["bfloat16", "float32"]
+
+
+def _mesh_spec(text: str) -> dict[str, int]:
+    """``--mesh tensor=4,fsdp=2`` -> ``{"tensor": 4, "fsdp": 2}``.
+
+    Raises:
+      ValueError: not ``axis=size`` pairs of known axes.
+    """
+    from posttrain import sharding
+
+    return sharding.parse_mesh_spec(text)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,30 +58,55 @@ class PlanOptions:
         figures to the full depth (:mod:`posttrain.plan.depth`) instead of compiling it.
       json_path: write the JSON record here.
 
+    Each field is also a flag of ``posttrain plan`` (:mod:`posttrain.flags`).
+
     Raises:
       ValueError: a value outside its range, naming it and what was expected.
     """
 
-    model: str
-    topology: str
-    mesh: dict[str, int] | None = None
-    rollout_mesh: dict[str, int] | None = None
-    workflow: Workflow = "sft"
-    lora_rank: int = 0
-    qlora: str | None = None
-    remat: RematPolicy = "full"
-    per_device_batch_size: int = 1
-    batch: int | None = None
-    seq: int = 2048
-    new_tokens: int = 128
-    grad_accum: int = 1
-    optimizer: Optimizer = "adamw"
-    dtype: DType = "bfloat16"
-    param_dtype: DType = "bfloat16"
-    scan_layers: bool = True
-    num_layers: int | None = None
-    extrapolate: bool = False
-    json_path: str | None = None
+    model: str = option(help="preset name or HF config directory", required=True)
+    topology: str = option(help="slice, e.g. v5p-8, v5p-32, v5e-16, v6e-16", required=True)
+    mesh: dict[str, int] | None = option(
+        None,
+        "axis sizes, e.g. tensor=4,fsdp=2,expert=2 (default: every device on fsdp)",
+        parse=_mesh_spec,
+    )
+    rollout_mesh: dict[str, int] | None = option(
+        None,
+        "grpo: the rollout's axis sizes (default: the trainer's mesh, model shared)",
+        parse=_mesh_spec,
+    )
+    workflow: Workflow = option("sft", "the workflow whose step is compiled")
+    lora_rank: int = option(0, "0: full fine-tuning", show_default=False)
+    qlora: str | None = option(None, "QLoRA base-weight type (int8, int4, nf4, float8_e4m3fn)")
+    remat: RematPolicy = option("full", "rematerialisation of the decoder layers")
+    per_device_batch_size: int = option(1, "rows per data-parallel shard")
+    batch: int | None = option(None, "global batch (overrides the above)")
+    seq: int = option(2048, "tokens per row (generate, dpo, grpo: the prompt)")
+    new_tokens: int = option(128, "generate: tokens sampled; dpo, grpo: the completion")
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+    optimizer: Optimizer = option("adamw", "the optax transformation")
+    dtype: DType = option("bfloat16", "activation dtype")
+    param_dtype: DType = option("bfloat16", "parameter dtype")
+    scan_layers: bool = option(True, "unroll the decoder's layers", flag="--no-scan")
+    num_layers: int | None = option(
+        None, "compile this many layers (the fast route; default: the model's)"
+    )
+    extrapolate: bool = option(
+        False,
+        "compile 2 and 4 layer periods and extrapolate to the full depth: arguments exact, "
+        "temporaries underestimated (docs/scale.md)",
+    )
+    json_path: str | None = option(None, "write the JSON record to this file", flag="--json")
+
+    def check(self) -> None:
+        """What ``posttrain plan`` checks before compiling (the values themselves are
+        checked on construction): the JSON's directory exists.
+
+        Raises:
+          ValueError: it does not (one line).
+        """
+        check_output(self.json_path)
 
     def __post_init__(self) -> None:
         for name, literal in (
