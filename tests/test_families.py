@@ -143,7 +143,8 @@ FULL_SIZE = [n for n in presets.PRESETS if n not in presets.TINY_PRESETS]
 # Published parameter counts: the full-size presets' dimensions are real only if they add up
 # to them. The HF hub's safetensors totals of meta-llama/Llama-3.1-8B and -70B,
 # Qwen/Qwen3-0.6B and Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1; the gpt-oss model
-# card's 20.9B (its checkpoint holds MXFP4 experts, so the hub's total counts packed bytes).
+# card's 20.9B (its checkpoint holds MXFP4 experts, so the hub's total counts packed bytes);
+# the Gemma 4 26B-A4B model card's 25.2B total.
 PUBLISHED_PARAMS = {
     "llama3-8b": 8_030_261_248,
     "llama3-70b": 70_553_706_496,
@@ -151,6 +152,7 @@ PUBLISHED_PARAMS = {
     "qwen3_moe-30b-a3b": 30_532_122_624,
     "mixtral-8x7b": 46_702_792_704,
     "gpt_oss-20b": 20.9e9,
+    "gemma4-26b-a4b": 25.2e9,
 }
 # gpt-oss's card rounds to 3 figures; one layer of Llama 3.1 70B is 1.2% of it, a d_ff off
 # by 672 (28000) 1.9%.
@@ -178,3 +180,42 @@ def test_full_size_presets_convert_both_ways_abstractly(name):
 
 def test_every_full_size_preset_has_a_published_count():
     assert sorted(FULL_SIZE) == sorted(PUBLISHED_PARAMS)
+
+
+def test_gemma4_26b_a4b_is_its_released_text_config():
+    """The preset reads the same as the text_config of google/gemma-4-26B-A4B-it's
+    config.json (as quoted in public code; the family module says which fields the sources
+    disagree on and which were taken)."""
+    layer_types = (["sliding_attention"] * 5 + ["full_attention"]) * 5
+    text_config = {
+        "model_type": "gemma4_text",
+        "hidden_size": 2816,
+        "num_hidden_layers": 30,
+        "intermediate_size": 2112,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "num_global_key_value_heads": 2,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "attention_k_eq_v": True,
+        "vocab_size": 262144,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": 1024,
+        "final_logit_softcapping": 30.0,
+        "enable_moe_block": True,
+        "num_experts": 128,
+        "top_k_experts": 8,
+        "moe_intermediate_size": 704,
+        "tie_word_embeddings": True,
+        "layer_types": layer_types,
+        "rope_parameters": {
+            "full_attention": {
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+                "rope_type": "proportional",
+            },
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+    }
+    released = hf_config.from_hf_config(text_config)
+    assert hf_config.hf_view(presets.get_config("gemma4-26b-a4b")) == hf_config.hf_view(released)

@@ -8,8 +8,9 @@ residual through its own weightless RMSNorm x ``scale`` x d_model^-1/2, and
 ``per_expert_scale`` multiplies the renormalised weights; a per-layer scalar;
 embeddings x sqrt(d_model); final logit soft-capping; tied embeddings.
 
-Only a tiny preset ships: full-size Gemma 4 configs come from ``config.json``
-through the conversion package.
+Presets: ``gemma4-tiny`` and ``gemma4-26b-a4b`` (:func:`gemma4_26b_a4b`, the released MoE
+size; the dense sizes have no MoE block and other features, per-layer embeddings and
+shared KV layers, that this family does not model).
 
 Conversion: sandwich norms, a per-layer ``layer_scalar`` (a persistent buffer,
 stored), a dense MLP in every layer and, with MoE, ``router.{proj.weight, scale,
@@ -89,6 +90,58 @@ def gemma4_tiny() -> ModelConfig:
         final_logit_softcap=30.0,
         tie_word_embeddings=True,
         norm_eps=1e-6,
+    )
+
+
+def gemma4_26b_a4b() -> ModelConfig:
+    """Gemma 4 26B-A4B, text (google/gemma-4-26B-A4B-it ``config.json``'s ``text_config``:
+    hidden_size 2816, 30 layers of 5 sliding (window 1024, 8 kv heads of 256) to 1 full
+    (2 kv heads of 512, k used as v, proportional RoPE 0.25), 16 heads, a dense GeGLU MLP
+    of 2112 beside 128 experts of 704 (top 8), vocab 262144, tied, soft-cap 30).
+
+    Sources disagree on two fields. intermediate_size 2112 and num_global_key_value_heads
+    2 are taken from the copies of the released ``config.json`` quoted in public code and
+    from transformers 5.24's own note on this checkpoint (``Gemma4TextConfig``'s expert
+    plan: "num_global_key_value_heads=2 too small to partition"); one test fixture gives
+    9216 (``Gemma4TextConfig``'s default) and 4 (the 31B's). With 2112 the text model has
+    25.23B parameters, the model card's 25.2B; 9216 would add 1.8B.
+    """
+    full = ("sliding",) * 5 + ("full",)
+    sliding = AttentionConfig(
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        rope=RopeConfig(theta=10_000.0),
+        sliding_window=1024,
+        qk_norm=True,
+        v_norm=True,
+        scale=1.0,
+    )
+    global_ = AttentionConfig(
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=512,
+        rope=RopeConfig(kind="proportional", theta=1_000_000.0, partial_rotary_factor=0.25),
+        qk_norm=True,
+        v_norm=True,
+        k_eq_v=True,
+        scale=1.0,
+    )
+    return gemma4_tiny().replace(
+        vocab_size=262_144,
+        d_model=2816,
+        num_layers=30,
+        d_ff=2112,
+        layer_types=full * 5,
+        attention={"sliding": sliding, "full": global_},
+        moe=MoEConfig(
+            num_experts=128,
+            top_k=8,
+            moe_d_ff=704,
+            renormalize=True,
+            router_input_norm=True,
+            per_expert_scale=True,
+        ),
     )
 
 
@@ -243,7 +296,7 @@ LAYER_ROWS = (
 
 FAMILY = Family(
     name="gemma4",
-    presets={"gemma4-tiny": gemma4_tiny},
+    presets={"gemma4-tiny": gemma4_tiny, "gemma4-26b-a4b": gemma4_26b_a4b},
     table=Table(
         GLOBAL_ROWS + ATTENTION_ROWS + DENSE_MLP_ROWS + LAYER_ROWS,
         prefixes=("model.", "model.language_model."),
