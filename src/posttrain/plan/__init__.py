@@ -7,7 +7,8 @@ for the slice's devices (:mod:`posttrain.plan.topology`) on this CPU -> per-devi
 memory by kind, FLOPs, a roofline floor and a verdict (:mod:`posttrain.plan.report`).
 
 Modules: ``topology`` (slices and chips), ``options`` (:class:`PlanOptions`),
-``abstract`` (the abstract model and its bytes), ``steps`` (the programs), ``report``
+``abstract`` (the abstract model and its bytes), ``steps`` (SFT's step, generation),
+``workflows`` (DPO's and GRPO's programs), ``report``
 (figures, verdict, table, JSON), ``compile`` (one compile), ``depth`` (figures extrapolated
 in depth from two shallow compiles: the fast route), ``cli`` (the subcommand).
 """
