@@ -245,22 +245,22 @@ def test_the_record_carries_the_options_and_the_figures(small_plan):
 
 
 @pytest.mark.aot
-def test_remat_policies_order_the_compiled_temporaries():
-    """The decoder's remat policy reaches the compiled step: full saves only each layer's
-    input, save_dots the matmul outputs too, none every activation (qwen3-tiny, two
-    scanned layers, 8 x 128 tokens: 7.9 / 8.6 / 16.6 MiB). Two layers, not one: a scan of
-    one iteration is simplified away and its three policies compile alike (7.8 / 7.6 /
-    7.5 MiB)."""
+def test_remat_full_compiles_fewer_temporaries_than_none():
+    """The decoder's remat policy reaches the compiled step: full keeps only each layer's
+    input for the backward pass, none every activation (qwen3-tiny, two scanned layers,
+    8 x 128 tokens: 7.9 MiB against 16.6 MiB; save_dots between, 8.6 MiB, is the slow
+    tier's qwen3-0.6b ordering). Two layers, not one: a scan of one iteration is
+    simplified away and the policies compile alike (7.8 / 7.6 / 7.5 MiB)."""
     from posttrain.plan.compile import compile_stages
 
-    options = PlanOptions(model="qwen3-tiny", topology="v5p-8", num_layers=2, batch=8, seq=256)
+    options = PlanOptions(model="qwen3-tiny", topology="v5p-8", num_layers=2, batch=8, seq=128)
     temps = {
         remat: compile_stages(dataclasses.replace(options, remat=remat))[1][
             "train step"
         ].temporaries
-        for remat in ("full", "save_dots", "none")
+        for remat in ("full", "none")
     }
-    assert temps["full"] < temps["save_dots"] < temps["none"], temps
+    assert temps["full"] < temps["none"] / 1.5, temps
 
 
 # --- DPO and GRPO: the programs of one step ---------------------------------------------------
