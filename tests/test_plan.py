@@ -190,13 +190,17 @@ def test_a_workflow_fits_only_when_each_program_does():
     """DPO / GRPO run several programs per step: the tightest one sets the headroom and
     the verdict, the floors add up, and so do the model FLOPs."""
     v5p = topology.get("v5p-8")  # 4 chips, 95 GiB each
-    train = _figures()  # peak 16 GiB, floor 10 ms
-    rollout = _figures(temporaries=85 * topology.GIB, model_flops=0.0)  # peak 96 GiB
+    train = _figures()  # peak 16 GiB, floor 10 ms, compute-bound
+    # peak 96 GiB, floor 30 ms reading 3% of a second's HBM bandwidth, memory-bound
+    rollout = _figures(temporaries=85 * topology.GIB, model_flops=0.0, bytes_accessed=2765e9 * 0.03)
     verdict = report.judge_stages({"rollout": rollout, "train step": train}, v5p)
     assert not verdict.fits and verdict.stage == "rollout"
     assert verdict.headroom == -topology.GIB
-    assert verdict.floor_seconds == pytest.approx(0.02)
-    assert verdict.mfu == pytest.approx(0.5)  # the train step's FLOPs over both floors
+    assert verdict.floor_seconds == pytest.approx(0.04) and verdict.bound == "memory"
+    assert verdict.mfu == pytest.approx(0.25)  # the train step's FLOPs over both floors
+    idle = _figures(flops=0.0, bytes_accessed=0.0)
+    nothing = report.judge_stages({"a": idle, "b": idle}, v5p)
+    assert nothing.floor_seconds == 0.0 and nothing.mfu == 0.0 and nothing.fits
     alone = report.judge_stages({"train step": train}, v5p)
     assert alone == report.judge(train, v5p)  # one program: the single-program verdict
     held = _figures(resident=80 * topology.GIB)  # another model held beside it
