@@ -156,7 +156,8 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
     "src/posttrain/plan/cli.py": ["tests/test_plan.py"],
     "src/posttrain/plan/workflows.py": ["tests/test_plan.py"],
-    "harness/fits.py": ["tests/test_fits.py"],
+    # the committed reports/ are not in the scratch copy: their test stays out
+    "harness/fits.py": ["tests/test_fits.py", "-k", "not committed_rows"],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
     # a checkpoint's formats: the family tests (transformers' masks and ids, the SFT and
     # DPO spans written from each published format) and the unit tests; not the greedy
