@@ -198,6 +198,8 @@ def test_a_workflow_fits_only_when_each_program_does():
     assert verdict.headroom == -topology.GIB
     assert verdict.floor_seconds == pytest.approx(0.04) and verdict.bound == "memory"
     assert verdict.mfu == pytest.approx(0.25)  # the train step's FLOPs over both floors
+    swapped = report.judge_stages({"rollout": train, "train step": rollout}, v5p)
+    assert swapped.stage == "train step"  # the tightest, whatever the names' order
     idle = _figures(flops=0.0, bytes_accessed=0.0)
     nothing = report.judge_stages({"a": idle, "b": idle}, v5p)
     assert nothing.floor_seconds == 0.0 and nothing.mfu == 0.0 and nothing.fits
