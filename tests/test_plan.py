@@ -342,6 +342,36 @@ def test_grpo_plan_from_the_cli_compiles_rollout_reference_and_step(tmp_path, ca
     assert rec["peak_bytes"] == step["peak_bytes"] and rec["stage"] in stages
 
 
+@pytest.mark.slow
+@pytest.mark.aot
+def test_a_rollout_on_its_own_mesh_holds_a_copy_of_the_policy():
+    """``--rollout-mesh``: the rollout samples from its own copy of the policy, placed on
+    that mesh, which every program then holds beside its own arguments."""
+    from posttrain.plan import plan
+
+    options = PlanOptions(
+        model="qwen3_moe-tiny",
+        topology="v5p-8",
+        workflow="grpo",
+        lora_rank=4,
+        num_layers=1,
+        batch=8,
+        seq=32,
+        new_tokens=16,
+        mesh={"tensor": 2, "expert": 2},
+    )
+    shared = plan(options).stages
+    apart = plan(dataclasses.replace(options, rollout_mesh={"fsdp": 4})).stages
+    copy = apart["rollout"].kinds["parameters"]
+    assert copy > 0
+    for name in ("train step", "reference forward"):
+        assert apart[name].resident == shared[name].resident + copy
+    optimizer = shared["train step"].kinds["optimizer state"]
+    own = shared["train step"].resident
+    assert shared["rollout"].resident == optimizer + own
+    assert apart["rollout"].resident == (shared["train step"].kinds["parameters"] + optimizer + own)
+
+
 @pytest.mark.devices(8)
 @pytest.mark.parametrize("rank", [0, 4], ids=["full", "lora"])
 def test_the_reference_holds_a_copy_or_only_its_zeroed_lora_b(rank):
