@@ -413,11 +413,8 @@ def _write_report(
 ) -> int:
     """Builds (with drift, the flips against ``previous`` and the entries of ``every``
     it leaves out), writes and prints the report; the exit status of its cells."""
-    from harness import bisect, drift, entries, fits, report, report_md
+    from harness import bisect, drift, fits, report, report_md
 
-    plans = fits.load(args.report_dir)
-    if plans is None:  # the weekly job's rows, committed with the reference report
-        plans = fits.load(entries.REPO / REFERENCE_REPORTS)
     built = report.build(
         rows,
         machine,
@@ -425,7 +422,7 @@ def _write_report(
         drift=drift.check(rows, args.index_url),
         not_run=every,
         bisect=bisect.suggestions(rows) if bisected is None else bisected,
-        fits=plans,
+        fits=fits.load(args.report_dir),  # the plans' rows beside the report, if any
     )
     paths = report.write(built, args.report_dir)
     print(sources.redact(report_md.markdown(built)))

@@ -125,7 +125,7 @@ def test_each_seed_is_a_valid_plan():
     from posttrain.plan import PlanOptions
 
     for s in fits.SEEDS:
-        PlanOptions(**s.options)
+        PlanOptions(**s.options).check()
         assert s.expected in fits.VERDICTS
     assert len({s.name for s in fits.SEEDS}) == len(fits.SEEDS)
     json.dumps([s.options for s in fits.SEEDS])  # the rows' source is plain data

@@ -150,7 +150,7 @@ def test_json_record_round_trips(tmp_path):
 )
 def test_bad_options_are_refused_naming_the_value(changes, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        PlanOptions(model="qwen3-0.6b", topology="v5p-8", **changes)
+        PlanOptions(model="qwen3-0.6b", topology="v5p-8", **changes).check()
 
 
 @pytest.mark.parametrize(
@@ -164,7 +164,7 @@ def test_bad_options_are_refused_naming_the_value(changes, message):
 )
 def test_workflow_options_are_refused_naming_the_value(changes, message):
     with pytest.raises(ValueError, match=message):
-        PlanOptions(model="qwen3-0.6b", topology="v5p-8", **changes)
+        PlanOptions(model="qwen3-0.6b", topology="v5p-8", **changes).check()
 
 
 @pytest.mark.parametrize(

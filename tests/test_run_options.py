@@ -50,7 +50,8 @@ def test_every_field_reaches_its_options_from_the_command_line(command):
         if field.metadata["positional"]:
             required.append("x")
         elif field.metadata["required"]:
-            required += [flags.flag_of(command.options, field.name), typing.get_args(hint)[0]]
+            choices = typing.get_args(hint)  # a Literal's first value, else any string
+            required += [flags.flag_of(command.options, field.name), (*choices, "x")[0]]
     baseline = cli.parse_options([command.name, *required])
     for field, hint in flags._fields(command.options):
         if field.metadata["positional"] or field.metadata["required"]:

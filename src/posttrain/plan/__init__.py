@@ -80,12 +80,14 @@ def plan(options: PlanOptions) -> Plan:
 
     Raises:
       NotImplementedError: a GPU topology.
-      ValueError: a mesh, batch or model the others do not divide (one line).
+      ValueError: an option out of range (:meth:`PlanOptions.check`), or a mesh, batch or
+        model the others do not divide (one line).
       DoesNotFit: the compiler itself rejected the program for lack of memory.
     """
     from posttrain.plan import depth, report, topology
     from posttrain.plan.compile import compile_stages, main_stage
 
+    options.check()
     if options.extrapolate:
         what, stages = depth.extrapolated_figures(options)
     else:

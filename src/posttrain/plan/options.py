@@ -1,4 +1,4 @@
-"""``PlanOptions``: everything ``posttrain plan`` takes, validated on construction."""
+"""``PlanOptions``: everything ``posttrain plan`` takes (its flags), and their check."""
 
 from __future__ import annotations
 
@@ -58,10 +58,8 @@ class PlanOptions:
         figures to the full depth (:mod:`posttrain.plan.depth`) instead of compiling it.
       json_path: write the JSON record here.
 
-    Each field is also a flag of ``posttrain plan`` (:mod:`posttrain.flags`).
-
-    Raises:
-      ValueError: a value outside its range, naming it and what was expected.
+    Each field is also a flag of ``posttrain plan`` (:mod:`posttrain.flags`); the values
+    are checked by :meth:`check`, as every subcommand's options are.
     """
 
     model: str = option(help="preset name or HF config directory", required=True)
@@ -100,15 +98,12 @@ class PlanOptions:
     json_path: str | None = option(None, "write the JSON record to this file", flag="--json")
 
     def check(self) -> None:
-        """What ``posttrain plan`` checks before compiling (the values themselves are
-        checked on construction): the JSON's directory exists.
+        """Refuses values outside their ranges and a JSON path whose directory does not
+        exist, before any compile (:func:`posttrain.plan.plan` calls it; the CLI too).
 
         Raises:
-          ValueError: it does not (one line).
+          ValueError: one line naming the value and what was expected.
         """
-        check_output(self.json_path)
-
-    def __post_init__(self) -> None:
         for name, literal in (
             ("workflow", Workflow),
             ("remat", RematPolicy),
@@ -146,6 +141,7 @@ class PlanOptions:
             )
         if self.rollout_mesh is not None and self.workflow != "grpo":
             raise ValueError(f"rollout_mesh is GRPO's; workflow={self.workflow!r}")
+        check_output(self.json_path)
 
 
 def load_config(spec: str) -> ModelConfig:
