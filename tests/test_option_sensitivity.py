@@ -28,6 +28,7 @@ pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not instal
 
 from flax import nnx  # noqa: E402
 
+from posttrain.distill.options import DistillRunConfig  # noqa: E402
 from posttrain.preference.options import DPORunConfig  # noqa: E402
 from posttrain.rl.options import GRPORunConfig  # noqa: E402
 from posttrain.sft.options import SFTConfig  # noqa: E402
@@ -210,6 +211,27 @@ def _run_dpo(cfg, on_built):
     return run_dpo(cfg, on_built=on_built)
 
 
+def _capture_distill(cfg) -> dict:
+    """``_capture`` for ``posttrain distill``: what the SFT trainer's Tunix receives, and
+    the distillation trainer's strategy (temperature, alpha, top-k) and teacher."""
+    from posttrain.distill.run import run_distill
+
+    seen = {}
+
+    def on_built(trainer):
+        def train(batches, *args, **kwargs):
+            seen.update(_received(trainer, batches, cfg.steps))
+            seen.update(
+                strategy=_plain(trainer._strategy), teacher=_model_picture(trainer._teacher)
+            )
+            trainer.abandon()
+            raise _Stop
+
+        trainer.train = train
+
+    return _stopped(lambda: run_distill(cfg, on_built=on_built), cfg, seen)
+
+
 def _files(tmp_path) -> dict:
     """Inputs an option can name: a chat JSONL, a preference JSONL, another tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -273,6 +295,7 @@ GRPO_VALUES: dict[str, tuple] = {
     **{k: SFT_VALUES[k] for k in ("seed", "save_every", "stop_after")},
     "per_device_batch_size": (3, {}),
     "steps": (4, {}),
+    "grad_accum": (2, {}),  # Tunix's train micro-batch: 4 of the 8 prompts
     "learning_rate": (1e-3, {}),
     "rollout_mesh": ({"data": 8}, {}),
     "rollout_dtype": ("bfloat16", {"rollout_mesh": {"data": 8}}),
@@ -287,6 +310,19 @@ GRPO_VALUES: dict[str, tuple] = {
     "warmup_steps": (1, {}),
     "warmup_data_shards": (2, {"warmup_steps": 1}),  # the warm-up's data order
 }
+DISTILL_VALUES: dict[str, tuple] = {
+    **{k: v for k, v in SFT_VALUES.items() if k not in ("model", "steps", "max_target_length")},
+    "model": ("llama3-tiny", {}),  # the student
+    "steps": (4, {}),
+    "max_target_length": (64, {}),
+    "teacher": ("llama3-tiny", {}),
+    "student_layers": (0, {}),  # an explicit zero: every layer of the preset
+    "strategy": ("attention", {}),  # refused in one line (logit only, so far)
+    "temperature": (2.0, {}),
+    "alpha": (0.0, {}),  # an explicit zero: the task loss alone
+    "distill_top_k": (5, {}),
+    "teacher_steps": (2, {"teacher": None}),  # the on-the-fly teacher's training
+}
 #: Options with no effect on what Tunix receives, and why.
 NO_EFFECT: dict[str, str] = {
     "eval_samples": "the evaluation before and after training only (``posttrain grpo``'s "
@@ -297,6 +333,7 @@ NO_EFFECT: dict[str, str] = {
 
 SMALL_SFT = {"steps": 3, "max_target_length": 64}
 SMALL_DPO = {"steps": 3, "max_prompt_length": 16, "max_response_length": 16}
+SMALL_DISTILL = {"steps": 3, "max_target_length": 128, "teacher": "qwen3-tiny", "teacher_steps": 1}
 SMALL_GRPO = {
     "steps": 2,
     "warmup_steps": 0,
@@ -327,7 +364,12 @@ def _sensitivity(cls, run, values, small, name, tmp_path) -> None:
 
 def test_the_tables_name_every_option():
     """Every field of the options is a row of its table or of :data:`NO_EFFECT`."""
-    tables = ((SFTConfig, SFT_VALUES), (DPORunConfig, DPO_VALUES), (GRPORunConfig, GRPO_VALUES))
+    tables = (
+        (SFTConfig, SFT_VALUES),
+        (DPORunConfig, DPO_VALUES),
+        (GRPORunConfig, GRPO_VALUES),
+        (DistillRunConfig, DISTILL_VALUES),
+    )
     for cls, values in tables:
         names = {f.name for f in dataclasses.fields(cls)}
         assert names == set(values) | (set(NO_EFFECT) & names), cls.__name__
@@ -337,6 +379,7 @@ def test_the_tables_name_every_option():
 # time; the slow tier sweeps every option (GRPO's beta=0.0 is the other explicit zero).
 GATE_SFT = ("warmup_steps",)
 GATE_GRPO: tuple[str, ...] = ()
+GATE_DISTILL = ("alpha",)
 
 
 @pytest.mark.parametrize(
@@ -365,3 +408,14 @@ def test_each_grpo_option_changes_what_tunix_receives(name, tmp_path):
     """A non-default value of the GRPO option changes what Tunix's learner receives (or
     is refused in one line)."""
     _sensitivity(GRPORunConfig, _capture_grpo, GRPO_VALUES, SMALL_GRPO, name, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if n in GATE_DISTILL else pytest.mark.slow) for n in DISTILL_VALUES],
+)
+def test_each_distill_option_changes_what_tunix_receives(name, tmp_path):
+    """A non-default value of the distillation option changes what Tunix's
+    ``DistillationTrainer`` receives, its strategy or its teacher included (or is
+    refused in one line)."""
+    _sensitivity(DistillRunConfig, _capture_distill, DISTILL_VALUES, SMALL_DISTILL, name, tmp_path)

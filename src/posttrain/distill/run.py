@@ -47,8 +47,15 @@ class DistillResult:
         )
 
 
-def run_distill(cfg: DistillRunConfig, *, log_every: int | None = None) -> DistillResult:
+def run_distill(
+    cfg: DistillRunConfig, *, log_every: int | None = None, on_built=None
+) -> DistillResult:
     """Runs (or resumes) one distillation run; see the module docstring.
+
+    Args:
+      cfg: the run.
+      log_every: print a line every this many steps (None: quiet).
+      on_built: called with the trainer before training (tests).
 
     Raises:
       ValueError: a bad option, a strategy or ``distill_top_k`` the release lacks, a
@@ -97,11 +104,13 @@ def run_distill(cfg: DistillRunConfig, *, log_every: int | None = None) -> Disti
         cls = distill_trainer_class()
         return cls(model, teacher, strategy, tx, training_config, options=options)
 
-    def on_built(t):
+    def measured(t):
         built["before"] = held_out_kl(t.model, teacher, held_out)
         built["trainer"] = t
+        if on_built is not None:
+            on_built(t)
 
-    result = run_sft(run_cfg, trainer_class=trainer, on_built=on_built, log_every=log_every)
+    result = run_sft(run_cfg, trainer_class=trainer, on_built=measured, log_every=log_every)
     after = held_out_kl(built["trainer"].model, teacher, held_out)
     return DistillResult(result, teacher_spec, built["before"], after)
 

@@ -169,6 +169,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     previous = _check_resumable(cfg, out)
     tunix_rl.learner_and_config(cfg.algorithm)  # a missing algorithm fails before work
     mesh, rollout_mesh = _meshes(cfg)
+    _check_accumulation(cfg, mesh)
     fns = [rewards.resolve(spec) for spec in cfg.reward]
     tok = TunixTokenizer(load_tokenizer(cfg.tokenizer))
     task = _task(cfg, tok)
@@ -277,7 +278,12 @@ def _configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_id: int):
         eval_every_n_steps=cfg.steps + 1,
         max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
         mini_batch_size=batch,
-        micro_batch_size=batch,
+        micro_batch_size=batch // cfg.grad_accum,
+        # one rollout (and one logps pass) over the whole batch, whatever the
+        # accumulation: Tunix's default is the train micro-batch, which would sample
+        # another batch shape and so other completions
+        rollout_micro_batch_size=batch,
+        compute_logps_micro_batch_size=batch,
         checkpoint_root_directory=str((out / "checkpoints").resolve()),
         checkpointing_options=_compat.interval_checkpoint_options(
             min(cfg.save_every, cfg.stop_after or cfg.save_every),
@@ -357,6 +363,20 @@ def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: 
     step = int(cluster.actor_trainer.train_steps)
     trained = cluster.actor_trainer.model.model  # the trained one (Tunix may re-place it)
     return trained, step, restored, history, seconds
+
+
+def _check_accumulation(cfg: GRPORunConfig, mesh) -> None:
+    """Raises ValueError (one line) unless ``grad_accum`` divides the step's prompts and
+    each micro-batch's completions divide over the mesh's data-parallel shards."""
+    batch, shards = _batch(cfg, mesh), sharding.data_parallel_size(mesh)
+    micro = batch // cfg.grad_accum
+    if batch % cfg.grad_accum or (micro * cfg.num_generations) % shards:
+        raise ValueError(
+            f"grad_accum={cfg.grad_accum} (--grad-accum): the step's {batch} prompts "
+            f"(x {cfg.num_generations} completions) do not split into {cfg.grad_accum} "
+            f"micro-batches over {shards} data-parallel shards; expected a divisor of "
+            f"{batch} leaving a multiple of {shards} completions per micro-batch"
+        )
 
 
 def _batch(cfg: GRPORunConfig, mesh) -> int:
