@@ -218,6 +218,9 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/runs/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
     "src/posttrain/runs/training.py": ["tests/test_option_sensitivity.py", "tests/test_sft_run.py"],
     "src/posttrain/sft/options.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
+    # reliability of the inputs and faults (#40)
+    "src/posttrain/limits.py": ["tests/test_generate_inputs.py"],
+    "src/posttrain/commands/generate_inputs.py": ["tests/test_generate_inputs.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

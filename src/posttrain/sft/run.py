@@ -25,7 +25,7 @@ import pathlib
 
 import numpy as np
 
-from posttrain import distributed, sharding
+from posttrain import distributed, limits, sharding
 from posttrain.runs import record as run_record
 from posttrain.runs.directory import prepare_output
 from posttrain.runs.loading import load_run_model, pad_id_of, run_tokenizer
@@ -111,6 +111,10 @@ def run_sft(
     log_every = log_every if writer else None
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = _global_batch(cfg, mesh)
+    # before any row is built or the output exists: positions and a step's memory
+    limits.check_training_length(
+        cfg.model, cfg.max_target_length, global_batch, flag="--max-target-length"
+    )
     tok = run_tokenizer(cfg, cfg.model if os.path.isdir(cfg.model) else None)
     shards, shard_rows, n_rows = _read_rows(cfg, tok, mesh, global_batch)
     model = load_run_model(cfg, mesh, tok)
