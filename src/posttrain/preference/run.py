@@ -28,6 +28,7 @@ import numpy as np
 from posttrain import atomic, distributed, sharding
 from posttrain.preference.options import DPORunConfig
 from posttrain.runs import record as run_record
+from posttrain.runs.checks import discard_unstarted
 
 __all__ = ["DPORunConfig", "DPOResult", "pair_arrays", "run_dpo"]
 
@@ -276,8 +277,11 @@ def _train(trainer, cfg: DPORunConfig, out, facts: dict, train, held_out, *, wri
         run_record.begin_segment(out, cfg, {**facts, "evaluation_before": before}, restored)
     try:
         trainer.train(train.batches(global_batch, cfg.grad_accum, seed=cfg.seed))
-    except NonFiniteLossError:
+    except NonFiniteLossError as error:
         trainer.abandon()
+        # a run that never checkpointed leaves nothing half-written (runs.checks)
+        if write and discard_unstarted(out, restored):
+            raise NonFiniteLossError(f"{error}; removed what the run wrote in {out}") from None
         raise
     after = held_out_figures() if held_out is not None else None
     if after is not None and write:

@@ -27,6 +27,7 @@ import numpy as np
 
 from posttrain import distributed, limits, sharding
 from posttrain.runs import record as run_record
+from posttrain.runs.checks import discard_unstarted
 from posttrain.runs.directory import prepare_output
 from posttrain.runs.loading import load_run_model, pad_id_of, run_tokenizer
 from posttrain.runs.shards import data_shards, recorded_shards
@@ -240,6 +241,9 @@ def _train(trainer, cfg: SFTConfig, out, facts: dict, shard_rows, *, write: bool
             step_total=lambda counts: distributed.sum_by_key(counts, shards),
         )
         trainer.train(batches)
-    except NonFiniteLossError:
+    except NonFiniteLossError as error:
         trainer.abandon()  # no final checkpoint, no export of a non-finite model
+        # a run that never checkpointed leaves nothing half-written (runs.checks)
+        if write and discard_unstarted(out, restored):
+            raise NonFiniteLossError(f"{error}; removed what the run wrote in {out}") from None
         raise
