@@ -3,8 +3,6 @@ resume (:mod:`posttrain.runs.checks`, #40)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from posttrain import cli
