@@ -9,6 +9,7 @@ and what it leaves when it stops before its first step (#40).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -33,10 +34,8 @@ def discard_unstarted(out: str | os.PathLike, restored: int) -> bool:
             shutil.rmtree(path, ignore_errors=True)
         elif path.exists():
             path.unlink()
-    try:
-        out.rmdir()  # only when nothing else is there
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):  # only when nothing else is there
+        out.rmdir()
     return True
 
 
