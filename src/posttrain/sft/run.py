@@ -27,7 +27,7 @@ import numpy as np
 
 from posttrain import distributed, limits, sharding
 from posttrain.runs import record as run_record
-from posttrain.runs.checks import discard_unstarted
+from posttrain.runs.checks import check_same_run, discard_unstarted
 from posttrain.runs.directory import prepare_output
 from posttrain.runs.loading import load_run_model, pad_id_of, run_tokenizer
 from posttrain.runs.shards import data_shards, recorded_shards
@@ -116,6 +116,7 @@ def run_sft(
     limits.check_training_length(
         cfg.model, cfg.max_target_length, global_batch, flag="--max-target-length"
     )
+    resume_facts = check_same_run(cfg, global_batch)  # devices, data content, exports
     tok = run_tokenizer(cfg, cfg.model if os.path.isdir(cfg.model) else None)
     shards, shard_rows, n_rows = _read_rows(cfg, tok, mesh, global_batch)
     model = load_run_model(cfg, mesh, tok)
@@ -128,6 +129,7 @@ def run_sft(
         "data_shards": shards,
         "convention": trainer.convention.name,
         "replica_parallel_saves_resolved": replica_parallel,
+        **resume_facts,
     }
     if log_every:
         here = sum(len(r["input_tokens"]) for r in shard_rows.values())
