@@ -134,3 +134,25 @@ def replace_empty(path: pathlib.Path) -> bool:
     if path.is_dir() and not any(path.iterdir()):
         path.rmdir()
     return not path.exists()
+
+
+#: The marker of a checkpoint Orbax has not finished (``<step>.orbax-checkpoint-tmp``
+#: and its items' own temporaries): never restored, removed when a run is interrupted.
+PARTIAL_CHECKPOINT = ".orbax-checkpoint-tmp"
+
+
+def sweep_partial_checkpoints(root: str | os.PathLike) -> list[pathlib.Path]:
+    """Removes the checkpoints under ``root`` that Orbax did not finish; returns them.
+    Registered with ``atexit`` by an interrupted run (:mod:`posttrain.commands.training`),
+    so it runs once Orbax's save threads have stopped: the checkpoints left are whole or
+    absent."""
+    root = pathlib.Path(root)
+    if not root.is_dir():
+        return []
+    partial = [p for p in root.iterdir() if PARTIAL_CHECKPOINT in p.name]
+    for path in partial:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return partial
