@@ -375,8 +375,9 @@ def atomic_directory(dst: str | os.PathLike, *, fsync: bool = True) -> Iterator[
     """Yields a temporary sibling of ``dst``, renamed to ``dst`` when the block succeeds.
 
     The sibling is ``.<dst>.tmp-<pid>-<random>``: a later call in the same directory
-    sweeps those whose writer died, whatever their name (:func:`sweep_stale_temporaries`); an exception, Ctrl-C or SIGTERM (which the
-    CLI turns into KeyboardInterrupt) removes it at once. ``dst`` gets the mode the
+    sweeps those whose writer died, whatever their name (:func:`sweep_stale_temporaries`);
+    an exception, Ctrl-C or SIGTERM (which the CLI turns into KeyboardInterrupt) removes
+    it at once. ``dst`` gets the mode the
     umask gives a new directory. With ``fsync`` the files written in the block and the
     directory are flushed before the rename, and the parent directory after it, so a
     power cut leaves either no ``dst`` or a complete one.
