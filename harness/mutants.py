@@ -224,6 +224,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/runs/checks.py": ["tests/test_run_checks.py"],
     "src/posttrain/runs/record.py": ["tests/test_run_checks.py", "tests/test_sft_run.py"],
     "src/posttrain/signals.py": ["tests/test_signals.py"],
+    "src/posttrain/runs/stops.py": ["tests/test_disk_full.py", "tests/test_signals.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

@@ -29,6 +29,16 @@ def restored_quiet():
     logging.getLogger("absl").disabled = absl
 
 
+@pytest.fixture
+def restored_hooks():
+    """A failed :func:`stops.clean_stop` leaves its hooks and filter for the exit: put
+    them back for the next tests."""
+    hooks, filters = (sys.excepthook, sys.unraisablehook), list(logging.getLogger("absl").filters)
+    yield
+    sys.excepthook, sys.unraisablehook = hooks
+    logging.getLogger("absl").filters[:] = filters
+
+
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
 def test_a_signal_raises_its_name_after_quieting_orbax(restored_quiet, name):
     assert not logging.getLogger("absl").disabled
@@ -42,30 +52,36 @@ def test_a_signal_raises_its_name_after_quieting_orbax(restored_quiet, name):
 
 
 def test_an_interrupted_training_command_sweeps_unfinished_checkpoints_at_exit(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, restored_hooks
 ):
     """The sweep is registered with atexit (it must run after Orbax's threads stopped)
     and removes exactly Orbax's temporaries."""
-    from posttrain.commands import training
-    from posttrain.runs import checks
-    from posttrain.sft.options import SFTConfig
+    from posttrain.runs import checks, stops
 
     registered = []
-    monkeypatch.setattr(training.atexit, "register", lambda *a: registered.append(a))
-    cfg = SFTConfig(output=str(tmp_path))
-    with pytest.raises(KeyboardInterrupt), training._whole_checkpoints_on_interrupt(cfg):
+    monkeypatch.setattr(stops.atexit, "register", lambda *a: registered.append(a))
+    with pytest.raises(KeyboardInterrupt), stops.clean_stop(str(tmp_path)):
         raise KeyboardInterrupt("SIGTERM")
     assert registered == [(checks.sweep_partial_checkpoints, tmp_path / "checkpoints")]
     root = tmp_path / "checkpoints"
-    for name in ("3", "4.orbax-checkpoint-tmp", "5.orbax-checkpoint-tmp-1712"):
+    for name in ("3", "4.orbax-checkpoint-tmp", "5.orbax-checkpoint-tmp-1712", "actor/2"):
         (root / name / "model_params").mkdir(parents=True)
     (root / "3" / "commit_success.txt").write_text("")
+    (root / "actor" / "3.orbax-checkpoint-tmp").mkdir()  # grpo's actor
     removed = checks.sweep_partial_checkpoints(root)
-    assert sorted(p.name for p in removed) == [
+    assert sorted(str(p.relative_to(root)) for p in removed) == [
         "4.orbax-checkpoint-tmp",
         "5.orbax-checkpoint-tmp-1712",
+        "actor/3.orbax-checkpoint-tmp",
     ]
-    assert [p.name for p in root.iterdir()] == ["3"]
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
+        "3",
+        "3/commit_success.txt",
+        "3/model_params",
+        "actor",
+        "actor/2",
+        "actor/2/model_params",
+    ]
 
 
 LONG_C_CALL = textwrap.dedent(

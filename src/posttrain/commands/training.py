@@ -3,26 +3,10 @@ closing lines."""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import pathlib
 import sys
 
 from posttrain import distributed
-
-
-@contextlib.contextmanager
-def _whole_checkpoints_on_interrupt(cfg):
-    """On Ctrl-C / SIGTERM the checkpoint being saved is abandoned: its temporary is
-    removed at exit, once Orbax's threads have stopped
-    (:func:`posttrain.runs.checks.sweep_partial_checkpoints`)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        from posttrain.runs.checks import sweep_partial_checkpoints
-
-        atexit.register(sweep_partial_checkpoints, pathlib.Path(cfg.output) / "checkpoints")
-        raise
+from posttrain.runs.stops import clean_stop
 
 
 def sft(cfg) -> int:
@@ -31,7 +15,7 @@ def sft(cfg) -> int:
 
     # Tunix's tqdm bar shows on a terminal only; elsewhere print ~10 progress lines.
     log_every = None if sys.stderr.isatty() else max(1, cfg.steps // 10)
-    with _whole_checkpoints_on_interrupt(cfg):
+    with clean_stop(cfg.output):
         result = run_sft(cfg, log_every=log_every)
     if log_every is None and distributed.is_writer():
         print(
@@ -58,7 +42,7 @@ def grpo(cfg) -> int:
     """``posttrain grpo``: one :class:`~posttrain.rl.options.GRPORunConfig` run."""
     from posttrain.rl.run import run_grpo
 
-    with _whole_checkpoints_on_interrupt(cfg):
+    with clean_stop(cfg.output):
         result = run_grpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
     _print_closing(result)
     return 0
@@ -68,7 +52,7 @@ def dpo(cfg) -> int:
     """``posttrain dpo``: one :class:`~posttrain.preference.options.DPORunConfig` run."""
     from posttrain.preference.run import run_dpo
 
-    with _whole_checkpoints_on_interrupt(cfg):
+    with clean_stop(cfg.output):
         result = run_dpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
     _print_closing(result)
     return 0
@@ -79,7 +63,7 @@ def distill(cfg) -> int:
     its last line is the held-out KL to the teacher before and after."""
     from posttrain.distill.run import run_distill
 
-    with _whole_checkpoints_on_interrupt(cfg):
+    with clean_stop(cfg.output):
         result = run_distill(
             cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10)
         )

@@ -149,7 +149,9 @@ def sweep_partial_checkpoints(root: str | os.PathLike) -> list[pathlib.Path]:
     root = pathlib.Path(root)
     if not root.is_dir():
         return []
-    partial = [p for p in root.iterdir() if PARTIAL_CHECKPOINT in p.name]
+    # grpo keeps its actor's checkpoints one level down (checkpoints/actor/<step>)
+    roots = [root, *(p for p in root.iterdir() if p.is_dir() and not p.name[:1].isdigit())]
+    partial = [p for r in roots for p in r.iterdir() if PARTIAL_CHECKPOINT in p.name]
     for path in partial:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
