@@ -165,3 +165,28 @@ def test_a_real_run_out_of_room_for_its_checkpoint(tmp_path, command):
     ), done.stderr
     assert not [p for p in out.rglob("*") if "orbax-checkpoint-tmp" in p.name]
     assert signal.SIGXFSZ  # the limit's signal exists on this platform
+
+
+def test_other_threads_say_nothing_of_the_closed_loop_or_after_a_full_disk():
+    """tensorstore's callbacks fail on the event loop Orbax closed, in their own threads,
+    sometimes before Orbax logs the full disk: silenced; anything else before a full
+    disk, and the main thread always, still print."""
+    import threading
+
+    printed = []
+    quiet = stops.DiskFullFilter()
+    on_exception, _ = stops._after_disk_full(quiet, lambda *a: printed.append(a[1]), lambda u: None)
+
+    def in_a_thread(error):
+        thread = threading.Thread(target=on_exception, args=(type(error), error, None))
+        thread.start()
+        thread.join()
+
+    closed, other = RuntimeError("Event loop is closed"), RuntimeError("other")
+    in_a_thread(closed)
+    in_a_thread(other)
+    on_exception(RuntimeError, closed, None)  # the main thread
+    assert printed == [other, closed]
+    quiet.first = "disk full"
+    in_a_thread(other)
+    assert printed == [other, closed] and quiet.dropped == 2

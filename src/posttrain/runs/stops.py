@@ -133,21 +133,26 @@ def clean_stop(output: str) -> Iterator[None]:
 
 def _after_disk_full(quiet: DiskFullFilter, excepthook, unraisablehook):
     """``sys.excepthook`` and ``sys.unraisablehook`` that say nothing for other threads
-    once the disk was found full: tensorstore's callbacks then fail on the event loop
-    Orbax closed (``RuntimeError: Event loop is closed``, 71 tracebacks in one DPO run)."""
+    once the disk was found full, nor of the event loop Orbax closed on a failed save
+    (tensorstore's callbacks then fail with ``RuntimeError: Event loop is closed``: 71
+    tracebacks in one DPO run, some before Orbax logs the failure itself)."""
 
-    def silent() -> bool:
-        if quiet.first is None or threading.current_thread() is threading.main_thread():
+    def silent(value) -> bool:
+        if threading.current_thread() is threading.main_thread():
+            return False
+        # the closed loop's errors can come before Orbax logs the failure itself
+        closed_loop = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+        if quiet.first is None and not closed_loop:
             return False
         quiet.dropped += 1
         return True
 
     def on_exception(kind, value, traceback):
-        if not silent():
+        if not silent(value):
             excepthook(kind, value, traceback)
 
     def on_unraisable(unraisable):
-        if not silent():
+        if not silent(unraisable.exc_value):
             unraisablehook(unraisable)
 
     return on_exception, on_unraisable
