@@ -171,3 +171,27 @@ def test_a_training_step_larger_than_the_memory_is_refused():
         limits.check_training_length(
             "qwen3-tiny", 1024, 8, flag="--max-target-length", memory=(need - 1, "m")
         )
+
+
+def test_output_paths_accepted_and_refused(tmp_path, monkeypatch):
+    """A new or an existing file under a writable directory is accepted; an empty path
+    and (emulated with ``os.access``: the tests may run as root) an unwritable directory
+    or file are refused, naming them."""
+    import os
+
+    from posttrain.commands.generate_inputs import check_output_file
+
+    existing = tmp_path / "old.jsonl"
+    existing.write_text("x\n")
+    check_output_file(str(tmp_path / "new.jsonl"))
+    check_output_file(str(existing))
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match=r"^--output '\s*': expected a file path$"):
+            check_output_file(empty)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) != str(tmp_path) and real(p, mode))
+    with pytest.raises(ValueError, match=f"^--output '.*new.jsonl': directory {tmp_path} is not"):
+        check_output_file(str(tmp_path / "new.jsonl"))
+    monkeypatch.setattr(os, "access", lambda p, mode: str(p) != str(existing))
+    with pytest.raises(ValueError, match=r"^--output '.*old.jsonl' is not writable$"):
+        check_output_file(str(existing))

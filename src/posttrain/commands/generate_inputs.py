@@ -40,7 +40,7 @@ def check_output_file(output: str) -> None:
       ValueError: naming the path and what is wrong with it.
     """
     if not output.strip():
-        raise ValueError("--output '': expected a file path")
+        raise ValueError(f"--output {output!r}: expected a file path")
     if os.path.isdir(output):
         raise ValueError(f"--output {output!r} is a directory; expected a file path")
     parent = os.path.dirname(os.path.abspath(output))
