@@ -130,7 +130,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/lora/merge.py": ["tests/test_lora.py", "-k", "merge or zero_adapter"],
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
-    "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
+    "src/posttrain/rl/rewards.py": ["tests/test_rl.py", "tests/test_reward_probe.py"],
     "harness/progress.py": ["tests/test_matrix_progress.py"],
     "harness/bisect.py": ["tests/test_bisect.py"],
     # the CLI generated from the options, and the checks every run shares
@@ -218,6 +218,13 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/runs/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
     "src/posttrain/runs/training.py": ["tests/test_option_sensitivity.py", "tests/test_sft_run.py"],
     "src/posttrain/sft/options.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
+    # reliability of the inputs and faults (#40)
+    "src/posttrain/limits.py": ["tests/test_generate_inputs.py"],
+    "src/posttrain/commands/generate_inputs.py": ["tests/test_generate_inputs.py"],
+    "src/posttrain/runs/checks.py": ["tests/test_run_checks.py"],
+    "src/posttrain/runs/record.py": ["tests/test_run_checks.py", "tests/test_sft_run.py"],
+    "src/posttrain/signals.py": ["tests/test_signals.py"],
+    "src/posttrain/runs/stops.py": ["tests/test_disk_full.py", "tests/test_signals.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

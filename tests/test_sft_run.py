@@ -67,7 +67,9 @@ def test_logged_learning_rate_is_jitted_when_the_schedule_traces(schedule, want,
         LearningRate(lambda step: "not a schedule" + step)(0)
 
 
-def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path, monkeypatch):
+def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(
+    tmp_path, monkeypatch, capsys
+):
     import orbax.checkpoint as ocp
 
     # Count Orbax's replica-parallel slices: replica_parallel_saves="auto" is off in one
@@ -108,11 +110,14 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
         on_built=lambda t: options.append(t.config.checkpointing_options),
     )
     assert options[0].enable_async_checkpointing is False  # --sync-saves
-    # A kill after step 3 was logged but before it was checkpointed: the resume replays
-    # step 3, and metrics.jsonl must hold it once.
+    # A kill after step 3 was logged but before it was checkpointed, in the middle of
+    # writing step 4's line: the resume drops the torn line (one notice) and replays step
+    # 3, and metrics.jsonl must hold it once.
     with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 3, "loss": 99.0}) + "\n")
+        f.write(json.dumps({"step": 3, "loss": 99.0}) + '\n{"step": 4, "lo')
+    capsys.readouterr()
     resumed = run_sft(SFTConfig(**common, output=str(tmp_path / "cut")))
+    assert "metrics.jsonl, line 4: a torn record" in capsys.readouterr().err
     # Each finished run unregistered its TensorBoard listener (Tunix leaves it registered:
     # later runs' metrics were written to the earlier runs' logs).
     assert _compat.scalar_listeners() == listening

@@ -123,4 +123,9 @@ class GenerateOptions:
     mesh: str | None = option(None, "axis sizes, e.g. fsdp=4,tensor=2")
 
     def check(self) -> None:
-        """Nothing to check before the model is read (``generate`` checks the rest)."""
+        """The sampling numbers and ``--output``, before any model is read
+        (:func:`posttrain.commands.generate_inputs.check_options`; ``generate`` checks
+        the prompts and, once the model is read, the lengths)."""
+        from posttrain.commands.generate_inputs import check_options
+
+        check_options(self)

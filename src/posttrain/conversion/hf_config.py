@@ -198,6 +198,9 @@ def _from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
 
 
 NATIVE_ONLY = ("scan_layers", "remat")
+#: What :func:`to_hf_config` writes as ``max_position_embeddings`` (a native config has
+#: no such field); also the limit :mod:`posttrain.limits` assumes where none is recorded.
+DEFAULT_MAX_POSITIONS = 4096
 
 
 def hf_view(cfg: ModelConfig) -> ModelConfig:
@@ -240,7 +243,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": first.bias,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": DEFAULT_MAX_POSITIONS,
     }
     if family.writes_layer_types:
         out["layer_types"] = [HF_LAYER_TYPES[t] for t in cfg.layer_types]

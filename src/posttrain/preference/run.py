@@ -28,6 +28,7 @@ import numpy as np
 from posttrain import atomic, distributed, sharding
 from posttrain.preference.options import DPORunConfig
 from posttrain.runs import record as run_record
+from posttrain.runs.checks import check_same_run, discard_unstarted
 
 __all__ = ["DPORunConfig", "DPOResult", "pair_arrays", "run_dpo"]
 
@@ -215,6 +216,7 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     log_every = log_every if writer else None
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
+    resume_facts = check_same_run(cfg, global_batch)  # devices, data content, exports
     hf_dir = cfg.model if os.path.isdir(cfg.model) else None
     tokenizer_path = run_tokenizer_path(cfg, hf_dir)
     tok = load_tokenizer(tokenizer_path)
@@ -239,6 +241,7 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
         "pairs": train.total,
         "data_shards": shards,
         "convention": trainer.convention.name,
+        **resume_facts,
     }
     before, after = _train(trainer, cfg, out, facts, train, held_out, write=writer)
     step = trainer.train_steps
@@ -276,8 +279,11 @@ def _train(trainer, cfg: DPORunConfig, out, facts: dict, train, held_out, *, wri
         run_record.begin_segment(out, cfg, {**facts, "evaluation_before": before}, restored)
     try:
         trainer.train(train.batches(global_batch, cfg.grad_accum, seed=cfg.seed))
-    except NonFiniteLossError:
+    except NonFiniteLossError as error:
         trainer.abandon()
+        # a run that never checkpointed leaves nothing half-written (runs.checks)
+        if write and discard_unstarted(out, restored):
+            raise NonFiniteLossError(f"{error}; removed what the run wrote in {out}") from None
         raise
     after = held_out_figures() if held_out is not None else None
     if after is not None and write:

@@ -149,8 +149,8 @@ class GRPORunConfig(RunOptions):
                 self.bad("beta", "unset with --algorithm dapo (DAPO has no KL term)")
         if not self.reward:
             self.bad("reward", "at least one reward function")
-        for spec in self.reward:
-            rewards.resolve(spec)
+        for spec in self.reward:  # imported and called once, before anything is written
+            rewards.probe(spec, rewards.resolve(spec))
 
     def _check_rollout(self) -> None:
         for name in ("mesh", "rollout_mesh"):

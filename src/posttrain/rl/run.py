@@ -30,6 +30,7 @@ from posttrain import atomic, distributed, sharding
 from posttrain.rl import arithmetic, rewards
 from posttrain.rl.metrics import progress_line, step_record, write_metrics
 from posttrain.rl.options import GRPORunConfig
+from posttrain.runs import record as run_record
 
 __all__ = ["GRPOResult", "GRPORunConfig", "progress_line", "run_grpo", "step_record"]
 
@@ -63,14 +64,12 @@ class GRPOResult:
 
 
 def _check_resumable(cfg: GRPORunConfig, out: pathlib.Path) -> dict | None:
-    path = out / "run.json"
-    if not path.exists():
+    record = run_record.read(out)  # None, or an object whose keys have their types
+    if record is None:
         return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        settings = record["settings"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: not a posttrain grpo run record ({err})") from None
+    if "settings" not in record:
+        raise ValueError(f"{out / 'run.json'}: not a posttrain grpo run record (no 'settings')")
+    settings = record["settings"]
     current = json.loads(json.dumps(cfg.training_settings()))
     changed = [k for k in cfg.TRAINING_FIELDS if settings.get(k) != current[k]]
     if changed:

@@ -25,8 +25,9 @@ import pathlib
 
 import numpy as np
 
-from posttrain import distributed, sharding
+from posttrain import distributed, limits, sharding
 from posttrain.runs import record as run_record
+from posttrain.runs.checks import check_same_run, discard_unstarted
 from posttrain.runs.directory import prepare_output
 from posttrain.runs.loading import load_run_model, pad_id_of, run_tokenizer
 from posttrain.runs.shards import data_shards, recorded_shards
@@ -111,6 +112,11 @@ def run_sft(
     log_every = log_every if writer else None
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = _global_batch(cfg, mesh)
+    # before any row is built or the output exists: positions and a step's memory
+    limits.check_training_length(
+        cfg.model, cfg.max_target_length, global_batch, flag="--max-target-length"
+    )
+    resume_facts = check_same_run(cfg, global_batch)  # devices, data content, exports
     tok = run_tokenizer(cfg, cfg.model if os.path.isdir(cfg.model) else None)
     shards, shard_rows, n_rows = _read_rows(cfg, tok, mesh, global_batch)
     model = load_run_model(cfg, mesh, tok)
@@ -123,6 +129,7 @@ def run_sft(
         "data_shards": shards,
         "convention": trainer.convention.name,
         "replica_parallel_saves_resolved": replica_parallel,
+        **resume_facts,
     }
     if log_every:
         here = sum(len(r["input_tokens"]) for r in shard_rows.values())
@@ -236,6 +243,9 @@ def _train(trainer, cfg: SFTConfig, out, facts: dict, shard_rows, *, write: bool
             step_total=lambda counts: distributed.sum_by_key(counts, shards),
         )
         trainer.train(batches)
-    except NonFiniteLossError:
+    except NonFiniteLossError as error:
         trainer.abandon()  # no final checkpoint, no export of a non-finite model
+        # a run that never checkpointed leaves nothing half-written (runs.checks)
+        if write and discard_unstarted(out, restored):
+            raise NonFiniteLossError(f"{error}; removed what the run wrote in {out}") from None
         raise
