@@ -336,6 +336,27 @@ def write_tiny_model(family: Family, directory: pathlib.Path, hf_family: str) ->
     return directory
 
 
+def write_random_checkpoint(
+    family: Family, directory: pathlib.Path, preset: str = "llama3-tiny", seed: int = 0
+) -> pathlib.Path:
+    """A tiny random HF checkpoint of our ``preset`` (random tensors named by the
+    conversion table, ``to_hf_config``; no torch) in ``family``'s format: its tokenizer,
+    template, generation config and ``config.json`` EOS."""
+    from posttrain.conversion import to_hf_config
+    from posttrain.models import get_config
+    from tests import checkpoints
+
+    tok = build_tokenizer(family)
+    cfg = get_config(preset).replace(vocab_size=tok.get_vocab_size())
+    tensors = checkpoints.hf_checkpoint(cfg, "hub", seed)
+    checkpoints.write_hf_dir(directory, tensors, to_hf_config(cfg))
+    config = json.loads((directory / "config.json").read_text())
+    write_checkpoint(family, directory)
+    config["eos_token_id"] = tok.token_to_id(family.config_eos)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
 if __name__ == "__main__":  # python -m tests.chat_formats DIR: a tiny Llama-3-format model
     import sys
 

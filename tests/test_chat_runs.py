@@ -1,0 +1,158 @@
+"""The training runs in the checkpoint's own format (#36): ``posttrain sft`` (and ``dpo``,
+``grpo``) render with the model's chat template, refuse ChatML a tokenizer would split
+into text and a resume in another template, record the template's hash, and export the
+template, tokenizer and stop ids so ``posttrain generate`` on the export prompts and
+stops in the format the run trained."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
+
+from posttrain import chat, cli  # noqa: E402
+from posttrain.sft.run import SFTConfig, run_sft  # noqa: E402
+from posttrain.sft.tokenizer import load_tokenizer  # noqa: E402
+from tests import chat_formats  # noqa: E402
+
+LLAMA3 = chat_formats.FAMILIES["llama3"]
+
+
+def _llama3_checkpoint(tmp_path):
+    return chat_formats.write_random_checkpoint(LLAMA3, tmp_path / "llama3")
+
+
+def _chat_file(tmp_path, conversations, repeats: int = 4):
+    path = tmp_path / "chat.jsonl"
+    lines = [json.dumps({"messages": c}) for c in conversations] * repeats
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _first_batch(seen: list):
+    """``on_built`` recording the first batch the trainer trains on."""
+
+    def on_built(trainer):
+        original = trainer.train
+
+        def train(batches, *args, **kwargs):
+            stream = iter(batches)
+            first = next(stream)
+            seen.append(first)
+            return original(itertools.chain([first], stream), *args, **kwargs)
+
+        trainer.train = train
+
+    return on_built
+
+
+def test_sft_trains_the_checkpoints_template_and_exports_it(tmp_path):
+    """An SFT run from a Llama-3-format HF checkpoint trains its template (one BOS per
+    conversation, the template's rendering, loss on each assistant turn's content and
+    ``<|eot_id|>``), records its sha256, and exports the template, the tokenizer and the
+    generation config's stop ids, which the export then reads as its own."""
+    ckpt = _llama3_checkpoint(tmp_path)
+    tok = load_tokenizer(str(ckpt))
+    conversations = [c for c in LLAMA3.conversations if c[0]["role"] != "system"]
+    data = _chat_file(tmp_path, conversations)
+    out = tmp_path / "run"
+    cfg = SFTConfig(
+        model=str(ckpt), data=str(data), steps=2, max_target_length=128, output=str(out)
+    )
+    seen: list = []
+    run_sft(cfg, on_built=_first_batch(seen))
+
+    template = chat.load_template(ckpt)
+    rendered = {template.render(c): c for c in conversations}
+    bos = tok.token_to_id("<|begin_of_text|>")
+    batch = seen[0]
+    segments = 0
+    for tokens, mask, seg in zip(
+        batch["input_tokens"], batch["input_mask"], batch["segment_ids"], strict=True
+    ):
+        for s in set(seg[seg > 0].tolist()):
+            ids, trained = tokens[seg == s], mask[seg == s].astype(bool)
+            conversation = rendered[tok.decode(ids.tolist(), skip_special_tokens=False)]
+            assert ids[0] == bos and (ids == bos).sum() == 1
+            expected = "".join(
+                m["content"].strip() + "<|eot_id|>"
+                for m in conversation
+                if m["role"] == "assistant"
+            )
+            assert tok.decode(ids[trained].tolist(), skip_special_tokens=False) == expected
+            segments += 1
+    assert segments >= 4
+
+    body = json.loads((out / "run.json").read_text())
+    assert body["chat_template_sha256"] == hashlib.sha256(LLAMA3.template.encode()).hexdigest()
+    eos = [tok.token_to_id(t) for t in LLAMA3.generation_eos]
+    assert body["eos_ids"] == eos
+    export = out / "model-step2"
+    assert (export / "chat_template.jinja").read_text() == LLAMA3.template
+    config = json.loads((export / "generation_config.json").read_text())
+    assert config["eos_token_id"] == eos and config["bos_token_id"] == bos
+    exported_tok = load_tokenizer(str(export))
+    assert exported_tok.to_str() == tok.to_str()
+    formats = chat.checkpoint_formats(str(export), exported_tok)
+    assert formats.template.source == LLAMA3.template and formats.eos_ids == tuple(eos)
+    assert formats.template.bos_token == "<|begin_of_text|>"
+
+
+def test_chatml_without_its_markers_is_refused_before_any_write(tmp_path, capsys):
+    """``--chat-template chatml`` with a tokenizer that has no ``<|im_start|>`` token is
+    refused in one line (exit 2) before the output directory exists."""
+    ckpt = _llama3_checkpoint(tmp_path)
+    out = tmp_path / "run"
+    argv = ["sft", "--model", str(ckpt), "--chat-template", "chatml", "--output", str(out)]
+    assert cli.main([*argv, "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no <|im_start|> token" in err, err
+    assert not out.exists()
+
+
+def test_a_resume_in_another_template_is_refused_before_any_write(tmp_path, capsys):
+    """A rerun into an output trained in the built-in ChatML (recorded, or recorded
+    before templates were read) with another template file is refused in one line naming
+    both; with the same template it passes the check."""
+    from posttrain.runs import formats as run_formats
+    from posttrain.runs import record as run_record
+
+    other = tmp_path / "other.jinja"
+    other.write_text(chat.CHATML.replace("'\\n'", "'\\n\\n'"))
+    for facts in ({"rows": 1, run_formats.TEMPLATE_SHA_KEY: chat.chatml().sha256}, {"rows": 1}):
+        out = tmp_path / f"run{len(facts)}"
+        out.mkdir()
+        run_record.record_segment(out, SFTConfig(output=str(out)), facts, 0)
+        before = sorted(p.name for p in out.iterdir())
+        argv = ["sft", "--output", str(out), "--chat-template", str(other)]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "trained in chat template chatml" in err, err
+        assert str(other) in err and "refusing to resume" in err
+        assert sorted(p.name for p in out.iterdir()) == before
+        tok = load_tokenizer(None)
+        same = run_formats.run_formats(SFTConfig(output=str(out)), tok, None)
+        assert same.template.source == chat.CHATML
+
+
+def test_a_chatml_run_exports_im_end_first_and_the_embedded_tokenizer(tmp_path):
+    """The built-in ChatML run's export stops at ``<|im_end|>`` (what it learnt to end a
+    turn with) before the names' others, and its template is ChatML."""
+    from posttrain.runs.formats import run_formats
+
+    tok = load_tokenizer(None)
+    formats = run_formats(SFTConfig(output=str(tmp_path / "run")), tok, None)
+    formats.write(tmp_path)
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    assert config["eos_token_id"][0] == tok.token_to_id("<|im_end|>")
+    assert config["do_sample"] is False
+    assert (tmp_path / "chat_template.jinja").read_text() == chat.CHATML
+    assert np.array_equal(
+        load_tokenizer(str(tmp_path)).encode("a<|im_end|>").ids,
+        tok.encode("a<|im_end|>").ids,
+    )
