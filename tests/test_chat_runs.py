@@ -34,8 +34,13 @@ def _chat_file(tmp_path, conversations, repeats: int = 4):
     return path
 
 
-def _first_batch(seen: list):
-    """``on_built`` recording the first batch the trainer trains on."""
+class _Stop(Exception):
+    """Raised instead of training, once the first batch is recorded."""
+
+
+def _first_batch(seen: list, *, stop: bool = False):
+    """``on_built`` recording the first batch the trainer trains on (``stop``: and
+    raising :class:`_Stop` instead of training)."""
 
     def on_built(trainer):
         original = trainer.train
@@ -44,6 +49,9 @@ def _first_batch(seen: list):
             stream = iter(batches)
             first = next(stream)
             seen.append(first)
+            if stop:
+                trainer.abandon()
+                raise _Stop
             return original(itertools.chain([first], stream), *args, **kwargs)
 
         trainer.train = train
@@ -156,3 +164,52 @@ def test_a_chatml_run_exports_im_end_first_and_the_embedded_tokenizer(tmp_path):
         load_tokenizer(str(tmp_path)).encode("a<|im_end|>").ids,
         tok.encode("a<|im_end|>").ids,
     )
+
+
+def _pairs_file(tmp_path, repeats: int = 8):
+    path = tmp_path / "pairs.jsonl"
+    pairs = [
+        {"prompt": "What is 2+3?", "chosen": "2+3 is 5.", "rejected": "It is 6."},
+        {"prompt": "Name a colour.", "chosen": "Blue.", "rejected": "Seven."},
+    ]
+    path.write_text("".join(json.dumps(p) + "\n" for p in pairs * repeats))
+    return path, pairs
+
+
+def test_dpo_prompts_carry_the_templates_one_bos(tmp_path):
+    """A DPO run from a Llama-3-format checkpoint (whose tokenizer's post-processor adds a
+    BOS of its own): each prompt is the template's rendering with its generation prompt,
+    one ``<|begin_of_text|>`` (the template's), each completion the assistant turn and
+    ``<|eot_id|>``; run.json records the template (the export is SFT's, tested above)."""
+    from posttrain.preference.run import DPORunConfig, run_dpo
+
+    ckpt = _llama3_checkpoint(tmp_path)
+    tok = load_tokenizer(str(ckpt))
+    template = chat.load_template(ckpt)
+    data, pairs = _pairs_file(tmp_path)
+    out = tmp_path / "run"
+    cfg = DPORunConfig(
+        model=str(ckpt),
+        data=str(data),
+        steps=1,
+        max_prompt_length=32,
+        max_response_length=16,
+        output=str(out),
+    )
+    seen: list = []
+    with pytest.raises(_Stop):
+        run_dpo(cfg, on_built=_first_batch(seen, stop=True))
+    batch = seen[0]
+    bos = tok.token_to_id("<|begin_of_text|>")
+    prompts = {
+        tuple(chat.encode_prompt([{"role": "user", "content": p["prompt"]}], tok, template)): p
+        for p in pairs
+    }
+    for i in range(len(batch["prompt_ids"])):
+        ids = batch["prompt_ids"][i][batch["prompt_mask"][i] > 0].tolist()
+        assert ids.count(bos) == 1 and ids[0] == bos
+        pair = prompts[tuple(ids)]
+        chosen = batch["chosen_ids"][i][batch["chosen_mask"][i] > 0].tolist()
+        assert tok.decode(chosen, skip_special_tokens=False) == pair["chosen"] + "<|eot_id|>"
+    body = json.loads((out / "run.json").read_text())
+    assert body["chat_template_sha256"] == template.sha256

@@ -43,6 +43,7 @@ class RunFormats:
       bos_id: the id of the template's ``bos_token``, None without one.
       sampling: the checkpoint's sampling defaults (:func:`posttrain.chat.sampling_defaults`).
       tokenizer: the run's ``tokenizers.Tokenizer``.
+      tokenizer_path: where it was loaded from (None: the embedded one).
     """
 
     template: chat.ChatTemplate
@@ -51,6 +52,7 @@ class RunFormats:
     bos_id: int | None
     sampling: dict[str, Any]
     tokenizer: Any
+    tokenizer_path: str | None = None
 
     def facts(self) -> dict[str, Any]:
         """What ``run.json`` records of the formats (a segment's facts)."""
@@ -109,6 +111,7 @@ def run_formats(cfg, tok, tokenizer_path: str | None) -> RunFormats:
         bos_id=None if bos is None else tok.token_to_id(bos),
         sampling=chat.sampling_defaults(formats.checkpoint),
         tokenizer=tok,
+        tokenizer_path=tokenizer_path,
     )
     check_unchanged(cfg.output, run)
     return run
