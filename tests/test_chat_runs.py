@@ -213,3 +213,44 @@ def test_dpo_prompts_carry_the_templates_one_bos(tmp_path):
         assert tok.decode(chosen, skip_special_tokens=False) == pair["chosen"] + "<|eot_id|>"
     body = json.loads((out / "run.json").read_text())
     assert body["chat_template_sha256"] == template.sha256
+
+
+def test_grpo_prompts_and_stops_in_the_checkpoints_format(tmp_path):
+    """A GRPO run from a Llama-3-format checkpoint (no warm-up): its tokenizer is the
+    checkpoint's, its prompts the template's rendering (one BOS, the Llama-3 assistant
+    header), its rollout stops at the generation config's ids, not a token's name."""
+    from posttrain.rl.run import GRPORunConfig, run_grpo
+
+    ckpt = _llama3_checkpoint(tmp_path)
+    tok = load_tokenizer(str(ckpt))
+    template = chat.load_template(ckpt)
+    cfg = GRPORunConfig(
+        model=str(ckpt),
+        steps=1,
+        warmup_steps=0,
+        per_device_batch_size=1,
+        num_generations=2,
+        max_new_tokens=2,
+        eval_samples=0,
+        output=str(tmp_path / "run"),
+    )
+    seen = {}
+
+    def on_built(learner, policies):
+        def train(data, *args, **kwargs):
+            names = set(vars(learner))
+            cluster = learner.rl_engine if "rl_engine" in names else learner.rl_cluster
+            seen["rollout"] = cluster.cluster_config.rollout_config
+            seen["batch"] = next(iter(data))
+            raise _Stop
+
+        learner.train = train
+
+    with pytest.raises(_Stop):
+        run_grpo(cfg, on_built=on_built)
+    eos = [tok.token_to_id(t) for t in LLAMA3.generation_eos]
+    assert list(seen["rollout"].eos_tokens) == eos
+    for prompt in seen["batch"]["prompts"]:
+        question = prompt.split("<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0]
+        assert prompt == chat.prompt_text([{"role": "user", "content": question}], template)
+        assert prompt.startswith("<|begin_of_text|>") and prompt.count("<|begin_of_text|>") == 1
