@@ -254,3 +254,79 @@ def test_grpo_prompts_and_stops_in_the_checkpoints_format(tmp_path):
         question = prompt.split("<|end_header_id|>\n\n")[1].split("<|eot_id|>")[0]
         assert prompt == chat.prompt_text([{"role": "user", "content": question}], template)
         assert prompt.startswith("<|begin_of_text|>") and prompt.count("<|begin_of_text|>") == 1
+
+
+def _generated(ckpt, out, *flags) -> list[int]:
+    argv = ["generate", "--model", str(ckpt), "--prompt", "Name a colour.", "--chat"]
+    assert cli.main([*argv, "--max-new-tokens", "8", "--output", str(out), *flags]) == 0
+    return json.loads(out.read_text())["tokens"]
+
+
+def test_generate_takes_each_sampling_value_the_user_omits_from_the_checkpoint(tmp_path):
+    """``posttrain generate``'s sampling: each of ``--temperature``, ``--top-k``,
+    ``--top-p`` given wins; each omitted is generation_config.json's (greedy where it does
+    not sample), else greedy and unlimited; stop and pad ids are the checkpoint's."""
+    import argparse
+
+    from posttrain.commands.generate import _sampling
+
+    tok = load_tokenizer(None)
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [3, 4], "pad_token_id": 9, "do_sample": True, "top_k": 5})
+    )
+
+    def sampling(spec, **given):
+        args = argparse.Namespace(
+            **{"temperature": None, "top_k": None, "top_p": None, **given},
+            max_new_tokens=4,
+            seed=0,
+        )
+        got = _sampling(args, chat.checkpoint_formats(spec, tok))
+        return got.temperature, got.top_k, got.top_p, got.eos_ids, got.pad_id
+
+    # do_sample without a temperature: transformers' 1.0
+    assert sampling(str(tmp_path)) == (1.0, 5, None, (3, 4), 9)
+    assert sampling(str(tmp_path), temperature=0.0, top_p=0.5) == (0.0, 5, 0.5, (3, 4), 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7}))
+    assert sampling(str(tmp_path))[:3] == (0.0, None, None)  # do_sample absent: greedy
+    assert sampling(str(tmp_path), top_k=2)[:3] == (0.0, 2, None)
+    assert sampling("qwen3-tiny")[:3] == (0.0, None, None)  # a preset has no files
+
+
+@pytest.mark.slow  # four generate runs; the gate has the test above
+def test_generate_samples_with_the_checkpoints_defaults_unless_told(tmp_path):
+    """``posttrain generate`` without sampling flags: greedy where generation_config.json
+    does not sample, its temperature where it does (seeded: the same draw twice);
+    ``--temperature 0`` wins over it."""
+    ckpt = _llama3_checkpoint(tmp_path)
+    out = tmp_path / "out.jsonl"
+    greedy = _generated(ckpt, out)
+    path = ckpt / "generation_config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "do_sample": True, "temperature": 5.0, "top_k": 50}))
+    sampled = _generated(ckpt, out)
+    assert sampled != greedy
+    assert _generated(ckpt, out) == sampled
+    assert _generated(ckpt, out, "--temperature", "0") == greedy
+
+
+def test_the_pad_id_is_the_checkpoints_before_any_name(tmp_path):
+    """The pad id: generation_config.json's ``pad_token_id``, then config.json's, then
+    tokenizer_config.json's ``pad_token``; a token named ``<|pad|>`` only when none says."""
+    tok = load_tokenizer(None)
+    named = tok.token_to_id("<|pad|>")
+    assert chat.pad_id(tok, checkpoint=tmp_path) == named
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<|endoftext|>"}))
+    assert chat.pad_id(tok, checkpoint=tmp_path) == tok.token_to_id("<|endoftext|>")
+    (tmp_path / "config.json").write_text(json.dumps({"pad_token_id": 7}))
+    assert chat.pad_id(tok, checkpoint=tmp_path) == 7
+    (tmp_path / "generation_config.json").write_text(json.dumps({"pad_token_id": 5}))
+    assert chat.pad_id(tok, checkpoint=tmp_path) == 5
+    (tmp_path / "generation_config.json").write_text(json.dumps({"pad_token_id": -1}))
+    with pytest.raises(chat.TemplateError, match="pad_token_id=-1; expected an id >= 0"):
+        chat.pad_id(tok, checkpoint=tmp_path)
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<nope>"}))
+    with pytest.raises(chat.TemplateError, match="pad_token '<nope>' is not in"):
+        chat.pad_id(tok, checkpoint=tmp_path)

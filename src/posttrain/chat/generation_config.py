@@ -17,8 +17,9 @@ builds a generation config from ``config.json`` (``GenerationMixin`` loading in
 here ``config.json`` is read next, then the tokenizer.
 
 Sampling defaults, as transformers reads generation_config.json: ``do_sample`` not true is
-greedy (temperature 0 here); otherwise its ``temperature``, ``top_k`` and ``top_p``, each
-only when present. A value the user gives wins, one by one.
+greedy (temperature 0 here); otherwise its ``temperature`` (1.0, ``GenerationConfig``'s
+default, when absent), ``top_k`` and ``top_p``, each only when present. A value the user
+gives wins, one by one.
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def sampling_defaults(checkpoint: str | os.PathLike | None) -> dict[str, float |
         return {}
     if config.get("do_sample") is not True:
         return {"temperature": 0.0}
-    out = {}
+    out: dict[str, float | int] = {"temperature": 1.0}  # GenerationConfig's default
     for key in SAMPLING_KEYS:
         value = config.get(key)
         if value is None:

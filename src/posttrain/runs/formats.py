@@ -73,13 +73,12 @@ class RunFormats:
         if not self.eos_ids:  # nothing names a stop token: no generation config to write
             return
         sampling = self.sampling
-        temperature = sampling.get("temperature", 1.0 if sampling else None)
         chat.write_generation_config(
             directory,
             eos_ids=self.eos_ids,
             bos_id=self.bos_id,
             pad_id=self.pad_id,
-            temperature=temperature,
+            temperature=sampling.get("temperature"),
             top_k=sampling.get("top_k"),
             top_p=sampling.get("top_p"),
         )
