@@ -330,3 +330,79 @@ def test_the_pad_id_is_the_checkpoints_before_any_name(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<nope>"}))
     with pytest.raises(chat.TemplateError, match="pad_token '<nope>' is not in"):
         chat.pad_id(tok, checkpoint=tmp_path)
+
+
+@pytest.mark.slow  # 200 SFT steps, then transformers on the converted export
+@pytest.mark.reference
+def test_an_sft_export_generates_and_stops_like_transformers_on_its_hf_conversion(tmp_path):
+    """The docs/formats.md demo as a test: a Llama-3-format checkpoint fine-tuned on the
+    addition task in its own template; ``posttrain generate`` on the export stops each
+    answer at ``<|eot_id|>``, and transformers on ``posttrain convert --to hf`` of the
+    export (which carries the template, tokenizer and generation config) renders the same
+    prompt and generates the same tokens, stopping at the same place."""
+    import warnings
+
+    import torch
+    import transformers
+
+    from posttrain.rl import arithmetic
+
+    ckpt = _llama3_checkpoint(tmp_path)
+    data = tmp_path / "addition.jsonl"
+    arithmetic.write_warmup_jsonl(arithmetic.problems(), data, repeats=4)
+    out = tmp_path / "run"
+    cfg = SFTConfig(
+        model=str(ckpt), data=str(data), steps=200, max_target_length=64, output=str(out)
+    )
+    run_sft(cfg)
+    export = out / "model-step200"
+    questions = ["3+4=", "9+8=", "0+5="]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in questions
+        )
+    )
+    written = tmp_path / "ours.jsonl"
+    argv = ["generate", "--model", str(export), "--prompts", str(prompts), "--output", str(written)]
+    assert cli.main([*argv, "--max-new-tokens", "16"]) == 0
+    ours = [json.loads(line) for line in written.read_text().splitlines()]
+    tok = load_tokenizer(str(export))
+    eot = tok.token_to_id("<|eot_id|>")
+    assert [(r["tokens"][-1], r["stop_reason"]) for r in ours] == [(eot, "eos")] * 3
+    assert all(r["text"].isdigit() for r in ours), ours  # an answer, then the stop
+
+    hf_dir = tmp_path / "hf"
+    assert cli.main(["convert", "--from", "native", "--to", "hf", str(export), str(hf_dir)]) == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager")
+    for question, record in zip(questions, ours, strict=True):
+        messages = [{"role": "user", "content": question}]
+        ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        template = chat.load_template(export)
+        assert list(ids) == chat.encode_prompt(messages, tok, template)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = hf.generate(torch.as_tensor([ids]), do_sample=False, max_new_tokens=16)
+        assert got[0, len(ids) :].tolist() == record["tokens"]
+
+
+def test_native_to_hf_carries_the_exports_formats(tmp_path):
+    """``posttrain convert --from native --to hf`` of a run's export copies its chat
+    template, tokenizer and generation config, so the HF directory serves in the format
+    the run trained (transformers reads them: the slow test above)."""
+    from posttrain.conversion import convert_native_to_hf, save_native
+    from posttrain.models import build_model, flat_params, get_config
+    from posttrain.runs.formats import run_formats
+
+    cfg = get_config("qwen3-tiny")
+    native = save_native(flat_params(build_model(cfg, seed=0)), cfg, tmp_path / "native")
+    tok = load_tokenizer(None)
+    run_formats(SFTConfig(output=str(tmp_path / "run")), tok, None).write(native)
+    convert_native_to_hf(native, tmp_path / "hf")
+    names = ("chat_template.jinja", "generation_config.json", "tokenizer.json")
+    for name in (*names, "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (native / name).read_bytes(), name
+    formats = chat.checkpoint_formats(str(tmp_path / "hf"), load_tokenizer(str(tmp_path / "hf")))
+    assert formats.template.source == chat.CHATML
+    assert formats.eos_ids[0] == tok.token_to_id("<|im_end|>")
