@@ -406,3 +406,20 @@ def test_native_to_hf_carries_the_exports_formats(tmp_path):
     formats = chat.checkpoint_formats(str(tmp_path / "hf"), load_tokenizer(str(tmp_path / "hf")))
     assert formats.template.source == chat.CHATML
     assert formats.eos_ids[0] == tok.token_to_id("<|im_end|>")
+
+
+def test_sft_refuses_data_its_template_refuses_naming_the_file_and_line(tmp_path, capsys):
+    """``posttrain sft`` checks a data file in its template's terms before any write: a
+    system message where the family has no system role (Gemma's template, through
+    ``--chat-template``) is one line naming the file, the line and the template's rule."""
+    ckpt = _llama3_checkpoint(tmp_path)
+    gemma = tmp_path / "gemma.jinja"
+    gemma.write_text(chat_formats.FAMILIES["gemma"].template)
+    good = LLAMA3.conversations[0]
+    data = _chat_file(tmp_path, [good, [{"role": "system", "content": "Be brief."}, *good]], 1)
+    out = tmp_path / "run"
+    argv = ["sft", "--model", str(ckpt), "--chat-template", str(gemma), "--data", str(data)]
+    assert cli.main([*argv, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{data}, line 2: " in err, err
+    assert "System role not supported" in err and not out.exists()

@@ -13,7 +13,9 @@ Output directory (``SFTConfig.output``)::
     run.json          settings and one record per start or resume (``run_record``)
     metrics.jsonl     one record per optimizer step, each step once across resumes
     tensorboard/      Tunix's MetricsLogger (loss, perplexity, grad_norm, learning_rate)
-    model-step<N>/    native safetensors of the final weights (LoRA merged) ...
+    model-step<N>/    native safetensors of the final weights (LoRA merged), with the
+                      run's chat template, tokenizer and generation_config.json
+                      (:mod:`posttrain.runs.formats`) ...
     adapter-step<N>/  ... and the adapters alone, when LoRA is on
 """
 
