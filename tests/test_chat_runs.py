@@ -423,3 +423,24 @@ def test_sft_refuses_data_its_template_refuses_naming_the_file_and_line(tmp_path
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{data}, line 2: " in err, err
     assert "System role not supported" in err and not out.exists()
+
+
+def test_the_export_keeps_the_checkpoints_pad_bos_and_sampling_defaults(tmp_path):
+    """The export's generation_config.json: the run's stop ids, and the base checkpoint's
+    pad id, the template's BOS id and its sampling defaults (transformers reads them back:
+    ``tests/test_chat_families.py``), so generating from the export samples as the base."""
+    from posttrain.runs.formats import run_formats
+
+    ckpt = chat_formats.write_checkpoint(LLAMA3, tmp_path / "llama3")
+    config = json.loads((ckpt / "generation_config.json").read_text())
+    sampled = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.9}
+    (ckpt / "generation_config.json").write_text(
+        json.dumps({**config, **sampled, "pad_token_id": 7})
+    )
+    tok = load_tokenizer(str(ckpt))
+    formats = run_formats(SFTConfig(model=str(ckpt), output=str(tmp_path / "run")), tok, str(ckpt))
+    formats.write(tmp_path / "export")
+    written = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    bos = tok.token_to_id("<|begin_of_text|>")
+    assert written == {**config, **sampled, "pad_token_id": 7, "bos_token_id": bos}
+    assert chat.resolve_sampling(tmp_path / "export") == chat.resolve_sampling(ckpt)
