@@ -146,6 +146,16 @@ def test_a_resume_in_another_template_is_refused_before_any_write(tmp_path, caps
         tok = load_tokenizer(None)
         same = run_formats.run_formats(SFTConfig(output=str(out)), tok, None)
         assert same.template.source == chat.CHATML
+    # a run recorded in the other template: resumed in it, refused in the default ChatML
+    out = tmp_path / "run-other"
+    out.mkdir()
+    trained = chat.resolve_template(None, str(other))
+    facts = {run_formats.TEMPLATE_SHA_KEY: trained.sha256, run_formats.TEMPLATE_KEY: str(other)}
+    run_record.record_segment(out, SFTConfig(output=str(out)), facts, 0)
+    resumed = SFTConfig(output=str(out), chat_template=str(other))
+    assert run_formats.run_formats(resumed, load_tokenizer(None), None).template == trained
+    with pytest.raises(ValueError, match=f"trained in chat template {other} .* not chatml"):
+        run_formats.run_formats(SFTConfig(output=str(out)), load_tokenizer(None), None)
 
 
 def test_a_chatml_run_exports_im_end_first_and_the_embedded_tokenizer(tmp_path):
