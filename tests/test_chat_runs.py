@@ -154,8 +154,27 @@ def test_a_resume_in_another_template_is_refused_before_any_write(tmp_path, caps
     run_record.record_segment(out, SFTConfig(output=str(out)), facts, 0)
     resumed = SFTConfig(output=str(out), chat_template=str(other))
     assert run_formats.run_formats(resumed, load_tokenizer(None), None).template == trained
-    with pytest.raises(ValueError, match=f"trained in chat template {other} .* not chatml"):
+    with pytest.raises(ValueError) as refused:
         run_formats.run_formats(SFTConfig(output=str(out)), load_tokenizer(None), None)
+    assert str(refused.value) == (
+        f"{out} holds a run trained in chat template {other} (sha256 {trained.sha256[:12]}), "
+        f"not chatml (sha256 {chat.chatml().sha256[:12]}); refusing to resume it: use a new "
+        "--output, or the run's template (--chat-template)"
+    )
+
+
+def test_a_preset_with_a_tokenizer_directory_trains_in_the_tokenizers_template(tmp_path):
+    """``--model PRESET --tokenizer DIR/tokenizer.json``: the template and the stop id are
+    the tokenizer directory's (its tokenizer_config.json), not ChatML and names."""
+    from posttrain.runs.formats import run_formats
+
+    ckpt = chat_formats.write_checkpoint(LLAMA3, tmp_path / "llama3")
+    path = str(ckpt / "tokenizer.json")
+    tok = load_tokenizer(path)
+    cfg = SFTConfig(model="llama3-tiny", tokenizer=path, output=str(tmp_path / "run"))
+    formats = run_formats(cfg, tok, path)
+    assert formats.template.source == LLAMA3.template
+    assert formats.eos_ids == (tok.token_to_id("<|eot_id|>"),)  # tokenizer_config's eos
 
 
 def test_a_chatml_run_exports_im_end_first_and_the_embedded_tokenizer(tmp_path):
