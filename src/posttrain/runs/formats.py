@@ -98,9 +98,9 @@ def run_formats(cfg, tok, tokenizer_path: str | None) -> RunFormats:
     )
     template = formats.template
     chat.check_template_tokens(template, tok)
-    tokenizer_dir = tokenizer_path if tokenizer_path is not None else formats.checkpoint
+    # the tokenizer's directory, else the checkpoint's (stop_ids' own fallback)
     eos = chat.run_stop_ids(
-        template, tok, checkpoint=formats.checkpoint, tokenizer_dir=tokenizer_dir
+        template, tok, checkpoint=formats.checkpoint, tokenizer_dir=tokenizer_path
     )
     bos = template.bos_token
     run = RunFormats(
