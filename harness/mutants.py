@@ -214,6 +214,13 @@ TARGETS: dict[str, list[str]] = {
         "-k",
         "export or run",
     ],
+    # the runs in the checkpoint's format, the refusals, the export's files
+    "src/posttrain/runs/formats.py": [
+        "tests/test_chat_runs.py",
+        "tests/test_sft_run.py",
+        "-k",
+        "chat or template or bad_input",
+    ],
     "src/posttrain/runs/loading.py": ["tests/test_sft_run.py", "tests/test_preference.py"],
     "src/posttrain/runs/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
     "src/posttrain/runs/training.py": ["tests/test_option_sensitivity.py", "tests/test_sft_run.py"],

@@ -1,7 +1,10 @@
 """The ``posttrain`` subcommands' option sets: every flag name, kind, default, choice and
 type users had before the CLI was generated from the options dataclasses (#37), so that
 generating it changed none of them. Derived once from the hand-written parser (commit
-3216db4) and reviewed; a deliberate change edits this table and says why."""
+3216db4) and reviewed; a deliberate change edits this table and says why.
+
+Changes since: ``--chat-template`` on ``sft``, ``dpo`` and ``grpo`` (#36: the model's own
+template drives training; a file or ``chatml`` overrides it)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--model": ("value", "qwen3-tiny", None, None, False),
         "--data": ("value", None, None, None, False),
         "--tokenizer": ("value", None, None, None, False),
+        "--chat-template": ("value", None, None, None, False),
         "--mesh": ("value", None, None, None, False),
         "--devices": DEVICES,
         "--per-device-batch-size": ("value", 1, None, "int", False),
@@ -77,11 +81,12 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--model": ("value", None, None, None, False),
         "--adapter": ("value", None, None, None, False),
         "--tokenizer": ("value", None, None, None, False),
+        "--chat-template": ("value", None, None, None, False),
         "--prompt": ("append", None, None, None, False),
         "--prompts": ("value", None, None, None, False),
         "--chat": ("flag", None, None, None, False),
         "--max-new-tokens": ("value", 64, None, "int", False),
-        "--temperature": ("value", 0.0, None, "float", False),
+        "--temperature": ("value", None, None, "float", False),
         "--top-k": ("value", None, None, "int", False),
         "--top-p": ("value", None, None, "float", False),
         "--seed": ("value", 0, None, "int", False),
@@ -93,6 +98,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
     "grpo": {
         "--model": ("value", "qwen3-tiny", None, None, False),
         "--tokenizer": ("value", None, None, None, False),
+        "--chat-template": ("value", None, None, None, False),
         "--mesh": ("value", None, None, None, False),
         "--rollout-mesh": ("value", None, None, None, False),
         "--rollout-dtype": ("value", None, None, None, False),
@@ -124,6 +130,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--data": ("value", None, None, None, False),
         "--eval-data": ("value", None, None, None, False),
         "--tokenizer": ("value", None, None, None, False),
+        "--chat-template": ("value", None, None, None, False),
         "--mesh": ("value", None, None, None, False),
         "--devices": DEVICES,
         "--per-device-batch-size": ("value", 1, None, "int", False),

@@ -233,7 +233,8 @@ def _capture_distill(cfg) -> dict:
 
 
 def _files(tmp_path) -> dict:
-    """Inputs an option can name: a chat JSONL, a preference JSONL, another tokenizer."""
+    """Inputs an option can name: a chat JSONL, a preference JSONL, another tokenizer, a
+    chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     chat = tmp_path / "chat.jsonl"
@@ -245,7 +246,19 @@ def _files(tmp_path) -> dict:
     words = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.save(str(tmp_path / "words.json"))
-    return {"chat": str(chat), "pairs": str(pairs), "tokenizer": str(tmp_path / "words.json")}
+    template = tmp_path / "chat_template.jinja"  # ChatML's markers, another layout
+    template.write_text(
+        "{% for m in messages %}{{ m.role + ': ' }}{% if m.role == 'assistant' %}"
+        "{% generation %}{{ m.content + '<|im_end|>' }}{% endgeneration %}"
+        "{% else %}{{ m.content + '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    return {
+        "chat": str(chat),
+        "pairs": str(pairs),
+        "tokenizer": str(tmp_path / "words.json"),
+        "template": str(template),
+    }
 
 
 #: option -> (its other value, base overrides it needs to have an effect); "{chat}" etc.
@@ -253,6 +266,7 @@ def _files(tmp_path) -> dict:
 SFT_VALUES: dict[str, tuple] = {
     "model": ("llama3-tiny", {}),
     "tokenizer": ("{tokenizer}", {}),
+    "chat_template": ("{template}", {}),
     "mesh": ({"data": 2, "fsdp": 4}, {}),
     "per_device_batch_size": (2, {}),
     "steps": (4, {}),
@@ -276,6 +290,7 @@ SFT_VALUES: dict[str, tuple] = {
 }
 DPO_VALUES: dict[str, tuple] = {
     **{k: SFT_VALUES[k] for k in ("model", "tokenizer", "mesh", "steps", "learning_rate")},
+    "chat_template": SFT_VALUES["chat_template"],
     **{k: SFT_VALUES[k] for k in ("lora_rank", "lora_alpha", "seed", "save_every")},
     **{k: SFT_VALUES[k] for k in ("stop_after", "grad_accum", "warmup_steps")},
     **{k: SFT_VALUES[k] for k in ("remat", "scan_layers", "data_shards")},
@@ -292,6 +307,7 @@ DPO_VALUES: dict[str, tuple] = {
 }
 GRPO_VALUES: dict[str, tuple] = {
     **{k: SFT_VALUES[k] for k in ("model", "tokenizer", "mesh", "lora_rank", "lora_alpha")},
+    "chat_template": SFT_VALUES["chat_template"],
     **{k: SFT_VALUES[k] for k in ("seed", "save_every", "stop_after")},
     "per_device_batch_size": (3, {}),
     "steps": (4, {}),

@@ -110,13 +110,22 @@ class GenerateOptions:
     )
     adapter: str | None = option(None, "a LoRA adapter directory to apply")
     tokenizer: str | None = option(None, "tokenizer.json (default: see docs)")
+    chat_template: str | None = option(
+        None, "a Jinja chat template file, or chatml (default: the checkpoint's own, else ChatML)"
+    )
     prompt: tuple[str, ...] = option((), "prompt text (repeatable)")
     prompts: str | None = option(None, 'JSONL: {"prompt": ...} or {"messages": [...]}')
-    chat: bool = option(False, "wrap --prompt in the ChatML template")
+    chat: bool = option(False, "wrap --prompt in the chat template as a user turn")
     max_new_tokens: int = option(64, "tokens to generate", show_default=False)
-    temperature: float = option(0.0, "0: greedy (default)", show_default=False)
-    top_k: int | None = option(None, "sample from the k likeliest tokens")
-    top_p: float | None = option(None, "sample from the smallest set holding this mass")
+    temperature: float | None = option(
+        None, "0: greedy (default: the checkpoint's generation_config.json, else greedy)"
+    )
+    top_k: int | None = option(
+        None, "sample from the k likeliest tokens (default: the checkpoint's, else all)"
+    )
+    top_p: float | None = option(
+        None, "sample from the smallest set holding this mass (default: the checkpoint's, else 1)"
+    )
     seed: int = option(0, "sampling seed (and a preset's init)", show_default=False)
     cache_size: int | None = option(None, "default: prompt + new tokens")
     output: str | None = option(None, "JSONL file (default: stdout)")

@@ -60,7 +60,9 @@ def generate(args) -> int:
         model, tok = _model_and_tokenizer(args, spec, mesh)
         # the checkpoint's own template and stop ids (its generation_config.json, then
         # config.json, then its tokenizer's eos_token; token names only when none says)
-        formats = chat.checkpoint_formats(spec, tok, tokenizer_path=args.tokenizer)
+        formats = chat.checkpoint_formats(
+            spec, tok, tokenizer_path=args.tokenizer, chat_template=args.chat_template
+        )
         ids = [_prompt_ids(p, tok, args.chat, formats.template) for p in prompts]
         # before the cache is allocated: the positions and the memory it needs
         limits.check_generation(
@@ -71,7 +73,7 @@ def generate(args) -> int:
             new_tokens=args.max_new_tokens,
             cache_size=args.cache_size,
         )
-        sampling = _sampling(args, tok, formats.eos_ids)
+        sampling = _sampling(args, formats)
         stream = None
         # One process streams; across processes the text is printed once, at the end.
         if len(ids) == 1 and not args.output and distributed.process_count() == 1:
@@ -115,20 +117,20 @@ def _prompt_ids(prompt: dict, tok, chat: bool, template=None) -> list[int]:
     return tok.encode(prompt["prompt"], add_special_tokens=False).ids
 
 
-def _sampling(args, tok, eos: tuple[int, ...]):
-    """The sampling options of ``args``, stopping at ``eos`` (the checkpoint's stop ids:
-    :func:`posttrain.chat.checkpoint_formats`); the pad id from the tokenizer."""
+def _sampling(args, formats: chat.CheckpointFormats):
+    """The sampling options: each of ``--temperature``, ``--top-k``, ``--top-p`` given,
+    else the checkpoint's ``generation_config.json``, else greedy; stopping at the
+    checkpoint's stop ids and padding with its pad id (0 when nothing names one), from
+    ``formats`` (:func:`posttrain.chat.checkpoint_formats`)."""
     from posttrain import generate as gen
 
-    pad = next((i for n in ("<|pad|>", "<pad>") if (i := tok.token_to_id(n)) is not None), 0)
+    values = formats.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     return gen.SamplingConfig(
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
         seed=args.seed,
-        eos_ids=eos,
-        pad_id=pad,
+        eos_ids=formats.eos_ids,
+        pad_id=formats.pad_id if formats.pad_id is not None else 0,
+        **values,
     )
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -260,6 +261,17 @@ def default_prefix(meta: NativeMeta) -> str:
     return CANONICAL
 
 
+#: The files of a checkpoint's formats (``posttrain.chat``; a run's export writes them)
+#: that native -> HF copies beside the weights, for transformers and serving stacks.
+FORMAT_FILES = (
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
 def convert_native_to_hf(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -269,7 +281,8 @@ def convert_native_to_hf(
     max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES,
     fsync: bool = True,
 ) -> Summary:
-    """Native directory ``src`` -> new HF directory ``dst`` that ``from_pretrained`` loads.
+    """Native directory ``src`` -> new HF directory ``dst`` that ``from_pretrained`` loads,
+    with ``src``'s :data:`FORMAT_FILES` (chat template, tokenizer, generation config).
 
     Args:
       layout: ``hub`` (default: per-expert tensors where HF has them) or ``fused``.
@@ -286,6 +299,9 @@ def convert_native_to_hf(
 
         def write_config(directory: pathlib.Path) -> None:
             (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            for name in FORMAT_FILES:  # a run's export: serve it in the format it trained
+                if (pathlib.Path(src) / name).is_file():
+                    shutil.copyfile(pathlib.Path(src) / name, directory / name)
 
         return _run(
             plan,

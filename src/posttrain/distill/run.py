@@ -70,7 +70,7 @@ def run_distill(
         model_logits,
     )
     from posttrain.loading import load_model
-    from posttrain.runs.loading import run_tokenizer
+    from posttrain.runs.formats import run_tokenizer_and_formats
     from posttrain.sft.run import build_rows, run_sft
 
     cfg.check()
@@ -88,8 +88,9 @@ def run_distill(
     )
     if teacher is None:
         teacher, _ = load_model(teacher_spec, mesh, seed=cfg.seed + 1, scratch=cfg.output)
-    tok = run_tokenizer(run_cfg, run_cfg.model if os.path.isdir(run_cfg.model) else None)
-    held_out = build_rows(dataclasses.replace(run_cfg, data=str(held_path), packing=True), tok)
+    tok, formats = run_tokenizer_and_formats(run_cfg)  # the held-out rows in the run's template
+    held_cfg = dataclasses.replace(run_cfg, data=str(held_path), packing=True)
+    held_out = build_rows(held_cfg, tok, template=formats.template)
     strategy = tunix_distill.logit_strategy(
         model_logits,
         model_logits,
@@ -193,6 +194,7 @@ def _default_teacher(cfg: DistillRunConfig, out: pathlib.Path, train: pathlib.Pa
             SFTConfig(
                 model=TEACHER_PRESET,
                 data=str(train),
+                chat_template=cfg.chat_template,
                 mesh=cfg.mesh,
                 steps=cfg.teacher_steps,
                 max_target_length=cfg.max_target_length,

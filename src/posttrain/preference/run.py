@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 from collections.abc import Sequence
 
@@ -106,12 +105,18 @@ class ShardedPairs:
 
 
 def pair_arrays(
-    cfg: DPORunConfig, tok, tokenizer_name: str, shards: int = 1, mine: Sequence[int] = (0,)
+    cfg: DPORunConfig,
+    tok,
+    tokenizer_name: str,
+    shards: int = 1,
+    mine: Sequence[int] = (0,),
+    template=None,
 ) -> tuple[ShardedPairs, ShardedPairs | None]:
     """``(train pairs, held-out pairs or None)``: the shards ``mine`` of ``shards`` of
-    each (:class:`ShardedPairs`); ``tokenizer_name`` names the tokenizer in a coverage
-    error. A process parses, validates and tokenises the pairs of its shards only (the
-    others' lines are counted)."""
+    each (:class:`ShardedPairs`), in ``template`` (the run's; None: the built-in ChatML
+    after the tokenizer's BOS prefix); ``tokenizer_name`` names the tokenizer in a
+    coverage error. A process parses, validates and tokenises the pairs of its shards
+    only (the others' lines are counted)."""
     from posttrain.preference import data
     from posttrain.preference.default_data import pydoc_pairs
     from posttrain.runs.loading import pad_id_of
@@ -135,6 +140,7 @@ def pair_arrays(
             max_response_length=cfg.max_response_length,
             overflow=cfg.overflow,
             pad_id=pad_id_of(tok),
+            template=template,
         )
         ids = (
             arrays[f"{k}_ids"][arrays[f"{k}_mask"] > 0] for k in ("prompt", "chosen", "rejected")
@@ -205,8 +211,8 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     from posttrain.preference import tunix_dpo
     from posttrain.runs.directory import prepare_output
     from posttrain.runs.export import export_final
-    from posttrain.runs.loading import load_run_model, run_tokenizer_path
-    from posttrain.sft.tokenizer import load_tokenizer
+    from posttrain.runs.formats import run_tokenizer_and_formats
+    from posttrain.runs.loading import load_run_model
 
     cfg.check()
     tunix_dpo.check_algorithm(cfg.algorithm)  # before anything is read or written
@@ -217,11 +223,10 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
     resume_facts = check_same_run(cfg, global_batch)  # devices, data content, exports
-    hf_dir = cfg.model if os.path.isdir(cfg.model) else None
-    tokenizer_path = run_tokenizer_path(cfg, hf_dir)
-    tok = load_tokenizer(tokenizer_path)
-    name = repr(tokenizer_path or "(embedded)")
-    shards, train, held_out = _read_pairs(cfg, tok, name, mesh, global_batch)
+    # the template (one BOS, the template's): refused before anything is written
+    tok, formats = run_tokenizer_and_formats(cfg)
+    name = repr(formats.tokenizer_path or "(embedded)")
+    shards, train, held_out = _read_pairs(cfg, tok, name, mesh, global_batch, formats.template)
     model = load_run_model(cfg, mesh, tok)
     out = prepare_output(cfg.output)
     trainer = _trainer(cfg, model, mesh, out, log_every)
@@ -242,10 +247,11 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
         "data_shards": shards,
         "convention": trainer.convention.name,
         **resume_facts,
+        **formats.facts(),
     }
     before, after = _train(trainer, cfg, out, facts, train, held_out, write=writer)
     step = trainer.train_steps
-    exported = export_final(trainer.model.model, out, step)
+    exported = export_final(trainer.model.model, out, step, formats=formats)
     return DPOResult(
         trainer.history,
         out,
@@ -291,7 +297,9 @@ def _train(trainer, cfg: DPORunConfig, out, facts: dict, train, held_out, *, wri
     return before, after
 
 
-def _read_pairs(cfg: DPORunConfig, tok, tokenizer_name: str, mesh, global_batch: int):
+def _read_pairs(
+    cfg: DPORunConfig, tok, tokenizer_name: str, mesh, global_batch: int, template=None
+):
     """``(data shards, train pairs, held-out pairs or None)`` of this process
     (:func:`pair_arrays`).
 
@@ -306,7 +314,7 @@ def _read_pairs(cfg: DPORunConfig, tok, tokenizer_name: str, mesh, global_batch:
     # tokenises its shards only, so a bad pair fails in one process: every process
     # learns it and stops (a collective), none waits for the others at the next one.
     with distributed.together("read the data"):
-        train, held_out = pair_arrays(cfg, tok, tokenizer_name, shards, mine)
+        train, held_out = pair_arrays(cfg, tok, tokenizer_name, shards, mine, template)
     if train.total < global_batch * cfg.grad_accum:
         raise ValueError(
             f"{cfg.data or '(embedded pairs)'} has {train.total} training pairs, fewer than "

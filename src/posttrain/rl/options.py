@@ -75,7 +75,9 @@ class GRPORunConfig(RunOptions):
     )
 
     model: str = option(DEFAULT_MODEL, "preset, native or HF directory", show_default=False)
-    tokenizer: str | None = option(None, "tokenizer.json (default: byte tokenizer)")
+    tokenizer: str | None = option(
+        None, "tokenizer.json (default: the HF dir's, else the byte tokenizer)"
+    )
     mesh: dict[str, int] | None = option(
         None, "actor/reference axis sizes (default: fsdp)", parse=parse_mesh
     )

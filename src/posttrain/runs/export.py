@@ -5,12 +5,16 @@ from __future__ import annotations
 import pathlib
 
 
-def export_final(model, out: pathlib.Path, step: int) -> list[pathlib.Path]:
+def export_final(model, out: pathlib.Path, step: int, *, formats=None) -> list[pathlib.Path]:
     """A run's final weights: ``out/model-step<step>`` (native safetensors, LoRA merged)
     and, for a LoRA model, ``out/adapter-step<step>``; an existing export is kept, an
     empty directory replaced, anything else refused (:func:`posttrain.runs.checks.
     check_exports`).
     Returns the directories written (by this process).
+
+    ``formats`` (:class:`posttrain.runs.formats.RunFormats`): the model directory also
+    gets the run's chat template, tokenizer and ``generation_config.json``, so
+    ``posttrain generate`` on it prompts and stops in the format the run trained.
 
     Across processes every process gathers the weights (a collective) and process 0
     writes them; the others wait until it has.
@@ -39,4 +43,6 @@ def export_final(model, out: pathlib.Path, step: int) -> list[pathlib.Path]:
             written.append(save_adapter(lora_model, adapter, lora))
         if writer and replace_empty(native):
             written.append(save_native(params, model.config, native))
+            if formats is not None:
+                formats.write(native)
     return written
