@@ -166,6 +166,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--alpha": ("value", 0.5, None, "float", False),
         "--distill-top-k": ("value", 0, None, "int", False),
         "--teacher-steps": ("value", 60, None, "int", False),
+        "--chat-template": ("value", None, None, None, False),  # every run's (#36)
         "--data": ("value", None, None, None, False),
         "--tokenizer": ("value", None, None, None, False),
         "--mesh": ("value", None, None, None, False),

@@ -19,12 +19,12 @@ def check_options(opts) -> None:
     """
     from posttrain.generate import SamplingConfig
 
+    given = {k: getattr(opts, k) for k in ("temperature", "top_k", "top_p")}
+    # None: the checkpoint's generation_config.json decides (checked when it is read)
     SamplingConfig(
         max_new_tokens=opts.max_new_tokens,
-        temperature=opts.temperature,
-        top_k=opts.top_k,
-        top_p=opts.top_p,
         seed=opts.seed,
+        **{k: v for k, v in given.items() if v is not None},
     )
     if opts.cache_size is not None and opts.cache_size < 1:
         raise ValueError(f"--cache-size {opts.cache_size}: expected >= 1")
