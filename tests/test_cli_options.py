@@ -158,6 +158,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--temperature": ("value", 1.0, None, "float", False),
         "--alpha": ("value", 0.5, None, "float", False),
         "--distill-top-k": ("value", 0, None, "int", False),
+        "--teacher-dtype": ("value", "float32", ("float32", "bfloat16"), None, False),
         "--teacher-steps": ("value", 60, None, "int", False),
         "--data": ("value", None, None, None, False),
         "--tokenizer": ("value", None, None, None, False),

@@ -64,6 +64,7 @@ def run_distill(
     from posttrain import sharding
     from posttrain.distill import tunix_distill
     from posttrain.distill.trainer import (
+        cast_params,
         distill_trainer_class,
         held_out_kl,
         labels_fn,
@@ -88,6 +89,7 @@ def run_distill(
     )
     if teacher is None:
         teacher, _ = load_model(teacher_spec, mesh, seed=cfg.seed + 1, scratch=cfg.output)
+    cast_params(teacher, cfg.teacher_dtype)  # once; frozen, on the student's mesh
     tok = run_tokenizer(run_cfg, run_cfg.model if os.path.isdir(run_cfg.model) else None)
     held_out = build_rows(dataclasses.replace(run_cfg, data=str(held_path), packing=True), tok)
     strategy = tunix_distill.logit_strategy(
