@@ -241,11 +241,15 @@ def cast_params(model, dtype: str):
     return model
 
 
-def held_out_kl(student, teacher, batch: dict) -> float:
+def held_out_kl(student, teacher, batch: dict, mesh=None) -> float:
     """Mean ``KL(teacher || student)`` at temperature 1 over the target tokens of
-    ``batch`` (``[batch, seq]`` fields of :mod:`posttrain.sft.loss`): the figure
-    ``posttrain distill`` reports falling."""
+    ``batch`` (``[batch, seq]`` host arrays, the same in every process; fields of
+    :mod:`posttrain.sft.loss`): the figure ``posttrain distill`` reports falling.
+    ``mesh``: the models' mesh, on which the batch is placed replicated (needed when it
+    spans processes)."""
     from flax import nnx
+
+    from posttrain.distributed import host_array
 
     @nnx.jit
     def kl(student, teacher, tokens, mask, positions, segments):
@@ -255,16 +259,27 @@ def held_out_kl(student, teacher, batch: dict) -> float:
         per_token = distill_loss.kl_to_teacher(s[:, :-1], t[:, :-1])
         return jnp.sum(targets * per_token) / jnp.maximum(jnp.sum(targets), 1.0)
 
-    segments = batch.get("segment_ids")
-    if segments is None:
-        segments = np.ones_like(batch["input_tokens"])
-    return float(
-        kl(
-            student,
-            teacher,
-            batch["input_tokens"],
-            batch["input_mask"],
-            batch.get("positions"),
-            segments,
-        )
+    fields = dict(batch)
+    if fields.get("segment_ids") is None:
+        fields["segment_ids"] = np.ones_like(fields["input_tokens"])
+    if mesh is not None:
+        fields = {k: _replicated(v, mesh) for k, v in fields.items() if v is not None}
+    value = kl(
+        student,
+        teacher,
+        fields["input_tokens"],
+        fields["input_mask"],
+        fields.get("positions"),
+        fields["segment_ids"],
     )
+    return float(host_array(value))
+
+
+def _replicated(host, mesh):
+    """``host`` (the same NumPy array in every process) as a global array replicated over
+    ``mesh`` (each process fills its own devices)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    host = np.asarray(host)
+    sharding = NamedSharding(mesh, PartitionSpec())
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
