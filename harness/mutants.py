@@ -178,7 +178,10 @@ TARGETS: dict[str, list[str]] = {
     # distillation: the hand-computed loss, the broken variants, a real run, accumulation
     "src/posttrain/distill/loss.py": ["contracts/test_tunix_distill.py"],
     "src/posttrain/distill/tunix_distill.py": ["contracts/test_tunix_distill.py"],
-    "src/posttrain/distill/trainer.py": ["contracts/test_tunix_distill.py"],
+    "src/posttrain/distill/trainer.py": [
+        "contracts/test_tunix_distill.py",
+        "tests/test_distill_teacher_dtype.py",
+    ],
     "harness/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
     # the run base and the generated CLI (#37): their targets, first scores to come
     "src/posttrain/cli_options.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],

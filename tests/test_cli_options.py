@@ -165,6 +165,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--temperature": ("value", 1.0, None, "float", False),
         "--alpha": ("value", 0.5, None, "float", False),
         "--distill-top-k": ("value", 0, None, "int", False),
+        "--teacher-dtype": ("value", "float32", ("float32", "bfloat16"), None, False),
         "--teacher-steps": ("value", 60, None, "int", False),
         "--chat-template": ("value", None, None, None, False),  # every run's (#36)
         "--data": ("value", None, None, None, False),

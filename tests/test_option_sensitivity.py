@@ -337,6 +337,7 @@ DISTILL_VALUES: dict[str, tuple] = {
     "temperature": (2.0, {}),
     "alpha": (0.0, {}),  # an explicit zero: the task loss alone
     "distill_top_k": (5, {}),
+    "teacher_dtype": ("bfloat16", {}),  # the teacher's parameters Tunix receives
     "teacher_steps": (2, {"teacher": None}),  # the on-the-fly teacher's training
 }
 #: Options with no effect on what Tunix receives, and why.

@@ -142,7 +142,7 @@ COMMANDS = (
         "front (prompt and padding out of the objective). Defaults: the student qwen3-tiny "
         "one layer deep, the teacher runs/sft/model-step60 if present, else llama3-tiny "
         "trained on the fly; the embedded pydoc_data set, 1 in 8 held out for the KL.",
-        multi_process=False,
+        multi_process=True,
     ),
 )
 
