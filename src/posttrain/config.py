@@ -229,6 +229,65 @@ class ActivationConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+    """An image encoder beside the text model (Gemma 4's ``Gemma4VisionModel``).
+
+    Attributes:
+      d_model: the tower's width D_v (HF ``vision_config.hidden_size``).
+      num_layers, num_heads, num_kv_heads, head_dim, d_ff: its encoder layers.
+      patch_size: p; a patch is ``p * p * 3`` pixel values.
+      pooling_kernel_size: k; k x k neighbouring patches average into one soft token.
+      position_embedding_size: rows of each of the two (x, y) position tables.
+      rope_theta: base of the 2-D RoPE (each half of head_dim rotates by one axis).
+      norm_eps: RMSNorm epsilon of the tower and of the projection's pre-norm.
+      standardize: pooled features are shifted and scaled by stored ``std_bias`` /
+        ``std_scale`` (HF ``vision_config.standardize``).
+      image_token_id: the token the image's soft tokens replace (one per soft token).
+      boi_token_id, eoi_token_id: tokens around an image's soft tokens in the template.
+    """
+
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    patch_size: int
+    pooling_kernel_size: int
+    position_embedding_size: int
+    rope_theta: float = 100.0
+    norm_eps: float = 1e-6
+    standardize: bool = False
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+
+    def __post_init__(self):
+        for name in (
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "d_ff",
+            "patch_size",
+            "pooling_kernel_size",
+            "position_embedding_size",
+        ):
+            if getattr(self, name) < 1:
+                _fail(f"vision {name}={getattr(self, name)} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            _fail(
+                f"vision num_heads={self.num_heads} must be divisible by "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 4:  # two axes, each rotated in half-split pairs
+            _fail(f"vision head_dim={self.head_dim} must be divisible by 4 for 2-D RoPE")
+        if self.rope_theta <= 0:
+            _fail(f"vision rope_theta={self.rope_theta} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """A decoder-only causal LM.
 
@@ -261,6 +320,8 @@ class ModelConfig:
       remat: ``none``, ``full`` (save nothing) or ``save_dots`` (save matmul
         outputs without batch dims, ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``).
       dtype: activation dtype name; param_dtype: parameter dtype name.
+      vision: an image encoder and its projection into the embeddings (Gemma 4);
+        ``None`` for a text-only model.
     """
 
     family: str = "custom"
@@ -286,6 +347,7 @@ class ModelConfig:
     remat: RematPolicy = "none"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    vision: VisionConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers"):
@@ -378,3 +440,8 @@ class ModelConfig:
             check("moe_d_ff", self.moe.moe_d_ff, "mlp")
             if self.moe.shared_expert_d_ff:
                 check("shared_expert_d_ff", self.moe.shared_expert_d_ff, "mlp")
+        if self.vision is not None:
+            check("vision d_model", self.vision.d_model, "embed")
+            check("vision num_heads", self.vision.num_heads, "heads")
+            check("vision num_kv_heads", self.vision.num_kv_heads, "kv_heads")
+            check("vision d_ff", self.vision.d_ff, "mlp")

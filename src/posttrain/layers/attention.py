@@ -131,6 +131,8 @@ class Attention(nnx.Module):
     ``v_proj`` ``[D, K, H]`` (absent with ``k_eq_v``), ``o_proj`` ``[N, H, D]``,
     ``q_norm`` / ``k_norm`` ``[H]`` with ``qk_norm``, ``sinks`` ``[N]`` with ``sinks``.
 
+    ``rope_sections``: 2 for the vision tower's 2-D RoPE (:func:`posttrain.layers.rope.apply_rope`).
+
     Steps: project; qk-norm (before RoPE, Qwen3/Gemma 4); v = k projection
     before norm/RoPE when ``k_eq_v``; weightless v-norm; RoPE on q and k;
     logits = q.k * scale in float32; mask; softmax over keys (and the sink
@@ -146,9 +148,11 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        rope_sections: int = 1,
     ):
         self.cfg = cfg
         self.norm_eps = norm_eps
+        self.rope_sections = rope_sections
         self.dtype = dtype
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kw = dict(use_bias=cfg.bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -203,7 +207,8 @@ class Attention(nnx.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if cfg.v_norm:
                 v = rms_normalize(v, self.norm_eps).astype(self.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            sections = self.rope_sections
+            q, k = apply_rope(q, cos, sin, sections), apply_rope(k, cos, sin, sections)
             q = sharding.constrain(
                 q, ("activation_batch", "activation_length", "activation_heads", None)
             )

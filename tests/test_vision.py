@@ -1,0 +1,245 @@
+"""Gemma 4's vision tower: HF parity with images, placement of the soft tokens, and what
+images may and may not change.
+
+The reference is transformers' own ``Gemma4ForConditionalGeneration`` (``tests/hf_tiny.py``
+``build_vision``: gemma4-tiny's text model, a 2-layer tower of width 40, 4 x 4 patches,
+2 x 2 pooling, standardised), saved, converted and run on two rows: a 16 x 16 image (16
+patches, 4 soft tokens) and an 8 x 16 one padded to 16 patches (2 soft tokens), each
+between the template's begin- and end-of-image tokens. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import conversion
+from posttrain.conversion import parity
+from posttrain.conversion.native import load_native
+from posttrain.families.gemma4 import gemma4_tiny
+from posttrain.families.gemma4_vision import vision_tiny
+from posttrain.layers.vision import ImageBatch, patchify
+from tests.path_params import model_with_path_values
+from tests.test_bf16 import MAX_MEAN_DELTA_PER_STD, MAX_NLL_DELTA, MIN_TOP1_AGREEMENT
+from tests.test_conversion_parity import MAX_ABS, MAX_KL
+
+VISION = vision_tiny()
+IMG, BOI, EOI = VISION.image_token_id, VISION.boi_token_id, VISION.eoi_token_id
+PATCHES = 16  # per image, after padding
+SHAPES = ((16, 16), (8, 16))  # (height, width): 4 and 2 soft tokens
+SOFT = (4, 2)
+TOKENS = np.array(
+    [
+        [2, 5, BOI, *[IMG] * 4, EOI, 7, 8, 9, 10, 11, 12, 13, 14],
+        [2, 20, 21, BOI, *[IMG] * 2, EOI, 30, 31, 32, 33, 34, 35, 36, 37, 38],
+    ],
+    np.int32,
+)
+
+
+def images(seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.random((h, w, 3), dtype=np.float32) for h, w in SHAPES]
+
+
+def native_images(pictures, patch=patchify) -> ImageBatch:
+    """One image per row, patches padded to ``PATCHES`` (pixels 0, positions -1)."""
+    pixels, positions = [], []
+    for picture in pictures:
+        p, pos = patch(picture, VISION.patch_size)
+        pad = PATCHES - len(p)
+        pixels.append(np.pad(p, ((0, pad), (0, 0))))
+        positions.append(np.pad(pos, ((0, pad), (0, 0)), constant_values=-1))
+    return ImageBatch(
+        jnp.asarray(np.stack(pixels))[:, None], jnp.asarray(np.stack(positions))[:, None]
+    )
+
+
+def hf_images(pictures):
+    """HF's own patches and positions (``image_processing_pil_gemma4``), independent of ours."""
+    import torch
+    from transformers.models.gemma4 import image_processing_pil_gemma4 as proc
+
+    pixels, positions = [], []
+    for picture in pictures:
+        patches = proc.convert_image_to_patches(picture.transpose(2, 0, 1), VISION.patch_size)
+        rows, cols = (s // VISION.patch_size for s in picture.shape[:2])
+        x, y = np.meshgrid(np.arange(cols), np.arange(rows), indexing="xy")
+        pos = np.stack([x, y], axis=-1).reshape(-1, 2)
+        patches, pos = proc.pad_along_first_dim(patches, pos, PATCHES)
+        pixels.append(patches)
+        positions.append(pos)
+    return torch.tensor(np.stack(pixels)), torch.tensor(np.stack(positions)).long()
+
+
+def hf_logits(model, pictures, tokens=TOKENS) -> np.ndarray:
+    import torch
+
+    kwargs = {}
+    if pictures is not None:
+        pixel_values, position_ids = hf_images(pictures)
+        kwargs = dict(pixel_values=pixel_values, image_position_ids=position_ids)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor(tokens).long(), **kwargs)
+    return out.logits.float().numpy()
+
+
+@nnx.jit
+def forward(model, tokens, batch):
+    return model.forward(tokens, images=batch)[0]
+
+
+@pytest.fixture(scope="module")
+def converted(hf_tiny, tmp_path_factory):
+    """``(HF model, its directory, the native directory converted from it)``; the model is
+    read back from disk, as its in-memory twin holds perturbed non-persistent buffers
+    (``embed_scale``) that ``save_pretrained`` does not write."""
+    import torch
+    import transformers
+
+    tmp = tmp_path_factory.mktemp("vision")
+    src = hf_tiny.save(hf_tiny.build_vision(), tmp / "hf")
+    conversion.convert_hf_to_native(src, tmp / "native", vision=True)
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(
+        src, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval(), src, tmp / "native"
+
+
+@pytest.mark.reference
+def test_patchify_matches_transformers():
+    """Our patches and positions are HF's, value for value, in the same order."""
+    for picture in images():
+        pixels, positions = hf_images([picture])
+        ours, ours_pos = patchify(picture, VISION.patch_size)
+        n = len(ours)
+        np.testing.assert_array_equal(ours, pixels[0, :n].numpy())
+        np.testing.assert_array_equal(ours_pos, positions[0, :n].numpy())
+
+
+@pytest.mark.reference
+def test_vision_logits_match_transformers(converted, tmp_path):
+    """HF -> native logits with images match transformers (fp32, the text families' bounds),
+    and native -> HF writes the source's tensors bit for bit, tower included."""
+    hf, src, native_dir = converted
+    pictures = images()
+    reference = hf_logits(hf, pictures)
+    model = load_native(native_dir, dtype="float32", param_dtype="float32")
+    got = np.asarray(forward(model, jnp.asarray(TOKENS), native_images(pictures)))
+    result = parity.compare(reference, got, np.ones(TOKENS.shape, np.int32))
+    assert result.mean_kl <= MAX_KL, result.line()
+    assert result.max_abs <= MAX_ABS, result.line()
+    assert result.top1 == 1.0, result.line()
+    print(result.line())
+    # the images reached the logits: without them HF's differ far beyond the bound
+    assert np.abs(hf_logits(hf, pictures) - hf_logits(hf, images(seed=1))).max() > 100 * MAX_ABS
+
+    back = conversion.convert_native_to_hf(native_dir, tmp_path / "back")
+    assert back.prefix == "model.language_model."
+    reader = conversion.safetensors_io.CheckpointReader
+    with reader(src, "model") as a, reader(tmp_path / "back", "model") as b:
+        assert sorted(a.tensors) == sorted(b.tensors)
+        assert any(k.startswith("model.vision_tower.encoder.layers.1.") for k in a.tensors)
+        for key in a.tensors:
+            assert a.read(key).tobytes() == b.read(key).tobytes(), key
+
+
+@pytest.mark.reference
+@pytest.mark.slow
+def test_vision_bf16_logits_stay_within_the_bf16_bounds(converted):
+    """The converted model in bfloat16 against transformers in float32: the bounds
+    ``tests/test_bf16.py`` holds the text families to."""
+    hf, _, native_dir = converted
+    pictures = images()
+    want = hf_logits(hf, pictures)
+    model = load_native(native_dir, dtype="bfloat16", param_dtype="bfloat16")
+    got = np.asarray(forward(model, jnp.asarray(TOKENS), native_images(pictures)))
+    assert got.dtype == np.float32
+    delta = np.mean(np.abs(got - want)) / np.std(want)
+    top1 = np.mean(got.argmax(-1) == want.argmax(-1))
+
+    def nll(logits):
+        logp = jax.nn.log_softmax(jnp.asarray(logits[:, :-1]), -1)
+        return -float(jnp.take_along_axis(logp, jnp.asarray(TOKENS[:, 1:, None]), -1).mean())
+
+    assert 0 < delta <= MAX_MEAN_DELTA_PER_STD, delta
+    assert top1 >= MIN_TOP1_AGREEMENT, top1
+    assert abs(nll(got) - nll(want)) <= MAX_NLL_DELTA
+
+
+@pytest.mark.reference
+@pytest.mark.slow
+def test_text_only_batch_matches_transformers(converted):
+    """No images: the multimodal model's logits are transformers' text-only ones."""
+    hf, _, native_dir = converted
+    tokens = np.where(TOKENS == IMG, 40, TOKENS)
+    model = load_native(native_dir, dtype="float32", param_dtype="float32")
+    got = np.asarray(model.forward(jnp.asarray(tokens))[0])
+    result = parity.compare(hf_logits(hf, None, tokens), got, np.ones(tokens.shape, np.int32))
+    assert result.max_abs <= MAX_ABS, result.line()
+
+
+# --- properties of the native model (no transformers) ---------------------------------
+
+
+def vision_model():
+    return model_with_path_values(gemma4_tiny().replace(vision=VISION))
+
+
+def test_image_tokens_land_where_the_template_puts_them():
+    """The r-th image token of a row holds the row's r-th soft token (padding skipped);
+    every other token keeps its text embedding."""
+    model = vision_model()
+    batch = native_images(images())
+    embeds = np.asarray(model.embed_with_images(jnp.asarray(TOKENS), batch))
+    text = np.asarray(model.model.embed_tokens(jnp.asarray(TOKENS)))
+    features, valid = model.vision_tower(batch)
+    soft = np.asarray(model.embed_vision(features))[:, 0]  # [B, L, D]
+    np.testing.assert_array_equal(np.asarray(valid)[:, 0], [[1, 1, 1, 1], [1, 1, 0, 0]])
+    for row, count in enumerate(SOFT):
+        at = np.flatnonzero(TOKENS[row] == IMG)
+        assert len(at) == count
+        np.testing.assert_array_equal(embeds[row, at], soft[row, :count])
+        rest = TOKENS[row] != IMG
+        np.testing.assert_array_equal(embeds[row, rest], text[row, rest])
+
+
+def test_pixels_change_the_logits_after_the_image_only():
+    """Another picture in row 0 moves row 0's logits from its first image token on, and
+    leaves row 0's earlier tokens and all of row 1 exactly as they were."""
+    model = vision_model()
+    first = np.asarray(forward(model, jnp.asarray(TOKENS), native_images(images())))
+    other = [images(seed=3)[0], images()[1]]
+    second = np.asarray(forward(model, jnp.asarray(TOKENS), native_images(other)))
+    start = int(np.flatnonzero(TOKENS[0] == IMG)[0])
+    np.testing.assert_array_equal(first[0, :start], second[0, :start])
+    np.testing.assert_array_equal(first[1], second[1])
+    assert np.abs(first[0, start:] - second[0, start:]).min() > 0
+
+
+def test_text_only_batch_gives_the_text_model_logits():
+    """Without images, a model with a tower gives its text model's logits bit for bit."""
+    tokens = jnp.asarray(np.where(TOKENS == IMG, 40, TOKENS))
+    with_tower = vision_model().forward(tokens)[0]
+    text_only = model_with_path_values(gemma4_tiny()).forward(tokens)[0]
+    np.testing.assert_array_equal(np.asarray(with_tower), np.asarray(text_only))
+
+
+@pytest.mark.slow
+def test_gradient_reaches_the_projector_and_the_tower():
+    """The loss's gradient is nonzero on the projection and on the tower's first layer."""
+    model = vision_model()
+    batch = native_images(images())
+
+    def loss(model):
+        logits = model.forward(jnp.asarray(TOKENS), images=batch)[0]
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+
+    grads = nnx.jit(nnx.grad(loss))(model)
+    projector = grads.embed_vision.embedding_projection.kernel[...]
+    first = grads.vision_tower.patch_embedder.input_proj.kernel[...]
+    assert float(jnp.abs(projector).min(axis=0).max()) > 0
+    assert float(jnp.abs(first).sum()) > 0
