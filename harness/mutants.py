@@ -108,6 +108,18 @@ TARGETS: dict[str, list[str]] = {
         "llama3-hub or gpt_oss-hub or gemma4-hub or qwen3-hub or rope-bands or yarn or rotary "
         "or Rope or rope_rotates",
     ],
+    # the tower's values come from HF parity with images (patches, 2-D RoPE, pooling,
+    # padding, standardisation, projection, placement) and the placement/pixel properties
+    "src/posttrain/layers/vision.py": [
+        "tests/test_vision.py",
+        "tests/test_rope.py",
+    ],
+    # the tower's rows and config.json reader/writer: parity and the bit-exact round trip
+    "src/posttrain/families/gemma4_vision.py": [
+        "tests/test_vision.py",
+        "tests/test_families.py",
+        "tests/test_conversion_roundtrip.py",
+    ],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",
         "tests/test_conversion_errors.py",

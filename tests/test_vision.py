@@ -243,3 +243,39 @@ def test_gradient_reaches_the_projector_and_the_tower():
     first = grads.vision_tower.patch_embedder.input_proj.kernel[...]
     assert float(jnp.abs(projector).min(axis=0).max()) > 0
     assert float(jnp.abs(first).sum()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.devices(8)
+def test_sharded_forward_with_images_equals_single_device():
+    """On a mesh sharding images and rows (fsdp), heads (tensor) and the sequence and
+    patches (context), the logits with images equal the single-device ones."""
+    from posttrain import sharding
+    from posttrain.models import build_model
+    from tests.test_models import SHARDED_ATOL
+
+    cfg = gemma4_tiny().replace(vision=VISION)
+    tokens, batch = jnp.asarray(TOKENS), native_images(images())
+    want = np.asarray(forward(build_model(cfg), tokens, batch))
+    mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2, "context": 2})
+    model = build_model(cfg, mesh)
+    with sharding.use_mesh(mesh):
+        got = np.asarray(forward(model, tokens, batch))
+    np.testing.assert_allclose(got, want, atol=SHARDED_ATOL)
+
+
+def test_vision_config_is_read_only_when_asked_and_refuses_what_it_lacks():
+    """A multimodal config reads as its text model by default; with ``vision=True`` its
+    tower is read, and a feature the tower lacks fails naming the field."""
+    from posttrain.conversion import ConversionError, from_hf_config
+    from posttrain.families import gemma4
+
+    cfg = gemma4_tiny().replace(vision=VISION)
+    config = gemma4.wrap_hf(cfg, conversion.to_hf_config(cfg))
+    assert from_hf_config(config).vision is None
+    assert from_hf_config(config, vision=True).vision == VISION
+    clipped = dict(config, vision_config=dict(config["vision_config"], use_clipped_linears=True))
+    with pytest.raises(ConversionError, match="vision_config.use_clipped_linears: True is not"):
+        from_hf_config(clipped, vision=True)
+    with pytest.raises(ConversionError, match="vision_config: a gemma4 checkpoint without"):
+        from_hf_config(dict(config, vision_config=None), vision=True)
