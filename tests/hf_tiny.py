@@ -132,6 +132,12 @@ def build_vision(seed: int = 0, **vision_overrides) -> torch.nn.Module:
     with torch.no_grad():
         table = tower.patch_embedder.position_embedding_table
         table.copy_(INIT_RANGE * torch.randn(table.shape, generator=gen))
+        for module in tower.modules():  # bounds the fixture's activations cross
+            if getattr(module, "use_clipped_linears", False):
+                for name, base in (("input", 1.5), ("output", 0.8)):
+                    span = base + 0.3 * torch.rand((2,), generator=gen)
+                    getattr(module, f"{name}_min").fill_(-float(span[0]))
+                    getattr(module, f"{name}_max").fill_(float(span[1]))
         if tower.config.standardize:
             tower.std_bias.copy_(0.5 * torch.randn(tower.std_bias.shape, generator=gen))
             tower.std_scale.copy_(1 + 0.2 * torch.randn(tower.std_scale.shape, generator=gen))

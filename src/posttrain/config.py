@@ -242,6 +242,8 @@ class VisionConfig:
       norm_eps: RMSNorm epsilon of the tower and of the projection's pre-norm.
       standardize: pooled features are shifted and scaled by stored ``std_bias`` /
         ``std_scale`` (HF ``vision_config.standardize``).
+      clipped_linears: each encoder projection clamps its input and output to stored
+        bounds (HF ``use_clipped_linears``, ``Gemma4ClippableLinear``).
       image_token_id: the token the image's soft tokens replace (one per soft token).
       boi_token_id, eoi_token_id: tokens around an image's soft tokens in the template.
     """
@@ -258,6 +260,7 @@ class VisionConfig:
     rope_theta: float = 100.0
     norm_eps: float = 1e-6
     standardize: bool = False
+    clipped_linears: bool = False
     image_token_id: int
     boi_token_id: int
     eoi_token_id: int

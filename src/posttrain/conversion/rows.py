@@ -63,6 +63,7 @@ SANDWICH = Condition("sandwich norms", lambda s: s.cfg.sandwich_norm)
 LAYER_SCALAR = Condition("layer scalar", lambda s: s.cfg.layer_scalar)
 VISION = Condition("vision tower", lambda s: s.cfg.vision is not None)
 STANDARDIZE = VISION & Condition("standardised vision", lambda s: s.cfg.vision.standardize)
+CLIPPED = VISION & Condition("clipped vision linears", lambda s: s.cfg.vision.clipped_linears)
 
 
 @dataclasses.dataclass(frozen=True)

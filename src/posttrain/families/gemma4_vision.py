@@ -8,9 +8,11 @@ projection into the text model (``model.embed_vision``) sits outside the tower, 
 weightless RMSNorm; ``std_bias`` / ``std_scale`` are persistent buffers, stored only with
 ``standardize``; the tower's keys are never under the text model's prefix
 (``model.language_model.``), so the engine reads and writes them as they are.
-Not supported yet (refused by name): clipped linears (``use_clipped_linears``), a RoPE
-other than ``default``, an activation other than ``gelu_pytorch_tanh``, attention biases,
-and the text model's bidirectional attention over image tokens.
+With ``use_clipped_linears`` (real checkpoints) each linear has 0-d bounds ``input_min``,
+``input_max``, ``output_min``, ``output_max`` beside ``linear``.
+Not supported yet (refused by name): a RoPE other than ``default``, an activation other
+than ``gelu_pytorch_tanh``, attention biases, and the text model's bidirectional attention
+over image tokens.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any
 
 from posttrain.config import VisionConfig
 from posttrain.conversion import hf_fields
-from posttrain.conversion.rows import STANDARDIZE, VISION, Row
+from posttrain.conversion.rows import CLIPPED, STANDARDIZE, VISION, Row
 from posttrain.conversion.transforms import HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE
+from posttrain.layers.mlp import CLIP_BOUNDS
 
 HF_TOWER, TOWER = "model.vision_tower.", "vision_tower."
 V_HF, V = HF_TOWER + "encoder.layers.{v}.", TOWER + "layers.{v}."
@@ -38,6 +41,17 @@ def _norm(name: str) -> Row:
 
 def _linear(name: str, transform) -> Row:
     return Row(V + name + ".kernel", V_HF + name + ".linear.weight", transform, VISION)
+
+
+LINEARS = (
+    ("self_attn.q_proj", HEADS_IN),
+    ("self_attn.k_proj", HEADS_IN),
+    ("self_attn.v_proj", HEADS_IN),
+    ("self_attn.o_proj", HEADS_OUT),
+    ("mlp.gate_proj", TRANSPOSE),
+    ("mlp.up_proj", TRANSPOSE),
+    ("mlp.down_proj", TRANSPOSE),
+)
 
 
 VISION_ROWS = (
@@ -57,15 +71,15 @@ VISION_ROWS = (
     _norm("post_attention_layernorm"),
     _norm("pre_feedforward_layernorm"),
     _norm("post_feedforward_layernorm"),
-    _linear("self_attn.q_proj", HEADS_IN),
-    _linear("self_attn.k_proj", HEADS_IN),
-    _linear("self_attn.v_proj", HEADS_IN),
-    _linear("self_attn.o_proj", HEADS_OUT),
+    *(_linear(name, transform) for name, transform in LINEARS),
+    # Gemma4ClippableLinear's bounds: 0-d buffers beside the linear, not under it
+    *(
+        Row(V + name + "." + bound, V_HF + name + "." + bound, IDENTITY, CLIPPED)
+        for name, _ in LINEARS
+        for bound in CLIP_BOUNDS
+    ),
     _norm("self_attn.q_norm"),
     _norm("self_attn.k_norm"),
-    _linear("mlp.gate_proj", TRANSPOSE),
-    _linear("mlp.up_proj", TRANSPOSE),
-    _linear("mlp.down_proj", TRANSPOSE),
     Row(TOWER + "std_bias", HF_TOWER + "std_bias", IDENTITY, STANDARDIZE),
     Row(TOWER + "std_scale", HF_TOWER + "std_scale", IDENTITY, STANDARDIZE),
     Row(
@@ -79,7 +93,6 @@ VISION_ROWS = (
 
 
 UNSUPPORTED = (  # (vision_config field, values the native tower supports, why not others)
-    ("use_clipped_linears", (False, None), "clipped linears, not implemented yet"),
     ("hidden_activation", ("gelu_pytorch_tanh", None), "gelu_pytorch_tanh only"),
     ("attention_bias", (False, None), "attention biases"),
 )
@@ -121,6 +134,7 @@ def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
         rope_theta=float(rope.get("rope_theta", 100.0)),
         norm_eps=v.get("rms_norm_eps", 1e-6),
         standardize=bool(v.get("standardize", False)),
+        clipped_linears=bool(v.get("use_clipped_linears", False)),
         **{name: config.get(name, default) for name, default in DEFAULT_TOKENS.items()},
     )
 
@@ -144,7 +158,7 @@ def vision_to_hf(vision: VisionConfig | None) -> dict[str, Any]:
             "pooling_kernel_size": vision.pooling_kernel_size,
             "patch_size": vision.patch_size,
             "position_embedding_size": vision.position_embedding_size,
-            "use_clipped_linears": False,
+            "use_clipped_linears": vision.clipped_linears,
             "standardize": vision.standardize,
         },
         "image_token_id": vision.image_token_id,
@@ -156,7 +170,8 @@ def vision_to_hf(vision: VisionConfig | None) -> dict[str, Any]:
 def vision_tiny() -> VisionConfig:
     """A CPU-sized tower for ``gemma4-tiny`` (vocab 264): distinct dims (D_v 40, d_ff 56,
     heads x head_dim 4 x 12 = 48, patch 4 x 4 x 3 = 48 values but a [48, 40] kernel), 2 x 2
-    pooling, standardised, image tokens at the top of the vocabulary."""
+    pooling, standardised, clipped linears (as real checkpoints), image tokens at the top of
+    the vocabulary."""
     return VisionConfig(
         d_model=40,
         num_layers=2,
@@ -169,6 +184,7 @@ def vision_tiny() -> VisionConfig:
         position_embedding_size=16,
         rope_theta=100.0,
         standardize=True,
+        clipped_linears=True,
         image_token_id=261,
         boi_token_id=262,
         eoi_token_id=263,

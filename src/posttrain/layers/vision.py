@@ -117,8 +117,11 @@ class VisionEncoderLayer(nnx.Module):
             scale=1.0,
         )
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.self_attn = Attention(cfg.d_model, attn, norm_eps=cfg.norm_eps, rope_sections=2, **kw)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, GELU_TANH, **kw)
+        clipped = cfg.clipped_linears
+        self.self_attn = Attention(
+            cfg.d_model, attn, norm_eps=cfg.norm_eps, rope_sections=2, clipped=clipped, **kw
+        )
+        self.mlp = MLP(cfg.d_model, cfg.d_ff, GELU_TANH, clipped=clipped, **kw)
         norm = dict(eps=cfg.norm_eps, **kw)
         self.input_layernorm = RMSNorm(cfg.d_model, **norm)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, **norm)
