@@ -75,12 +75,12 @@ def test_normalisation_and_resize_follow_the_config(tmp_path):
 def test_expand_image_tokens_places_the_block_where_the_template_put_the_token():
     """Each image token becomes boi, n image tokens, eoi at its place; none is a target."""
     tokens = np.array([1, 5, 9, 6, 9, 7], np.int32)
-    mask = np.array([0, 0, 0, 0, 0, 1], bool)
+    mask = np.array([0, 1, 0, 1, 0, 1], bool)  # targets between the images too
     got, got_mask = expand_image_tokens(
         tokens, mask, [2, 1], image_token_id=9, boi_token_id=3, eoi_token_id=4
     )
     np.testing.assert_array_equal(got, [1, 5, 3, 9, 9, 4, 6, 3, 9, 4, 7])
-    np.testing.assert_array_equal(got_mask, [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1])
+    np.testing.assert_array_equal(got_mask, [0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1])
     with pytest.raises(ValueError, match="2 image tokens in the rendered text but 1 images"):
         expand_image_tokens(tokens, mask, [2], image_token_id=9, boi_token_id=3, eoi_token_id=4)
 
@@ -160,3 +160,27 @@ def test_the_embedded_dataset_is_drawn_deterministically_and_reads_back(tmp_path
         for kind in (*vision_default_data.SHAPES, "3", "8")
     }
     assert len({p.tobytes() for p in pixels.values()}) == len(pixels)
+
+
+def test_encoded_conversation_trains_on_the_answer_only(tmp_path):
+    """Byte tokenizer and ChatML: the image becomes boi + its soft tokens + eoi where the
+    template put the placeholder, and only the assistant's answer (and its end marker) is
+    a target: no prompt, role or image token."""
+    from posttrain import chat
+    from posttrain.families.gemma4_vision import vision_tiny
+    from posttrain.sft.tokenizer import byte_tokenizer
+    from posttrain.sft.vision_data import encode_vision_chats
+
+    vision, tokenizer = vision_tiny(), byte_tokenizer()
+    placeholder = tokenizer.id_to_token(vision.image_token_id)
+    png(tmp_path / "a.png", 16, 16)
+    conversations = read_vision_jsonl(write(tmp_path, [record(["a.png"])]), placeholder, TINY)
+    (example,) = encode_vision_chats(conversations, tokenizer, chat.chatml(), TINY, vision)
+    tokens, mask = example.tokens, example.loss_mask
+    soft = int(np.sum(tokens == vision.image_token_id))
+    # 16 x 16 resizes to 64 x 64 (the 280-patch budget): 256 patches, 64 soft tokens
+    assert soft == 64 and example.pixels.shape == (1, TINY.max_patches, 48)
+    (boi,) = np.flatnonzero(tokens == vision.boi_token_id)
+    assert tokens[boi + soft + 1] == vision.eoi_token_id
+    assert np.all(tokens[boi + 1 : boi + 1 + soft] == vision.image_token_id)
+    assert tokenizer.decode(tokens[mask].tolist(), skip_special_tokens=False) == "that<|im_end|>"

@@ -277,3 +277,67 @@ def read_vision_jsonl(
     if not out:
         raise ValueError(f"{path}: no conversations (empty dataset)")
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionExample:
+    """One encoded conversation with its images.
+
+    Attributes:
+      tokens: ``[T]`` int32, each image as begin-of-image, its image tokens, end-of-image.
+      loss_mask: ``[T]`` bool: the assistant turns' tokens only (never an image token).
+      pixels: ``[I, max_patches, p*p*3]`` float32; positions: ``[I, max_patches, 2]`` int32.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    pixels: np.ndarray
+    positions: np.ndarray
+
+
+def encode_vision_chats(
+    conversations: Sequence[VisionConversation],
+    tokenizer,
+    template,
+    processing: ImageProcessing,
+    vision,
+) -> list[VisionExample]:
+    """Encodes each conversation (:func:`posttrain.sft.data.encode_chats`: the template's
+    assistant mask), loads its images and expands each image placeholder.
+
+    Args:
+      conversations: from :func:`read_vision_jsonl`, whose ``placeholder`` must encode to
+        the single token ``vision.image_token_id``.
+      vision: the model's :class:`posttrain.config.VisionConfig` (its token ids).
+
+    Raises:
+      ValueError: an image cannot be loaded (:func:`load_image`), or the rendered text
+        holds another number of image tokens than the conversation has images.
+    """
+    from posttrain.sft.data import encode_chats
+
+    encoded = encode_chats([c.messages for c in conversations], tokenizer, template)
+    out = []
+    for index, (conversation, example) in enumerate(zip(conversations, encoded, strict=True)):
+        where = f"conversation {index}"
+        loaded = [
+            image_patches(load_image(p, processing, where), processing) for p in conversation.images
+        ]
+        try:
+            tokens, mask = expand_image_tokens(
+                np.asarray(example.tokens, np.int32),
+                np.asarray(example.loss_mask, bool),
+                [soft for _, _, soft in loaded],
+                image_token_id=vision.image_token_id,
+                boi_token_id=vision.boi_token_id,
+                eoi_token_id=vision.eoi_token_id,
+            )
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        channels = 3 * processing.patch_size**2
+        pixels = np.stack([p for p, _, _ in loaded]) if loaded else np.zeros((0, 0, channels))
+        positions = np.stack([q for _, q, _ in loaded]) if loaded else np.zeros((0, 0, 2))
+        out.append(
+            VisionExample(tokens, mask, pixels.astype(np.float32), positions.astype(np.int32))
+        )
+    return out
