@@ -289,3 +289,26 @@ def test_vision_config_is_read_only_when_asked_and_refuses_what_it_lacks():
         from_hf_config(gelu, vision=True)
     with pytest.raises(ConversionError, match="vision_config: a gemma4 checkpoint without"):
         from_hf_config(dict(config, vision_config=None), vision=True)
+
+
+@pytest.mark.slow
+def test_a_cached_prefill_with_images_then_decoding_equals_the_full_forward():
+    """The prefill writes the image soft tokens into the KV cache: prefill (images in) plus
+    one-token decode steps (no images) give the full forward's logits."""
+    from tests.test_generate import INCREMENTAL_ATOL
+
+    model = vision_model()
+    tokens, batch = jnp.asarray(TOKENS), native_images(images())
+    batch_size, seq = TOKENS.shape
+    prefill = 10  # past both images
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch_size, seq))
+    want = forward(model, tokens, batch)
+    cache = model.init_cache(batch_size, seq, "float32")
+    step = nnx.jit(lambda m, t, p, c, i: m(t, p, c, None, images=i))
+    logits, cache = step(model, tokens[:, :prefill], positions[:, :prefill], cache, batch)
+    got = [logits]
+    for t in range(prefill, seq):
+        logits, cache = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], cache, None)
+        got.append(logits)
+    got = np.asarray(jnp.concatenate(got, axis=1))
+    np.testing.assert_allclose(got, np.asarray(want), atol=INCREMENTAL_ATOL)
