@@ -199,16 +199,30 @@ def vision_model():
     return model_with_path_values(gemma4_tiny().replace(vision=VISION))
 
 
-def test_image_tokens_land_where_the_template_puts_them():
+@pytest.fixture(scope="module")
+def model():
+    """One tiny vision model for the property tests (each compile costs seconds)."""
+    return vision_model()
+
+
+@nnx.jit
+def placed(model, tokens, batch):
+    """``(embeddings with images, text embeddings, projected soft tokens, valid)``."""
+    features, valid = model.vision_tower(batch)
+    return (
+        model.embed_with_images(tokens, batch),
+        model.model.embed_tokens(tokens),
+        model.embed_vision(features)[:, 0],  # [B, L, D]
+        valid[:, 0],
+    )
+
+
+def test_image_tokens_land_where_the_template_puts_them(model):
     """The r-th image token of a row holds the row's r-th soft token (padding skipped);
     every other token keeps its text embedding."""
-    model = vision_model()
-    batch = native_images(images())
-    embeds = np.asarray(model.embed_with_images(jnp.asarray(TOKENS), batch))
-    text = np.asarray(model.model.embed_tokens(jnp.asarray(TOKENS)))
-    features, valid = model.vision_tower(batch)
-    soft = np.asarray(model.embed_vision(features))[:, 0]  # [B, L, D]
-    np.testing.assert_array_equal(np.asarray(valid)[:, 0], [[1, 1, 1, 1], [1, 1, 0, 0]])
+    out = placed(model, jnp.asarray(TOKENS), native_images(images()))
+    embeds, text, soft, valid = (np.asarray(x) for x in out)
+    np.testing.assert_array_equal(valid, [[1, 1, 1, 1], [1, 1, 0, 0]])
     for row, count in enumerate(SOFT):
         at = np.flatnonzero(TOKENS[row] == IMG)
         assert len(at) == count
@@ -217,10 +231,9 @@ def test_image_tokens_land_where_the_template_puts_them():
         np.testing.assert_array_equal(embeds[row, rest], text[row, rest])
 
 
-def test_pixels_change_the_logits_after_the_image_only():
+def test_pixels_change_the_logits_after_the_image_only(model):
     """Another picture in row 0 moves row 0's logits from its first image token on, and
     leaves row 0's earlier tokens and all of row 1 exactly as they were."""
-    model = vision_model()
     first = np.asarray(forward(model, jnp.asarray(TOKENS), native_images(images())))
     other = [images(seed=3)[0], images()[1]]
     second = np.asarray(forward(model, jnp.asarray(TOKENS), native_images(other)))
@@ -230,11 +243,11 @@ def test_pixels_change_the_logits_after_the_image_only():
     assert np.abs(first[0, start:] - second[0, start:]).min() > 0
 
 
-def test_text_only_batch_gives_the_text_model_logits():
+def test_text_only_batch_gives_the_text_model_logits(model):
     """Without images, a model with a tower gives its text model's logits bit for bit."""
     tokens = jnp.asarray(np.where(TOKENS == IMG, 40, TOKENS))
-    with_tower = vision_model().forward(tokens)[0]
-    text_only = model_with_path_values(gemma4_tiny()).forward(tokens)[0]
+    with_tower = forward(model, tokens, None)
+    text_only = forward(model_with_path_values(gemma4_tiny()), tokens, None)
     np.testing.assert_array_equal(np.asarray(with_tower), np.asarray(text_only))
 
 
