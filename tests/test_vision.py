@@ -325,3 +325,39 @@ def test_a_cached_prefill_with_images_then_decoding_equals_the_full_forward():
         got.append(logits)
     got = np.asarray(jnp.concatenate(got, axis=1))
     np.testing.assert_allclose(got, np.asarray(want), atol=INCREMENTAL_ATOL)
+
+
+@pytest.mark.reference
+def test_convert_cli_reads_the_tower_only_with_vision(converted, tmp_path, capsys):
+    """``posttrain convert --vision`` keeps the tower; without it the same checkpoint converts
+    as its text model (tower tensors ignored); ``--vision`` on a text-only checkpoint is a
+    one-line error, exit 2, nothing written."""
+    from posttrain import cli
+    from posttrain.conversion.native import NativeMeta
+
+    _, src, _ = converted
+    hf_native = ["convert", "--from", "hf", "--to", "native"]
+    assert cli.main([*hf_native, "--vision", str(src), str(tmp_path / "v")]) == 0
+    assert NativeMeta.read(tmp_path / "v").cfg.vision == VISION
+    assert cli.main([*hf_native, str(src), str(tmp_path / "t")]) == 0
+    assert NativeMeta.read(tmp_path / "t").cfg.vision is None
+    assert "87 ignored" in capsys.readouterr().out  # the tower: 31 weights + 56 clip bounds
+    assert (
+        cli.main(
+            [
+                "convert",
+                "--from",
+                "native",
+                "--to",
+                "hf",
+                str(tmp_path / "t"),
+                str(tmp_path / "text-hf"),
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    assert cli.main([*hf_native, "--vision", str(tmp_path / "text-hf"), str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "vision_config: a gemma4 checkpoint without a vision tower" in err and "\n" not in err
+    assert not (tmp_path / "x").exists()
