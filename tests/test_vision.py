@@ -361,3 +361,43 @@ def test_convert_cli_reads_the_tower_only_with_vision(converted, tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert "vision_config: a gemma4 checkpoint without a vision tower" in err and "\n" not in err
     assert not (tmp_path / "x").exists()
+
+
+# Every VisionConfig field does what it claims (tests/test_config_sensitivity.py's rule for
+# the text configs): a value field perturbed moves the logits with images; the others
+# change parameter shapes by construction, or are the data's.
+VISION_PERTURBATIONS = {
+    "rope_theta": 1000.0,
+    "norm_eps": 0.5,
+    "pooling_kernel_size": 4,  # 1 soft token per image: row 0's later image tokens repeat it
+    "image_token_id": 40,  # text token 40 is never in TOKENS: no image is placed
+}
+VISION_SHAPES = {  # fields that change the tower's parameters (or its pixel input)
+    "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "patch_size",
+    "position_embedding_size", "standardize", "clipped_linears",
+}  # fmt: skip
+VISION_DATA = {"boi_token_id": "the template's tokens around an image (expand_image_tokens)",
+               "eoi_token_id": "as boi_token_id"}  # fmt: skip
+
+
+def test_every_vision_field_is_perturbed_shaped_or_the_data_s():
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(VISION)}
+    groups = [set(VISION_PERTURBATIONS), VISION_SHAPES, set(VISION_DATA)]
+    assert set().union(*groups) == fields and sum(map(len, groups)) == len(fields)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field", sorted(VISION_PERTURBATIONS))
+def test_perturbing_a_vision_field_moves_the_logits(model, field):
+    import dataclasses
+
+    changed = vision_model_of(dataclasses.replace(VISION, **{field: VISION_PERTURBATIONS[field]}))
+    tokens, batch = jnp.asarray(TOKENS), native_images(images())
+    delta = np.abs(np.asarray(forward(changed, tokens, batch) - forward(model, tokens, batch)))
+    assert delta.max() > 1e-3, f"{field}: max |delta logit| {delta.max():.2e}"
+
+
+def vision_model_of(vision):
+    return model_with_path_values(gemma4_tiny().replace(vision=vision))
