@@ -122,6 +122,11 @@ TARGETS: dict[str, list[str]] = {
     ],
     # images against transformers' own processor, the token expansion, the file errors
     "src/posttrain/sft/vision_data.py": ["tests/test_vision_data.py"],
+    "src/posttrain/vision_config.py": [
+        "tests/test_vision.py::test_vision_config_refuses_what_the_tower_cannot_run",
+        "tests/test_vision.py::test_every_vision_field_is_perturbed_shaped_or_the_data_s",
+        "tests/test_vision.py::test_perturbing_a_vision_field_moves_the_logits",
+    ],
     "src/posttrain/sft/vision_default_data.py": ["tests/test_vision_data.py"],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",

@@ -10,6 +10,8 @@ between the template's begin- and end-of-image tokens. Nothing is downloaded.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -401,3 +403,21 @@ def test_perturbing_a_vision_field_moves_the_logits(model, field):
 
 def vision_model_of(vision):
     return model_with_path_values(gemma4_tiny().replace(vision=vision))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(head_dim=10), "vision head_dim=10 must be divisible by 4 for 2-D RoPE"),
+        (dict(num_kv_heads=3), "vision num_heads=4 must be divisible by num_kv_heads=3"),
+        (dict(patch_size=0), "vision patch_size=0 must be >= 1"),
+        (dict(pooling_kernel_size=0), "vision pooling_kernel_size=0 must be >= 1"),
+        (dict(rope_theta=0.0), "vision rope_theta=0.0 must be > 0"),
+    ],
+    ids=["head_dim", "kv_heads", "patch", "pooling", "theta"],
+)
+def test_vision_config_refuses_what_the_tower_cannot_run(change, message):
+    import dataclasses
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        dataclasses.replace(VISION, **change)
