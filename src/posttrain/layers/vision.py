@@ -249,7 +249,8 @@ def place_image_features(
       ``[B, T, D]``: the r-th image token of a row holds the row's r-th valid soft token
       (HF ``masked_scatter``, which fills the batch's image tokens in row-major order);
       every other position keeps its embedding. The counts must agree (the data checks
-      them): extra image tokens repeat the last soft token.
+      them, :func:`posttrain.sft.vision_data.expand_image_tokens`); image tokens beyond a
+      row's valid soft tokens get unspecified (padding) features.
     """
     rank = jnp.cumsum(is_image, axis=1) - 1  # [B, T]: which image token this is in its row
     order = jnp.argsort(~valid, axis=1, stable=True)  # [B, I*L]: valid indices first, in order
