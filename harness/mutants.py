@@ -108,6 +108,26 @@ TARGETS: dict[str, list[str]] = {
         "llama3-hub or gpt_oss-hub or gemma4-hub or qwen3-hub or rope-bands or yarn or rotary "
         "or Rope or rope_rotates",
     ],
+    # the tower's values come from HF parity with images (patches, 2-D RoPE, pooling,
+    # padding, standardisation, projection, placement) and the placement/pixel properties
+    "src/posttrain/layers/vision.py": [
+        "tests/test_vision.py",
+        "tests/test_rope.py",
+    ],
+    # the tower's rows and config.json reader/writer: parity and the bit-exact round trip
+    "src/posttrain/families/gemma4_vision.py": [
+        "tests/test_vision.py",
+        "tests/test_families.py",
+        "tests/test_conversion_roundtrip.py",
+    ],
+    # images against transformers' own processor, the token expansion, the file errors
+    "src/posttrain/sft/vision_data.py": ["tests/test_vision_data.py"],
+    "src/posttrain/vision_config.py": [
+        "tests/test_vision.py::test_vision_config_refuses_what_the_tower_cannot_run",
+        "tests/test_vision.py::test_every_vision_field_is_perturbed_shaped_or_the_data_s",
+        "tests/test_vision.py::test_perturbing_a_vision_field_moves_the_logits",
+    ],
+    "src/posttrain/sft/vision_default_data.py": ["tests/test_vision_data.py"],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",
         "tests/test_conversion_errors.py",

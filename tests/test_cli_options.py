@@ -64,6 +64,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "src": ("value", None, None, None, True),
         "dst": ("value", None, None, None, True),
         "--scan": ("flag", None, None, None, False),
+        "--vision": ("flag", None, None, None, False),
         "--layout": ("value", None, ("hub", "fused"), None, False),
         "--prefix": ("value", None, None, None, False),
         "--max-shard-size": ("value", 4 << 30, None, "_byte_size", False),

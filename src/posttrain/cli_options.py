@@ -64,6 +64,9 @@ class ConvertOptions:
     src: str = option(help="source directory", positional=True)
     dst: str = option(help="destination directory (must not exist)", positional=True)
     scan: bool = option(False, "hf -> native: store layers stacked for scan_layers=True")
+    vision: bool = option(
+        False, "hf -> native: convert the vision tower too (Gemma 4), not only the text model"
+    )
     layout: Literal["hub", "fused"] | None = option(
         None, "native -> hf: hub (per-expert tensors, default) or fused experts"
     )

@@ -122,6 +122,7 @@ def _convert(args, conversion) -> int:
             args.dst,
             max_shard_bytes=args.max_shard_size,
             fsync=not args.no_fsync,
+            vision=args.vision,
             **overrides,
         )
     else:  # native -> hf (ConvertOptions.check refuses the other pairs)
