@@ -412,7 +412,9 @@ def _one_update(tmp_path, grad_accum: int) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         # the run's learning rate (5e-4) x 1000: a step large enough to measure
         patch.setattr(optax, "adamw", lambda lr, **kwargs: optax.sgd(lr * 1000))
-        training, rollout, algo = rl_run._configs(cfg, pathlib.Path(cfg.output), mesh, tok.eos_id())
+        training, rollout, algo = rl_run._configs(
+            cfg, pathlib.Path(cfg.output), mesh, (tok.eos_id(),)
+        )
     assert training.get_with_default("gradient_accumulation_steps", 1) == grad_accum
     model = build_model(get_config("qwen3-tiny"), seed=3)
     actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
