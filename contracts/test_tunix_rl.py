@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -385,3 +386,71 @@ def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
     assert not any(k.endswith("mean_length") for k in tap.records.get(2, {}))
     logged = set().union(*tap.records.values())
     assert any(name.endswith("loss") for name in logged), logged
+
+
+def _one_update(tmp_path, grad_accum: int) -> dict:
+    """The actor's parameters after one GRPO update over 2 prompts x G completions, with
+    the training and rollout configs ``posttrain grpo`` builds (``rl.run._configs``) for
+    ``grad_accum`` micro-batches, SGD instead of its AdamW (Adam's per-parameter scaling
+    would hide a gradient scaled by the accumulation)."""
+    from posttrain.rl import run as rl_run
+    from posttrain.rl.options import GRPORunConfig
+
+    cfg = GRPORunConfig(
+        per_device_batch_size=2,
+        num_generations=G,
+        grad_accum=grad_accum,
+        max_new_tokens=4,
+        max_prompt_length=16,
+        temperature=TEMPERATURE,
+        steps=1,
+        save_every=100,
+        output=str(tmp_path / f"ga{grad_accum}"),
+    )
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+    tok = TunixTokenizer(byte_tokenizer())
+    with pytest.MonkeyPatch.context() as patch:
+        # the run's learning rate (5e-4) x 1000: a step large enough to measure
+        patch.setattr(optax, "adamw", lambda lr, **kwargs: optax.sgd(lr * 1000))
+        training, rollout, algo = rl_run._configs(
+            cfg, pathlib.Path(cfg.output), mesh, (tok.eos_id(),)
+        )
+    assert training.get_with_default("gradient_accumulation_steps", 1) == grad_accum
+    model = build_model(get_config("qwen3-tiny"), seed=3)
+    actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
+    cluster = tunix_rl.cluster(
+        actor=actor,
+        reference=reference,
+        tokenizer=tok,
+        meshes={"actor": mesh, "reference": mesh, "rollout": mesh},
+        training=training,
+        rollout=rollout,
+    )
+
+    def length(prompts, completions, **kwargs):  # rewards that differ within each group
+        return [float(len(c)) for c in completions]
+
+    learner = tunix_rl.learner("grpo", cluster, algo, [length], seed=None)
+    with rl_run._saves():
+        learner.train([{"prompts": np.array(["1+1=", "2+2="]), "answer": np.array([2, 4])}])
+    assert int(cluster.actor_trainer.train_steps) == 1
+    return jax.tree.map(np.asarray, nnx.state(cluster.actor_trainer.model.model, nnx.Param))
+
+
+@pytest.mark.contract("tunix.rl gradient accumulation")
+def test_an_accumulated_grpo_update_equals_one_large_batch(tmp_path):
+    """One GRPO update trained as one batch of 2 prompts x G completions, or as 2
+    accumulated micro-batches of one prompt each, moves the actor the same: the rollout
+    stays one batch (the same completions), and the micro-batches' gradients are
+    averaged, not summed (2x the step) or the last one's alone (the GRPO loss is a mean
+    over sequences, so equal micro-batches average to the large batch's)."""
+    initial = jax.tree.map(
+        np.asarray, nnx.state(build_model(get_config("qwen3-tiny"), seed=3), nnx.Param)
+    )
+    large, accumulated = _one_update(tmp_path, 1), _one_update(tmp_path, 2)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: np.abs(a - b).max(), large, initial))
+    assert max(moved) > 1e-4, "the update did not move the actor"
+    for a, b, w in zip(
+        jax.tree.leaves(accumulated), jax.tree.leaves(large), jax.tree.leaves(initial), strict=True
+    ):
+        np.testing.assert_allclose(a - w, b - w, rtol=2e-3, atol=2e-6)

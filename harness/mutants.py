@@ -111,6 +111,26 @@ TARGETS: dict[str, list[str]] = {
         "llama3-hub or gpt_oss-hub or gemma4-hub or qwen3-hub or rope-bands or yarn or rotary "
         "or Rope or rope_rotates",
     ],
+    # the tower's values come from HF parity with images (patches, 2-D RoPE, pooling,
+    # padding, standardisation, projection, placement) and the placement/pixel properties
+    "src/posttrain/layers/vision.py": [
+        "tests/test_vision.py",
+        "tests/test_rope.py",
+    ],
+    # the tower's rows and config.json reader/writer: parity and the bit-exact round trip
+    "src/posttrain/families/gemma4_vision.py": [
+        "tests/test_vision.py",
+        "tests/test_families.py",
+        "tests/test_conversion_roundtrip.py",
+    ],
+    # images against transformers' own processor, the token expansion, the file errors
+    "src/posttrain/sft/vision_data.py": ["tests/test_vision_data.py"],
+    "src/posttrain/vision_config.py": [
+        "tests/test_vision.py::test_vision_config_refuses_what_the_tower_cannot_run",
+        "tests/test_vision.py::test_every_vision_field_is_perturbed_shaped_or_the_data_s",
+        "tests/test_vision.py::test_perturbing_a_vision_field_moves_the_logits",
+    ],
+    "src/posttrain/sft/vision_default_data.py": ["tests/test_vision_data.py"],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",
         "tests/test_conversion_errors.py",
@@ -133,7 +153,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/lora/merge.py": ["tests/test_lora.py", "-k", "merge or zero_adapter"],
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
-    "src/posttrain/rl/rewards.py": ["tests/test_rl.py"],
+    "src/posttrain/rl/rewards.py": ["tests/test_rl.py", "tests/test_reward_probe.py"],
     "harness/progress.py": ["tests/test_matrix_progress.py"],
     "harness/bisect.py": ["tests/test_bisect.py"],
     # the CLI generated from the options, and the checks every run shares
@@ -184,7 +204,10 @@ TARGETS: dict[str, list[str]] = {
     # distillation: the hand-computed loss, the broken variants, a real run, accumulation
     "src/posttrain/distill/loss.py": ["contracts/test_tunix_distill.py"],
     "src/posttrain/distill/tunix_distill.py": ["contracts/test_tunix_distill.py"],
-    "src/posttrain/distill/trainer.py": ["contracts/test_tunix_distill.py"],
+    "src/posttrain/distill/trainer.py": [
+        "contracts/test_tunix_distill.py",
+        "tests/test_distill_teacher_dtype.py",
+    ],
     "harness/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
     # the run base and the generated CLI (#37): their targets, first scores to come
     "src/posttrain/cli_options.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
@@ -220,10 +243,24 @@ TARGETS: dict[str, list[str]] = {
         "-k",
         "export or run",
     ],
+    # the runs in the checkpoint's format, the refusals, the export's files
+    "src/posttrain/runs/formats.py": [
+        "tests/test_chat_runs.py",
+        "tests/test_sft_run.py",
+        "-k",
+        "chat or template or bad_input",
+    ],
     "src/posttrain/runs/loading.py": ["tests/test_sft_run.py", "tests/test_preference.py"],
     "src/posttrain/runs/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
     "src/posttrain/runs/training.py": ["tests/test_option_sensitivity.py", "tests/test_sft_run.py"],
     "src/posttrain/sft/options.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
+    # reliability of the inputs and faults (#40)
+    "src/posttrain/limits.py": ["tests/test_generate_inputs.py"],
+    "src/posttrain/commands/generate_inputs.py": ["tests/test_generate_inputs.py"],
+    "src/posttrain/runs/checks.py": ["tests/test_run_checks.py"],
+    "src/posttrain/runs/record.py": ["tests/test_run_checks.py", "tests/test_sft_run.py"],
+    "src/posttrain/signals.py": ["tests/test_signals.py"],
+    "src/posttrain/runs/stops.py": ["tests/test_disk_full.py", "tests/test_signals.py"],
 }
 # module -> the functions mutated, by mutmut's names (:func:`function_names`); a module
 # not listed has every function mutated, and ``--functions`` overrides either.

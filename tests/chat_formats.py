@@ -331,14 +331,44 @@ def write_tiny_model(family: Family, directory: pathlib.Path, hf_family: str) ->
     config = json.loads((directory / "config.json").read_text())
     write_checkpoint(family, directory)  # the format files (config.json: its EOS only)
     config["eos_token_id"] = tok.token_to_id(family.config_eos)
-    config["bos_token_id"] = tok.token_to_id(family.tokens.get("bos_token", "")) or None
+    config["bos_token_id"] = tok.token_to_id(family.tokens.get("bos_token", ""))  # id 0 too
+    # the family's pad token, or none (Llama 3 has none): hf_tiny's id 0 is another token here
+    config["pad_token_id"] = tok.token_to_id(family.tokens.get("pad_token", ""))
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
 
 
-if __name__ == "__main__":  # python -m tests.chat_formats DIR: a tiny Llama-3-format model
+def write_random_checkpoint(
+    family: Family, directory: pathlib.Path, preset: str = "llama3-tiny", seed: int = 0
+) -> pathlib.Path:
+    """A tiny random HF checkpoint of our ``preset`` (random tensors named by the
+    conversion table, ``to_hf_config``; no torch) in ``family``'s format: its tokenizer,
+    template, generation config and ``config.json`` EOS."""
+    from posttrain.conversion import to_hf_config
+    from posttrain.models import get_config
+    from tests import checkpoints
+
+    tok = build_tokenizer(family)
+    cfg = get_config(preset).replace(vocab_size=tok.get_vocab_size())
+    tensors = checkpoints.hf_checkpoint(cfg, "hub", seed)
+    checkpoints.write_hf_dir(directory, tensors, to_hf_config(cfg))
+    config = json.loads((directory / "config.json").read_text())
+    write_checkpoint(family, directory)
+    config["eos_token_id"] = tok.token_to_id(family.config_eos)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+if __name__ == "__main__":
+    # python -m tests.chat_formats DIR [CHAT.jsonl]: a tiny Llama-3-format model, and the
+    # embedded addition task's conversations (docs/formats.md's demo)
     import sys
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m tests.chat_formats DIR")
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: python -m tests.chat_formats DIR [CHAT.jsonl]")
     print(write_tiny_model(FAMILIES["llama3"], pathlib.Path(sys.argv[1]), "llama3"))
+    if len(sys.argv) == 3:
+        from posttrain.rl import arithmetic
+
+        arithmetic.write_warmup_jsonl(arithmetic.problems(), sys.argv[2], repeats=4)
+        print(sys.argv[2])

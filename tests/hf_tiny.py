@@ -104,3 +104,41 @@ def save(model: torch.nn.Module, directory: pathlib.Path, layout: str = "hub") -
     """``save_pretrained`` in the hub layout (default) or the fused one."""
     model.save_pretrained(directory, save_original_format=(layout != "fused"))
     return directory
+
+
+def build_vision(seed: int = 0, **vision_overrides) -> torch.nn.Module:
+    """A tiny float32 ``Gemma4ForConditionalGeneration`` with a vision tower (no audio):
+    gemma4-tiny's text model and :func:`posttrain.families.gemma4_vision.vision_tiny`'s
+    tower, constants perturbed, ``std_bias`` / ``std_scale`` drawn (HF inits them 0 / 1)."""
+    from posttrain.families.gemma4_vision import vision_tiny, vision_to_hf
+
+    torch.manual_seed(seed)
+    text = hf_config("gemma4")
+    wrapper = vision_to_hf(vision_tiny())
+    vision = dict(wrapper.pop("vision_config"), initializer_range=INIT_RANGE, **vision_overrides)
+    config = transformers.Gemma4Config(
+        text_config=text.to_dict(),
+        vision_config=vision,
+        audio_config=None,
+        tie_word_embeddings=text.tie_word_embeddings,
+        **wrapper,
+    )
+    model = transformers.Gemma4ForConditionalGeneration._from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    perturb_constants(model.eval(), seed + 1)
+    gen = torch.Generator().manual_seed(seed + 2)
+    tower = model.model.vision_tower
+    with torch.no_grad():
+        table = tower.patch_embedder.position_embedding_table
+        table.copy_(INIT_RANGE * torch.randn(table.shape, generator=gen))
+        for module in tower.modules():  # bounds the fixture's activations cross
+            if getattr(module, "use_clipped_linears", False):
+                for name, base in (("input", 1.5), ("output", 0.8)):
+                    span = base + 0.3 * torch.rand((2,), generator=gen)
+                    getattr(module, f"{name}_min").fill_(-float(span[0]))
+                    getattr(module, f"{name}_max").fill_(float(span[1]))
+        if tower.config.standardize:
+            tower.std_bias.copy_(0.5 * torch.randn(tower.std_bias.shape, generator=gen))
+            tower.std_scale.copy_(1 + 0.2 * torch.randn(tower.std_scale.shape, generator=gen))
+    return model

@@ -26,10 +26,14 @@ def is_variable(x) -> bool:
 def path_value(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     """A parameter drawn from its dotted path: equal paths and shapes, equal values.
 
-    Norm scales and per-expert scales sit around 1, the rest around 0 (std 0.3), so no
+    Norm scales and per-expert scales sit around 1, clip bounds (``*_min`` / ``*_max``)
+    around -2 / +2 (ordered, so a few values clamp), the rest around 0 (std 0.3), so no
     parameter keeps an initial zero or one that would hide the field reading it.
     """
     noise = np.random.default_rng(zlib.crc32(name.encode())).normal(0.0, 0.3, shape)
+    if name.endswith(("_min", "_max")):  # clip bounds: about +-2, so a few values clamp
+        sign = -1.0 if name.endswith("_min") else 1.0
+        return (sign * (2.0 + np.abs(noise))).astype(dtype)
     around_one = name.endswith("scale") or "norm" in name or "layer_scalar" in name
     return (noise + 1.0 if around_one else noise).astype(dtype)
 

@@ -61,17 +61,41 @@ def dead_pid() -> int:
 
 
 def test_stale_temporaries_of_dead_writers_are_swept_and_nothing_else(tmp_path):
+    """Every dead writer's temporary in the parent goes, whatever destination it was for
+    (a killed conversion to another name leaked 30-220 MB until a conversion to that same
+    name, #40); a live writer's and a name not provably ours stay."""
     stale = tmp_path / f".out.tmp-{dead_pid()}-abc123"
     live = tmp_path / f".out.tmp-{os.getpid()}-def456"  # a writer still running
     foreign = tmp_path / ".out.tmp-q8x7"  # no pid: not provably ours
     other = tmp_path / f".other.tmp-{dead_pid()}-xyz"  # another destination's
-    for d in (stale, live, foreign, other):
+    converting = tmp_path / f".run.convert-{dead_pid()}-k2"  # a run's on-the-fly conversion
+    for d in (stale, live, foreign, other, converting):
         d.mkdir()
         (d / "shard").write_bytes(b"x")
     with sio.atomic_directory(tmp_path / "out", fsync=False):
         pass
-    assert not stale.exists()
-    assert live.is_dir() and foreign.is_dir() and other.is_dir()
+    assert not stale.exists() and not other.exists() and not converting.exists()
+    assert live.is_dir() and foreign.is_dir()
+
+
+def test_convert_names_the_temporaries_it_swept(tmp_path, capsys):
+    from posttrain import cli
+    from posttrain.conversion import save_native
+    from posttrain.models import build_model, flat_params, get_config
+
+    cfg = get_config("llama3-tiny")
+    native = save_native(flat_params(build_model(cfg)), cfg, tmp_path / "native")
+    pid = dead_pid()
+    stale = [tmp_path / f".a.tmp-{pid}-x1", tmp_path / f".b.convert-{pid}-y2"]
+    for d in stale:
+        (d / "sub").mkdir(parents=True)
+    argv = ["convert", "--from", "native", "--to", "hf", str(native), str(tmp_path / "hf")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    names = ", ".join(sorted(d.name for d in stale))
+    assert f"swept 2 temporaries of killed writers in {tmp_path}: " in out, out
+    assert sorted(out.split(": ", 1)[1].splitlines()[0].split(", ")) == names.split(", ")
+    assert not any(d.exists() for d in stale)
 
 
 WRITER = textwrap.dedent(

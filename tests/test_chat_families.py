@@ -219,23 +219,43 @@ def test_exported_generation_config_is_what_transformers_reads(tmp_path):
 GENERATED = 24  # new tokens at most: the stop must come before
 
 
+#: format -> (the model family of its tiny checkpoint, the turn's stop token)
+GENERATION_CASES = {
+    "llama3": ("llama3", "<|eot_id|>"),
+    "qwen3": ("qwen3", "<|im_end|>"),
+    "gemma": ("gemma4", "<end_of_turn>"),
+    "gpt_oss": ("gpt_oss", "<|return|>"),
+    "mixtral": ("mixtral", "</s>"),
+}
+
+
 @pytest.mark.reference
-def test_greedy_chat_generation_stops_at_eot_like_transformers(hf_tiny, tmp_path):
-    """A tiny random Llama-3-format checkpoint (its tokenizer, template, and generation
-    config with three EOS ids): the chat prompt ``posttrain generate`` builds and its greedy
-    tokens equal transformers' ``generate`` on the same checkpoint, stopping at the same
-    token, <|eot_id|>. The model is made to emit <|eot_id|> (its lm_head row doubled from
-    the token it would pick at step 6), so the stop is tested, not hoped for."""
+@pytest.mark.parametrize(
+    "name",
+    # the gate: Llama 3 (three EOS ids, none of them the config's); the slow tier: the rest
+    [pytest.param(n, marks=() if n == "llama3" else pytest.mark.slow) for n in GENERATION_CASES],
+)
+def test_greedy_chat_generation_stops_at_eot_like_transformers(hf_tiny, tmp_path, name):
+    """A tiny random checkpoint in each family's format (its tokenizer, template, and
+    generation config with its EOS ids; Llama 3's three): the chat prompt ``posttrain
+    generate`` builds and its greedy tokens equal transformers' ``generate`` on the same
+    checkpoint, stopping at the same token, the turn's end (<|eot_id|>, <|im_end|>,
+    <end_of_turn>, <|return|>, </s>). The model is made to emit it (its lm_head row
+    doubled from the token it would pick at step 6), so the stop is tested, not hoped
+    for."""
     import torch
     import transformers
 
     from posttrain import conversion, generate
 
-    fam = cf.FAMILIES["llama3"]
+    model_family, stop = GENERATION_CASES[name]
+    fam = cf.FAMILIES[name]
     src = cf.write_checkpoint(fam, tmp_path / "hf")
     tok = cf.build_tokenizer(fam)
-    model = hf_tiny.build("llama3", vocab_size=tok.get_vocab_size())
-    eot = tok.token_to_id("<|eot_id|>")
+    # untied: the doubled output row below must not move the prompt's embeddings (the
+    # stop token is in the prompt's earlier turns)
+    model = hf_tiny.build(model_family, vocab_size=tok.get_vocab_size(), tie_word_embeddings=False)
+    eot = tok.token_to_id(stop)
     template = chat.resolve_template(src)
     prompt = data.chat_prompt(fam.conversations[1][:3], tok, template)
     ids = torch.as_tensor([prompt])

@@ -1,7 +1,10 @@
 """The ``posttrain`` subcommands' option sets: every flag name, kind, default, choice and
 type users had before the CLI was generated from the options dataclasses (#37), so that
 generating it changed none of them. Derived once from the hand-written parser (commit
-3216db4) and reviewed; a deliberate change edits this table and says why."""
+3216db4) and reviewed; a deliberate change edits this table and says why.
+
+Changes since: ``--chat-template`` on ``sft``, ``dpo`` and ``grpo`` (#36: the model's own
+template drives training; a file or ``chatml`` overrides it)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--model": ("value", "qwen3-tiny", None, None, False),
         "--data": ("value", None, None, None, False),
         "--tokenizer": ("value", None, None, None, False),
+        "--chat-template": ("value", None, None, None, False),
         "--mesh": ("value", None, None, None, False),
         "--devices": DEVICES,
         "--per-device-batch-size": ("value", 1, None, "int", False),
@@ -60,6 +64,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "src": ("value", None, None, None, True),
         "dst": ("value", None, None, None, True),
         "--scan": ("flag", None, None, None, False),
+        "--vision": ("flag", None, None, None, False),
         "--layout": ("value", None, ("hub", "fused"), None, False),
         "--prefix": ("value", None, None, None, False),
         "--max-shard-size": ("value", 4 << 30, None, "_byte_size", False),
@@ -77,11 +82,12 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--model": ("value", None, None, None, False),
         "--adapter": ("value", None, None, None, False),
         "--tokenizer": ("value", None, None, None, False),
+        "--chat-template": ("value", None, None, None, False),
         "--prompt": ("append", None, None, None, False),
         "--prompts": ("value", None, None, None, False),
         "--chat": ("flag", None, None, None, False),
         "--max-new-tokens": ("value", 64, None, "int", False),
-        "--temperature": ("value", 0.0, None, "float", False),
+        "--temperature": ("value", None, None, "float", False),
         "--top-k": ("value", None, None, "int", False),
         "--top-p": ("value", None, None, "float", False),
         "--seed": ("value", 0, None, "int", False),
@@ -93,6 +99,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
     "grpo": {
         "--model": ("value", "qwen3-tiny", None, None, False),
         "--tokenizer": ("value", None, None, None, False),
+        "--chat-template": ("value", None, None, None, False),
         "--mesh": ("value", None, None, None, False),
         "--rollout-mesh": ("value", None, None, None, False),
         "--rollout-dtype": ("value", None, None, None, False),
@@ -100,6 +107,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--per-device-batch-size": ("value", 2, None, "int", False),
         "--num-generations": ("value", 8, None, "int", False),
         "--steps": ("value", 150, None, "int", False),
+        "--grad-accum": ("value", 1, None, "int", False),  # added with GRPO's accumulation
         "--learning-rate": ("value", 0.0005, None, "float", False),
         "--lora-rank": ("value", 0, None, "int", False),
         "--lora-alpha": ("value", None, None, "float", False),
@@ -123,6 +131,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--data": ("value", None, None, None, False),
         "--eval-data": ("value", None, None, None, False),
         "--tokenizer": ("value", None, None, None, False),
+        "--chat-template": ("value", None, None, None, False),
         "--mesh": ("value", None, None, None, False),
         "--devices": DEVICES,
         "--per-device-batch-size": ("value", 1, None, "int", False),
@@ -147,8 +156,45 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--stop-after": ("value", None, None, "int", False),
         "--output": ("value", "runs/dpo", None, None, False),
     },
-    # pinned from the hand-written parser plan/cli.add_parser had before it became a
-    # COMMANDS row (#34); --rollout-mesh added with the grpo plan
+    # added with posttrain distill (#38): SFT's options (its own defaults for the student,
+    # the steps and the row length) and the distillation's
+    "distill": {
+        "--model": ("value", "qwen3-tiny", None, None, False),
+        "--teacher": ("value", None, None, None, False),
+        "--student-layers": ("value", 1, None, "int", False),
+        "--strategy": ("value", "logit", None, None, False),
+        "--temperature": ("value", 1.0, None, "float", False),
+        "--alpha": ("value", 0.5, None, "float", False),
+        "--distill-top-k": ("value", 0, None, "int", False),
+        "--teacher-dtype": ("value", "float32", ("float32", "bfloat16"), None, False),
+        "--teacher-steps": ("value", 60, None, "int", False),
+        "--chat-template": ("value", None, None, None, False),  # every run's (#36)
+        "--data": ("value", None, None, None, False),
+        "--tokenizer": ("value", None, None, None, False),
+        "--mesh": ("value", None, None, None, False),
+        "--devices": DEVICES,
+        "--per-device-batch-size": ("value", 1, None, "int", False),
+        "--grad-accum": ("value", 1, None, "int", False),
+        "--steps": ("value", 40, None, "int", False),
+        "--max-target-length": ("value", 128, None, "int", False),
+        "--no-packing": ("flag", None, None, None, False),
+        "--data-shards": ("value", None, None, "int", False),
+        "--overflow": ("value", "truncate", ("truncate", "reject"), None, False),
+        "--learning-rate": ("value", 0.003, None, "float", False),
+        "--warmup-steps": ("value", 5, None, "int", False),
+        "--lora-rank": ("value", 0, None, "int", False),
+        "--lora-alpha": ("value", None, None, "float", False),
+        "--remat": ("value", "none", ("none", "full", "save_dots"), None, False),
+        "--scan": ("flag", None, None, None, False),
+        "--seed": ("value", 0, None, "int", False),
+        "--save-every": ("value", 50, None, "int", False),
+        "--sync-saves": ("flag", None, None, None, False),
+        "--replica-parallel-saves": ("value", "auto", ("auto", "on", "off"), None, False),
+        "--stop-after": ("value", None, None, "int", False),
+        "--output": ("value", "runs/distill", None, None, False),
+    },
+    # posttrain plan (#34): the slice, the mesh and the workload it compiles; a COMMANDS
+    # row since, every flag kept; --rollout-mesh added with the grpo plan
     "plan": {
         "--model": ("value", None, None, None, True),
         "--topology": ("value", None, None, None, True),
@@ -210,9 +256,10 @@ def test_each_subcommand_keeps_its_flags_defaults_and_choices(command, monkeypat
     assert found == EXPECTED[command]
 
 
-def test_every_recorded_subcommand_is_there(monkeypatch):
-    """The recorded subcommands all exist (a new one may be added beside them)."""
-    assert set(EXPECTED) <= set(_subparsers(monkeypatch))
+def test_every_subcommand_is_recorded(monkeypatch):
+    """The recorded subcommands are exactly the CLI's: a new one gets its row here (and
+    the review of its flags that comes with it)."""
+    assert set(_subparsers(monkeypatch)) == set(EXPECTED)
 
 
 @pytest.mark.parametrize("command", list(EXPECTED))

@@ -16,16 +16,43 @@ from posttrain.distill.options import DistillRunConfig  # noqa: E402
 from posttrain.distill.run import run_distill  # noqa: E402
 
 
+def params_of(model) -> dict[str, np.ndarray]:
+    from flax import nnx
+
+    return {
+        "/".join(map(str, p)): np.asarray(v[...])
+        for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+    }
+
+
 def records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_a_short_run_moves_the_student_toward_a_preset_teacher(tmp_path):
-    """4 steps of pure distillation (alpha 1) from a random llama3-tiny into qwen3-tiny one
-    layer deep: the held-out KL falls; prompt tokens are not targets (fewer targets than
-    tokens); the run writes its record and export like an SFT run."""
+    """4 steps of pure distillation (alpha 1) from a random llama3-tiny in bfloat16 into
+    qwen3-tiny one layer deep: the held-out KL falls; prompt tokens are not targets (fewer
+    targets than tokens); the teacher's parameters are bfloat16 at every teacher forward
+    and bit-identical after; the run writes its record and export like an SFT run."""
+    seen = {"forwards": 0}
+
+    def on_built(trainer):
+        teacher = trainer.teacher_model
+        seen["before"] = params_of(teacher)
+        get_teacher_outputs = trainer.strategy.get_teacher_outputs
+
+        def watched(model, inputs):
+            assert model is teacher
+            assert {v.dtype for v in params_of(model).values()} == {np.dtype("bfloat16")}
+            seen["forwards"] += 1
+            return get_teacher_outputs(model, inputs)
+
+        trainer.strategy.get_teacher_outputs = watched
+        seen["teacher"] = teacher
+
     cfg = DistillRunConfig(
         teacher="llama3-tiny",
+        teacher_dtype="bfloat16",
         alpha=1.0,
         steps=4,
         warmup_steps=0,
@@ -33,7 +60,10 @@ def test_a_short_run_moves_the_student_toward_a_preset_teacher(tmp_path):
         max_target_length=64,
         output=str(tmp_path / "run"),
     )
-    result = run_distill(cfg)
+    result = run_distill(cfg, on_built=on_built)
+    assert seen["forwards"] == 4  # one teacher forward per step
+    after = params_of(seen["teacher"])
+    assert all(np.array_equal(v, after[k]) for k, v in seen["before"].items())  # bit-identical
     assert result.kl_after < 0.8 * result.kl_before, (result.kl_before, result.kl_after)
     history = records(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in history] == [1, 2, 3, 4]

@@ -123,6 +123,24 @@ def test_every_consumer_reads_the_registry():
             assert hf_config.family_of({"model_type": model_type}) == family.name
 
 
+def test_every_family_has_an_hf_parity_case_in_the_gate():
+    """Each registered family is a case of the gate's HF parity test (its oracle builds
+    the tiny transformers model; docs/families.md): the family tests above pass on a
+    family with the right parts for the wrong architecture, only parity catches it. A
+    filter on the cases, or the test moved to the slow tier, fails here."""
+    from tests import test_conversion_parity as parity_tests
+
+    covered = {family for family, _ in parity_tests.CASES}
+    for name in families.NAMES:
+        assert name in covered, (
+            f"family {name!r} has no HF parity case: give it an oracle (families.HFOracle "
+            "naming transformers' config and model classes) and the layouts it reads "
+            "(docs/families.md, 'Adding a family')"
+        )
+    test = parity_tests.test_converted_logits_match_transformers
+    assert "slow" not in {mark.name for mark in getattr(test, "pytestmark", [])}
+
+
 @pytest.mark.reference
 @pytest.mark.parametrize("name", families.NAMES)
 def test_the_oracle_names_transformers_classes(name):

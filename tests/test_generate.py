@@ -511,7 +511,11 @@ def test_greedy_generation_equals_transformers(hf_tiny, tmp_path, family):
     ("kwargs", "message"),
     [
         (dict(max_new_tokens=0), "max_new_tokens=0: expected >= 1"),
-        (dict(temperature=-1.0), "temperature=-1.0: expected >= 0"),
+        (dict(temperature=-1.0), "temperature=-1.0: expected a finite value >= 0"),
+        (dict(temperature=float("inf")), "temperature=inf: expected a finite value >= 0"),
+        (dict(temperature=float("nan")), "temperature=nan: expected a finite value >= 0"),
+        (dict(seed=-1), r"seed=-1: expected an integer in \[0, 2\*\*32\)"),
+        (dict(seed=2**32), r"seed=4294967296: expected an integer in \[0, 2\*\*32\)"),
         (dict(top_k=0), "top_k=0: expected >= 1 or None"),
         (dict(top_p=0.0), r"top_p=0.0: expected in \(0, 1\] or None"),
         (dict(top_p=1.5), r"top_p=1.5: expected in \(0, 1\] or None"),
@@ -627,7 +631,7 @@ def test_cli_streams_one_prompt_to_stdout(tmp_path, monkeypatch, capsys):
     [
         (["--cache-size", "4"], "cache_size=4 is too small: the longest prompt has 5 tokens"),
         (["--top-p", "2"], r"top_p=2.0: expected in \(0, 1\] or None"),
-        (["--prompts", "{missing}"], "No such file or directory"),
+        (["--prompts", "{missing}"], "--prompts '.*nope.jsonl' does not exist; expected a JSONL"),
         (["--adapter", "{adapter}"], "made for llama3 with 2 layers, the model is qwen3 with 2"),
         (["--tokenizer", "{tokenizer}"], "tokenizer has 300 ids but the model's vocab_size is 264"),
     ],

@@ -255,7 +255,8 @@ def _two_then_one(argv, tmp_path, launches=([],), one=()) -> tuple[list[dict], l
     """``posttrain ARGV`` launched on 2 processes x 4 devices into ``tmp_path/two`` (once
     per entry of ``launches``, its extra options appended: a stop, then a resume), then
     in 1 process x 8 into ``tmp_path/one`` (``one`` appended); the ``metrics.jsonl``
-    records of each. The launches' output is in ``tmp_path/launched.txt``."""
+    records of each. The launches' output is in ``tmp_path/launched.txt``, the single
+    process's in ``tmp_path/alone.txt``."""
     two, single = tmp_path / "two", tmp_path / "one"
     printed = []
     for extra in launches:
@@ -264,12 +265,14 @@ def _two_then_one(argv, tmp_path, launches=([],), one=()) -> tuple[list[dict], l
         assert status == 0, out.getvalue()[-3000:]
         printed.append(out.getvalue())
     (tmp_path / "launched.txt").write_text("".join(printed))
-    subprocess.run(
+    alone = subprocess.run(
         [sys.executable, "-m", "posttrain.cli", *argv, *one, "--output", str(single)]
         + ["--devices", "8"],
         capture_output=True,
         check=True,
+        text=True,
     )
+    (tmp_path / "alone.txt").write_text(alone.stdout)
     got, want = (
         [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         for run in (two, single)
@@ -460,6 +463,43 @@ def test_moe_sft_with_experts_split_across_processes_equals_one_process(tmp_path
             [r[key] for r in got], [r[key] for r in want], rtol=1e-5, err_msg=key
         )
     assert all(r["moe_aux_loss"] > 0 for r in got)
+
+
+@pytest.mark.slow
+def test_distill_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
+    """``posttrain distill`` (a bf16 preset teacher, a LoRA student one layer deep,
+    gradient accumulation 2) on 2 processes x 4 devices, each tokenising half of the
+    training split: the per-step losses, KL and grad norms, the held-out KL before and
+    after, and the exported adapters of 1 process x 8 devices reading the same 2 shards;
+    process 0 alone writes the data split, the student's start and the exports."""
+    argv = ["distill", "--teacher", "llama3-tiny", "--teacher-dtype", "bfloat16"]
+    argv += ["--lora-rank", "4", "--grad-accum", "2", "--steps", "2"]
+    argv += ["--max-target-length", "64", "--save-every", "2"]
+    got, want = _two_then_one(argv, tmp_path, one=["--data-shards", "2"])
+    assert [r["step"] for r in got] == [1, 2]
+    for key in ("loss", "kl", "task_loss", "grad_norm"):
+        np.testing.assert_allclose(
+            [r[key] for r in got], [r[key] for r in want], rtol=1e-6, err_msg=key
+        )
+    launched = (tmp_path / "launched.txt").read_text()
+    (kl,) = re.findall(r"\[rank 0\].*held-out KL to the teacher (\S+) -> (\S+)", launched)
+    assert not re.search(r"\[rank 1\].*held-out KL", launched)  # printed once
+    single = json.loads((tmp_path / "one" / "run.json").read_text())
+    assert single["rows"] == json.loads((tmp_path / "two" / "run.json").read_text())["rows"]
+    got_export, want_export = (_exports(tmp_path / run) for run in ("two", "one"))
+    assert got_export.keys() == want_export.keys() and got_export
+    for k in want_export:
+        np.testing.assert_allclose(got_export[k], want_export[k], atol=1e-6, rtol=0, err_msg=k)
+    alone = (tmp_path / "alone.txt").read_text()
+    (kl_alone,) = re.findall(r"held-out KL to the teacher (\S+) -> (\S+)", alone)
+    np.testing.assert_allclose(
+        [float(x) for x in kl], [float(x) for x in kl_alone], atol=2e-4, rtol=0
+    )  # printed to 4 decimals
+    assert float(kl[1]) < float(kl[0])
+    assert sorted(p.name for p in (tmp_path / "two" / "data").iterdir()) == [
+        "held_out.jsonl",
+        "train.jsonl",
+    ]  # no temporary left by a second writer
 
 
 RANK_WAITS = (

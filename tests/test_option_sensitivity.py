@@ -28,6 +28,7 @@ pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not instal
 
 from flax import nnx  # noqa: E402
 
+from posttrain.distill.options import DistillRunConfig  # noqa: E402
 from posttrain.preference.options import DPORunConfig  # noqa: E402
 from posttrain.rl.options import GRPORunConfig  # noqa: E402
 from posttrain.sft.options import SFTConfig  # noqa: E402
@@ -210,8 +211,30 @@ def _run_dpo(cfg, on_built):
     return run_dpo(cfg, on_built=on_built)
 
 
+def _capture_distill(cfg) -> dict:
+    """``_capture`` for ``posttrain distill``: what the SFT trainer's Tunix receives, and
+    the distillation trainer's strategy (temperature, alpha, top-k) and teacher."""
+    from posttrain.distill.run import run_distill
+
+    seen = {}
+
+    def on_built(trainer):
+        def train(batches, *args, **kwargs):
+            seen.update(_received(trainer, batches, cfg.steps))
+            seen.update(
+                strategy=_plain(trainer._strategy), teacher=_model_picture(trainer._teacher)
+            )
+            trainer.abandon()
+            raise _Stop
+
+        trainer.train = train
+
+    return _stopped(lambda: run_distill(cfg, on_built=on_built), cfg, seen)
+
+
 def _files(tmp_path) -> dict:
-    """Inputs an option can name: a chat JSONL, a preference JSONL, another tokenizer."""
+    """Inputs an option can name: a chat JSONL, a preference JSONL, another tokenizer, a
+    chat template."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     chat = tmp_path / "chat.jsonl"
@@ -223,7 +246,19 @@ def _files(tmp_path) -> dict:
     words = Tokenizer(models.WordLevel(vocab={"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     words.save(str(tmp_path / "words.json"))
-    return {"chat": str(chat), "pairs": str(pairs), "tokenizer": str(tmp_path / "words.json")}
+    template = tmp_path / "chat_template.jinja"  # ChatML's markers, another layout
+    template.write_text(
+        "{% for m in messages %}{{ m.role + ': ' }}{% if m.role == 'assistant' %}"
+        "{% generation %}{{ m.content + '<|im_end|>' }}{% endgeneration %}"
+        "{% else %}{{ m.content + '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    return {
+        "chat": str(chat),
+        "pairs": str(pairs),
+        "tokenizer": str(tmp_path / "words.json"),
+        "template": str(template),
+    }
 
 
 #: option -> (its other value, base overrides it needs to have an effect); "{chat}" etc.
@@ -231,6 +266,7 @@ def _files(tmp_path) -> dict:
 SFT_VALUES: dict[str, tuple] = {
     "model": ("llama3-tiny", {}),
     "tokenizer": ("{tokenizer}", {}),
+    "chat_template": ("{template}", {}),
     "mesh": ({"data": 2, "fsdp": 4}, {}),
     "per_device_batch_size": (2, {}),
     "steps": (4, {}),
@@ -254,6 +290,7 @@ SFT_VALUES: dict[str, tuple] = {
 }
 DPO_VALUES: dict[str, tuple] = {
     **{k: SFT_VALUES[k] for k in ("model", "tokenizer", "mesh", "steps", "learning_rate")},
+    "chat_template": SFT_VALUES["chat_template"],
     **{k: SFT_VALUES[k] for k in ("lora_rank", "lora_alpha", "seed", "save_every")},
     **{k: SFT_VALUES[k] for k in ("stop_after", "grad_accum", "warmup_steps")},
     **{k: SFT_VALUES[k] for k in ("remat", "scan_layers", "data_shards")},
@@ -270,9 +307,11 @@ DPO_VALUES: dict[str, tuple] = {
 }
 GRPO_VALUES: dict[str, tuple] = {
     **{k: SFT_VALUES[k] for k in ("model", "tokenizer", "mesh", "lora_rank", "lora_alpha")},
+    "chat_template": SFT_VALUES["chat_template"],
     **{k: SFT_VALUES[k] for k in ("seed", "save_every", "stop_after")},
     "per_device_batch_size": (3, {}),
     "steps": (4, {}),
+    "grad_accum": (2, {}),  # Tunix's train micro-batch: 4 of the 8 prompts
     "learning_rate": (1e-3, {}),
     "rollout_mesh": ({"data": 8}, {}),
     "rollout_dtype": ("bfloat16", {"rollout_mesh": {"data": 8}}),
@@ -287,6 +326,20 @@ GRPO_VALUES: dict[str, tuple] = {
     "warmup_steps": (1, {}),
     "warmup_data_shards": (2, {"warmup_steps": 1}),  # the warm-up's data order
 }
+DISTILL_VALUES: dict[str, tuple] = {
+    **{k: v for k, v in SFT_VALUES.items() if k not in ("model", "steps", "max_target_length")},
+    "model": ("llama3-tiny", {}),  # the student
+    "steps": (4, {}),
+    "max_target_length": (64, {}),
+    "teacher": ("llama3-tiny", {}),
+    "student_layers": (0, {}),  # an explicit zero: every layer of the preset
+    "strategy": ("attention", {}),  # refused in one line (logit only, so far)
+    "temperature": (2.0, {}),
+    "alpha": (0.0, {}),  # an explicit zero: the task loss alone
+    "distill_top_k": (5, {}),
+    "teacher_dtype": ("bfloat16", {}),  # the teacher's parameters Tunix receives
+    "teacher_steps": (2, {"teacher": None}),  # the on-the-fly teacher's training
+}
 #: Options with no effect on what Tunix receives, and why.
 NO_EFFECT: dict[str, str] = {
     "eval_samples": "the evaluation before and after training only (``posttrain grpo``'s "
@@ -297,6 +350,7 @@ NO_EFFECT: dict[str, str] = {
 
 SMALL_SFT = {"steps": 3, "max_target_length": 64}
 SMALL_DPO = {"steps": 3, "max_prompt_length": 16, "max_response_length": 16}
+SMALL_DISTILL = {"steps": 3, "max_target_length": 128, "teacher": "qwen3-tiny", "teacher_steps": 1}
 SMALL_GRPO = {
     "steps": 2,
     "warmup_steps": 0,
@@ -327,7 +381,12 @@ def _sensitivity(cls, run, values, small, name, tmp_path) -> None:
 
 def test_the_tables_name_every_option():
     """Every field of the options is a row of its table or of :data:`NO_EFFECT`."""
-    tables = ((SFTConfig, SFT_VALUES), (DPORunConfig, DPO_VALUES), (GRPORunConfig, GRPO_VALUES))
+    tables = (
+        (SFTConfig, SFT_VALUES),
+        (DPORunConfig, DPO_VALUES),
+        (GRPORunConfig, GRPO_VALUES),
+        (DistillRunConfig, DISTILL_VALUES),
+    )
     for cls, values in tables:
         names = {f.name for f in dataclasses.fields(cls)}
         assert names == set(values) | (set(NO_EFFECT) & names), cls.__name__
@@ -337,6 +396,7 @@ def test_the_tables_name_every_option():
 # time; the slow tier sweeps every option (GRPO's beta=0.0 is the other explicit zero).
 GATE_SFT = ("warmup_steps",)
 GATE_GRPO: tuple[str, ...] = ()
+GATE_DISTILL = ("alpha",)
 
 
 @pytest.mark.parametrize(
@@ -365,3 +425,14 @@ def test_each_grpo_option_changes_what_tunix_receives(name, tmp_path):
     """A non-default value of the GRPO option changes what Tunix's learner receives (or
     is refused in one line)."""
     _sensitivity(GRPORunConfig, _capture_grpo, GRPO_VALUES, SMALL_GRPO, name, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if n in GATE_DISTILL else pytest.mark.slow) for n in DISTILL_VALUES],
+)
+def test_each_distill_option_changes_what_tunix_receives(name, tmp_path):
+    """A non-default value of the distillation option changes what Tunix's
+    ``DistillationTrainer`` receives, its strategy or its teacher included (or is
+    refused in one line)."""
+    _sensitivity(DistillRunConfig, _capture_distill, DISTILL_VALUES, SMALL_DISTILL, name, tmp_path)

@@ -50,6 +50,14 @@ def test_both_trl_forms_read_as_the_same_pair(tmp_path):
         ({**GOOD, "rejected": [{"role": "assistant"}]}, "rejected: message 0 needs string"),
         ({**GOOD, "prompt": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
         ({**GOOD, "chosen": [{"role": "user", "content": "x"}]}, "expected assistant turns only"),
+        ({**GOOD, "chosen": ""}, "chosen is empty; expected some text"),
+        ({**GOOD, "rejected": " \n"}, "rejected is empty; expected some text"),
+        ({**GOOD, "prompt": ""}, "prompt is empty; expected some text"),
+        ({**GOOD, "rejected": "Hi!"}, "chosen and rejected are the same"),
+        (
+            {**GOOD, "rejected": [{"role": "assistant", "content": "Hi!"}]},
+            "chosen and rejected are the same",
+        ),
     ],
 )
 def test_bad_data_is_one_line_naming_the_file_and_line(tmp_path, line, words):

@@ -67,7 +67,9 @@ def test_logged_learning_rate_is_jitted_when_the_schedule_traces(schedule, want,
         LearningRate(lambda step: "not a schedule" + step)(0)
 
 
-def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_path, monkeypatch):
+def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(
+    tmp_path, monkeypatch, capsys
+):
     import orbax.checkpoint as ocp
 
     # Count Orbax's replica-parallel slices: replica_parallel_saves="auto" is off in one
@@ -108,11 +110,14 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(tmp_
         on_built=lambda t: options.append(t.config.checkpointing_options),
     )
     assert options[0].enable_async_checkpointing is False  # --sync-saves
-    # A kill after step 3 was logged but before it was checkpointed: the resume replays
-    # step 3, and metrics.jsonl must hold it once.
+    # A kill after step 3 was logged but before it was checkpointed, in the middle of
+    # writing step 4's line: the resume drops the torn line (one notice) and replays step
+    # 3, and metrics.jsonl must hold it once.
     with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": 3, "loss": 99.0}) + "\n")
+        f.write(json.dumps({"step": 3, "loss": 99.0}) + '\n{"step": 4, "lo')
+    capsys.readouterr()
     resumed = run_sft(SFTConfig(**common, output=str(tmp_path / "cut")))
+    assert "metrics.jsonl, line 4: a torn record" in capsys.readouterr().err
     # Each finished run unregistered its TensorBoard listener (Tunix leaves it registered:
     # later runs' metrics were written to the earlier runs' logs).
     assert _compat.scalar_listeners() == listening
@@ -184,7 +189,13 @@ def test_lora_run_checkpoints_only_the_adapters(tmp_path):
         (["--devices", "abc"], "--devices 'abc': expected a positive integer or 'real'"),
         (["--devices", "1.5"], "--devices '1.5': expected a positive integer or 'real'"),
         (["--lora-rank", "100000"], "lora rank=100000 exceeds min(d_in, d_out)="),
-        (["--tokenizer", "{tok3}"], "tokens are its unknown token (id 2); expected at most 5%"),
+        (["--tokenizer", "{tok3}"], "no chat template and no <|im_start|> token"),
+        (
+            ["--tokenizer", "{tok3}", "--chat-template", "{plain}"],
+            "tokens are its unknown token (id 2); expected at most 5%",
+        ),
+        (["--chat-template", "{jinja}"], "chat template does not parse"),
+        (["--chat-template", "{file}/x"], "(--chat-template): expected a Jinja chat template"),
         (["--mesh", "fsdp=\u00b2"], "mesh entry 'fsdp=\u00b2' must look like axis=INT"),
         (["--data", "{nested}"], "{nested}, line 1: not valid JSON"),
         (["--data", "{latin1}"], "{latin1}, line 1: not UTF-8"),
@@ -230,9 +241,23 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     tok3.pre_tokenizer = pre_tokenizers.Whitespace()
     tok3.save(str(tmp_path / "tok3.json"))
     tok3 = tmp_path / "tok3.json"
-    paths = dict(
-        bad=bad, long=long, file=file, nested=nested, latin1=latin1, surrogate=surrogate, tok3=tok3
+    plain = tmp_path / "plain.jinja"  # every message's content, the assistant's trained
+    plain.write_text(
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
     )
+    paths = dict(
+        bad=bad,
+        long=long,
+        file=file,
+        nested=nested,
+        latin1=latin1,
+        surrogate=surrogate,
+        tok3=tok3,
+        plain=plain,
+        jinja=tmp_path / "bad.jinja",
+    )
+    paths["jinja"].write_text("{% for %}")
     for name, path in paths.items():
         argv = [a.replace("{" + name + "}", str(path)) for a in argv]
         message = message.replace("{" + name + "}", str(path))

@@ -27,12 +27,11 @@ print one line and exit with 130 / 143.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
 
-from posttrain import distributed, flags
+from posttrain import distributed, flags, signals
 from posttrain.cli_options import (
     CheckLogitsOptions,
     ConvertOptions,
@@ -144,7 +143,7 @@ COMMANDS = (
         "front (prompt and padding out of the objective). Defaults: the student qwen3-tiny "
         "one layer deep, the teacher runs/sft/model-step60 if present, else llama3-tiny "
         "trained on the fly; the embedded pydoc_data set, 1 in 8 held out for the KL.",
-        multi_process=False,
+        multi_process=True,
     ),
     Command(
         "plan",
@@ -241,12 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     try:
-        with _terminate_as_interrupt():
+        # generate writes only through atomic renames: it may exit at once on a signal
+        with signals.interrupts(immediate=args.command == "generate"):
             return _dispatch(args)
     except KeyboardInterrupt as interrupt:
-        signal_name = interrupt.args[0] if interrupt.args else "SIGINT"
-        print(f"posttrain: interrupted ({signal_name})", file=sys.stderr)
-        return 143 if signal_name == "SIGTERM" else 130
+        signal_name, status = signals.exit_status(interrupt)
+        print(signals.line(signal_name), file=sys.stderr)
+        return status
     except _INPUT_ERRORS as e:
         if debug:
             raise
@@ -264,27 +264,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt("SIGTERM") in the main thread while the command
-    runs, so ``finally`` blocks and context managers (temporary directories) clean up."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -64,6 +64,9 @@ class ConvertOptions:
     src: str = option(help="source directory", positional=True)
     dst: str = option(help="destination directory (must not exist)", positional=True)
     scan: bool = option(False, "hf -> native: store layers stacked for scan_layers=True")
+    vision: bool = option(
+        False, "hf -> native: convert the vision tower too (Gemma 4), not only the text model"
+    )
     layout: Literal["hub", "fused"] | None = option(
         None, "native -> hf: hub (per-expert tensors, default) or fused experts"
     )
@@ -110,17 +113,31 @@ class GenerateOptions:
     )
     adapter: str | None = option(None, "a LoRA adapter directory to apply")
     tokenizer: str | None = option(None, "tokenizer.json (default: see docs)")
+    chat_template: str | None = option(
+        None, "a Jinja chat template file, or chatml (default: the checkpoint's own, else ChatML)"
+    )
     prompt: tuple[str, ...] = option((), "prompt text (repeatable)")
     prompts: str | None = option(None, 'JSONL: {"prompt": ...} or {"messages": [...]}')
-    chat: bool = option(False, "wrap --prompt in the ChatML template")
+    chat: bool = option(False, "wrap --prompt in the chat template as a user turn")
     max_new_tokens: int = option(64, "tokens to generate", show_default=False)
-    temperature: float = option(0.0, "0: greedy (default)", show_default=False)
-    top_k: int | None = option(None, "sample from the k likeliest tokens")
-    top_p: float | None = option(None, "sample from the smallest set holding this mass")
+    temperature: float | None = option(
+        None, "0: greedy (default: the checkpoint's generation_config.json, else greedy)"
+    )
+    top_k: int | None = option(
+        None, "sample from the k likeliest tokens (default: the checkpoint's, else all)"
+    )
+    top_p: float | None = option(
+        None, "sample from the smallest set holding this mass (default: the checkpoint's, else 1)"
+    )
     seed: int = option(0, "sampling seed (and a preset's init)", show_default=False)
     cache_size: int | None = option(None, "default: prompt + new tokens")
     output: str | None = option(None, "JSONL file (default: stdout)")
     mesh: str | None = option(None, "axis sizes, e.g. fsdp=4,tensor=2")
 
     def check(self) -> None:
-        """Nothing to check before the model is read (``generate`` checks the rest)."""
+        """The sampling numbers and ``--output``, before any model is read
+        (:func:`posttrain.commands.generate_inputs.check_options`; ``generate`` checks
+        the prompts and, once the model is read, the lengths)."""
+        from posttrain.commands.generate_inputs import check_options
+
+        check_options(self)

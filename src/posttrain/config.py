@@ -16,6 +16,8 @@ import typing
 from collections.abc import Mapping
 from typing import Literal
 
+from posttrain.vision_config import VisionConfig as VisionConfig  # ModelConfig.vision's type
+
 RopeKind = Literal["default", "llama3", "yarn", "proportional"]
 LayerType = Literal["full", "sliding"]
 Activation = Literal["silu", "gelu_tanh", "clamped_swiglu"]
@@ -261,6 +263,8 @@ class ModelConfig:
       remat: ``none``, ``full`` (save nothing) or ``save_dots`` (save matmul
         outputs without batch dims, ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``).
       dtype: activation dtype name; param_dtype: parameter dtype name.
+      vision: an image encoder and its projection into the embeddings (Gemma 4);
+        ``None`` for a text-only model.
     """
 
     family: str = "custom"
@@ -286,6 +290,7 @@ class ModelConfig:
     remat: RematPolicy = "none"
     dtype: str = "float32"
     param_dtype: str = "float32"
+    vision: VisionConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "num_layers"):
@@ -378,3 +383,8 @@ class ModelConfig:
             check("moe_d_ff", self.moe.moe_d_ff, "mlp")
             if self.moe.shared_expert_d_ff:
                 check("shared_expert_d_ff", self.moe.shared_expert_d_ff, "mlp")
+        if self.vision is not None:
+            check("vision d_model", self.vision.d_model, "embed")
+            check("vision num_heads", self.vision.num_heads, "heads")
+            check("vision num_kv_heads", self.vision.num_kv_heads, "kv_heads")
+            check("vision d_ff", self.vision.d_ff, "mlp")

@@ -26,6 +26,7 @@ host callback, so it is refused there.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -43,11 +44,11 @@ class SamplingConfig:
 
     Attributes:
       max_new_tokens: N, at most this many tokens per row (>= 1).
-      temperature: 0 for greedy, else > 0.
+      temperature: 0 for greedy, else > 0 (finite).
       top_k: keep the k most likely tokens (``None``: all); 1 is greedy.
       top_p: keep the smallest set of tokens whose probability reaches p, in (0, 1]
         (``None``: all).
-      seed: the RNG seed.
+      seed: the RNG seed, in [0, 2**32).
       eos_ids: token ids that end a row.
       pad_id: the id prompts are left-padded with and stopped rows are filled with.
 
@@ -66,8 +67,10 @@ class SamplingConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: expected >= 1")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature}: expected >= 0")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature={self.temperature}: expected a finite value >= 0")
+        if not 0 <= self.seed < 2**32:  # jax.random.key of a uint32
+            raise ValueError(f"seed={self.seed}: expected an integer in [0, 2**32)")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k={self.top_k}: expected >= 1 or None")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -15,10 +15,12 @@ from posttrain.chat.encode import (
     unpadded,
 )
 from posttrain.chat.generation_config import (
+    DEFAULT_PAD_TOKENS,
     DEFAULT_STOP_TOKENS,
     CheckpointFormats,
     check_template_tokens,
     checkpoint_formats,
+    pad_id,
     resolve_sampling,
     run_stop_ids,
     sampling_defaults,
@@ -39,6 +41,7 @@ from posttrain.chat.template import (
 
 __all__ = [
     "CHATML",
+    "DEFAULT_PAD_TOKENS",
     "DEFAULT_STOP_TOKENS",
     "ChatTemplate",
     "CheckpointFormats",
@@ -52,6 +55,7 @@ __all__ = [
     "encode_conversations",
     "encode_prompt",
     "load_template",
+    "pad_id",
     "prompt_text",
     "resolve_sampling",
     "resolve_template",

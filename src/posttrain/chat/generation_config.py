@@ -17,8 +17,9 @@ builds a generation config from ``config.json`` (``GenerationMixin`` loading in
 here ``config.json`` is read next, then the tokenizer.
 
 Sampling defaults, as transformers reads generation_config.json: ``do_sample`` not true is
-greedy (temperature 0 here); otherwise its ``temperature``, ``top_k`` and ``top_p``, each
-only when present. A value the user gives wins, one by one.
+greedy (temperature 0 here); otherwise its ``temperature`` (1.0, ``GenerationConfig``'s
+default, when absent), ``top_k`` and ``top_p``, each only when present. A value the user
+gives wins, one by one.
 """
 
 from __future__ import annotations
@@ -123,6 +124,49 @@ def stop_ids(tokenizer, *, checkpoint=None, tokenizer_dir=None) -> tuple[int, ..
     return stop_ids_with_source(tokenizer, checkpoint=checkpoint, tokenizer_dir=tokenizer_dir)[0]
 
 
+#: The pad tokens ``posttrain generate`` looked up by name before it read checkpoints; now
+#: only the last resort, for a checkpoint and tokenizer that name no pad token.
+DEFAULT_PAD_TOKENS = ("<|pad|>", "<pad>")
+
+
+def pad_id(tokenizer, *, checkpoint=None, tokenizer_dir=None) -> int | None:
+    """The checkpoint's pad id: ``generation_config.json`` ``pad_token_id``, then
+    ``config.json``'s, then ``tokenizer_config.json``'s ``pad_token`` in the vocabulary,
+    then (only when none of them says) the tokens of :data:`DEFAULT_PAD_TOKENS`; None when
+    nothing names one (the caller pads with 0: masks, not this id, mark padding).
+
+    Raises:
+      TemplateError: a source file that is not a JSON object, a ``pad_token_id`` that is
+        not an id, or a ``pad_token`` missing from the vocabulary.
+    """
+    if checkpoint is not None:
+        directory = pathlib.Path(checkpoint)
+        for name in (GENERATION_CONFIG, MODEL_CONFIG):
+            config = _json(directory / name)
+            value = None if config is None else config.get("pad_token_id")
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TemplateError(
+                    f"{directory / name}: pad_token_id={value!r}; expected an id >= 0"
+                )
+            return value
+    where = tokenizer_dir if tokenizer_dir is not None else checkpoint
+    token = special_tokens(where).get("pad_token") if where is not None else None
+    if token is not None:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise TemplateError(
+                f"{tokenizer_directory(where)}/tokenizer_config.json: pad_token {token!r} "
+                "is not in the tokenizer's vocabulary"
+            )
+        return token_id
+    return next(
+        (i for name in DEFAULT_PAD_TOKENS if (i := tokenizer.token_to_id(name)) is not None),
+        None,
+    )
+
+
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
@@ -168,7 +212,7 @@ def sampling_defaults(checkpoint: str | os.PathLike | None) -> dict[str, float |
         return {}
     if config.get("do_sample") is not True:
         return {"temperature": 0.0}
-    out = {}
+    out: dict[str, float | int] = {"temperature": 1.0}  # GenerationConfig's default
     for key in SAMPLING_KEYS:
         value = config.get(key)
         if value is None:
@@ -234,12 +278,14 @@ class CheckpointFormats:
       template: the chat template prompts are rendered with.
       eos_ids: the stop ids (:func:`stop_ids_with_source`), ``eos_source`` where from.
       checkpoint: the checkpoint directory read (None for a preset).
+      pad_id: the pad id (:func:`pad_id`), None when nothing names one.
     """
 
     template: ChatTemplate
     eos_ids: tuple[int, ...]
     eos_source: str
     checkpoint: str | None
+    pad_id: int | None = None
 
     def sampling(self, *, temperature=None, top_k=None, top_p=None) -> dict:
         """:func:`resolve_sampling` of this checkpoint with the user's values."""
@@ -260,8 +306,8 @@ def checkpoint_formats(
     with), else the tokenizer directory's, else the built-in ChatML.
 
     Raises:
-      TemplateError: as :func:`~posttrain.chat.template.resolve_template` and
-        :func:`stop_ids_with_source`.
+      TemplateError: as :func:`~posttrain.chat.template.resolve_template`,
+        :func:`stop_ids_with_source` and :func:`pad_id`.
     """
     checkpoint = os.fspath(spec) if spec is not None and os.path.isdir(spec) else None
     tokenizer_dir = tokenizer_path if tokenizer_path is not None else checkpoint
@@ -270,4 +316,5 @@ def checkpoint_formats(
     ids, source = stop_ids_with_source(
         tokenizer, checkpoint=checkpoint, tokenizer_dir=tokenizer_dir
     )
-    return CheckpointFormats(template, ids, source, checkpoint)
+    pad = pad_id(tokenizer, checkpoint=checkpoint, tokenizer_dir=tokenizer_dir)
+    return CheckpointFormats(template, ids, source, checkpoint, pad)

@@ -104,6 +104,17 @@ def convert(args) -> int:
 
 
 def _convert(args, conversion) -> int:
+    import pathlib
+
+    from posttrain.conversion.safetensors_io import sweep_stale_temporaries
+
+    parent = pathlib.Path(args.dst).absolute().parent
+    swept = sweep_stale_temporaries(parent)  # killed writers' leftovers, whatever the name
+    if swept:
+        print(
+            f"swept {len(swept)} temporar{'y' if len(swept) == 1 else 'ies'} of killed "
+            f"writers in {parent}: {', '.join(p.name for p in swept)}"
+        )
     if (args.source_format, args.target_format) == ("hf", "native"):
         overrides = {"scan_layers": True} if args.scan else {}
         summary = conversion.convert_hf_to_native(
@@ -111,6 +122,7 @@ def _convert(args, conversion) -> int:
             args.dst,
             max_shard_bytes=args.max_shard_size,
             fsync=not args.no_fsync,
+            vision=args.vision,
             **overrides,
         )
     else:  # native -> hf (ConvertOptions.check refuses the other pairs)

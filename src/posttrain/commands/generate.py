@@ -35,47 +35,18 @@ def _generation_tokenizer(args, model_spec: str):
 
 
 def _prompts(args) -> list[dict]:
-    """``[{"prompt": text} | {"messages": [...]}]`` from ``--prompt`` and ``--prompts``."""
-    import json
+    """``[{"prompt": text} | {"messages": [...]}]`` from ``--prompt`` and ``--prompts``
+    (:func:`posttrain.commands.generate_inputs.read_prompts`)."""
+    from posttrain.commands.generate_inputs import read_prompts
 
-    from posttrain.sft.data import validate_messages
-
-    prompts = [{"prompt": text} for text in args.prompt or ()]
-    if args.prompts:
-        with open(args.prompts, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{args.prompts}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{where}: not JSON ({error.msg})") from None
-                if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-                    prompts.append({"prompt": record["prompt"]})
-                elif isinstance(record, dict) and "messages" in record:
-                    messages = record["messages"]
-                    if not isinstance(messages, list) or not messages:
-                        raise ValueError(f"{where}: 'messages' must be a non-empty list")
-                    prompts.append({"messages": messages})
-                    validate_messages({"messages": [*messages, _STUB]}, where=where)
-                else:
-                    raise ValueError(
-                        f'{where}: expected {{"prompt": "..."}} or {{"messages": [...]}}'
-                    )
-    if not prompts:
-        raise ValueError("no prompt: pass --prompt TEXT (repeatable) or --prompts FILE.jsonl")
-    return prompts
-
-
-_STUB = {"role": "assistant", "content": ""}  # validate_messages wants an assistant turn
+    return read_prompts(args.prompt, args.prompts)
 
 
 def generate(args) -> int:
     """``posttrain generate``: one prompt streams its text to stdout; several write JSONL
     (``--output`` or stdout), one record per prompt."""
     from posttrain import generate as gen
-    from posttrain import sharding
+    from posttrain import limits, sharding
 
     spec = args.model or newest_export()
     if spec is None:
@@ -89,9 +60,20 @@ def generate(args) -> int:
         model, tok = _model_and_tokenizer(args, spec, mesh)
         # the checkpoint's own template and stop ids (its generation_config.json, then
         # config.json, then its tokenizer's eos_token; token names only when none says)
-        formats = chat.checkpoint_formats(spec, tok, tokenizer_path=args.tokenizer)
+        formats = chat.checkpoint_formats(
+            spec, tok, tokenizer_path=args.tokenizer, chat_template=args.chat_template
+        )
         ids = [_prompt_ids(p, tok, args.chat, formats.template) for p in prompts]
-        sampling = _sampling(args, tok, formats.eos_ids)
+        # before the cache is allocated: the positions and the memory it needs
+        limits.check_generation(
+            spec,
+            model.config,
+            rows=len(ids),
+            prompt=max(len(i) for i in ids),
+            new_tokens=args.max_new_tokens,
+            cache_size=args.cache_size,
+        )
+        sampling = _sampling(args, formats)
         stream = None
         # One process streams; across processes the text is printed once, at the end.
         if len(ids) == 1 and not args.output and distributed.process_count() == 1:
@@ -135,20 +117,20 @@ def _prompt_ids(prompt: dict, tok, chat: bool, template=None) -> list[int]:
     return tok.encode(prompt["prompt"], add_special_tokens=False).ids
 
 
-def _sampling(args, tok, eos: tuple[int, ...]):
-    """The sampling options of ``args``, stopping at ``eos`` (the checkpoint's stop ids:
-    :func:`posttrain.chat.checkpoint_formats`); the pad id from the tokenizer."""
+def _sampling(args, formats: chat.CheckpointFormats):
+    """The sampling options: each of ``--temperature``, ``--top-k``, ``--top-p`` given,
+    else the checkpoint's ``generation_config.json``, else greedy; stopping at the
+    checkpoint's stop ids and padding with its pad id (0 when nothing names one), from
+    ``formats`` (:func:`posttrain.chat.checkpoint_formats`)."""
     from posttrain import generate as gen
 
-    pad = next((i for n in ("<|pad|>", "<pad>") if (i := tok.token_to_id(n)) is not None), 0)
+    values = formats.sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     return gen.SamplingConfig(
         max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
         seed=args.seed,
-        eos_ids=eos,
-        pad_id=pad,
+        eos_ids=formats.eos_ids,
+        pad_id=formats.pad_id if formats.pad_id is not None else 0,
+        **values,
     )
 
 
@@ -208,17 +190,10 @@ def _with_adapter(model, mesh, directory: str):
     Raises:
       ValueError: no adapter there, or one that does not fit the model (named).
     """
-    import json
-    import os
+    from posttrain.lora import apply_lora
+    from posttrain.lora.adapters import load_adapter, read_adapter_config, saved_lora_config
 
-    from posttrain.lora import LoraConfig, apply_lora
-    from posttrain.lora.adapters import CONFIG_FILE, load_adapter
-
-    path = os.path.join(directory, CONFIG_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"--adapter {directory}: no {CONFIG_FILE} (not a posttrain adapter)")
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
+    saved = read_adapter_config(directory)  # a JSON object of posttrain-lora's format
     if (
         saved.get("family") != model.config.family
         or saved.get("num_layers") != model.config.num_layers
@@ -228,11 +203,5 @@ def _with_adapter(model, mesh, directory: str):
             f"{saved.get('num_layers')} layers, the model is {model.config.family} with "
             f"{model.config.num_layers}"
         )
-    lora = LoraConfig(
-        rank=saved["rank"],
-        alpha=saved["alpha"],
-        target=saved["target"],
-        weight_qtype=saved["weight_qtype"],
-        tile_size=saved["tile_size"],
-    )
+    lora = saved_lora_config(saved, directory)
     return load_adapter(apply_lora(model, mesh, lora), directory)

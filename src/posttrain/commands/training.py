@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 from posttrain import distributed
+from posttrain.runs.stops import clean_stop
 
 
 def sft(cfg) -> int:
@@ -14,7 +15,8 @@ def sft(cfg) -> int:
 
     # Tunix's tqdm bar shows on a terminal only; elsewhere print ~10 progress lines.
     log_every = None if sys.stderr.isatty() else max(1, cfg.steps // 10)
-    result = run_sft(cfg, log_every=log_every)
+    with clean_stop(cfg.output):
+        result = run_sft(cfg, log_every=log_every)
     if log_every is None and distributed.is_writer():
         print(
             f"model {cfg.model}: {result.params:,} params, {result.trainable:,} trained; "
@@ -40,7 +42,8 @@ def grpo(cfg) -> int:
     """``posttrain grpo``: one :class:`~posttrain.rl.options.GRPORunConfig` run."""
     from posttrain.rl.run import run_grpo
 
-    result = run_grpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
+    with clean_stop(cfg.output):
+        result = run_grpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
     _print_closing(result)
     return 0
 
@@ -49,7 +52,8 @@ def dpo(cfg) -> int:
     """``posttrain dpo``: one :class:`~posttrain.preference.options.DPORunConfig` run."""
     from posttrain.preference.run import run_dpo
 
-    result = run_dpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
+    with clean_stop(cfg.output):
+        result = run_dpo(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
     _print_closing(result)
     return 0
 
@@ -59,7 +63,10 @@ def distill(cfg) -> int:
     its last line is the held-out KL to the teacher before and after."""
     from posttrain.distill.run import run_distill
 
-    result = run_distill(cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10))
+    with clean_stop(cfg.output):
+        result = run_distill(
+            cfg, log_every=None if sys.stderr.isatty() else max(1, cfg.steps // 10)
+        )
     if distributed.is_writer():
         print(f"teacher {result.teacher}")
     _print_closing(result)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -100,10 +101,16 @@ class _DictWriter:
 
 
 def hf_to_native_params(
-    hf_tensors: Mapping[str, np.ndarray], hf_config: Mapping[str, Any], **overrides
+    hf_tensors: Mapping[str, np.ndarray],
+    hf_config: Mapping[str, Any],
+    *,
+    vision: bool = False,
+    **overrides,
 ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """In memory: HF tensors (by key) -> ``(cfg, native flat params)``."""
-    plan = plan_to_native(hf_config, {k: _ArrayInfo(v) for k, v in hf_tensors.items()}, **overrides)
+    """In memory: HF tensors (by key) -> ``(cfg, native flat params)``; ``vision``: with
+    the vision tower."""
+    infos = {k: _ArrayInfo(v) for k, v in hf_tensors.items()}
+    plan = plan_to_native(hf_config, infos, vision=vision, **overrides)
     writer = _DictWriter(plan.outputs)
     execute(plan, _DictReader(hf_tensors), writer)
     return plan.cfg, writer.out
@@ -200,6 +207,7 @@ def convert_hf_to_native(
     *,
     max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES,
     fsync: bool = True,
+    vision: bool = False,
     **overrides,
 ) -> Summary:
     """HF checkpoint directory ``src`` -> new native directory ``dst`` (streamed, atomic).
@@ -207,6 +215,7 @@ def convert_hf_to_native(
     Args:
       max_shard_bytes: largest output shard (a larger tensor gets a shard of its own).
       fsync: flush the shards to disk before the atomic rename.
+      vision: convert the vision tower too (Gemma 4); by default only the text model.
       overrides: native-only config fields, e.g. ``scan_layers=True``.
 
     Raises:
@@ -217,7 +226,7 @@ def convert_hf_to_native(
     sio.check_destination(dst)  # before reading anything
     hf_config = _read_json(src / "config.json")
     with sio.CheckpointReader(src, "model") as reader:
-        plan = plan_to_native(hf_config, reader.tensors, str(src), **overrides)
+        plan = plan_to_native(hf_config, reader.tensors, str(src), vision=vision, **overrides)
         meta = NativeMeta(plan.cfg, hf_config, plan.layout, plan.prefix)
         return _run(
             plan,
@@ -238,7 +247,8 @@ def _hf_config_for(meta: NativeMeta, prefix: str) -> dict[str, Any]:
     cfg = meta.cfg
     family = families.get(cfg.family)
     original = meta.hf_config
-    if original is not None and hf_view(from_hf_config(original)) != hf_view(cfg):
+    vision = cfg.vision is not None
+    if original is not None and hf_view(from_hf_config(original, vision=vision)) != hf_view(cfg):
         original = None  # the model changed since conversion (e.g. a new config)
     text = text_config(original) if original is not None else to_hf_config(cfg)
     if prefix == CANONICAL:
@@ -249,8 +259,11 @@ def _hf_config_for(meta: NativeMeta, prefix: str) -> dict[str, Any]:
 
 
 def default_prefix(meta: NativeMeta) -> str:
-    """The source's key prefix when the source held nothing but the text model, else ``model.``."""
+    """The source's key prefix when the source held nothing but the text model, the
+    multimodal wrapper's for a model with a vision tower, else ``model.``."""
     hf = meta.hf_config or {}
+    if meta.cfg.vision is not None:  # only the multimodal wrapper holds the tower
+        return next(p for p in families.get(meta.cfg.family).table.prefixes if p != CANONICAL)
     if (
         meta.hf_prefix != CANONICAL
         and hf.get("vision_config") is None
@@ -258,6 +271,17 @@ def default_prefix(meta: NativeMeta) -> str:
     ):
         return meta.hf_prefix
     return CANONICAL
+
+
+#: The files of a checkpoint's formats (``posttrain.chat``; a run's export writes them)
+#: that native -> HF copies beside the weights, for transformers and serving stacks.
+FORMAT_FILES = (
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 
 def convert_native_to_hf(
@@ -269,7 +293,8 @@ def convert_native_to_hf(
     max_shard_bytes: int = sio.DEFAULT_SHARD_BYTES,
     fsync: bool = True,
 ) -> Summary:
-    """Native directory ``src`` -> new HF directory ``dst`` that ``from_pretrained`` loads.
+    """Native directory ``src`` -> new HF directory ``dst`` that ``from_pretrained`` loads,
+    with ``src``'s :data:`FORMAT_FILES` (chat template, tokenizer, generation config).
 
     Args:
       layout: ``hub`` (default: per-expert tensors where HF has them) or ``fused``.
@@ -286,6 +311,9 @@ def convert_native_to_hf(
 
         def write_config(directory: pathlib.Path) -> None:
             (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            for name in FORMAT_FILES:  # a run's export: serve it in the format it trained
+                if (pathlib.Path(src) / name).is_file():
+                    shutil.copyfile(pathlib.Path(src) / name, directory / name)
 
         return _run(
             plan,

@@ -128,12 +128,14 @@ def _check_field_types(config) -> None:
         wrong("layer_types", types, "a list of strings")
 
 
-def from_hf_config(config: Mapping[str, Any], **overrides) -> ModelConfig:
+def from_hf_config(config: Mapping[str, Any], *, vision: bool = False, **overrides) -> ModelConfig:
     """The :class:`ModelConfig` of an HF ``config.json`` dict.
 
     Args:
       config: the parsed ``config.json`` (a multimodal Gemma 4 wrapper is read
         through its ``text_config``).
+      vision: read the wrapper's vision tower too (``ModelConfig.vision``); by default
+        a multimodal checkpoint reads as its text model, the towers skipped.
       overrides: native-only fields (``scan_layers``, ``remat``, ``dtype`` ...)
         applied with ``ModelConfig.replace``.
 
@@ -143,7 +145,7 @@ def from_hf_config(config: Mapping[str, Any], **overrides) -> ModelConfig:
     """
     _check_field_types(text_config(config) if isinstance(config, Mapping) else config)
     try:
-        cfg = _from_hf_config(config)
+        cfg = _from_hf_config(config, vision)
     except KeyError as error:
         raise ConversionError(f"config.json {error.args[0]}: missing") from None
     except ConversionError:
@@ -153,7 +155,7 @@ def from_hf_config(config: Mapping[str, Any], **overrides) -> ModelConfig:
     return cfg.replace(**overrides) if overrides else cfg
 
 
-def _from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
+def _from_hf_config(config: Mapping[str, Any], vision: bool) -> ModelConfig:
     family = families.get(family_of(config))
     if config.get("quantization_config") is not None:
         method = config["quantization_config"].get("quant_method", "?")
@@ -194,10 +196,18 @@ def _from_hf_config(config: Mapping[str, Any]) -> ModelConfig:
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         bias=bool(c.get("attention_bias", family.default_attention_bias)),
     )
-    return family.from_hf(c, base, attn, c.get("max_position_embeddings"))
+    cfg = family.from_hf(c, base, attn, c.get("max_position_embeddings"))
+    if vision:
+        if family.vision_from_hf is None or config.get("vision_config") is None:
+            fail("vision_config", f"a {family.name} checkpoint without a vision tower")
+        cfg = cfg.replace(vision=family.vision_from_hf(config))
+    return cfg
 
 
 NATIVE_ONLY = ("scan_layers", "remat")
+#: What :func:`to_hf_config` writes as ``max_position_embeddings`` (a native config has
+#: no such field); also the limit :mod:`posttrain.limits` assumes where none is recorded.
+DEFAULT_MAX_POSITIONS = 4096
 
 
 def hf_view(cfg: ModelConfig) -> ModelConfig:
@@ -213,7 +223,8 @@ def hf_view(cfg: ModelConfig) -> ModelConfig:
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """An HF ``config.json`` dict for ``cfg`` (``<Family>ForCausalLM``): the fields every
-    family writes, then the family's own (:attr:`posttrain.families.Family.to_hf`).
+    family writes, then the family's own (:attr:`posttrain.families.Family.to_hf`). A
+    vision tower is not part of it: the multimodal wrapper writes it (``Family.wrap_hf``).
 
     Raises:
       ConversionError: ``cfg``'s family has no HF conversion, or ``cfg`` uses a feature
@@ -240,12 +251,13 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": first.bias,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": DEFAULT_MAX_POSITIONS,
     }
     if family.writes_layer_types:
         out["layer_types"] = [HF_LAYER_TYPES[t] for t in cfg.layer_types]
     out.update(family.to_hf(cfg))
     back = from_hf_config(out)
+    cfg = cfg.replace(vision=None)  # the tower is the wrapper's (Family.wrap_hf)
     if hf_view(back) != hf_view(cfg):
         diff = [
             f.name

@@ -32,10 +32,11 @@ import numpy as np
 from flax import nnx
 
 from posttrain import _compat
-from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
+from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig, VisionConfig
 from posttrain.conversion import safetensors_io as sio
 from posttrain.conversion.errors import ConversionError, check_source_dir, read_json_object
 from posttrain.models import CausalLM, stack_layers, unstack_layers
+from posttrain.models.decoder import VISION_PREFIX
 from posttrain.tree import path_name
 
 FORMAT, FORMAT_VERSION, STEM = "posttrain-native", 1, "params"
@@ -56,6 +57,8 @@ def config_from_dict(d: Mapping[str, Any]) -> ModelConfig:
     d["layer_types"] = tuple(d["layer_types"])
     if d.get("moe") is not None:
         d["moe"] = MoEConfig(**d["moe"])
+    if d.get("vision") is not None:
+        d["vision"] = VisionConfig(**d["vision"])
     return ModelConfig(**d)
 
 
@@ -89,7 +92,7 @@ def scanned_name(name: str, cfg: ModelConfig) -> tuple[str, int | None]:
     naming of :func:`posttrain.models.stack_layers` (``layers.{i}`` ->
     ``blocks.{i % P}``, slot ``i // P``); non-layer names map to themselves."""
     parts = name.split(".")
-    if not cfg.scan_layers or "layers" not in parts:
+    if not cfg.scan_layers or "layers" not in parts or name.startswith(VISION_PREFIX):
         return name, None
     at = parts.index("layers")
     i, period = int(parts[at + 1]), cfg.layer_period

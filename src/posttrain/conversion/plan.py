@@ -58,13 +58,19 @@ def _tensor_info(tensors: Mapping[str, Any], key: str) -> tuple[tuple[int, ...],
     return tuple(info.shape), info.dtype, getattr(info, "file", "memory")
 
 
-def _canonical(table: Table, prefix: str, keys) -> tuple[dict[str, str], list[str]]:
-    """Canonical HF key -> file key under ``prefix``, and the keys skipped."""
+def _canonical(
+    table: Table, prefix: str, keys, expected: set[str]
+) -> tuple[dict[str, str], list[str]]:
+    """Canonical HF key -> file key under ``prefix``, and the keys skipped (a tower's
+    keys, ``table.ignored``, are skipped unless the config has the tower: ``expected``)."""
     canon, ignored = {}, []
     for key in keys:
         c = CANONICAL + key[len(prefix) :] if key.startswith(prefix) else key
         skip = key.endswith(ALWAYS_IGNORED) or (
-            prefix != CANONICAL and not key.startswith(prefix) and key.startswith(table.ignored)
+            prefix != CANONICAL
+            and not key.startswith(prefix)
+            and key.startswith(table.ignored)
+            and c not in expected
         )
         if skip:
             ignored.append(key)
@@ -73,6 +79,11 @@ def _canonical(table: Table, prefix: str, keys) -> tuple[dict[str, str], list[st
         else:
             canon[c] = key
     return canon, ignored
+
+
+def _under(prefix: str, key: str) -> str:
+    """Canonical ``key`` (``model.<rest>``) under ``prefix``."""
+    return prefix + key[len(CANONICAL) :] if key.startswith(CANONICAL) else key
 
 
 def _describe(keys: set[str], what: str) -> str:
@@ -91,10 +102,10 @@ def _match(table: Table, cfg: ModelConfig, keys, source: str):
     """The (layout, prefix) whose expanded rows name exactly the checkpoint's tensors."""
     best = None
     for prefix in table.prefixes:
-        canon, ignored = _canonical(table, prefix, keys)
         for layout in table.layouts:
             entries = expand(table.rows, cfg, layout)
             expected = {k for e in entries for k in e.hf_keys}
+            canon, ignored = _canonical(table, prefix, keys, expected)
             missing, extra = expected - set(canon), set(canon) - expected
             score = len(missing) + len(extra)
             if best is None or score < best[0]:
@@ -134,6 +145,8 @@ def plan_to_native(
     hf_config: Mapping[str, Any],
     tensors: Mapping[str, Any],
     source: str = "checkpoint",
+    *,
+    vision: bool = False,
     **overrides,
 ) -> Plan:
     """Plan HF -> native from headers only: every HF tensor is proven used exactly once
@@ -144,6 +157,7 @@ def plan_to_native(
       tensors: HF key -> object with ``shape``, ``dtype`` (safetensors code) and
         optionally ``file`` (for messages).
       source: the checkpoint's name in messages.
+      vision: read the vision tower too (:func:`~posttrain.conversion.hf_config.from_hf_config`).
       overrides: native-only config fields (``scan_layers``, ``remat``, ``dtype`` ...).
 
     Returns:
@@ -154,7 +168,7 @@ def plan_to_native(
         holds MXFP4-quantised experts, or its keys or shapes fit no layout and prefix
         of the family's table (missing, unexpected and mis-shaped keys named).
     """
-    cfg = from_hf_config(hf_config, **overrides)
+    cfg = from_hf_config(hf_config, vision=vision, **overrides)
     table = families.get(cfg.family).table
     for key in tensors:
         if key.endswith(QUANTISED_SUFFIXES):
@@ -239,6 +253,11 @@ def plan_to_hf(
         raise ConversionError(f"layout {layout!r} must be one of {', '.join(table.layouts)}")
     if prefix not in table.prefixes:
         raise ConversionError(f"key prefix {prefix!r} must be one of {table.prefixes}")
+    if cfg.vision is not None and prefix == CANONICAL:
+        raise ConversionError(
+            f"{source}: a model with a vision tower is written under its multimodal key "
+            f"prefix {[p for p in table.prefixes if p != CANONICAL]}, not {prefix!r}"
+        )
     entries = expand(table.rows, cfg, layout)
     native = abstract_params(cfg.replace(scan_layers=False))
     _check_native_cover(entries, native, cfg.family)
@@ -270,9 +289,8 @@ def plan_to_hf(
             )
         dtype = dtypes.pop()
         hf_shapes = e.transform.hf_shapes(nshapes, e.native_keys, num_experts)
-        outs = tuple(
-            (prefix + k[len(CANONICAL) :] if k.startswith(CANONICAL) else k, None)
-            for k in e.hf_keys
+        outs = tuple(  # a tower's keys (table.ignored) keep theirs
+            (_under(prefix, k) if not k.startswith(table.ignored) else k, None) for k in e.hf_keys
         )
         for (name, _), shape in zip(outs, hf_shapes, strict=True):
             _add_output(outputs, cfg, name, None, dtype, shape)

@@ -3,7 +3,8 @@
 A :class:`Row` pairs native parameter path templates with an HF key template
 and a :class:`~posttrain.conversion.transforms.Transform`, plus an optional
 condition. ``{i}`` in a template is the layer index (the row then expands once
-per layer), ``{j}`` the expert index (per-expert transforms expand it to
+per layer), ``{v}`` a vision tower layer's (once per ``cfg.vision.num_layers``),
+``{j}`` the expert index (per-expert transforms expand it to
 ``0..E-1`` in numeric order). Expanding a table gives :class:`Entry` objects
 with concrete keys; :func:`expand` proves that no key is produced twice on
 either side, and the engine proves the native side covers the model exactly.
@@ -60,6 +61,9 @@ MOE = Condition("moe", lambda s: s.cfg.moe is not None)
 DENSE_AND_MOE = Condition("dense mlp beside moe", lambda s: s.cfg.dense_mlp_with_moe)
 SANDWICH = Condition("sandwich norms", lambda s: s.cfg.sandwich_norm)
 LAYER_SCALAR = Condition("layer scalar", lambda s: s.cfg.layer_scalar)
+VISION = Condition("vision tower", lambda s: s.cfg.vision is not None)
+STANDARDIZE = VISION & Condition("standardised vision", lambda s: s.cfg.vision.standardize)
+CLIPPED = VISION & Condition("clipped vision linears", lambda s: s.cfg.vision.clipped_linears)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +126,18 @@ def expand(rows: Sequence[Row], cfg: ModelConfig, layout: str) -> list[Entry]:
     num_experts = cfg.moe.num_experts if cfg.moe is not None else 0
     entries: list[Entry] = []
     for row in rows:
-        if row.per_layer:
+        if "{v}" in row.hf:
+            if row.when(Site(cfg, layout)):
+                entries.extend(
+                    Entry(
+                        row,
+                        None,
+                        (row.hf.format(v=v),),
+                        tuple(t.format(v=v) for t in row.native_templates),
+                    )
+                    for v in range(cfg.vision.num_layers)
+                )
+        elif row.per_layer:
             for i, layer_type in enumerate(cfg.layer_types):
                 if row.when(Site(cfg, layout, layer_type)):
                     entries.append(

@@ -374,9 +374,10 @@ def sweep_stale_temporaries(
 def atomic_directory(dst: str | os.PathLike, *, fsync: bool = True) -> Iterator[pathlib.Path]:
     """Yields a temporary sibling of ``dst``, renamed to ``dst`` when the block succeeds.
 
-    The sibling is ``.<dst>.tmp-<pid>-<random>``: a later call sweeps those whose writer
-    died (:func:`sweep_stale_temporaries`); an exception, Ctrl-C or SIGTERM (which the
-    CLI turns into KeyboardInterrupt) removes it at once. ``dst`` gets the mode the
+    The sibling is ``.<dst>.tmp-<pid>-<random>``: a later call in the same directory
+    sweeps those whose writer died, whatever their name (:func:`sweep_stale_temporaries`);
+    an exception, Ctrl-C or SIGTERM (which the CLI turns into KeyboardInterrupt) removes
+    it at once. ``dst`` gets the mode the
     umask gives a new directory. With ``fsync`` the files written in the block and the
     directory are flushed before the rename, and the parent directory after it, so a
     power cut leaves either no ``dst`` or a complete one.
@@ -387,7 +388,7 @@ def atomic_directory(dst: str | os.PathLike, *, fsync: bool = True) -> Iterator[
     """
     dst = pathlib.Path(dst)
     check_destination(dst)
-    sweep_stale_temporaries(dst.parent, dst.name)
+    sweep_stale_temporaries(dst.parent)  # a killed writer's, whatever it was writing
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=temporary_prefix(dst), dir=dst.parent))
     try:
         yield tmp

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
+import typing
+from typing import ClassVar, Literal
 
 from posttrain.flags import option
 from posttrain.sft.options import SFTConfig
+
+#: the teacher's parameter dtypes (``--teacher-dtype``)
+TeacherDType = Literal["float32", "bfloat16"]
 
 #: where ``posttrain sft`` with no arguments exports its final weights
 SFT_EXPORT = "runs/sft/model-step60"
@@ -28,6 +32,8 @@ class DistillRunConfig(SFTConfig):
       strategy: Tunix's strategy (``logit``; the others are refused in one line).
       temperature, alpha, distill_top_k: Tunix's ``LogitStrategy`` arguments;
         ``distill_top_k`` > 0 only where the release has it (google-tunix >= 0.1.7).
+      teacher_dtype: the teacher's parameters, cast once after loading (bfloat16 halves
+        their memory; the forward still computes in the teacher config's ``dtype``).
       teacher_steps: steps of the on-the-fly teacher's SFT run.
     """
 
@@ -39,6 +45,7 @@ class DistillRunConfig(SFTConfig):
         "temperature",
         "alpha",
         "distill_top_k",
+        "teacher_dtype",
     )
     model: str = option("qwen3-tiny", "the student: a preset, a native or HF directory")
     teacher: str | None = option(
@@ -55,6 +62,9 @@ class DistillRunConfig(SFTConfig):
     distill_top_k: int = option(
         0, "KL over the teacher's top k logits (0: all; google-tunix >= 0.1.7)"
     )
+    teacher_dtype: TeacherDType = option(
+        "float32", "the teacher's parameter dtype, cast once after loading"
+    )
     teacher_steps: int = option(60, "steps of the on-the-fly teacher's SFT run")
     steps: int = option(40, "optimizer steps")
     max_target_length: int = option(128, "tokens per row", show_default=False)
@@ -70,5 +80,7 @@ class DistillRunConfig(SFTConfig):
             self.bad("alpha", "a value in [0, 1]")
         if self.distill_top_k < 0:
             self.bad("distill_top_k", ">= 0 (0 = every logit)")
+        if self.teacher_dtype not in typing.get_args(TeacherDType):
+            self.bad("teacher_dtype", " or ".join(typing.get_args(TeacherDType)))
         if self.teacher_steps < 1:
             self.bad("teacher_steps", ">= 1")

@@ -10,6 +10,11 @@ plus::
     data/held_out.jsonl   the others: the held-out KL to the teacher is measured on them
     student-init/         a preset student cut to ``student_layers`` layers (native)
     teacher/              the teacher's SFT run, when it is trained on the fly
+
+Across processes (``posttrain-harness launch``): process 0 writes the data split and the
+student's start, the others wait for it; the teacher and the student are sharded on the
+one mesh, each process tokenises its share of the training data (SFT's data shards) and
+all of the held-out set (the KL's batch is replicated).
 """
 
 from __future__ import annotations
@@ -47,8 +52,15 @@ class DistillResult:
         )
 
 
-def run_distill(cfg: DistillRunConfig, *, log_every: int | None = None) -> DistillResult:
+def run_distill(
+    cfg: DistillRunConfig, *, log_every: int | None = None, on_built=None
+) -> DistillResult:
     """Runs (or resumes) one distillation run; see the module docstring.
+
+    Args:
+      cfg: the run.
+      log_every: print a line every this many steps (None: quiet).
+      on_built: called with the trainer before training (tests).
 
     Raises:
       ValueError: a bad option, a strategy or ``distill_top_k`` the release lacks, a
@@ -57,13 +69,14 @@ def run_distill(cfg: DistillRunConfig, *, log_every: int | None = None) -> Disti
     from posttrain import sharding
     from posttrain.distill import tunix_distill
     from posttrain.distill.trainer import (
+        cast_params,
         distill_trainer_class,
         held_out_kl,
         labels_fn,
         model_logits,
     )
     from posttrain.loading import load_model
-    from posttrain.runs.loading import run_tokenizer
+    from posttrain.runs.formats import run_tokenizer_and_formats
     from posttrain.sft.run import build_rows, run_sft
 
     cfg.check()
@@ -81,8 +94,10 @@ def run_distill(cfg: DistillRunConfig, *, log_every: int | None = None) -> Disti
     )
     if teacher is None:
         teacher, _ = load_model(teacher_spec, mesh, seed=cfg.seed + 1, scratch=cfg.output)
-    tok = run_tokenizer(run_cfg, run_cfg.model if os.path.isdir(run_cfg.model) else None)
-    held_out = build_rows(dataclasses.replace(run_cfg, data=str(held_path), packing=True), tok)
+    cast_params(teacher, cfg.teacher_dtype)  # once; frozen, on the student's mesh
+    tok, formats = run_tokenizer_and_formats(run_cfg)  # the held-out rows in the run's template
+    held_cfg = dataclasses.replace(run_cfg, data=str(held_path), packing=True)
+    held_out = build_rows(held_cfg, tok, template=formats.template)
     strategy = tunix_distill.logit_strategy(
         model_logits,
         model_logits,
@@ -97,12 +112,14 @@ def run_distill(cfg: DistillRunConfig, *, log_every: int | None = None) -> Disti
         cls = distill_trainer_class()
         return cls(model, teacher, strategy, tx, training_config, options=options)
 
-    def on_built(t):
-        built["before"] = held_out_kl(t.model, teacher, held_out)
+    def measured(t):
+        built["before"] = held_out_kl(t.model, teacher, held_out, mesh)
         built["trainer"] = t
+        if on_built is not None:
+            on_built(t)
 
-    result = run_sft(run_cfg, trainer_class=trainer, on_built=on_built, log_every=log_every)
-    after = held_out_kl(built["trainer"].model, teacher, held_out)
+    result = run_sft(run_cfg, trainer_class=trainer, on_built=measured, log_every=log_every)
+    after = held_out_kl(built["trainer"].model, teacher, held_out, mesh)
     return DistillResult(result, teacher_spec, built["before"], after)
 
 
@@ -127,25 +144,32 @@ def check_student_vocabulary(cfg: DistillRunConfig, teacher_vocab: int) -> None:
 
 def _split_data(cfg: DistillRunConfig, where: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
     """``(train, held-out)`` chat JSONL files of ``cfg.data`` (or the embedded set): every
-    8th conversation held out. Rewritten only when absent (a resumed run keeps them)."""
+    8th conversation held out. Written by process 0 only when absent (a resumed run keeps
+    them); every process returns once they are there."""
+    from posttrain import distributed
+
+    train, held = where / "train.jsonl", where / "held_out.jsonl"
+    distributed.on_writer(lambda: _write_split(cfg, train, held), "write the data split")
+    return train, held
+
+
+def _write_split(cfg: DistillRunConfig, train: pathlib.Path, held: pathlib.Path) -> None:
     from posttrain.sft import data
     from posttrain.sft.default_data import pydoc_conversations
 
-    train, held = where / "train.jsonl", where / "held_out.jsonl"
     if train.exists() and held.exists():
-        return train, held
+        return
     conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
     if len(conversations) < 8:
         raise ValueError(
             f"data {cfg.data!r}: {len(conversations)} conversations; expected >= 8 "
             "(1 in 8 is held out)"
         )
-    where.mkdir(parents=True, exist_ok=True)
+    train.parent.mkdir(parents=True, exist_ok=True)
     for path, part in ((held, conversations[7::8]), (train, _without_every_8th(conversations))):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in part))
         os.replace(tmp, path)
-    return train, held
 
 
 def _without_every_8th(items: list) -> list:
@@ -154,11 +178,20 @@ def _without_every_8th(items: list) -> list:
 
 def _student(cfg: DistillRunConfig, where: pathlib.Path) -> str:
     """The student's model spec: a preset cut to ``student_layers`` layers is written once
-    as a native directory (seed ``cfg.seed``); anything else is ``cfg.model``."""
-    from posttrain.models import PRESETS, build_model, get_config
+    as a native directory (seed ``cfg.seed``; by process 0); anything else is
+    ``cfg.model``."""
+    from posttrain import distributed
+    from posttrain.models import PRESETS, get_config
 
     if cfg.model not in PRESETS or cfg.student_layers in (0, get_config(cfg.model).num_layers):
         return cfg.model
+    distributed.on_writer(lambda: _write_student(cfg, where), "write the student's start")
+    return str(where)
+
+
+def _write_student(cfg: DistillRunConfig, where: pathlib.Path) -> None:
+    from posttrain.models import build_model, get_config
+
     if not where.exists():
         from posttrain.conversion.native import save_native
         from posttrain.distill.trainer import shallower
@@ -166,7 +199,6 @@ def _student(cfg: DistillRunConfig, where: pathlib.Path) -> str:
 
         config = shallower(get_config(cfg.model), cfg.student_layers)
         save_native(flat_params(build_model(config, seed=cfg.seed)), config, where)
-    return str(where)
 
 
 def _default_teacher(cfg: DistillRunConfig, out: pathlib.Path, train: pathlib.Path) -> str:
@@ -184,6 +216,7 @@ def _default_teacher(cfg: DistillRunConfig, out: pathlib.Path, train: pathlib.Pa
             SFTConfig(
                 model=TEACHER_PRESET,
                 data=str(train),
+                chat_template=cfg.chat_template,
                 mesh=cfg.mesh,
                 steps=cfg.teacher_steps,
                 max_target_length=cfg.max_target_length,

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from posttrain.config import ModelConfig
+from posttrain.config import ModelConfig, VisionConfig
 from posttrain.conversion.table import Table
 
 FromHF = Callable[[Mapping[str, Any], dict[str, Any], dict[str, Any], "int | None"], ModelConfig]
@@ -69,6 +69,8 @@ class Family:
       wrap_hf: ``(cfg, text config) -> config.json`` of the multimodal wrapper, for
         writing under a wrapper's key prefix; ``None`` when the family has none.
       oracle: see :class:`HFOracle`.
+      vision_from_hf: ``config.json -> VisionConfig | None``, the wrapper's vision tower
+        (``None`` when it has none); ``None`` for a family without one.
     """
 
     name: str
@@ -86,6 +88,7 @@ class Family:
     read_architectures: tuple[str, ...] = ()
     read_model_types: tuple[str, ...] = ()
     wrap_hf: Callable[[ModelConfig, dict[str, Any]], dict[str, Any]] | None = None
+    vision_from_hf: Callable[[Mapping[str, Any]], VisionConfig | None] | None = None
 
     @property
     def tiny(self) -> str:

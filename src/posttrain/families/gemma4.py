@@ -19,7 +19,9 @@ directly under the layer (native: under ``moe.``). Full layers with
 ``attention_k_eq_v`` have no ``v_proj`` (``V_PROJ``). transformers has no
 conversion mapping for Gemma 4, so the hub and fused layouts are the same.
 Real checkpoints are ``Gemma4ForConditionalGeneration``: the text weights sit
-under ``model.language_model.``, beside vision and audio towers that are skipped.
+under ``model.language_model.``, beside vision and audio towers. The audio tower is
+skipped; the vision tower is read when the config has one (``vision_config``) and
+skipped otherwise: ``VISION_ROWS`` (:mod:`posttrain.families.gemma4_vision`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from posttrain.conversion.rows import DENSE_AND_MOE, LAYER_SCALAR, MOE, SANDWICH
 from posttrain.conversion.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, L, Table
 from posttrain.conversion.transforms import EXPERTS_T, GATE_UP_CONCAT_T, IDENTITY, TRANSPOSE
 from posttrain.families import Family, HFOracle
+from posttrain.families.gemma4_vision import VISION_ROWS, vision_from_hf, vision_to_hf
 
 WRAPPER_ARCHITECTURE, WRAPPER_MODEL_TYPE = "Gemma4ForConditionalGeneration", "gemma4"
 DEFAULT_ROPE_THETA = 10_000.0
@@ -258,7 +261,7 @@ def to_hf(cfg: ModelConfig) -> dict:
 
 def wrap_hf(cfg: ModelConfig, text: dict) -> dict:
     """The ``Gemma4ForConditionalGeneration`` config.json around text config ``text``
-    (no vision or audio tower)."""
+    (with ``cfg``'s vision tower, if any; no audio tower)."""
     return {
         "architectures": [WRAPPER_ARCHITECTURE],
         "model_type": WRAPPER_MODEL_TYPE,
@@ -267,6 +270,7 @@ def wrap_hf(cfg: ModelConfig, text: dict) -> dict:
         "audio_config": None,
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "dtype": cfg.param_dtype,
+        **vision_to_hf(cfg.vision),
     }
 
 
@@ -298,7 +302,7 @@ FAMILY = Family(
     name="gemma4",
     presets={"gemma4-tiny": gemma4_tiny, "gemma4-26b-a4b": gemma4_26b_a4b},
     table=Table(
-        GLOBAL_ROWS + ATTENTION_ROWS + DENSE_MLP_ROWS + LAYER_ROWS,
+        GLOBAL_ROWS + ATTENTION_ROWS + DENSE_MLP_ROWS + LAYER_ROWS + VISION_ROWS,
         prefixes=("model.", "model.language_model."),
         ignored=(
             "model.vision_tower.",
@@ -317,6 +321,7 @@ FAMILY = Family(
     read_architectures=(WRAPPER_ARCHITECTURE,),
     read_model_types=(WRAPPER_MODEL_TYPE,),
     wrap_hf=wrap_hf,
+    vision_from_hf=vision_from_hf,
     oracle=HFOracle(
         "Gemma4TextConfig",
         "Gemma4ForCausalLM",

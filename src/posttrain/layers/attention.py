@@ -14,7 +14,7 @@ from flax import nnx
 from posttrain import sharding
 from posttrain.config import AttentionConfig
 from posttrain.layers import kv_cache
-from posttrain.layers.mlp import kernel_value
+from posttrain.layers.mlp import add_clip_bounds, clip, kernel_value
 from posttrain.layers.norms import RMSNorm, rms_normalize
 from posttrain.layers.rope import apply_rope
 
@@ -61,8 +61,10 @@ class HeadProjection(nnx.Module):
         rngs: nnx.Rngs,
         dtype,
         param_dtype,
+        clipped: bool = False,
     ):
         self.dtype = dtype
+        add_clip_bounds(self, clipped, rngs, param_dtype)
         self.kernel = sharding.param(
             rngs,
             _KERNEL_INIT,
@@ -83,10 +85,11 @@ class HeadProjection(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("btd,dnh->btnh", x.astype(self.dtype), kernel_value(self.kernel, self.dtype))
+        x = clip(x.astype(self.dtype), self.input_min, self.input_max)
+        y = jnp.einsum("btd,dnh->btnh", x, kernel_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
-        return y  # [B, T, heads, H]
+        return clip(y, self.output_min, self.output_max)  # [B, T, heads, H]
 
 
 class OutProjection(nnx.Module):
@@ -102,8 +105,10 @@ class OutProjection(nnx.Module):
         rngs: nnx.Rngs,
         dtype,
         param_dtype,
+        clipped: bool = False,
     ):
         self.dtype = dtype
+        add_clip_bounds(self, clipped, rngs, param_dtype)
         self.kernel = sharding.param(
             rngs,
             _OUT_KERNEL_INIT,
@@ -118,10 +123,11 @@ class OutProjection(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("btnh,nhd->btd", x.astype(self.dtype), kernel_value(self.kernel, self.dtype))
+        x = clip(x.astype(self.dtype), self.input_min, self.input_max)
+        y = jnp.einsum("btnh,nhd->btd", x, kernel_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
-        return y  # [B, T, D]
+        return clip(y, self.output_min, self.output_max)  # [B, T, D]
 
 
 class Attention(nnx.Module):
@@ -130,6 +136,10 @@ class Attention(nnx.Module):
     Parameters (HF names): ``q_proj`` ``[D, N, H]``, ``k_proj`` ``[D, K, H]``,
     ``v_proj`` ``[D, K, H]`` (absent with ``k_eq_v``), ``o_proj`` ``[N, H, D]``,
     ``q_norm`` / ``k_norm`` ``[H]`` with ``qk_norm``, ``sinks`` ``[N]`` with ``sinks``.
+
+    ``rope_sections``: 2 for the vision tower's 2-D RoPE (:func:`posttrain.layers.rope.apply_rope`);
+    ``clipped``: the projections clamp their inputs and outputs (Gemma 4's vision tower,
+    :func:`posttrain.layers.mlp.add_clip_bounds`).
 
     Steps: project; qk-norm (before RoPE, Qwen3/Gemma 4); v = k projection
     before norm/RoPE when ``k_eq_v``; weightless v-norm; RoPE on q and k;
@@ -146,12 +156,17 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        rope_sections: int = 1,
+        clipped: bool = False,
     ):
         self.cfg = cfg
         self.norm_eps = norm_eps
+        self.rope_sections = rope_sections
         self.dtype = dtype
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        kw = dict(use_bias=cfg.bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = dict(
+            use_bias=cfg.bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype, clipped=clipped
+        )
         self.q_proj = HeadProjection(d_model, n, h, "heads", **kw)
         self.k_proj = HeadProjection(d_model, k, h, "kv_heads", **kw)
         self.v_proj = None if cfg.k_eq_v else HeadProjection(d_model, k, h, "kv_heads", **kw)
@@ -203,7 +218,8 @@ class Attention(nnx.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if cfg.v_norm:
                 v = rms_normalize(v, self.norm_eps).astype(self.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            sections = self.rope_sections
+            q, k = apply_rope(q, cos, sin, sections), apply_rope(k, cos, sin, sections)
             q = sharding.constrain(
                 q, ("activation_batch", "activation_length", "activation_heads", None)
             )

@@ -14,6 +14,27 @@ from posttrain import _compat, sharding
 from posttrain.config import ActivationConfig
 
 _KERNEL_INIT = nnx.initializers.lecun_normal()
+CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
+
+
+def add_clip_bounds(module: nnx.Module, clipped: bool, rngs: nnx.Rngs, param_dtype) -> None:
+    """Gives a projection HF ``Gemma4ClippableLinear``'s bounds: scalar params
+    ``input_min``, ``input_max``, ``output_min``, ``output_max`` (-inf/+inf until loaded:
+    no clamp), or ``None`` each when not ``clipped``."""
+    for name in CLIP_BOUNDS:
+        bound = -jnp.inf if name.endswith("min") else jnp.inf
+        init = nnx.initializers.constant(bound)
+        setattr(module, name, sharding.param(rngs, init, (), (), param_dtype) if clipped else None)
+
+
+def clip(x: jax.Array, low, high) -> jax.Array:
+    """``x`` clamped to the scalar params ``[low, high]``; unchanged when they are ``None``.
+
+    Reference: ``Gemma4ClippableLinear.forward`` (transformers 5.12.1), which clamps the
+    input before and the output after the matmul."""
+    if low is None:
+        return x
+    return jnp.clip(x, low[...].astype(x.dtype), high[...].astype(x.dtype))
 
 
 def kernel_value(kernel, dtype):
@@ -59,6 +80,7 @@ class Linear(nnx.Module):
       in_dim, out_dim: kernel is ``[in_dim, out_dim]``.
       axes: logical names of (in, out).
       use_bias: adds ``bias`` ``[out_dim]`` with logical axis ``axes[1]``.
+      clipped: clamps input and output to learned bounds (:func:`add_clip_bounds`).
     """
 
     def __init__(
@@ -71,11 +93,13 @@ class Linear(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        clipped: bool = False,
     ):
         self.dtype = dtype
         self.kernel = sharding.param(
             rngs, _KERNEL_INIT, (in_dim, out_dim), tuple(axes), param_dtype
         )
+        add_clip_bounds(self, clipped, rngs, param_dtype)
         self.bias = (
             sharding.param(rngs, nnx.initializers.zeros, (out_dim,), (axes[1],), param_dtype)
             if use_bias
@@ -83,10 +107,11 @@ class Linear(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum("...i,io->...o", x.astype(self.dtype), kernel_value(self.kernel, self.dtype))
+        x = clip(x.astype(self.dtype), self.input_min, self.input_max)
+        y = jnp.einsum("...i,io->...o", x, kernel_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
-        return y
+        return clip(y, self.output_min, self.output_max)
 
 
 class MLP(nnx.Module):
@@ -106,9 +131,12 @@ class MLP(nnx.Module):
         rngs: nnx.Rngs,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
+        clipped: bool = False,
     ):
         self.activation = activation
-        kw = dict(use_bias=use_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        kw = dict(
+            use_bias=use_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype, clipped=clipped
+        )
         self.gate_proj = Linear(d_model, d_ff, ("embed", "mlp"), **kw)
         self.up_proj = Linear(d_model, d_ff, ("embed", "mlp"), **kw)
         self.down_proj = Linear(d_ff, d_model, ("mlp", "embed"), **kw)

@@ -86,13 +86,43 @@ def rope_tables(
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale
 
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def rope_tables_2d(
+    positions: jax.Array, theta: float, head_dim: int
+) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables of 2-D positions: the first half of head_dim rotates by x, the
+    second by y, each with the default frequencies of a head_dim / 2 rotation.
+
+    Args:
+      positions: ``[batch, seq, 2]`` int (x, y); padding (-1) rotates by -1, harmlessly
+        (padded keys are masked and padded queries dropped).
+      theta: base of the frequencies.
+      head_dim: H, divisible by 4.
+
+    Returns:
+      ``(cos, sin)``, each ``[batch, seq, head_dim]`` float32: ``cat(table_x, table_y)``.
+
+    Reference: HF ``Gemma4VisionRotaryEmbedding`` (transformers 5.12.1), whose
+    frequencies are ``theta^(-2i / (H/2))`` per axis, the same for x and y.
+    """
+    rope = RopeConfig(theta=theta)
+    x_cos, x_sin = rope_tables(positions[..., 0], rope, head_dim // 2)  # [B, T, H/2]
+    y_cos, y_sin = rope_tables(positions[..., 1], rope, head_dim // 2)  # [B, T, H/2]
+    return jnp.concatenate([x_cos, y_cos], -1), jnp.concatenate([x_sin, y_sin], -1)  # [B, T, H]
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, sections: int = 1) -> jax.Array:
     """Rotates ``x`` ``[batch, seq, heads, head_dim]`` by the tables ``[batch, seq, head_dim]``.
 
+    ``sections``: head_dim splits into this many equal parts, each rotated half-split on its
+    own (2 for the 2-D RoPE of :func:`rope_tables_2d`, HF ``apply_multidimensional_rope``).
     Computed in float32, returned in ``x.dtype``.
     """
     x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)  # [B, T, N, H]
+    parts = jnp.split(x32, sections, axis=-1)  # sections x [B, T, N, H/sections]
+    rotated = []
+    for part in parts:
+        half = part.shape[-1] // 2
+        rotated.append(jnp.concatenate([-part[..., half:], part[..., :half]], axis=-1))
+    rotated = jnp.concatenate(rotated, axis=-1)  # [B, T, N, H]
     out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]  # [B, T, N, H]
     return out.astype(x.dtype)

@@ -32,7 +32,7 @@ from posttrain import _compat, families
 from posttrain.conversion.rows import expand
 from posttrain.conversion.safetensors_io import atomic_directory
 from posttrain.lora import layout
-from posttrain.lora.config import lora_config_of
+from posttrain.lora.config import LoraConfig, lora_config_of
 from posttrain.models.decoder import stack_layers, unstack_layers
 from posttrain.tree import path_name
 
@@ -93,6 +93,49 @@ def save_adapter(
     return pathlib.Path(directory)
 
 
+def read_adapter_config(directory: str | os.PathLike) -> dict:
+    """The ``lora_config.json`` of adapter ``directory``: a JSON object of format
+    :data:`FORMAT` (its fields are checked by :func:`saved_lora_config`).
+
+    Raises:
+      ValueError: no such file, not readable JSON, not an object, another format (the
+        file named).
+    """
+    path = pathlib.Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"{directory}: no {CONFIG_FILE} (not a posttrain adapter)")
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:
+        raise ValueError(f"{path}: not readable JSON ({error})") from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(saved).__name__}")
+    if saved.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} config")
+    return saved
+
+
+def saved_lora_config(saved: dict, directory: str | os.PathLike) -> LoraConfig:
+    """The :class:`LoraConfig` recorded in an adapter's ``lora_config.json``
+    (:func:`read_adapter_config`).
+
+    Raises:
+      ValueError: a field missing or of the wrong type or range (the file and the
+        field named).
+    """
+    path = pathlib.Path(directory) / CONFIG_FILE
+    fields = ("rank", "alpha", "target", "weight_qtype", "tile_size")
+    missing = [name for name in fields if name not in saved]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)}")
+    if not (saved["target"] is None or isinstance(saved["target"], str)):
+        raise ValueError(f"{path}: target={saved['target']!r} must be a regex string")
+    try:
+        return LoraConfig(**{name: saved[name] for name in fields})
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
 def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
     """Loads adapters saved by :func:`save_adapter` into ``model`` in place (keeping shardings).
 
@@ -108,9 +151,7 @@ def load_adapter(model: nnx.Module, directory: str | os.PathLike) -> nnx.Module:
         adapters (names or shapes).
     """
     directory = pathlib.Path(directory)
-    saved = json.loads((directory / CONFIG_FILE).read_text())
-    if saved.get("format") != FORMAT:
-        raise ValueError(f"{directory / CONFIG_FILE} is not a {FORMAT} config")
+    saved = read_adapter_config(directory)
     if saved.get("version") != VERSION:  # a later layout read as this one would misload
         raise ValueError(
             f"{directory / CONFIG_FILE} has {FORMAT} version {saved.get('version')!r}; "

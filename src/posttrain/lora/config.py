@@ -9,6 +9,7 @@ Module names follow HF, so one default serves every family.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 ATTENTION_TARGET = r".*/self_attn/(q_proj|k_proj|v_proj|o_proj)"
@@ -32,6 +33,11 @@ def default_target(experts: bool = False) -> str:
 
 def _fail(message: str) -> None:
     raise ValueError(message)
+
+
+def _finite_number(value) -> bool:
+    """An int or float (not a bool, a string or None) that is finite."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,8 +75,8 @@ class LoraConfig:
     def __post_init__(self):
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
             _fail(f"rank={self.rank!r} must be an integer > 0")
-        if not self.alpha > 0:
-            _fail(f"alpha={self.alpha!r} must be > 0")
+        if not _finite_number(self.alpha) or not self.alpha > 0:
+            _fail(f"alpha={self.alpha!r} must be a finite number > 0")
         if not 0.0 <= self.dropout < 1.0:
             _fail(f"dropout={self.dropout!r} must be in [0, 1)")
         if self.target is not None:
@@ -91,8 +97,8 @@ class LoraConfig:
         if self.tile_size is not None:
             if self.weight_qtype is None:
                 _fail(f"tile_size={self.tile_size!r} needs weight_qtype (QLoRA)")
-            if not self.tile_size > 0:
-                _fail(f"tile_size={self.tile_size!r} must be > 0")
+            if not _finite_number(self.tile_size) or not self.tile_size > 0:
+                _fail(f"tile_size={self.tile_size!r} must be a finite number > 0")
 
     @property
     def target_regex(self) -> str:

@@ -17,6 +17,7 @@ from flax import nnx
 from posttrain import _compat, sharding
 from posttrain.config import ModelConfig
 from posttrain.layers.mlp import Linear
+from posttrain.layers.vision import ImageBatch, VisionProjector, VisionTower, place_image_features
 from posttrain.models.decoder import Decoder
 
 LOGIT_AXES = ("activation_batch", "activation_length", "activation_vocab")
@@ -26,7 +27,8 @@ class CausalLM(nnx.Module):
     """Decoder-only causal language model built from a :class:`ModelConfig`.
 
     Parameters: ``model.*`` (see :class:`Decoder`) and ``lm_head.kernel``
-    ``[d_model, vocab]`` (absent when ``tie_word_embeddings``).
+    ``[d_model, vocab]`` (absent when ``tie_word_embeddings``); with ``cfg.vision``,
+    ``vision_tower.*`` and ``embed_vision.*`` (:mod:`posttrain.layers.vision`).
 
     Attributes:
       config: the model config.
@@ -51,12 +53,34 @@ class CausalLM(nnx.Module):
                 param_dtype=param_dtype,
             )
         )
+        vision = cfg.vision
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.vision_tower = None if vision is None else VisionTower(vision, **kw)
+        self.embed_vision = None if vision is None else VisionProjector(vision, cfg.d_model, **kw)
 
     def init_cache(self, batch: int, cache_size: int, dtype=None) -> dict:
         """An empty KV cache (Tunix's ``init_cache`` signature): ``batch`` rows of
         ``cache_size`` slots in ``dtype`` (default ``config.dtype``). Layout and memory:
         :mod:`posttrain.layers.kv_cache`."""
         return self.model.init_cache(batch, cache_size, dtype or self.config.dtype)
+
+    def embed_with_images(self, input_tokens: jax.Array, images: ImageBatch) -> jax.Array:
+        """Token embeddings ``[batch, seq, d_model]`` with each row's image soft tokens at its
+        ``image_token_id`` positions (HF ``Gemma4Model.forward``; image tokens embed as
+        token 0 first, as HF embeds them as the pad token).
+
+        Raises:
+          ValueError: the model has no vision tower.
+        """
+        if self.vision_tower is None:
+            raise ValueError("images given to a model without a vision tower (config.vision=None)")
+        is_image = input_tokens == self.config.vision.image_token_id  # [B, T]
+        embeds = self.model.embed_tokens(jnp.where(is_image, 0, input_tokens))  # [B, T, D]
+        features, valid = self.vision_tower(images)  # [B, I, L, D_v], [B, I, L]
+        features = self.embed_vision(features)  # [B, I, L, D]
+        batch = features.shape[0]
+        features = features.reshape(batch, -1, features.shape[-1])  # [B, I*L, D]
+        return place_image_features(embeds, is_image, features, valid.reshape(batch, -1))
 
     def _logits(self, hidden: jax.Array) -> jax.Array:
         if self.lm_head is None:
@@ -76,6 +100,7 @@ class CausalLM(nnx.Module):
         attention_mask: jax.Array | None = None,
         cache: Any = None,
         last_only: bool = False,
+        images: ImageBatch | None = None,
     ) -> tuple[jax.Array, dict[str, Any]]:
         """Logits and auxiliary outputs (LoRA's adapters apply here: Qwix wraps ``forward``).
 
@@ -89,6 +114,8 @@ class CausalLM(nnx.Module):
           last_only: the logits of the last position only (``[batch, 1, vocab]``): a
             prefill that samples from the last token skips the vocabulary projection
             of the rest of the prompt (with left-padded prompts, every row's last token).
+          images: the rows' images (:class:`posttrain.layers.vision.ImageBatch`), placed at
+            the image tokens (:meth:`embed_with_images`); ``None`` for text only.
 
         Returns:
           ``(logits [batch, seq, vocab] float32, aux)``: ``aux["moe_aux_loss"]`` a float32
@@ -98,11 +125,14 @@ class CausalLM(nnx.Module):
         batch, seq = input_tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        embeds = None if images is None else self.embed_with_images(input_tokens, images)
         if cache is None:
-            hidden, aux = self.model(input_tokens, positions, attention_mask)
+            hidden, aux = self.model(input_tokens, positions, attention_mask, embeds=embeds)
             out = {"moe_aux_loss": aux}
         else:
-            hidden, aux, cache = self.model(input_tokens, positions, attention_mask, cache)
+            hidden, aux, cache = self.model(
+                input_tokens, positions, attention_mask, cache, embeds=embeds
+            )
             out = {"moe_aux_loss": aux, "cache": cache}
         return self._logits(hidden[:, -1:] if last_only else hidden), out
 
@@ -113,6 +143,7 @@ class CausalLM(nnx.Module):
         cache: Any = None,
         attention_mask: jax.Array | None = None,
         decode_only_last_token: bool = False,
+        images: ImageBatch | None = None,
     ) -> tuple[jax.Array, Any]:
         """Tunix's calling convention: ``(logits [batch, seq, vocab] float32, cache)``.
 
@@ -123,9 +154,15 @@ class CausalLM(nnx.Module):
         ``decode_only_last_token``: logits ``[batch, 1, vocab]`` of the last position
         only (``forward``'s ``last_only``). google-tunix >= 0.1.7's ``Sampler`` passes it
         to the prefill when this signature has it (``inspect.signature``), unless it
-        echoes the prompt's logits; older releases never pass it.
+        echoes the prompt's logits; older releases never pass it. ``images``: as in
+        :meth:`forward`.
         """
         logits, aux = self.forward(
-            input_tokens, positions, attention_mask, cache, last_only=decode_only_last_token
+            input_tokens,
+            positions,
+            attention_mask,
+            cache,
+            last_only=decode_only_last_token,
+            images=images,
         )
         return logits, aux.get("cache")

@@ -35,6 +35,9 @@ from posttrain.layers.norms import RMSNorm
 from posttrain.layers.rope import rope_tables
 from posttrain.models.decoder_layer import DecoderLayer
 
+VISION_PREFIX = "vision_tower."
+"""Flat names of ``CausalLM.vision_tower``'s params: its ``layers.{v}`` are never stacked."""
+
 _UNROLLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "posttrain_unrolled_layers", default=False
 )
@@ -250,7 +253,7 @@ class Decoder(nnx.Module):
         x, (auxes, caches) = jax.lax.scan(body, x, (tuple(states), caches))
         return x, jnp.sum(auxes), {f"block_{p}": c for p, c in enumerate(caches)}
 
-    def __call__(self, tokens, positions, padding_mask=None, cache=None):
+    def __call__(self, tokens, positions, padding_mask=None, cache=None, embeds=None):
         """The final-normed hidden states of ``tokens``.
 
         Dimensions: B batch, T sequence, D d_model.
@@ -265,6 +268,8 @@ class Decoder(nnx.Module):
           cache: a KV cache (:meth:`init_cache`): ``tokens`` are written at its write
             index, and ``padding_mask`` is then ``[B, T, cache_size]`` over its slots
             (``None``: each token sees every slot up to its own). Never rematerialised.
+          embeds: ``[B, T, D]`` input embeddings used instead of ``tokens``' (a vision
+            model's, with image soft tokens placed), or ``None``.
 
         Returns:
           ``(hidden [B, T, D] in cfg.dtype, moe_aux_loss)``: the load-balancing losses of
@@ -273,7 +278,8 @@ class Decoder(nnx.Module):
           ``cfg.layer_types`` when ``cfg.scan_layers``, rematerialised per ``cfg.remat``.
         """
         cfg = self.cfg
-        x = sharding.constrain(self.embed_tokens(tokens), sharding.ACTIVATION_AXES)
+        x = self.embed_tokens(tokens) if embeds is None else embeds
+        x = sharding.constrain(x, sharding.ACTIVATION_AXES)
         if cache is not None:
             x, aux, cache = self._cached(x, positions, padding_mask, cache)
             return self.norm(x), aux, cache
@@ -338,7 +344,9 @@ def stack_layers(params: Mapping[str, np.ndarray], cfg: ModelConfig) -> dict[str
     grouped: dict[tuple[int, str], list[tuple[int, np.ndarray]]] = {}
     for key, value in params.items():
         parts = _split_path(key)
-        if "layers" in parts and parts[parts.index("layers") + 1].isdigit():
+        if key.startswith(VISION_PREFIX):
+            out[key] = value
+        elif "layers" in parts and parts[parts.index("layers") + 1].isdigit():
             at = parts.index("layers")
             i = int(parts[at + 1])
             prefix = ".".join(parts[:at])

@@ -77,7 +77,8 @@ def read_preference_jsonl(
     Raises:
       ValueError: naming the file and line: not UTF-8, not JSON, a missing or mistyped
         field, a message without string ``role``/``content``, an unknown role, a
-        completion turn that is not the assistant's; or the file has no pairs.
+        completion turn that is not the assistant's, an empty (or blank) prompt or
+        completion, chosen equal to rejected; or the file has no pairs.
     """
     pairs = [
         None if record is NOT_READ else validate_pair(record, where=where)
@@ -108,6 +109,14 @@ def validate_pair(record, *, where: str) -> Pair:
             raise ValueError(
                 f"{where}: {name} has roles {sorted(roles)}; expected assistant turns only"
             )
+    for name, turns in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        if not any(m["content"].strip() for m in turns):
+            raise ValueError(f"{where}: {name} is empty; expected some text")
+    if chosen == rejected:
+        raise ValueError(
+            f"{where}: chosen and rejected are the same; expected two different completions "
+            "(a pair that does not differ has no preference to learn)"
+        )
     return Pair(prompt, chosen, rejected, where)
 
 

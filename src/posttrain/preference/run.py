@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 from collections.abc import Sequence
 
@@ -28,6 +27,7 @@ import numpy as np
 from posttrain import atomic, distributed, sharding
 from posttrain.preference.options import DPORunConfig
 from posttrain.runs import record as run_record
+from posttrain.runs.checks import check_same_run, discard_unstarted
 
 __all__ = ["DPORunConfig", "DPOResult", "pair_arrays", "run_dpo"]
 
@@ -105,12 +105,18 @@ class ShardedPairs:
 
 
 def pair_arrays(
-    cfg: DPORunConfig, tok, tokenizer_name: str, shards: int = 1, mine: Sequence[int] = (0,)
+    cfg: DPORunConfig,
+    tok,
+    tokenizer_name: str,
+    shards: int = 1,
+    mine: Sequence[int] = (0,),
+    template=None,
 ) -> tuple[ShardedPairs, ShardedPairs | None]:
     """``(train pairs, held-out pairs or None)``: the shards ``mine`` of ``shards`` of
-    each (:class:`ShardedPairs`); ``tokenizer_name`` names the tokenizer in a coverage
-    error. A process parses, validates and tokenises the pairs of its shards only (the
-    others' lines are counted)."""
+    each (:class:`ShardedPairs`), in ``template`` (the run's; None: the built-in ChatML
+    after the tokenizer's BOS prefix); ``tokenizer_name`` names the tokenizer in a
+    coverage error. A process parses, validates and tokenises the pairs of its shards
+    only (the others' lines are counted)."""
     from posttrain.preference import data
     from posttrain.preference.default_data import pydoc_pairs
     from posttrain.runs.loading import pad_id_of
@@ -134,6 +140,7 @@ def pair_arrays(
             max_response_length=cfg.max_response_length,
             overflow=cfg.overflow,
             pad_id=pad_id_of(tok),
+            template=template,
         )
         ids = (
             arrays[f"{k}_ids"][arrays[f"{k}_mask"] > 0] for k in ("prompt", "chosen", "rejected")
@@ -204,8 +211,8 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     from posttrain.preference import tunix_dpo
     from posttrain.runs.directory import prepare_output
     from posttrain.runs.export import export_final
-    from posttrain.runs.loading import load_run_model, run_tokenizer_path
-    from posttrain.sft.tokenizer import load_tokenizer
+    from posttrain.runs.formats import run_tokenizer_and_formats
+    from posttrain.runs.loading import load_run_model
 
     cfg.check()
     tunix_dpo.check_algorithm(cfg.algorithm)  # before anything is read or written
@@ -215,11 +222,11 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     log_every = log_every if writer else None
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
-    hf_dir = cfg.model if os.path.isdir(cfg.model) else None
-    tokenizer_path = run_tokenizer_path(cfg, hf_dir)
-    tok = load_tokenizer(tokenizer_path)
-    name = repr(tokenizer_path or "(embedded)")
-    shards, train, held_out = _read_pairs(cfg, tok, name, mesh, global_batch)
+    resume_facts = check_same_run(cfg, global_batch)  # devices, data content, exports
+    # the template (one BOS, the template's): refused before anything is written
+    tok, formats = run_tokenizer_and_formats(cfg)
+    name = repr(formats.tokenizer_path or "(embedded)")
+    shards, train, held_out = _read_pairs(cfg, tok, name, mesh, global_batch, formats.template)
     model = load_run_model(cfg, mesh, tok)
     out = prepare_output(cfg.output)
     trainer = _trainer(cfg, model, mesh, out, log_every)
@@ -239,10 +246,12 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
         "pairs": train.total,
         "data_shards": shards,
         "convention": trainer.convention.name,
+        **resume_facts,
+        **formats.facts(),
     }
     before, after = _train(trainer, cfg, out, facts, train, held_out, write=writer)
     step = trainer.train_steps
-    exported = export_final(trainer.model.model, out, step)
+    exported = export_final(trainer.model.model, out, step, formats=formats)
     return DPOResult(
         trainer.history,
         out,
@@ -276,8 +285,11 @@ def _train(trainer, cfg: DPORunConfig, out, facts: dict, train, held_out, *, wri
         run_record.begin_segment(out, cfg, {**facts, "evaluation_before": before}, restored)
     try:
         trainer.train(train.batches(global_batch, cfg.grad_accum, seed=cfg.seed))
-    except NonFiniteLossError:
+    except NonFiniteLossError as error:
         trainer.abandon()
+        # a run that never checkpointed leaves nothing half-written (runs.checks)
+        if write and discard_unstarted(out, restored):
+            raise NonFiniteLossError(f"{error}; removed what the run wrote in {out}") from None
         raise
     after = held_out_figures() if held_out is not None else None
     if after is not None and write:
@@ -285,7 +297,9 @@ def _train(trainer, cfg: DPORunConfig, out, facts: dict, train, held_out, *, wri
     return before, after
 
 
-def _read_pairs(cfg: DPORunConfig, tok, tokenizer_name: str, mesh, global_batch: int):
+def _read_pairs(
+    cfg: DPORunConfig, tok, tokenizer_name: str, mesh, global_batch: int, template=None
+):
     """``(data shards, train pairs, held-out pairs or None)`` of this process
     (:func:`pair_arrays`).
 
@@ -300,7 +314,7 @@ def _read_pairs(cfg: DPORunConfig, tok, tokenizer_name: str, mesh, global_batch:
     # tokenises its shards only, so a bad pair fails in one process: every process
     # learns it and stops (a collective), none waits for the others at the next one.
     with distributed.together("read the data"):
-        train, held_out = pair_arrays(cfg, tok, tokenizer_name, shards, mine)
+        train, held_out = pair_arrays(cfg, tok, tokenizer_name, shards, mine, template)
     if train.total < global_batch * cfg.grad_accum:
         raise ValueError(
             f"{cfg.data or '(embedded pairs)'} has {train.total} training pairs, fewer than "

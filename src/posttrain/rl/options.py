@@ -34,6 +34,10 @@ class GRPORunConfig(RunOptions):
         completions.
       num_generations: G, completions per prompt (>= 2).
       steps: GRPO steps (one rollout and one optimizer update each).
+      grad_accum: micro-batches per optimizer update: the step's rollout stays one
+        batch, and its completions are trained in this many micro-batches whose
+        gradients are averaged (Tunix's ``train_micro_batch_size`` = the batch /
+        ``grad_accum``); it must divide the batch of prompts.
       learning_rate: AdamW's, constant.
       lora_rank: LoRA when > 0 (the reference is then the actor with adapters off); 0
         trains every weight (the reference is a frozen copy).
@@ -67,10 +71,13 @@ class GRPORunConfig(RunOptions):
         "max_new_tokens",
         "reward",
         "warmup_steps",
+        "grad_accum",
     )
 
     model: str = option(DEFAULT_MODEL, "preset, native or HF directory", show_default=False)
-    tokenizer: str | None = option(None, "tokenizer.json (default: byte tokenizer)")
+    tokenizer: str | None = option(
+        None, "tokenizer.json (default: the HF dir's, else the byte tokenizer)"
+    )
     mesh: dict[str, int] | None = option(
         None, "actor/reference axis sizes (default: fsdp)", parse=parse_mesh
     )
@@ -87,6 +94,9 @@ class GRPORunConfig(RunOptions):
     per_device_batch_size: int = option(2, "prompts per data-parallel shard")
     num_generations: int = option(8, "completions per prompt", show_default=False)
     steps: int = option(150, "GRPO steps")
+    grad_accum: int = option(
+        1, "micro-batches per update; the rollout stays one batch", show_default=False
+    )
     learning_rate: float = option(5e-4, "AdamW's learning rate, constant", show_default=False)
     algorithm: GRPOAlgorithm = option("grpo", "GRPO learner", checked=True)
     beta: float | None = option(None, "KL coefficient (default: Tunix's)")
@@ -115,6 +125,8 @@ class GRPORunConfig(RunOptions):
     def check_fields(self) -> None:
         super().check_fields()
         self._check_rollout()
+        if self.grad_accum < 1:
+            self.bad("grad_accum", ">= 1")
         if self.num_generations < 2:
             self.bad("num_generations", ">= 2 (advantages are relative to the group)")
         for name in ("max_prompt_length", "max_new_tokens"):
@@ -139,8 +151,8 @@ class GRPORunConfig(RunOptions):
                 self.bad("beta", "unset with --algorithm dapo (DAPO has no KL term)")
         if not self.reward:
             self.bad("reward", "at least one reward function")
-        for spec in self.reward:
-            rewards.resolve(spec)
+        for spec in self.reward:  # imported and called once, before anything is written
+            rewards.probe(spec, rewards.resolve(spec))
 
     def _check_rollout(self) -> None:
         for name in ("mesh", "rollout_mesh"):

@@ -62,6 +62,15 @@ def resolve(spec: str) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"reward {spec!r}: cannot import {module_name!r} ({err})") from None
+    except SyntaxError as err:  # the user's file, named with its line
+        raise ValueError(
+            f"reward {spec!r}: module {module_name!r} has a syntax error ({err.msg}, "
+            f"{err.filename} line {err.lineno})"
+        ) from None
+    except (Exception, SystemExit) as err:  # its top level raised or exited
+        raise ValueError(
+            f"reward {spec!r}: importing module {module_name!r} {_what_went_wrong(err)}"
+        ) from None
     fn = getattr(module, name, None)
     if fn is None:
         raise ValueError(f"reward {spec!r}: module {module_name!r} has no {name!r}")
@@ -74,24 +83,95 @@ def recorded(fn: Callable, sink: Callable[[str, np.ndarray], None]) -> Callable:
     """``fn`` that also hands ``(fn.__name__, rewards)`` to ``sink`` on train calls.
 
     Raises:
-      ValueError: ``fn`` returned something other than one finite number per completion
-        (named, with what it returned).
+      RewardError: ``fn`` raised, called ``sys.exit``, or returned something other than
+        one finite number per completion (named, with what it returned).
     """
 
     @functools.wraps(fn)
     def call(prompts, completions, **kwargs):
-        out = fn(prompts=prompts, completions=completions, **kwargs)
         try:
-            values = np.asarray(out, dtype=np.float64).reshape(-1)
-        except (TypeError, ValueError):
-            raise ValueError(f"reward {fn.__name__} returned {type(out).__name__}") from None
-        if values.shape != (len(completions),) or not np.isfinite(values).all():
-            raise ValueError(
-                f"reward {fn.__name__} returned {values.shape[0]} values "
-                f"(finite: {bool(np.isfinite(values).all())}) for {len(completions)} completions"
-            )
+            out = fn(prompts=prompts, completions=completions, **kwargs)
+        except (Exception, SystemExit) as err:  # the run stops with one line, not silently
+            raise RewardError(f"reward {fn.__name__} {_what_went_wrong(err)}") from None
+        values = checked_values(fn.__name__, out, len(completions))
         if str(kwargs.get("mode", "train")).lower().endswith("train"):
             sink(fn.__name__, values)
         return out
 
     return call
+
+
+class RewardError(ValueError):
+    """A reward function raised, exited or returned something other than one finite
+    number per completion."""
+
+
+def _what_went_wrong(err: BaseException) -> str:
+    if isinstance(err, SystemExit):
+        return f"called sys.exit({err.code!r})"
+    first = str(err).strip().splitlines()
+    return f"raised {type(err).__name__}" + (f": {first[0]}" if first else "")
+
+
+def checked_values(name: str, out, completions: int) -> np.ndarray:
+    """``out``, what reward ``name`` returned for ``completions`` completions, as float64
+    ``[completions]``.
+
+    Raises:
+      RewardError: not a sequence of ``completions`` real numbers (a string, a bool or
+        None among them included), or one not finite; naming what it was.
+    """
+    items = list(out) if isinstance(out, list | tuple | np.ndarray) else None
+    if items is None:
+        raise RewardError(
+            f"reward {name} returned {type(out).__name__}; expected a list of "
+            f"{completions} floats, one per completion"
+        )
+    wrong = next(
+        (
+            x
+            for x in items
+            if isinstance(x, bool | np.bool_) or not isinstance(x, int | float | np.number)
+        ),
+        None,
+    )
+    if wrong is not None or (isinstance(out, np.ndarray) and out.ndim != 1):
+        what = type(wrong).__name__ if wrong is not None else f"a {out.ndim}-d array"
+        raise RewardError(f"reward {name} returned {what} values; expected floats")
+    values = np.asarray(items, dtype=np.float64).reshape(-1)
+    if values.shape != (completions,):
+        raise RewardError(
+            f"reward {name} returned {values.shape[0]} values for {completions} completions"
+        )
+    if not np.isfinite(values).all():
+        bad = values[~np.isfinite(values)][0]
+        raise RewardError(f"reward {name} returned {bad} (expected finite values)")
+    return values
+
+
+def probe(spec: str, fn: Callable) -> None:
+    """Calls reward ``fn`` (``spec``) once on a probe batch as Tunix would (two prompts
+    of the embedded task, one completion right and one not, their ``answer`` column,
+    ``mode="train"``): a run refuses a reward that raises, exits or returns the wrong
+    thing before it writes anything.
+
+    Raises:
+      ValueError: one line naming ``spec`` (module and function) and what was wrong.
+    """
+    from posttrain.rl.arithmetic import problems
+
+    batch = problems()[:2]
+    completions = [str(batch[0].answer), "no"]
+    try:
+        out = fn(
+            prompts=[p.prompt for p in batch],
+            completions=completions,
+            answer=[p.answer for p in batch],
+            mode="train",
+        )
+    except (Exception, SystemExit) as err:
+        raise ValueError(f"reward {spec!r} on a probe batch {_what_went_wrong(err)}") from None
+    try:
+        checked_values(getattr(fn, "__name__", spec), out, len(completions))
+    except RewardError as err:
+        raise ValueError(f"reward {spec!r} on a probe batch of 2 completions: {err}") from None

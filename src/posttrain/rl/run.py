@@ -30,6 +30,7 @@ from posttrain import atomic, distributed, sharding
 from posttrain.rl import arithmetic, rewards
 from posttrain.rl.metrics import progress_line, step_record, write_metrics
 from posttrain.rl.options import GRPORunConfig
+from posttrain.runs import record as run_record
 
 __all__ = ["GRPOResult", "GRPORunConfig", "progress_line", "run_grpo", "step_record"]
 
@@ -63,14 +64,12 @@ class GRPOResult:
 
 
 def _check_resumable(cfg: GRPORunConfig, out: pathlib.Path) -> dict | None:
-    path = out / "run.json"
-    if not path.exists():
+    record = run_record.read(out)  # None, or an object whose keys have their types
+    if record is None:
         return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        settings = record["settings"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: not a posttrain grpo run record ({err})") from None
+    if "settings" not in record:
+        raise ValueError(f"{out / 'run.json'}: not a posttrain grpo run record (no 'settings')")
+    settings = record["settings"]
     current = json.loads(json.dumps(cfg.training_settings()))
     changed = [k for k in cfg.TRAINING_FIELDS if settings.get(k) != current[k]]
     if changed:
@@ -82,31 +81,32 @@ def _check_resumable(cfg: GRPORunConfig, out: pathlib.Path) -> dict | None:
     return record
 
 
-def evaluate(model, tok, problems, cfg: GRPORunConfig, fns) -> float:
+def evaluate(model, tok, problems, cfg: GRPORunConfig, fns, template=None) -> float:
     """The policy's mean summed reward on ``problems``: ``cfg.eval_samples`` completions
     each, sampled at the rollout temperature with a fixed seed (``cfg.seed``), so two
-    evaluations of the same weights agree and two policies see the same random draws."""
+    evaluations of the same weights agree and two policies see the same random draws.
+    Prompts in ``template`` (default: the built-in ChatML); a completion stops at any of
+    ``tok.stop_ids`` (the checkpoint's), which its text leaves out."""
     from posttrain.generate import SamplingConfig, generate
 
     repeated = [p for p in problems for _ in range(cfg.eval_samples)]
-    prompts = [tok.encode(p.prompt) for p in repeated]
+    texts = [p.prompt_in(template) for p in repeated]
+    prompts = [tok.encode(text) for text in texts]
     sampling = SamplingConfig(
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         seed=cfg.seed,
-        eos_ids=(tok.eos_id(),),
+        eos_ids=tok.stop_ids,
         pad_id=tok.pad_id(),
     )
     gen = generate(model, prompts, sampling)
     completions = [
-        tok.decode([t for t in gen.row(i) if t != tok.eos_id()]) for i in range(len(repeated))
+        tok.decode([t for t in gen.row(i) if t not in tok.stop_ids]) for i in range(len(repeated))
     ]
     columns = {"answer": [p.answer for p in repeated], "mode": "eval"}
     total = np.zeros(len(repeated))
     for fn in fns:
-        total += np.asarray(
-            fn(prompts=[p.prompt for p in repeated], completions=completions, **columns), float
-        )
+        total += np.asarray(fn(prompts=texts, completions=completions, **columns), float)
     return float(total.mean())
 
 
@@ -127,6 +127,7 @@ def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
         model=cfg.model,
         data=str(data),
         tokenizer=cfg.tokenizer,
+        chat_template=cfg.chat_template,
         mesh=cfg.mesh,
         steps=cfg.warmup_steps,
         max_target_length=64,
@@ -158,7 +159,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     from posttrain.loading import load_trainable
     from posttrain.rl import tunix_rl
     from posttrain.runs.export import export_final
-    from posttrain.sft.tokenizer import load_tokenizer
+    from posttrain.runs.formats import run_tokenizer_and_formats
     from posttrain.tunix_sampler import TunixTokenizer
 
     cfg.check()
@@ -169,9 +170,13 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     previous = _check_resumable(cfg, out)
     tunix_rl.learner_and_config(cfg.algorithm)  # a missing algorithm fails before work
     mesh, rollout_mesh = _meshes(cfg)
+    _check_accumulation(cfg, mesh)
     fns = [rewards.resolve(spec) for spec in cfg.reward]
-    tok = TunixTokenizer(load_tokenizer(cfg.tokenizer))
-    task = _task(cfg, tok)
+    # the template and stop ids: the checkpoint's (ChatML's <|im_end|> first for ChatML)
+    raw, formats = run_tokenizer_and_formats(cfg)
+    tok = TunixTokenizer(raw, eos_ids=formats.eos_ids)
+    template = formats.template
+    task = _task(cfg, tok, template)
     found = _surface(cfg, writer, log_every)
     out.mkdir(parents=True, exist_ok=True)
     start = _warmup(cfg, out, task, log_every)
@@ -189,27 +194,30 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     with sharding.use_mesh(mesh, jax_context=False):
         before = previous["evaluations"][0]["before"] if previous else None
         if before is None and cfg.eval_samples:
-            before = evaluate(model, tok, task, cfg, fns)
-        trained = _train(cfg, model, tok, (mesh, rollout_mesh), task, fns, on_built, writer)
+            before = evaluate(model, tok, task, cfg, fns, template)
+        trained = _train(
+            cfg, model, tok, (mesh, rollout_mesh), (task, template), fns, on_built, writer
+        )
         model, step, restored, history, seconds = trained
-        after = evaluate(model, tok, task, cfg, fns) if cfg.eval_samples else None
-    exported = export_final(model, out, step)
+        after = evaluate(model, tok, task, cfg, fns, template) if cfg.eval_samples else None
+    exported = export_final(model, out, step, formats=formats)
     if writer:
-        _record(out, cfg, previous, restored, before, after, step, seconds, found)
+        facts = formats.facts()
+        _record(out, cfg, previous, restored, before, after, step, seconds, found, facts)
     if log_every:
         for record in history[log_every - 1 :: log_every]:
             print(progress_line(record), flush=True)
     return GRPOResult(history, out, step, before, after, exported, cfg.eval_samples)
 
 
-def _task(cfg: GRPORunConfig, tok) -> list:
+def _task(cfg: GRPORunConfig, tok, template=None) -> list:
     """The embedded task's problems (:func:`posttrain.rl.arithmetic.problems`).
 
     Raises:
-      ValueError: its longest prompt is over ``max_prompt_length`` tokens.
+      ValueError: its longest prompt in ``template`` is over ``max_prompt_length`` tokens.
     """
     task = arithmetic.problems()
-    too_long = max(len(tok.encode(p.prompt)) for p in task)
+    too_long = max(len(tok.encode(p.prompt_in(template))) for p in task)
     if too_long > cfg.max_prompt_length:
         raise ValueError(
             f"max_prompt_length={cfg.max_prompt_length} (--max-prompt-length): the task's "
@@ -262,8 +270,9 @@ def _surface(cfg: GRPORunConfig, writer: bool, log_every) -> dict:
     return found
 
 
-def _configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_id: int):
-    """Tunix's ``(training config, rollout config, algorithm config)`` of the run."""
+def _configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_ids):
+    """Tunix's ``(training config, rollout config, algorithm config)`` of the run; the
+    rollout stops at any of ``eos_ids``."""
     import jax.numpy as jnp
     import optax
     from tunix.sft import metrics_logger
@@ -277,7 +286,12 @@ def _configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_id: int):
         eval_every_n_steps=cfg.steps + 1,
         max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
         mini_batch_size=batch,
-        micro_batch_size=batch,
+        micro_batch_size=batch // cfg.grad_accum,
+        # one rollout (and one logps pass) over the whole batch, whatever the
+        # accumulation: Tunix's default is the train micro-batch, which would sample
+        # another batch shape and so other completions
+        rollout_micro_batch_size=batch,
+        compute_logps_micro_batch_size=batch,
         checkpoint_root_directory=str((out / "checkpoints").resolve()),
         checkpointing_options=_compat.interval_checkpoint_options(
             min(cfg.save_every, cfg.stop_after or cfg.save_every),
@@ -301,7 +315,7 @@ def _configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_id: int):
         top_p=1.0,
         top_k=None,
         seed=cfg.seed,
-        eos_tokens=[eos_id],
+        eos_tokens=list(eos_ids),
         **({"data_type": jnp.dtype(cfg.rollout_dtype)} if cfg.rollout_dtype else {}),
     )
     algo = tunix_rl.algo_config(
@@ -312,13 +326,15 @@ def _configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_id: int):
 
 def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: bool):
     """Builds Tunix's cluster and learner over ``model`` and trains from the step it
-    restored; returns ``(trained model, step, restored step, history, seconds)``."""
+    restored on ``task``, ``(problems, template)``; returns ``(trained model, step,
+    restored step, history, seconds)``."""
     from posttrain.rl import tunix_cluster, tunix_rl
     from posttrain.rl.policy import TunixPolicy, reference_of
 
     mesh, rollout_mesh = meshes
+    task, template = task
     out = pathlib.Path(cfg.output)
-    training, rollout, algo = _configs(cfg, out, mesh, tok.eos_id())
+    training, rollout, algo = _configs(cfg, out, mesh, tok.stop_ids)
     rewards_seen: dict[int, dict[str, np.ndarray]] = {}
 
     def sink(name: str, values: np.ndarray) -> None:  # called inside step global_steps + 1
@@ -347,7 +363,7 @@ def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: 
     if on_built is not None:
         on_built(learner, (actor, reference))
     started = time.perf_counter()
-    data = arithmetic.batches(task, _batch(cfg, mesh), cfg.steps, cfg.seed)
+    data = arithmetic.batches(task, _batch(cfg, mesh), cfg.steps, cfg.seed, template)
     try:
         with _saves():
             learner.train(data)
@@ -357,6 +373,20 @@ def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: 
     step = int(cluster.actor_trainer.train_steps)
     trained = cluster.actor_trainer.model.model  # the trained one (Tunix may re-place it)
     return trained, step, restored, history, seconds
+
+
+def _check_accumulation(cfg: GRPORunConfig, mesh) -> None:
+    """Raises ValueError (one line) unless ``grad_accum`` divides the step's prompts and
+    each micro-batch's completions divide over the mesh's data-parallel shards."""
+    batch, shards = _batch(cfg, mesh), sharding.data_parallel_size(mesh)
+    micro = batch // cfg.grad_accum
+    if batch % cfg.grad_accum or (micro * cfg.num_generations) % shards:
+        raise ValueError(
+            f"grad_accum={cfg.grad_accum} (--grad-accum): the step's {batch} prompts "
+            f"(x {cfg.num_generations} completions) do not split into {cfg.grad_accum} "
+            f"micro-batches over {shards} data-parallel shards; expected a divisor of "
+            f"{batch} leaving a multiple of {shards} completions per micro-batch"
+        )
 
 
 def _batch(cfg: GRPORunConfig, mesh) -> int:
@@ -384,9 +414,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _record(out, cfg, previous, restored, before, after, step, seconds, found) -> None:
+def _record(out, cfg, previous, restored, before, after, step, seconds, found, facts) -> None:
     record = previous or {"settings": json.loads(json.dumps(cfg.training_settings()))}
     record["tunix_rl"] = found
+    record.update(facts)  # the template's sha256: a resume in another is refused
     record.setdefault("evaluations", []).append(
         {"resumed_from": restored, "step": step, "before": before, "after": after}
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import ClassVar, Literal, NoReturn
 
 from posttrain.config import RematPolicy, choices
@@ -45,7 +46,8 @@ class RunOptions:
 
     #: Settings that change what a resumed run computes: a rerun into the same output
     #: with another value is refused (:func:`posttrain.runs.record.check_resumable`);
-    #: the others (output, save cadence, stop) may change between segments.
+    #: the others (output, save cadence, stop) may change between segments. The chat
+    #: template is compared by content, not path (:mod:`posttrain.runs.formats`).
     TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
         "model",
         "tokenizer",
@@ -61,6 +63,11 @@ class RunOptions:
     model: str = option(DEFAULT_MODEL, "preset name, native or HF checkpoint directory")
     tokenizer: str | None = option(
         None, "tokenizer.json (default: the HF dir's, else the byte tokenizer)"
+    )
+    chat_template: str | None = option(
+        None,
+        "a Jinja chat template file, or chatml (default: the model's or tokenizer's own, "
+        "else ChatML); run.json records its sha256, a resume must keep it",
     )
     mesh: dict[str, int] | None = option(
         None, "axis sizes, e.g. data=2,fsdp=4 (default: every device on fsdp)", parse=parse_mesh
@@ -103,6 +110,8 @@ class RunOptions:
             self.bad("learning_rate", "a finite value > 0")
         if self.seed < 0:
             self.bad("seed", "a non-negative integer")
+        if self.chat_template not in (None, "chatml") and not os.path.isfile(self.chat_template):
+            self.bad("chat_template", "a Jinja chat template file, or chatml")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

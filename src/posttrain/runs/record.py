@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import time
 from typing import Any
 
@@ -41,7 +42,32 @@ def read(out: str | os.PathLike) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not readable JSON ({error})") from None
     if not isinstance(body, dict):
         raise ValueError(f"{path}: expected a JSON object")
+    for key, kind in _SHAPE.items():
+        if key in body and not isinstance(body[key], kind[0]):
+            raise ValueError(
+                f"{path}: {key!r} is {_json_type(body[key])}, expected {kind[1]} (a damaged "
+                "run.json: restore it, or use a new --output)"
+            )
+    if any(not isinstance(s, dict) for s in body.get("segments", [])):
+        raise ValueError(f"{path}: 'segments' holds a non-object; expected a list of objects")
     return body
+
+
+#: The keys of ``run.json`` a resume reads, and the JSON type each must have.
+_SHAPE = {
+    "settings": (dict, "an object"),
+    "segments": (list, "a list"),
+    "global_batch": (int, "an integer"),
+    "data_shards": ((int, type(None)), "an integer or null"),
+    "devices": (int, "an integer"),
+    "data_sha256": ((str, type(None)), "a string or null"),
+    "evaluations": (list, "a list"),
+}
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
+    return "null" if value is None else names.get(type(value), f"a {type(value).__name__}")
 
 
 def check_resumable(cfg, out: str | os.PathLike) -> None:
@@ -98,12 +124,47 @@ def begin_segment(out: str | os.PathLike, cfg, facts: dict[str, Any], resumed_fr
 
 
 def truncate_metrics(out: str | os.PathLike, step: int) -> int:
-    """Drops the records of ``out``'s ``metrics.jsonl`` past ``step``; returns how many."""
+    """Drops the records of ``out``'s ``metrics.jsonl`` past ``step``; returns how many.
+
+    A torn last line (a kill mid-write: not a whole JSON record) is dropped too, with a
+    one-line notice on stderr naming the file and the line; the steps it held are
+    replayed from the checkpoint.
+
+    Raises:
+      ValueError: a line before the last is not a step record (file and line named).
+    """
     path = pathlib.Path(out) / METRICS_FILE
     if not path.exists():
         return 0
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    records = [_metrics_record(line) for line in lines]
+    if lines and records[-1] is None and lines[-1].strip():
+        print(
+            f"posttrain: notice: {path}, line {len(lines)}: a torn record (a kill "
+            f"mid-write?); removed it ({len(lines[-1].encode())} bytes)",
+            file=sys.stderr,
+        )
+        records[-1] = _TORN
+    bad = next((i for i, r in enumerate(records) if r is None and lines[i].strip()), None)
+    if bad is not None:
+        raise ValueError(
+            f"{path}, line {bad + 1}: not a step record ({lines[bad][:40]!r}); expected "
+            'one JSON object with an integer "step" per line'
+        )
+    kept = [line for line, r in zip(lines, records, strict=True) if r and r["step"] <= step]
     if len(kept) != len(lines):
         atomic.write_text(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
+
+
+_TORN: dict = {}  # a torn last line: dropped
+
+
+def _metrics_record(line: str) -> dict | None:
+    """The step record of one ``metrics.jsonl`` line; None when it is not one."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("step"), int)
+    return record if ok else None

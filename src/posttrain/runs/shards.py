@@ -19,7 +19,7 @@ def recorded_shards(cfg: PeftRunOptions) -> int | None:
     record = run_record.read(cfg.output)
     if not record:
         return None
-    return int(record.get("data_shards", 1))
+    return int(record.get("data_shards") or 1)  # null: the option, recorded unset
 
 
 def data_shards(

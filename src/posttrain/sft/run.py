@@ -13,22 +13,24 @@ Output directory (``SFTConfig.output``)::
     run.json          settings and one record per start or resume (``run_record``)
     metrics.jsonl     one record per optimizer step, each step once across resumes
     tensorboard/      Tunix's MetricsLogger (loss, perplexity, grad_norm, learning_rate)
-    model-step<N>/    native safetensors of the final weights (LoRA merged) ...
+    model-step<N>/    native safetensors of the final weights (LoRA merged), with the
+                      run's chat template, tokenizer and generation_config.json
+                      (:mod:`posttrain.runs.formats`) ...
     adapter-step<N>/  ... and the adapters alone, when LoRA is on
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 
 import numpy as np
 
-from posttrain import distributed, sharding
+from posttrain import distributed, limits, sharding
 from posttrain.runs import record as run_record
+from posttrain.runs.checks import check_same_run, discard_unstarted
 from posttrain.runs.directory import prepare_output
-from posttrain.runs.loading import load_run_model, pad_id_of, run_tokenizer
+from posttrain.runs.loading import load_run_model, pad_id_of
 from posttrain.runs.shards import data_shards, recorded_shards
 from posttrain.runs.training import adamw_schedule, peft_training_fields, trainer_options
 from posttrain.sft.options import SFTConfig
@@ -61,8 +63,11 @@ class SFTResult:
         )
 
 
-def build_rows(cfg: SFTConfig, tok, shard: tuple[int, int] = (0, 1)) -> dict[str, np.ndarray]:
-    """The dataset as padded / packed rows (``posttrain.sft.data.to_rows``); ``shard``:
+def build_rows(
+    cfg: SFTConfig, tok, shard: tuple[int, int] = (0, 1), template=None
+) -> dict[str, np.ndarray]:
+    """The dataset as padded / packed rows (``posttrain.sft.data.to_rows``) in ``template``
+    (default: the built-in ChatML; a data file is also checked in its terms); ``shard``:
     ``(index, count)``, only conversations ``index, index + count, ...`` are tokenised."""
     from posttrain.sft import data
     from posttrain.sft.default_data import pydoc_conversations
@@ -70,13 +75,20 @@ def build_rows(cfg: SFTConfig, tok, shard: tuple[int, int] = (0, 1)) -> dict[str
 
     index, count = shard
     if cfg.data:  # the other shards' lines are counted, not parsed
-        conversations = data.read_chat_jsonl(cfg.data, only=lambda i: i % count == index)
+        conversations = data.read_chat_jsonl(
+            cfg.data, only=lambda i: i % count == index, template=template
+        )
     else:
         conversations = pydoc_conversations()
     numbers = range(index, len(conversations), count)  # errors name the file's index
     conversations = conversations[index::count]
     examples = data.encode_dataset(
-        conversations, tok, cfg.max_target_length, overflow=cfg.overflow, numbers=numbers
+        conversations,
+        tok,
+        cfg.max_target_length,
+        overflow=cfg.overflow,
+        numbers=numbers,
+        template=template,
     )
     check_coverage((e.tokens for e in examples), tok, repr(cfg.tokenizer or "(embedded)"))
     return data.to_rows(examples, cfg.max_target_length, packing=cfg.packing, pad_id=pad_id_of(tok))
@@ -102,6 +114,7 @@ def run_sft(
       ValueError: a bad config, mesh, model, tokenizer or dataset (one line naming it).
     """
     from posttrain.runs.export import export_final
+    from posttrain.runs.formats import run_tokenizer_and_formats
 
     cfg.check()
     run_record.check_resumable(cfg, cfg.output)  # before anything is read or written
@@ -111,8 +124,13 @@ def run_sft(
     log_every = log_every if writer else None
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = _global_batch(cfg, mesh)
-    tok = run_tokenizer(cfg, cfg.model if os.path.isdir(cfg.model) else None)
-    shards, shard_rows, n_rows = _read_rows(cfg, tok, mesh, global_batch)
+    # before any row is built or the output exists: positions and a step's memory
+    limits.check_training_length(
+        cfg.model, cfg.max_target_length, global_batch, flag="--max-target-length"
+    )
+    resume_facts = check_same_run(cfg, global_batch)  # devices, data content, exports
+    tok, formats = run_tokenizer_and_formats(cfg)  # the template: refused before any write
+    shards, shard_rows, n_rows = _read_rows(cfg, tok, mesh, global_batch, formats.template)
     model = load_run_model(cfg, mesh, tok)
     out = prepare_output(cfg.output)
     trainer, replica_parallel = _trainer(cfg, model, mesh, out, log_every, trainer_class)
@@ -123,6 +141,8 @@ def run_sft(
         "data_shards": shards,
         "convention": trainer.convention.name,
         "replica_parallel_saves_resolved": replica_parallel,
+        **resume_facts,
+        **formats.facts(),
     }
     if log_every:
         here = sum(len(r["input_tokens"]) for r in shard_rows.values())
@@ -131,7 +151,7 @@ def run_sft(
         on_built(trainer)
     _train(trainer, cfg, out, facts, shard_rows, write=writer)
     step = trainer.train_steps
-    exported = export_final(trainer.model, out, step)
+    exported = export_final(trainer.model, out, step, formats=formats)
     return SFTResult(
         trainer.history,
         out,
@@ -171,7 +191,7 @@ def _start_line(cfg: SFTConfig, facts: dict, params: int, trainable: int, here: 
     )
 
 
-def _read_rows(cfg: SFTConfig, tok, mesh, global_batch: int):
+def _read_rows(cfg: SFTConfig, tok, mesh, global_batch: int, template=None):
     """``(data shards, {shard: rows} of this process's shards, rows of all shards)``.
 
     Bad data fails before the model is built. Each process tokenises its shards only, so
@@ -179,7 +199,7 @@ def _read_rows(cfg: SFTConfig, tok, mesh, global_batch: int):
     none waits for the others at the next one."""
     shards, mine = data_shards(cfg, mesh, global_batch, recorded_shards(cfg))
     with distributed.together("read the data"):
-        shard_rows = {s: build_rows(cfg, tok, (s, shards)) for s in mine}
+        shard_rows = {s: build_rows(cfg, tok, (s, shards), template) for s in mine}
     n_rows = distributed.sum_by_key(
         {s: len(r["input_tokens"]) for s, r in shard_rows.items()}, shards
     )
@@ -236,6 +256,9 @@ def _train(trainer, cfg: SFTConfig, out, facts: dict, shard_rows, *, write: bool
             step_total=lambda counts: distributed.sum_by_key(counts, shards),
         )
         trainer.train(batches)
-    except NonFiniteLossError:
+    except NonFiniteLossError as error:
         trainer.abandon()  # no final checkpoint, no export of a non-finite model
+        # a run that never checkpointed leaves nothing half-written (runs.checks)
+        if write and discard_unstarted(out, restored):
+            raise NonFiniteLossError(f"{error}; removed what the run wrote in {out}") from None
         raise

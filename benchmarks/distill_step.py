@@ -1,0 +1,143 @@
+"""A distillation step against our SFT step on the same student, mesh and batch.
+
+Usage::
+
+    python benchmarks/distill_step.py --student qwen3-tiny --student-layers 1 \
+        --teacher llama3-tiny --per-device-batch-size 1 --seq 256 --repeats 20 \
+        [--devices 8] [--teacher-dtype float32|bfloat16]
+
+Both trainers run on the installed google-tunix with the same optimizer and Tunix's
+``jit_train_and_eval_step`` (jit with donation, bound like ``train()``). One distillation
+step is what ``train()`` does per batch: ``_prepare_inputs`` (the rows placed, then the
+teacher forward through the strategy's ``get_teacher_outputs``) and the jitted student
+step (forward, Tunix's ``LogitStrategy`` loss per target position, backward, update).
+One SFT step is ``_prepare_inputs`` (placement) and the SFT step. The expected cost of
+distillation is the SFT step plus one teacher forward, so the teacher forward alone is
+timed as well. Turns are interleaved (SFT, distill, teacher forward, each ending in
+``block_until_ready``) so that other load slows them alike; figures are medians, and the
+ratios of medians are what counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--student", default="qwen3-tiny")
+    parser.add_argument("--student-layers", type=int, default=1)
+    parser.add_argument("--teacher", default="llama3-tiny")
+    parser.add_argument("--teacher-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--devices", default="8")
+    parser.add_argument("--per-device-batch-size", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    if args.devices != "real":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={args.devices}"
+        )
+
+    import jax
+    import optax
+
+    from posttrain import sharding
+    from posttrain.distill import tunix_distill
+    from posttrain.distill.trainer import (
+        cast_params,
+        distill_trainer_class,
+        labels_fn,
+        model_logits,
+        shallower,
+    )
+    from posttrain.models import build_model, get_config
+    from posttrain.sft import data, default_data, tokenizer
+    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+
+    mesh = sharding.make_mesh(None)
+    batch_size = args.per_device_batch_size * sharding.data_parallel_size(mesh)
+    examples = data.encode_dataset(
+        default_data.pydoc_conversations(), tokenizer.byte_tokenizer(), args.seq
+    )
+    batch = next(data.batches(data.to_rows(examples, args.seq, packing=True), batch_size))
+    student_cfg = get_config(args.student)
+    if args.student_layers:
+        student_cfg = shallower(student_cfg, args.student_layers)
+    teacher = cast_params(build_model(get_config(args.teacher), mesh, seed=1), args.teacher_dtype)
+    strategy = tunix_distill.logit_strategy(
+        model_logits,
+        model_logits,
+        labels_fn(teacher.config.vocab_size),
+        temperature=1.0,
+        alpha=0.5,
+    )
+    config = tunix_distill.config_class()(eval_every_n_steps=10**9, max_steps=10**9)
+    options = SFTOptions(mesh=mesh)
+
+    with sharding.use_mesh(mesh):
+        sft = SFTTrainer(
+            build_model(student_cfg, mesh, seed=0), optax.adamw(1e-4), config, options=options
+        )
+        distill = distill_trainer_class()(
+            build_model(student_cfg, mesh, seed=0),
+            teacher,
+            strategy,
+            optax.adamw(1e-4),
+            config,
+            options=options,
+        )
+        sft_step = sft.jit_train_and_eval_step(False, True)[0]
+        distill_step = distill.jit_train_and_eval_step(False, True)[0]
+        fields = {
+            k: distill._place_rows(batch[k]) for k in ("input_tokens", "positions", "segment_ids")
+        }
+        turns = {
+            "sft": lambda: sft_step(sft._prepare_inputs(batch)),
+            "distill": lambda: distill_step(distill._prepare_inputs(batch)),
+            "teacher forward": lambda: strategy.get_teacher_outputs(teacher, fields),
+        }
+        times, compile_s = _interleaved(turns, args.repeats, jax.block_until_ready)
+    median = {name: statistics.median(t) for name, t in times.items()}
+    print(
+        f"student {args.student} ({student_cfg.num_layers} layers), teacher {args.teacher} "
+        f"({teacher.config.num_layers} layers, {args.teacher_dtype}), batch {batch_size} x "
+        f"{args.seq}, {jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"medians of {args.repeats} interleaved turns"
+    )
+    for name in turns:
+        print(f"  {name:16s} {median[name] * 1e3:8.1f} ms   (first call {compile_s[name]:.1f} s)")
+    expected = median["sft"] + median["teacher forward"]
+    print(f"  ratio distill / sft step: {median['distill'] / median['sft']:.3f}")
+    print(
+        f"  ratio distill / (sft step + teacher forward), the expected cost: "
+        f"{median['distill'] / expected:.3f}"
+    )
+    return 0
+
+
+def _interleaved(turns: dict, repeats: int, block) -> tuple[dict, dict]:
+    """``({name: [seconds per call]}, {name: first call's seconds})``: each turn called once
+    (compiling), then ``repeats`` rounds of one call of each, in turn."""
+    times = {name: [] for name in turns}
+    compile_s = {}
+    for name, turn in turns.items():
+        t0 = time.perf_counter()
+        block(turn())
+        compile_s[name] = time.perf_counter() - t0
+    for _ in range(repeats):
+        for name, turn in turns.items():
+            t0 = time.perf_counter()
+            block(turn())
+            times[name].append(time.perf_counter() - t0)
+    return times, compile_s
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Our model's training step against Tunix's own model of the same family, same config.
+
+Usage::
+
+    python benchmarks/model_step.py [--family qwen3|qwen3_moe] [--repeats 15]
+        [--d-model 256 --num-layers 4 --num-heads 8 --num-kv-heads 4 --head-dim 32
+         --d-ff 768 --batch 8 --seq 256] [--hlo DIR]
+
+One CPU device, float32, no optimizer: forward + cross-entropy + backward (``jax.grad``
+of the mean token loss), and forward only, for our ``CausalLM`` and Tunix's
+``tunix.models.qwen3`` model built with equal dimensions (the parameter counts are
+asserted equal). Both are called with Tunix's convention (tokens, positions, no cache, a
+``[batch, seq, seq]`` causal mask). The steps take turns, each ending in
+``block_until_ready``, so that other load slows both alike; the figures are ratios of
+medians. The baseline is a matmul of the step's FLOPs (XLA's ``cost_analysis`` of our
+step) timed in the same run: "share" is the step's GFLOP/s as a fraction of the matmul's.
+
+``--hlo DIR`` writes both compiled steps' HLO text and prints the op counts that differ
+(transposes, converts, copies, fusions ...), the first place to look when the ratio moves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import statistics
+import sys
+import time
+
+
+def _args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--family", default="qwen3", choices=("qwen3", "qwen3_moe"))
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=8)
+    parser.add_argument("--num-kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--d-ff", type=int, default=768)
+    parser.add_argument("--num-experts", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--hlo", default=None, help="directory for both steps' HLO text")
+    return parser.parse_args(argv)
+
+
+def configs(args):
+    """``(ours, Tunix's)`` model configs of equal dimensions."""
+    import dataclasses
+
+    from tunix.models.qwen3 import model as tunix_qwen3
+
+    from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
+
+    attn = AttentionConfig(
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        rope=RopeConfig(theta=1_000_000.0),
+        qk_norm=True,
+    )
+    moe = args.family == "qwen3_moe"
+    ours = ModelConfig(
+        family=args.family,
+        vocab_size=args.vocab_size,
+        d_model=args.d_model,
+        num_layers=args.num_layers,
+        d_ff=args.d_ff,
+        attention={"full": attn},
+        norm_eps=1e-6,
+        tie_word_embeddings=not moe,
+        **(
+            {
+                "moe": MoEConfig(
+                    num_experts=args.num_experts,
+                    top_k=args.top_k,
+                    moe_d_ff=args.d_ff,
+                    aux_loss_weight=0.0,
+                )
+            }
+            if moe
+            else {}
+        ),
+    )
+    fields = {f.name for f in dataclasses.fields(tunix_qwen3.ModelConfig)}
+    theirs = dict(
+        num_layers=args.num_layers,
+        vocab_size=args.vocab_size,
+        embed_dim=args.d_model,
+        hidden_dim=args.d_ff,
+        num_heads=args.num_heads,
+        head_dim=args.head_dim,
+        num_kv_heads=args.num_kv_heads,
+        rope_theta=1_000_000,
+        norm_eps=1e-6,
+        use_tied_embedding=not moe,
+    )
+    if moe:
+        theirs.update(num_experts=args.num_experts, num_experts_per_tok=args.top_k)
+    return ours, tunix_qwen3.ModelConfig(**{k: v for k, v in theirs.items() if k in fields})
+
+
+def _count(model) -> int:
+    import jax
+    from flax import nnx
+
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def steps(model, tokens, positions, mask):
+    """``(train step, forward)`` jitted over ``model``'s parameters: the mean next-token
+    cross-entropy's gradient, and the logits."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p):
+        logits, _ = nnx.merge(graph, p, rest)(tokens, positions, None, mask)
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+        return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+
+    grad = jax.jit(jax.grad(loss))
+    forward = jax.jit(lambda p: nnx.merge(graph, p, rest)(tokens, positions, None, mask)[0])
+    return (lambda: grad(params)), (lambda: forward(params)), grad.lower(params).compile()
+
+
+def op_counts(hlo: str) -> collections.Counter:
+    """Instruction opcodes of an HLO module's text (fusion bodies included)."""
+    found = re.findall(r"=\s*[\w\[\]{}, .:/-]*?\s([a-z][a-z0-9-]*)\(", hlo)
+    return collections.Counter(found)
+
+
+def _interleaved(fns: dict, repeats: int) -> dict:
+    times = {k: [] for k in fns}
+    for fn in fns.values():  # compile and warm
+        jax_block(fn())
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax_block(fn())
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def jax_block(x):
+    import jax
+
+    return jax.block_until_ready(x)
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from tunix.models.qwen3 import model as tunix_qwen3
+
+    from posttrain.models import build_model
+
+    ours_cfg, theirs_cfg = configs(args)
+    ours = build_model(ours_cfg, seed=0)
+    theirs = tunix_qwen3.Qwen3(theirs_cfg, rngs=nnx.Rngs(0))
+    n_ours, n_theirs = _count(ours), _count(theirs)
+    if n_ours != n_theirs:
+        print(f"parameter counts differ: ours {n_ours}, Tunix {n_theirs}", file=sys.stderr)
+        return 1
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, args.vocab_size, (args.batch, args.seq)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), tokens.shape)
+    mask = jnp.broadcast_to(
+        jnp.tril(jnp.ones((args.seq, args.seq), bool)), (args.batch, args.seq, args.seq)
+    )
+    ours_step, ours_fwd, ours_exe = steps(ours, tokens, positions, mask)
+    theirs_step, theirs_fwd, theirs_exe = steps(theirs, tokens, positions, mask)
+    flops = ours_exe.cost_analysis()
+    flops = (flops[0] if isinstance(flops, list) else flops).get("flops", 0.0)
+    n = max(64, int(round((flops / 2) ** (1 / 3) / 64)) * 64)  # an n^3 matmul of ~ the step's FLOPs
+    a = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    times = _interleaved(
+        {
+            "ours": ours_step,
+            "tunix": theirs_step,
+            "ours_fwd": ours_fwd,
+            "tunix_fwd": theirs_fwd,
+            "matmul": lambda: matmul(a),
+        },
+        args.repeats,
+    )
+    mm_rate = 2 * n**3 / times["matmul"]
+    print(
+        f"{args.family}: {n_ours:,} parameters, batch {args.batch} x {args.seq}, 1 CPU device, fp32"
+    )
+    for label, a, b in (("step (fwd+bwd)", "ours", "tunix"), ("forward", "ours_fwd", "tunix_fwd")):
+        ms_a, ms_b = times[a] * 1e3, times[b] * 1e3
+        print(
+            f"  {label:15s} ours {ms_a:.1f} ms, Tunix {ms_b:.1f} ms, ours/Tunix {ms_a / ms_b:.3f}"
+        )
+    print(
+        f"  share of the equal-FLOP matmul's GFLOP/s ({n}^3: {mm_rate / 1e9:.1f}): "
+        f"ours {flops / times['ours'] / mm_rate:.0%}, Tunix {flops / times['tunix'] / mm_rate:.0%}"
+    )
+    if args.hlo:
+        os.makedirs(args.hlo, exist_ok=True)
+        texts = {"ours": ours_exe.as_text(), "tunix": theirs_exe.as_text()}
+        counts = {}
+        for name, text in texts.items():
+            with open(os.path.join(args.hlo, f"{args.family}-{name}.hlo.txt"), "w") as f:
+                f.write(text)
+            counts[name] = op_counts(text)
+        ops = sorted(set(counts["ours"]) | set(counts["tunix"]))
+        print("  HLO ops that differ (ours, Tunix):")
+        for op in ops:
+            if counts["ours"][op] != counts["tunix"][op]:
+                print(f"    {op:24s} {counts['ours'][op]:6d} {counts['tunix'][op]:6d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

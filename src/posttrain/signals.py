@@ -1,0 +1,102 @@
+"""Ctrl-C and SIGTERM while a ``posttrain`` command runs: one line, exit 130 / 143.
+
+Inside :func:`interrupts` both signals raise ``KeyboardInterrupt("SIGINT" | "SIGTERM")``
+in the main thread, so ``finally`` blocks and context managers clean up, and the CLI
+prints ``posttrain: interrupted (SIGTERM)``. Before raising, the handler quiets what
+would otherwise print tracebacks on the way out (#40): the ``absl`` logger (Orbax logs
+each save it abandons, with its traceback, from the main thread and from its background
+threads, which fail again at interpreter shutdown), and uncaught exceptions of other
+threads.
+
+A Python signal handler runs only when the main thread is back in Python: a long XLA
+call (``posttrain generate``'s whole decode loop is one) delays it until the call ends
+(18-22 s), and a streaming decode, whose host callbacks run on another thread, could hang
+once the main thread unwound. With ``immediate=True`` a watchdog thread, woken by the
+signal's byte on the wakeup fd (:func:`signal.set_wakeup_fd`, written from the C-level
+handler at once), prints the line and ends the process with ``os._exit``: for commands
+that write only through atomic renames (a temporary left behind is swept by the next
+writer, :mod:`posttrain.atomic`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+
+#: The exit status of each signal (128 + its number, as a shell reports it).
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def quiet() -> None:
+    """Silences what reports the abandoned work of an interrupted command: the ``absl``
+    logger (Orbax) and uncaught exceptions in other threads."""
+    logging.getLogger("absl").disabled = True
+    threading.excepthook = lambda args: None
+
+
+def line(name: str) -> str:
+    """The one line an interrupted command prints."""
+    return f"posttrain: interrupted ({name})"
+
+
+@contextlib.contextmanager
+def interrupts(*, immediate: bool = False) -> Iterator[None]:
+    """SIGINT / SIGTERM raise ``KeyboardInterrupt(name)`` in the main thread after
+    :func:`quiet`; with ``immediate`` a watchdog exits the process at once instead (see
+    the module docstring). Outside the main thread: nothing changes. A SIGINT the parent
+    made the process ignore (a shell's background job) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        quiet()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+    stop = _watchdog(set(previous)) if immediate else None
+    try:
+        yield
+    finally:
+        if stop is not None:
+            stop()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _watchdog(signums: set[int]):
+    """Starts the thread that exits at the first of ``signums``; returns its stop."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    old = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while data := os.read(read_end, 1):
+            if data[0] in signums:
+                name = signal.Signals(data[0]).name
+                os.write(2, (line(name) + "\n").encode())
+                os._exit(EXIT_CODES[name])
+
+    thread = threading.Thread(target=watch, name="posttrain-interrupt", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        signal.set_wakeup_fd(old)
+        os.close(write_end)  # the watcher reads EOF and returns
+        thread.join()
+        os.close(read_end)
+
+    return stop
+
+
+def exit_status(interrupt: KeyboardInterrupt) -> tuple[str, int]:
+    """``(signal name, exit status)`` of a ``KeyboardInterrupt`` raised by
+    :func:`interrupts` (a bare one is Ctrl-C's)."""
+    name = interrupt.args[0] if interrupt.args and interrupt.args[0] in EXIT_CODES else "SIGINT"
+    return name, EXIT_CODES[name]

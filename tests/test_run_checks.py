@@ -1,0 +1,182 @@
+"""What a run leaves when it stops before its first checkpoint, and what it refuses to
+resume (:mod:`posttrain.runs.checks`, #40)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from posttrain import cli
+from posttrain.runs import checks
+
+
+def _started(out, *, checkpoint: str | None = None):
+    out.mkdir()
+    (out / "run.json").write_text("{}\n")
+    (out / "metrics.jsonl").write_text("")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out").write_text("x")
+    (out / "checkpoints").mkdir()
+    if checkpoint:
+        (out / "checkpoints" / checkpoint).mkdir()
+
+
+def test_a_run_that_never_checkpointed_leaves_nothing(tmp_path):
+    out = tmp_path / "run"
+    _started(out, checkpoint="1.orbax-checkpoint-tmp-3")  # an unfinished save is none
+    assert checks.discard_unstarted(out, 0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_what_the_user_put_there_and_a_run_with_a_checkpoint_stay(tmp_path):
+    out = tmp_path / "run"
+    _started(out)
+    (out / "notes.txt").write_text("mine")
+    assert checks.discard_unstarted(out, 0)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    kept = tmp_path / "kept"
+    _started(kept, checkpoint="2")
+    assert not checks.discard_unstarted(kept, 0)
+    assert not checks.discard_unstarted(kept, 2)  # a resumed run keeps its directory
+    assert sorted(p.name for p in kept.iterdir()) == sorted(checks.STARTED_FILES)
+
+
+@pytest.mark.slow  # a real DPO step (~15 s); the discard itself is tested above in the gate
+@pytest.mark.devices(8)
+def test_dpo_with_a_beta_whose_loss_is_not_finite_stops_at_step_1_leaving_nothing(tmp_path, capsys):
+    """``--beta 1e30``: the gradient norm is inf at step 1; one line, exit 2, and no
+    run.json (nor any other file) left behind."""
+    out = tmp_path / "run"
+    argv = ["dpo", "--steps", "1", "--beta", "1e30", "--output", str(out)]
+    argv += ["--max-prompt-length", "48", "--max-response-length", "16"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("posttrain: error: step 1: loss "), err
+    assert f"removed what the run wrote in {out}" in err, err
+    assert not out.exists()
+
+
+# --- resume ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["sft", "dpo", "grpo"])
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"settings": []}, "'settings' is a list, expected an object"),
+        ({"settings": {}, "segments": {}}, "'segments' is an object, expected a list"),
+        ({"settings": {}, "global_batch": "8"}, "'global_batch' is a string, expected an integer"),
+    ],
+    ids=["settings-list", "segments-object", "global-batch-string"],
+)
+def test_a_damaged_run_json_is_one_line_exit_2(tmp_path, capsys, command, body, message):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps(body))
+    assert cli.main([command, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("posttrain: error: "), err
+    assert f"{out / 'run.json'}: {message}" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]
+
+
+def _recorded(out, cfg, **facts):
+    """``out`` as a run of ``cfg`` started with ``facts`` had left it."""
+    from posttrain.runs import record
+
+    out.mkdir(exist_ok=True)
+    record.record_segment(out, cfg, {"global_batch": 8, "devices": 8, "data_shards": 1, **facts}, 0)
+
+
+@pytest.mark.devices(8)
+def test_a_resume_whose_devices_change_the_global_batch_is_refused_naming_both(tmp_path, capsys):
+    """The run was recorded on 4 devices (global batch 4); this process has 8."""
+    from posttrain.sft.options import SFTConfig
+
+    out = tmp_path / "run"
+    _recorded(out, SFTConfig(output=str(out)), global_batch=4, devices=4)
+    before = (out / "run.json").read_text()
+    assert cli.main(["sft", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{out} holds a run with global batch 4 on 4 devices; this one has 8 on 8" in err
+    assert (out / "run.json").read_text() == before
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("command", ["sft", "dpo"])
+def test_a_resume_whose_data_content_changed_is_refused_naming_both_hashes(
+    tmp_path, capsys, command
+):
+    from posttrain.preference.options import DPORunConfig
+    from posttrain.sft.options import SFTConfig
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("old\n")
+    old = checks.data_digest(str(data))
+    out = tmp_path / "run"
+    options = {"sft": SFTConfig, "dpo": DPORunConfig}[command]
+    _recorded(out, options(output=str(out), data=str(data)), data_sha256=old)
+    data.write_text("new\n")
+    new = checks.data_digest(str(data))
+    assert cli.main([command, "--output", str(out), "--data", str(data)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"--data {data}: its content changed since the run in {out} recorded it" in err
+    assert f"sha256 {old[:16]}... then, {new[:16]}... now" in err, err
+
+
+def test_the_data_digest_is_the_files_sha256():
+    import hashlib
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
+        f.write(b"x" * 3_000_000)
+        f.flush()
+        assert checks.data_digest(f.name) == hashlib.sha256(b"x" * 3_000_000).hexdigest()
+    assert checks.data_digest(None) is None
+
+
+def test_a_torn_last_metrics_line_is_removed_with_a_notice(tmp_path, capsys):
+    from posttrain.runs import record
+
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "lo')
+    assert record.truncate_metrics(tmp_path, 2) == 2
+    assert (tmp_path / "metrics.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
+    err = capsys.readouterr().err
+    assert err == (
+        f"posttrain: notice: {tmp_path / 'metrics.jsonl'}, line 4: a torn record (a kill "
+        "mid-write?); removed it (15 bytes)\n"
+    )
+
+
+def test_a_bad_metrics_line_before_the_last_is_named(tmp_path):
+    from posttrain.runs import record
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n{"step": 3}\n')
+    with pytest.raises(
+        ValueError, match=r"metrics.jsonl, line 2: not a step record \('\[1, 2\]'\)"
+    ):
+        record.truncate_metrics(tmp_path, 3)
+
+
+def test_an_empty_export_directory_is_written_and_a_foreign_one_refused(tmp_path):
+    """A pre-existing empty ``model-step2/`` gets the export (it was skipped without a
+    word); one holding something else is refused, naming it; a whole export is kept."""
+    from posttrain.conversion.native import is_native_dir
+    from posttrain.models import build_model, get_config
+    from posttrain.runs.export import export_final
+
+    model = build_model(get_config("qwen3-tiny"), seed=0)
+    (tmp_path / "model-step2").mkdir()
+    assert export_final(model, tmp_path, 2) == [tmp_path / "model-step2"]
+    assert is_native_dir(tmp_path / "model-step2")
+    assert export_final(model, tmp_path, 2) == []  # a whole export is kept
+    (tmp_path / "model-step3").mkdir()
+    (tmp_path / "model-step3" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"model-step3 exists and is not an export \(no a"):
+        export_final(model, tmp_path, 3)
+    assert [p.name for p in (tmp_path / "model-step3").iterdir()] == ["notes.txt"]

@@ -1,0 +1,140 @@
+"""Ctrl-C and SIGTERM of a ``posttrain`` command (#40): one line, exit 130 / 143, no
+tracebacks, checkpoints whole or absent, and ``generate`` gone at once even inside a
+long XLA call (:mod:`posttrain.signals`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from posttrain import signals
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture
+def restored_quiet():
+    """:func:`signals.quiet` changes process-wide state: put it back."""
+    hook, absl = threading.excepthook, logging.getLogger("absl").disabled
+    yield
+    threading.excepthook = hook
+    logging.getLogger("absl").disabled = absl
+
+
+@pytest.fixture
+def restored_hooks():
+    """A failed :func:`stops.clean_stop` leaves its hooks and filter for the exit: put
+    them back for the next tests."""
+    hooks, filters = (sys.excepthook, sys.unraisablehook), list(logging.getLogger("absl").filters)
+    yield
+    sys.excepthook, sys.unraisablehook = hooks
+    logging.getLogger("absl").filters[:] = filters
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_raises_its_name_after_quieting_orbax(restored_quiet, name):
+    assert not logging.getLogger("absl").disabled
+    with pytest.raises(KeyboardInterrupt) as interrupt, signals.interrupts():
+        os.kill(os.getpid(), getattr(signal, name))
+        time.sleep(5)  # the handler raises here, at once
+    assert signals.exit_status(interrupt.value) == (name, {"SIGTERM": 143, "SIGINT": 130}[name])
+    assert logging.getLogger("absl").disabled  # Orbax's abandoned saves say nothing
+    assert signal.getsignal(signal.SIGTERM) is not None  # restored on the way out
+    assert signals.exit_status(KeyboardInterrupt()) == ("SIGINT", 130)  # a bare Ctrl-C
+
+
+def test_an_interrupted_training_command_sweeps_unfinished_checkpoints_at_exit(
+    tmp_path, monkeypatch, restored_hooks
+):
+    """The sweep is registered with atexit (it must run after Orbax's threads stopped)
+    and removes exactly Orbax's temporaries."""
+    from posttrain.runs import checks, stops
+
+    registered = []
+    monkeypatch.setattr(stops.atexit, "register", lambda *a: registered.append(a))
+    with pytest.raises(KeyboardInterrupt), stops.clean_stop(str(tmp_path)):
+        raise KeyboardInterrupt("SIGTERM")
+    assert registered == [(checks.sweep_partial_checkpoints, tmp_path / "checkpoints")]
+    root = tmp_path / "checkpoints"
+    for name in ("3", "4.orbax-checkpoint-tmp", "5.orbax-checkpoint-tmp-1712", "actor/2"):
+        (root / name / "model_params").mkdir(parents=True)
+    (root / "3" / "commit_success.txt").write_text("")
+    (root / "actor" / "3.orbax-checkpoint-tmp").mkdir()  # grpo's actor
+    removed = checks.sweep_partial_checkpoints(root)
+    assert sorted(str(p.relative_to(root)) for p in removed) == [
+        "4.orbax-checkpoint-tmp",
+        "5.orbax-checkpoint-tmp-1712",
+        "actor/3.orbax-checkpoint-tmp",
+    ]
+    assert sorted(str(p.relative_to(root)) for p in root.rglob("*")) == [
+        "3",
+        "3/commit_success.txt",
+        "3/model_params",
+        "actor",
+        "actor/2",
+        "actor/2/model_params",
+    ]
+
+
+LONG_C_CALL = textwrap.dedent(
+    """
+    import hashlib
+    import sys
+    from posttrain import signals
+
+    with signals.interrupts(immediate=sys.argv[1] == "immediate"):
+        print("running", flush=True)
+        # a minute in C, like generate's decode loop in XLA: no Python handler runs
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 50_000_000)
+    """
+)
+
+
+def test_immediate_exits_at_once_on_sigterm_inside_a_long_c_call(tmp_path):
+    """With ``immediate`` (``posttrain generate``) the process is gone within seconds of
+    SIGTERM although the main thread is inside a long C call (generate: XLA's decode
+    loop), with the one line and 143; without, it would wait for the call to end."""
+    script = tmp_path / "long.py"
+    script.write_text(LONG_C_CALL)
+    with subprocess.Popen(
+        [sys.executable, str(script), "immediate"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        text=True,
+    ) as proc:
+        try:
+            assert proc.stdout.readline() == "running\n"
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            status = proc.wait(timeout=20)
+            waited = time.monotonic() - start
+        finally:
+            proc.kill()
+            proc.wait()
+        err = proc.stderr.read()
+    assert (status, err) == (143, "posttrain: interrupted (SIGTERM)\n")
+    assert waited < 5, waited
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize(("command", "immediate"), [("generate", True), ("sft", False)])
+def test_only_generate_exits_immediately(monkeypatch, capsys, command, immediate):
+    """generate writes only through atomic renames, so it may end at once; the training
+    commands unwind (Orbax, the run directory)."""
+    from posttrain import cli
+
+    seen = []
+    real = signals.interrupts
+    monkeypatch.setattr(signals, "interrupts", lambda **kw: seen.append(kw) or real())
+    cli.main([command, "--seed", "-1"])  # refused before any work
+    assert seen == [{"immediate": immediate}]
