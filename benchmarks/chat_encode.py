@@ -58,7 +58,7 @@ def main(argv=None) -> int:
 
     from posttrain import chat
     from posttrain.sft.default_data import pydoc_conversations
-    from posttrain.sft.tokenizer import load_tokenizer
+    from posttrain.tokenizer import load_tokenizer
 
     conversations = pydoc_conversations()
     tok = load_tokenizer(None)

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     import jax
     import optax
 
-    from posttrain import sharding
+    from posttrain import sharding, tokenizer
     from posttrain.distill import tunix_distill
     from posttrain.distill.trainer import (
         cast_params,
@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         shallower,
     )
     from posttrain.models import build_model, get_config
-    from posttrain.sft import data, default_data, tokenizer
+    from posttrain.sft import data, default_data
     from posttrain.sft.trainer import SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh(None)

@@ -55,8 +55,8 @@ def main(argv=None) -> int:
     from posttrain.preference.default_data import pydoc_pairs
     from posttrain.preference.trainer import DPOTrainer
     from posttrain.rl.policy import TunixPolicy, reference_of
-    from posttrain.sft.tokenizer import byte_tokenizer
     from posttrain.sft.trainer import SFTOptions, SFTTrainer
+    from posttrain.tokenizer import byte_tokenizer
 
     cfg = get_config("qwen3-tiny")
     mesh = sharding.make_mesh(None)

@@ -51,7 +51,7 @@ def run(policy, reference, mesh, args) -> dict:
     import optax
 
     from posttrain.rl import arithmetic, rewards, tunix_rl
-    from posttrain.sft.tokenizer import byte_tokenizer
+    from posttrain.tokenizer import byte_tokenizer
     from posttrain.tunix_sampler import TunixTokenizer
 
     tok = TunixTokenizer(byte_tokenizer())

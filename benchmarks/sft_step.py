@@ -48,9 +48,9 @@ def main(argv=None) -> int:
     import optax
     from tunix.sft import peft_trainer
 
-    from posttrain import sharding
+    from posttrain import sharding, tokenizer
     from posttrain.models import build_model, get_config
-    from posttrain.sft import data, default_data, loss, tokenizer
+    from posttrain.sft import data, default_data, loss
     from posttrain.sft.trainer import SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)

@@ -17,9 +17,9 @@ from flax import nnx
 tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
 
 from contracts import tunix_emulation as te  # noqa: E402
-from posttrain import sharding  # noqa: E402
+from posttrain import sharding, tokenizer  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft import data, default_data, tokenizer, tunix_compat  # noqa: E402
+from posttrain.sft import data, default_data, tunix_compat  # noqa: E402
 from posttrain.sft.trainer import SFTOptions, SFTTrainer, sft_trainer_class  # noqa: E402
 from posttrain.sft.tunix_compat import OptimizerStateCheckpoints  # noqa: E402
 

@@ -17,7 +17,10 @@ from flax import nnx
 
 pytest.importorskip("tunix.distillation", reason="the installed Tunix has no tunix.distillation")
 
-from posttrain import sharding  # noqa: E402
+from posttrain import (
+    sharding,  # noqa: E402
+    tokenizer,  # noqa: E402
+)
 from posttrain.distill import loss as distill_loss  # noqa: E402
 from posttrain.distill import tunix_distill  # noqa: E402
 from posttrain.distill.trainer import (  # noqa: E402
@@ -28,7 +31,7 @@ from posttrain.distill.trainer import (  # noqa: E402
     shallower,
 )
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft import data, default_data, tokenizer  # noqa: E402
+from posttrain.sft import data, default_data  # noqa: E402
 from posttrain.sft.trainer import SFTOptions  # noqa: E402
 
 MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}

@@ -26,8 +26,8 @@ from posttrain.preference.trainer import DPOTrainer, dpo_trainer_class  # noqa: 
 from posttrain.rl.policy import TunixPolicy, reference_of  # noqa: E402
 from posttrain.sft import data as sft_data  # noqa: E402
 from posttrain.sft import tunix_compat  # noqa: E402
-from posttrain.sft.tokenizer import byte_tokenizer  # noqa: E402
 from posttrain.sft.trainer import SFTOptions  # noqa: E402
+from posttrain.tokenizer import byte_tokenizer  # noqa: E402
 
 # The conventions the gradient-accumulation contract runs under (as the SFT ones).
 BASES = te.contract_bases()

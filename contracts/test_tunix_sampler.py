@@ -13,7 +13,7 @@ pytest.importorskip("tunix.generate.sampler", reason="google-tunix is not instal
 
 from posttrain import generate, tunix_sampler  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft.tokenizer import byte_tokenizer  # noqa: E402
+from posttrain.tokenizer import byte_tokenizer  # noqa: E402
 
 PROMPTS = ["hello there", "hi", "a longer prompt, left-padded"]
 STEPS = 12  # past the tiny presets' sliding window (8)

@@ -17,7 +17,7 @@ pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not instal
 
 from posttrain import chat, cli  # noqa: E402
 from posttrain.sft.run import SFTConfig, run_sft  # noqa: E402
-from posttrain.sft.tokenizer import load_tokenizer  # noqa: E402
+from posttrain.tokenizer import load_tokenizer  # noqa: E402
 from tests import chat_formats  # noqa: E402
 
 LLAMA3 = chat_formats.FAMILIES["llama3"]

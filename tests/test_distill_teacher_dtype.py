@@ -11,7 +11,10 @@ from flax import nnx
 
 pytest.importorskip("tunix.distillation", reason="the installed Tunix has no tunix.distillation")
 
-from posttrain import sharding  # noqa: E402
+from posttrain import (
+    sharding,  # noqa: E402
+    tokenizer,  # noqa: E402
+)
 from posttrain.distill import loss as distill_loss  # noqa: E402
 from posttrain.distill import tunix_distill  # noqa: E402
 from posttrain.distill.trainer import (  # noqa: E402
@@ -21,7 +24,7 @@ from posttrain.distill.trainer import (  # noqa: E402
     shallower,
 )
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft import data, default_data, tokenizer  # noqa: E402
+from posttrain.sft import data, default_data  # noqa: E402
 
 #: bfloat16's unit roundoff: 8 significand bits (7 stored), round to nearest, so a
 #: weight w is stored as w (1 + e) with |e| <= 2^-8 (Higham, Accuracy and Stability of

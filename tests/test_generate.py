@@ -570,7 +570,7 @@ def test_cli_uses_the_newest_export_and_writes_one_record_per_prompt(tmp_path, m
     whose tokens equal the API's greedy tokens on that model."""
     from posttrain.conversion import load_native, save_native
     from posttrain.models import flat_params
-    from posttrain.sft.tokenizer import byte_tokenizer
+    from posttrain.tokenizer import byte_tokenizer
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs/sft").mkdir(parents=True)
@@ -607,7 +607,7 @@ def test_cli_uses_the_newest_export_and_writes_one_record_per_prompt(tmp_path, m
 
 @pytest.mark.devices(8)
 def test_cli_streams_one_prompt_to_stdout(tmp_path, monkeypatch, capsys):
-    from posttrain.sft.tokenizer import byte_tokenizer
+    from posttrain.tokenizer import byte_tokenizer
 
     monkeypatch.chdir(tmp_path)
     status, out, err = run_cli(

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, processors
 from posttrain.preference import data
 from posttrain.preference.default_data import HELD_OUT_EVERY, pydoc_pairs
 from posttrain.preference.run import DPORunConfig
-from posttrain.sft.tokenizer import byte_tokenizer
+from posttrain.tokenizer import byte_tokenizer
 
 
 def _write(tmp_path, lines) -> str:

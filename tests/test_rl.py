@@ -139,7 +139,7 @@ def test_a_recorded_reward_keeps_its_name_and_signature_and_checks_its_output():
 
 def test_the_task_covers_every_problem_and_its_prompt_is_the_sft_template():
     from posttrain.sft.data import chat_prompt
-    from posttrain.sft.tokenizer import byte_tokenizer
+    from posttrain.tokenizer import byte_tokenizer
     from posttrain.tunix_sampler import TunixTokenizer
 
     task = arithmetic.problems()

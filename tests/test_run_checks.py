@@ -106,6 +106,26 @@ def test_a_resume_whose_devices_change_the_global_batch_is_refused_naming_both(t
 
 
 @pytest.mark.devices(8)
+def test_a_grpo_resume_whose_devices_change_the_global_batch_is_refused(tmp_path, capsys):
+    """GRPO's own run.json (settings, evaluations) with the global batch of a run on 4
+    devices (2 prompts per shard); this process has 8: refused before any work."""
+    from posttrain.rl.options import GRPORunConfig
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = GRPORunConfig(output=str(out))
+    body = {"settings": json.loads(json.dumps(cfg.training_settings())), "global_batch": 8}
+    (out / "run.json").write_text(json.dumps({**body, "devices": 4}))
+    before = (out / "run.json").read_text()
+    assert cli.main(["grpo", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"{out} holds a run with global batch 8 on 4 devices; this one has 16 on 8" in err
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]
+    assert (out / "run.json").read_text() == before
+
+
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("command", ["sft", "dpo"])
 def test_a_resume_whose_data_content_changed_is_refused_naming_both_hashes(
     tmp_path, capsys, command

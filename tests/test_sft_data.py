@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from posttrain.sft import data, default_data, tokenizer
+from posttrain import tokenizer
+from posttrain.sft import data, default_data
 from tests.strategies import chat_messages
 
 TOK = tokenizer.byte_tokenizer()

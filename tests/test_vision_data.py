@@ -168,8 +168,8 @@ def test_encoded_conversation_trains_on_the_answer_only(tmp_path):
     a target: no prompt, role or image token."""
     from posttrain import chat
     from posttrain.families.gemma4_vision import vision_tiny
-    from posttrain.sft.tokenizer import byte_tokenizer
     from posttrain.sft.vision_data import encode_vision_chats
+    from posttrain.tokenizer import byte_tokenizer
 
     vision, tokenizer = vision_tiny(), byte_tokenizer()
     placeholder = tokenizer.id_to_token(vision.image_token_id)

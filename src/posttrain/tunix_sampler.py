@@ -45,7 +45,7 @@ class TunixTokenizer:
     """A ``tokenizers.Tokenizer`` in the shape Tunix's ``TokenizerAdapter`` accepts.
 
     Args:
-      tokenizer: the ``tokenizers.Tokenizer`` (e.g. :func:`posttrain.sft.tokenizer.byte_tokenizer`).
+      tokenizer: the ``tokenizers.Tokenizer`` (e.g. :func:`posttrain.tokenizer.byte_tokenizer`).
       eos: the end-of-sequence token's name (default ``<|im_end|>``, ChatML's), used
         when ``eos_ids`` is not given.
       eos_ids: the checkpoint's stop ids (:func:`posttrain.chat.stop_ids`), one or more:

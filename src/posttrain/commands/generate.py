@@ -25,7 +25,7 @@ def _generation_tokenizer(args, model_spec: str):
     import os
 
     from posttrain.loading import recorded_tokenizer
-    from posttrain.sft.tokenizer import load_tokenizer
+    from posttrain.tokenizer import load_tokenizer
 
     if args.tokenizer:
         return load_tokenizer(args.tokenizer)

@@ -120,7 +120,7 @@ def pair_arrays(
     from posttrain.preference import data
     from posttrain.preference.default_data import pydoc_pairs
     from posttrain.runs.loading import pad_id_of
-    from posttrain.sft.tokenizer import check_coverage
+    from posttrain.tokenizer import check_coverage
 
     def mine_only(i: int) -> bool:  # the other shards' lines are counted, not parsed
         return i % shards in mine

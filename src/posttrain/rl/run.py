@@ -156,8 +156,11 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
       ValueError: a bad config, mesh, model or tokenizer, or an algorithm the installed
         Tunix does not have (one line naming it).
     """
+    import jax
+
     from posttrain.loading import load_trainable
     from posttrain.rl import tunix_rl
+    from posttrain.runs.checks import check_global_batch
     from posttrain.runs.export import export_final
     from posttrain.runs.formats import run_tokenizer_and_formats
     from posttrain.tunix_sampler import TunixTokenizer
@@ -171,6 +174,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     tunix_rl.learner_and_config(cfg.algorithm)  # a missing algorithm fails before work
     mesh, rollout_mesh = _meshes(cfg)
     _check_accumulation(cfg, mesh)
+    check_global_batch(out, previous, _batch(cfg, mesh))  # --devices changes it
     fns = [rewards.resolve(spec) for spec in cfg.reward]
     # the template and stop ids: the checkpoint's (ChatML's <|im_end|> first for ChatML)
     raw, formats = run_tokenizer_and_formats(cfg)
@@ -202,7 +206,11 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         after = evaluate(model, tok, task, cfg, fns, template) if cfg.eval_samples else None
     exported = export_final(model, out, step, formats=formats)
     if writer:
-        facts = formats.facts()
+        facts = {
+            **formats.facts(),
+            "global_batch": _batch(cfg, mesh),
+            "devices": jax.device_count(),
+        }
         _record(out, cfg, previous, restored, before, after, step, seconds, found, facts)
     if log_every:
         for record in history[log_every - 1 :: log_every]:

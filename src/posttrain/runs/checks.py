@@ -77,15 +77,7 @@ def check_same_run(cfg, global_batch: int) -> dict:
     recorded = read(out)
     if recorded is None:
         return facts
-    was = recorded.get("global_batch")
-    if was is not None and was != global_batch:
-        devices = recorded.get("devices")
-        then = f" on {devices} devices" if devices is not None else ""
-        raise ValueError(
-            f"{out} holds a run with global batch {was}{then}; this one has {global_batch} "
-            f"on {facts['devices']} devices (--devices changes it, and the losses with it): "
-            f"refusing to resume it: use a new --output, or the recorded devices"
-        )
+    check_global_batch(out, recorded, global_batch)
     digest = recorded.get("data_sha256")
     if digest is not None and facts["data_sha256"] is not None and digest != facts["data_sha256"]:
         raise ValueError(
@@ -95,6 +87,26 @@ def check_same_run(cfg, global_batch: int) -> dict:
         )
     check_exports(out)
     return facts
+
+
+def check_global_batch(out: str | os.PathLike, recorded: dict | None, global_batch: int) -> None:
+    """Refuses to resume the run ``recorded`` (its ``run.json``) in ``out`` with another
+    global batch: ``--devices`` (or a mesh) changes it, and the losses with it.
+
+    Raises:
+      ValueError: one line naming the recorded and the new batch and device counts.
+    """
+    import jax
+
+    was = (recorded or {}).get("global_batch")
+    if was is not None and was != global_batch:
+        devices = recorded.get("devices")
+        then = f" on {devices} devices" if devices is not None else ""
+        raise ValueError(
+            f"{out} holds a run with global batch {was}{then}; this one has {global_batch} "
+            f"on {jax.device_count()} devices (--devices changes it, and the losses with it): "
+            f"refusing to resume it: use a new --output, or the recorded devices"
+        )
 
 
 def check_exports(out: str | os.PathLike) -> None:

@@ -148,7 +148,7 @@ def run_tokenizer_and_formats(cfg) -> tuple[Any, RunFormats]:
       ValueError: as :func:`run_formats`, or a tokenizer that cannot be loaded.
     """
     from posttrain.runs.loading import run_tokenizer_path
-    from posttrain.sft.tokenizer import load_tokenizer
+    from posttrain.tokenizer import load_tokenizer
 
     path = run_tokenizer_path(cfg, cfg.model if os.path.isdir(cfg.model) else None)
     tok = load_tokenizer(path)

@@ -22,7 +22,7 @@ def run_tokenizer_path(cfg, hf_dir: str | None) -> str | None:
 
 def run_tokenizer(cfg, hf_dir: str | None):
     """The tokenizer at :func:`run_tokenizer_path`."""
-    from posttrain.sft.tokenizer import load_tokenizer
+    from posttrain.tokenizer import load_tokenizer
 
     return load_tokenizer(run_tokenizer_path(cfg, hf_dir))
 

@@ -2,7 +2,8 @@
 
 Modules, in data-flow order:
 
-* :mod:`.tokenizer`: an HF ``tokenizers`` JSON file, or the embedded byte tokenizer;
+* :mod:`posttrain.tokenizer` (every run's): an HF ``tokenizers`` JSON file, or the
+  embedded byte tokenizer;
 * :mod:`.default_data`: the embedded dataset (Q/A from CPython's ``pydoc_data``);
 * :mod:`.data`: chat JSONL -> ChatML tokens + assistant loss mask -> padded or
   packed rows -> micro-batches carrying the step's target-token count;

@@ -71,7 +71,7 @@ def build_rows(
     ``(index, count)``, only conversations ``index, index + count, ...`` are tokenised."""
     from posttrain.sft import data
     from posttrain.sft.default_data import pydoc_conversations
-    from posttrain.sft.tokenizer import check_coverage
+    from posttrain.tokenizer import check_coverage
 
     index, count = shard
     if cfg.data:  # the other shards' lines are counted, not parsed
