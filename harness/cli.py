@@ -502,7 +502,9 @@ def run_report_merge(args: argparse.Namespace) -> int:
         print(f"posttrain-harness report merge: {error}", file=sys.stderr)
         return 2
     rows = report.combine([p["entries"] for p in parts], [e.name for e in loaded])
-    machines = sorted({p["machine"].split(",")[0] for p in parts})
+    # a part's host: its machine line up to the details (", 2 cores ...") or an earlier
+    # merge's note ("; merged from ..."), so a merged report merged again says it once
+    machines = sorted({re.split(r"[,;]", p["machine"])[0].strip() for p in parts})
     machine = f"{', '.join(machines)}; merged from {len(parts)} reports ({len(rows)} entries)"
     return _write_report(rows, machine, previous, args, [e.name for e in loaded])
 

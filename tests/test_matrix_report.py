@@ -189,6 +189,12 @@ def test_the_merged_report_equals_one_produced_in_a_single_run(tmp_path, capsys)
     cli.main([*argv, "--entries", str(path), "--index-url", "off"])
     merged = json.loads((tmp_path / "m2" / "compat-matrix.json").read_text())
     assert merged["entries"][2]["contracts"]["test_b"]["status"] == "failed"
+    # a merged report merged again (the committed reference refreshed with one rerun
+    # entry) names its machines and the merge once
+    argv = ["report", "merge", str(tmp_path / "m2"), parts[0], "--report-dir", str(tmp_path / "m3")]
+    cli.main([*argv, "--entries", str(path), "--index-url", "off"])
+    machine = json.loads((tmp_path / "m3" / "compat-matrix.json").read_text())["machine"]
+    assert machine == "m; merged from 2 reports (3 entries)", machine
     # a missing or malformed part is a one-line error and exit 2
     capsys.readouterr()
     assert cli.main(["report", "merge", str(tmp_path / "nope"), "--index-url", "off"]) == 2
