@@ -5,11 +5,16 @@ from __future__ import annotations
 
 
 def tunix_qwen3_config(cfg):
-    """``tunix.models.qwen3.model.ModelConfig`` with ``cfg``'s shape (a dense, tied,
-    full-attention :class:`~posttrain.config.ModelConfig`, e.g. qwen3-tiny's)."""
+    """``tunix.models.qwen3.model.ModelConfig`` with ``cfg``'s shape (a full-attention
+    :class:`~posttrain.config.ModelConfig`, e.g. qwen3-tiny's: dense or routed, tied or
+    not; a routed one's experts as ``num_experts`` / ``num_experts_per_tok``)."""
     from tunix.models.qwen3 import model as tunix_qwen3
 
     attn = cfg.attention["full"]
+    moe = cfg.moe
+    routed = (
+        {} if moe is None else {"num_experts": moe.num_experts, "num_experts_per_tok": moe.top_k}
+    )
     return tunix_qwen3.ModelConfig(
         num_layers=cfg.num_layers,
         vocab_size=cfg.vocab_size,
@@ -20,5 +25,6 @@ def tunix_qwen3_config(cfg):
         num_kv_heads=attn.num_kv_heads,
         rope_theta=int(attn.rope.theta),
         norm_eps=cfg.norm_eps,
-        use_tied_embedding=True,
+        use_tied_embedding=cfg.tie_word_embeddings,
+        **routed,
     )

@@ -51,9 +51,7 @@ def _args(argv):
 
 def configs(args):
     """``(ours, Tunix's)`` model configs of equal dimensions."""
-    import dataclasses
-
-    from tunix.models.qwen3 import model as tunix_qwen3
+    from _tunix_models import tunix_qwen3_config
 
     from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 
@@ -87,22 +85,7 @@ def configs(args):
             else {}
         ),
     )
-    fields = {f.name for f in dataclasses.fields(tunix_qwen3.ModelConfig)}
-    theirs = dict(
-        num_layers=args.num_layers,
-        vocab_size=args.vocab_size,
-        embed_dim=args.d_model,
-        hidden_dim=args.d_ff,
-        num_heads=args.num_heads,
-        head_dim=args.head_dim,
-        num_kv_heads=args.num_kv_heads,
-        rope_theta=1_000_000,
-        norm_eps=1e-6,
-        use_tied_embedding=not moe,
-    )
-    if moe:
-        theirs.update(num_experts=args.num_experts, num_experts_per_tok=args.top_k)
-    return ours, tunix_qwen3.ModelConfig(**{k: v for k, v in theirs.items() if k in fields})
+    return ours, tunix_qwen3_config(ours)
 
 
 def _count(model) -> int:
