@@ -84,8 +84,8 @@ def test_top_k_is_refused_in_one_line_where_the_release_lacks_it():
     else:
         with pytest.raises(ValueError, match=r"^--distill-top-k 3: .*0\.1\.7"):
             strategy(distill_top_k=3)
-    with pytest.raises(ValueError, match="^--strategy 'feature-pooling': posttrain distill runs"):
-        tunix_distill.check_strategy("feature-pooling", 0)
+    with pytest.raises(ValueError, match="^--distill-top-k 3: only --strategy logit truncates"):
+        tunix_distill.check_strategy("feature-pooling", 3)
 
 
 @pytest.mark.contract("tunix.distillation loss output convention")

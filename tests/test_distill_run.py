@@ -89,7 +89,12 @@ def test_the_embedded_run_with_its_teacher_trained_on_the_fly(tmp_path, capsys, 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--strategy", "feature-pooling"], "--strategy 'feature-pooling': posttrain distill runs"),
+        (["--strategy", "feature-pooling", "--scan"], "the student's layers are scanned"),
+        (
+            ["--strategy", "attention-transfer", "--student-layers", "0", "--model", "{deep}"],
+            "expected a student no deeper and no wider than its teacher",
+        ),
+        (["--strategy", "feature-projection", "--distill-top-k", "2"], "only --strategy logit"),
         (["--strategy", "nope"], "--strategy 'nope': expected one of logit"),
         (["--temperature", "0"], "temperature=0.0 (--temperature): expected a finite value > 0"),
         (["--alpha", "1.5"], "alpha=1.5 (--alpha): expected a value in [0, 1]"),
@@ -105,7 +110,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     wide = tmp_path / "wide"
     config = get_config("llama3-tiny").replace(vocab_size=300)
     save_native(flat_params(build_model(config)), config, wide)
-    argv = [a.replace("{wide}", str(wide)) for a in argv]
+    deep = tmp_path / "deep"  # three layers, deeper than the two of the default teacher
+    config = get_config("qwen3-tiny").replace(num_layers=3, layer_types=("full",) * 3)
+    save_native(flat_params(build_model(config)), config, deep)
+    argv = [a.replace("{wide}", str(wide)).replace("{deep}", str(deep)) for a in argv]
     out = tmp_path / "out"
     assert cli.main(["distill", "--output", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip()

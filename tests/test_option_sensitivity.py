@@ -333,7 +333,7 @@ DISTILL_VALUES: dict[str, tuple] = {
     "max_target_length": (64, {}),
     "teacher": ("llama3-tiny", {}),
     "student_layers": (0, {}),  # an explicit zero: every layer of the preset
-    "strategy": ("attention", {}),  # refused in one line (logit only, so far)
+    "strategy": ("feature-pooling", {}),  # Tunix's FeaturePoolingStrategy on the taps
     "temperature": (2.0, {}),
     "alpha": (0.0, {}),  # an explicit zero: the task loss alone
     "distill_top_k": (5, {}),

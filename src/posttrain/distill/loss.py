@@ -1,5 +1,7 @@
 """The distillation objective: Tunix's strategy loss per target position, masked.
 
+The same for every strategy (logit, feature and attention: :mod:`posttrain.distill.features`).
+
 Tunix's ``LogitStrategy.compute_loss(student_output, teacher_output, labels)`` averages
 its KL and cross-entropy over every position it is given: prompt and padding tokens would
 enter the objective, and a micro-batch's mean cannot be summed into one large batch's.
@@ -29,24 +31,46 @@ from posttrain.sft import loss as sft_loss
 frozen = jax.lax.stop_gradient
 
 
-def per_position(strategy, student: jax.Array, teacher: jax.Array, tokens: jax.Array):
+def per_position(strategy, student, teacher, tokens: jax.Array):
     """``(loss [N], metrics {name: [N]})``: the strategy's ``compute_loss`` at each position.
 
     Args:
       strategy: a Tunix strategy with ``compute_loss(student_output, teacher_output, labels)``.
-      student, teacher: ``[N, vocab]`` logits at the predicting positions.
+      student: ``[N, vocab]`` logits at the predicting positions (``LogitStrategy``), or
+        ``{"logits": [N, vocab], "features": [N, L_s, D_s]}`` (the feature strategies).
+      teacher: ``[N, vocab]`` logits, or ``[N, L_t, D_t]`` features.
       tokens: ``[N]`` int32, the predicted tokens.
+
+    Each position is given to ``compute_loss`` as Tunix's arrays with a position axis of 1
+    before the last axis (logits ``[1, vocab]``, features ``[L, 1, D]``), so its means are
+    that position's values.
     """
-    vocab = student.shape[-1]
-    labels = jax.nn.one_hot(tokens, vocab, dtype=jnp.float32)
+    logits = student["logits"] if isinstance(student, dict) else student
+    labels = jax.nn.one_hot(tokens, logits.shape[-1], dtype=jnp.float32)
 
     def one(s, t, y):
         result = strategy.compute_loss(
-            student_output=s[None], teacher_output=t[None], labels=y[None]
+            student_output=jax.tree.map(_one_position, s),
+            teacher_output=jax.tree.map(_one_position, t),
+            labels=y[None],
         )
         return tunix_distill.loss_and_metrics(result)
 
     return jax.vmap(one)(student, teacher, labels)
+
+
+def _one_position(x: jax.Array) -> jax.Array:
+    return jnp.expand_dims(x, -2)  # [..., 1, last]
+
+
+def predicting(x: jax.Array) -> jax.Array:
+    """``[B, T, V] -> [B (T-1), V]`` logits, or features ``[L, B, T, D] -> [B (T-1), L,
+    D]``: the positions that predict a next token, flattened batch-major."""
+    if x.ndim == 3:
+        return x[:, :-1].reshape(-1, x.shape[-1])  # [B (T-1), V]
+    layers, _, _, width = x.shape
+    per_token = jnp.transpose(x[:, :, :-1], (1, 2, 0, 3))  # [B, T-1, L, D]
+    return per_token.reshape(-1, layers, width)  # [B (T-1), L, D]
 
 
 def kl_to_teacher(student: jax.Array, teacher: jax.Array) -> jax.Array:
@@ -57,35 +81,41 @@ def kl_to_teacher(student: jax.Array, teacher: jax.Array) -> jax.Array:
     return jnp.sum(jnp.exp(t_log) * (t_log - s_log), axis=-1)
 
 
-def distill_terms(strategy, student_logits, teacher_logits, input_tokens, input_mask, segment_ids):
-    """Sums over target positions -> ``{"distill_sum", "nll_sum", "kl_sum",
-    "target_tokens"}`` (float32 scalars).
+def distill_terms(strategy, student, teacher_output, input_tokens, input_mask, segment_ids):
+    """Sums over target positions -> ``{"distill_sum", "nll_sum", "target_tokens"}`` and,
+    for the logit strategy, ``"kl_sum"`` (float32 scalars).
 
     Args:
-      student_logits, teacher_logits: ``[batch, seq, vocab]`` (any float dtype; the
-        teacher's may be bf16), from the same tokens.
+      student: ``[batch, seq, vocab]`` logits (``LogitStrategy``), or ``{"logits": ...,
+        "features": [L_s, batch, seq, D_s]}`` (the feature strategies; projected ones
+        ``[L_t, ..., D_t]``).
+      teacher_output: what the strategy's ``get_teacher_outputs`` gave: ``[batch, seq,
+        vocab]`` logits (any float dtype; bf16 too) or ``[L_t, batch, seq, D_t]``
+        features; a constant here (``frozen``).
       input_tokens, input_mask, segment_ids: ``[batch, seq]`` (:mod:`posttrain.sft.loss`).
 
     Raises:
-      ValueError: the vocabularies differ.
+      ValueError: the logit strategy's vocabularies differ.
     """
-    if student_logits.shape != teacher_logits.shape:
+    logits = student["logits"] if isinstance(student, dict) else student
+    if not isinstance(student, dict) and logits.shape != teacher_output.shape:
         raise ValueError(
-            f"student logits {student_logits.shape} and teacher logits "
-            f"{teacher_logits.shape}: expected the same [batch, seq, vocab]"
+            f"student logits {logits.shape} and teacher logits "
+            f"{teacher_output.shape}: expected the same [batch, seq, vocab]"
         )
     targets = sft_loss.target_mask(input_mask, segment_ids)  # [B, T-1]
-    vocab = student_logits.shape[-1]
-    student = student_logits[:, :-1].reshape(-1, vocab)
-    teacher = frozen(teacher_logits[:, :-1]).reshape(-1, vocab)
+    positions = jax.tree.map(predicting, student)
+    teacher = predicting(frozen(teacher_output))
     tokens = input_tokens[:, 1:].reshape(-1)
     weight = targets.reshape(-1).astype(jnp.float32)
-    loss, _ = per_position(strategy, student, teacher, tokens)
-    s_log = jax.nn.log_softmax(student.astype(jnp.float32), axis=-1)
+    loss, _ = per_position(strategy, positions, teacher, tokens)
+    s_log = jax.nn.log_softmax(predicting(logits).astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(s_log, tokens[:, None], axis=-1)[:, 0]
-    return {
+    terms = {
         "distill_sum": jnp.sum(weight * loss),
         "nll_sum": jnp.sum(weight * nll),
-        "kl_sum": jnp.sum(weight * kl_to_teacher(student, teacher)),
         "target_tokens": jnp.sum(weight),
     }
+    if not isinstance(student, dict):  # the teacher's logits are here: the KL is free
+        terms["kl_sum"] = jnp.sum(weight * kl_to_teacher(positions, teacher))
+    return terms

@@ -29,8 +29,11 @@ class DistillRunConfig(SFTConfig):
       teacher: a preset, a native or HF directory, a run's export; None: the default
         above.
       student_layers: keep the first N layers of a preset student (0: all of them).
-      strategy: Tunix's strategy (``logit``; the others are refused in one line).
-      temperature, alpha, distill_top_k: Tunix's ``LogitStrategy`` arguments;
+      strategy: Tunix's strategy: ``logit``, or a feature strategy
+        (``feature-pooling``, ``feature-projection``, ``attention-transfer``; unscanned
+        layers; :mod:`posttrain.distill.features`).
+      temperature, alpha, distill_top_k: Tunix's ``LogitStrategy`` arguments (``alpha``
+        weighs every strategy's distillation term; the others are the logit strategy's);
         ``distill_top_k`` > 0 only where the release has it (google-tunix >= 0.1.7).
       teacher_dtype: the teacher's parameters, cast once after loading (bfloat16 halves
         their memory; the forward still computes in the teacher config's ``dtype``).
@@ -54,7 +57,11 @@ class DistillRunConfig(SFTConfig):
         "present, else llama3-tiny trained on the fly)",
     )
     student_layers: int = option(1, "keep the first N layers of a preset student (0: all)")
-    strategy: str = option("logit", "Tunix's distillation strategy (logit)")
+    strategy: str = option(
+        "logit",
+        "Tunix's distillation strategy: logit, feature-pooling, feature-projection or "
+        "attention-transfer",
+    )
     temperature: float = option(
         1.0, "softmax temperature of the KL term (Tunix's default: 2; see docs/distill.md)"
     )

@@ -26,7 +26,7 @@ import pathlib
 
 from posttrain.distill.options import SFT_EXPORT, DistillRunConfig
 
-__all__ = ["DistillResult", "check_student_vocabulary", "run_distill"]
+__all__ = ["DistillResult", "check_student", "run_distill"]
 
 #: the on-the-fly teacher's preset (another family than the default student's)
 TEACHER_PRESET = "llama3-tiny"
@@ -73,7 +73,6 @@ def run_distill(
         distill_trainer_class,
         held_out_kl,
         labels_fn,
-        model_logits,
     )
     from posttrain.loading import load_model
     from posttrain.runs.formats import run_tokenizer_and_formats
@@ -84,9 +83,9 @@ def run_distill(
     mesh = sharding.make_mesh(cfg.mesh)
     out = pathlib.Path(cfg.output)
     teacher = None
-    if cfg.teacher is not None:  # a given teacher is checked before anything is written
+    if cfg.teacher is not None:  # the teacher is checked before anything is written
         teacher, _ = load_model(cfg.teacher, mesh, seed=cfg.seed + 1, scratch=cfg.output)
-        check_student_vocabulary(cfg, teacher.config.vocab_size)
+    check_student(cfg, _default_teacher_config() if teacher is None else teacher.config)
     train_path, held_path = _split_data(cfg, out / "data")
     teacher_spec = cfg.teacher or _default_teacher(cfg, out, train_path)
     run_cfg = dataclasses.replace(
@@ -98,14 +97,7 @@ def run_distill(
     tok, formats = run_tokenizer_and_formats(run_cfg)  # the held-out rows in the run's template
     held_cfg = dataclasses.replace(run_cfg, data=str(held_path), packing=True)
     held_out = build_rows(held_cfg, tok, template=formats.template)
-    strategy = tunix_distill.logit_strategy(
-        model_logits,
-        model_logits,
-        labels_fn(teacher.config.vocab_size),
-        temperature=cfg.temperature,
-        alpha=cfg.alpha,
-        distill_top_k=cfg.distill_top_k,
-    )
+    strategy = _strategy(cfg, labels_fn(teacher.config.vocab_size))
     built = {}
 
     def trainer(model, tx, training_config, options):
@@ -123,23 +115,60 @@ def run_distill(
     return DistillResult(result, teacher_spec, built["before"], after)
 
 
-def check_student_vocabulary(cfg: DistillRunConfig, teacher_vocab: int) -> None:
+def check_student(cfg: DistillRunConfig, teacher_config) -> None:
     """Raises ValueError (one line) when a preset or native student's ``vocab_size`` is
-    not ``teacher_vocab`` (an HF student is checked when the trainer is built)."""
+    not the teacher's, or ``--strategy`` cannot read the two models
+    (:func:`posttrain.distill.features.check_models`); an HF student is checked when the
+    trainer is built."""
+    from posttrain.distill import features
+
+    student = _student_config(cfg)
+    if student is None:
+        return
+    if student.vocab_size != teacher_config.vocab_size:
+        raise ValueError(
+            f"--teacher {cfg.teacher!r} has vocab_size {teacher_config.vocab_size} but the "
+            f"student {cfg.model!r} has {student.vocab_size}: distillation needs the same "
+            "vocabulary"
+        )
+    features.check_models(cfg.strategy, student, teacher_config)
+
+
+def _student_config(cfg: DistillRunConfig):
+    """The student's ``ModelConfig`` as the run will build it (a preset cut to
+    ``student_layers``, a native directory's, ``--scan`` applied), None for an HF one."""
     from posttrain.conversion.native import NativeMeta, is_native_dir
+    from posttrain.distill.trainer import shallower
     from posttrain.models import PRESETS, get_config
 
     if cfg.model in PRESETS:
-        vocab = get_config(cfg.model).vocab_size
+        config = get_config(cfg.model)
+        if cfg.student_layers:
+            config = shallower(config, cfg.student_layers)
     elif is_native_dir(cfg.model):
-        vocab = NativeMeta.read(cfg.model).cfg.vocab_size
+        config = NativeMeta.read(cfg.model).cfg
     else:
-        return
-    if vocab != teacher_vocab:
-        raise ValueError(
-            f"--teacher {cfg.teacher!r} has vocab_size {teacher_vocab} but the student "
-            f"{cfg.model!r} has {vocab}: distillation needs the same vocabulary"
+        return None
+    return config.replace(scan_layers=config.scan_layers or cfg.scan_layers)
+
+
+def _strategy(cfg: DistillRunConfig, labels):
+    """Tunix's strategy for ``cfg.strategy`` (both forwards :func:`model_logits`)."""
+    from posttrain.distill import features, tunix_distill
+    from posttrain.distill.trainer import model_logits
+
+    if cfg.strategy == "logit":
+        return tunix_distill.logit_strategy(
+            model_logits,
+            model_logits,
+            labels,
+            temperature=cfg.temperature,
+            alpha=cfg.alpha,
+            distill_top_k=cfg.distill_top_k,
         )
+    return features.feature_strategy(
+        cfg.strategy, model_logits, model_logits, labels, alpha=cfg.alpha, seed=cfg.seed + 2
+    )
 
 
 def _split_data(cfg: DistillRunConfig, where: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
@@ -199,6 +228,16 @@ def _write_student(cfg: DistillRunConfig, where: pathlib.Path) -> None:
 
         config = shallower(get_config(cfg.model), cfg.student_layers)
         save_native(flat_params(build_model(config, seed=cfg.seed)), config, where)
+
+
+def _default_teacher_config():
+    """The config of the default teacher (:func:`_default_teacher`), before it exists."""
+    from posttrain.conversion.native import NativeMeta
+    from posttrain.models import get_config
+
+    return (
+        NativeMeta.read(SFT_EXPORT).cfg if os.path.isdir(SFT_EXPORT) else get_config(TEACHER_PRESET)
+    )
 
 
 def _default_teacher(cfg: DistillRunConfig, out: pathlib.Path, train: pathlib.Path) -> str:

@@ -27,9 +27,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from posttrain.distill import features, tunix_distill
 from posttrain.distill import loss as distill_loss
-from posttrain.distill import tunix_distill
 from posttrain.sft import loss as sft_loss
 from posttrain.sft.metrics import StepMetrics
 from posttrain.sft.trainer import SFTOptions, SFTTrainerMixin
@@ -77,6 +78,7 @@ class DistillMetrics(StepMetrics):
     ``step``             optimizer step, from 1
     ``loss``             the distillation objective per target token (without MoE term)
     ``kl``               KL(teacher || student) at temperature 1 per target token
+                         (logit strategy; ``null`` for the feature strategies)
     ``task_loss``        the student's cross-entropy per target token
     ``perplexity``       ``exp(task_loss)``
     ``grad_norm``        global norm of the applied (accumulated) gradient
@@ -104,7 +106,8 @@ class DistillMetrics(StepMetrics):
 
         return {
             "loss": per_token("distill_sum"),
-            "kl": per_token("kl_sum"),
+            # the feature strategies' teacher output is features: no KL in the step
+            "kl": per_token("kl_sum") if "kl_sum" in micro[0] else None,
             "task_loss": per_token("nll_sum"),
             "perplexity": math.exp(min(per_token("nll_sum"), 80.0)),
             "grad_norm": float(micro[-1]["grad_norm"]),
@@ -114,8 +117,9 @@ class DistillMetrics(StepMetrics):
         }
 
     def line(self, record: dict) -> str:
+        kl = "" if record["kl"] is None else f", kl {record['kl']:.4f}"
         return (
-            f"loss {record['loss']:.4f}, kl {record['kl']:.4f}, task {record['task_loss']:.4f}, "
+            f"loss {record['loss']:.4f}{kl}, task {record['task_loss']:.4f}, "
             f"grad_norm {record['grad_norm']:.3f}"
         )
 
@@ -145,7 +149,9 @@ class DistillTrainerMixin(SFTTrainerMixin):
         self, model, teacher, strategy, optimizer, training_config, *, options: SFTOptions
     ):
         check_vocabularies(model, teacher)
+        features.check_models(features.strategy_name(strategy), model.config, teacher.config)
         self._teacher, self._strategy = teacher, strategy
+        self._reads_features = features.strategy_name(strategy) in features.TAPS
         super().__init__(model, optimizer, training_config, options=options)
         self.gen_model_input_fn = lambda x: x  # our batches are dicts of every field
 
@@ -158,14 +164,21 @@ class DistillTrainerMixin(SFTTrainerMixin):
         segment_ids = inputs.get("segment_ids")
         if segment_ids is None:
             segment_ids = jnp.ones_like(inputs["input_tokens"])
+        if self._reads_features:
+            nnx.pop(model, nnx.Intermediate)  # none left from another forward (eval)
         logits, aux = model.forward(
             inputs["input_tokens"],
             inputs.get("positions"),
             sft_loss.packed_attention_mask(segment_ids),
         )
+        student = (
+            {"logits": logits, "features": features.student_features(model)}
+            if self._reads_features
+            else logits
+        )
         terms = distill_loss.distill_terms(
             self.strategy,
-            logits,
+            student,
             inputs["teacher_output"],
             inputs["input_tokens"],
             inputs["input_mask"],
@@ -233,8 +246,6 @@ def cast_params(model, dtype: str):
 
     Returns the same model for chaining.
     """
-    from flax import nnx
-
     target = jnp.dtype(dtype)
     state = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda x: x.astype(target), state))
@@ -247,8 +258,6 @@ def held_out_kl(student, teacher, batch: dict, mesh=None) -> float:
     :mod:`posttrain.sft.loss`): the figure ``posttrain distill`` reports falling.
     ``mesh``: the models' mesh, on which the batch is placed replicated (needed when it
     spans processes)."""
-    from flax import nnx
-
     from posttrain.distributed import host_array
 
     @nnx.jit
@@ -272,6 +281,8 @@ def held_out_kl(student, teacher, batch: dict, mesh=None) -> float:
         fields.get("positions"),
         fields["segment_ids"],
     )
+    for model in (student, teacher):  # what wrapped taps sowed here is no strategy's
+        nnx.pop(model, nnx.Intermediate)
     return float(host_array(value))
 
 

@@ -35,8 +35,6 @@ STRATEGIES = {
     "feature-projection": "FeatureProjectionStrategy",
     "attention-transfer": "AttentionTransferStrategy",
 }
-#: the strategies ``posttrain distill`` runs (the others need intermediate outputs).
-SUPPORTED = ("logit",)
 
 
 class UnknownDistillationShapeError(RuntimeError):
@@ -99,10 +97,10 @@ def has_top_k() -> bool:
 def check_strategy(name: str, distill_top_k: int) -> None:
     """Raises ValueError (one line) unless the run can use ``name`` with ``distill_top_k``."""
     strategy_class(name)
-    if name not in SUPPORTED:
+    if distill_top_k and name != "logit":
         raise ValueError(
-            f"--strategy {name!r}: posttrain distill runs {', '.join(SUPPORTED)} so far "
-            "(the feature and attention strategies need intermediate outputs)"
+            f"--distill-top-k {distill_top_k}: only --strategy logit truncates logits "
+            f"(got --strategy {name!r}); use 0"
         )
     if distill_top_k < 0:
         raise ValueError(f"--distill-top-k {distill_top_k}: expected 0 (off) or a positive count")

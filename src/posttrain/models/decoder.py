@@ -13,6 +13,9 @@ transform is nested inside the ``nnx.jit`` / ``value_and_grad`` of a trainer.
 That runs a *copy* of each layer, so a pass that adds variables to the modules
 it runs in (Qwix creating LoRA params or quantised kernels on its first call)
 runs inside :func:`unrolled_layers` instead, which keeps what the layers add.
+Unscanned, what a layer sows in its copy (a distillation strategy's wrapped tap,
+:mod:`posttrain.models.taps`) is written back into the layer; scanned, it is not (a
+strategy that needs per-layer outputs refuses scanned layers).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from posttrain.layers.attention import attention_mask
 from posttrain.layers.embeddings import Embed
 from posttrain.layers.norms import RMSNorm
 from posttrain.layers.rope import rope_tables
+from posttrain.models import taps
 from posttrain.models.decoder_layer import DecoderLayer
 
 VISION_PREFIX = "vision_tower."
@@ -315,11 +319,14 @@ class Decoder(nnx.Module):
                 t = cfg.layer_types[i]
 
                 def one(x, state, graphdef=graphdef, t=t):
-                    return nnx.merge(graphdef, state)(x, *tables[t])
+                    copy = nnx.merge(graphdef, state)
+                    return copy(x, *tables[t]), taps.sown(copy)
 
                 if cfg.remat != "none":
                     one = jax.checkpoint(one, policy=policy)
-                x, layer_aux = one(x, state)
+                (x, layer_aux), sown = one(x, state)
+                if taps.has_sown(sown):  # a strategy's wrapped tap ran in the copy
+                    nnx.update(layer, sown)
                 aux = aux + layer_aux
         return self.norm(x), aux
 

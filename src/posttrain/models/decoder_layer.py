@@ -24,6 +24,7 @@ from posttrain.layers.attention import Attention
 from posttrain.layers.mlp import MLP
 from posttrain.layers.moe import MoEBlock
 from posttrain.layers.norms import RMSNorm
+from posttrain.models.taps import AttentionOutput, LayerOutput
 
 
 class DecoderLayer(nnx.Module):
@@ -86,6 +87,9 @@ class DecoderLayer(nnx.Module):
             if cfg.layer_scalar
             else None
         )
+        # identity taps a distillation strategy may wrap (posttrain.models.taps)
+        self.attention_output = AttentionOutput()
+        self.layer_output = LayerOutput()
 
     def _mlp(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
         if isinstance(self.mlp, MoEBlock):
@@ -96,7 +100,9 @@ class DecoderLayer(nnx.Module):
         """``(out [B, T, D], moe_aux_loss)``; with a ``cache`` (this layer's KV cache,
         :mod:`posttrain.layers.kv_cache`) ``(out, moe_aux_loss, updated cache)``."""
         if cache is None:
-            return self._residual(x, self.self_attn(self.input_layernorm(x), cos, sin, mask))
+            attn = self.attention_output(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+            out, aux = self._residual(x, attn)
+            return self.layer_output(out), aux
         attn, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return (*self._residual(x, attn), cache)
 
