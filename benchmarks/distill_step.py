@@ -16,6 +16,14 @@ distillation is the SFT step plus one teacher forward, so the teacher forward al
 timed as well. Turns are interleaved (SFT, distill, teacher forward, each ending in
 ``block_until_ready``) so that other load slows them alike; figures are medians, and the
 ratios of medians are what counts.
+
+The same run times Tunix's own models through the same trainer: ``tunix.models.qwen3``
+models with the student's and teacher's shapes (both must be full-attention qwen3-family
+presets: ``--teacher qwen3-tiny``, the default), Tunix's ``DistillationTrainer`` itself
+(its step, its ``LogitStrategy.get_train_loss`` over every position), fed tokens and a
+causal mask as its default ``gen_model_input_fn`` does. "distill / Tunix's" is the issue's
+target (<= 1.0). Tunix's models are built unsharded (on one device): compare with
+``--devices 1``, where both run on the same single device.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--student", default="qwen3-tiny")
     parser.add_argument("--student-layers", type=int, default=1)
-    parser.add_argument("--teacher", default="llama3-tiny")
+    parser.add_argument("--teacher", default="qwen3-tiny")
     parser.add_argument("--teacher-dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--devices", default="8")
     parser.add_argument("--per-device-batch-size", type=int, default=1)
@@ -103,6 +111,8 @@ def main(argv=None) -> int:
             "distill": lambda: distill_step(distill._prepare_inputs(batch)),
             "teacher forward": lambda: strategy.get_teacher_outputs(teacher, fields),
         }
+        if _tunix_models_fit(student_cfg, teacher.config):
+            turns["Tunix's distill"] = tunix_distill_turn(student_cfg, teacher.config, batch)
         times, compile_s = _interleaved(turns, args.repeats, jax.block_until_ready)
     median = {name: statistics.median(t) for name, t in times.items()}
     print(
@@ -119,7 +129,58 @@ def main(argv=None) -> int:
         f"  ratio distill / (sft step + teacher forward), the expected cost: "
         f"{median['distill'] / expected:.3f}"
     )
+    if "Tunix's distill" in median:
+        ratio = median["distill"] / median["Tunix's distill"]
+        print(f"  ratio distill / Tunix's distill (the target: <= 1.0): {ratio:.3f}")
     return 0
+
+
+def _tunix_models_fit(*configs) -> bool:
+    """Whether Tunix's qwen3 model can take each config's shape (a qwen3-family model
+    with full attention only)."""
+    return all(c.family == "qwen3" and set(c.layer_types) == {"full"} for c in configs)
+
+
+def tunix_distill_turn(student_cfg, teacher_cfg, batch):
+    """One step of Tunix's own ``DistillationTrainer`` on Tunix's qwen3 models with our
+    configs' shapes (``_tunix_models.tunix_qwen3_config``; parameter counts asserted
+    equal to ours): ``_prepare_inputs`` (the teacher forward) then its jitted step."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from _tunix_models import tunix_qwen3_config
+    from flax import nnx
+    from tunix.distillation import DistillationTrainer, TrainingConfig, TrainingInput
+    from tunix.distillation.strategies import LogitStrategy
+    from tunix.models.qwen3 import model as tunix_qwen3
+
+    from posttrain.models import build_model
+
+    def forward(model, input_tokens, input_mask, **_):
+        seq = input_tokens.shape[1]
+        positions = jnp.broadcast_to(jnp.arange(seq), input_tokens.shape)
+        mask = jnp.tril(jnp.ones((seq, seq), bool))[None] & input_mask[:, None, :].astype(bool)
+        logits, _ = model(input_tokens, positions, None, mask)
+        return logits[:, :-1]  # [B, T-1, V]: the positions that predict a token
+
+    def labels(input_tokens, **_):
+        return jax.nn.one_hot(input_tokens[:, 1:], student_cfg.vocab_size)
+
+    models = []
+    for seed, cfg in enumerate((student_cfg, teacher_cfg)):
+        model = tunix_qwen3.Qwen3(tunix_qwen3_config(cfg), rngs=nnx.Rngs(seed))
+        ours = build_model(cfg, seed=seed)
+        count = [
+            sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param))) for m in (model, ours)
+        ]
+        assert count[0] == count[1], (cfg.family, count)
+        models.append(model)
+    strategy = LogitStrategy(forward, forward, labels, temperature=1.0, alpha=0.5)
+    config = TrainingConfig(eval_every_n_steps=10**9, max_steps=10**9)
+    trainer = DistillationTrainer(*models, strategy, optax.adamw(1e-4), config)
+    step = trainer.jit_train_and_eval_step(False, True)[0]
+    inputs = TrainingInput(input_tokens=batch["input_tokens"], input_mask=batch["input_mask"])
+    return lambda: step(trainer._prepare_inputs(inputs))
 
 
 def _interleaved(turns: dict, repeats: int, block) -> tuple[dict, dict]:

@@ -209,6 +209,11 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_distill_teacher_dtype.py",
     ],
     "harness/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
+    "src/posttrain/distill/features.py": ["contracts/test_tunix_distill_features.py"],
+    "src/posttrain/models/taps.py": [
+        "tests/test_taps.py",
+        "contracts/test_tunix_distill_features.py",
+    ],
     # the run base and the generated CLI (#37): their targets, first scores to come
     "src/posttrain/cli_options.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
     "src/posttrain/commands/checkpoints.py": [

@@ -76,8 +76,12 @@ def predicting(x: jax.Array) -> jax.Array:
 def kl_to_teacher(student: jax.Array, teacher: jax.Array) -> jax.Array:
     """``[...]`` float32 ``KL(softmax(teacher) || softmax(student))`` at temperature 1, per
     position (the figure ``posttrain distill`` reports; not the objective)."""
+    return _kl(jax.nn.log_softmax(student.astype(jnp.float32), axis=-1), teacher)
+
+
+def _kl(s_log: jax.Array, teacher: jax.Array) -> jax.Array:
+    """:func:`kl_to_teacher` from the student's float32 log-probabilities."""
     t_log = jax.nn.log_softmax(teacher.astype(jnp.float32), axis=-1)
-    s_log = jax.nn.log_softmax(student.astype(jnp.float32), axis=-1)
     return jnp.sum(jnp.exp(t_log) * (t_log - s_log), axis=-1)
 
 
@@ -117,5 +121,5 @@ def distill_terms(strategy, student, teacher_output, input_tokens, input_mask, s
         "target_tokens": jnp.sum(weight),
     }
     if not isinstance(student, dict):  # the teacher's logits are here: the KL is free
-        terms["kl_sum"] = jnp.sum(weight * kl_to_teacher(positions, teacher))
+        terms["kl_sum"] = jnp.sum(weight * _kl(s_log, teacher))  # s_log: shared with nll
     return terms
