@@ -98,10 +98,10 @@ def run_matrix(args: argparse.Namespace) -> int:
         previous = _reference_report(args.report_dir)
     named = None
     if args.bisect:
-        from harness import bisect
+        from harness import bisect, bisect_suggestions
 
         named = bisect.run_suggestions(
-            bisect.suggestions(rows),
+            bisect_suggestions.suggestions(rows),
             envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
             log=lambda line: print(sources.redact(line), file=sys.stderr, flush=True),
         )
@@ -132,7 +132,7 @@ def _write_report(
 ) -> int:
     """Builds (with drift, the flips against ``previous`` and the entries of ``every``
     it leaves out), writes and prints the report; the exit status of its cells."""
-    from harness import bisect, drift, fits, report, report_md
+    from harness import bisect_suggestions, drift, fits, report, report_md
 
     built = report.build(
         rows,
@@ -140,7 +140,7 @@ def _write_report(
         previous=previous,
         drift=drift.check(rows, args.index_url),
         not_run=every,
-        bisect=bisect.suggestions(rows) if bisected is None else bisected,
+        bisect=bisect_suggestions.suggestions(rows) if bisected is None else bisected,
         fits=fits.load(args.report_dir),  # the plans' rows beside the report, if any
     )
     paths = report.write(built, args.report_dir)
@@ -165,7 +165,7 @@ def run_bisect(args: argparse.Namespace) -> int:
     (refs, a contract that does not exist, endpoints that are not what they claim)."""
     import tempfile
 
-    from harness import bisect, envs
+    from harness import bisect, envs, git_history
 
     def log(line: str) -> None:
         print(sources.redact(line), file=sys.stderr, flush=True)
@@ -175,7 +175,7 @@ def run_bisect(args: argparse.Namespace) -> int:
         if target.kind == "cell" and args.verdict == "warn":
             raise ValueError(f"--verdict warn needs a contract; run cell {target.name!r} "
                              "records no deprecations")  # fmt: skip
-        repo = bisect.local_checkout(args.source, (args.cache or envs.DEFAULT_CACHE).parent)
+        repo = git_history.local_checkout(args.source, (args.cache or envs.DEFAULT_CACHE).parent)
         with tempfile.TemporaryDirectory(prefix="bisect-") as work:
             stepper = bisect.Stepper(
                 repo,
