@@ -32,8 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from harness import distill_cell, matrix, sources
-from harness.bisect_suggestions import RUN_CELLS
+from harness import matrix, run_cells, sources
 from harness.entries import CONVENTIONS, REPO, TEST_TOOLS, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error
 from harness.git_history import (
@@ -44,7 +43,7 @@ from harness.git_history import (
     merged,
     touched,
 )
-from harness.report import STATUSES
+from harness.report import RUN_CELLS, STATUSES
 from posttrain import atomic
 
 Verdict = Literal["good", "bad", "skip"]
@@ -226,13 +225,7 @@ class Stepper:
     def _run(self, entry: Entry, env: EnvResult) -> tuple[Verdict, str]:
         environ = matrix.entry_environ(entry, env)
         if self.target.kind == "cell":
-            runs = {
-                "sft": matrix._sft,
-                "rl": matrix._rl,
-                "dpo": matrix._dpo,
-                "distill": distill_cell.run_cell,
-            }
-            cell = runs[self.target.name](entry, env, environ, self.runner)
+            cell = run_cells.CELLS[self.target.name](entry, env, environ, self.runner)
             return _verdict([cell], "fail"), cell["message"]
         with tempfile.TemporaryDirectory() as tmp:
             junit_file = Path(tmp) / "bisect.xml"

@@ -8,11 +8,9 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
+from harness.report import RUN_CELLS
 from harness.report import cell as report_cell
 from harness.report import columns as report_columns
-
-RUN_CELLS = ("sft", "rl", "dpo", "distill")
-"""The run cells a bisect can target (the rest of a report's columns are contracts)."""
 
 
 def suggestions(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
