@@ -205,6 +205,8 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/rl/metrics.py": ["tests/test_rl.py"],
     "src/posttrain/rl/options.py": ["tests/test_rl.py", "tests/test_run_options.py"],
     "src/posttrain/rl/tunix_cluster.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
+    # the run's Tunix configs and cluster (#37's split of rl/run.py)
+    "src/posttrain/rl/build.py": ["contracts/test_tunix_rl.py", "tests/test_rl.py"],
     "src/posttrain/runs/directory.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
     "src/posttrain/runs/export.py": [
         "tests/test_sft_run.py",
