@@ -142,8 +142,6 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     import jax
 
     from posttrain.loading import load_trainable
-    from posttrain.rl import tunix_rl
-    from posttrain.runs.checks import check_global_batch
     from posttrain.runs.export import export_final
     from posttrain.runs.formats import run_tokenizer_and_formats
     from posttrain.tunix_sampler import TunixTokenizer
@@ -153,12 +151,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     writer = distributed.is_writer()
     log_every = log_every if writer else None
     out = pathlib.Path(cfg.output)
-    run_record.check_resumable(cfg, out)  # before anything is read or written
-    previous = run_record.read(out)
-    tunix_rl.learner_and_config(cfg.algorithm)  # a missing algorithm fails before work
-    mesh, rollout_mesh = _meshes(cfg)
-    _check_accumulation(cfg, mesh)
-    check_global_batch(out, previous, batch_size(cfg, mesh))  # --devices changes it
+    previous, (mesh, rollout_mesh) = _check_before_work(cfg, out)
     fns = [rewards.resolve(spec) for spec in cfg.reward]
     # the template and stop ids: the checkpoint's (ChatML's <|im_end|> first for ChatML)
     raw, formats = run_tokenizer_and_formats(cfg)
@@ -169,14 +162,9 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     out.mkdir(parents=True, exist_ok=True)
     start = _warmup(cfg, out, task, log_every)
     model = load_trainable(
-        start,
-        mesh,
-        vocab_size=tok.tokenizer.get_vocab_size(),
-        lora_rank=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        seed=cfg.seed,
-        scratch=cfg.output,
-    )
+        start, mesh, vocab_size=tok.tokenizer.get_vocab_size(), lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha, seed=cfg.seed, scratch=cfg.output,
+    )  # fmt: skip
     # Our mesh for tracing, not JAX's mesh context: Orbax's eager per-shard copies fail
     # under it on jax 0.7-0.8 (as in SFTTrainer.train).
     with sharding.use_mesh(mesh, jax_context=False):
@@ -204,6 +192,27 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
         for record in history[log_every - 1 :: log_every]:
             print(progress_line(record), flush=True)
     return GRPOResult(history, out, step, before, after, exported, cfg.eval_samples)
+
+
+def _check_before_work(cfg: GRPORunConfig, out: pathlib.Path):
+    """What can be refused before anything is read or written: a resume with other
+    settings or another global batch, an algorithm the installed Tunix lacks, the
+    meshes, the accumulation. Returns ``(the recorded run.json or None, (actor mesh,
+    rollout mesh))``.
+
+    Raises:
+      ValueError: one line naming the offending option.
+    """
+    from posttrain.rl import tunix_rl
+    from posttrain.runs.checks import check_global_batch
+
+    run_record.check_resumable(cfg, out)
+    previous = run_record.read(out)
+    tunix_rl.learner_and_config(cfg.algorithm)
+    mesh, rollout_mesh = _meshes(cfg)
+    _check_accumulation(cfg, mesh)
+    check_global_batch(out, previous, batch_size(cfg, mesh))  # --devices changes it
+    return previous, (mesh, rollout_mesh)
 
 
 def _task(cfg: GRPORunConfig, tok, template=None) -> list:
