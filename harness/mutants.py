@@ -62,7 +62,9 @@ def _section(module: str, selection: list[str], max_children: int) -> str:
         return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
     top = module.split("/")[0]  # src (the posttrain package) or harness: mutmut's import root
-    copied = [d for d in ("src", "harness", "contracts", ".gitignore") if d != top]
+    # README.md: pyproject's readme, without which the matrix's and bisect's environment
+    # builds of this checkout (tests/test_bisect.py) fail inside mutmut's copy
+    copied = [d for d in ("src", "harness", "contracts", ".gitignore", "README.md") if d != top]
     return (
         "\n[tool.mutmut]\n"
         f"source_paths = {toml_list([top])}\n"
