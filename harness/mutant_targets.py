@@ -172,10 +172,14 @@ TARGETS: dict[str, list[str]] = {
         "not greedy",
     ],
     # distillation: the hand-computed loss, the broken variants, a real run, accumulation
-    "src/posttrain/distill/loss.py": ["contracts/test_tunix_distill.py"],
+    "src/posttrain/distill/loss.py": [
+        "contracts/test_tunix_distill.py",
+        "contracts/test_tunix_distill_features.py",
+    ],
     "src/posttrain/distill/tunix_distill.py": ["contracts/test_tunix_distill.py"],
     "src/posttrain/distill/trainer.py": [
         "contracts/test_tunix_distill.py",
+        "contracts/test_tunix_distill_features.py",
         "tests/test_distill_teacher_dtype.py",
     ],
     "harness/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
