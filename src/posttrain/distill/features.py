@@ -151,8 +151,11 @@ def _uses_lora(model: nnx.Module) -> bool:
     return bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
 
 
-def _mesh_of(model: nnx.Module):
-    return jax.tree.leaves(nnx.state(model, nnx.Param))[0].sharding.mesh
+def _place_like(projection: FeatureProjection, model: nnx.Module) -> None:
+    """``projection`` replicated on the mesh of ``model``'s parameters, if they have one."""
+    placed = jax.tree.leaves(nnx.state(model, nnx.Param))[0].sharding
+    if isinstance(placed, jax.sharding.NamedSharding):
+        sharding.shard_model(projection, placed.mesh)
 
 
 def _project_pre_process(self, student_model, teacher_model):
@@ -168,7 +171,7 @@ def _project_pre_process(self, student_model, teacher_model):
         trained=nnx.LoRAParam if _uses_lora(student_model) else nnx.Param,
         rngs=self.rngs,
     )
-    sharding.shard_model(projection, _mesh_of(student_model))
+    _place_like(projection, student_model)
     return ProjectedStudent(student_model, projection), teacher_model
 
 

@@ -130,14 +130,17 @@ class DistillTrainerMixin(SFTTrainerMixin):
     Args:
       model: the student (a :class:`posttrain.models.CausalLM`, LoRA or not).
       teacher: the teacher, frozen (never in the optimizer; its logits are constants).
-      strategy: a Tunix strategy (:func:`posttrain.distill.tunix_distill.logit_strategy`
-        with :func:`model_logits`).
+      strategy: a Tunix strategy with :func:`model_logits` as both forwards
+        (:func:`posttrain.distill.tunix_distill.logit_strategy`, or a feature strategy of
+        :func:`posttrain.distill.features.feature_strategy`, which also reads the
+        student's taps in the step).
       optimizer, training_config: Tunix's (``training_config`` of
         :func:`posttrain.distill.tunix_distill.config_class`).
       options: :class:`~posttrain.sft.trainer.SFTOptions` (keyword-only).
 
     Raises:
-      ValueError: the student's and teacher's vocabularies differ.
+      ValueError: the student's and teacher's vocabularies differ, or a feature strategy
+        cannot read the two models (:func:`posttrain.distill.features.check_models`).
       posttrain.sft.tunix_compat.UnknownConventionError: an unknown step convention.
     """
 
