@@ -185,9 +185,9 @@ def test_the_taps_give_each_layers_output_in_layer_order(remat):
         want = by_layer_calls(model, tokens)[index]
         feature_extraction.wrap_model_with_sowed_modules(model, [tap])
         forward = nnx.jit(model_logits)
-        for _ in range(2):
+        for read in (features.stacked, features.student_features):  # a bare student's
             forward(model, tokens)
-            got = features.stacked(model)
+            got = read(model)
             assert got.shape == want.shape, tap
             np.testing.assert_allclose(got, want, atol=1e-5, err_msg=tap.__name__)
         feature_extraction.unwrap_sowed_modules(model)
