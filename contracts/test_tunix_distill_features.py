@@ -47,6 +47,12 @@ def test_the_feature_strategies_take_the_arguments_we_pass():
         s = strategy(name, alpha=0.25)
         assert (s.feature_layer, s.alpha) == (features.TAPS[name], 0.25), name
         assert features.strategy_name(s) == name
+    logit = tunix_distill.logit_strategy(
+        model_logits, model_logits, labels_fn(264), temperature=1.0, alpha=0.5
+    )
+    assert features.strategy_name(logit) == "logit"
+    with pytest.raises(ValueError, match="^object: not one of Tunix's strategies$"):
+        features.strategy_name(object())
     pooling = tunix_distill.strategy_class("feature-pooling")
     assert issubclass(tunix_distill.strategy_class("attention-transfer"), pooling)
 
@@ -211,7 +217,12 @@ def test_the_projection_maps_each_token_by_hand():
     ("name", "student", "teacher", "message"),
     [
         ("feature-pooling", {"num_layers": 3}, {}, "expected a student no deeper and no wider"),
-        ("attention-transfer", {"d_model": 96}, {}, r"\[2 layers, d_model 72\] to the student's"),
+        (
+            "attention-transfer",
+            {"d_model": 96},
+            {},
+            r"\[2 layers, d_model 72\] to the student's \[2, 96\]",
+        ),
         ("feature-projection", {"scan_layers": True}, {}, "the student's layers are scanned"),
         ("feature-pooling", {}, {"scan_layers": True}, "the teacher's layers are scanned"),
     ],
@@ -223,9 +234,10 @@ def test_what_a_strategy_cannot_read_is_refused_in_one_line(name, student, teach
     with pytest.raises(ValueError, match=f"^--strategy '{name}'.*{message}") as error:
         features.check_models(name, base.replace(**student), base.replace(**teacher))
     assert "\n" not in str(error.value)
-    features.check_models(
-        "feature-projection", base.replace(num_layers=3, layer_types=("full",) * 3), base
-    )
+    deeper = base.replace(num_layers=3, layer_types=("full",) * 3)
+    features.check_models("feature-projection", deeper, base)  # the projection maps any shape
+    for name in features.TAPS:  # a student as deep and as wide as its teacher
+        features.check_models(name, base, base)
 
 
 # --- a real run -----------------------------------------------------------------------
