@@ -115,7 +115,6 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py", "tests/test_reward_probe.py"],
     "harness/progress.py": ["tests/test_matrix_progress.py"],
     "harness/bisect.py": ["tests/test_bisect.py"],
-    "harness/deprecation_recorder.py": ["tests/test_verdicts.py"],
     "harness/run_cells.py": ["tests/test_matrix.py", "tests/test_matrix_sources.py"],
     "harness/bisect_suggestions.py": ["tests/test_bisect.py"],
     "harness/git_history.py": ["tests/test_bisect.py"],
