@@ -188,7 +188,7 @@ def test_the_taps_give_each_layers_output_in_layer_order(remat):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 264, (2, 7)), jnp.int32)
     for tap, index in ((LayerOutput, 0), (AttentionOutput, 1)):
         model = build_model(config, seed=3)
-        want = by_layer_calls(model, tokens)[index]
+        want = nnx.jit(by_layer_calls)(model, tokens)[index]  # jitted: eager ops are slow
         feature_extraction.wrap_model_with_sowed_modules(model, [tap])
         forward = nnx.jit(model_logits)
         for read in (features.stacked, features.student_features):  # a bare student's
