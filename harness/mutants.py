@@ -131,6 +131,8 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_vision.py::test_perturbing_a_vision_field_moves_the_logits",
     ],
     "src/posttrain/sft/vision_default_data.py": ["tests/test_vision_data.py"],
+    "src/posttrain/sft/vision_rows.py": ["tests/test_vision_sft.py"],  # #39
+    "src/posttrain/sft/vision_run.py": ["tests/test_vision_sft.py"],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",
         "tests/test_conversion_errors.py",

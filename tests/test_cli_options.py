@@ -4,7 +4,8 @@ generating it changed none of them. Derived once from the hand-written parser (c
 3216db4) and reviewed; a deliberate change edits this table and says why.
 
 Changes since: ``--chat-template`` on ``sft``, ``dpo`` and ``grpo`` (#36: the model's own
-template drives training; a file or ``chatml`` overrides it)."""
+template drives training; a file or ``chatml`` overrides it); ``--vision`` and
+``--train-vision-tower`` on ``sft`` (#39: images through Tunix's ``TrainingInput.images``)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--replica-parallel-saves": ("value", "auto", ("auto", "on", "off"), None, False),
         "--stop-after": ("value", None, None, "int", False),
         "--output": ("value", "runs/sft", None, None, False),
+        "--vision": ("flag", None, None, None, False),  # #39
+        "--train-vision-tower": ("flag", None, None, None, False),  # #39
     },
     "forward": {
         "--model": ("value", "qwen3_moe-tiny", None, None, False),
