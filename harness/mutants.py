@@ -133,6 +133,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/sft/vision_default_data.py": ["tests/test_vision_data.py"],
     "src/posttrain/sft/vision_rows.py": ["tests/test_vision_sft.py"],  # #39
     "src/posttrain/sft/vision_run.py": ["tests/test_vision_sft.py"],
+    "src/posttrain/commands/generate_image.py": ["tests/test_vision_generate.py"],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",
         "tests/test_conversion_errors.py",

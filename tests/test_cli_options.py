@@ -5,7 +5,8 @@ generating it changed none of them. Derived once from the hand-written parser (c
 
 Changes since: ``--chat-template`` on ``sft``, ``dpo`` and ``grpo`` (#36: the model's own
 template drives training; a file or ``chatml`` overrides it); ``--vision`` and
-``--train-vision-tower`` on ``sft`` (#39: images through Tunix's ``TrainingInput.images``)."""
+``--train-vision-tower`` on ``sft`` and ``--image`` on ``generate`` (#39: vision SFT
+and generation)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--prompt": ("append", None, None, None, False),
         "--prompts": ("value", None, None, None, False),
         "--chat": ("flag", None, None, None, False),
+        "--image": ("value", None, None, None, False),  # #39
         "--max-new-tokens": ("value", 64, None, "int", False),
         "--temperature": ("value", None, None, "float", False),
         "--top-k": ("value", None, None, "int", False),
