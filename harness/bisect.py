@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from harness import distill_cell, matrix, sources
+from harness import distill_cell, matrix, sources, vision_cell
 from harness.entries import CONVENTIONS, REPO, TEST_TOOLS, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error
 from harness.report import STATUSES
@@ -47,7 +47,7 @@ PACKAGES: dict[str, str] = {"tunix": "google-tunix", "qwix": "qwix", "flax": "fl
 """``--package`` -> the distribution a commit's tree installs as."""
 BASE_TUNIX = "0.1.7"
 """The Tunix release installed beside a Qwix or Flax commit."""
-RUN_CELLS = ("sft", "rl", "dpo", "distill")
+RUN_CELLS = ("sft", "rl", "dpo", "distill", "vision")
 BUILD_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in")
 """Top-level files of a commit's tree that a build reads, besides the package itself."""
 
@@ -304,6 +304,7 @@ class Stepper:
                 "rl": matrix._rl,
                 "dpo": matrix._dpo,
                 "distill": distill_cell.run_cell,
+                "vision": vision_cell.run_cell,
             }
             cell = runs[self.target.name](entry, env, environ, self.runner)
             return _verdict([cell], "fail"), cell["message"]

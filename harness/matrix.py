@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import deprecations, distill_cell, junit, sources
+from harness import deprecations, distill_cell, junit, sources, vision_cell
 from harness.devices import suite_env
 from harness.entries import REPO, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error, versions
@@ -246,6 +246,7 @@ def run_entry(
         "rl": None,
         "dpo": None,
         "distill": None,
+        "vision": None,
         "seconds": 0.0,
     }
     if entry.source is not None:
@@ -279,6 +280,7 @@ def run_entry(
     if not row["contracts"]:
         row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
     cells = (("sft", _sft), ("rl", _rl), ("dpo", _dpo), ("distill", distill_cell.run_cell))
+    cells += (("vision", vision_cell.run_cell),)
     for cell, runs in cells:
         row[cell] = timed(f"{cell} run", lambda runs=runs: runs(entry, env, environ, run))
     row["seconds"] = round(time.monotonic() - start, 1)

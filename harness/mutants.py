@@ -212,6 +212,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_distill_teacher_dtype.py",
     ],
     "harness/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
+    "harness/vision_cell.py": ["tests/test_matrix.py", "-k", "vision"],  # #39
     # the run base and the generated CLI (#37): their targets, first scores to come
     "src/posttrain/cli_options.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
     "src/posttrain/commands/checkpoints.py": [
