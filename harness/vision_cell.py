@@ -48,8 +48,7 @@ def run_cell(entry, env, environ: dict[str, str], run) -> dict[str, str]:
     if entry.emulated:
         return {
             "status": "skipped",
-            "message": "the vision run drives the installed trainer; the run is the base "
-            "release's",
+            "message": "the vision run drives the installed trainer; the run is the base release's",
         }
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "data"
