@@ -244,3 +244,77 @@ def test_the_embedded_vision_run_learns_to_read_the_images(tmp_path, capsys):
     loss_before, loss_after, accuracy_before, accuracy_after = numbers[-4:]
     assert loss_after < loss_before - 3.0, line
     assert accuracy_after >= 5 * BLIND_ACCURACY > accuracy_before, line
+
+
+def example(tokens, mask):
+    from posttrain.sft.vision_data import VisionExample
+
+    pixels, positions = np.zeros((1, 4, 48), np.float32), np.zeros((1, 4, 2), np.int32)
+    return VisionExample(np.asarray(tokens, np.int32), np.asarray(mask, bool), pixels, positions)
+
+
+IMG = VISION.image_token_id
+
+
+@pytest.mark.parametrize(
+    ("tokens", "mask", "length", "overflow", "want"),
+    [
+        ([5, IMG, IMG, 6, 7, 8], [0, 0, 0, 0, 1, 1], 6, "reject", 6),
+        ([5, IMG, IMG, 6, 7, 8], [0, 0, 0, 0, 1, 1], 5, "truncate", 5),
+        ([5, IMG, IMG, 6, 7, 8], [0, 0, 0, 0, 0, 1], 5, "truncate", None),
+        ([5, IMG, IMG, 6, 7, 8], [1, 0, 0, 0, 0, 0], 6, "truncate", None),
+        ([5, IMG, IMG, 6, 7, 8], [0, 0, 0, 0, 1, 1], 5, "reject", "6 tokens, more than"),
+        ([5, IMG, IMG, 6, 7, 8], [0, 0, 0, 0, 1, 1], 3, "truncate", "run to token 4, past"),
+        ([5, IMG, IMG, 6, 7, 8], [0, 0, 0, 0, 1, 1], 4, "truncate", None),
+    ],
+    ids=[
+        "fits",
+        "cut-after-image",
+        "no-target-left",
+        "first-token-only",
+        "reject",
+        "cut-through-image",
+        "cut-at-eoi",
+    ],
+)
+def test_a_row_is_cut_only_after_its_image_tokens(tokens, mask, length, overflow, want):
+    """``fit_example``: a conversation that fits is kept; a longer one is cut (``truncate``)
+    only past its last image token and the one after it, refused with ``reject``; one left
+    without a target (the first token is never one) is dropped."""
+    from posttrain.sft.vision_rows import fit_example
+
+    ex = example(tokens, mask)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=want):
+            fit_example(ex, length, overflow, IMG, "conversation 3")
+        return
+    got = fit_example(ex, length, overflow, IMG, "conversation 3")
+    if want is None:
+        assert got is None
+    else:
+        assert len(got.tokens) == len(got.loss_mask) == want
+        np.testing.assert_array_equal(got.tokens, tokens[:want])
+        assert got.pixels is ex.pixels
+
+
+def test_rows_refuse_more_images_than_their_slots_and_pad_the_rest():
+    """A row's unused image slots are all padding (positions -1, pixels 0); an example
+    with more images than the slots, or a dataset without one image, is refused."""
+    from posttrain.sft.vision_data import VisionExample
+    from posttrain.sft.vision_rows import vision_rows
+
+    one = example([5, IMG, 6, 7], [0, 0, 1, 1])
+    pixels = np.ones((2, 4, 48), np.float32)
+    two = VisionExample(one.tokens, one.loss_mask, pixels, np.zeros((2, 4, 2), np.int32))
+    rows = vision_rows([one, two], 6, 2, pad_id=9)
+    np.testing.assert_array_equal(rows["input_tokens"][0], [5, IMG, 6, 7, 9, 9])
+    np.testing.assert_array_equal(rows["segment_ids"][0], [1, 1, 1, 1, 0, 0])
+    np.testing.assert_array_equal(rows["positions"][0], [0, 1, 2, 3, 0, 0])
+    assert rows[PATCH_POSITIONS][0, 1].min() == rows[PATCH_POSITIONS][0, 1].max() == -1
+    assert rows[PIXELS][0, 1].max() == 0 and rows[PIXELS][1].min() == 1
+    assert rows[PATCH_POSITIONS][1].max() == 0
+    with pytest.raises(ValueError, match="row 1 has 2 images, more than 1 per row"):
+        vision_rows([one, two], 6, 1, pad_id=0)
+    blind = VisionExample(one.tokens, one.loss_mask, np.zeros((0, 4, 48)), np.zeros((0, 4, 2)))
+    with pytest.raises(ValueError, match="no example has an image"):
+        vision_rows([blind], 6, 1, pad_id=0)
