@@ -55,6 +55,10 @@ def generate(args) -> int:
             "run `posttrain sft` first, or pass --model PRESET|DIR"
         )
     prompts = _prompts(args)
+    if args.image:  # a model without a tower is refused before it is read
+        from posttrain.commands.generate_image import check_image_model
+
+        check_image_model(args.image, spec)
     mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
     with sharding.use_mesh(mesh):
         model, tok = _model_and_tokenizer(args, spec, mesh)

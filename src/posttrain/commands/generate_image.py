@@ -5,6 +5,28 @@ soft tokens placed in the prefill."""
 from __future__ import annotations
 
 
+def check_image_model(image: str, spec: str) -> None:
+    """Refuses ``--image`` with a model whose config has no vision tower, before the model
+    is read (:func:`posttrain.limits.checkpoint_config`).
+
+    Raises:
+      ValueError: naming the image and the model.
+    """
+    from posttrain import limits
+
+    if limits.checkpoint_config(spec)[0].vision is None:
+        raise ValueError(_no_tower(image, spec))
+
+
+def _no_tower(image: str, spec: str) -> str:
+    from posttrain.sft.vision_run import VISION_MODEL
+
+    return (
+        f"--image {image!r}: --model {spec!r} has no vision tower (e.g. use {VISION_MODEL} "
+        "or a `posttrain sft --vision` export)"
+    )
+
+
 def image_prompt(image: str, prompts: list[dict], model, tok, template, spec: str):
     """``(prompt ids [T], images)`` of ``--image`` and its one prompt for ``model``:
     the user turn ``[image, text]`` in ``template`` with its generation prompt, the image
@@ -27,10 +49,7 @@ def image_prompt(image: str, prompts: list[dict], model, tok, template, spec: st
         raise ValueError(f"--image {image!r} takes exactly one --prompt (got {len(prompts)})")
     vision = model.config.vision
     if vision is None:
-        raise ValueError(
-            f"--image {image!r}: --model {spec!r} has no vision tower (e.g. use "
-            f"{vision_run.VISION_MODEL} or a `posttrain sft --vision` export)"
-        )
+        raise ValueError(_no_tower(image, spec))
     processing = vision_run.image_processing(spec, vision)
     pixels = vision_data.load_image(image, processing, "--image")
     patches, positions, soft = vision_data.image_patches(pixels, processing)
