@@ -331,3 +331,44 @@ def test_rows_refuse_more_images_than_their_slots_and_pad_the_rest():
     blind = VisionExample(one.tokens, one.loss_mask, np.zeros((0, 4, 48)), np.zeros((0, 4, 2)))
     with pytest.raises(ValueError, match="no example has an image"):
         vision_rows([blind], 6, 1, pad_id=0)
+
+
+def test_the_exported_processor_config_reads_back_as_the_run_prepared_images(tmp_path):
+    """``preprocessor_config.json`` of the run's processing reads back as it (every field),
+    and a model directory holding one is prepared by it; a preset by the tower's sizes."""
+    from posttrain.sft.vision_data import ImageProcessing
+
+    preset = vision_run.image_processing("gemma4-vision-tiny", VISION)
+    assert (preset.patch_size, preset.pooling_kernel_size) == (4, 2)
+    assert preset.max_soft_tokens == vision_run.PRESET_SOFT_TOKENS
+    other = ImageProcessing(
+        patch_size=4,
+        pooling_kernel_size=2,
+        max_soft_tokens=9,
+        resample=2,
+        rescale_factor=0.5,
+        do_normalize=True,
+        image_mean=(0.1, 0.2, 0.3),
+        image_std=(0.4, 0.5, 0.6),
+    )
+    config = vision_run.processor_config(other)
+    (tmp_path / vision_run.PROCESSOR_FILE).write_text(json.dumps(config))
+    assert vision_run.image_processing(str(tmp_path), VISION) == other
+    (tmp_path / vision_run.PROCESSOR_FILE).write_text("{oops")
+    with pytest.raises(ValueError, match="preprocessor_config.json: not readable JSON"):
+        vision_run.image_processing(str(tmp_path), VISION)
+
+
+def test_the_default_model_becomes_the_vision_preset_only_under_vision():
+    """``--vision`` turns the default ``--model`` into the vision preset and leaves a given
+    one (or a text run) alone; the tokenizer's image token is the placeholder."""
+    assert vision_run.resolved(SFTConfig(vision=True)).model == vision_run.VISION_MODEL
+    assert vision_run.resolved(SFTConfig()).model == "qwen3-tiny"
+    given = SFTConfig(vision=True, model="some/dir")
+    assert vision_run.resolved(given) is given
+    assert vision_run.placeholder_of(byte_tokenizer(), VISION) == "<|reserved_1|>"
+    import dataclasses
+
+    beyond = dataclasses.replace(VISION, image_token_id=9999)  # past the byte vocabulary
+    with pytest.raises(ValueError, match="no single token for the tower's image_token_id=9999"):
+        vision_run.placeholder_of(byte_tokenizer(), beyond)
