@@ -320,6 +320,15 @@ def test_rows_refuse_more_images_than_their_slots_and_pad_the_rest():
     pixels = np.ones((2, 4, 48), np.float32)
     two = VisionExample(one.tokens, one.loss_mask, pixels, np.zeros((2, 4, 2), np.int32))
     rows = vision_rows([one, two], 6, 2, pad_id=9)
+    # the dtypes the step is compiled for (Tunix shards them as they come)
+    assert {k: v.dtype.name for k, v in rows.items()} == {
+        "input_tokens": "int32",
+        "input_mask": "int32",
+        "positions": "int32",
+        "segment_ids": "int32",
+        PIXELS: "float32",
+        PATCH_POSITIONS: "int32",
+    }
     np.testing.assert_array_equal(rows["input_tokens"][0], [5, IMG, 6, 7, 9, 9])
     np.testing.assert_array_equal(rows["segment_ids"][0], [1, 1, 1, 1, 0, 0])
     np.testing.assert_array_equal(rows["positions"][0], [0, 1, 2, 3, 0, 0])
