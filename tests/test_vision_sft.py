@@ -381,3 +381,22 @@ def test_the_default_model_becomes_the_vision_preset_only_under_vision():
     beyond = dataclasses.replace(VISION, image_token_id=9999)  # past the byte vocabulary
     with pytest.raises(ValueError, match="no single token for the tower's image_token_id=9999"):
         vision_run.placeholder_of(byte_tokenizer(), beyond)
+
+
+def test_a_run_recorded_before_the_vision_options_resumes_as_a_text_run(tmp_path):
+    """``run.json`` of a run recorded before ``vision`` existed reads as ``vision=False``
+    (its default then): the text run resumes, a ``--vision`` one is refused naming it."""
+    from posttrain.runs import record
+
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = SFTConfig(output=str(out))
+    record.record_segment(out, cfg, {}, 0)
+    body = json.loads((out / "run.json").read_text())
+    for part in (body.get("settings", {}), *body.get("segments", [])):
+        part.pop("vision", None)
+        part.pop("train_vision_tower", None)
+    (out / "run.json").write_text(json.dumps(body))
+    record.check_resumable(cfg, out)
+    with pytest.raises(ValueError, match="vision False -> True"):
+        record.check_resumable(SFTConfig(output=str(out), vision=True), out)
