@@ -546,14 +546,24 @@ def test_the_vision_cell_reads_the_run_and_says_na_without_the_images_field(tmp_
     last = 2.0 - (steps - 1)
     assert cell == {"status": "passed", "message": f"3 vision steps, loss 2.0000 -> {last:.4f}"}
     cell = vision_cell.run_cell(release, env, {}, runner(vision_cell.NO_FIELD, 0, steps))
-    assert cell["status"] == "skipped" and "no images field" in cell["message"]
-    assert vision_cell.run_cell(emulated, env, {}, runner(0, 0, steps))["status"] == "skipped"
+    assert cell == {
+        "status": "skipped",
+        "message": "this Tunix's TrainingInput has no images field (google-tunix >= 0.1.6 has it)",
+    }
+    assert vision_cell.run_cell(emulated, env, {}, runner(0, 0, steps)) == {
+        "status": "skipped",
+        "message": "the vision run drives the installed trainer; the run is the base release's",
+    }
     assert vision_cell.run_cell(release, env, {}, runner(1, 0, steps)) == {
         "status": "failed",
         "message": "ImportError: x",
     }
-    assert vision_cell.run_cell(release, env, {}, runner(0, 1, steps))["status"] == "failed"
-    assert vision_cell.run_cell(release, env, {}, runner(0, 0, steps - 1))["status"] == "failed"
+    assert vision_cell.run_cell(release, env, {}, runner(0, 1, steps)) == {
+        "status": "failed",
+        "message": "ValueError: boom",
+    }
+    short = vision_cell.run_cell(release, env, {}, runner(0, 0, steps - 1))
+    assert short["status"] == "failed" and short["message"].startswith("metrics: [{'step': 1")
 
 
 def test_every_run_cell_is_a_report_column_in_order():
