@@ -120,8 +120,13 @@ TARGETS: dict[str, list[str]] = {
     "harness/progress.py": ["tests/test_matrix_progress.py"],
     "harness/bisect.py": ["tests/test_bisect.py"],
     "harness/run_cells.py": ["tests/test_matrix.py", "tests/test_matrix_sources.py"],
-    "harness/bisect_suggestions.py": ["tests/test_bisect.py"],
-    "harness/git_history.py": ["tests/test_bisect.py"],
+    # without the bisections that build environments (a minute per mutant)
+    "harness/bisect_suggestions.py": ["tests/test_bisect.py", "-k", "suggests"],
+    "harness/git_history.py": [
+        "tests/test_bisect.py",
+        "-k",
+        "not real_bisection and not matrix_bisect_runs",
+    ],
     # the gate's command, exit status and summary; the subcommands' bodies (#37's split)
     "harness/gate.py": ["tests/test_verdicts.py", "tests/test_harness.py"],
     "harness/subcommands.py": [
