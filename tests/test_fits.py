@@ -188,7 +188,10 @@ def test_a_refused_or_tight_row_shows_its_reason_and_figures():
         fits.row_of(fits.seed("llama3.1-70b sft remat none"), refused=REFUSAL),
     ]
     header, rule, *body = fits.markdown_lines(rows)
-    assert header.startswith("| configuration | slice | verdict | peak per device | HBM |")
+    assert header == (
+        "| configuration | slice | verdict | peak per device | HBM | headroom | compile | "
+        "measured |"
+    )
     assert rule == "|---|---|---|---|---|---|---|---|"
     line = next(x for x in body if x.startswith("| qwen3-30b-a3b lora grpo |"))
     hbm = topology.get("v5p-32").hbm_bytes / GIB
@@ -248,13 +251,16 @@ def test_main_plans_the_chosen_seeds_and_keeps_the_other_rows_in_seed_order(
 
 
 def test_main_without_only_plans_every_seed_into_reports(tmp_path, monkeypatch, capsys):
-    """No ``--only``: every seed, into ``reports/`` under the working directory (made)."""
+    """No ``--only``: every seed, into ``reports/`` under the working directory (made); a
+    ``--report-dir`` is made with its parents."""
     run, calls = _fake_run({})
     monkeypatch.setattr(fits, "run", run)
     monkeypatch.chdir(tmp_path)
     assert fits.main([]) == 0
     assert calls == [s.name for s in fits.SEEDS]
     assert [r["name"] for r in fits.load(tmp_path / "reports")] == calls
+    assert fits.main(["--only", calls[0], "--report-dir", "weekly/fits"]) == 0
+    assert [r["name"] for r in fits.load(tmp_path / "weekly" / "fits")] == calls[:1]
     with pytest.raises(SystemExit) as e:
         fits.main(["--help"])
     assert e.value.code == 0
