@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 
 def main(argv=None) -> int:
@@ -41,106 +39,23 @@ def main(argv=None) -> int:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
     import jax
-    import numpy as np
-    import optax
-    from _tunix_models import tunix_qwen3_config
-    from flax import nnx
+    from _timing import interleaved_medians
     from jax.sharding import NamedSharding, PartitionSpec
-    from tunix.models.qwen3 import model as tunix_qwen3
-    from tunix.sft import peft_trainer
 
     from posttrain import sharding
-    from posttrain.models import build_model, get_config
-    from posttrain.preference import data, tunix_dpo
-    from posttrain.preference.default_data import pydoc_pairs
-    from posttrain.preference.trainer import DPOTrainer
-    from posttrain.rl.policy import TunixPolicy, reference_of
-    from posttrain.sft.trainer import SFTOptions, SFTTrainer
-    from posttrain.tokenizer import byte_tokenizer
+    from posttrain.models import get_config
 
     cfg = get_config("qwen3-tiny")
     mesh = sharding.make_mesh(None)
     pairs = args.pairs_per_device * sharding.data_parallel_size(mesh)
-    train, _ = pydoc_pairs()
-    batch = {
-        k: v[:pairs]
-        for k, v in data.encode_pairs(
-            train,
-            byte_tokenizer(),
-            max_prompt_length=args.prompt,
-            max_response_length=args.response,
-        ).items()
-    }
-    seq = args.prompt + args.response
-    # SFT rows: each pair's prompt + chosen, left-aligned, the chosen tokens as targets.
-    sft_rows = {k: np.zeros((pairs, seq), np.int32) for k in ("input_tokens", "input_mask")}
-    sft_rows["segment_ids"] = np.zeros((pairs, seq), np.int32)
-    sft_rows["positions"] = np.zeros((pairs, seq), np.int32)
-    for i in range(pairs):
-        p = batch["prompt_ids"][i][batch["prompt_mask"][i] > 0]
-        c = batch["chosen_ids"][i][batch["chosen_mask"][i] > 0]
-        ids = np.concatenate([p, c])
-        sft_rows["input_tokens"][i, : len(ids)] = ids
-        sft_rows["input_mask"][i, len(p) : len(ids)] = 1
-        sft_rows["segment_ids"][i, : len(ids)] = 1
-        sft_rows["positions"][i, : len(ids)] = np.arange(len(ids))
-
-    def peft_config(**values):
-        return {"eval_every_n_steps": 10**9, "max_steps": 10**9, **values}
-
-    def dpo_config():
-        return tunix_dpo.training_config(
-            algorithm="dpo",
-            beta=0.1,
-            label_smoothing=0.0,
-            lambda_orpo=0.1,
-            data_sharding_axis=("fsdp",),
-            **peft_config(),
-        )
-
-    with sharding.use_mesh(mesh):
-        model = build_model(cfg, mesh, seed=0)
-        policy = TunixPolicy(model)
-        ours = DPOTrainer(
-            policy,
-            reference_of(policy),
-            optax.adamw(1e-4),
-            dpo_config(),
-            options=SFTOptions(mesh=mesh),
-        )
-        sft = SFTTrainer(
-            build_model(cfg, mesh, seed=0),
-            optax.adamw(1e-4),
-            peft_trainer.TrainingConfig(**peft_config()),
-            options=SFTOptions(mesh=mesh),
-        )
-
-    theirs_cfg = tunix_qwen3_config(cfg)
-    theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1), ("fsdp", "tp"))
-
-    def tunix_model():
-        model = tunix_qwen3.Qwen3(theirs_cfg, rngs=nnx.Rngs(0))
-        state = nnx.state(model)
-        specs = nnx.get_partition_spec(state)  # from Tunix's sharding annotations
-        placed = jax.tree.map(
-            lambda x, s: jax.device_put(x, NamedSharding(theirs_mesh, s)), state, specs
-        )
-        nnx.update(model, placed)
-        return model
-
-    theirs = tunix_dpo.trainer_class()(
-        tunix_model(), tunix_model(), optax.adamw(1e-4), dpo_config()
-    )
+    batch = _pairs(args, pairs)
+    sft_rows = _sft_rows(batch, args.prompt + args.response)
+    ours, sft, theirs, theirs_mesh = _trainers(cfg, mesh)
     batch_sharding = NamedSharding(theirs_mesh, PartitionSpec("fsdp"))
 
     def step_of(trainer, raw, place):
         step = trainer.jit_train_and_eval_step(False, True)[0]
-
-        def run():
-            example = trainer._prepare_inputs(place(raw))
-            return jax.block_until_ready(step(example))
-
-        return run
+        return lambda: jax.block_until_ready(step(trainer._prepare_inputs(place(raw))))
 
     runs = {
         "DPO (ours)": step_of(ours, batch, dict),
@@ -149,23 +64,109 @@ def main(argv=None) -> int:
         ),
         "SFT (ours, chosen rows)": step_of(sft, sft_rows, dict),
     }
-    times = {name: [] for name in runs}
     with sharding.use_mesh(mesh, jax_context=False):
-        for run in runs.values():
-            run()  # compile
-        for _ in range(args.repeats):
-            for name, run in runs.items():
-                t0 = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - t0)
-    median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        median = {k: s * 1e3 for k, s in interleaved_medians(runs, args.repeats).items()}
+    _report(args, batch, median, pairs, ours.convention.name)
+    return 0
+
+
+def _pairs(args, pairs: int) -> dict:
+    """The first ``pairs`` embedded preference pairs, encoded (``posttrain.preference.data``)."""
+    from posttrain.preference import data
+    from posttrain.preference.default_data import pydoc_pairs
+    from posttrain.tokenizer import byte_tokenizer
+
+    train, _ = pydoc_pairs()
+    encoded = data.encode_pairs(
+        train, byte_tokenizer(), max_prompt_length=args.prompt, max_response_length=args.response
+    )
+    return {k: v[:pairs] for k, v in encoded.items()}
+
+
+def _sft_rows(batch: dict, seq: int) -> dict:
+    """SFT rows of the pairs: each prompt + chosen, left-aligned, the chosen tokens as
+    targets (``[pairs, seq]`` int32 each)."""
+    import numpy as np
+
+    pairs = len(batch["prompt_ids"])
+    rows = {
+        k: np.zeros((pairs, seq), np.int32)
+        for k in ("input_tokens", "input_mask", "segment_ids", "positions")
+    }
+    for i in range(pairs):
+        p = batch["prompt_ids"][i][batch["prompt_mask"][i] > 0]
+        c = batch["chosen_ids"][i][batch["chosen_mask"][i] > 0]
+        ids = np.concatenate([p, c])
+        rows["input_tokens"][i, : len(ids)] = ids
+        rows["input_mask"][i, len(p) : len(ids)] = 1
+        rows["segment_ids"][i, : len(ids)] = 1
+        rows["positions"][i, : len(ids)] = np.arange(len(ids))
+    return rows
+
+
+def _trainers(cfg, mesh):
+    """``(our DPOTrainer, our SFTTrainer, Tunix's DPOTrainer over its Qwen3, Tunix's
+    mesh)``, full fine-tuning with AdamW."""
+    import jax
+    import numpy as np
+    import optax
+    from _tunix_models import tunix_qwen3_config
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from tunix.models.qwen3 import model as tunix_qwen3
+    from tunix.sft import peft_trainer
+
+    from posttrain import sharding
+    from posttrain.models import build_model
+    from posttrain.preference import tunix_dpo
+    from posttrain.preference.trainer import DPOTrainer
+    from posttrain.rl.policy import TunixPolicy, reference_of
+    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+
+    peft = {"eval_every_n_steps": 10**9, "max_steps": 10**9}
+
+    def dpo_config():
+        return tunix_dpo.training_config(
+            algorithm="dpo", beta=0.1, label_smoothing=0.0, lambda_orpo=0.1,
+            data_sharding_axis=("fsdp",), **peft,
+        )  # fmt: skip
+
+    with sharding.use_mesh(mesh):
+        policy = TunixPolicy(build_model(cfg, mesh, seed=0))
+        options = SFTOptions(mesh=mesh)
+        ours = DPOTrainer(
+            policy, reference_of(policy), optax.adamw(1e-4), dpo_config(), options=options
+        )
+        sft = SFTTrainer(
+            build_model(cfg, mesh, seed=0),
+            optax.adamw(1e-4),
+            peft_trainer.TrainingConfig(**peft),
+            options=options,
+        )
+    theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1), ("fsdp", "tp"))
+
+    def tunix_model():
+        model = tunix_qwen3.Qwen3(tunix_qwen3_config(cfg), rngs=nnx.Rngs(0))
+        state = nnx.state(model)
+        specs = nnx.get_partition_spec(state)  # from Tunix's sharding annotations
+        place = lambda x, s: jax.device_put(x, NamedSharding(theirs_mesh, s))  # noqa: E731
+        nnx.update(model, jax.tree.map(place, state, specs))
+        return model
+
+    theirs = tunix_dpo.trainer_class()(
+        tunix_model(), tunix_model(), optax.adamw(1e-4), dpo_config()
+    )
+    return ours, sft, theirs, theirs_mesh
+
+
+def _report(args, batch: dict, median: dict, pairs: int, convention: str) -> None:
     tokens = int(
         2 * batch["prompt_mask"].sum() + batch["chosen_mask"].sum() + batch["rejected_mask"].sum()
     )
     print(
         f"DPO step, qwen3-tiny shape, {pairs} pairs x (prompt {args.prompt} + response "
         f"{args.response}), full fine-tuning, 8 fake CPU devices, convention "
-        f"{ours.convention.name}; medians of {args.repeats}"
+        f"{convention}; medians of {args.repeats}"
     )
     for name, ms in median.items():
         print(f"  {name:<26}{ms:>9.1f} ms")
@@ -178,7 +179,6 @@ def main(argv=None) -> int:
         "(expected about 2.7: chosen + rejected + reference)"
     )
     print(f"  our DPO: {tokens / median['DPO (ours)'] * 1e3:,.0f} tokens/s ({tokens} per step)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -327,14 +327,7 @@ def test_each_logged_metric_equals_its_computation_from_the_same_batch():
     batch = {k: v[:8] for k, v in pairs().items()}
     with sharding.use_mesh(mesh, jax_context=False):
         example = trainer._prepare_inputs(batch)
-        chosen, rejected = tunix_dpo.compute_logps()(
-            trainer.model,
-            example.input_ids,
-            example.positions,
-            example.attention_mask,
-            example.logits_to_keep,
-            example.completion_mask,
-        )[:2]
+        chosen, rejected = tunix_dpo.example_logps(trainer.model, example)
     chosen, rejected = np.asarray(chosen, np.float64), np.asarray(rejected, np.float64)
     reward_c = beta * (chosen - np.asarray(example.ref_chosen_logps, np.float64))
     reward_r = beta * (rejected - np.asarray(example.ref_rejected_logps, np.float64))

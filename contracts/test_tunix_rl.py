@@ -389,11 +389,11 @@ def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
 
 
 def _one_update(tmp_path, grad_accum: int) -> dict:
-    """The actor's parameters after one GRPO update over 2 prompts x G completions, with
-    the training and rollout configs ``posttrain grpo`` builds (``rl.run._configs``) for
-    ``grad_accum`` micro-batches, SGD instead of its AdamW (Adam's per-parameter scaling
-    would hide a gradient scaled by the accumulation)."""
-    from posttrain.rl import run as rl_run
+    """The actor's parameters after one GRPO update over 2 prompts x G completions,
+    through the cluster and learner ``posttrain grpo`` builds (``rl.build.build_learner``)
+    for ``grad_accum`` micro-batches, SGD instead of its AdamW (Adam's per-parameter
+    scaling would hide a gradient scaled by the accumulation)."""
+    from posttrain.rl import build
     from posttrain.rl.options import GRPORunConfig
 
     cfg = GRPORunConfig(
@@ -409,29 +409,18 @@ def _one_update(tmp_path, grad_accum: int) -> dict:
     )
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
     tok = TunixTokenizer(byte_tokenizer())
-    with pytest.MonkeyPatch.context() as patch:
-        # the run's learning rate (5e-4) x 1000: a step large enough to measure
-        patch.setattr(optax, "adamw", lambda lr, **kwargs: optax.sgd(lr * 1000))
-        training, rollout, algo = rl_run._configs(
-            cfg, pathlib.Path(cfg.output), mesh, (tok.eos_id(),)
-        )
-    assert training.get_with_default("gradient_accumulation_steps", 1) == grad_accum
     model = build_model(get_config("qwen3-tiny"), seed=3)
-    actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
-    cluster = tunix_rl.cluster(
-        actor=actor,
-        reference=reference,
-        tokenizer=tok,
-        meshes={"actor": mesh, "reference": mesh, "rollout": mesh},
-        training=training,
-        rollout=rollout,
-    )
 
     def length(prompts, completions, **kwargs):  # rewards that differ within each group
         return [float(len(c)) for c in completions]
 
-    learner = tunix_rl.learner("grpo", cluster, algo, [length], seed=None)
-    with rl_run._saves():
+    with pytest.MonkeyPatch.context() as patch:
+        # the run's learning rate (5e-4) x 1000: a step large enough to measure
+        patch.setattr(optax, "adamw", lambda lr, **kwargs: optax.sgd(lr * 1000))
+        cluster, learner, _ = build.build_learner(cfg, model, tok, (mesh, mesh), [length])
+    training, _, _ = build.configs(cfg, pathlib.Path(cfg.output), mesh, tok.stop_ids)
+    assert training.get_with_default("gradient_accumulation_steps", 1) == grad_accum
+    with build.saves():
         learner.train([{"prompts": np.array(["1+1=", "2+2="]), "answer": np.array([2, 4])}])
     assert int(cluster.actor_trainer.train_steps) == 1
     return jax.tree.map(np.asarray, nnx.state(cluster.actor_trainer.model.model, nnx.Param))

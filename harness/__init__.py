@@ -4,7 +4,10 @@
   real accelerators) before JAX starts, and reports the environment.
 * :mod:`harness.pytest_plugin` applies it to every pytest run (``--devices``),
   registers the markers and hypothesis profiles and reports versions.
-* :mod:`harness.cli` is the ``posttrain-harness`` command (``devices``, ``gate``).
+* :mod:`harness.cli` is the ``posttrain-harness`` command's parser; :mod:`harness.gate`
+  runs the pre-merge gate and :mod:`harness.subcommands` the others (devices, launch,
+  matrix, bisect, report merge); :mod:`harness.mutants` the mutation runs over
+  :mod:`harness.mutant_targets`.
 
 Importing this package imports no JAX and changes no global state.
 """

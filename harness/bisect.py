@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import hashlib
 import json
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -34,12 +32,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from harness import distill_cell, matrix, sources
+from harness import matrix, run_cells, sources
 from harness.entries import CONVENTIONS, REPO, TEST_TOOLS, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error
-from harness.report import STATUSES
-from harness.report import cell as report_cell
-from harness.report import columns as report_columns
+from harness.git_history import (
+    Commit,
+    commits_between,
+    git_output,
+    local_checkout,
+    merged,
+    touched,
+)
+from harness.report import RUN_CELLS, STATUSES
 from posttrain import atomic
 
 Verdict = Literal["good", "bad", "skip"]
@@ -47,7 +51,6 @@ PACKAGES: dict[str, str] = {"tunix": "google-tunix", "qwix": "qwix", "flax": "fl
 """``--package`` -> the distribution a commit's tree installs as."""
 BASE_TUNIX = "0.1.7"
 """The Tunix release installed beside a Qwix or Flax commit."""
-RUN_CELLS = ("sft", "rl", "dpo", "distill")
 BUILD_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in")
 """Top-level files of a commit's tree that a build reads, besides the package itself."""
 
@@ -64,13 +67,6 @@ class Target:
 
     kind: Literal["node", "contract", "cell"]
     name: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Commit:
-    sha: str
-    date: str
-    subject: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,76 +119,6 @@ def parse_target(text: str, root: Path = REPO) -> Target:
         f"--contract {text!r}: no such contract; expected a node id (contracts/FILE::test), "
         f"a contract name (a matrix column) or one of {', '.join(RUN_CELLS)}"
     )
-
-
-def local_checkout(source: str, cache_root: Path) -> Path:
-    """``--source`` as a local repository: a directory as it is; a URL cloned (or
-    fetched again) into ``cache_root/sources/<hash of the URL>``.
-
-    Raises:
-      ValueError: the spec is empty, or the clone or fetch fails (git's last line).
-    """
-    parsed = sources.parse(source)
-    if parsed.path is not None:
-        return parsed.path
-    assert parsed.url is not None
-    digest = hashlib.sha256(parsed.url.encode()).hexdigest()[:16]
-    target = cache_root / "sources" / digest
-    if (target / ".git").is_dir():
-        command = ["git", "-C", str(target), "fetch", "--quiet", "--tags", "origin"]
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        command = ["git", "clone", "--quiet", parsed.url, str(target)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["git failed"])[-1]
-        raise ValueError(f"--source {source!r} cannot be had: {last}")
-    return target
-
-
-def _git(repo: Path, *args: str) -> str:
-    done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["git failed"])[-1]
-        raise ValueError(f"git {' '.join(args[:2])} in {repo}: {last}")
-    return done.stdout
-
-
-def commits_between(repo: Path, good: str, bad: str) -> tuple[Commit, Commit, list[Commit]]:
-    """The good and bad commits and the first-parent commits after good up to bad,
-    oldest first (bad last).
-
-    Raises:
-      ValueError: ``repo`` is not a git repository, a ref names nothing, or good is not
-        an ancestor of bad (one line each).
-    """
-    if (
-        not repo.is_dir()
-        or subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "--git-dir"], capture_output=True
-        ).returncode
-    ):
-        raise ValueError(f"--source {repo}: not a git repository")
-
-    def one(ref: str, flag: str) -> Commit:
-        try:
-            line = _git(repo, "log", "-1", "--format=%H%x00%cI%x00%s", ref, "--")
-        except ValueError:
-            raise ValueError(f"{flag} {ref!r}: no such commit in {repo}") from None
-        sha, date, subject = line.rstrip("\n").split("\x00", 2)
-        return Commit(sha, date, subject)
-
-    first, last = one(good, "--good"), one(bad, "--bad")
-    if subprocess.run(
-        ["git", "-C", str(repo), "merge-base", "--is-ancestor", first.sha, last.sha]
-    ).returncode:
-        raise ValueError(f"--good {good!r} is not an ancestor of --bad {bad!r}")
-    log = _git(
-        repo, "log", "--reverse", "--first-parent", "--format=%H%x00%cI%x00%s",
-        f"{first.sha}..{last.sha}",
-    )  # fmt: skip
-    between = [Commit(*line.split("\x00", 2)) for line in log.splitlines() if line]
-    return first, last, between
 
 
 def search(
@@ -253,7 +179,7 @@ class Stepper:
             tree.mkdir(parents=True)
             # only what a build reads: the package and the top-level build files (a
             # snapshot may lack large blobs elsewhere, docs' images)
-            top = _git(self.repo, "ls-tree", "--name-only", commit.sha).split("\n")
+            top = git_output(self.repo, "ls-tree", "--name-only", commit.sha).split("\n")
             keep = [n for n in top if n == self.package or n in BUILD_FILES
                     or n.startswith(("README", "LICENSE"))]  # fmt: skip
             archive = subprocess.run(
@@ -299,13 +225,7 @@ class Stepper:
     def _run(self, entry: Entry, env: EnvResult) -> tuple[Verdict, str]:
         environ = matrix.entry_environ(entry, env)
         if self.target.kind == "cell":
-            runs = {
-                "sft": matrix._sft,
-                "rl": matrix._rl,
-                "dpo": matrix._dpo,
-                "distill": distill_cell.run_cell,
-            }
-            cell = runs[self.target.name](entry, env, environ, self.runner)
+            cell = run_cells.CELLS[self.target.name](entry, env, environ, self.runner)
             return _verdict([cell], "fail"), cell["message"]
         with tempfile.TemporaryDirectory() as tmp:
             junit_file = Path(tmp) / "bisect.xml"
@@ -338,13 +258,6 @@ def _describe(cells: Sequence[dict[str, Any]]) -> str:
     """The worst cell's status and message."""
     worst = max(cells, key=lambda c: STATUSES.index(c["status"]))
     return f"{worst['status']}: {worst['message']}" if worst["message"] else worst["status"]
-
-
-def touched(repo: Path, commit: Commit, package: str) -> list[str]:
-    """The files ``commit`` changed under the package's directory (all, if none)."""
-    names = _git(repo, "show", "--name-only", "--format=", commit.sha).split()
-    inside = [n for n in names if n.startswith(f"{package}/")]
-    return inside or names
 
 
 def bisect(
@@ -396,16 +309,6 @@ def bisect(
     return result
 
 
-def merged(repo: Path, commit: Commit) -> list[str]:
-    """A merge's own commits (``sha subject``, oldest first: what its second parent
-    brought in, where the change itself is); ``[]`` for a plain commit."""
-    parents = _git(repo, "log", "-1", "--format=%P", commit.sha).split()
-    if len(parents) < 2:
-        return []
-    log = _git(repo, "log", "--reverse", "--format=%H %s", f"{parents[0]}..{parents[1]}")
-    return log.splitlines()
-
-
 def summary(result: dict[str, Any]) -> list[str]:
     """The lines printed at the end."""
     steps = len(result["steps"])
@@ -422,60 +325,6 @@ def summary(result: dict[str, Any]) -> list[str]:
         ]
     shas = ", ".join(c["sha"][:12] for c in result["candidates"])
     return [f"skipped commits leave the first bad one among: {shas} ({steps} steps)"]
-
-
-def suggestions(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
-    """For each FAIL or warn cell of a source row whose column the newest release row
-    passes cleanly (no deprecation): the ``bisect`` command that names the commit.
-    ``{"entry", "column", "status", "command"}`` each; the report's summary lists them."""
-    from packaging.version import InvalidVersion, Version
-
-    def version(row: dict[str, Any]) -> Version:
-        try:
-            return Version(row["tunix"])
-        except InvalidVersion:
-            return Version("0")
-
-    releases = [
-        r for r in rows
-        if r["flavour"] == "current" and not r.get("emulated") and not r.get("source")
-    ]  # fmt: skip
-    if not releases:
-        return []
-    newest = max(releases, key=version)
-    found = []
-    for row in rows:
-        source = row.get("source") or {}
-        if not source.get("resolved"):
-            continue
-        for column in report_columns([row]):
-            here, there = report_cell(row, column), report_cell(newest, column)
-            if not here or here["status"] not in ("failed", "error", "warned"):
-                continue
-            if not there or there["status"] != "passed" or there.get("warnings"):
-                continue
-            target = column if column in RUN_CELLS else here.get("test") or column
-            command = [
-                "posttrain-harness", "bisect", "--source", source["spec"],
-                "--good", f"v{newest['tunix']}", "--bad", source["resolved"],
-                "--contract", target,
-            ]  # fmt: skip
-            if here["status"] == "warned":
-                command += ["--verdict", "warn"]
-            found.append(
-                {
-                    "entry": row["name"],
-                    "column": column,
-                    "status": here["status"],
-                    "command": shlex.join(command),
-                    "source": source["spec"],
-                    "good": f"v{newest['tunix']}",
-                    "bad": source["resolved"],
-                    "contract": target,
-                    "verdict": "warn" if here["status"] == "warned" else "fail",
-                }
-            )
-    return found
 
 
 def run_suggestions(

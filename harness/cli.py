@@ -22,32 +22,23 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import collections
-import importlib.util
-import json
 import os
 import re
-import shlex
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from harness import junit, sources
-from harness.devices import configure_devices, device_facts, suite_env
-from posttrain import atomic
-
-PYTEST_NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
-JUNIT_NAME = "junit-gate.xml"
-SUMMARY_NAME = "gate-summary.json"
-MAX_LISTED = 20  # failures / skip reasons printed; the JSON summary has them all
-MESSAGE_WIDTH = 160
-REFERENCE_REPORTS = "reports"
-"""The committed matrix report (the project's reference), relative to the checkout."""
-LATEST_REPORTS = "reports/latest"
-"""Where a user's matrix run writes by default (ignored by git)."""
+from harness import sources
+from harness.gate import run_gate
+from harness.subcommands import (
+    LATEST_REPORTS,
+    REFERENCE_REPORTS,
+    run_bisect,
+    run_launch,
+    run_matrix,
+    run_report_merge,
+    show_devices,
+)
 
 
 def default_compile_cache() -> str:
@@ -68,6 +59,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    _devices_command(commands)
+    _gate_command(commands)
+    _launch_command(commands)
+    _matrix_command(commands)
+    _bisect_command(commands)
+    _report_command(commands)
+    return parser
+
+
+def _devices_command(commands) -> None:
+    """``devices``: the device source to configure and print."""
     devices = commands.add_parser(
         "devices", help="print the backend, device count and devices", allow_abbrev=False
     )
@@ -78,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
         help="N fake CPU devices or 'real' (default: $POSTTRAIN_DEVICES or 8)",
     )
 
+
+def _gate_command(commands) -> None:
+    """``gate``: the pre-merge gate (pytest arguments after ``--``)."""
     gate = commands.add_parser(
         "gate",
         help="run the pre-merge gate (pytest args after --)",
@@ -101,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
         help="JAX persistent compilation cache shared by the workers and kept between runs "
         "(default: $JAX_COMPILATION_CACHE_DIR or %(default)s); 'off' disables it",
     )
+
+
+def _launch_command(commands) -> None:
+    """``launch``: N local processes of the command after ``--``, one JAX runtime."""
     launch = commands.add_parser(
         "launch",
         help="run a command in N local processes as one JAX runtime (command after --)",
@@ -119,6 +128,10 @@ def _parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds between SIGTERM and SIGKILL when stopping the others (default 10)",
     )
+
+
+def _matrix_command(commands) -> None:
+    """``matrix``: the Tunix compatibility matrix and its report."""
     matrix = commands.add_parser(
         "matrix",
         help="run contracts + a short SFT run in one env per compat/ entry; write the report",
@@ -177,6 +190,10 @@ def _parser() -> argparse.ArgumentParser:
         "cleanly, run the bisect the report suggests and name the commit in its summary",
     )
     _index_option(matrix)
+
+
+def _bisect_command(commands) -> None:
+    """``bisect``: the upstream commit that first breaks a contract or run cell."""
     bisect = commands.add_parser(
         "bisect",
         help="name the upstream commit that first breaks a contract (or a run cell)",
@@ -211,6 +228,10 @@ def _parser() -> argparse.ArgumentParser:
     bisect.add_argument(
         "--cache", default=None, type=Path, help="environment cache (as matrix --cache)"
     )
+
+
+def _report_command(commands) -> None:
+    """``report merge``: one matrix report from per-entry reports."""
     report_cmd = commands.add_parser(
         "report",
         help="the matrix report from per-entry reports (report merge DIR...)",
@@ -230,7 +251,6 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--report-dir", default=LATEST_REPORTS, type=Path)
     merge.add_argument("--entries", default=None, type=Path, help="entries file (row order)")
     _index_option(merge)
-    return parser
 
 
 def _index_option(parser: argparse.ArgumentParser) -> None:
@@ -302,360 +322,6 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace, passthr
     if passthrough:
         parser.error("arguments after -- are for 'gate' and 'launch' only")
     return show_devices(args.devices)
-
-
-def run_launch(args: argparse.Namespace, command: list[str]) -> int:
-    """``posttrain-harness launch``: :func:`harness.launch.launch`; bad input is one line
-    and exit status 2, before any process starts."""
-    from harness import launch
-
-    try:
-        return launch.launch(
-            args.n, command, devices_per_process=args.devices_per_process, grace=args.grace
-        )
-    except ValueError as error:
-        print(f"posttrain-harness launch: error: {error}", file=sys.stderr)
-        return 2
-    except launch.Stopped as stopped:
-        print(f"posttrain-harness launch: {stopped}; ranks stopped", file=sys.stderr)
-        return 128 + stopped.signum
-
-
-def run_matrix(args: argparse.Namespace) -> int:
-    """Runs the selected matrix entries and writes the report (``--list``: prints them).
-
-    Exit status: 0 when no cell of the written report fails (``warn`` and ``n/a`` pass;
-    with ``--update`` the kept rows count too) and every row ran, 1 otherwise, 2 for bad
-    options (a malformed ``--tunix-source`` included; an unreachable one is an error row).
-    """
-    import platform
-
-    from harness import entries, envs, matrix, progress, report
-
-    try:
-        loaded = entries.load_entries(args.entries or entries.ENTRIES_FILE)
-        chosen = entries.select(loaded, args.only, args.all)
-        if args.tunix_source is not None:
-            parsed = sources.parse(args.tunix_source)  # malformed: exit 2 now
-            if parsed.path is not None:  # a local tree that is not there: bad input, not a row
-                sources.check_directory(parsed.path, args.tunix_source)
-            loaded, row = entries.with_source(loaded, args.tunix_source)
-            chosen = [row if e.name == row.name else e for e in chosen]
-            chosen += [] if row in chosen else [row]
-    except ValueError as error:
-        print(f"posttrain-harness matrix: {sources.redact(str(error))}", file=sys.stderr)
-        return 2
-    if args.list:
-        return _list_entries(chosen, as_json=args.json)
-    start = time.monotonic()
-    shown = progress.Progress(len(chosen))
-    try:
-        rows = matrix.run(
-            chosen,
-            loaded,
-            envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
-            args.report_dir,
-            args.jobs,
-            rebuild=args.rebuild,
-            progress=shown,
-        )
-    finally:
-        shown.close()
-    machine = (
-        f"{platform.node()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, {len(rows)} entries in "
-        f"{time.monotonic() - start:.0f} s"
-    )
-    try:
-        previous = report.load(args.report_dir)
-    except ValueError as error:
-        print(f"posttrain-harness matrix: {error}; not compared", file=sys.stderr)
-        previous = None
-    if args.update and previous:
-        ran = len(rows)
-        rows = report.combine([previous["entries"], rows], [e.name for e in loaded])
-        machine += f" ({ran} rerun with --update; the other {len(rows) - ran} rows kept)"
-    if previous is None:
-        previous = _reference_report(args.report_dir)
-    named = None
-    if args.bisect:
-        from harness import bisect
-
-        named = bisect.run_suggestions(
-            bisect.suggestions(rows),
-            envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
-            log=lambda line: print(sources.redact(line), file=sys.stderr, flush=True),
-        )
-    return _write_report(rows, machine, previous, args, [e.name for e in loaded], named)
-
-
-def _reference_report(report_dir: Path) -> dict[str, Any] | None:
-    """The committed reference report, to compare a first run in another directory with
-    (None when ``report_dir`` is the reference's, or it is absent or unreadable)."""
-    from harness import entries, report
-
-    reference = entries.REPO / REFERENCE_REPORTS
-    if report_dir.resolve() == reference.resolve():
-        return None
-    try:
-        return report.load(reference)
-    except ValueError:
-        return None
-
-
-def _write_report(
-    rows,
-    machine: str,
-    previous,
-    args: argparse.Namespace,
-    every: Sequence[str],
-    bisected: list[dict[str, Any]] | None = None,
-) -> int:
-    """Builds (with drift, the flips against ``previous`` and the entries of ``every``
-    it leaves out), writes and prints the report; the exit status of its cells."""
-    from harness import bisect, drift, fits, report, report_md
-
-    built = report.build(
-        rows,
-        machine,
-        previous=previous,
-        drift=drift.check(rows, args.index_url),
-        not_run=every,
-        bisect=bisect.suggestions(rows) if bisected is None else bisected,
-        fits=fits.load(args.report_dir),  # the plans' rows beside the report, if any
-    )
-    paths = report.write(built, args.report_dir)
-    print(sources.redact(report_md.markdown(built)))
-    print("report: " + ", ".join(str(p) for p in paths), file=sys.stderr)
-    return 1 if built["broken"] else 0
-
-
-def _list_entries(chosen, as_json: bool) -> int:
-    if as_json:
-        fields = ("name", "tunix", "flavour", "convention", "default", "emulated", "source")
-        print(sources.redact(json.dumps([{f: getattr(e, f) for f in fields} for e in chosen])))
-        return 0
-    for e in chosen:
-        print(sources.redact(f"{e.name}\t{e.flavour}\t{e.convention}\t{e.source or e.tunix}"))
-    return 0
-
-
-def run_bisect(args: argparse.Namespace) -> int:
-    """``bisect``: the first bad commit, printed and written to ``bisect.json``. Exit
-    status 0 when one commit is named, 1 when skips leave a range, 2 for bad input
-    (refs, a contract that does not exist, endpoints that are not what they claim)."""
-    import tempfile
-
-    from harness import bisect, envs
-
-    def log(line: str) -> None:
-        print(sources.redact(line), file=sys.stderr, flush=True)
-
-    try:
-        target = bisect.parse_target(args.contract)
-        if target.kind == "cell" and args.verdict == "warn":
-            raise ValueError(f"--verdict warn needs a contract; run cell {target.name!r} "
-                             "records no deprecations")  # fmt: skip
-        repo = bisect.local_checkout(args.source, (args.cache or envs.DEFAULT_CACHE).parent)
-        with tempfile.TemporaryDirectory(prefix="bisect-") as work:
-            stepper = bisect.Stepper(
-                repo,
-                target,
-                package=args.package,
-                verdict=args.verdict,
-                cache=envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
-                work=Path(work),
-                log=log,
-            )
-            result = bisect.bisect(
-                repo, args.good, args.bad, target, stepper,
-                package=args.package, verdict=args.verdict,
-            )  # fmt: skip
-    except ValueError as error:
-        print(f"posttrain-harness bisect: {sources.redact(str(error))}", file=sys.stderr)
-        return 2
-    path = bisect.write(result, args.report_dir)
-    for line in bisect.summary(result):
-        print(line)
-    print(f"bisect: {path}", file=sys.stderr)
-    return 0 if result["first_bad"] else 1
-
-
-def run_report_merge(args: argparse.Namespace) -> int:
-    """``report merge DIR...``: the rows of each DIR's report, combined in the entries
-    file's order (as ``matrix --update``), written to ``--report-dir`` and compared with
-    the report already there. Exit status as ``matrix``; 2 for a missing or bad part."""
-    from harness import entries, report
-
-    parts = []
-    try:
-        loaded = entries.load_entries(args.entries or entries.ENTRIES_FILE)
-        for directory in args.parts:
-            part = report.load(directory)
-            if part is None:
-                raise ValueError(f"{directory} holds no compat-matrix.json")
-            if not part["entries"]:
-                raise ValueError(f"{directory}: its report holds no entries; nothing to merge")
-            parts.append(part)
-        previous = report.load(args.report_dir)
-    except ValueError as error:
-        print(f"posttrain-harness report merge: {error}", file=sys.stderr)
-        return 2
-    rows = report.combine([p["entries"] for p in parts], [e.name for e in loaded])
-    # a part's host: its machine line up to the details (", 2 cores ...") or an earlier
-    # merge's note ("; merged from ..."), so a merged report merged again says it once
-    machines = sorted({re.split(r"[,;]", p["machine"])[0].strip() for p in parts})
-    machine = f"{', '.join(machines)}; merged from {len(parts)} reports ({len(rows)} entries)"
-    return _write_report(rows, machine, previous, args, [e.name for e in loaded])
-
-
-def show_devices(devices: str | None) -> int:
-    """Prints backend, device count and devices after configuring ``devices``."""
-    try:
-        configure_devices(devices)
-    except (ValueError, RuntimeError) as error:
-        print(f"posttrain-harness devices: {error}", file=sys.stderr)
-        return 2
-    facts = device_facts()
-    print(f"backend: {facts['backend']}")
-    print(f"device_count: {facts['device_count']}")
-    print("devices:")
-    for device in facts["devices"]:
-        print(f"  {device}")
-    return 0
-
-
-def gate_command(args: argparse.Namespace, junit: Path, extra: Sequence[str]) -> list[str]:
-    """The pytest command line the gate runs."""
-    command = [sys.executable, "-m", "pytest"]
-    if importlib.util.find_spec("xdist") is not None:
-        # worksteal: an idle worker takes queued tests from a busy one, so a few long
-        # tests (SFT runs, MoE compiles) do not leave the other worker idle at the end.
-        command += ["-n", str(args.jobs), "--dist", "worksteal"]
-    else:
-        print("gate: pytest-xdist is not installed; running tests in one process", flush=True)
-    command += ["--strict-skips", f"--junitxml={junit}"]
-    if not args.slow:
-        command += ["-m", "not slow"]
-    if args.devices is not None:
-        command += ["--devices", str(args.devices)]
-    return [*command, *extra]  # extra last: a later -m/-n overrides ours
-
-
-def run_gate(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    """Runs the gate; returns its exit status (see the module docstring)."""
-    report_dir: Path = args.report_dir
-    report_dir.mkdir(parents=True, exist_ok=True)
-    junit = report_dir / JUNIT_NAME
-    junit.unlink(missing_ok=True)  # never summarise a stale report
-    command = gate_command(args, junit, extra)
-    print(f"gate: {shlex.join(command)}", flush=True)
-    start = time.monotonic()
-    pytest_code = subprocess.call(command, env=suite_env(args.compile_cache))
-    wall_time = time.monotonic() - start
-
-    summary = summarize_junit(junit) if junit.is_file() else empty_summary()
-    executed = sum(summary["counts"][key] for key in ("passed", "failed", "error"))
-    status, message = gate_exit_status(pytest_code, executed)
-    if not junit.is_file():
-        message += ", no JUnit report written"
-    summary.update(
-        result="passed" if status == 0 else "failed",
-        message=message,
-        exit_code=status,
-        pytest_exit_code=pytest_code,
-        wall_time_s=round(wall_time, 2),
-        command=command,
-        junit=str(junit) if junit.is_file() else None,
-    )
-    summary_path = report_dir / SUMMARY_NAME
-    atomic.write_text(summary_path, json.dumps(summary, indent=2) + "\n")
-    print(format_summary(summary, summary_path), flush=True)
-    return status
-
-
-def gate_exit_status(pytest_code: int, executed: int) -> tuple[int, str]:
-    """The gate's exit status and message from pytest's code and the tests that ran.
-
-    Args:
-        pytest_code: pytest's exit status.
-        executed: tests that passed, failed or errored (skips excluded).
-    """
-    if pytest_code == PYTEST_NO_TESTS_COLLECTED or (pytest_code == 0 and executed == 0):
-        return 1, "gate ran no tests"
-    if pytest_code == 0:
-        return 0, "gate passed"
-    return pytest_code, f"gate failed (pytest exit {pytest_code})"
-
-
-def empty_summary() -> dict[str, Any]:
-    """A summary with no results, for a run that wrote no JUnit report."""
-    return {
-        "counts": {**dict.fromkeys(junit.OUTCOMES, 0), "total": 0},
-        "failures": [],
-        "skip_reasons": {},
-        "junit_time_s": 0.0,
-        "properties": {},
-    }
-
-
-def summarize_junit(path: Path, root: Path | None = None) -> dict[str, Any]:
-    """Counts, failing tests and skip reasons of a pytest JUnit XML report.
-
-    Args:
-        path: the JUnit XML file.
-        root: directory test ids are resolved against (default: the current
-            directory, pytest's rootdir when run from the repository root).
-
-    Returns:
-        ``counts`` (one per :data:`harness.junit.OUTCOMES`, and ``total``), ``failures``
-        (each ``id``, ``outcome`` and first ``message`` line), ``skip_reasons`` (first
-        line -> count), ``junit_time_s`` and the testsuite ``properties``.
-    """
-    root = Path.cwd() if root is None else root
-    report = junit.read(path, MESSAGE_WIDTH)
-    summary = empty_summary()
-    counts = collections.Counter(case.outcome for case in report.cases)
-    summary["counts"] = {**summary["counts"], **counts, "total": len(report.cases)}
-    summary["failures"] = [
-        {"id": case.node_id(root), "outcome": case.outcome, "message": case.message}
-        for case in report.cases
-        if case.outcome in ("failed", "error")
-    ]
-    skips = collections.Counter(c.message for c in report.cases if c.outcome == "skipped")
-    summary["skip_reasons"] = dict(skips.most_common())
-    summary["junit_time_s"] = report.time_s
-    summary["properties"] = report.properties
-    return summary
-
-
-def format_summary(summary: dict[str, Any], summary_path: Path) -> str:
-    """The one-screen gate summary; its last line is ``gate: N passed, N failed, N skipped``."""
-    counts = summary["counts"]
-    lines = [
-        "-" * 24 + " posttrain-harness gate " + "-" * 24,
-        f"{summary['message']} in {summary['wall_time_s']:.1f} s "
-        f"(tests {summary['junit_time_s']:.1f} s)",
-        f"passed {counts['passed']}, failed {counts['failed']}, errors {counts['error']}, "
-        f"skipped {counts['skipped']} (of {counts['total']})",
-    ]
-    failures = summary["failures"]
-    if failures:
-        lines.append("failures and errors:")
-        for failure in failures[:MAX_LISTED]:
-            label = "FAILED" if failure["outcome"] == "failed" else "ERROR "
-            lines.append(f"  {label} {failure['id']}: {failure['message']}")
-        if len(failures) > MAX_LISTED:
-            lines.append(f"  ... and {len(failures) - MAX_LISTED} more in {summary_path}")
-    if summary["skip_reasons"]:
-        lines.append("skip reasons:")
-        for reason, count in list(summary["skip_reasons"].items())[:MAX_LISTED]:
-            lines.append(f"  {count:4d} x {reason}")
-    reports = ", ".join(str(p) for p in (summary["junit"], summary_path) if p is not None)
-    lines.append(f"reports: {reports}")
-    failed = counts["failed"] + counts["error"]
-    lines.append(f"gate: {counts['passed']} passed, {failed} failed, {counts['skipped']} skipped")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

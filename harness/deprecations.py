@@ -9,7 +9,7 @@ ignores alike). Each one seen while a test is set up, run or torn down, or while
 module is collected, is recorded on the test as the JUnit property
 ``upstream_deprecations``: a JSON list of ``"Category: message (file:line)"`` lines.
 A passing contract with such a property is a ``warn`` cell (``harness.matrix``).
-The pytest side (the plugin object that records) is ``harness.pytest_plugin.Recorder``;
+The pytest side (the plugin object that records) is ``harness.deprecation_recorder.Recorder``;
 this module needs no pytest, as the matrix's own process reads the properties.
 
 A deprecation attributed to our own code stays whatever ``filterwarnings`` makes it

@@ -88,6 +88,52 @@ def _describe(expected: Any) -> str:
     return " or ".join(_describe(a) for a in arms)
 
 
+def _entry(path: Path, i: int, item) -> tuple[Entry, str]:
+    """Entry ``i`` of file ``path``, checked alone (``load_entries`` checks the set), and
+    the ``where`` its errors start with.
+
+    Raises:
+      ValueError: as :func:`load_entries`, for this entry's own fields.
+    """
+    fields = {f.name for f in dataclasses.fields(Entry)} - {"resolved"}
+    if not isinstance(item, dict):
+        raise ValueError(f"{path}: entry {i} is a {type(item).__name__}; expected a table")
+    where = f"{path}: entry {i} ({item.get('name', '?')})"
+    unknown = sorted(set(item) - fields)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; expected {sorted(fields)}")
+    for name in ("name", "tunix", "flavour", "convention"):
+        if not isinstance(item.get(name), str):
+            raise ValueError(f"{where}: {name} = {item.get(name)!r}; expected a string")
+    source = item.get("source")
+    if source is not None and not (isinstance(source, str) and source.strip()):
+        raise ValueError(f"{where}: source = {source!r}; expected a git URL or a directory")
+    if source is not None and "://" not in source and "@" not in source.split("/")[0]:
+        local = Path(source).expanduser()  # a relative directory: relative to the file
+        item = {**item, "source": str(local if local.is_absolute() else path.parent / local)}
+    pins = item.get("pins", [])
+    if not (isinstance(pins, list) and all(isinstance(p, str) for p in pins)):
+        raise ValueError(f"{where}: pins = {pins!r}; expected a list of requirement strings")
+    for name, value in item.items():
+        expected = _FIELD_TYPES[name]
+        if not _has_type(value, expected):
+            raise ValueError(f"{where}: {name} = {value!r}; expected {_describe(expected)}")
+    try:
+        entry = Entry(**{**item, "pins": tuple(pins)})
+    except TypeError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if entry.flavour not in FLAVOURS:
+        raise ValueError(f"{where}: flavour {entry.flavour!r}; expected one of {FLAVOURS}")
+    if entry.convention not in CONVENTIONS:
+        raise ValueError(f"{where}: convention {entry.convention!r}; expected one of {CONVENTIONS}")
+    if (entry.flavour == "source") != (entry.source is not None):
+        raise ValueError(
+            f"{where}: flavour {entry.flavour!r} with source = {entry.source!r}; expected "
+            "a source (a git URL with @ref, or a directory) exactly for flavour 'source'"
+        )
+    return entry, where
+
+
 def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
     """Reads and checks the entries.
 
@@ -108,46 +154,9 @@ def load_entries(path: Path = ENTRIES_FILE) -> list[Entry]:
         raise ValueError(f"entries file {path}: not valid TOML ({e})") from None
     if not isinstance(raw, list):
         raise ValueError(f"{path}: 'entry' is a {type(raw).__name__}; expected [[entry]] tables")
-    fields = {f.name for f in dataclasses.fields(Entry)} - {"resolved"}
     entries: list[Entry] = []
     for i, item in enumerate(raw):
-        if not isinstance(item, dict):
-            raise ValueError(f"{path}: entry {i} is a {type(item).__name__}; expected a table")
-        where = f"{path}: entry {i} ({item.get('name', '?')})"
-        unknown = sorted(set(item) - fields)
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {unknown}; expected {sorted(fields)}")
-        for name in ("name", "tunix", "flavour", "convention"):
-            if not isinstance(item.get(name), str):
-                raise ValueError(f"{where}: {name} = {item.get(name)!r}; expected a string")
-        source = item.get("source")
-        if source is not None and not (isinstance(source, str) and source.strip()):
-            raise ValueError(f"{where}: source = {source!r}; expected a git URL or a directory")
-        if source is not None and "://" not in source and "@" not in source.split("/")[0]:
-            local = Path(source).expanduser()  # a relative directory: relative to the file
-            item = {**item, "source": str(local if local.is_absolute() else path.parent / local)}
-        pins = item.get("pins", [])
-        if not (isinstance(pins, list) and all(isinstance(p, str) for p in pins)):
-            raise ValueError(f"{where}: pins = {pins!r}; expected a list of requirement strings")
-        for name, value in item.items():
-            expected = _FIELD_TYPES[name]
-            if not _has_type(value, expected):
-                raise ValueError(f"{where}: {name} = {value!r}; expected {_describe(expected)}")
-        try:
-            entry = Entry(**{**item, "pins": tuple(pins)})
-        except TypeError as e:
-            raise ValueError(f"{where}: {e}") from None
-        if entry.flavour not in FLAVOURS:
-            raise ValueError(f"{where}: flavour {entry.flavour!r}; expected one of {FLAVOURS}")
-        if entry.convention not in CONVENTIONS:
-            raise ValueError(
-                f"{where}: convention {entry.convention!r}; expected one of {CONVENTIONS}"
-            )
-        if (entry.flavour == "source") != (entry.source is not None):
-            raise ValueError(
-                f"{where}: flavour {entry.flavour!r} with source = {entry.source!r}; expected "
-                "a source (a git URL with @ref, or a directory) exactly for flavour 'source'"
-            )
+        entry, where = _entry(path, i, item)
         if any(e.name == entry.name for e in entries):
             raise ValueError(f"{where}: duplicate name")
         entries.append(entry)

@@ -25,6 +25,8 @@ Per entry:
    passes when it exits 0 and its metrics hold a finite loss and margin per step.
    Emulated rows skip it (their DPO contracts run under the emulated convention).
 
+The runs (3.-5., and distill's) are :mod:`harness.run_cells`' :data:`CELLS`.
+
 The report (``compat-matrix.{md,json,html}``): rows = entries, columns = contracts
 (tests grouped by their ``contract(name)`` marker, else by test function) plus
 ``sft``, ``rl`` and ``dpo``; each cell pass / fail / skip / error with the first error
@@ -35,74 +37,17 @@ passing one.
 from __future__ import annotations
 
 import dataclasses
-import json
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import deprecations, distill_cell, junit, sources
+from harness import deprecations, junit, run_cells, sources
 from harness.devices import suite_env
 from harness.entries import REPO, Entry
 from harness.envs import EnvCache, EnvResult, Runner, _run, first_error, versions
 from harness.progress import Progress
 from harness.report import RUN_CELLS
-
-SFT_RUN: dict[str, Any] = {
-    "model": "qwen3-tiny",
-    "lora_rank": 4,
-    "grad_accum": 2,
-    "steps": 4,
-    "max_target_length": 64,
-    "save_every": 2,
-}
-"""The matrix's SFT run, as ``SFTConfig`` fields: a release row passes them to
-``posttrain sft`` as options (:func:`sft_argv`), an emulated row to ``run_sft``."""
-
-
-RL_RUN: dict[str, Any] = {
-    "model": "qwen3-tiny",
-    "lora_rank": 4,
-    "steps": 2,
-    "warmup_steps": 0,
-    "max_new_tokens": 4,
-    "eval_samples": 0,
-    "save_every": 1,
-}
-"""The matrix's GRPO run, as ``posttrain grpo`` options."""
-
-
-DPO_RUN: dict[str, Any] = {
-    "model": "qwen3-tiny",
-    "lora_rank": 4,
-    "grad_accum": 2,
-    "steps": 2,
-    "max_prompt_length": 48,
-    "max_response_length": 48,
-    "save_every": 1,
-}
-"""The matrix's DPO run, as ``posttrain dpo`` options."""
-
-
-def _argv(command: str, run: dict[str, Any], output: str) -> list[str]:
-    options = [x for k, v in run.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-    return [command, *options, "--output", output]
-
-
-def sft_argv(output: str) -> list[str]:
-    """``posttrain`` arguments of :data:`SFT_RUN` writing to ``output``."""
-    return _argv("sft", SFT_RUN, output)
-
-
-def rl_argv(output: str) -> list[str]:
-    """``posttrain`` arguments of :data:`RL_RUN` writing to ``output``."""
-    return _argv("grpo", RL_RUN, output)
-
-
-def dpo_argv(output: str) -> list[str]:
-    """``posttrain`` arguments of :data:`DPO_RUN` writing to ``output``."""
-    return _argv("dpo", DPO_RUN, output)
 
 
 def junit_cells(path: Path, root: Path = REPO) -> dict[str, dict[str, Any]]:
@@ -278,8 +223,7 @@ def run_entry(
         row["contracts"] = junit_cells(junit)
     if not row["contracts"]:
         row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
-    cells = (("sft", _sft), ("rl", _rl), ("dpo", _dpo), ("distill", distill_cell.run_cell))
-    for cell, runs in cells:
+    for cell, runs in run_cells.CELLS.items():
         row[cell] = timed(f"{cell} run", lambda runs=runs: runs(entry, env, environ, run))
     row["seconds"] = round(time.monotonic() - start, 1)
     return row
@@ -332,114 +276,3 @@ def compile_cache(env: EnvResult) -> Path:
     environments (in the environment cache's root), shared by every row."""
     assert env.path is not None
     return env.path.parent / "jax-compile"
-
-
-def _sft(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> dict[str, str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        if entry.emulated:
-            code = (
-                f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
-                f"from harness.matrix import emulated_sft; "
-                f"emulated_sft({entry.convention!r}, {tmp!r})"
-            )
-            command = [str(env.python), "-c", code]
-        else:
-            command = [str(env.python), "-m", "posttrain.cli", *sft_argv(tmp)]
-        done = run(command, environ)
-        if entry.emulated and done.returncode == NOT_APPLICABLE:
-            return {
-                "status": "skipped",
-                "message": first_error(done.stdout).removeprefix("posttrain: error: "),
-            }
-        metrics = Path(tmp) / "metrics.jsonl"
-        losses = (
-            [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-            if metrics.is_file()
-            else []
-        )
-    if done.returncode == 0 and losses and all(x == x and abs(x) < 1e6 for x in losses):
-        return {
-            "status": "passed",
-            "message": f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}",
-        }
-    return {"status": "failed", "message": first_error(done.stderr + done.stdout)}
-
-
-def _rl(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> dict[str, str]:
-    if entry.emulated:
-        return {
-            "status": "skipped",
-            "message": "emulated rows emulate SFT's train step; RL is their base release's",
-        }
-    with tempfile.TemporaryDirectory() as tmp:
-        done = run([str(env.python), "-m", "posttrain.cli", *rl_argv(tmp)], environ)
-        metrics = Path(tmp) / "metrics.jsonl"
-        records = (
-            [json.loads(line) for line in metrics.read_text().splitlines()]
-            if metrics.is_file()
-            else []
-        )
-    values = [r.get(k) for r in records for k in ("reward/total/mean", "loss")]
-    finite = all(isinstance(x, float) and x == x and abs(x) < 1e6 for x in values)
-    if done.returncode == 0 and len(records) == RL_RUN["steps"] and finite:
-        rewards = [r["reward/total/mean"] for r in records]
-        return {
-            "status": "passed",
-            "message": f"{len(records)} GRPO steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}",
-        }
-    why = first_error(done.stderr + done.stdout) if done.returncode else f"metrics: {records}"
-    return {"status": "failed", "message": why}
-
-
-def _dpo(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> dict[str, str]:
-    if entry.emulated:
-        return {
-            "status": "skipped",
-            "message": "the dpo contracts drive the emulated convention; the run is the base "
-            "release's",
-        }
-    with tempfile.TemporaryDirectory() as tmp:
-        done = run([str(env.python), "-m", "posttrain.cli", *dpo_argv(tmp)], environ)
-        metrics = Path(tmp) / "metrics.jsonl"
-        records = (
-            [json.loads(line) for line in metrics.read_text().splitlines()]
-            if metrics.is_file()
-            else []
-        )
-    values = [r.get(k) for r in records for k in ("loss", "reward_margin")]
-    finite = all(isinstance(x, float) and x == x and abs(x) < 1e6 for x in values)
-    if done.returncode == 0 and len(records) == DPO_RUN["steps"] and finite:
-        return {
-            "status": "passed",
-            "message": f"{len(records)} DPO steps, loss {records[0]['loss']:.4f} -> "
-            f"{records[-1]['loss']:.4f}, margin {records[-1]['reward_margin']:.4f}",
-        }
-    why = first_error(done.stderr + done.stdout) if done.returncode else f"metrics: {records}"
-    return {"status": "failed", "message": why}
-
-
-NOT_APPLICABLE = 3
-"""Exit status of :func:`emulated_sft` when the emulation means nothing over the base."""
-
-
-def emulated_sft(convention: str, output: str) -> None:
-    """The matrix's SFT run under an emulated convention (called inside the entry's env);
-    over a base not of its era it prints ``n/a: why`` and exits :data:`NOT_APPLICABLE`."""
-    from harness.devices import configure_devices
-
-    configure_devices(8)
-    from contracts import tunix_emulation
-    from posttrain.sft.run import SFTConfig, run_sft
-    from posttrain.sft.trainer import sft_trainer_class
-
-    reason = tunix_emulation.not_applicable(convention)
-    if reason:
-        print(f"posttrain: error: {reason}")
-        raise SystemExit(NOT_APPLICABLE)
-
-    base = {
-        "positional3": tunix_emulation.Positional3PeftTrainer,
-        "bound2": tunix_emulation.Bound2PeftTrainer,
-        "bound3_update": tunix_emulation.MainPeftTrainer,
-    }[convention]
-    run_sft(SFTConfig(**SFT_RUN, output=output), trainer_class=sft_trainer_class(base))

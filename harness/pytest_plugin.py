@@ -36,14 +36,13 @@ from __future__ import annotations
 import functools
 import gc
 import importlib.util
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
-from harness import deprecations
+from harness import deprecation_recorder
 from harness import devices as _devices
 
 MARKERS: tuple[str, ...] = (
@@ -139,7 +138,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", line)
     _load_hypothesis_profile(config)
     if config.getoption("upstream_deprecations") == "record":
-        config.pluginmanager.register(Recorder(), "posttrain_upstream_deprecations")
+        config.pluginmanager.register(
+            deprecation_recorder.Recorder(), "posttrain_upstream_deprecations"
+        )
 
 
 def _load_hypothesis_profile(config: pytest.Config) -> None:
@@ -367,48 +368,3 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if item.config.getoption("strict_skips"):
             pytest.fail(f"{reason} (--strict-skips: the gate runs the aot tests)", pytrace=False)
         pytest.skip(reason)
-
-
-_SEEN = pytest.StashKey[list[str]]()
-
-
-class Recorder:
-    """The pytest plugin object ``--upstream-deprecations=record`` registers."""
-
-    def __init__(self) -> None:
-        self.collected: dict[str, list[str]] = {}  # collector node id -> descriptions
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_make_collect_report(self, collector: pytest.Collector):
-        sink = self.collected.setdefault(collector.nodeid, [])
-        with deprecations.recording(sink):
-            return (yield)
-
-    def _phase(self, item: pytest.Item):
-        sink = item.stash.setdefault(_SEEN, [])
-        return deprecations.recording(sink)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(self, item: pytest.Item):
-        with self._phase(item):
-            return (yield)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item):
-        with self._phase(item):
-            return (yield)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None):
-        try:
-            with self._phase(item):
-                return (yield)
-        finally:
-            # After teardown, before its report: the JUnit writer reads the properties
-            # of the teardown report.
-            seen = [
-                text for node in item.listchain() for text in self.collected.get(node.nodeid, [])
-            ]
-            seen += [t for t in item.stash.get(_SEEN, []) if t not in seen]
-            if seen:
-                item.user_properties.append((deprecations.PROPERTY, json.dumps(seen)))

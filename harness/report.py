@@ -189,7 +189,7 @@ def build(
     the entries of the entries file this report leaves out (the summary names them and
     the command that runs them: :func:`not_run_lines`); ``bisect``: the ``bisect``
     commands that would name the commit behind a source row's FAIL or warn cell
-    (:func:`harness.bisect.suggestions`); ``fits``: the rows of
+    (:func:`harness.bisect_suggestions.suggestions`); ``fits``: the rows of
     :func:`harness.fits.load` (None: no plans were run)."""
     cols = columns(rows)
     report: dict[str, Any] = {

@@ -173,11 +173,6 @@ def summary(report: dict[str, Any]) -> str:
         for f in report.get("changed", [])
     ]
     since = f" ({previous['generated']})" if previous else ""
-    sources = [
-        f"<b>{esc(r['name'])}</b>: {esc(source_line(r))}"
-        for r in report["entries"]
-        if r.get("source")
-    ]
     cards = [
         _card(
             "What broke", broken, "bad" if broken else "", "Nothing: every cell that ran passes."
@@ -190,6 +185,23 @@ def summary(report: dict[str, Any]) -> str:
             empty="No cell changed." if previous else "No previous report to compare with.",
         ),
         _card("Upstream releases", [esc(line) for line in _drift.lines(report.get("drift"))]),
+    ]
+    left = not_run_lines(report)
+    if left:
+        not_run = [re.sub(r"`([^`]+)`", r"<code>\1</code>", esc(x)) for x in left]
+        cards.insert(0, _card("Not run in this report", not_run))
+    cards += _optional_cards(report)
+    return total + '<div class="summary">' + "".join(cards) + "</div>"
+
+
+def _optional_cards(report: dict[str, Any]) -> list[str]:
+    """The summary's cards shown only when the report has them: the source rows, the
+    plans' fits, the suggested (and run) bisects."""
+    cards = []
+    sources = [
+        f"<b>{esc(r['name'])}</b>: {esc(source_line(r))}"
+        for r in report["entries"]
+        if r.get("source")
     ]
     if sources:
         cards.append(_card("Tunix from source", sources))
@@ -214,16 +226,7 @@ def summary(report: dict[str, Any]) -> str:
             for b in suggested
         ]
         cards.append(_card("Bisect: the commit behind a source row's cell", commands))
-    left = not_run_lines(report)
-    if left:
-        cards.insert(
-            0,
-            _card(
-                "Not run in this report",
-                [re.sub(r"`([^`]+)`", r"<code>\1</code>", esc(x)) for x in left],
-            ),
-        )
-    return total + '<div class="summary">' + "".join(cards) + "</div>"
+    return cards
 
 
 def grid(report: dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 
+from posttrain.conversion import directories
 from posttrain.conversion import safetensors_io as sio
 
 
@@ -26,7 +27,7 @@ def test_files_the_directory_and_its_parent_are_fsynced(tmp_path, monkeypatch):
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd_path(fd)), real_fsync(fd)))
     dst = tmp_path / "out"
-    with sio.atomic_directory(dst) as tmp:
+    with directories.atomic_directory(dst) as tmp:
         (tmp / "config.json").write_text("{}\n")
         (tmp / "weights.bin").write_bytes(b"\0" * 10)
     tmp_config = next(p for p in synced if p.endswith("config.json"))
@@ -38,7 +39,7 @@ def test_files_the_directory_and_its_parent_are_fsynced(tmp_path, monkeypatch):
 
 def test_without_fsync_nothing_is_flushed(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: pytest.fail(f"fsync of {fd_path(fd)}"))
-    with sio.atomic_directory(tmp_path / "out", fsync=False) as tmp:
+    with directories.atomic_directory(tmp_path / "out", fsync=False) as tmp:
         (tmp / "config.json").write_text("{}\n")
     assert (tmp_path / "out" / "config.json").is_file()
 
@@ -47,7 +48,7 @@ def test_without_fsync_nothing_is_flushed(tmp_path, monkeypatch):
 def test_the_directory_mode_follows_the_umask(tmp_path, umask):
     old = os.umask(umask)
     try:
-        with sio.atomic_directory(tmp_path / "out", fsync=False):
+        with directories.atomic_directory(tmp_path / "out", fsync=False):
             pass
     finally:
         os.umask(old)
@@ -72,7 +73,7 @@ def test_stale_temporaries_of_dead_writers_are_swept_and_nothing_else(tmp_path):
     for d in (stale, live, foreign, other, converting):
         d.mkdir()
         (d / "shard").write_bytes(b"x")
-    with sio.atomic_directory(tmp_path / "out", fsync=False):
+    with directories.atomic_directory(tmp_path / "out", fsync=False):
         pass
     assert not stale.exists() and not other.exists() and not converting.exists()
     assert live.is_dir() and foreign.is_dir()
@@ -151,7 +152,7 @@ def test_a_killed_conversion_leaves_nothing_and_prints_one_line(tmp_path, sig):
 
 
 def test_sweep_ignores_a_missing_parent(tmp_path):
-    assert sio.sweep_stale_temporaries(pathlib.Path(tmp_path / "no")) == []
+    assert directories.sweep_stale_temporaries(pathlib.Path(tmp_path / "no")) == []
 
 
 def test_unwritable_destinations_are_refused_up_front(tmp_path, monkeypatch, capsys):
@@ -243,12 +244,13 @@ def test_an_atomic_directory_interrupted_at_any_point_leaves_nothing(
 
     if point != "block":
         target = {
-            "chmod": (sio.os, "chmod"),
-            "fsync": (sio, "fsync_path"),
-            "rename": (sio.os, "rename"),
+            "chmod": (directories.os, "chmod"),
+            "fsync": (directories, "fsync_path"),
+            "rename": (directories.os, "rename"),
         }
         monkeypatch.setattr(*target[point], fail)
-    with pytest.raises(error, match=f"at {point}"), sio.atomic_directory(tmp_path / "out") as tmp:
+    out = tmp_path / "out"
+    with pytest.raises(error, match=f"at {point}"), directories.atomic_directory(out) as tmp:
         (tmp / "model.safetensors").write_bytes(b"x" * 64)
         if point == "block":
             raise raised
@@ -320,9 +322,9 @@ def test_a_temporary_is_swept_only_when_its_writer_is_gone(tmp_path, monkeypatch
         if raised is not None:
             raise raised(1, "from os.kill")
 
-    monkeypatch.setattr(sio.os, "kill", kill)
+    monkeypatch.setattr(directories.os, "kill", kill)
     temporary = tmp_path / f".out.tmp-{pid}-abc123"
     temporary.mkdir()
-    assert sio.sweep_stale_temporaries(tmp_path, "out") == ([temporary] if swept else [])
+    assert directories.sweep_stale_temporaries(tmp_path, "out") == ([temporary] if swept else [])
     assert asked == [(pid, 0)]
     assert temporary.exists() is not swept

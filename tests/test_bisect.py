@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import bisect, cli, envs
+from harness import bisect, bisect_suggestions, cli, envs, git_history
 from tests.test_matrix_sources import FAKE_PYPROJECT
 
 
@@ -266,7 +266,7 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
             source={"spec": "/src/tunix", "resolved": "f" * 40},
         ),  # fmt: skip
     ]
-    found = bisect.suggestions(rows)
+    found = bisect_suggestions.suggestions(rows)
     base = f"posttrain-harness bisect --source /src/tunix --good v0.1.7 --bad {'f' * 40}"
     assert found[0]["verdict"] == "fail" and found[1]["verdict"] == "warn"
     assert (found[0]["good"], found[0]["bad"], found[0]["source"]) == ("v0.1.7", "f" * 40,
@@ -278,7 +278,7 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
     ]
     built = report.build(rows, "m", bisect=found)
     assert f"`{base} --contract sft`" in report_md.markdown(built)
-    assert bisect.suggestions(rows[:2]) == []  # no source row
+    assert bisect_suggestions.suggestions(rows[:2]) == []  # no source row
 
 
 @pytest.mark.slow  # 4 environments
@@ -297,8 +297,8 @@ def test_matrix_bisect_runs_each_suggestion_and_names_the_commit(upstream, tmp_p
          "contracts": {"t": _cell("failed", test=node)},
          "source": {"spec": str(root), "resolved": shas["c5 rename is_update_step"]}},
     ]  # fmt: skip
-    named = bisect.run_suggestions(bisect.suggestions(rows), envs.EnvCache(tmp_path / "envs"),
-                                   log=lambda _: None)  # fmt: skip
+    found = bisect_suggestions.suggestions(rows)
+    named = bisect.run_suggestions(found, envs.EnvCache(tmp_path / "envs"), log=lambda _: None)
     assert named[0]["named"]["sha"] == shas["c5 rename is_update_step"], named
     text = report_md.markdown(report.build(rows, "m", bisect=named))
     assert f"first bad: `{shas['c5 rename is_update_step'][:12]}` c5 rename" in text
@@ -316,7 +316,7 @@ def test_a_merge_named_as_first_bad_lists_the_commits_it_brought_in(tmp_path):
     git("checkout", "-q", "main", cwd=root)
     git("commit", "-q", "--allow-empty", "-m", "unrelated", cwd=root)
     git("merge", "-q", "--no-ff", "-m", "Merge pull request #1", "pr", cwd=root)
-    merge = bisect.Commit(git("rev-parse", "HEAD", cwd=root), "", "")
+    merge = git_history.Commit(git("rev-parse", "HEAD", cwd=root), "", "")
     pr = git("rev-parse", "pr", cwd=root)
-    assert bisect.merged(root, merge) == [f"{pr} stop decode one step earlier"]
-    assert bisect.merged(root, bisect.Commit(pr, "", "")) == []
+    assert git_history.merged(root, merge) == [f"{pr} stop decode one step earlier"]
+    assert git_history.merged(root, git_history.Commit(pr, "", "")) == []

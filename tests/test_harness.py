@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, pytest_plugin
+from harness import gate, pytest_plugin
 from harness.devices import (
     BACKEND_OPT_FLAG,
     CODEGEN_SPLIT_FLAG,
@@ -518,7 +518,7 @@ def test_summary_parser_counts_and_names_failures(tmp_path: Path) -> None:
         (tmp_path / "tests" / name).write_text("")
     junit = tmp_path / "junit.xml"
     junit.write_text(JUNIT)
-    summary = cli.summarize_junit(junit, root=tmp_path)
+    summary = gate.summarize_junit(junit, root=tmp_path)
     assert summary["counts"] == {
         "passed": 2,
         "failed": 1,
@@ -560,7 +560,7 @@ def test_summary_parser_counts_and_names_failures(tmp_path: Path) -> None:
 )
 def test_gate_exit_status(pytest_code, executed, expected) -> None:
     """pytest's status passes through, except that running no test is a failure (1)."""
-    assert cli.gate_exit_status(pytest_code, executed) == expected
+    assert gate.gate_exit_status(pytest_code, executed) == expected
 
 
 def test_write_atomic_leaves_no_temporary(tmp_path: Path) -> None:

@@ -441,7 +441,7 @@ def test_grpo_on_two_processes_equals_one_process_of_eight_devices(tmp_path):
             [r[key] for r in got], [r[key] for r in want], rtol=1e-5, atol=1e-6, err_msg=key
         )
     evaluations = [
-        json.loads((run / "run.json").read_text())["evaluations"][0]
+        json.loads((run / "run.json").read_text())["evaluation"]
         for run in (tmp_path / "two", tmp_path / "one")
     ]
     for when in ("before", "after"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, entries, envs, matrix, report, report_md
+from harness import cli, entries, envs, matrix, report, report_md, run_cells
 from posttrain.sft import tunix_compat
 
 RELEASES = ("0.0.2", "0.1.0", "0.1.1", "0.1.2", "0.1.3", "0.1.4", "0.1.5", "0.1.6", "0.1.7")
@@ -380,7 +380,9 @@ def test_the_sft_run_is_one_description_for_both_paths(tmp_path):
     from posttrain.sft.run import SFTConfig
 
     output = str(tmp_path / "out")
-    assert cli.parse_options(matrix.sft_argv(output)) == SFTConfig(**matrix.SFT_RUN, output=output)
+    assert cli.parse_options(run_cells.sft_argv(output)) == SFTConfig(
+        **run_cells.SFT_RUN, output=output
+    )
 
 
 def test_the_rl_run_parses_as_a_grpo_run_config(tmp_path):
@@ -389,8 +391,8 @@ def test_the_rl_run_parses_as_a_grpo_run_config(tmp_path):
     from posttrain import cli
 
     output = str(tmp_path / "out")
-    cfg = cli.parse_options(matrix.rl_argv(output))
-    assert {k: getattr(cfg, k) for k in matrix.RL_RUN} == matrix.RL_RUN
+    cfg = cli.parse_options(run_cells.rl_argv(output))
+    assert {k: getattr(cfg, k) for k in run_cells.RL_RUN} == run_cells.RL_RUN
     assert cfg.output == output
     cfg.check()
 
@@ -401,8 +403,8 @@ def test_the_dpo_run_parses_as_a_dpo_run_config(tmp_path):
     from posttrain import cli
 
     output = str(tmp_path / "out")
-    cfg = cli.parse_options(matrix.dpo_argv(output))
-    assert {k: getattr(cfg, k) for k in matrix.DPO_RUN} == matrix.DPO_RUN
+    cfg = cli.parse_options(run_cells.dpo_argv(output))
+    assert {k: getattr(cfg, k) for k in run_cells.DPO_RUN} == run_cells.DPO_RUN
     assert cfg.output == output
     cfg.check()
 
@@ -501,3 +503,9 @@ def test_the_distill_cell_reads_the_run_and_says_na_without_the_module(tmp_path)
     assert distill_cell.run_cell(emulated, env, {}, runner(0, 0, 2))["status"] == "skipped"
     assert distill_cell.run_cell(release, env, {}, runner(0, 1, 2))["status"] == "failed"
     assert distill_cell.run_cell(release, env, {}, runner(0, 0, 1))["status"] == "failed"
+
+
+def test_every_run_cell_is_a_report_column_in_order():
+    """A cell added to :data:`harness.run_cells.CELLS` is a report column (and a bisect
+    target) in the same order, and no column lacks its runner."""
+    assert tuple(run_cells.CELLS) == report.RUN_CELLS

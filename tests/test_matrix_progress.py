@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, entries, envs, matrix, progress, report, report_html, report_md
+from harness import (
+    cli,
+    entries,
+    envs,
+    matrix,
+    progress,
+    report,
+    report_html,
+    report_md,
+    subcommands,
+)
 from tests.test_matrix_inputs import _row
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,7 +182,7 @@ def test_a_first_run_is_compared_with_the_committed_reference(tmp_path, monkeypa
     reference = tmp_path / "repo" / "reports"
     report.write(report.build([_row("a")], "ref machine"), reference)
     monkeypatch.setattr(entries, "REPO", tmp_path / "repo")
-    compared = cli._reference_report(tmp_path / "latest")
+    compared = subcommands._reference_report(tmp_path / "latest")
     assert compared is not None and compared["machine"] == "ref machine"
-    assert cli._reference_report(reference) is None  # writing the reference itself
+    assert subcommands._reference_report(reference) is None  # writing the reference itself
     json.loads((reference / "compat-matrix.json").read_text())

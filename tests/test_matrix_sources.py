@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, entries, envs, matrix, sources
+from harness import cli, entries, envs, matrix, run_cells, sources
 from posttrain.sft import tunix_compat
 
 FAKE_PYPROJECT = """\
@@ -375,8 +375,8 @@ def test_an_emulation_over_a_base_of_another_era_is_n_a(monkeypatch, tmp_path):
         assert mark.kwargs["reason"].startswith(f"n/a: the {name} emulation subclasses")
         assert "bound3_update" in mark.kwargs["reason"]
     with pytest.raises(SystemExit) as stopped:
-        matrix.emulated_sft("bound2", str(tmp_path / "out"))
-    assert stopped.value.code == matrix.NOT_APPLICABLE
+        run_cells.emulated_sft("bound2", str(tmp_path / "out"))
+    assert stopped.value.code == run_cells.NOT_APPLICABLE
     assert not (tmp_path / "out").exists()
     # over its own era (the installed 0.1.7 here): applicable
     monkeypatch.undo()
@@ -384,7 +384,7 @@ def test_an_emulation_over_a_base_of_another_era_is_n_a(monkeypatch, tmp_path):
 
 
 def test_the_emulated_sft_cell_is_n_a_with_the_reason():
-    """matrix._sft maps NOT_APPLICABLE to a skipped (n/a) cell carrying the reason."""
+    """run_cells.sft_cell maps NOT_APPLICABLE to a skipped (n/a) cell carrying the reason."""
     entry = entries.Entry(
         name="m", tunix="main", flavour="emulated", convention="bound2", emulated=True, base="r"
     )
@@ -394,7 +394,7 @@ def test_the_emulated_sft_cell_is_n_a_with_the_reason():
         return subprocess.CompletedProcess(command, 3, f"posttrain: error: {why}\n", "")
 
     env = envs.EnvResult(Path("/nonexistent"), False, 0.0)
-    assert matrix._sft(entry, env, {}, fake) == {"status": "skipped", "message": why}
+    assert run_cells.sft_cell(entry, env, {}, fake) == {"status": "skipped", "message": why}
 
 
 def test_an_emulation_cannot_stand_on_a_source_entry(tmp_path):

@@ -28,6 +28,18 @@ def test_the_section_is_toml_that_mutates_one_module_with_its_tests():
     assert config["pytest_add_cli_args"][-2:] == ["-m", "not slow"]
 
 
+def test_mutmuts_copy_holds_what_building_this_checkout_reads():
+    """The bisect and matrix tests build an environment of this checkout inside mutmut's
+    copy: pyproject's readme must be copied too (without it every harness/bisect.py run
+    failed in its stats phase, 'Readme file does not exist')."""
+    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    readme = tomllib.loads((root / "pyproject.toml").read_text())["project"]["readme"]
+    for module in ("harness/git_history.py", "src/posttrain/sft/loss.py"):
+        config = tomllib.loads(mutants._section(module, ["tests/x.py"], 1))["tool"]["mutmut"]
+        assert readme in config["also_copy"], module
+        assert module.split("/")[0] not in config["also_copy"]  # mutmut's own source path
+
+
 def test_the_report_gives_the_score_and_the_survivors():
     rows = [
         {

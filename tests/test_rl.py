@@ -268,7 +268,8 @@ def test_a_short_grpo_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
         assert {"reward/exact_answer/mean", "reward/total/std", "loss", "kl"} <= record.keys()
         assert record["rollout_tokens"] > 0
     run = json.loads((out / "run.json").read_text())
-    assert [e["resumed_from"] for e in run["evaluations"]] == [0, 1]
+    assert [s["resumed_from_step"] for s in run["segments"]] == [0, 1]
+    assert [s["step"] for s in run["segments"]] == [1, 2]
     assert (out / "model-step2" / "config.json").exists()
 
 

@@ -3,6 +3,7 @@ resume (:mod:`posttrain.runs.checks`, #40)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -107,14 +108,15 @@ def test_a_resume_whose_devices_change_the_global_batch_is_refused_naming_both(t
 
 @pytest.mark.devices(8)
 def test_a_grpo_resume_whose_devices_change_the_global_batch_is_refused(tmp_path, capsys):
-    """GRPO's own run.json (settings, evaluations) with the global batch of a run on 4
-    devices (2 prompts per shard); this process has 8: refused before any work."""
+    """GRPO's run.json (recorded as every run's, ``runs.record``) with the global batch of
+    a run on 4 devices (2 prompts per shard); this process has 8: refused before any
+    work."""
     from posttrain.rl.options import GRPORunConfig
 
     out = tmp_path / "run"
     out.mkdir()
     cfg = GRPORunConfig(output=str(out))
-    body = {"settings": json.loads(json.dumps(cfg.training_settings())), "global_batch": 8}
+    body = {"settings": json.loads(json.dumps(dataclasses.asdict(cfg))), "global_batch": 8}
     (out / "run.json").write_text(json.dumps({**body, "devices": 4}))
     before = (out / "run.json").read_text()
     assert cli.main(["grpo", "--output", str(out)]) == 2

@@ -324,13 +324,13 @@ def test_the_gate_summary_counts_every_outcome_and_its_verdict_needs_a_run(outco
     import pathlib
     import tempfile
 
-    from harness import cli
+    from harness import gate
 
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "junit.xml"
         cases = [_testcase(f"test_{i}", o, (), None) for i, o in enumerate(outcomes)]
         path.write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
-        summary = cli.summarize_junit(path, root=pathlib.Path(tmp))
+        summary = gate.summarize_junit(path, root=pathlib.Path(tmp))
     assert summary["counts"] == {
         **{o: outcomes.count(o) for o in OUTCOMES},
         "total": len(outcomes),
@@ -338,7 +338,7 @@ def test_the_gate_summary_counts_every_outcome_and_its_verdict_needs_a_run(outco
     bad = [(f"contracts.test_c::test_{i}", o) for i, o in enumerate(outcomes) if o in report.BAD]
     assert [(f["id"], f["outcome"]) for f in summary["failures"]] == bad
     executed = sum(o != "skipped" for o in outcomes)
-    status, _ = cli.gate_exit_status(pytest_code, executed)
+    status, _ = gate.gate_exit_status(pytest_code, executed)
     if pytest_code == 0 and executed:
         assert status == 0
     elif pytest_code in (0, 5):
@@ -346,7 +346,7 @@ def test_the_gate_summary_counts_every_outcome_and_its_verdict_needs_a_run(outco
     else:
         assert status == pytest_code
     summary.update(message="m", wall_time_s=1.0, junit=None)
-    last = cli.format_summary(summary, pathlib.Path("s.json")).splitlines()[-1]
+    last = gate.format_summary(summary, pathlib.Path("s.json")).splitlines()[-1]
     assert last == (
         f"gate: {outcomes.count('passed')} passed, {len(bad)} failed, "
         f"{outcomes.count('skipped')} skipped"

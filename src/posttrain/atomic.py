@@ -2,7 +2,7 @@
 
 Standard library only, so the harness (which must not need JAX) writes its reports
 with the same code as ``posttrain``. Directories: :func:`posttrain.conversion.
-safetensors_io.atomic_directory`.
+directories.atomic_directory`.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ def load_model(spec: str, mesh, *, seed: int = 0, scratch: str | os.PathLike, **
             " nor a checkpoint directory (HF or native)"
         )
     from posttrain.conversion import convert_hf_to_native, load_native
+    from posttrain.conversion.directories import temporary_prefix
     from posttrain.conversion.native import is_native_dir
-    from posttrain.conversion.safetensors_io import temporary_prefix
 
     if is_native_dir(spec):
         model = load_native(spec, **overrides)

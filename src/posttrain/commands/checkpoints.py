@@ -106,7 +106,7 @@ def convert(args) -> int:
 def _convert(args, conversion) -> int:
     import pathlib
 
-    from posttrain.conversion.safetensors_io import sweep_stale_temporaries
+    from posttrain.conversion.directories import sweep_stale_temporaries
 
     parent = pathlib.Path(args.dst).absolute().parent
     swept = sweep_stale_temporaries(parent)  # killed writers' leftovers, whatever the name

@@ -21,6 +21,7 @@ import numpy as np
 
 from posttrain import families
 from posttrain.config import ModelConfig
+from posttrain.conversion import directories
 from posttrain.conversion import safetensors_io as sio
 from posttrain.conversion.errors import check_source_dir, read_json_object
 from posttrain.conversion.hf_config import (
@@ -178,7 +179,7 @@ def _run(
     started: float,
     tensors_in: int,
 ) -> Summary:
-    with sio.atomic_directory(dst, fsync=fsync) as tmp:
+    with directories.atomic_directory(dst, fsync=fsync) as tmp:
         writer = sio.CheckpointWriter(tmp, stem, plan.outputs, max_shard_bytes, fsync=fsync)
         try:
             execute(plan, reader, writer)
@@ -223,7 +224,7 @@ def convert_hf_to_native(
     """
     started = time.perf_counter()
     src = pathlib.Path(src)
-    sio.check_destination(dst)  # before reading anything
+    directories.check_destination(dst)  # before reading anything
     hf_config = _read_json(src / "config.json")
     with sio.CheckpointReader(src, "model") as reader:
         plan = plan_to_native(hf_config, reader.tensors, str(src), vision=vision, **overrides)
@@ -302,7 +303,7 @@ def convert_native_to_hf(
       max_shard_bytes, fsync: as in :func:`convert_hf_to_native`.
     """
     started = time.perf_counter()
-    sio.check_destination(dst)  # before reading anything
+    directories.check_destination(dst)  # before reading anything
     meta = NativeMeta.read(src)
     prefix = prefix or default_prefix(meta)
     with sio.CheckpointReader(src, STEM) as reader:

@@ -33,6 +33,7 @@ from flax import nnx
 
 from posttrain import _compat
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig, VisionConfig
+from posttrain.conversion import directories
 from posttrain.conversion import safetensors_io as sio
 from posttrain.conversion.errors import ConversionError, check_source_dir, read_json_object
 from posttrain.models import CausalLM, stack_layers, unstack_layers
@@ -180,7 +181,7 @@ def save_native(
         sio.OutputSpec(k, sio.CODES[np.asarray(v).dtype], tuple(np.shape(v)))
         for k, v in sorted(params.items())
     ]
-    with sio.atomic_directory(dst) as tmp:
+    with directories.atomic_directory(dst) as tmp:
         writer = sio.CheckpointWriter(tmp, STEM, specs, max_shard_bytes)
         for spec in specs:
             writer.write(spec.name, np.asarray(params[spec.name]))

@@ -29,8 +29,8 @@ import safetensors.numpy
 from flax import nnx
 
 from posttrain import _compat, families
+from posttrain.conversion.directories import atomic_directory
 from posttrain.conversion.rows import expand
-from posttrain.conversion.safetensors_io import atomic_directory
 from posttrain.lora import layout
 from posttrain.lora.config import LoraConfig, lora_config_of
 from posttrain.models.decoder import stack_layers, unstack_layers

@@ -173,21 +173,13 @@ def evaluate(
 
     count = pairs.whole_batches(global_batch)
     n = count * global_batch
-    compute = tunix_dpo.compute_logps()
     sums = {"preference_accuracy": 0.0, "reward_margin": 0.0, "logp_accuracy": 0.0}
     with sharding.use_mesh(trainer.mesh, trainer.rules, jax_context=False):
         for batch in itertools.islice(pairs.batches(global_batch, 1, seed=0), count):
             example = trainer._prepare_inputs(batch)
             chosen, rejected = (
                 host_array(x).astype(np.float64)
-                for x in compute(
-                    trainer.model,
-                    example.input_ids,
-                    example.positions,
-                    example.attention_mask,
-                    example.logits_to_keep,
-                    example.completion_mask,
-                )[:2]
+                for x in tunix_dpo.example_logps(trainer.model, example)
             )
             if algorithm == "dpo":
                 chosen_reward = scale * (chosen - host_array(example.ref_chosen_logps))

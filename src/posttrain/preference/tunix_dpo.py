@@ -88,6 +88,20 @@ def compute_logps():
     return _first(_module(), ("compute_logps",))
 
 
+def example_logps(model, example) -> tuple:
+    """``(chosen [pairs], rejected [pairs])`` summed completion log-probabilities of
+    ``model`` on one Tunix ``TrainExample`` (a trainer's ``_prepare_inputs`` of a batch),
+    through :func:`compute_logps`."""
+    return compute_logps()(
+        model,
+        example.input_ids,
+        example.positions,
+        example.attention_mask,
+        example.logits_to_keep,
+        example.completion_mask,
+    )[:2]
+
+
 def config_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(config_class())}
 

@@ -166,10 +166,3 @@ class GRPORunConfig(RunOptions):
                 "rollout_dtype",
                 "--rollout-mesh too (on one mesh the rollout shares the actor's parameters)",
             )
-
-    def training_settings(self) -> dict:
-        """The :data:`TRAINING_FIELDS` of this run (``reward`` as a list), as ``run.json``
-        records them."""
-        out = {k: getattr(self, k) for k in self.TRAINING_FIELDS}
-        out["reward"] = list(self.reward)
-        return out

@@ -8,7 +8,8 @@ Output directory (``GRPORunConfig.output``)::
     warmup/           the warm-up SFT run (``posttrain sft`` layout) and its export
     checkpoints/      Tunix's checkpoints of the actor (LoRA only when LoRA is on); a
                       rerun with the same settings resumes from the latest
-    run.json          settings, and per start: the step resumed from and the evaluation
+    run.json          settings and one record per start or resume (``run_record``), each
+                      with the step it resumed from, the held-out evaluation before and after
     metrics.jsonl     one record per GRPO step (:func:`posttrain.rl.metrics.step_record`),
                       each step once
     tensorboard/      Tunix's metrics
@@ -19,15 +20,15 @@ Output directory (``GRPORunConfig.output``)::
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import sys
 import time
 
 import numpy as np
 
-from posttrain import atomic, distributed, sharding
+from posttrain import distributed, sharding
 from posttrain.rl import arithmetic, rewards
+from posttrain.rl.build import batch_size
 from posttrain.rl.metrics import progress_line, step_record, write_metrics
 from posttrain.rl.options import GRPORunConfig
 from posttrain.runs import record as run_record
@@ -61,24 +62,6 @@ class GRPOResult:
             f"{trained}eval reward ({self.eval_samples} samples of each task problem) "
             f"{self.eval_before:.3f} -> {self.eval_after:.3f}"
         )
-
-
-def _check_resumable(cfg: GRPORunConfig, out: pathlib.Path) -> dict | None:
-    record = run_record.read(out)  # None, or an object whose keys have their types
-    if record is None:
-        return None
-    if "settings" not in record:
-        raise ValueError(f"{out / 'run.json'}: not a posttrain grpo run record (no 'settings')")
-    settings = record["settings"]
-    current = json.loads(json.dumps(cfg.training_settings()))
-    changed = [k for k in cfg.TRAINING_FIELDS if settings.get(k) != current[k]]
-    if changed:
-        k = changed[0]
-        raise ValueError(
-            f"output {str(out)!r} holds a run with {k}={settings.get(k)!r}, not "
-            f"{current[k]!r}; use another --output to start a new run"
-        )
-    return record
 
 
 def evaluate(model, tok, problems, cfg: GRPORunConfig, fns, template=None) -> float:
@@ -159,8 +142,6 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     import jax
 
     from posttrain.loading import load_trainable
-    from posttrain.rl import tunix_rl
-    from posttrain.runs.checks import check_global_batch
     from posttrain.runs.export import export_final
     from posttrain.runs.formats import run_tokenizer_and_formats
     from posttrain.tunix_sampler import TunixTokenizer
@@ -170,11 +151,7 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     writer = distributed.is_writer()
     log_every = log_every if writer else None
     out = pathlib.Path(cfg.output)
-    previous = _check_resumable(cfg, out)
-    tunix_rl.learner_and_config(cfg.algorithm)  # a missing algorithm fails before work
-    mesh, rollout_mesh = _meshes(cfg)
-    _check_accumulation(cfg, mesh)
-    check_global_batch(out, previous, _batch(cfg, mesh))  # --devices changes it
+    previous, (mesh, rollout_mesh) = _check_before_work(cfg, out)
     fns = [rewards.resolve(spec) for spec in cfg.reward]
     # the template and stop ids: the checkpoint's (ChatML's <|im_end|> first for ChatML)
     raw, formats = run_tokenizer_and_formats(cfg)
@@ -185,18 +162,13 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     out.mkdir(parents=True, exist_ok=True)
     start = _warmup(cfg, out, task, log_every)
     model = load_trainable(
-        start,
-        mesh,
-        vocab_size=tok.tokenizer.get_vocab_size(),
-        lora_rank=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha,
-        seed=cfg.seed,
-        scratch=cfg.output,
-    )
+        start, mesh, vocab_size=tok.tokenizer.get_vocab_size(), lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha, seed=cfg.seed, scratch=cfg.output,
+    )  # fmt: skip
     # Our mesh for tracing, not JAX's mesh context: Orbax's eager per-shard copies fail
     # under it on jax 0.7-0.8 (as in SFTTrainer.train).
     with sharding.use_mesh(mesh, jax_context=False):
-        before = previous["evaluations"][0]["before"] if previous else None
+        before = _recorded_before(previous)
         if before is None and cfg.eval_samples:
             before = evaluate(model, tok, task, cfg, fns, template)
         trained = _train(
@@ -207,15 +179,40 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     exported = export_final(model, out, step, formats=formats)
     if writer:
         facts = {
-            **formats.facts(),
-            "global_batch": _batch(cfg, mesh),
+            **formats.facts(),  # the template's sha256: a resume in another is refused
+            "global_batch": batch_size(cfg, mesh),
             "devices": jax.device_count(),
+            "tunix_rl": found,
+            "step": step,
+            "seconds": round(seconds, 2),
+            "evaluation": {"before": before, "after": after},
         }
-        _record(out, cfg, previous, restored, before, after, step, seconds, found, facts)
+        run_record.record_segment(out, cfg, facts, restored)
     if log_every:
         for record in history[log_every - 1 :: log_every]:
             print(progress_line(record), flush=True)
     return GRPOResult(history, out, step, before, after, exported, cfg.eval_samples)
+
+
+def _check_before_work(cfg: GRPORunConfig, out: pathlib.Path):
+    """What can be refused before anything is read or written: a resume with other
+    settings or another global batch, an algorithm the installed Tunix lacks, the
+    meshes, the accumulation. Returns ``(the recorded run.json or None, (actor mesh,
+    rollout mesh))``.
+
+    Raises:
+      ValueError: one line naming the offending option.
+    """
+    from posttrain.rl import tunix_rl
+    from posttrain.runs.checks import check_global_batch
+
+    run_record.check_resumable(cfg, out)
+    previous = run_record.read(out)
+    tunix_rl.learner_and_config(cfg.algorithm)
+    mesh, rollout_mesh = _meshes(cfg)
+    _check_accumulation(cfg, mesh)
+    check_global_batch(out, previous, batch_size(cfg, mesh))  # --devices changes it
+    return previous, (mesh, rollout_mesh)
 
 
 def _task(cfg: GRPORunConfig, tok, template=None) -> list:
@@ -278,90 +275,22 @@ def _surface(cfg: GRPORunConfig, writer: bool, log_every) -> dict:
     return found
 
 
-def _configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_ids):
-    """Tunix's ``(training config, rollout config, algorithm config)`` of the run; the
-    rollout stops at any of ``eos_ids``."""
-    import jax.numpy as jnp
-    import optax
-    from tunix.sft import metrics_logger
-
-    from posttrain import _compat
-    from posttrain.rl import tunix_rl
-
-    batch = _batch(cfg, mesh)
-    training = tunix_rl.training_config(
-        actor_optimizer=optax.adamw(cfg.learning_rate, b2=0.99, weight_decay=0.0),
-        eval_every_n_steps=cfg.steps + 1,
-        max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
-        mini_batch_size=batch,
-        micro_batch_size=batch // cfg.grad_accum,
-        # one rollout (and one logps pass) over the whole batch, whatever the
-        # accumulation: Tunix's default is the train micro-batch, which would sample
-        # another batch shape and so other completions
-        rollout_micro_batch_size=batch,
-        compute_logps_micro_batch_size=batch,
-        checkpoint_root_directory=str((out / "checkpoints").resolve()),
-        checkpointing_options=_compat.interval_checkpoint_options(
-            min(cfg.save_every, cfg.stop_after or cfg.save_every),
-            max_to_keep=2,
-            enable_async_checkpointing=False,
-        ),
-        # One TensorBoard file, process 0's: Tunix's logger opens one in every process
-        # it is given options in (and only process 0's gets the scalars).
-        metrics_logging_options=metrics_logger.MetricsLoggerOptions(
-            log_dir=str(out / "tensorboard"), flush_every_n_steps=10
-        )
-        if distributed.is_writer()
-        else None,
-        data_sharding_axis=tuple(sharding.batch_spec(mesh))[:1] or ("fsdp",),
-    )
-    rollout = tunix_rl.rollout_config(
-        max_tokens_to_generate=cfg.max_new_tokens,
-        max_prompt_length=cfg.max_prompt_length,
-        kv_cache_size=_pow2(cfg.max_prompt_length) + cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=1.0,
-        top_k=None,
-        seed=cfg.seed,
-        eos_tokens=list(eos_ids),
-        **({"data_type": jnp.dtype(cfg.rollout_dtype)} if cfg.rollout_dtype else {}),
-    )
-    algo = tunix_rl.algo_config(
-        cfg.algorithm, num_generations=cfg.num_generations, beta=cfg.beta, epsilon=cfg.epsilon
-    )
-    return training, rollout, algo
-
-
 def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: bool):
     """Builds Tunix's cluster and learner over ``model`` and trains from the step it
     restored on ``task``, ``(problems, template)``; returns ``(trained model, step,
     restored step, history, seconds)``."""
-    from posttrain.rl import tunix_cluster, tunix_rl
-    from posttrain.rl.policy import TunixPolicy, reference_of
+    from posttrain.rl import tunix_cluster
+    from posttrain.rl.build import build_learner, saves
 
-    mesh, rollout_mesh = meshes
     task, template = task
     out = pathlib.Path(cfg.output)
-    training, rollout, algo = _configs(cfg, out, mesh, tok.stop_ids)
     rewards_seen: dict[int, dict[str, np.ndarray]] = {}
 
     def sink(name: str, values: np.ndarray) -> None:  # called inside step global_steps + 1
         rewards_seen.setdefault(int(cluster.global_steps) + 1, {})[name] = values
 
-    actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
-    cluster = tunix_rl.cluster(
-        actor=actor,
-        reference=reference,
-        tokenizer=tok,
-        meshes={"actor": mesh, "reference": mesh, "rollout": rollout_mesh},
-        training=training,
-        rollout=rollout,
-    )
     recorded = [rewards.recorded(fn, sink) for fn in fns]
-    learner = tunix_rl.learner(cfg.algorithm, cluster, algo, recorded, seed=None)
-    tunix_cluster.place_actor_optimizer(cluster, mesh)
-    moe = model.config.moe
-    tunix_rl.with_moe_aux_loss(cluster.actor_trainer, moe.aux_loss_weight if moe else 0.0)
+    cluster, learner, policies = build_learner(cfg, model, tok, meshes, recorded)
     tap = tunix_cluster.MetricsTap()
     tap.attach(cluster)
     restored = int(cluster.actor_trainer.train_steps)
@@ -369,11 +298,11 @@ def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: 
     tunix_cluster.sync_rollout(learner)  # a restored actor must not leave the rollout stale
     tunix_cluster.vary_rollout_seed(cluster, cfg.seed)
     if on_built is not None:
-        on_built(learner, (actor, reference))
+        on_built(learner, policies)
     started = time.perf_counter()
-    data = arithmetic.batches(task, _batch(cfg, mesh), cfg.steps, cfg.seed, template)
+    data = arithmetic.batches(task, batch_size(cfg, meshes[0]), cfg.steps, cfg.seed, template)
     try:
-        with _saves():
+        with saves():
             learner.train(data)
     finally:
         history = write_metrics(out, restored, tap, rewards_seen, write=writer)
@@ -386,7 +315,7 @@ def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: 
 def _check_accumulation(cfg: GRPORunConfig, mesh) -> None:
     """Raises ValueError (one line) unless ``grad_accum`` divides the step's prompts and
     each micro-batch's completions divide over the mesh's data-parallel shards."""
-    batch, shards = _batch(cfg, mesh), sharding.data_parallel_size(mesh)
+    batch, shards = batch_size(cfg, mesh), sharding.data_parallel_size(mesh)
     micro = batch // cfg.grad_accum
     if batch % cfg.grad_accum or (micro * cfg.num_generations) % shards:
         raise ValueError(
@@ -397,37 +326,8 @@ def _check_accumulation(cfg: GRPORunConfig, mesh) -> None:
         )
 
 
-def _batch(cfg: GRPORunConfig, mesh) -> int:
-    """Prompts per GRPO step: ``per_device_batch_size`` x the mesh's data-parallel size."""
-    return cfg.per_device_batch_size * sharding.data_parallel_size(mesh)
-
-
-def _saves():
-    """Orbax writes each replicated array from one replica in one CPU process (its
-    replica-parallel slicing is pure overhead there, and on jax 0.7 its eager slices fail
-    inside Tunix's ``with mesh:``; :func:`posttrain._compat.single_replica_array_saves`)."""
-    import contextlib
-
-    import jax
-
-    from posttrain import _compat
-
-    if jax.default_backend() == "cpu" and jax.process_count() == 1:
-        return _compat.single_replica_array_saves()
-    return contextlib.nullcontext()
-
-
-def _pow2(n: int) -> int:
-    """Tunix's sampler pads prompts to the next power of two of the longest."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _record(out, cfg, previous, restored, before, after, step, seconds, found, facts) -> None:
-    record = previous or {"settings": json.loads(json.dumps(cfg.training_settings()))}
-    record["tunix_rl"] = found
-    record.update(facts)  # the template's sha256: a resume in another is refused
-    record.setdefault("evaluations", []).append(
-        {"resumed_from": restored, "step": step, "before": before, "after": after}
-    )
-    record["seconds"] = record.get("seconds", 0.0) + seconds
-    atomic.write_text(out / "run.json", json.dumps(record, indent=2) + "\n")
+def _recorded_before(recorded: dict | None) -> float | None:
+    """The held-out reward recorded at the start of the run (its first segment's
+    ``evaluation``), or None: a resumed run compares against where it began."""
+    segments = (recorded or {}).get("segments") or [{}]
+    return (segments[0].get("evaluation") or {}).get("before")

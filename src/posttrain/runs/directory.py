@@ -33,7 +33,7 @@ def prepare_output(output: str) -> pathlib.Path:
     """Creates run directory ``output`` and sweeps what a killed run left: its exports'
     temporaries and its on-the-fly HF conversion beside it."""
     from posttrain import distributed
-    from posttrain.conversion.safetensors_io import sweep_stale_temporaries
+    from posttrain.conversion.directories import sweep_stale_temporaries
 
     out = pathlib.Path(output)
     out.mkdir(parents=True, exist_ok=True)

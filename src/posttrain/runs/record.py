@@ -61,7 +61,6 @@ _SHAPE = {
     "data_shards": ((int, type(None)), "an integer or null"),
     "devices": (int, "an integer"),
     "data_sha256": ((str, type(None)), "a string or null"),
-    "evaluations": (list, "a list"),
 }
 
 
