@@ -349,6 +349,8 @@ def test_grpo_plan_from_the_cli_compiles_rollout_reference_old_policy_and_step(t
     # the old-policy forward runs on the rollout's model, the actor's own here
     assert old["kinds"]["parameters"] == step["kinds"]["parameters"]
     assert old["resident"] == rollout["resident"] and old["temporaries"] > 0
+    # the reference forward's program on the same rows: log-probabilities out, no logits
+    assert old["outputs"] == stages["reference forward"]["outputs"]
     # prompt and completion ids, their masks, the advantages, the reference's and the
     # old policy's logps
     batch = 8 * 32 * (4 + 1) + 8 * 16 * (4 + 1) + 8 * 4 + 2 * 8 * 16 * 4
@@ -487,3 +489,30 @@ def test_depth_line_through_two_depths():
         linear((4, 16.0), (2, 10.0), 12)
     with pytest.raises(ValueError, match="depths 0 and 2"):
         linear((0, 1.0), (2, 2.0), 12)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("rank", [0, 4], ids=["full", "lora"])
+def test_workflow_steps_count_the_trained_parameters_their_moments_and_gradients(rank):
+    """DPO's and GRPO's train steps: gradients are the trained parameters (all of them
+    without LoRA, the adapters with it) and AdamW's optimizer state their two moments.
+    Built, not compiled."""
+    from posttrain.plan import compile as plan_compile
+
+    topo = topology.get("v5p-8")
+    for workflow in ("dpo", "grpo"):
+        options = PlanOptions(
+            model="qwen3-tiny", topology="v5p-8", workflow=workflow, lora_rank=rank,
+            num_layers=1, batch=8, seq=32, new_tokens=16,
+        )  # fmt: skip
+        _, programs, _ = plan_compile.build_programs(options, topo)
+        kinds = programs["train step"].kinds
+        if rank:
+            assert 0 < kinds["gradients"] < kinds["parameters"] / 4
+        else:
+            assert kinds["gradients"] == kinds["parameters"]
+        # mu and nu of each trained parameter, and AdamW's step counts (a few bytes)
+        moments = kinds["optimizer state"] - 2 * kinds["gradients"]
+        assert 0 <= moments < 64, (workflow, kinds)
+    with pytest.raises(ValueError, match="batch=6 rows must divide by the data-parallel size 4"):
+        plan_compile.build_programs(dataclasses.replace(options, batch=6), topo)
