@@ -514,5 +514,8 @@ def test_workflow_steps_count_the_trained_parameters_their_moments_and_gradients
         # mu and nu of each trained parameter, and AdamW's step counts (a few bytes)
         moments = kinds["optimizer state"] - 2 * kinds["gradients"]
         assert 0 <= moments < 64, (workflow, kinds)
+        # model FLOPs on the same tokens: 6 N (4 N with LoRA) against the forward's 2 N
+        forward = programs["reference forward"].model_flops
+        assert programs["train step"].model_flops == (2 if rank else 3) * forward > 0
     with pytest.raises(ValueError, match="batch=6 rows must divide by the data-parallel size 4"):
         plan_compile.build_programs(dataclasses.replace(options, batch=6), topo)
