@@ -1,7 +1,11 @@
 """The pytest side of :mod:`harness.deprecations`: the plugin object that
 ``--upstream-deprecations=record`` registers (:mod:`harness.pytest_plugin`). It records
 each upstream deprecation raised while a test (or the collector above it) runs, and
-writes them as the test's JUnit property :data:`harness.deprecations.PROPERTY`."""
+writes them as the test's JUnit property :data:`harness.deprecations.PROPERTY`.
+
+Not a mutation target (harness/mutant_targets.py): it runs only inside the child pytest
+sessions of tests/test_verdicts.py and the matrix, where mutmut records no test for it
+(every mutant "no tests"); those tests fail when it records nothing or the wrong thing."""
 
 from __future__ import annotations
 

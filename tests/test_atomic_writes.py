@@ -328,3 +328,24 @@ def test_a_temporary_is_swept_only_when_its_writer_is_gone(tmp_path, monkeypatch
     assert directories.sweep_stale_temporaries(tmp_path, "out") == ([temporary] if swept else [])
     assert asked == [(pid, 0)]
     assert temporary.exists() is not swept
+
+
+def test_the_destination_is_refused_in_one_line_naming_the_path(tmp_path):
+    """``check_destination``: an existing output, a missing parent, a parent that is a
+    file: each its own line naming the path; a new path under a directory passes."""
+    from posttrain.conversion.errors import ConversionError
+
+    (tmp_path / "there").mkdir()
+    (tmp_path / "file").write_text("x")
+    cases = {
+        tmp_path / "there": f"output directory {tmp_path / 'there'} exists; give a new path",
+        tmp_path / "no" / "x": f"output parent directory {tmp_path / 'no'} does not exist",
+        tmp_path / "file" / "x": f"output parent {tmp_path / 'file'} is a file; expected a "
+        "directory",
+    }
+    for path, message in cases.items():
+        with pytest.raises(ConversionError) as raised:
+            directories.check_destination(path)
+        assert str(raised.value) == message
+    directories.check_destination(tmp_path / "new")  # nothing raised, nothing made
+    assert not (tmp_path / "new").exists()

@@ -4,7 +4,9 @@ generating it changed none of them. Derived once from the hand-written parser (c
 3216db4) and reviewed; a deliberate change edits this table and says why.
 
 Changes since: ``--chat-template`` on ``sft``, ``dpo`` and ``grpo`` (#36: the model's own
-template drives training; a file or ``chatml`` overrides it)."""
+template drives training; a file or ``chatml`` overrides it); ``--vision`` and
+``--train-vision-tower`` on ``sft`` and ``--image`` on ``generate`` (#39: vision SFT
+and generation)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--replica-parallel-saves": ("value", "auto", ("auto", "on", "off"), None, False),
         "--stop-after": ("value", None, None, "int", False),
         "--output": ("value", "runs/sft", None, None, False),
+        "--vision": ("flag", None, None, None, False),  # #39
+        "--train-vision-tower": ("flag", None, None, None, False),  # #39
     },
     "forward": {
         "--model": ("value", "qwen3_moe-tiny", None, None, False),
@@ -86,6 +90,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--prompt": ("append", None, None, None, False),
         "--prompts": ("value", None, None, None, False),
         "--chat": ("flag", None, None, None, False),
+        "--image": ("value", None, None, None, False),  # #39
         "--max-new-tokens": ("value", 64, None, "int", False),
         "--temperature": ("value", None, None, "float", False),
         "--top-k": ("value", None, None, "int", False),

@@ -547,6 +547,56 @@ def test_summary_parser_counts_and_names_failures(tmp_path: Path) -> None:
     assert summary["junit_time_s"] == 3.25
 
 
+def test_the_one_screen_summary_lists_at_most_max_listed_of_each_kind(tmp_path: Path) -> None:
+    """The printed summary: a rule, the verdict with both times, the counts, the first
+    MAX_LISTED failures (FAILED / ERROR  labels) then how many more and where, the first
+    MAX_LISTED skip reasons with their counts, the reports, and the counts' last line."""
+    many = gate.MAX_LISTED + 2
+    summary = {
+        **gate.empty_summary(),
+        "counts": {"passed": 3, "failed": many - 1, "error": 1, "skipped": many, "total": 0},
+        "failures": [
+            {"id": f"t::f{i}", "outcome": "failed" if i else "error", "message": f"m{i}"}
+            for i in range(many)
+        ],
+        "skip_reasons": {f"why {i}": i + 1 for i in range(many)},
+        "message": "gate failed (pytest exit 1)",
+        "wall_time_s": 12.345,
+        "junit_time_s": 10.0,
+        "junit": "reports/junit-gate.xml",
+    }
+    lines = gate.format_summary(summary, tmp_path / "s.json").splitlines()
+    assert lines[:3] == [
+        "-" * 24 + " posttrain-harness gate " + "-" * 24,
+        "gate failed (pytest exit 1) in 12.3 s (tests 10.0 s)",
+        f"passed 3, failed {many - 1}, errors 1, skipped {many} (of 0)",
+    ]
+    listed = lines[lines.index("failures and errors:") + 1 : lines.index("skip reasons:")]
+    assert listed[0] == "  ERROR  t::f0: m0" and listed[1] == "  FAILED t::f1: m1"
+    assert len(listed) == gate.MAX_LISTED + 1
+    assert listed[-1] == f"  ... and 2 more in {tmp_path / 's.json'}"
+    reasons = lines[lines.index("skip reasons:") + 1 : -2]
+    assert reasons == [f"  {i + 1:4d} x why {i}" for i in range(gate.MAX_LISTED)]
+    assert lines[-2] == f"reports: reports/junit-gate.xml, {tmp_path / 's.json'}"
+    assert lines[-1] == f"gate: 3 passed, {many} failed, {many} skipped"
+    clean = {**summary, "failures": [], "skip_reasons": {}, "junit": None}
+    assert "failures and errors:" not in gate.format_summary(clean, tmp_path / "s.json")
+    assert gate.format_summary(clean, tmp_path / "s.json").splitlines()[-2] == (
+        f"reports: {tmp_path / 's.json'}"
+    )
+
+
+def test_an_empty_summary_counts_every_outcome_as_zero() -> None:
+    """A run that wrote no JUnit report: every outcome and the total 0, nothing listed."""
+    assert gate.empty_summary() == {
+        "counts": {"passed": 0, "failed": 0, "error": 0, "skipped": 0, "total": 0},
+        "failures": [],
+        "skip_reasons": {},
+        "junit_time_s": 0.0,
+        "properties": {},
+    }
+
+
 @pytest.mark.parametrize(
     ("pytest_code", "executed", "expected"),
     [
