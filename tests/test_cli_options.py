@@ -199,7 +199,8 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--output": ("value", "runs/distill", None, None, False),
     },
     # posttrain plan (#34): the slice, the mesh and the workload it compiles; a COMMANDS
-    # row since, every flag kept; --rollout-mesh added with the grpo plan
+    # row since, every flag kept; --rollout-mesh added with the grpo plan, --num-iterations
+    # with GRPO's old-policy forward
     "plan": {
         "--model": ("value", None, None, None, True),
         "--topology": ("value", None, None, None, True),
@@ -214,6 +215,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--seq": ("value", 2048, None, "int", False),
         "--new-tokens": ("value", 128, None, "int", False),
         "--grad-accum": ("value", 1, None, "int", False),
+        "--num-iterations": ("value", 1, None, "int", False),
         "--optimizer": ("value", "adamw", ("adamw", "sgd", "adafactor"), None, False),
         "--dtype": ("value", "bfloat16", ("bfloat16", "float32"), None, False),
         "--param-dtype": ("value", "bfloat16", ("bfloat16", "float32"), None, False),
