@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -194,6 +195,19 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / (1 << 30):.2f} GiB"
 
 
+_OVERFLOW = re.compile(r"temporaries \(([\d.]+\w)\) exceeds available HBM \(([\d.]+\w)\)")
+
+
+def _refusal(line: str) -> str:
+    """The compiler's reason in a refusal line: its figures where libtpu's wording gives
+    them (``RESOURCE_EXHAUSTED: 215.39G of temporaries > 95.74G of HBM``), else its words
+    from the first parenthesis (90 characters)."""
+    found = _OVERFLOW.search(line)
+    if found:
+        return f"RESOURCE_EXHAUSTED: {found[1]} of temporaries > {found[2]} of HBM"
+    return line.split(" (", 1)[-1][:90]
+
+
 def markdown_lines(rows: list[dict[str, Any]] | None) -> list[str]:
     """The section's Markdown: one line per seed in :data:`SEEDS` order; a row whose
     verdict is not the expected one is marked, a seed without a row is "not run"."""
@@ -213,7 +227,7 @@ def markdown_lines(rows: list[dict[str, Any]] | None) -> list[str]:
             continue
         verdict = r["verdict"] + ("" if r["verdict"] == s.expected else f" ⚠ expected {s.expected}")
         if r["verdict"] == "refused":
-            verdict += f" ({(r.get('line') or '').split(' (', 1)[-1][:90]})"
+            verdict += f" ({_refusal(r.get('line') or '')})"
         elif r.get("stage"):
             verdict += f" (tightest: {r['stage']})"
         seconds = r.get("compile_seconds")

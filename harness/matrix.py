@@ -191,6 +191,7 @@ def run_entry(
         "rl": None,
         "dpo": None,
         "distill": None,
+        "vision": None,
         "seconds": 0.0,
     }
     if entry.source is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 # modules' own tests are the table, roofline, verdict, options and depth-line ones
 _NO_COMPILE = (
     "not small_lora and not record_carries and not abstract_lora and not dpo_compiles "
-    "and not grpo_plan and not zeroed_lora_b"
+    "and not grpo_plan and not zeroed_lora_b and not old_policy"
 )
 
 TARGETS: dict[str, list[str]] = {
@@ -89,6 +89,10 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_vision.py::test_perturbing_a_vision_field_moves_the_logits",
     ],
     "src/posttrain/sft/vision_default_data.py": ["tests/test_vision_data.py"],
+    # #39: the rows' tests without the real run (a minute per surviving mutant)
+    "src/posttrain/sft/vision_rows.py": ["tests/test_vision_sft.py", "-k", "not short_vision"],
+    "src/posttrain/sft/vision_run.py": ["tests/test_vision_sft.py"],
+    "src/posttrain/commands/generate_image.py": ["tests/test_vision_generate.py"],
     "src/posttrain/conversion/directories.py": ["tests/test_atomic_writes.py"],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",
@@ -116,8 +120,13 @@ TARGETS: dict[str, list[str]] = {
     "harness/progress.py": ["tests/test_matrix_progress.py"],
     "harness/bisect.py": ["tests/test_bisect.py"],
     "harness/run_cells.py": ["tests/test_matrix.py", "tests/test_matrix_sources.py"],
-    "harness/bisect_suggestions.py": ["tests/test_bisect.py"],
-    "harness/git_history.py": ["tests/test_bisect.py"],
+    # without the bisections that build environments (a minute per mutant)
+    "harness/bisect_suggestions.py": ["tests/test_bisect.py", "-k", "suggests"],
+    "harness/git_history.py": [
+        "tests/test_bisect.py",
+        "-k",
+        "not real_bisection and not matrix_bisect_runs",
+    ],
     # the gate's command, exit status and summary; the subcommands' bodies (#37's split)
     "harness/gate.py": ["tests/test_verdicts.py", "tests/test_harness.py"],
     "harness/subcommands.py": [
@@ -187,6 +196,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_taps.py",
         "contracts/test_tunix_distill_features.py",
     ],
+    "harness/vision_cell.py": ["tests/test_matrix.py", "-k", "vision"],  # #39
     # the run base and the generated CLI (#37): their targets, first scores to come
     "src/posttrain/cli_options.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
     "src/posttrain/commands/checkpoints.py": [

@@ -34,7 +34,7 @@ from posttrain import atomic
 
 STATUSES = ("passed", "warned", "skipped", "failed", "error")
 """Cell statuses, best to worst; ``skipped`` is shown as n/a (its message says why)."""
-RUN_CELLS = ("sft", "rl", "dpo", "distill")
+RUN_CELLS = ("sft", "rl", "dpo", "distill", "vision")
 """The columns after the contracts: one real run each (``harness.matrix``)."""
 BAD = ("failed", "error")
 REPORT_NAME = "compat-matrix"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import distill_cell
+from harness import distill_cell, vision_cell
 from harness.entries import REPO, Entry
 from harness.envs import EnvResult, Runner, first_error
 
@@ -188,5 +188,6 @@ CELLS: dict[str, Cell] = {
     "rl": rl_cell,
     "dpo": dpo_cell,
     "distill": distill_cell.run_cell,
+    "vision": vision_cell.run_cell,  # #39
 }
 """Run cell -> what runs it (a report column each, in this order)."""

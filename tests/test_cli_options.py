@@ -4,7 +4,9 @@ generating it changed none of them. Derived once from the hand-written parser (c
 3216db4) and reviewed; a deliberate change edits this table and says why.
 
 Changes since: ``--chat-template`` on ``sft``, ``dpo`` and ``grpo`` (#36: the model's own
-template drives training; a file or ``chatml`` overrides it)."""
+template drives training; a file or ``chatml`` overrides it); ``--vision`` and
+``--train-vision-tower`` on ``sft`` and ``--image`` on ``generate`` (#39: vision SFT
+and generation)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--replica-parallel-saves": ("value", "auto", ("auto", "on", "off"), None, False),
         "--stop-after": ("value", None, None, "int", False),
         "--output": ("value", "runs/sft", None, None, False),
+        "--vision": ("flag", None, None, None, False),  # #39
+        "--train-vision-tower": ("flag", None, None, None, False),  # #39
     },
     "forward": {
         "--model": ("value", "qwen3_moe-tiny", None, None, False),
@@ -86,6 +90,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--prompt": ("append", None, None, None, False),
         "--prompts": ("value", None, None, None, False),
         "--chat": ("flag", None, None, None, False),
+        "--image": ("value", None, None, None, False),  # #39
         "--max-new-tokens": ("value", 64, None, "int", False),
         "--temperature": ("value", None, None, "float", False),
         "--top-k": ("value", None, None, "int", False),
@@ -194,7 +199,8 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--output": ("value", "runs/distill", None, None, False),
     },
     # posttrain plan (#34): the slice, the mesh and the workload it compiles; a COMMANDS
-    # row since, every flag kept; --rollout-mesh added with the grpo plan
+    # row since, every flag kept; --rollout-mesh added with the grpo plan, --num-iterations
+    # with GRPO's old-policy forward
     "plan": {
         "--model": ("value", None, None, None, True),
         "--topology": ("value", None, None, None, True),
@@ -209,6 +215,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--seq": ("value", 2048, None, "int", False),
         "--new-tokens": ("value", 128, None, "int", False),
         "--grad-accum": ("value", 1, None, "int", False),
+        "--num-iterations": ("value", 1, None, "int", False),
         "--optimizer": ("value", "adamw", ("adamw", "sgd", "adafactor"), None, False),
         "--dtype": ("value", "bfloat16", ("bfloat16", "float32"), None, False),
         "--param-dtype": ("value", "bfloat16", ("bfloat16", "float32"), None, False),

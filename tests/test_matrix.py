@@ -216,7 +216,7 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     md, js, page = (p.read_text() for p in paths)
     assert "first fails in **v3** after passing in v2: boom in v3" in md
     assert "| v3 | - · 0.10.2 · - · - · - | ❌ | 💥 | ❌ |  |  |" in md
-    assert json.loads(js)["columns"] == ["A", "B", "sft", "rl", "dpo", "distill"]
+    assert json.loads(js)["columns"] == ["A", "B", "sft", "rl", "dpo", "distill", "vision"]
     assert "<b>v3</b>" in page and "boom in v3" in page
 
 
@@ -274,7 +274,8 @@ def test_every_entry_runs_with_one_compile_cache_beside_the_environments(tmp_pat
         env = envs.EnvResult(path=path, built=False, seconds=0.0)
         matrix.run_entry(entry, env, tmp_path / "reports", "1", run=fake_run)
     cache_dirs = [e.get("JAX_COMPILATION_CACHE_DIR") for e in seen if "POSTTRAIN_DEVICES" in e]
-    assert len(cache_dirs) == 12  # contracts, sft, rl, dpo, the distill probe and run
+    # contracts, sft, rl, dpo, the distill probe and run, the vision probe and run
+    assert len(cache_dirs) == 16
     assert set(cache_dirs) == {str((tmp_path / "envs" / "jax-compile").resolve())}, cache_dirs
     assert not any("PYTHONDONTWRITEBYTECODE" in e for e in seen)
 
@@ -503,6 +504,66 @@ def test_the_distill_cell_reads_the_run_and_says_na_without_the_module(tmp_path)
     assert distill_cell.run_cell(emulated, env, {}, runner(0, 0, 2))["status"] == "skipped"
     assert distill_cell.run_cell(release, env, {}, runner(0, 1, 2))["status"] == "failed"
     assert distill_cell.run_cell(release, env, {}, runner(0, 0, 1))["status"] == "failed"
+
+
+def test_the_vision_run_parses_as_an_sft_vision_config(tmp_path):
+    """The vision cell's ``posttrain sft --vision`` options are all real options with the
+    intended values, and the run they describe passes its checks."""
+    from harness import vision_cell
+    from posttrain import cli
+
+    output = str(tmp_path / "out")
+    cfg = cli.parse_options(vision_cell.vision_argv("d.jsonl", output))
+    assert {k: getattr(cfg, k) for k in vision_cell.VISION_RUN} == vision_cell.VISION_RUN
+    assert cfg.vision and cfg.data == "d.jsonl" and cfg.output == output
+    cfg.check()
+
+
+def test_the_vision_cell_reads_the_run_and_says_na_without_the_images_field(tmp_path):
+    """``passed`` with the first and last step's loss; n/a where the entry's
+    ``TrainingInput`` has no images field or the row is emulated; ``failed`` with the
+    error line of the probe or the run, or with the records of a short run."""
+    from harness import vision_cell
+
+    release = entries.Entry(name="r", tunix="0.1.7", flavour="current", convention="bound2")
+    emulated = dataclasses.replace(release, emulated=True)
+    env = envs.EnvResult(path=tmp_path, built=False, seconds=0.0)
+
+    def runner(probe_rc, run_rc, steps):
+        def run(command, env=None):
+            if "-c" in command:
+                return subprocess.CompletedProcess(command, probe_rc, "", "ImportError: x")
+            out = Path(command[command.index("--output") + 1])
+            out.mkdir(parents=True)
+            records = [{"step": i + 1, "loss": 2.0 - i} for i in range(steps)]
+            (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+            return subprocess.CompletedProcess(command, run_rc, "", "ValueError: boom")
+
+        return run
+
+    steps = vision_cell.VISION_RUN["steps"]
+    cell = vision_cell.run_cell(release, env, {}, runner(0, 0, steps))
+    last = 2.0 - (steps - 1)
+    assert cell == {"status": "passed", "message": f"3 vision steps, loss 2.0000 -> {last:.4f}"}
+    cell = vision_cell.run_cell(release, env, {}, runner(vision_cell.NO_FIELD, 0, steps))
+    assert cell == {
+        "status": "skipped",
+        "message": "this Tunix's TrainingInput has no images field (google-tunix >= 0.1.6 has it)",
+    }
+    assert vision_cell.run_cell(emulated, env, {}, runner(0, 0, steps)) == {
+        "status": "skipped",
+        "message": "the vision run drives the installed trainer; the run is the base release's",
+    }
+    assert vision_cell.run_cell(release, env, {}, runner(1, 0, steps)) == {
+        "status": "failed",
+        "message": "ImportError: x",
+    }
+    assert vision_cell.run_cell(release, env, {}, runner(0, 1, steps)) == {
+        "status": "failed",
+        "message": "ValueError: boom",
+    }
+    short = vision_cell.run_cell(release, env, {}, runner(0, 0, steps - 1))
+    assert short["status"] == "failed" and short["message"].startswith("metrics: [{'step': 1")
 
 
 def test_every_run_cell_is_a_report_column_in_order():

@@ -136,10 +136,11 @@ def test_the_matrix_reports_each_row_and_phase_in_order(tmp_path):
         ("phase", "rl run"),
         ("phase", "dpo run"),
         ("phase", "distill run"),
+        ("phase", "vision run"),
     ]
     lines = shown.console.file.getvalue().splitlines()
     assert lines[0] == "[1/1] r: environment r"
-    assert lines[-1].startswith("[1/1] r: 0/4 cells pass"), lines
+    assert lines[-1].startswith("[1/1] r: 0/5 cells pass"), lines
 
 
 def test_a_report_of_some_entries_names_the_others_and_how_to_run_them():

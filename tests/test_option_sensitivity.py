@@ -287,6 +287,8 @@ SFT_VALUES: dict[str, tuple] = {
     "packing": (False, {"max_target_length": 256}),  # rows that hold several conversations
     "sync_saves": (True, {}),
     "replica_parallel_saves": ("on", {}),
+    # #39: images through TrainingInput.images (the drawings' rows need 192 tokens)
+    "vision": (True, {"max_target_length": 192}),
 }
 DPO_VALUES: dict[str, tuple] = {
     **{k: SFT_VALUES[k] for k in ("model", "tokenizer", "mesh", "steps", "learning_rate")},
@@ -327,7 +329,11 @@ GRPO_VALUES: dict[str, tuple] = {
     "warmup_data_shards": (2, {"warmup_steps": 1}),  # the warm-up's data order
 }
 DISTILL_VALUES: dict[str, tuple] = {
-    **{k: v for k, v in SFT_VALUES.items() if k not in ("model", "steps", "max_target_length")},
+    **{
+        k: v
+        for k, v in SFT_VALUES.items()
+        if k not in ("model", "steps", "max_target_length", "vision")
+    },
     "model": ("llama3-tiny", {}),  # the student
     "steps": (4, {}),
     "max_target_length": (64, {}),
@@ -342,6 +348,9 @@ DISTILL_VALUES: dict[str, tuple] = {
 }
 #: Options with no effect on what Tunix receives, and why.
 NO_EFFECT: dict[str, str] = {
+    "vision": "distill's is a plain field (no flag), always False; sft's has its row",
+    "train_vision_tower": "which variables the step differentiates (SFTOptions.frozen), "
+    "not what Tunix receives; tests/test_vision_sft.py checks the tower's gradient both ways",
     "eval_samples": "the evaluation before and after training only (``posttrain grpo``'s "
     "run.json, written at the end; tests/test_rl checks it); Tunix never sees it",
     "output": "where the run writes: each capture writes to a fresh directory, whose path "

@@ -159,8 +159,16 @@ def test_bad_options_are_refused_naming_the_value(changes, message):
         ({"workflow": "dpo", "extrapolate": True}, "workflow='dpo' plans one micro-step"),
         ({"workflow": "grpo", "grad_accum": 2}, "workflow='grpo' plans one micro-step"),
         ({"rollout_mesh": {"fsdp": 4}}, "rollout_mesh is GRPO's; workflow='sft'"),
+        ({"workflow": "dpo", "num_iterations": 2}, "num_iterations is GRPO's; workflow='dpo'"),
+        ({"workflow": "grpo", "num_iterations": 0}, "num_iterations=0 must be >= 1"),
     ],
-    ids=["dpo-extrapolate", "grpo-grad-accum", "sft-rollout-mesh"],
+    ids=[
+        "dpo-extrapolate",
+        "grpo-grad-accum",
+        "sft-rollout-mesh",
+        "dpo-iterations",
+        "grpo-no-iterations",
+    ],
 )
 def test_workflow_options_are_refused_naming_the_value(changes, message):
     with pytest.raises(ValueError, match=message):
@@ -316,30 +324,64 @@ def test_dpo_compiles_the_reference_forward_and_the_step_on_chosen_and_rejected(
 
 
 @pytest.mark.aot
-def test_grpo_plan_from_the_cli_compiles_rollout_reference_and_step(tmp_path, capsys):
-    """``posttrain plan --workflow grpo``: the rollout (prefill + decode with the KV
-    cache), the reference forward and the actor's train step, one column each, and a
-    JSON record holding every program's figures."""
+def test_grpo_plan_from_the_cli_compiles_rollout_reference_old_policy_and_step(tmp_path, capsys):
+    """``posttrain plan --workflow grpo --num-iterations 2``: the rollout (prefill +
+    decode with the KV cache), the reference forward, the old-policy forward Tunix runs
+    when num_iterations > 1 and the actor's train step, one column each, and a JSON record
+    holding every program's figures."""
     from posttrain import cli
 
     path = tmp_path / "grpo.json"
     argv = ["plan", "--model", "qwen3-tiny", "--topology", "v5p-8", "--workflow", "grpo"]
     argv += ["--lora-rank", "4", "--num-layers", "1", "--batch", "8", "--seq", "32"]
-    argv += ["--new-tokens", "16", "--json", str(path)]
+    argv += ["--new-tokens", "16", "--num-iterations", "2", "--json", str(path)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "rollout | reference forward | train step" in out and "fits" in out
+    assert "rollout | reference forward | old-policy forward | train step" in out
+    assert "fits" in out and "2 iterations" in out
     (rec,) = json.loads(path.read_text())
     stages = rec["stages"]
-    assert set(stages) == {"rollout", "reference forward", "train step"}
-    rollout, step = stages["rollout"], stages["train step"]
+    assert set(stages) == {"rollout", "reference forward", "old-policy forward", "train step"}
+    rollout, step, old = stages["rollout"], stages["train step"], stages["old-policy forward"]
     assert rollout["kinds"]["KV cache"] > 0 and "decode" in rollout["cost_source"]
     # the rollout shares the actor's model: the optimizer state is held beside it
     assert rollout["resident"] >= step["kinds"]["optimizer state"]
-    # prompt and completion ids, their masks, the advantages, the reference's logps
-    batch = 8 * 32 * (4 + 1) + 8 * 16 * (4 + 1) + 8 * 4 + 8 * 16 * 4
+    # the old-policy forward runs on the rollout's model, the actor's own here
+    assert old["kinds"]["parameters"] == step["kinds"]["parameters"]
+    assert old["resident"] == rollout["resident"] and old["temporaries"] > 0
+    # the reference forward's program on the same rows: log-probabilities out, no logits
+    assert old["outputs"] == stages["reference forward"]["outputs"]
+    # prompt and completion ids, their masks, the advantages, the reference's and the
+    # old policy's logps
+    batch = 8 * 32 * (4 + 1) + 8 * 16 * (4 + 1) + 8 * 4 + 2 * 8 * 16 * 4
     assert step["kinds"]["inputs"] == batch // 4
     assert rec["peak_bytes"] == step["peak_bytes"] and rec["stage"] in stages
+
+
+@pytest.mark.aot
+def test_grpo_runs_the_old_policy_forward_only_above_one_iteration():
+    """Tunix's GRPO learner runs ``get_old_per_token_logps`` only when num_iterations > 1
+    (google-tunix 0.1.7); the plan's default is the one ``posttrain grpo`` runs (Tunix's
+    default, which it keeps). Built, not compiled."""
+    from posttrain.plan import compile as plan_compile
+    from posttrain.rl import tunix_rl
+
+    default = PlanOptions.__dataclass_fields__["num_iterations"].default
+    assert tunix_rl.algo_config("grpo", num_generations=2).num_iterations == default == 1
+    options = PlanOptions(
+        model="qwen3-tiny", topology="v5p-8", workflow="grpo", lora_rank=4, num_layers=1,
+        batch=8, seq=32, new_tokens=16,
+    )  # fmt: skip
+    topo = topology.get("v5p-8")
+    _, one, _ = plan_compile.build_programs(options, topo)
+    _, two, _ = plan_compile.build_programs(dataclasses.replace(options, num_iterations=2), topo)
+    assert list(one) == ["rollout", "reference forward", "train step"]
+    assert list(two) == ["rollout", "reference forward", "old-policy forward", "train step"]
+    assert one["train step"].args[2].old_per_token_logps is None
+    logps = 8 * 16 * 4 // 4  # [rows, completion] float32 over fsdp=4
+    assert two["train step"].kinds["inputs"] == one["train step"].kinds["inputs"] + logps
+    old, ref = two["old-policy forward"], two["reference forward"]
+    assert old.model_flops == ref.model_flops and old.kinds["inputs"] == ref.kinds["inputs"]
 
 
 @pytest.mark.slow
@@ -447,3 +489,33 @@ def test_depth_line_through_two_depths():
         linear((4, 16.0), (2, 10.0), 12)
     with pytest.raises(ValueError, match="depths 0 and 2"):
         linear((0, 1.0), (2, 2.0), 12)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("rank", [0, 4], ids=["full", "lora"])
+def test_workflow_steps_count_the_trained_parameters_their_moments_and_gradients(rank):
+    """DPO's and GRPO's train steps: gradients are the trained parameters (all of them
+    without LoRA, the adapters with it) and AdamW's optimizer state their two moments.
+    Built, not compiled."""
+    from posttrain.plan import compile as plan_compile
+
+    topo = topology.get("v5p-8")
+    for workflow in ("dpo", "grpo"):
+        options = PlanOptions(
+            model="qwen3-tiny", topology="v5p-8", workflow=workflow, lora_rank=rank,
+            num_layers=1, batch=8, seq=32, new_tokens=16,
+        )  # fmt: skip
+        _, programs, _ = plan_compile.build_programs(options, topo)
+        kinds = programs["train step"].kinds
+        if rank:
+            assert 0 < kinds["gradients"] < kinds["parameters"] / 4
+        else:
+            assert kinds["gradients"] == kinds["parameters"]
+        # mu and nu of each trained parameter, and AdamW's step counts (a few bytes)
+        moments = kinds["optimizer state"] - 2 * kinds["gradients"]
+        assert 0 <= moments < 64, (workflow, kinds)
+        # model FLOPs on the same tokens: 6 N (4 N with LoRA) against the forward's 2 N
+        forward = programs["reference forward"].model_flops
+        assert programs["train step"].model_flops == (2 if rank else 3) * forward > 0
+    with pytest.raises(ValueError, match="batch=6 rows must divide by the data-parallel size 4"):
+        plan_compile.build_programs(dataclasses.replace(options, batch=6), topo)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Literal
 
 from posttrain.config import RematPolicy
@@ -119,6 +120,11 @@ class GenerateOptions:
     prompt: tuple[str, ...] = option((), "prompt text (repeatable)")
     prompts: str | None = option(None, 'JSONL: {"prompt": ...} or {"messages": [...]}')
     chat: bool = option(False, "wrap --prompt in the chat template as a user turn")
+    image: str | None = option(
+        None,
+        "an image file the one --prompt asks about (a model with a vision tower): a user "
+        "turn of the image, then the text",
+    )
     max_new_tokens: int = option(64, "tokens to generate", show_default=False)
     temperature: float | None = option(
         None, "0: greedy (default: the checkpoint's generation_config.json, else greedy)"
@@ -141,3 +147,9 @@ class GenerateOptions:
         from posttrain.commands.generate_inputs import check_options
 
         check_options(self)
+        if self.image is not None:  # one prompt about one image, before a model is read
+            if not os.path.isfile(self.image):
+                raise ValueError(f"--image {self.image!r} does not exist; expected an image file")
+            if len(self.prompt) != 1 or self.prompts is not None:
+                count = len(self.prompt) + (self.prompts is not None)
+                raise ValueError(f"--image {self.image!r} takes exactly one --prompt (got {count})")

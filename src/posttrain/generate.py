@@ -145,7 +145,9 @@ def _positions(real: jax.Array) -> jax.Array:
 
 
 @nnx.jit(static_argnames=("cfg", "cache_size", "on_token"))
-def _generate(model, tokens, real, seed, cfg: SamplingConfig, cache_size: int, on_token=None):
+def _generate(
+    model, tokens, real, seed, cfg: SamplingConfig, cache_size: int, on_token=None, images=None
+):
     batch, width = tokens.shape
     n = cfg.max_new_tokens
     key = jax.random.key(seed)  # traced: a new seed does not compile again
@@ -159,7 +161,11 @@ def _generate(model, tokens, real, seed, cfg: SamplingConfig, cache_size: int, o
     prefill_mask = (slots[None, :] <= jnp.arange(width)[:, None])[None] & valid[:, None, :]
     positions = _positions(real)
     # [B, 1, V]: only the last position is sampled from (no projection of the prompt)
-    logits, cache = model(tokens, positions, cache, prefill_mask, decode_only_last_token=True)
+    # the images enter the prefill only: their soft tokens are then in the cache
+    image_kw = {} if images is None else {"images": images}
+    logits, cache = model(
+        tokens, positions, cache, prefill_mask, decode_only_last_token=True, **image_kw
+    )
     last_position = positions[:, -1]
 
     def choose(logits_last, step):
@@ -220,6 +226,7 @@ def generate(
     *,
     cache_size: int | None = None,
     on_token: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    images=None,
 ) -> Generation:
     """Generates up to ``cfg.max_new_tokens`` tokens after each prompt.
 
@@ -234,6 +241,9 @@ def generate(
       on_token: called on the host with ``(tokens [B], stopped [B])`` after each step
         (the step's token of every row, and which rows had stopped before it), in order:
         streaming. Each distinct callback compiles the loop once.
+      images: the rows' images (a :class:`~posttrain.layers.vision.ImageBatch`,
+        ``[rows, I, P, C]`` / ``[rows, I, P, 2]``), placed at each prompt's image tokens
+        in the prefill (a model with a vision tower); None: text only.
 
     Returns:
       :class:`Generation`.
@@ -249,6 +259,8 @@ def generate(
     if current is not None and rows:  # the batch must divide over the data-parallel axes
         extra = -rows % sharding.data_parallel_size(current.mesh, current.rules)
         prompts = [*prompts, *[prompts[0]] * extra]
+        if images is not None and extra:  # the extra rows repeat row 0's images too
+            images = jax.tree.map(lambda x: np.concatenate([x, *[x[:1]] * extra]), images)
     tokens, real = left_pad(prompts, cfg.pad_id)
     need = tokens.shape[1] + cfg.max_new_tokens
     cache_size = need if cache_size is None else cache_size
@@ -261,7 +273,9 @@ def generate(
     seed = np.uint32(cfg.seed)
     if current is not None and distributed.process_count() > 1:
         tokens, real, seed = _global(current.mesh, current.rules, tokens, real, seed)
-    out, lps, lengths, done = _generate(model, tokens, real, seed, static, cache_size, on_token)
+    out, lps, lengths, done = _generate(
+        model, tokens, real, seed, static, cache_size, on_token, images
+    )
     # a collective across processes: every process gathers the same four, in order
     out, lps, lengths, done = (distributed.host_array(x)[:rows] for x in (out, lps, lengths, done))
     return Generation(out, lps, lengths, ["eos" if d else "length" for d in done])

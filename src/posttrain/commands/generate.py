@@ -55,6 +55,10 @@ def generate(args) -> int:
             "run `posttrain sft` first, or pass --model PRESET|DIR"
         )
     prompts = _prompts(args)
+    if args.image:  # a model without a tower is refused before it is read
+        from posttrain.commands.generate_image import check_image_model
+
+        check_image_model(args.image, spec)
     mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
     with sharding.use_mesh(mesh):
         model, tok = _model_and_tokenizer(args, spec, mesh)
@@ -63,7 +67,14 @@ def generate(args) -> int:
         formats = chat.checkpoint_formats(
             spec, tok, tokenizer_path=args.tokenizer, chat_template=args.chat_template
         )
-        ids = [_prompt_ids(p, tok, args.chat, formats.template) for p in prompts]
+        images = None
+        if args.image:  # one prompt about one image (generate_image)
+            from posttrain.commands.generate_image import image_prompt
+
+            prompt, images = image_prompt(args.image, prompts, model, tok, formats.template, spec)
+            ids = [prompt]
+        else:
+            ids = [_prompt_ids(p, tok, args.chat, formats.template) for p in prompts]
         # before the cache is allocated: the positions and the memory it needs
         limits.check_generation(
             spec,
@@ -78,7 +89,9 @@ def generate(args) -> int:
         # One process streams; across processes the text is printed once, at the end.
         if len(ids) == 1 and not args.output and distributed.process_count() == 1:
             stream = _streamer(tok, sampling.eos_ids)
-        out = gen.generate(model, ids, sampling, cache_size=args.cache_size, on_token=stream)
+        out = gen.generate(
+            model, ids, sampling, cache_size=args.cache_size, on_token=stream, images=images
+        )
     if stream is not None:
         print(flush=True)
     elif distributed.is_writer():  # every process generated; one writes

@@ -76,6 +76,9 @@ class DistillRunConfig(SFTConfig):
     steps: int = option(40, "optimizer steps")
     max_target_length: int = option(128, "tokens per row", show_default=False)
     output: str = option("runs/distill", "run directory; a rerun resumes from its checkpoint")
+    # SFT's image options are not distillation's (plain fields: no flags)
+    vision: bool = False
+    train_vision_tower: bool = False
 
     def check_fields(self) -> None:
         super().check_fields()

@@ -8,9 +8,10 @@ residual through its own weightless RMSNorm x ``scale`` x d_model^-1/2, and
 ``per_expert_scale`` multiplies the renormalised weights; a per-layer scalar;
 embeddings x sqrt(d_model); final logit soft-capping; tied embeddings.
 
-Presets: ``gemma4-tiny`` and ``gemma4-26b-a4b`` (:func:`gemma4_26b_a4b`, the released MoE
-size; the dense sizes have no MoE block and other features, per-layer embeddings and
-shared KV layers, that this family does not model).
+Presets: ``gemma4-tiny``, ``gemma4-vision-tiny`` (with the tiny vision tower) and
+``gemma4-26b-a4b`` (:func:`gemma4_26b_a4b`, the released MoE size; the dense sizes have
+no MoE block and other features, per-layer embeddings and shared KV layers, that this
+family does not model).
 
 Conversion: sandwich norms, a per-layer ``layer_scalar`` (a persistent buffer,
 stored), a dense MLP in every layer and, with MoE, ``router.{proj.weight, scale,
@@ -32,7 +33,7 @@ from posttrain.conversion.rows import DENSE_AND_MOE, LAYER_SCALAR, MOE, SANDWICH
 from posttrain.conversion.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, L, Table
 from posttrain.conversion.transforms import EXPERTS_T, GATE_UP_CONCAT_T, IDENTITY, TRANSPOSE
 from posttrain.families import Family, HFOracle
-from posttrain.families.gemma4_vision import VISION_ROWS, vision_from_hf, vision_to_hf
+from posttrain.families.gemma4_vision import VISION_ROWS, vision_from_hf, vision_tiny, vision_to_hf
 
 WRAPPER_ARCHITECTURE, WRAPPER_MODEL_TYPE = "Gemma4ForConditionalGeneration", "gemma4"
 DEFAULT_ROPE_THETA = 10_000.0
@@ -94,6 +95,12 @@ def gemma4_tiny() -> ModelConfig:
         tie_word_embeddings=True,
         norm_eps=1e-6,
     )
+
+
+def gemma4_vision_tiny() -> ModelConfig:
+    """``gemma4-tiny`` with the CPU-sized vision tower (:func:`~posttrain.families.
+    gemma4_vision.vision_tiny`): ``posttrain sft --vision``'s default model."""
+    return gemma4_tiny().replace(vision=vision_tiny())
 
 
 def gemma4_26b_a4b() -> ModelConfig:
@@ -300,7 +307,11 @@ LAYER_ROWS = (
 
 FAMILY = Family(
     name="gemma4",
-    presets={"gemma4-tiny": gemma4_tiny, "gemma4-26b-a4b": gemma4_26b_a4b},
+    presets={
+        "gemma4-tiny": gemma4_tiny,
+        "gemma4-vision-tiny": gemma4_vision_tiny,
+        "gemma4-26b-a4b": gemma4_26b_a4b,
+    },
     table=Table(
         GLOBAL_ROWS + ATTENTION_ROWS + DENSE_MLP_ROWS + LAYER_ROWS + VISION_ROWS,
         prefixes=("model.", "model.language_model."),

@@ -94,6 +94,7 @@ def build_programs(options: PlanOptions, topo) -> tuple[str, dict, object]:
             rows=batch,
             prompt=options.seq,
             completion=options.new_tokens,
+            num_iterations=options.num_iterations,
             **common,
         )
     else:
@@ -169,6 +170,8 @@ def describe(options: PlanOptions, cfg, mesh, batch: int) -> str:
         if options.rollout_mesh:
             rollout = ",".join(f"{a}={n}" for a, n in options.rollout_mesh.items() if n > 1)
             axes += f", rollout mesh {rollout or '1 device'}"
+        if options.num_iterations > 1:
+            rows += f", {options.num_iterations} iterations"
     accum = f", grad_accum {options.grad_accum}" if options.grad_accum > 1 else ""
     return (
         f"{options.model} {options.workflow} {tuning}, {cfg.num_layers} layers, mesh {axes}, "

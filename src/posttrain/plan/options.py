@@ -50,6 +50,9 @@ class PlanOptions:
       new_tokens: tokens ``generate`` samples after the prompt; the completion length of
         ``dpo`` and ``grpo``.
       grad_accum: micro-batches per optimizer step.
+      num_iterations: GRPO's ``num_iterations`` (μ, Tunix's ``GRPOConfig``): steps per
+        rollout batch; above 1 Tunix runs the old-policy forward before them, a program
+        the plan then compiles too (``posttrain grpo`` keeps Tunix's 1).
       optimizer: the optax transformation.
       dtype, param_dtype: activation and parameter dtypes.
       scan_layers: scan the decoder's layers (one compiled layer body).
@@ -83,6 +86,9 @@ class PlanOptions:
     seq: int = option(2048, "tokens per row (generate, dpo, grpo: the prompt)")
     new_tokens: int = option(128, "generate: tokens sampled; dpo, grpo: the completion")
     grad_accum: int = option(1, "micro-batches per optimizer step")
+    num_iterations: int = option(
+        1, "grpo: steps per rollout batch (Tunix's; > 1 adds the old-policy forward)"
+    )
     optimizer: Optimizer = option("adamw", "the optax transformation")
     dtype: DType = option("bfloat16", "activation dtype")
     param_dtype: DType = option("bfloat16", "parameter dtype")
@@ -119,7 +125,7 @@ class PlanOptions:
 
             if self.qlora not in WEIGHT_QTYPES:
                 raise ValueError(f"qlora={self.qlora!r} must be one of {', '.join(WEIGHT_QTYPES)}")
-        for name in ("per_device_batch_size", "seq", "new_tokens", "grad_accum"):
+        for name in ("per_device_batch_size", "seq", "new_tokens", "grad_accum", "num_iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.lora_rank < 0:
@@ -141,6 +147,8 @@ class PlanOptions:
             )
         if self.rollout_mesh is not None and self.workflow != "grpo":
             raise ValueError(f"rollout_mesh is GRPO's; workflow={self.workflow!r}")
+        if self.num_iterations > 1 and self.workflow != "grpo":
+            raise ValueError(f"num_iterations is GRPO's; workflow={self.workflow!r}")
         check_output(self.json_path)
 
 

@@ -16,9 +16,13 @@ with the loss ``GRPOLearner`` installs and our MoE term):
     sampler runs the same model calls through :mod:`posttrain.tunix_sampler`);
   - ``reference forward``: Tunix's jitted ``compute_per_token_logps`` on the reference;
   - ``train step``: the actor trainer's ``_train_step`` on the learner's ``TrainExample``.
-  The old-policy forward runs only with ``num_iterations > 1`` (``posttrain grpo`` keeps
-  Tunix's 1, where the loss takes the current log-probabilities, stop-gradient); it is
-  the reference forward's program on the policy.
+  - ``old-policy forward``, only with ``num_iterations > 1`` (Tunix's
+    ``GRPOLearner._generate_and_compute_advantage`` calls
+    ``RLCluster.get_old_per_token_logps``: the same ``compute_per_token_logps`` on the
+    rollout's model, under the rollout mesh, before the step; the step's
+    ``TrainExample`` then carries its ``[rows, completion]`` float32 log-probabilities).
+    With 1 (Tunix's default, which ``posttrain grpo`` keeps) the loss takes the step's
+    own log-probabilities, stop-gradient, and no such forward runs.
 
 What stays on the device between programs (``Program.resident``): the policy, its
 optimizer state and the reference. With LoRA the reference is the policy with its
@@ -158,11 +162,13 @@ def grpo_programs(
     prompt: int,
     completion: int,
     rules,
+    num_iterations: int = 1,
 ) -> dict[str, Program]:
     """``{"rollout": ..., "reference forward": ..., "train step": ...}`` of one GRPO step
     on the abstract ``model``: ``rows`` completions (prompts x generations) of
     ``completion`` tokens after ``prompt``-token prompts, Tunix's default GRPO config
-    (beta 0.04: the reference forward runs).
+    (beta 0.04: the reference forward runs) with ``num_iterations`` (> 1 adds the
+    ``"old-policy forward"`` on the rollout's model).
 
     Raises:
       ValueError: ``rows`` does not divide by either mesh's data-parallel size.
@@ -182,7 +188,9 @@ def grpo_programs(
         raise NotImplementedError("plan builds GRPO's loss as google-tunix 0.1.7 does")
     _check_batch(mesh, rules, rows)
     _check_batch(rollout_mesh, rules, rows)
-    algo = tunix_rl.algo_config("grpo", num_generations=2, epsilon=0.2)
+    algo = tunix_rl.algo_config(
+        "grpo", num_generations=2, epsilon=0.2, num_iterations=num_iterations
+    )
     algo.temperature = 1.0  # GRPOLearner sets it to the rollout's (a value, not a shape)
     loss = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
     policy = TunixPolicy(model)
@@ -215,7 +223,7 @@ def grpo_programs(
             completion_mask=_rows(mesh, rules, (rows, completion), jnp.bool_),
             advantages=_rows(mesh, rules, (rows,), jnp.float32),
             ref_per_token_logps=logps,
-            old_per_token_logps=None,
+            old_per_token_logps=logps if algo.num_iterations > 1 else None,
         )
         kinds = _trained_kinds(trainer, example)
         held = kinds["parameters"] + kinds["optimizer state"] + own
@@ -238,24 +246,48 @@ def grpo_programs(
             2 * abstract.active_matmul_params(model) * rows * (prompt + completion),
             resident=held - ref_kinds["parameters"],
         )
-        rollout = _rollout(trainer.model.model, mesh, rollout_mesh, rows, prompt, completion, rules)
+        sampled = trainer.model.model if rollout_mesh is mesh else nnx.clone(trainer.model.model)
+        rollout = generate_program(
+            sampled, rollout_mesh, batch=rows, prompt=prompt, new_tokens=completion, rules=rules
+        )
         # a rollout on the trainer's mesh shares the actor's model; another holds a copy
         copy = rollout.kinds["parameters"] if rollout_mesh is not mesh else 0
         rollout = _with_resident(rollout, held + copy - rollout.kinds["parameters"])
         step = _with_resident(step, step.resident + copy)
         forward = _with_resident(forward, forward.resident + copy)
-        return {"rollout": rollout, "reference forward": forward, "train step": step}
+        programs = {"rollout": rollout, "reference forward": forward}
+        if algo.num_iterations > 1:
+            old = _old_policy_forward(sampled, rollout_mesh, rules, rows, prompt, completion)
+            programs["old-policy forward"] = _with_resident(
+                old, held + copy - old.kinds["parameters"]
+            )
+        return {**programs, "train step": step}
     finally:
         trainer.checkpoint_manager.close()
         trainer.metrics_logger.close()
 
 
-def _rollout(model, mesh, rollout_mesh, rows, prompt, completion, rules) -> Program:
-    """The rollout's program: on the trainer's mesh the actor's own (placed) model, on
-    another mesh a copy placed there."""
-    sampled = model if rollout_mesh is mesh else nnx.clone(model)
-    return generate_program(
-        sampled, rollout_mesh, batch=rows, prompt=prompt, new_tokens=completion, rules=rules
+def _old_policy_forward(sampled, rollout_mesh: Mesh, rules, rows, prompt, completion) -> Program:
+    """Tunix's ``get_old_per_token_logps`` (google-tunix 0.1.7): ``compute_per_token_logps``
+    on the rollout's model ``sampled`` (the actor's own on the trainer's mesh, else the
+    rollout mesh's placed copy), on ``rows`` prompts and completions there."""
+    from tunix.rl import common
+
+    from posttrain.rl.policy import TunixPolicy
+
+    graphdef, state = nnx.split(TunixPolicy(sampled))
+    prompt_ids = _rows(rollout_mesh, rules, (rows, prompt), jnp.int32)
+    completion_ids = _rows(rollout_mesh, rules, (rows, completion), jnp.int32)
+    kinds = {
+        "parameters": abstract.device_bytes(state),
+        "inputs": abstract.device_bytes((prompt_ids, completion_ids)),
+    }
+    return Program(
+        common.compute_per_token_logps,
+        (graphdef, state, prompt_ids, completion_ids),
+        {"pad_id": 0, "eos_id": 1, "stop_gradient": True, "return_logits": False},
+        kinds,
+        2 * abstract.active_matmul_params(sampled) * rows * (prompt + completion),
     )
 
 

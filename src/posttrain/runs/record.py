@@ -82,10 +82,16 @@ def check_resumable(cfg, out: str | os.PathLike) -> None:
         return
     settings = recorded.get("settings", recorded)  # run.json before segments: top level
     new = dataclasses.asdict(cfg)
+    # a setting added after the run was recorded (sft's vision, #39) had its default then
+    defaults = {
+        f.name: None if f.default is dataclasses.MISSING else f.default
+        for f in dataclasses.fields(cfg)
+    }
+    was = {name: settings.get(name, defaults[name]) for name in cfg.TRAINING_FIELDS}
     differ = [
-        f"{name} {settings.get(name)!r} -> {new[name]!r}"
+        f"{name} {was[name]!r} -> {new[name]!r}"
         for name in cfg.TRAINING_FIELDS
-        if _normal(settings.get(name)) != _normal(new[name])
+        if _normal(was[name]) != _normal(new[name])
     ]
     if differ:
         raise ValueError(

@@ -9,7 +9,10 @@ Batch fields (``[batch, seq]`` unless noted; the names of Tunix's
 - ``segment_ids`` int32, 1.. per packed sequence, 0 for padding;
 - ``step_target_tokens`` ``[batch]`` int32 (optional): the number of target
   tokens in the whole optimizer step (every micro-batch of the accumulation
-  window, global batch), the same value in every row.
+  window, global batch), the same value in every row;
+- ``images`` (optional, Tunix's ``TrainingInput.images``): the rows' images, a
+  :class:`posttrain.layers.vision.ImageBatch` (``pixels [batch, I, P, C]``,
+  ``positions [batch, I, P, 2]``), passed to the model as ``images=``.
 
 Token t is a target when ``input_mask[t]`` is set and token t-1 is in the same
 (non-padding) segment; it is predicted from logits at t-1. The step objective
@@ -54,15 +57,20 @@ def token_nll(logits: jax.Array, input_tokens: jax.Array, targets: jax.Array) ->
     return -jnp.sum(jnp.where(targets, picked, 0.0))
 
 
-def sft_terms(model, input_tokens, input_mask, positions=None, segment_ids=None, **_):
+def sft_terms(model, input_tokens, input_mask, positions=None, segment_ids=None, images=None, **_):
     """Forward pass -> ``{"nll_sum", "target_tokens", "moe_aux_loss"}`` (float32 scalars).
 
     ``model`` is a :class:`posttrain.models.CausalLM` (``forward`` returns the
-    MoE aux loss); other keyword fields of the batch are ignored.
+    MoE aux loss); ``images`` go to it as ``images=`` (None: text only); other keyword
+    fields of the batch are ignored.
     """
     if segment_ids is None:
         segment_ids = jnp.ones_like(input_tokens)
-    logits, aux = model.forward(input_tokens, positions, packed_attention_mask(segment_ids))
+    mask = packed_attention_mask(segment_ids)
+    if images is None:  # text-only models' forward has no images keyword to pass
+        logits, aux = model.forward(input_tokens, positions, mask)
+    else:
+        logits, aux = model.forward(input_tokens, positions, mask, images=images)
     targets = target_mask(input_mask, segment_ids)
     return {
         "nll_sum": token_nll(logits, input_tokens, targets),

@@ -50,6 +50,7 @@ class SFTResult:
     global_batch: int
     params: int
     trainable: int
+    held_out: tuple[dict, dict, int] | None = None  # --vision: (before, after, rows)
 
     def summary(self) -> str:
         h = [r for r in self.history if r.get("loss") is not None]
@@ -57,10 +58,15 @@ class SFTResult:
             return f"no steps run (already at step {self.checkpoint_step})"
         speeds = [r["tokens_per_s"] for r in h if r.get("tokens_per_s")]
         speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
-        return (
+        line = (
             f"steps {h[0]['step']}-{h[-1]['step']}: loss {h[0]['loss']:.3f} -> "
             f"{h[-1]['loss']:.3f} (perplexity {h[-1]['perplexity']:.1f}){speed}"
         )
+        if self.held_out is not None:
+            from posttrain.sft.vision_run import held_out_line
+
+            line += "\n" + held_out_line(*self.held_out)
+        return line
 
 
 def build_rows(
@@ -115,7 +121,9 @@ def run_sft(
     """
     from posttrain.runs.export import export_final
     from posttrain.runs.formats import run_tokenizer_and_formats
+    from posttrain.sft import vision_run
 
+    cfg = vision_run.resolved(cfg)  # --vision: the default model is the vision preset
     cfg.check()
     run_record.check_resumable(cfg, cfg.output)  # before anything is read or written
     # Across processes, process 0 alone writes metrics, progress and run.json; every
@@ -130,10 +138,14 @@ def run_sft(
     )
     resume_facts = check_same_run(cfg, global_batch)  # devices, data content, exports
     tok, formats = run_tokenizer_and_formats(cfg)  # the template: refused before any write
-    shards, shard_rows, n_rows = _read_rows(cfg, tok, mesh, global_batch, formats.template)
+    images = vision_run.prepare(cfg, tok, formats.template, pad_id_of(tok)) if cfg.vision else None
+    rows_of = build_rows if images is None else images.rows
+    shards, shard_rows, n_rows = _read_rows(cfg, tok, mesh, global_batch, formats.template, rows_of)
     model = load_run_model(cfg, mesh, tok)
+    before = images and images.score(model, mesh, global_batch)
     out = prepare_output(cfg.output)
-    trainer, replica_parallel = _trainer(cfg, model, mesh, out, log_every, trainer_class)
+    frozen = images and images.frozen
+    trainer, replica_parallel = _trainer(cfg, model, mesh, out, log_every, trainer_class, frozen)
     params, trainable = _parameter_counts(trainer)
     facts = {
         "global_batch": global_batch,
@@ -149,9 +161,15 @@ def run_sft(
         print(_start_line(cfg, facts, params, trainable, here), flush=True)
     if on_built is not None:
         on_built(trainer)
-    _train(trainer, cfg, out, facts, shard_rows, write=writer)
+    _train(trainer, cfg, out, facts, shard_rows, write=writer, images=images)
     step = trainer.train_steps
     exported = export_final(trainer.model, out, step, formats=formats)
+    held_out = None
+    if before:
+        after = images.score(trainer.model, mesh, global_batch)
+        held_out = (before, after, len(images.held_out["input_tokens"]))
+    if images:
+        images.write(exported)
     return SFTResult(
         trainer.history,
         out,
@@ -161,6 +179,7 @@ def run_sft(
         global_batch,
         params,
         trainable,
+        held_out,
     )
 
 
@@ -191,22 +210,23 @@ def _start_line(cfg: SFTConfig, facts: dict, params: int, trainable: int, here: 
     )
 
 
-def _read_rows(cfg: SFTConfig, tok, mesh, global_batch: int, template=None):
-    """``(data shards, {shard: rows} of this process's shards, rows of all shards)``.
+def _read_rows(cfg: SFTConfig, tok, mesh, global_batch: int, template=None, rows_of=build_rows):
+    """``(data shards, {shard: rows} of this process's shards, rows of all shards)``;
+    ``rows_of(cfg, tok, shard, template)`` builds a shard's rows (default :func:`build_rows`).
 
     Bad data fails before the model is built. Each process tokenises its shards only, so
     a bad shard fails in one process: every process learns it and stops (a collective),
     none waits for the others at the next one."""
     shards, mine = data_shards(cfg, mesh, global_batch, recorded_shards(cfg))
     with distributed.together("read the data"):
-        shard_rows = {s: build_rows(cfg, tok, (s, shards), template) for s in mine}
+        shard_rows = {s: rows_of(cfg, tok, (s, shards), template) for s in mine}
     n_rows = distributed.sum_by_key(
         {s: len(r["input_tokens"]) for s, r in shard_rows.items()}, shards
     )
     return shards, shard_rows, n_rows
 
 
-def _trainer(cfg: SFTConfig, model, mesh, out: pathlib.Path, log_every, trainer_class):
+def _trainer(cfg: SFTConfig, model, mesh, out: pathlib.Path, log_every, trainer_class, frozen=None):
     """``(trainer, whether Orbax's saves are replica-parallel)`` of the run ``cfg``."""
     from tunix.sft import peft_trainer
 
@@ -221,6 +241,7 @@ def _trainer(cfg: SFTConfig, model, mesh, out: pathlib.Path, log_every, trainer_
     options = trainer_options(
         mesh, schedule, out, log_every, single_replica_saves=not replica_parallel
     )
+    options = dataclasses.replace(options, frozen=frozen)
     return cls(model, tx, training_config, options=options), replica_parallel
 
 
@@ -233,10 +254,12 @@ def _parameter_counts(trainer) -> tuple[int, int]:
         leaves = jax.tree.leaves(nnx.state(trainer.model, kind))
         return sum(int(np.prod(x.shape)) for x in leaves)
 
-    return count(nnx.Param), count(trainer._wrt)
+    return count(nnx.Param), count(trainer.learned)
 
 
-def _train(trainer, cfg: SFTConfig, out, facts: dict, shard_rows, *, write: bool) -> None:
+def _train(
+    trainer, cfg: SFTConfig, out, facts: dict, shard_rows, *, write: bool, images=None
+) -> None:
     """Records this segment (the writer) and trains from the step Tunix restored; a
     non-finite loss abandons the run (no final checkpoint, no export)."""
     from posttrain.sft import data
@@ -255,7 +278,7 @@ def _train(trainer, cfg: SFTConfig, out, facts: dict, shard_rows, *, write: bool
             seed=cfg.seed,
             step_total=lambda counts: distributed.sum_by_key(counts, shards),
         )
-        trainer.train(batches)
+        trainer.train(batches if images is None else images.batches(batches))
     except NonFiniteLossError as error:
         trainer.abandon()  # no final checkpoint, no export of a non-finite model
         # a run that never checkpointed leaves nothing half-written (runs.checks)

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,9 @@ class SFTOptions:
         batch (``posttrain.sft.data.sharded_batches``), placed with
         ``jax.make_array_from_process_local_data``; otherwise (default) every process
         holds the whole global batch. The same in one process.
+      frozen: an ``nnx`` filter of trained variables that stay as they are (a vision
+        tower under ``posttrain sft --vision``): not differentiated, a zero update
+        (Tunix's optimizer holds every ``Param`` / ``LoRAParam``). None: none.
     """
 
     mesh: Mesh
@@ -92,6 +96,7 @@ class SFTOptions:
     convention: tunix_compat.Convention | None = None
     single_replica_saves: bool = False
     process_local_batches: bool = False
+    frozen: Any = None
 
 
 class SFTTrainerMixin:
@@ -138,6 +143,11 @@ class SFTTrainerMixin:
             self.grad_accum_steps, options.learning_rate_fn, options.metrics_path, options.log_every
         )
         self._wrt = nnx.LoRAParam if self._lora_enabled else nnx.Param
+        self._frozen = options.frozen
+        #: the variables training changes: the trained kind less ``options.frozen``
+        self.learned = (
+            self._wrt if self._frozen is None else nnx.All(self._wrt, nnx.Not(self._frozen))
+        )
         self.loss_fn = self.eval_loss_fn = self._eval_loss_fn()
         self._has_aux = True
         self._batch_sharding = sharding.batch_sharding(self.mesh, self.rules)
@@ -167,7 +177,7 @@ class SFTTrainerMixin:
           NonFiniteLossError: either is not (a resumed run would restart from it).
         """
         self.metrics.flush()
-        if not bool(all_finite(nnx.state(self.model, self._wrt))):
+        if not bool(all_finite(nnx.state(self.model, self.learned))):
             raise NonFiniteLossError(
                 f"step {step}: the updated weights are not finite (a learning rate too "
                 "high?); training stopped before checkpointing them"
@@ -205,18 +215,21 @@ class SFTTrainerMixin:
 
     def _grads(self, model, inputs):
         """``(objective, terms, grads)``: :meth:`_objective` and d(objective)/d(trained
-        variables)."""
-        graphdef, trained, rest = nnx.split(model, self._wrt, ...)
+        variables); zero for the ``SFTOptions.frozen`` ones, which are constants of the
+        objective (no backward through them)."""
+        graphdef, trained, frozen, rest = nnx.split(model, self.learned, self._wrt, ...)
 
         def share(trained_state):
             # New Variable objects for the frozen part, made in this trace: nnx.merge
             # reuses a State's Variables (flax 0.12), and an nnx.jit called inside the
             # objective (Tunix's DPO compute_logps) writes its outputs back into them,
             # which flax refuses across trace levels (TraceContextError).
-            fresh = jax.tree.map(lambda x: x, rest)
-            return self._objective(nnx.merge(graphdef, trained_state, fresh), inputs)
+            constants = jax.tree.map(lambda x: x, (frozen, rest))
+            return self._objective(nnx.merge(graphdef, trained_state, *constants), inputs)
 
         (objective, terms), grads = jax.value_and_grad(share, has_aux=True)(trained)
+        if self._frozen is not None:  # Tunix's optimizer holds every trained-kind variable
+            grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, frozen))
         return objective, terms, grads
 
     def _step_body(self, model, optimizer, grad_accumulator, inputs, is_update_step):

@@ -171,6 +171,23 @@ def checkpoint_saves_optimizer(manager_cls: type | None = None) -> bool:
     return "optimizer" in inspect.signature(manager_cls.save).parameters
 
 
+#: Tunix's ``TrainingInput`` field for a vision model's images (google-tunix >= 0.1.6).
+IMAGE_FIELD = "images"
+
+
+def image_field(training_input: type | None = None) -> str | None:
+    """The name of the installed ``TrainingInput``'s images field (``images``: google-tunix
+    >= 0.1.6, which its default loss passes to the model as ``images=``), None without one.
+    ``posttrain sft --vision`` puts each batch's images there (:mod:`posttrain.sft.vision_run`).
+    """
+    if training_input is None:
+        from tunix.sft import peft_trainer
+
+        training_input = peft_trainer.TrainingInput
+    names = {f.name for f in dataclasses.fields(training_input)}
+    return IMAGE_FIELD if IMAGE_FIELD in names else None
+
+
 def tunix_base(cls: type, mixin: type) -> type:
     """The first class in ``cls``'s MRO, past ``mixin`` (the SFT step's), that defines
     ``train``: the Tunix trainer whose convention :func:`detect` reads.
