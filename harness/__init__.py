@@ -6,8 +6,8 @@
   registers the markers and hypothesis profiles and reports versions.
 * :mod:`harness.cli` is the ``posttrain-harness`` command's parser; :mod:`harness.gate`
   runs the pre-merge gate and :mod:`harness.subcommands` the others (devices, launch,
-  matrix, bisect, report merge); :mod:`harness.mutants` the mutation runs over
-  :mod:`harness.mutant_targets`.
+  matrix, bisect, report merge); :mod:`harness.mutants` the mutation runs and their
+  targets.
 
 Importing this package imports no JAX and changes no global state.
 """

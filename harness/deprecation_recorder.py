@@ -3,9 +3,9 @@
 each upstream deprecation raised while a test (or the collector above it) runs, and
 writes them as the test's JUnit property :data:`harness.deprecations.PROPERTY`.
 
-Not a mutation target (harness/mutant_targets.py): it runs only inside the child pytest
-sessions of tests/test_verdicts.py and the matrix, where mutmut records no test for it
-(every mutant "no tests"); those tests fail when it records nothing or the wrong thing."""
+Its mutation target (harness/mutants.py) scores nothing: it runs only inside the child
+pytest sessions of tests/test_verdicts.py and the matrix, where mutmut records no test
+for it; those tests fail when it records nothing or the wrong thing."""
 
 from __future__ import annotations
 

@@ -14,6 +14,11 @@ TREES = ("src/posttrain", "harness", "benchmarks")
 MODULE_LINES = 410
 FUNCTION_LINES = 60
 
+#: modules over :data:`MODULE_LINES` for their tables: ``path`` -> lines now (a ceiling)
+MODULES_OVER: dict[str, int] = {
+    "harness/mutants.py": 549,  # TARGETS / FUNCTIONS: ~260 lines of table
+}
+
 #: ``path:function`` -> its code lines now: jitted loops, the plan's program builders, the
 #: runs' orchestration and the benchmarks' printouts (issue #37 keeps them to split)
 FUNCTIONS_OVER: dict[str, int] = {
@@ -50,7 +55,8 @@ def test_no_module_is_over_the_limit():
     over = {
         str(p.relative_to(ROOT)): n
         for p in _modules()
-        if (n := p.read_text(encoding="utf-8").count("\n")) > MODULE_LINES
+        if (n := p.read_text(encoding="utf-8").count("\n"))
+        > MODULES_OVER.get(str(p.relative_to(ROOT)), MODULE_LINES)
     }
     assert not over, f"modules over {MODULE_LINES} lines (split them): {over}"
 
