@@ -18,18 +18,41 @@ def best_time(fn: Callable[[], object], repeats: int) -> float:
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each of ``fns`` over ``repeats`` rounds that call them in turn
-    (one of each per round, so a load spike on a shared machine hits all of them alike);
-    each is called once first, uncounted (its compile). Each ``fn`` must block until its
-    result is ready (``jax.block_until_ready``)."""
+    """Median seconds of each of ``fns`` (:func:`first_and_medians`, the first calls left
+    out)."""
+    return first_and_medians(fns, repeats)[1]
+
+
+def first_and_medians(
+    fns: dict[str, Callable[[], object]], repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """``(seconds of each fn's first call: its compile, median seconds of the later calls)``.
+
+    The later calls run in ``repeats`` rounds that call every fn in turn (one of each per
+    round, so a load spike on a shared machine hits all of them alike). Each ``fn`` must
+    block until its result is ready (``jax.block_until_ready``)."""
     import statistics
 
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
+    first: dict[str, float] = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
         fn()
+        first[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return first, {name: statistics.median(t) for name, t in times.items()}
+
+
+def fake_devices(devices: str) -> None:
+    """``--devices N``: N fake CPU devices (before JAX starts); ``real``: left as it is."""
+    import os
+
+    if devices != "real":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        )

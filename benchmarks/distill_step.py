@@ -29,7 +29,6 @@ target (<= 1.0). Tunix's models are built unsharded (on one device): compare wit
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -46,12 +45,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args(argv)
-    if args.devices != "real":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={args.devices}"
-        )
+    from _timing import fake_devices
+
+    fake_devices(args.devices)
 
     import jax
     import optax

@@ -25,9 +25,7 @@ import argparse
 import collections
 import os
 import re
-import statistics
 import sys
-import time
 
 
 def _args(argv):
@@ -121,15 +119,12 @@ def op_counts(hlo: str) -> collections.Counter:
 
 
 def _interleaved(fns: dict, repeats: int) -> dict:
-    times = {k: [] for k in fns}
-    for fn in fns.values():  # compile and warm
-        jax_block(fn())
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            jax_block(fn())
-            times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median seconds of each of ``fns`` (each blocked on its result), taking turns."""
+    from _timing import interleaved_medians
+
+    return interleaved_medians(
+        {name: (lambda fn=fn: jax_block(fn())) for name, fn in fns.items()}, repeats
+    )
 
 
 def jax_block(x):

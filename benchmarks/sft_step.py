@@ -19,10 +19,7 @@ SFTTrainer on the same batch.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
 
 
 def main(argv=None) -> int:
@@ -36,12 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-rank", type=int, default=0)
     parser.add_argument("--grad-accum", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.devices != "real":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={args.devices}"
-        )
+    from _timing import fake_devices, first_and_medians
+
+    fake_devices(args.devices)
 
     import jax
     import numpy as np
@@ -89,18 +83,8 @@ def main(argv=None) -> int:
             "SFTTrainer": ours.jit_train_and_eval_step(False, True)[0],
             "PeftTrainer": theirs.jit_train_and_eval_step(False, True)[0],
         }
-        times = {name: [] for name in steps}
-        compile_s = {}
-        for name, step in steps.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(placed[name]))
-            compile_s[name] = time.perf_counter() - t0
-        for _ in range(args.repeats):
-            for name, step in steps.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(step(placed[name]))
-                times[name].append(time.perf_counter() - t0)
-    median = {name: statistics.median(t) for name, t in times.items()}
+        runs = {n: lambda s=s, n=n: jax.block_until_ready(s(placed[n])) for n, s in steps.items()}
+        compile_s, median = first_and_medians(runs, args.repeats)
     tokens = int((ours_batch["segment_ids"] > 0).sum())
     print(
         f"model {args.model}, mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1)}, "

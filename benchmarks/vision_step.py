@@ -17,10 +17,7 @@ the figure is the ratio of medians.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import tempfile
-import time
 
 
 def batches(seq: int, rows: int):
@@ -55,12 +52,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--train-tower", action="store_true")
     args = parser.parse_args(argv)
-    if args.devices != "real":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "")
-            + f" --xla_force_host_platform_device_count={args.devices}"
-        )
+    from _timing import fake_devices, first_and_medians
+
+    fake_devices(args.devices)
 
     import jax
     import optax
@@ -90,17 +84,8 @@ def main(argv=None) -> int:
             "text": trainers["text"]._prepare_inputs(text_batch),
         }
         steps = {n: t.jit_train_and_eval_step(False, True)[0] for n, t in trainers.items()}
-        compile_s, times = {}, {n: [] for n in steps}
-        for name, step in steps.items():
-            start = time.perf_counter()
-            jax.block_until_ready(step(placed[name]))
-            compile_s[name] = time.perf_counter() - start
-        for _ in range(args.repeats):
-            for name, step in steps.items():
-                start = time.perf_counter()
-                jax.block_until_ready(step(placed[name]))
-                times[name].append(time.perf_counter() - start)
-    median = {n: statistics.median(t) for n, t in times.items()}
+        runs = {n: lambda s=s, n=n: jax.block_until_ready(s(placed[n])) for n, s in steps.items()}
+        compile_s, median = first_and_medians(runs, args.repeats)
     tokens = int((text_batch["segment_ids"] > 0).sum())
     rows = len(text_batch["input_tokens"])
     print(
