@@ -118,11 +118,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, sections: int = 1) 
     Computed in float32, returned in ``x.dtype``.
     """
     x32 = x.astype(jnp.float32)
-    parts = jnp.split(x32, sections, axis=-1)  # sections x [B, T, N, H/sections]
-    rotated = []
-    for part in parts:
-        half = part.shape[-1] // 2
-        rotated.append(jnp.concatenate([-part[..., half:], part[..., :half]], axis=-1))
-    rotated = jnp.concatenate(rotated, axis=-1)  # [B, T, N, H]
-    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]  # [B, T, N, H]
-    return out.astype(x.dtype)
+    width = x.shape[-1] // sections
+    half = width // 2
+    out = []
+    for i, part in enumerate(jnp.split(x32, sections, axis=-1)):  # [B, T, N, H/sections]
+        first, second = jnp.split(part, 2, axis=-1)  # [B, T, N, H/(2 sections)] each
+        at = i * width
+        cos1, cos2 = cos[:, :, None, at : at + half], cos[:, :, None, at + half : at + width]
+        sin1, sin2 = sin[:, :, None, at : at + half], sin[:, :, None, at + half : at + width]
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-second, first), without
+        # building the rotated copy (its backward pads and concatenates)
+        out += [first * cos1 - second * sin1, second * cos2 + first * sin2]
+    return jnp.concatenate(out, axis=-1).astype(x.dtype)  # [B, T, N, H]
