@@ -29,8 +29,10 @@ def first_and_medians(
     """``(seconds of each fn's first call: its compile, median seconds of the later calls)``.
 
     The later calls run in ``repeats`` rounds that call every fn in turn (one of each per
-    round, so a load spike on a shared machine hits all of them alike). Each ``fn`` must
-    block until its result is ready (``jax.block_until_ready``)."""
+    round, so a load spike on a shared machine hits all of them alike), each round starting
+    one fn later than the last, so that no fn always follows the same one (a large matmul
+    leaves the caches cold for whatever runs next). Each ``fn`` must block until its result
+    is ready (``jax.block_until_ready``)."""
     import statistics
 
     first: dict[str, float] = {}
@@ -39,10 +41,11 @@ def first_and_medians(
         fn()
         first[name] = time.perf_counter() - start
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start = time.perf_counter()
-            fn()
+            fns[name]()
             times[name].append(time.perf_counter() - start)
     return first, {name: statistics.median(t) for name, t in times.items()}
 
