@@ -10,9 +10,9 @@ One CPU device, float32, no optimizer: forward + cross-entropy + backward (``jax
 of the mean token loss), and forward only, for our ``CausalLM`` and Tunix's
 ``tunix.models.qwen3`` model built with equal dimensions (the parameter counts are
 asserted equal). Both are called with Tunix's convention (tokens, positions, no cache, a
-``[batch, seq, seq]`` causal mask). The steps take turns, each ending in
-``block_until_ready``, so that other load slows both alike; the figures are ratios of
-medians. The baseline is a matmul of the step's FLOPs (XLA's ``cost_analysis`` of our
+``[batch, seq, seq]`` causal mask), the batch passed as jit arguments as a trainer passes
+it. The steps take turns, each ending in ``block_until_ready``, so that other load slows
+both alike; the figures are ratios of medians. The baseline is a matmul of the step's FLOPs (XLA's ``cost_analysis`` of our
 step) timed in the same run: "share" is the step's GFLOP/s as a fraction of the matmul's.
 
 ``--hlo DIR`` writes both compiled steps' HLO text and prints the op counts that differ
@@ -94,22 +94,26 @@ def _count(model) -> int:
 
 
 def steps(model, tokens, positions, mask):
-    """``(train step, forward)`` jitted over ``model``'s parameters: the mean next-token
-    cross-entropy's gradient, and the logits."""
+    """``(train step, forward, compiled step)`` jitted over ``model``'s parameters and the
+    batch (arguments, as a trainer passes them, not constants XLA could fold): the mean
+    next-token cross-entropy's gradient, and the logits."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     graph, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = (tokens, positions, mask)
 
-    def loss(p):
-        logits, _ = nnx.merge(graph, p, rest)(tokens, positions, None, mask)
-        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+    def logits(p, tokens, positions, mask):
+        return nnx.merge(graph, p, rest)(tokens, positions, None, mask)[0]
+
+    def loss(p, tokens, positions, mask):
+        logp = jax.nn.log_softmax(logits(p, tokens, positions, mask)[:, :-1].astype(jnp.float32))
         return -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
 
-    grad = jax.jit(jax.grad(loss))
-    forward = jax.jit(lambda p: nnx.merge(graph, p, rest)(tokens, positions, None, mask)[0])
-    return (lambda: grad(params)), (lambda: forward(params)), grad.lower(params).compile()
+    grad, forward = jax.jit(jax.grad(loss)), jax.jit(logits)
+    compiled = grad.lower(params, *batch).compile()
+    return (lambda: grad(params, *batch)), (lambda: forward(params, *batch)), compiled
 
 
 def op_counts(hlo: str) -> collections.Counter:
@@ -131,6 +135,39 @@ def jax_block(x):
     import jax
 
     return jax.block_until_ready(x)
+
+
+def _report(args, times: dict, n: int, flops: float, params: int) -> None:
+    """Prints the medians, the ratios ours/Tunix and the shares of the matmul's GFLOP/s."""
+    mm_rate = 2 * n**3 / times["matmul"]
+    print(
+        f"{args.family}: {params:,} parameters, batch {args.batch} x {args.seq}, 1 CPU device, fp32"
+    )
+    for label, a, b in (("step (fwd+bwd)", "ours", "tunix"), ("forward", "ours_fwd", "tunix_fwd")):
+        ms_a, ms_b = times[a] * 1e3, times[b] * 1e3
+        print(
+            f"  {label:15s} ours {ms_a:.1f} ms, Tunix {ms_b:.1f} ms, ours/Tunix {ms_a / ms_b:.3f}"
+        )
+    print(
+        f"  share of the equal-FLOP matmul's GFLOP/s ({n}^3: {mm_rate / 1e9:.1f}): "
+        f"ours {flops / times['ours'] / mm_rate:.0%}, Tunix {flops / times['tunix'] / mm_rate:.0%}"
+    )
+
+
+def write_hlo(directory: str, family: str, executables: dict) -> None:
+    """Writes each compiled step's HLO text to ``directory`` and prints the op counts that
+    differ between them (``executables``: ``{"ours": ..., "tunix": ...}``)."""
+    os.makedirs(directory, exist_ok=True)
+    counts = {}
+    for name, exe in executables.items():
+        text = exe.as_text()
+        with open(os.path.join(directory, f"{family}-{name}.hlo.txt"), "w") as f:
+            f.write(text)
+        counts[name] = op_counts(text)
+    print("  HLO ops that differ (ours, Tunix):")
+    for op in sorted(set(counts["ours"]) | set(counts["tunix"])):
+        if counts["ours"][op] != counts["tunix"][op]:
+            print(f"    {op:24s} {counts['ours'][op]:6d} {counts['tunix'][op]:6d}")
 
 
 def main(argv=None) -> int:
@@ -174,32 +211,9 @@ def main(argv=None) -> int:
         },
         args.repeats,
     )
-    mm_rate = 2 * n**3 / times["matmul"]
-    print(
-        f"{args.family}: {n_ours:,} parameters, batch {args.batch} x {args.seq}, 1 CPU device, fp32"
-    )
-    for label, a, b in (("step (fwd+bwd)", "ours", "tunix"), ("forward", "ours_fwd", "tunix_fwd")):
-        ms_a, ms_b = times[a] * 1e3, times[b] * 1e3
-        print(
-            f"  {label:15s} ours {ms_a:.1f} ms, Tunix {ms_b:.1f} ms, ours/Tunix {ms_a / ms_b:.3f}"
-        )
-    print(
-        f"  share of the equal-FLOP matmul's GFLOP/s ({n}^3: {mm_rate / 1e9:.1f}): "
-        f"ours {flops / times['ours'] / mm_rate:.0%}, Tunix {flops / times['tunix'] / mm_rate:.0%}"
-    )
+    _report(args, times, n, flops, n_ours)
     if args.hlo:
-        os.makedirs(args.hlo, exist_ok=True)
-        texts = {"ours": ours_exe.as_text(), "tunix": theirs_exe.as_text()}
-        counts = {}
-        for name, text in texts.items():
-            with open(os.path.join(args.hlo, f"{args.family}-{name}.hlo.txt"), "w") as f:
-                f.write(text)
-            counts[name] = op_counts(text)
-        ops = sorted(set(counts["ours"]) | set(counts["tunix"]))
-        print("  HLO ops that differ (ours, Tunix):")
-        for op in ops:
-            if counts["ours"][op] != counts["tunix"][op]:
-                print(f"    {op:24s} {counts['ours'][op]:6d} {counts['tunix'][op]:6d}")
+        write_hlo(args.hlo, args.family, {"ours": ours_exe, "tunix": theirs_exe})
     return 0
 
 

@@ -30,7 +30,6 @@ FUNCTIONS_OVER: dict[str, int] = {
     "benchmarks/sft_step.py:main": 82,
     "benchmarks/generate.py:main": 80,
     "benchmarks/convert.py:main": 71,
-    "benchmarks/model_step.py:main": 68,
     "benchmarks/lora_apply.py:main": 64,
 }
 
