@@ -1,0 +1,95 @@
+"""Our model's step with one function in its committed form (B) against an earlier form (A).
+
+Usage::
+
+    python benchmarks/model_ab.py --form rope [--repeats 15] [model_step's shape options]
+
+The A/B figure of a change to the model's hot path, measured in one process: the same
+model and batch as ``benchmarks/model_step.py`` (one CPU device, float32, forward +
+cross-entropy + backward, and forward only), traced twice, once with the function as it is
+and once with the earlier form patched in, then timed in turns (``_timing``); prints
+``new/old`` as ratios of medians and the largest gradient difference between the two.
+
+Forms (the earlier one kept here as the reference it replaced):
+
+* ``rope``: ``apply_rope`` rotating each half with its own cos/sin slices, against the
+  ``x * cos + rotate_half(x) * sin`` form (HF ``apply_rotary_pos_emb``), whose backward
+  pads and concatenates the negated halves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def rotate_half_rope(x, cos, sin, sections: int = 1):
+    """``apply_rope`` before #43: builds ``rotate_half(x)`` per section, then one multiply-add."""
+    import jax.numpy as jnp
+
+    x32 = x.astype(jnp.float32)
+    rotated = []
+    for part in jnp.split(x32, sections, axis=-1):  # [B, T, N, H/sections]
+        half = part.shape[-1] // 2
+        rotated.append(jnp.concatenate([-part[..., half:], part[..., :half]], axis=-1))
+    rotated = jnp.concatenate(rotated, axis=-1)  # [B, T, N, H]
+    return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+
+
+FORMS = {"rope": ("posttrain.layers.attention", "apply_rope", rotate_half_rope)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--form", required=True, choices=sorted(FORMS))
+    known, rest = parser.parse_known_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from _timing import interleaved_medians
+    from model_step import _args, configs, steps
+
+    from posttrain.models import build_model
+
+    args = _args(rest)
+    cfg, _ = configs(args)
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, args.vocab_size, (args.batch, args.seq)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), tokens.shape)
+    mask = jnp.broadcast_to(
+        jnp.tril(jnp.ones((args.seq, args.seq), bool)), (args.batch, args.seq, args.seq)
+    )
+    module_name, attr, old = FORMS[known.form]
+    module = importlib.import_module(module_name)
+    new_step, new_fwd, _ = steps(build_model(cfg, seed=0), tokens, positions, mask)
+    kept = getattr(module, attr)
+    setattr(module, attr, old)
+    try:
+        old_step, old_fwd, _ = steps(build_model(cfg, seed=0), tokens, positions, mask)
+        old_grads = jax.tree.leaves(old_step())  # both traced while the old form is in
+        old_fwd()
+    finally:
+        setattr(module, attr, kept)
+    new_grads = jax.tree.leaves(new_step())
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(old_grads, new_grads, strict=True))
+    fns = {"new": new_step, "old": old_step, "new_fwd": new_fwd, "old_fwd": old_fwd}
+    times = interleaved_medians(
+        {k: (lambda fn=fn: jax.block_until_ready(fn())) for k, fn in fns.items()}, args.repeats
+    )
+    print(
+        f"{known.form}: {args.family}, batch {args.batch} x {args.seq}, max |grad diff| {diff:.2e}"
+    )
+    for label, new, old_key in (("step", "new", "old"), ("forward", "new_fwd", "old_fwd")):
+        ms_new, ms_old = times[new] * 1e3, times[old_key] * 1e3
+        print(
+            f"  {label:8s} new {ms_new:.1f} ms, old {ms_old:.1f} ms, new/old {ms_new / ms_old:.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
