@@ -23,11 +23,7 @@ MODULES_OVER: dict[str, int] = {
 #: runs' orchestration and the benchmarks' printouts (issue #37 keeps them to split)
 FUNCTIONS_OVER: dict[str, int] = {
     "benchmarks/distill_step.py:main": 95,
-    "benchmarks/sft_step.py:main": 82,
-    "benchmarks/generate.py:main": 80,
-    "benchmarks/convert.py:main": 71,
     "benchmarks/model_step.py:main": 68,
-    "benchmarks/lora_apply.py:main": 64,
 }
 
 
