@@ -53,14 +53,8 @@ class SFTResult:
     held_out: tuple[dict, dict, int] | None = None  # --vision: (before, after, rows)
 
     def summary(self) -> str:
-        h = [r for r in self.history if r.get("loss") is not None]
-        if not h:
-            return f"no steps run (already at step {self.checkpoint_step})"
-        speeds = [r["tokens_per_s"] for r in h if r.get("tokens_per_s")]
-        speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
-        line = (
-            f"steps {h[0]['step']}-{h[-1]['step']}: loss {h[0]['loss']:.3f} -> "
-            f"{h[-1]['loss']:.3f} (perplexity {h[-1]['perplexity']:.1f}){speed}"
+        line = run_record.steps_line(
+            self.history, self.checkpoint_step, lambda r: f" (perplexity {r['perplexity']:.1f})"
         )
         if self.held_out is not None:
             from posttrain.sft.vision_run import held_out_line
