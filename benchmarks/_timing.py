@@ -29,10 +29,11 @@ def first_and_medians(
     """``(seconds of each fn's first call: its compile, median seconds of the later calls)``.
 
     The later calls run in ``repeats`` rounds that call every fn in turn (one of each per
-    round, so a load spike on a shared machine hits all of them alike), each round starting
-    one fn later than the last, so that no fn always follows the same one (a large matmul
+    round, so a load spike on a shared machine hits all of them alike), each round in its own
+    order (shuffled, seed 0), so that no fn always follows the same one (a large matmul
     leaves the caches cold for whatever runs next). Each ``fn`` must block until its result
     is ready (``jax.block_until_ready``)."""
+    import random
     import statistics
 
     first: dict[str, float] = {}
@@ -41,9 +42,10 @@ def first_and_medians(
         fn()
         first[name] = time.perf_counter() - start
     times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    names, order = list(fns), random.Random(0)
+    for _ in range(repeats):
+        order.shuffle(names)
+        for name in names:
             start = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - start)
