@@ -123,7 +123,6 @@ def run_sft(
     from posttrain.runs.formats import run_tokenizer_and_formats
     from posttrain.sft import vision_run
 
-    cfg = vision_run.resolved(cfg)  # --vision: the default model is the vision preset
     cfg.check()
     run_record.check_resumable(cfg, cfg.output)  # before anything is read or written
     # Across processes, process 0 alone writes metrics, progress and run.json; every
