@@ -135,6 +135,9 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/sft/vision_rows.py": ["tests/test_vision_sft.py", "-k", "not short_vision"],
     "src/posttrain/sft/vision_run.py": ["tests/test_vision_sft.py"],
     "src/posttrain/commands/generate_image.py": ["tests/test_vision_generate.py"],
+    # check-logits' image batch: placement, padding and the two models' inputs (the HF
+    # parity runs themselves are slow-tier, which mutation runs leave out)
+    "src/posttrain/conversion/vision_parity.py": ["tests/test_vision_check_logits.py"],
     "src/posttrain/conversion/directories.py": ["tests/test_atomic_writes.py"],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",
