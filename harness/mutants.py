@@ -115,6 +115,7 @@ TARGETS: dict[str, list[str]] = {
     # padding, standardisation, projection, placement) and the placement/pixel properties
     "src/posttrain/layers/vision.py": [
         "tests/test_vision.py",
+        "tests/test_vision_bidirectional.py",
         "tests/test_rope.py",
     ],
     # the tower's rows and config.json reader/writer: parity and the bit-exact round trip
