@@ -161,7 +161,11 @@ def _largest(directory: pathlib.Path, stem: str) -> tuple[int, int, int]:
     return max(sizes), sum(sizes), len(files)
 
 
-def main() -> None:
+PHASES = ("baseline", "copy", "copy_fsync", "to_native", "to_native_nofsync", "to_native_scan",
+          "to_hf")  # fmt: skip
+
+
+def _args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default="/tmp/convbench")
     parser.add_argument("--layers", type=int, default=11)
@@ -171,7 +175,39 @@ def main() -> None:
     parser.add_argument("--shard-mb", type=int, default=500)
     parser.add_argument("--phase", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--keep", action="store_true", help="keep the generated files")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _report(results: dict, root: pathlib.Path, largest_in: int, total: int) -> None:
+    """One line per phase: seconds, MB/s against copy + fsync, peak RSS, and the growth
+    while converting as a multiple of the largest tensor read or written."""
+    base = results["baseline"]["peak_rss"]
+    out_largest = {
+        "to_native": _largest(root / "to_native", "params")[0],
+        "to_native_nofsync": _largest(root / "to_native", "params")[0],
+        "to_native_scan": _largest(root / "native_scan", "params")[0],
+    }
+    copy_rate = total / results["copy_fsync"]["seconds"]
+    for name, r in results.items():
+        if name == "baseline":
+            print(
+                f"baseline (import + plan) {r['seconds']:.1f} s, peak RSS "
+                f"{r['peak_rss'] / 1e6:.0f} MB"
+            )
+            continue
+        rate = total / r["seconds"]
+        big = max(out_largest.get(name, largest_in), largest_in)
+        print(
+            f"{name:17s} {r['seconds']:5.1f} s {rate / 1e6:5.0f} MB/s "
+            f"({copy_rate / rate:3.1f}x copy+fsync time); peak RSS "
+            f"{r['peak_rss'] / 1e6:4.0f} MB (baseline {base / 1e6:.0f}); growth while "
+            f"converting {r['growth'] / 1e6:4.0f} MB = {r['growth'] / big:4.2f} x largest "
+            f"tensor ({big / 1e6:.0f} MB)"
+        )
+
+
+def main() -> None:
+    args = _args()
     root = pathlib.Path(args.dir)
     if args.phase:
         return phase(args.phase, root)
@@ -186,15 +222,7 @@ def main() -> None:
     )
     results = {}
     try:
-        for name in (
-            "baseline",
-            "copy",
-            "copy_fsync",
-            "to_native",
-            "to_native_nofsync",
-            "to_native_scan",
-            "to_hf",
-        ):
+        for name in PHASES:  # each in its own process: its peak RSS is its own
             out = subprocess.run(
                 [sys.executable, __file__, "--dir", str(root), "--phase", name],
                 check=True,
@@ -202,33 +230,7 @@ def main() -> None:
                 text=True,
             ).stdout
             results[name] = json.loads(out.strip().splitlines()[-1])
-        base = results["baseline"]["peak_rss"]
-        largest = {
-            "to_native": _largest(root / "to_native", "params")[0],
-            "to_native_nofsync": _largest(root / "to_native", "params")[0],
-            "to_native_scan": _largest(root / "native_scan", "params")[0],
-            "to_hf": largest_in,
-            "copy": largest_in,
-            "copy_fsync": largest_in,
-            "baseline": largest_in,
-        }
-        copy_rate = total / results["copy_fsync"]["seconds"]
-        for name, r in results.items():
-            if name == "baseline":
-                print(
-                    f"baseline (import + plan) {r['seconds']:.1f} s, peak RSS "
-                    f"{r['peak_rss'] / 1e6:.0f} MB"
-                )
-                continue
-            rate = total / r["seconds"]
-            big = max(largest[name], largest_in)
-            print(
-                f"{name:17s} {r['seconds']:5.1f} s {rate / 1e6:5.0f} MB/s "
-                f"({copy_rate / rate:3.1f}x copy+fsync time); peak RSS "
-                f"{r['peak_rss'] / 1e6:4.0f} MB (baseline {base / 1e6:.0f}); growth while "
-                f"converting {r['growth'] / 1e6:4.0f} MB = {r['growth'] / big:4.2f} x largest "
-                f"tensor ({big / 1e6:.0f} MB)"
-            )
+        _report(results, root, largest_in, total)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
 import time
 
 
-def main(argv=None) -> int:
+def _args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-tiny")
     parser.add_argument("--batch", type=int, default=1)
@@ -40,43 +39,22 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also time transformers.generate")
-    args = parser.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    return parser.parse_args(argv)
 
-    import jax
+
+def _recompute_seconds(model, prompts, new_tokens: int, bucket: int = 64) -> float:
+    """Seconds of the greedy loop that recomputes the full forward for each new token
+    (the sequence padded to a multiple of ``bucket``), after a first pass that compiles
+    every bucket."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from posttrain import generate as gen
-    from posttrain.layers import kv_cache
-    from posttrain.models import build_model, get_config
-
-    cfg = get_config(args.model)
-    model = build_model(cfg, seed=0)
-    rng = np.random.RandomState(0)
-    prompts = [list(rng.randint(3, cfg.vocab_size, args.prompt_len)) for _ in range(args.batch)]
-    sampling = gen.SamplingConfig(max_new_tokens=args.new_tokens)
-    first_only = gen.SamplingConfig(max_new_tokens=1)
-
-    def timed(fn):
-        fn()  # compile
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    cached_s = timed(lambda: gen.generate(model, prompts, sampling))
-    ttft_s = timed(lambda: gen.generate(model, prompts, first_only))
-
-    bucket = 64
     forward = nnx.jit(lambda m, t, p: m(t, p, None, None)[0])
 
     def recompute():
         seqs = np.asarray(prompts, np.int32)
-        for _ in range(args.new_tokens):
+        for _ in range(new_tokens):
             length = seqs.shape[1]
             width = -(-length // bucket) * bucket
             tokens = np.zeros((len(seqs), width), np.int32)
@@ -90,7 +68,36 @@ def main(argv=None) -> int:
     recompute()  # compile every bucket
     start = time.perf_counter()
     recompute()
-    recompute_s = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+    import numpy as np
+    from _timing import interleaved_medians
+
+    from posttrain import generate as gen
+    from posttrain.layers import kv_cache
+    from posttrain.models import build_model, get_config
+
+    cfg = get_config(args.model)
+    model = build_model(cfg, seed=0)
+    rng = np.random.RandomState(0)
+    prompts = [list(rng.randint(3, cfg.vocab_size, args.prompt_len)) for _ in range(args.batch)]
+    sampling = gen.SamplingConfig(max_new_tokens=args.new_tokens)
+    first_only = gen.SamplingConfig(max_new_tokens=1)
+    median = interleaved_medians(
+        {
+            "cached": lambda: gen.generate(model, prompts, sampling),
+            "ttft": lambda: gen.generate(model, prompts, first_only),
+        },
+        args.repeats,
+    )
+    cached_s, ttft_s = median["cached"], median["ttft"]
+    recompute_s = _recompute_seconds(model, prompts, args.new_tokens)
 
     new = args.batch * args.new_tokens
     print(
@@ -120,6 +127,7 @@ def _hf(args, model, prompts, cached_s, new) -> None:
 
     import torch
     import transformers
+    from _timing import interleaved_medians
 
     from posttrain.conversion import convert_native_to_hf, save_native
     from posttrain.models import flat_params
@@ -145,13 +153,7 @@ def _hf(args, model, prompts, cached_s, new) -> None:
                 pad_token_id=0,
             )
 
-    run()
-    times = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    hf_s = statistics.median(times)
+    hf_s = interleaved_medians({"hf": run}, args.repeats)["hf"]
     print(
         f"  HF transformers generate: {new / hf_s:10,.0f} tokens/s ({hf_s:.3f} s, torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads)"

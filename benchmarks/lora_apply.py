@@ -47,69 +47,89 @@ from harness.devices import configure_devices
 DEFAULT_PRESETS = ("qwen3-0.6b", "llama3-tiny")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", action="append", help="preset name (repeatable)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--scan", action="store_true", help="scanned layers (one block)")
     parser.add_argument("--qtype", help="QLoRA weight type (e.g. int8): time apply_lora instead")
-    args = parser.parse_args(argv)
-    configure_devices(8)
+    return parser.parse_args(argv)
 
-    import jax
-    import jax.numpy as jnp
+
+def _placed_zeros(cfg, mesh):
+    """``cfg``'s model with zero weights, placed on ``mesh`` (no random init to wait for)."""
     import numpy as np
     from flax import nnx
 
+    from posttrain import sharding
+    from posttrain.models import CausalLM
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
+    zeros = [(p, v.replace(np.zeros(v.shape, v.dtype))) for p, v in nnx.to_flat_state(state)]
+    return sharding.shard_model(nnx.merge(graphdef, nnx.from_flat_state(zeros)), mesh)
+
+
+def _row(name: str, args, mesh, tokens, lora) -> str:
+    """One preset's line: adapters, our LoRA pass and the traced one it replaced (fastest
+    of ``--repeats``), their ratio, and the whole ``apply_lora``."""
+    import jax
+    from flax import nnx
+
     from posttrain import _compat, sharding
-    from posttrain.lora import LoraConfig, apply_lora
     from posttrain.lora import apply as lora_apply
-    from posttrain.models import CausalLM, get_config
+    from posttrain.lora import apply_lora
+    from posttrain.models import get_config
+
+    cfg = get_config(name, scan_layers=args.scan)
+    model = _placed_zeros(cfg, mesh)
+
+    def ours():
+        with sharding.use_mesh(mesh):
+            return nnx.eval_shape(lambda: lora_apply._lora_pass(model, tokens, lora))
+
+    def traced():
+        rngs = _compat.tracing_rngs
+        _compat.tracing_rngs = nnx.Rngs
+        try:
+            with sharding.use_mesh(mesh):
+                return nnx.eval_shape(lambda m: lora_apply._lora_pass(m, tokens, lora), model)
+        finally:
+            _compat.tracing_rngs = rngs
+
+    adapters = len(jax.tree.leaves(nnx.state(ours(), nnx.LoRAParam)))
+    fast = best_time(ours, args.repeats)
+    slow = best_time(traced, args.repeats)
+    whole = best_time(lambda: apply_lora(model, mesh, lora), args.repeats)
+    return (
+        f"{name:<14} {cfg.num_layers:>6} {adapters:>8} {fast:>9.2f}s {slow:>8.2f}s "
+        f"{slow / fast:>5.1f}x {whole:>9.2f}s"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    configure_devices(8)
+
+    import jax.numpy as jnp
+
+    from posttrain import sharding
+    from posttrain.lora import LoraConfig
+    from posttrain.lora import apply as lora_apply
 
     mesh = sharding.make_mesh({"fsdp": 8})
     lora = LoraConfig(rank=args.rank, alpha=2.0 * args.rank, weight_qtype=args.qtype)
     batch, seq = lora_apply.dummy_batch_shape(mesh)
     tokens = jnp.zeros((batch, seq), jnp.int32)
-
-    def placed_zeros(cfg):
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))))
-        zeros = [(p, v.replace(np.zeros(v.shape, v.dtype))) for p, v in nnx.to_flat_state(state)]
-        return sharding.shard_model(nnx.merge(graphdef, nnx.from_flat_state(zeros)), mesh)
-
     if args.qtype:
-        return qlora(args, lora, mesh, tokens, placed_zeros)
+        return qlora(args, lora, mesh, tokens, lambda cfg: _placed_zeros(cfg, mesh))
     print(f"{'scanned' if args.scan else 'unscanned'} layers, LoRA rank {args.rank}")
     print(
         f"{'preset':<14} {'layers':>6} {'adapters':>8} {'posttrain':>10} {'traced':>9} "
         f"{'ratio':>6} {'apply_lora':>10}"
     )
     for name in args.preset or DEFAULT_PRESETS:
-        cfg = get_config(name, scan_layers=args.scan)
-        model = placed_zeros(cfg)
-
-        def ours(model=model):
-            with sharding.use_mesh(mesh):
-                return nnx.eval_shape(lambda: lora_apply._lora_pass(model, tokens, lora))
-
-        def traced(model=model):
-            rngs = _compat.tracing_rngs
-            _compat.tracing_rngs = nnx.Rngs
-            try:
-                with sharding.use_mesh(mesh):
-                    return nnx.eval_shape(lambda m: lora_apply._lora_pass(m, tokens, lora), model)
-            finally:
-                _compat.tracing_rngs = rngs
-
-        adapters = len(jax.tree.leaves(nnx.state(ours(), nnx.LoRAParam)))
-        fast = best_time(ours, args.repeats)
-        slow = best_time(traced, args.repeats)
-        whole = best_time(lambda model=model: apply_lora(model, mesh, lora), args.repeats)
-        print(
-            f"{name:<14} {cfg.num_layers:>6} {adapters:>8} {fast:>9.2f}s {slow:>8.2f}s "
-            f"{slow / fast:>5.1f}x {whole:>9.2f}s"
-        )
-        del model
+        print(_row(name, args, mesh, tokens, lora))
     return 0
 
 

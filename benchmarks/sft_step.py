@@ -22,7 +22,7 @@ import argparse
 import sys
 
 
-def main(argv=None) -> int:
+def _args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-tiny")
     parser.add_argument("--devices", default="8")
@@ -32,49 +32,66 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--lora-rank", type=int, default=0)
     parser.add_argument("--grad-accum", type=int, default=1)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _batches(args, batch_size: int):
+    """Our packed micro-batch of the embedded data, and Tunix's view of it (tokens,
+    mask, positions, and the packed causal ``[B, T, T]`` attention mask)."""
+    import numpy as np
+
+    from posttrain import tokenizer
+    from posttrain.sft import data, default_data, loss
+
+    examples = data.encode_dataset(
+        default_data.pydoc_conversations(), tokenizer.byte_tokenizer(), args.seq
+    )
+    rows = data.to_rows(examples, args.seq, packing=True)
+    ours = next(data.batches(rows, batch_size, args.grad_accum))
+    theirs = {k: ours[k] for k in ("input_tokens", "input_mask", "positions")}
+    causal = np.tril(np.ones((args.seq, args.seq), bool))
+    theirs["attention_mask"] = np.asarray(loss.packed_attention_mask(ours["segment_ids"])) & causal
+    return ours, theirs
+
+
+def _trainer(cls, args, mesh, **kwargs):
+    """``cls`` (our SFTTrainer or Tunix's PeftTrainer) over a fresh model (LoRA if asked)."""
+    import optax
+    from tunix.sft import peft_trainer
+
+    from posttrain.models import build_model, get_config
+
+    model = build_model(get_config(args.model), mesh, seed=0)
+    if args.lora_rank:
+        from posttrain.lora import LoraConfig, apply_lora
+
+        model = apply_lora(model, mesh, LoraConfig(rank=args.lora_rank, alpha=args.lora_rank))
+    config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=10**9,
+        max_steps=10**9,
+        gradient_accumulation_steps=args.grad_accum if args.grad_accum > 1 else None,
+    )
+    return cls(model, optax.adamw(1e-4), config, **kwargs)
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
     from _timing import fake_devices, first_and_medians
 
     fake_devices(args.devices)
 
     import jax
-    import numpy as np
-    import optax
     from tunix.sft import peft_trainer
 
-    from posttrain import sharding, tokenizer
-    from posttrain.models import build_model, get_config
-    from posttrain.sft import data, default_data, loss
+    from posttrain import sharding
     from posttrain.sft.trainer import SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
     batch_size = args.per_device_batch_size * sharding.data_parallel_size(mesh)
-    examples = data.encode_dataset(
-        default_data.pydoc_conversations(), tokenizer.byte_tokenizer(), args.seq
-    )
-    rows = data.to_rows(examples, args.seq, packing=True)
-    ours_batch = next(data.batches(rows, batch_size, args.grad_accum))
-    tunix_batch = {k: ours_batch[k] for k in ("input_tokens", "input_mask", "positions")}
-    seg = ours_batch["segment_ids"]
-    causal = np.tril(np.ones((args.seq, args.seq), bool))
-    tunix_batch["attention_mask"] = np.asarray(loss.packed_attention_mask(seg)) & causal
-
-    def make(cls, **kwargs):
-        model = build_model(get_config(args.model), mesh, seed=0)
-        if args.lora_rank:
-            from posttrain.lora import LoraConfig, apply_lora
-
-            model = apply_lora(model, mesh, LoraConfig(rank=args.lora_rank, alpha=args.lora_rank))
-        config = peft_trainer.TrainingConfig(
-            eval_every_n_steps=10**9,
-            max_steps=10**9,
-            gradient_accumulation_steps=args.grad_accum if args.grad_accum > 1 else None,
-        )
-        return cls(model, optax.adamw(1e-4), config, **kwargs)
-
+    ours_batch, tunix_batch = _batches(args, batch_size)
     with sharding.use_mesh(mesh):
-        ours = make(SFTTrainer, options=SFTOptions(mesh=mesh))
-        theirs = make(peft_trainer.PeftTrainer)
+        ours = _trainer(SFTTrainer, args, mesh, options=SFTOptions(mesh=mesh))
+        theirs = _trainer(peft_trainer.PeftTrainer, args, mesh)
         placed = {
             "SFTTrainer": ours._prepare_inputs(ours_batch),
             "PeftTrainer": ours._prepare_inputs(tunix_batch),

@@ -304,6 +304,7 @@ def objective_and_terms(trainer, weight):
     return float(objective), {k: float(v) for k, v in terms.items()}
 
 
+@pytest.mark.slow  # 8 s; the matrix runs it in every row, the gate runs test_sft_objective
 def test_the_students_load_balancing_term_enters_the_objective():
     """A routed student: the objective is the distillation loss + weight x its MoE term."""
     trainer = make_trainer(student="qwen3_moe-tiny")

@@ -426,6 +426,7 @@ def _one_update(tmp_path, grad_accum: int) -> dict:
     return jax.tree.map(np.asarray, nnx.state(cluster.actor_trainer.model.model, nnx.Param))
 
 
+@pytest.mark.slow  # 10 s; the matrix runs it in every row, the gate SFT's, DPO's, distill's
 @pytest.mark.contract("tunix.rl gradient accumulation")
 def test_an_accumulated_grpo_update_equals_one_large_batch(tmp_path):
     """One GRPO update trained as one batch of 2 prompts x G completions, or as 2

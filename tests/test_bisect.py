@@ -93,9 +93,10 @@ def _run(upstream, tmp_path, contract: str, good: str, bad: str, verdict: str = 
     return bisect.bisect(root, shas[good], shas[bad], target, stepper, verdict=verdict), lines
 
 
+@pytest.mark.slow  # 18 s (4 environments); the gate runs the search on given verdicts
 @pytest.mark.skipif(shutil.which("uv") is None, reason="the environment build uses uv here")
 def test_a_real_bisection_skips_the_uninstallable_commit_and_names_the_break(upstream, tmp_path):
-    """The gate's run (4 environments): c2 good, c5 bad; c3 cannot be built, so it is a
+    """The short run (4 environments): c2 good, c5 bad; c3 cannot be built, so it is a
     skip, never bad; c4 passes; c5 is named."""
     root, shas, _ = upstream
     result, lines = _run(upstream, tmp_path, "test_train_step_takes_is_update_step", "c2 docs",
@@ -110,7 +111,7 @@ def test_a_real_bisection_skips_the_uninstallable_commit_and_names_the_break(ups
     assert "environment build failed" in result["steps"][2]["why"]
 
 
-@pytest.mark.slow  # 9 environments; the gate runs the 4-step bisection above
+@pytest.mark.slow  # 9 environments
 @pytest.mark.skipif(shutil.which("uv") is None, reason="the environment build uses uv here")
 def test_bisect_names_the_breaking_commit_and_skips_the_uninstallable_one(upstream, tmp_path):
     """c1 good, c6 bad: c3 cannot be built (skip, never bad), c5 is named with its

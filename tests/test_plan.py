@@ -258,6 +258,7 @@ def test_the_record_carries_the_options_and_the_figures(small_plan):
     assert "peak per device" in small_plan.table()
 
 
+@pytest.mark.slow  # 7 s; tests/test_plan_seeds.py orders the three policies on qwen3-0.6b
 @pytest.mark.aot
 def test_remat_full_compiles_fewer_temporaries_than_none():
     """The decoder's remat policy reaches the compiled step: full keeps only each layer's
@@ -299,6 +300,7 @@ def tiny_dpo():
     )
 
 
+@pytest.mark.slow  # 6 s; the gate compiles SFT's and GRPO's programs
 @pytest.mark.aot
 def test_dpo_compiles_the_reference_forward_and_the_step_on_chosen_and_rejected(tiny_dpo):
     """Tunix's DPO step sees the chosen and rejected rows stacked: 2 x 4 rows of 32 + 16

@@ -202,3 +202,25 @@ def test_an_empty_export_directory_is_written_and_a_foreign_one_refused(tmp_path
     with pytest.raises(ValueError, match=r"model-step3 exists and is not an export \(no a"):
         export_final(model, tmp_path, 3)
     assert [p.name for p in (tmp_path / "model-step3").iterdir()] == ["notes.txt"]
+
+
+def test_the_summary_line_spans_the_trained_steps_with_the_median_speed():
+    """SFT's and DPO's summaries: first and last loss of the records that trained (an
+    evaluation record has none), the last record's details, the median tokens/s; a
+    resume with nothing left says where it stands."""
+    from posttrain.runs import record
+
+    history = [
+        {"step": 3, "loss": 2.5, "tokens_per_s": 100.0, "perplexity": 12.0},
+        {"step": 4, "eval_loss": 9.0},
+        {"step": 4, "loss": 1.25, "tokens_per_s": 400.0, "perplexity": 3.5},
+        {"step": 5, "loss": 1.0, "tokens_per_s": 300.0, "perplexity": 2.75},
+        {"step": 6, "loss": 0.5, "perplexity": 1.5},  # no speed measured
+    ]
+    line = record.steps_line(history, 2, lambda r: f" (perplexity {r['perplexity']})")
+    assert line == "steps 3-6: loss 2.500 -> 0.500 (perplexity 1.5), 300 tokens/s"
+    two = record.steps_line(history[:3], 2, lambda r: "")
+    assert two == "steps 3-4: loss 2.500 -> 1.250, 250 tokens/s"  # the median of two
+    assert record.steps_line([{"step": 7, "eval_loss": 1.0}], 7, str) == (
+        "no steps run (already at step 7)"
+    )

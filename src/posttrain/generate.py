@@ -144,6 +144,45 @@ def _positions(real: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(real.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def _prefill(model, tokens, real, cache_size: int, images):
+    """The prompts' forward into a fresh cache of ``cache_size`` slots.
+
+    Returns:
+        ``(logits, cache, valid, last_position)``: the last position's ``[B, V]`` logits
+        (only it is projected), the filled cache, ``valid[b, s]`` (``[B, S]`` bool: slot
+        ``s`` holds a real token of row ``b``; prompt pads never do) and the ``[B]`` last
+        positions. The images enter here only: their soft tokens are then in the cache.
+    """
+    batch, width = tokens.shape
+    valid = jnp.concatenate([real, jnp.ones((batch, cache_size - width), bool)], axis=1)
+    slots = jnp.arange(cache_size)
+    cache = model.init_cache(batch, cache_size, model.config.dtype)
+    prefill_mask = (slots[None, :] <= jnp.arange(width)[:, None])[None] & valid[:, None, :]
+    positions = _positions(real)
+    image_kw = {} if images is None else {"images": images}
+    logits, cache = model(
+        tokens, positions, cache, prefill_mask, decode_only_last_token=True, **image_kw
+    )
+    return logits[:, -1], cache, valid, positions[:, -1]
+
+
+def _choose(logits, key, step, cfg: SamplingConfig):
+    """The ``[B]`` tokens sampled from ``[B, V]`` logits at ``step`` and their log-probabilities."""
+    token = sample(logits, jax.random.fold_in(key, step), cfg)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=-1)
+    return token, logprob[:, 0]
+
+
+def _emit(on_token, token, done) -> None:
+    """Hands ``on_token`` the step's tokens and done flags on the host as soon as they
+    are chosen, in order (nothing without a callback)."""
+    if on_token is not None:
+        token, done = sharding.constrain(token, (None,)), sharding.constrain(done, (None,))
+        io_callback(
+            lambda t, d: on_token(np.asarray(t), np.asarray(d)), None, token, done, ordered=True
+        )
+
+
 @nnx.jit(static_argnames=("cfg", "cache_size", "on_token"))
 def _generate(
     model, tokens, real, seed, cfg: SamplingConfig, cache_size: int, on_token=None, images=None
@@ -152,38 +191,14 @@ def _generate(
     n = cfg.max_new_tokens
     key = jax.random.key(seed)  # traced: a new seed does not compile again
     eos = jnp.asarray(cfg.eos_ids or (-1,), jnp.int32)
-    # valid[b, s]: slot s holds a real token of row b (prompt pads never do)
-    valid = jnp.concatenate([real, jnp.ones((batch, cache_size - width), bool)], axis=1)
     slots = jnp.arange(cache_size)
-
     graphdef, params = nnx.split(model)
-    cache = model.init_cache(batch, cache_size, model.config.dtype)
-    prefill_mask = (slots[None, :] <= jnp.arange(width)[:, None])[None] & valid[:, None, :]
-    positions = _positions(real)
-    # [B, 1, V]: only the last position is sampled from (no projection of the prompt)
-    # the images enter the prefill only: their soft tokens are then in the cache
-    image_kw = {} if images is None else {"images": images}
-    logits, cache = model(
-        tokens, positions, cache, prefill_mask, decode_only_last_token=True, **image_kw
-    )
-    last_position = positions[:, -1]
+    logits, cache, valid, last_position = _prefill(model, tokens, real, cache_size, images)
 
-    def choose(logits_last, step):
-        token = sample(logits_last, jax.random.fold_in(key, step), cfg)
-        logprob = jnp.take_along_axis(jax.nn.log_softmax(logits_last), token[:, None], axis=-1)
-        return token, logprob[:, 0]
-
-    def emit(token, done):
-        if on_token is not None:  # to the host as soon as it is chosen, in order
-            token, done = sharding.constrain(token, (None,)), sharding.constrain(done, (None,))
-            io_callback(
-                lambda t, d: on_token(np.asarray(t), np.asarray(d)), None, token, done, ordered=True
-            )
-
-    first, first_lp = choose(logits[:, -1], 0)
+    first, first_lp = _choose(logits, key, 0, cfg)
     out = jnp.full((batch, n), cfg.pad_id, jnp.int32).at[:, 0].set(first)
     lps = jnp.zeros((batch, n), jnp.float32).at[:, 0].set(first_lp)
-    emit(first, jnp.zeros((batch,), bool))
+    _emit(on_token, first, jnp.zeros((batch,), bool))
     done = jnp.isin(first, eos)
     lengths = jnp.ones((batch,), jnp.int32)
 
@@ -199,20 +214,13 @@ def _generate(
         # a fresh module inside the loop's trace: LoRA's interception sets attributes
         step_model = nnx.merge(graphdef, params)
         logits, cache = step_model(last[:, None], position[:, None], cache, mask)
-        token, lp = choose(logits[:, -1], step)
+        token, lp = _choose(logits[:, -1], key, step, cfg)
         token = jnp.where(done, cfg.pad_id, token)
-        emit(token, done)
+        _emit(on_token, token, done)
         lp = jnp.where(done, 0.0, lp)
         lengths = lengths + (~done).astype(jnp.int32)
         done = done | jnp.isin(token, eos)
-        return (
-            step + 1,
-            out.at[:, step].set(token),
-            lps.at[:, step].set(lp),
-            lengths,
-            done,
-            cache,
-        )
+        return step + 1, out.at[:, step].set(token), lps.at[:, step].set(lp), lengths, done, cache
 
     state = (jnp.int32(1), out, lps, lengths, done, cache)
     _, out, lps, lengths, done, _ = jax.lax.while_loop(cond, body, state)

@@ -242,36 +242,11 @@ def plan_to_hf(
         stored config (each named).
     """
     cfg = meta.cfg
-    if cfg.family not in families.FAMILIES:
-        raise ConversionError(
-            f"{source}: family {cfg.family!r} has no conversion table; "
-            f"supported: {', '.join(sorted(families.NAMES))}"
-        )
-    table = families.get(cfg.family).table
-    layout = layout or table.layouts[0]
-    if layout not in table.layouts:
-        raise ConversionError(f"layout {layout!r} must be one of {', '.join(table.layouts)}")
-    if prefix not in table.prefixes:
-        raise ConversionError(f"key prefix {prefix!r} must be one of {table.prefixes}")
-    if cfg.vision is not None and prefix == CANONICAL:
-        raise ConversionError(
-            f"{source}: a model with a vision tower is written under its multimodal key "
-            f"prefix {[p for p in table.prefixes if p != CANONICAL]}, not {prefix!r}"
-        )
+    table, layout = _table_for_hf(cfg, layout, prefix, source)
     entries = expand(table.rows, cfg, layout)
     native = abstract_params(cfg.replace(scan_layers=False))
     _check_native_cover(entries, native, cfg.family)
-    stored = {k: tuple(v.shape) for k, v in abstract_params(cfg).items()}
-    missing, extra = set(stored) - set(tensors), set(tensors) - set(stored)
-    if missing or extra:
-        parts = [p for p in (_describe(missing, "missing"), _describe(extra, "unexpected")) if p]
-        raise ConversionError(f"{source}: {'; '.join(parts)} (for the stored {cfg.family} config)")
-    for key, shape in stored.items():
-        got, _, file = _tensor_info(tensors, key)
-        if got != shape:
-            raise ConversionError(
-                f"tensor {key} in {file}: shape {list(got)}, expected {list(shape)}"
-            )
+    _check_stored(cfg, tensors, source)
     num_experts = cfg.moe.num_experts if cfg.moe is not None else None
     steps, outputs = [], {}
     for e in entries:
@@ -296,3 +271,49 @@ def plan_to_hf(
             _add_output(outputs, cfg, name, None, dtype, shape)
         steps.append(Step(e, inputs, outs, nshapes))
     return Plan("to_hf", cfg, table, layout, prefix, steps, list(outputs.values()), [])
+
+
+def _table_for_hf(cfg, layout: str | None, prefix: str, source: str):
+    """``(table, layout)`` of ``cfg``'s family for native -> HF; the layout defaults to the
+    table's first (the hub's).
+
+    Raises:
+      ConversionError: the family has no table, or ``layout`` or ``prefix`` is not its
+        (a model with a vision tower takes its multimodal prefix).
+    """
+    if cfg.family not in families.FAMILIES:
+        raise ConversionError(
+            f"{source}: family {cfg.family!r} has no conversion table; "
+            f"supported: {', '.join(sorted(families.NAMES))}"
+        )
+    table = families.get(cfg.family).table
+    layout = layout or table.layouts[0]
+    if layout not in table.layouts:
+        raise ConversionError(f"layout {layout!r} must be one of {', '.join(table.layouts)}")
+    if prefix not in table.prefixes:
+        raise ConversionError(f"key prefix {prefix!r} must be one of {table.prefixes}")
+    if cfg.vision is not None and prefix == CANONICAL:
+        raise ConversionError(
+            f"{source}: a model with a vision tower is written under its multimodal key "
+            f"prefix {[p for p in table.prefixes if p != CANONICAL]}, not {prefix!r}"
+        )
+    return table, layout
+
+
+def _check_stored(cfg, tensors: Mapping[str, Any], source: str) -> None:
+    """The stored tensors are exactly ``cfg``'s native parameters, each of its shape.
+
+    Raises:
+      ConversionError: tensors missing, unexpected or mis-shaped (each named).
+    """
+    stored = {k: tuple(v.shape) for k, v in abstract_params(cfg).items()}
+    missing, extra = set(stored) - set(tensors), set(tensors) - set(stored)
+    if missing or extra:
+        parts = [p for p in (_describe(missing, "missing"), _describe(extra, "unexpected")) if p]
+        raise ConversionError(f"{source}: {'; '.join(parts)} (for the stored {cfg.family} config)")
+    for key, shape in stored.items():
+        got, _, file = _tensor_info(tensors, key)
+        if got != shape:
+            raise ConversionError(
+                f"tensor {key} in {file}: shape {list(got)}, expected {list(shape)}"
+            )

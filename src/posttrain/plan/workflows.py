@@ -175,14 +175,10 @@ def grpo_programs(
       NotImplementedError: a Tunix without ``function_registry.get_policy_loss_fn``
         (google-tunix < 0.1.7), whose learner wires its loss otherwise.
     """
-    from tunix.rl import common, function_registry
-    from tunix.rl import trainer as rl_trainer
-    from tunix.rl.grpo import grpo_learner
-    from tunix.sft import peft_trainer
+    from tunix.rl import function_registry
 
     from posttrain.rl import tunix_rl
     from posttrain.rl.policy import TunixPolicy
-    from posttrain.sft.trainer import default_moe_aux_loss_weight
 
     if not hasattr(function_registry, "get_policy_loss_fn"):
         raise NotImplementedError("plan builds GRPO's loss as google-tunix 0.1.7 does")
@@ -192,59 +188,19 @@ def grpo_programs(
         "grpo", num_generations=2, epsilon=0.2, num_iterations=num_iterations
     )
     algo.temperature = 1.0  # GRPOLearner sets it to the rollout's (a value, not a shape)
-    loss = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
-    policy = TunixPolicy(model)
-    trainer = rl_trainer.Trainer(
-        policy,
-        abstract_init(make_optimizer(optimizer)),
-        peft_trainer.TrainingConfig(**_PEFT),
-        custom_checkpoint_metadata_fn=dict,
-    )
+    trainer = _grpo_trainer(model, optimizer, algo)
     try:
-        # what GRPOLearner.__init__ installs (pad 0, eos 1: values, not shapes)
-        trainer.with_loss_fn(
-            lambda model, train_example, algo_config: loss(
-                model, train_example, algo_config=algo, pad_id=0, eos_id=1
-            ),
-            has_aux=True,
-        )
-        trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo})
-        tunix_rl.with_moe_aux_loss(trainer, default_moe_aux_loss_weight(model))
         abstract.place(trainer.model, mesh, rules)
         abstract.place(trainer.optimizer, mesh, rules)
         reference, own = _reference(trainer.model)
-        prompt_ids = _rows(mesh, rules, (rows, prompt), jnp.int32)
-        completion_ids = _rows(mesh, rules, (rows, completion), jnp.int32)
-        logps = _rows(mesh, rules, (rows, completion), jnp.float32)
-        example = grpo_learner.TrainExample(
-            prompt_ids=prompt_ids,
-            prompt_mask=_rows(mesh, rules, (rows, prompt), jnp.bool_),
-            completion_ids=completion_ids,
-            completion_mask=_rows(mesh, rules, (rows, completion), jnp.bool_),
-            advantages=_rows(mesh, rules, (rows,), jnp.float32),
-            ref_per_token_logps=logps,
-            old_per_token_logps=logps if algo.num_iterations > 1 else None,
-        )
+        example = _grpo_example(mesh, rules, rows, prompt, completion, algo)
         kinds = _trained_kinds(trainer, example)
-        held = kinds["parameters"] + kinds["optimizer state"] + own
         step = Program(
             nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",)),
             (trainer.model, trainer.optimizer, example),
             {},
             kinds,
-            _step_flops(policy, trainer._lora_enabled, rows * (prompt + completion)),
-            resident=own,
-        )
-        graphdef, state = nnx.split(reference)
-        ref_kinds = {"parameters": abstract.device_bytes(state)}
-        ref_kinds["inputs"] = abstract.device_bytes((prompt_ids, completion_ids))
-        forward = Program(
-            common.compute_per_token_logps,
-            (graphdef, state, prompt_ids, completion_ids),
-            {"pad_id": 0, "eos_id": 1, "stop_gradient": True, "return_logits": False},
-            ref_kinds,
-            2 * abstract.active_matmul_params(model) * rows * (prompt + completion),
-            resident=held - ref_kinds["parameters"],
+            _step_flops(trainer.model, trainer._lora_enabled, rows * (prompt + completion)),
         )
         sampled = trainer.model.model if rollout_mesh is mesh else nnx.clone(trainer.model.model)
         rollout = generate_program(
@@ -252,42 +208,84 @@ def grpo_programs(
         )
         # a rollout on the trainer's mesh shares the actor's model; another holds a copy
         copy = rollout.kinds["parameters"] if rollout_mesh is not mesh else 0
-        rollout = _with_resident(rollout, held + copy - rollout.kinds["parameters"])
-        step = _with_resident(step, step.resident + copy)
-        forward = _with_resident(forward, forward.resident + copy)
-        programs = {"rollout": rollout, "reference forward": forward}
+        held = kinds["parameters"] + kinds["optimizer state"] + own + copy
+        forwards = {"reference forward": _logps_program(reference, mesh, rules, example)}
         if algo.num_iterations > 1:
-            old = _old_policy_forward(sampled, rollout_mesh, rules, rows, prompt, completion)
-            programs["old-policy forward"] = _with_resident(
-                old, held + copy - old.kinds["parameters"]
+            old = _grpo_example(rollout_mesh, rules, rows, prompt, completion, algo)
+            forwards["old-policy forward"] = _logps_program(
+                TunixPolicy(sampled), rollout_mesh, rules, old
             )
-        return {**programs, "train step": step}
+        programs = {"rollout": rollout, **forwards}
+        beside = {n: _with_resident(p, held - p.kinds["parameters"]) for n, p in programs.items()}
+        return {**beside, "train step": _with_resident(step, own + copy)}
     finally:
         trainer.checkpoint_manager.close()
         trainer.metrics_logger.close()
 
 
-def _old_policy_forward(sampled, rollout_mesh: Mesh, rules, rows, prompt, completion) -> Program:
-    """Tunix's ``get_old_per_token_logps`` (google-tunix 0.1.7): ``compute_per_token_logps``
-    on the rollout's model ``sampled`` (the actor's own on the trainer's mesh, else the
-    rollout mesh's placed copy), on ``rows`` prompts and completions there."""
+def _grpo_trainer(model, optimizer: str, algo):
+    """Tunix's actor trainer (``tunix.rl.trainer.Trainer``) on ``TunixPolicy(model)``
+    with what ``GRPOLearner.__init__`` installs (google-tunix 0.1.7: its policy loss,
+    pad 0 and eos 1, values rather than shapes) and our MoE term."""
+    from tunix.rl import function_registry
+    from tunix.rl import trainer as rl_trainer
+    from tunix.sft import peft_trainer
+
+    from posttrain.rl import tunix_rl
+    from posttrain.rl.policy import TunixPolicy
+    from posttrain.sft.trainer import default_moe_aux_loss_weight
+
+    loss = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
+    trainer = rl_trainer.Trainer(
+        TunixPolicy(model),
+        abstract_init(make_optimizer(optimizer)),
+        peft_trainer.TrainingConfig(**_PEFT),
+        custom_checkpoint_metadata_fn=dict,
+    )
+    trainer.with_loss_fn(
+        lambda model, train_example, algo_config: loss(
+            model, train_example, algo_config=algo, pad_id=0, eos_id=1
+        ),
+        has_aux=True,
+    )
+    trainer.with_gen_model_input_fn(lambda x: {"train_example": x, "algo_config": algo})
+    tunix_rl.with_moe_aux_loss(trainer, default_moe_aux_loss_weight(model))
+    return trainer
+
+
+def _grpo_example(mesh: Mesh, rules, rows: int, prompt: int, completion: int, algo):
+    """The learner's abstract ``TrainExample`` on ``mesh``: ``[rows, prompt]`` prompt and
+    ``[rows, completion]`` completion ids and masks, ``[rows]`` advantages, the
+    reference's (and, with ``num_iterations > 1``, the old policy's) float32 logps."""
+    from tunix.rl.grpo import grpo_learner
+
+    logps = _rows(mesh, rules, (rows, completion), jnp.float32)
+    return grpo_learner.TrainExample(
+        prompt_ids=_rows(mesh, rules, (rows, prompt), jnp.int32),
+        prompt_mask=_rows(mesh, rules, (rows, prompt), jnp.bool_),
+        completion_ids=_rows(mesh, rules, (rows, completion), jnp.int32),
+        completion_mask=_rows(mesh, rules, (rows, completion), jnp.bool_),
+        advantages=_rows(mesh, rules, (rows,), jnp.float32),
+        ref_per_token_logps=logps,
+        old_per_token_logps=logps if algo.num_iterations > 1 else None,
+    )
+
+
+def _logps_program(policy, mesh: Mesh, rules, example) -> Program:
+    """Tunix's ``compute_per_token_logps`` (google-tunix 0.1.7) on ``policy`` (a
+    ``TunixPolicy``: the reference, or the rollout's model for the old policy's
+    ``get_old_per_token_logps``) over ``example``'s prompt and completion ids on ``mesh``."""
     from tunix.rl import common
 
-    from posttrain.rl.policy import TunixPolicy
-
-    graphdef, state = nnx.split(TunixPolicy(sampled))
-    prompt_ids = _rows(rollout_mesh, rules, (rows, prompt), jnp.int32)
-    completion_ids = _rows(rollout_mesh, rules, (rows, completion), jnp.int32)
-    kinds = {
-        "parameters": abstract.device_bytes(state),
-        "inputs": abstract.device_bytes((prompt_ids, completion_ids)),
-    }
+    graphdef, state = nnx.split(policy)
+    ids = (example.prompt_ids, example.completion_ids)
+    tokens = ids[0].shape[0] * (ids[0].shape[1] + ids[1].shape[1])
     return Program(
         common.compute_per_token_logps,
-        (graphdef, state, prompt_ids, completion_ids),
+        (graphdef, state, *ids),
         {"pad_id": 0, "eos_id": 1, "stop_gradient": True, "return_logits": False},
-        kinds,
-        2 * abstract.active_matmul_params(sampled) * rows * (prompt + completion),
+        {"parameters": abstract.device_bytes(state), "inputs": abstract.device_bytes(ids)},
+        2 * abstract.active_matmul_params(policy.model) * tokens,
     )
 
 

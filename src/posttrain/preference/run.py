@@ -46,15 +46,13 @@ class DPOResult:
     after: dict | None
 
     def summary(self) -> str:
-        h = self.history
-        if not h:
-            return f"no steps run (already at step {self.checkpoint_step})"
-        speeds = [r["tokens_per_s"] for r in h if r.get("tokens_per_s")]
-        speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
-        text = (
-            f"steps {h[0]['step']}-{h[-1]['step']}: loss {h[0]['loss']:.3f} -> "
-            f"{h[-1]['loss']:.3f}, preference accuracy {h[-1]['preference_accuracy']:.2f}, "
-            f"margin {h[-1]['reward_margin']:.3f}{speed}"
+        text = run_record.steps_line(
+            self.history,
+            self.checkpoint_step,
+            lambda r: (
+                f", preference accuracy {r['preference_accuracy']:.2f}, "
+                f"margin {r['reward_margin']:.3f}"
+            ),
         )
         if self.before and self.after:
             text += "\n" + evaluation_line(self.before, self.after)

@@ -18,8 +18,10 @@ import dataclasses
 import json
 import os
 import pathlib
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from posttrain import atomic
@@ -173,3 +175,19 @@ def _metrics_record(line: str) -> dict | None:
         return None
     ok = isinstance(record, dict) and isinstance(record.get("step"), int)
     return record if ok else None
+
+
+def steps_line(history: list[dict], at_step: int, details: Callable[[dict], str]) -> str:
+    """``steps a-b: loss x -> y<details>, N tokens/s`` over the history's training records
+    (those with a loss; the median speed), ``details`` of the last; or ``no steps run
+    (already at step k)`` when a resume found nothing left to do."""
+    h = [r for r in history if r.get("loss") is not None]
+    if not h:
+        return f"no steps run (already at step {at_step})"
+    speeds = [r["tokens_per_s"] for r in h if r.get("tokens_per_s")]
+    speed = f", {statistics.median(speeds):,.0f} tokens/s" if speeds else ""
+    first, last = h[0], h[-1]
+    return (
+        f"steps {first['step']}-{last['step']}: loss {first['loss']:.3f} -> {last['loss']:.3f}"
+        f"{details(last)}{speed}"
+    )

@@ -53,14 +53,8 @@ class SFTResult:
     held_out: tuple[dict, dict, int] | None = None  # --vision: (before, after, rows)
 
     def summary(self) -> str:
-        h = [r for r in self.history if r.get("loss") is not None]
-        if not h:
-            return f"no steps run (already at step {self.checkpoint_step})"
-        speeds = [r["tokens_per_s"] for r in h if r.get("tokens_per_s")]
-        speed = f", {np.median(speeds):,.0f} tokens/s" if speeds else ""
-        line = (
-            f"steps {h[0]['step']}-{h[-1]['step']}: loss {h[0]['loss']:.3f} -> "
-            f"{h[-1]['loss']:.3f} (perplexity {h[-1]['perplexity']:.1f}){speed}"
+        line = run_record.steps_line(
+            self.history, self.checkpoint_step, lambda r: f" (perplexity {r['perplexity']:.1f})"
         )
         if self.held_out is not None:
             from posttrain.sft.vision_run import held_out_line
@@ -123,19 +117,11 @@ def run_sft(
     from posttrain.runs.formats import run_tokenizer_and_formats
     from posttrain.sft import vision_run
 
-    cfg.check()
-    run_record.check_resumable(cfg, cfg.output)  # before anything is read or written
+    cfg, mesh, global_batch, resume_facts = _checked(cfg)
     # Across processes, process 0 alone writes metrics, progress and run.json; every
     # process trains, checkpoints (Orbax's collective saves) and gathers the export.
     writer = distributed.is_writer()
     log_every = log_every if writer else None
-    mesh = sharding.make_mesh(cfg.mesh)
-    global_batch = _global_batch(cfg, mesh)
-    # before any row is built or the output exists: positions and a step's memory
-    limits.check_training_length(
-        cfg.model, cfg.max_target_length, global_batch, flag="--max-target-length"
-    )
-    resume_facts = check_same_run(cfg, global_batch)  # devices, data content, exports
     tok, formats = run_tokenizer_and_formats(cfg)  # the template: refused before any write
     images = vision_run.prepare(cfg, tok, formats.template, pad_id_of(tok)) if cfg.vision else None
     rows_of = build_rows if images is None else images.rows
@@ -169,17 +155,29 @@ def run_sft(
         held_out = (before, after, len(images.held_out["input_tokens"]))
     if images:
         images.write(exported)
+    convention = trainer.convention.name
     return SFTResult(
-        trainer.history,
-        out,
-        step,
-        exported,
-        trainer.convention.name,
-        global_batch,
-        params,
-        trainable,
-        held_out,
+        trainer.history, out, step, exported, convention, global_batch, params, trainable, held_out
     )
+
+
+def _checked(cfg: SFTConfig):
+    """What is refused before any row is read or anything written: the options, a resume
+    of another run (devices, data content, exports) and a length past the model's
+    positions or a step's memory.
+
+    Returns:
+        ``(cfg, mesh, global_batch, resume_facts)`` (with ``--vision`` and no
+        ``--model``, ``cfg.model`` is already the vision preset: ``SFTConfig.default_model``).
+    """
+    cfg.check()
+    run_record.check_resumable(cfg, cfg.output)
+    mesh = sharding.make_mesh(cfg.mesh)
+    global_batch = _global_batch(cfg, mesh)
+    limits.check_training_length(
+        cfg.model, cfg.max_target_length, global_batch, flag="--max-target-length"
+    )
+    return cfg, mesh, global_batch, check_same_run(cfg, global_batch)
 
 
 def _global_batch(cfg: SFTConfig, mesh) -> int:
