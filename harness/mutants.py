@@ -186,6 +186,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/flags.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
     "src/posttrain/runs/options.py": [
         "tests/test_run_options.py",
+        "tests/test_model_option.py",
         "tests/test_sft_run.py::test_cli_bad_input_is_one_line_and_exit_2",
         "tests/test_preference.py::test_the_run_config_names_the_bad_field",
         "tests/test_rl.py::test_the_run_config_names_the_bad_field",
@@ -291,7 +292,11 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/runs/loading.py": ["tests/test_sft_run.py", "tests/test_preference.py"],
     "src/posttrain/runs/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
     "src/posttrain/runs/training.py": ["tests/test_option_sensitivity.py", "tests/test_sft_run.py"],
-    "src/posttrain/sft/options.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
+    "src/posttrain/sft/options.py": [
+        "tests/test_sft_run.py",
+        "tests/test_run_options.py",
+        "tests/test_model_option.py",
+    ],
     # reliability of the inputs and faults (#40)
     "src/posttrain/limits.py": ["tests/test_generate_inputs.py"],
     "src/posttrain/commands/generate_inputs.py": ["tests/test_generate_inputs.py"],

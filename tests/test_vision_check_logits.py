@@ -26,6 +26,9 @@ def test_each_row_gets_its_image_where_the_template_puts_it():
     tokens, mask = parity.make_batch(VISION.image_token_id + 10, seq=16, seed=3)
     tokens[0, 10] = IMG  # a random text token that happens to be the image token
     placed, images = vision_parity.with_images(tokens, mask, VISION, seed=0)
+    assert placed[0, 10] == 1  # text again
+    again = vision_parity.with_images(tokens, mask, VISION, seed=0)[1].pictures
+    assert all(np.array_equal(a, b) for a, b in zip(again, images.pictures, strict=True))
     cell = VISION.patch_size * VISION.pooling_kernel_size
     for row, picture in enumerate(images.pictures):
         soft = (picture.shape[0] // cell) * (picture.shape[1] // cell)
@@ -39,13 +42,23 @@ def test_each_row_gets_its_image_where_the_template_puts_it():
     native = images.native()
     assert hf["pixel_values"].shape == (3, 16, VISION.patch_size**2 * 3)
     assert native.pixels.shape == (3, 1, 16, VISION.patch_size**2 * 3)
-    assert (hf["image_position_ids"][2, 4:] == -1).all()  # row 2: 4 patches, then padding
+    for row, count in enumerate((16, 8, 4)):  # each image's patches, then padding
+        assert (hf["image_position_ids"][row, count:] == -1).all()
+        assert (hf["image_position_ids"][row, :count] >= 0).all()
+        assert (hf["pixel_values"][row, count:] == 0).all()
+        assert (hf["pixel_values"][row, :count] > 0).any()
+    assert hf["pixel_values"].dtype == np.float32 and hf["image_position_ids"].dtype == np.int64
+    np.testing.assert_array_equal(native.pixels[:, 0], hf["pixel_values"])
+    np.testing.assert_array_equal(native.positions[:, 0], hf["image_position_ids"])
 
     short, mask = parity.make_batch(VISION.image_token_id + 10, seq=9, seed=3)
     _, some = vision_parity.with_images(short, mask, VISION, seed=0)
     # real tokens 9, 4 and 2: row 0's image (6 tokens) fits, row 1's (4) and row 2's (3) not
     assert [p is None for p in some.pictures] == [False, True, True]
     assert some.hf_inputs()["pixel_values"].shape[0] == 1
+    for seq, room in ((11, True), (10, False)):  # row 1 needs 6 real tokens: 1 + 4 + 1
+        short, mask = parity.make_batch(VISION.image_token_id + 10, seq=seq, seed=3)
+        assert (vision_parity.with_images(short, mask, VISION, 0)[1].pictures[1] is None) != room
     with pytest.raises(ValueError, match="--seq 4: no row has room for an image's tokens"):
         vision_parity.with_images(*parity.make_batch(300, seq=4, seed=3), VISION, seed=0)
 
