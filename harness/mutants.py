@@ -115,6 +115,7 @@ TARGETS: dict[str, list[str]] = {
     # padding, standardisation, projection, placement) and the placement/pixel properties
     "src/posttrain/layers/vision.py": [
         "tests/test_vision.py",
+        "tests/test_vision_bidirectional.py",
         "tests/test_rope.py",
     ],
     # the tower's rows and config.json reader/writer: parity and the bit-exact round trip
@@ -135,6 +136,9 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/sft/vision_rows.py": ["tests/test_vision_sft.py", "-k", "not short_vision"],
     "src/posttrain/sft/vision_run.py": ["tests/test_vision_sft.py"],
     "src/posttrain/commands/generate_image.py": ["tests/test_vision_generate.py"],
+    # check-logits' image batch: placement, padding and the two models' inputs (the HF
+    # parity runs themselves are slow-tier, which mutation runs leave out)
+    "src/posttrain/conversion/vision_parity.py": ["tests/test_vision_check_logits.py"],
     "src/posttrain/conversion/directories.py": ["tests/test_atomic_writes.py"],
     "src/posttrain/conversion/transforms.py": [
         "tests/test_conversion_roundtrip.py",
@@ -182,6 +186,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/flags.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
     "src/posttrain/runs/options.py": [
         "tests/test_run_options.py",
+        "tests/test_model_option.py",
         "tests/test_sft_run.py::test_cli_bad_input_is_one_line_and_exit_2",
         "tests/test_preference.py::test_the_run_config_names_the_bad_field",
         "tests/test_rl.py::test_the_run_config_names_the_bad_field",
@@ -287,7 +292,11 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/runs/loading.py": ["tests/test_sft_run.py", "tests/test_preference.py"],
     "src/posttrain/runs/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
     "src/posttrain/runs/training.py": ["tests/test_option_sensitivity.py", "tests/test_sft_run.py"],
-    "src/posttrain/sft/options.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
+    "src/posttrain/sft/options.py": [
+        "tests/test_sft_run.py",
+        "tests/test_run_options.py",
+        "tests/test_model_option.py",
+    ],
     # reliability of the inputs and faults (#40)
     "src/posttrain/limits.py": ["tests/test_generate_inputs.py"],
     "src/posttrain/commands/generate_inputs.py": ["tests/test_generate_inputs.py"],

@@ -148,6 +148,34 @@ def test_a_resume_whose_data_content_changed_is_refused_naming_both_hashes(
     assert err.count("\n") == 1, err
     assert f"--data {data}: its content changed since the run in {out} recorded it" in err
     assert f"sha256 {old[:16]}... then, {new[:16]}... now" in err, err
+    assert err.rstrip().endswith("refusing to resume it: use a new --output, or the recorded data")
+
+
+@pytest.mark.devices(8)
+def test_a_resume_with_the_same_facts_or_a_run_json_without_a_digest_goes_on(tmp_path):
+    """The facts recorded for the next resume, and the checks a resume passes: the same
+    data, or a run recorded before digests were (no ``data_sha256``: nothing to compare);
+    a stray ``model-step<N>`` that is no export is still refused (:func:`check_exports`)."""
+    import jax
+
+    from posttrain.sft.options import SFTConfig
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("rows\n")
+    digest = checks.data_digest(str(data))
+    out = tmp_path / "run"
+    cfg = SFTConfig(output=str(out), data=str(data))
+    want = {"devices": jax.device_count(), "data_sha256": digest}
+    assert checks.check_same_run(cfg, 8) == want  # a new run: nothing recorded
+    _recorded(out, cfg, data_sha256=digest)
+    assert checks.check_same_run(cfg, 8) == want
+    _recorded(out, cfg)  # recorded without a digest
+    assert json.loads((out / "run.json").read_text()).get("data_sha256") is None
+    assert checks.check_same_run(cfg, 8) == want
+    (out / "model-step2").mkdir()
+    (out / "model-step2" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="model-step2"):
+        checks.check_same_run(cfg, 8)
 
 
 def test_the_data_digest_is_the_files_sha256():

@@ -373,6 +373,7 @@ VISION_PERTURBATIONS = {
     "norm_eps": 0.5,
     "pooling_kernel_size": 4,  # 1 soft token per image: row 0's later image tokens repeat it
     "image_token_id": 40,  # text token 40 is never in TOKENS: no image is placed
+    "bidirectional": True,  # an image's tokens see its later ones (test_vision_bidirectional)
 }
 VISION_SHAPES = {  # fields that change the tower's parameters (or its pixel input)
     "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "patch_size",

@@ -368,13 +368,9 @@ def test_the_exported_processor_config_reads_back_as_the_run_prepared_images(tmp
         vision_run.image_processing(str(tmp_path), VISION)
 
 
-def test_the_default_model_becomes_the_vision_preset_only_under_vision():
-    """``--vision`` turns the default ``--model`` into the vision preset and leaves a given
-    one (or a text run) alone; the tokenizer's image token is the placeholder."""
-    assert vision_run.resolved(SFTConfig(vision=True)).model == vision_run.VISION_MODEL
-    assert vision_run.resolved(SFTConfig()).model == "qwen3-tiny"
-    given = SFTConfig(vision=True, model="some/dir")
-    assert vision_run.resolved(given) is given
+def test_the_tokenizer_image_token_is_the_placeholder():
+    """The tokenizer's image token is the placeholder (the default model under
+    ``--vision``: tests/test_model_option.py)."""
     assert vision_run.placeholder_of(byte_tokenizer(), VISION) == "<|reserved_1|>"
     import dataclasses
 

@@ -28,6 +28,10 @@ class VisionConfig:
         bounds (HF ``use_clipped_linears``, ``Gemma4ClippableLinear``).
       image_token_id: the token the image's soft tokens replace (one per soft token).
       boi_token_id, eoi_token_id: tokens around an image's soft tokens in the template.
+      bidirectional: the text model's attention is bidirectional within each image's soft
+        tokens (a run of consecutive ``image_token_id``), causal elsewhere (HF
+        ``text_config.use_bidirectional_attention == "vision"``, the larger Gemma 4
+        checkpoints; ``masking_utils.blockwise_overlay``).
     """
 
     d_model: int
@@ -46,6 +50,7 @@ class VisionConfig:
     image_token_id: int
     boi_token_id: int
     eoi_token_id: int
+    bidirectional: bool = False
 
     def __post_init__(self):
         for name in (

@@ -167,7 +167,9 @@ def _from_hf_config(config: Mapping[str, Any], vision: bool) -> ModelConfig:
     c = text_config(config)
     reject(c, "num_kv_shared_layers", (0, None), "KV sharing between layers")
     reject(c, "hidden_size_per_layer_input", (0, None), "per-layer input embeddings")
-    reject(c, "use_bidirectional_attention", (None,), "bidirectional attention")
+    # "vision": bidirectional within an image's tokens (VisionConfig.bidirectional); a text
+    # model never sees image tokens without their images, so reading it as text is exact
+    reject(c, "use_bidirectional_attention", (None, "vision"), "bidirectional attention")
     reject(c, "mlp_only_layers", ([], None), "dense layers between MoE layers")
     reject(c, "decoder_sparse_step", (1, None), "dense layers between MoE layers")
     reject(c, "hidden_act", ("silu",), "silu only")

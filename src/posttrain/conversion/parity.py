@@ -3,7 +3,8 @@
 Both run the same token batch in float32 on CPU: a full-length row, a
 right-padded row and a left-padded row (``attention_mask``), positions counted
 over the real tokens only, and are compared on real tokens: max |delta logit|,
-mean KL(HF || native) and top-1 agreement.
+mean KL(HF || native) and top-1 agreement. A native checkpoint with a vision tower gets
+an image in each row (:mod:`posttrain.conversion.vision_parity`).
 
 torch and transformers are imported inside :func:`hf_logits` only (the
 ``reference`` extra; install torch separately, e.g. ``pip install torch``, a CPU
@@ -73,9 +74,17 @@ def compare(hf: np.ndarray, native: np.ndarray, mask: np.ndarray) -> Parity:
     )
 
 
-def hf_logits(hf_dir: str | os.PathLike, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def hf_logits(
+    hf_dir: str | os.PathLike,
+    tokens: np.ndarray,
+    mask: np.ndarray,
+    images: dict[str, np.ndarray] | None = None,
+    dtype: str = "float32",
+) -> np.ndarray:
     """Float32 logits ``[batch, seq, vocab]`` of the HF model in ``hf_dir`` (eager attention,
-    one CPU thread: steady timings, and GPT-OSS sinks need eager)."""
+    one CPU thread: steady timings, and GPT-OSS sinks need eager), loaded in ``dtype``
+    (float32: the reference); ``images``: more keyword inputs, as arrays
+    (``ParityImages.hf_inputs``; floating ones cast to ``dtype``)."""
     try:
         import torch
         import transformers
@@ -90,19 +99,23 @@ def hf_logits(hf_dir: str | os.PathLike, tokens: np.ndarray, mask: np.ndarray) -
     config = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
     arch = (config.get("architectures") or ["AutoModelForCausalLM"])[0]
     cls = getattr(transformers, arch, None) or transformers.AutoModelForCausalLM
-    model = cls.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    torch_dtype = getattr(torch, dtype)
+    model = cls.from_pretrained(hf_dir, dtype=torch_dtype, attn_implementation="eager").eval()
+    extra = {k: torch.as_tensor(v) for k, v in (images or {}).items()}
+    extra = {k: v.to(torch_dtype) if v.is_floating_point() else v for k, v in extra.items()}
     with torch.no_grad():
         out = model(
             input_ids=torch.as_tensor(tokens, dtype=torch.long),
             attention_mask=torch.as_tensor(mask, dtype=torch.long),
             position_ids=torch.as_tensor(positions_for(mask), dtype=torch.long),
             use_cache=False,
+            **extra,
         )
     return out.logits.float().numpy()
 
 
-def _forward(model, tokens, positions, padding):
-    return model.forward(tokens, positions, padding)[0]
+def _forward(model, tokens, positions, padding, images):
+    return model.forward(tokens, positions, padding, images=images)[0]
 
 
 @functools.cache
@@ -112,9 +125,10 @@ def _jitted_forward():
     return nnx.jit(_forward)  # one wrapper, so same-config models share its compile cache
 
 
-def native_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def native_logits(model, tokens: np.ndarray, mask: np.ndarray, images=None) -> np.ndarray:
     """Float32 logits of a native :class:`~posttrain.models.CausalLM`, with the same padding
-    (keys that are padding are masked, like HF's 4-D mask) and positions.
+    (keys that are padding are masked, like HF's 4-D mask) and positions; ``images`` an
+    :class:`~posttrain.layers.vision.ImageBatch` or None.
 
     Jitted: one compile (2-6 s for a tiny MoE model on 2 CPU cores) beats eager dispatch,
     which compiles every primitive on first use (11-19 s).
@@ -124,7 +138,7 @@ def native_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     keys = mask.astype(bool)[:, None, :]  # [B, 1, S]
     padding = np.broadcast_to(keys, (mask.shape[0], mask.shape[1], mask.shape[1]))  # [B, T, S]
     logits = _jitted_forward()(
-        model, jnp.asarray(tokens), jnp.asarray(positions_for(mask)), jnp.asarray(padding)
+        model, jnp.asarray(tokens), jnp.asarray(positions_for(mask)), jnp.asarray(padding), images
     )
     return np.asarray(logits)
 
@@ -132,12 +146,34 @@ def native_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
 def check_logits(
     hf_dir: str | os.PathLike, native_dir: str | os.PathLike, *, seq: int = 16, seed: int = 7
 ) -> Parity:
-    """Runs both checkpoints on :func:`make_batch` in float32 and compares them.
+    """Runs both checkpoints on :func:`make_batch` in float32 and compares them (with
+    images when the native model has a vision tower: :func:`logits_pair`).
 
     Raises:
-      ConversionError: the HF config does not describe the native model, or ``seq``
-        exceeds its ``max_position_embeddings``.
+      ConversionError: the HF config does not describe the native model, ``seq``
+        exceeds its ``max_position_embeddings``, or no row has room for an image.
     """
+    hf, native, mask = logits_pair(hf_dir, native_dir, seq=seq, seed=seed)
+    return compare(hf, native, mask)
+
+
+def logits_pair(
+    hf_dir: str | os.PathLike,
+    native_dir: str | os.PathLike,
+    *,
+    seq: int = 16,
+    seed: int = 7,
+    dtype: str = "float32",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(HF logits, native logits, mask)``, ``[batch, seq, vocab]`` float32 twice and
+    ``[batch, seq]``: both checkpoints on :func:`make_batch`, HF in float32, the native
+    model loaded in ``dtype`` (its logits float32). A native model with a vision tower
+    gets one image per row (:func:`posttrain.conversion.vision_parity.with_images`).
+
+    Raises:
+      ConversionError: as :func:`check_logits`.
+    """
+    from posttrain.conversion import vision_parity
     from posttrain.conversion.errors import check_source_dir, read_json_object
     from posttrain.conversion.hf_config import text_config
     from posttrain.conversion.native import NativeMeta
@@ -151,13 +187,21 @@ def check_logits(
             f"--seq {seq} exceeds the model's max_position_embeddings={max_positions}"
         )
     tokens, mask = make_batch(meta.cfg.vocab_size, seq, seed)
-    model = load_checked(hf_dir, native_dir)  # before torch: a mismatch fails fast
-    return compare(hf_logits(hf_dir, tokens, mask), native_logits(model, tokens, mask), mask)
+    images = None
+    if meta.cfg.vision is not None:
+        try:
+            tokens, images = vision_parity.with_images(tokens, mask, meta.cfg.vision, seed)
+        except ValueError as error:
+            raise ConversionError(str(error)) from None
+    model = load_checked(hf_dir, native_dir, dtype)  # before torch: a mismatch fails fast
+    hf = hf_logits(hf_dir, tokens, mask, images and images.hf_inputs())
+    return hf, native_logits(model, tokens, mask, images and images.native()), mask
 
 
-def load_checked(hf_dir: str | os.PathLike, native_dir: str | os.PathLike):
-    """The float32 native model of ``native_dir``, after checking that ``hf_dir``'s
-    config.json describes the same model.
+def load_checked(hf_dir: str | os.PathLike, native_dir: str | os.PathLike, dtype: str = "float32"):
+    """The native model of ``native_dir`` in ``dtype`` (float32 by default), after checking
+    that ``hf_dir``'s config.json describes the same model (its vision tower read when the
+    native model has one).
 
     Raises:
       ConversionError: the configs differ (the message lists the fields).
@@ -170,7 +214,7 @@ def load_checked(hf_dir: str | os.PathLike, native_dir: str | os.PathLike):
     meta = NativeMeta.read(native_dir)
     path = pathlib.Path(hf_dir) / "config.json"
     try:
-        hf_cfg = from_hf_config(json.loads(path.read_text()))
+        hf_cfg = from_hf_config(json.loads(path.read_text()), vision=meta.cfg.vision is not None)
     except (OSError, ValueError) as error:
         raise ConversionError(f"{path}: {error}") from None
     if hf_view(hf_cfg) != hf_view(meta.cfg):
@@ -182,4 +226,4 @@ def load_checked(hf_dir: str | os.PathLike, native_dir: str | os.PathLike):
         raise ConversionError(
             f"{path} does not describe the model in {native_dir}: fields {diff} differ"
         )
-    return load_native(native_dir, dtype="float32", param_dtype="float32")
+    return load_native(native_dir, dtype=dtype, param_dtype=dtype)

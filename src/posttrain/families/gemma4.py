@@ -33,7 +33,13 @@ from posttrain.conversion.rows import DENSE_AND_MOE, LAYER_SCALAR, MOE, SANDWICH
 from posttrain.conversion.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, L, Table
 from posttrain.conversion.transforms import EXPERTS_T, GATE_UP_CONCAT_T, IDENTITY, TRANSPOSE
 from posttrain.families import Family, HFOracle
-from posttrain.families.gemma4_vision import VISION_ROWS, vision_from_hf, vision_tiny, vision_to_hf
+from posttrain.families.gemma4_vision import (
+    VISION_ROWS,
+    text_with_vision,
+    vision_from_hf,
+    vision_tiny,
+    vision_to_hf,
+)
 
 WRAPPER_ARCHITECTURE, WRAPPER_MODEL_TYPE = "Gemma4ForConditionalGeneration", "gemma4"
 DEFAULT_ROPE_THETA = 10_000.0
@@ -272,7 +278,7 @@ def wrap_hf(cfg: ModelConfig, text: dict) -> dict:
     return {
         "architectures": [WRAPPER_ARCHITECTURE],
         "model_type": WRAPPER_MODEL_TYPE,
-        "text_config": text,
+        "text_config": text_with_vision(text, cfg.vision),
         "vision_config": None,
         "audio_config": None,
         "tie_word_embeddings": cfg.tie_word_embeddings,

@@ -119,8 +119,12 @@ def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
         hf_fields.fail(field + "rope_parameters", f"rope_type {rope['rope_type']!r}: default only")
     heads = v.get("num_attention_heads", 12)
     text = config.get("text_config") or {}
-    if text.get("use_bidirectional_attention") is not None:
-        hf_fields.fail("text_config.use_bidirectional_attention", "not supported yet")
+    bidirectional = text.get("use_bidirectional_attention")
+    if bidirectional not in (None, "vision"):
+        hf_fields.fail(
+            "text_config.use_bidirectional_attention",
+            f"{bidirectional!r} is not supported (None or 'vision' only)",
+        )
     return VisionConfig(
         d_model=v.get("hidden_size", 768),
         num_layers=v.get("num_hidden_layers", 16),
@@ -136,7 +140,16 @@ def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
         standardize=bool(v.get("standardize", False)),
         clipped_linears=bool(v.get("use_clipped_linears", False)),
         **{name: config.get(name, default) for name, default in DEFAULT_TOKENS.items()},
+        bidirectional=bidirectional == "vision",
     )
+
+
+def text_with_vision(text: dict[str, Any], vision: VisionConfig | None) -> dict[str, Any]:
+    """The wrapper's ``text_config``: ``text`` with ``use_bidirectional_attention:
+    "vision"`` when the tower's images are seen bidirectionally."""
+    if vision is None or not vision.bidirectional:
+        return text
+    return {**text, "use_bidirectional_attention": "vision"}
 
 
 def vision_to_hf(vision: VisionConfig | None) -> dict[str, Any]:

@@ -46,6 +46,25 @@ class ImageBatch(NamedTuple):
     positions: jax.Array
 
 
+def image_blocks(tokens: jax.Array, image_token_id: int) -> jax.Array:
+    """``[B, T]`` int32: for each image token, the index of its image in the row (a run of
+    consecutive ``image_token_id``), -1 for every other token (transformers 5.12
+    ``modeling_gemma4.get_block_sequence_ids_for_mask``)."""
+    is_image = tokens == image_token_id  # [B, T]
+    before = jnp.pad(is_image[:, :-1], ((0, 0), (1, 0)))  # [B, T]: the previous token's
+    starts = is_image & ~before  # [B, T]: an image's first token
+    return jnp.where(is_image, jnp.cumsum(starts, axis=1) - 1, -1).astype(jnp.int32)
+
+
+def block_overlay(query_blocks: jax.Array, key_blocks: jax.Array) -> jax.Array:
+    """``[B, T, S]`` bool: True where query t and key s are tokens of the same image
+    (``query_blocks [B, T]``, ``key_blocks [B, S]`` from :func:`image_blocks`); OR-ed onto
+    the causal, sliding-window and padding mask (transformers 5.12
+    ``masking_utils.blockwise_overlay`` under ``or_masks``)."""
+    q = query_blocks[:, :, None]  # [B, T, 1]
+    return (q == key_blocks[:, None, :]) & (q >= 0)  # [B, T, S]
+
+
 def patchify(image: np.ndarray, patch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Cuts ``image`` ``[height, width, channels]`` into patches in row-major patch order.
 

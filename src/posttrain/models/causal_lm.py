@@ -17,7 +17,13 @@ from flax import nnx
 from posttrain import _compat, sharding
 from posttrain.config import ModelConfig
 from posttrain.layers.mlp import Linear
-from posttrain.layers.vision import ImageBatch, VisionProjector, VisionTower, place_image_features
+from posttrain.layers.vision import (
+    ImageBatch,
+    VisionProjector,
+    VisionTower,
+    image_blocks,
+    place_image_features,
+)
 from posttrain.models.decoder import Decoder
 
 LOGIT_AXES = ("activation_batch", "activation_length", "activation_vocab")
@@ -126,13 +132,15 @@ class CausalLM(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
         embeds = None if images is None else self.embed_with_images(input_tokens, images)
+        blocks = None  # images seen bidirectionally (VisionConfig.bidirectional)
+        if images is not None and self.config.vision.bidirectional:
+            blocks = image_blocks(input_tokens, self.config.vision.image_token_id)  # [B, T]
+        kw = {"embeds": embeds, "blocks": blocks}
         if cache is None:
-            hidden, aux = self.model(input_tokens, positions, attention_mask, embeds=embeds)
+            hidden, aux = self.model(input_tokens, positions, attention_mask, **kw)
             out = {"moe_aux_loss": aux}
         else:
-            hidden, aux, cache = self.model(
-                input_tokens, positions, attention_mask, cache, embeds=embeds
-            )
+            hidden, aux, cache = self.model(input_tokens, positions, attention_mask, cache, **kw)
             out = {"moe_aux_loss": aux, "cache": cache}
         return self._logits(hidden[:, -1:] if last_only else hidden), out
 

@@ -36,6 +36,7 @@ from posttrain.layers.attention import attention_mask
 from posttrain.layers.embeddings import Embed
 from posttrain.layers.norms import RMSNorm
 from posttrain.layers.rope import rope_tables
+from posttrain.layers.vision import block_overlay
 from posttrain.models import taps
 from posttrain.models.decoder_layer import DecoderLayer
 
@@ -164,8 +165,8 @@ class Decoder(nnx.Module):
             cfg.d_model, eps=cfg.norm_eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype
         )
 
-    def _tables(self, positions, padding_mask):
-        """cos/sin and mask per layer type present."""
+    def _tables(self, positions, padding_mask, blocks=None):
+        """cos/sin and mask per layer type present (``blocks``: see :meth:`__call__`)."""
         batch, seq = positions.shape
         out = {}
         for t in sorted(set(self.cfg.layer_types)):
@@ -174,6 +175,8 @@ class Decoder(nnx.Module):
             mask = attention_mask(
                 batch, seq, padding_mask, attn.sliding_window if t == "sliding" else None
             )
+            if blocks is not None:
+                mask |= block_overlay(blocks, blocks)  # [B, T, T]
             out[t] = (cos, sin, mask)
         return out
 
@@ -218,23 +221,27 @@ class Decoder(nnx.Module):
             for p in range(cfg.layer_period)
         }
 
-    def _cached(self, x, positions, mask, cache):
-        """The layers on ``x`` ``[B, T, D]`` writing into and attending over ``cache``."""
+    def _cached(self, x, positions, mask, cache, blocks=None):
+        """The layers on ``x`` ``[B, T, D]`` writing into and attending over ``cache``;
+        ``blocks`` ``[B, T]`` (:meth:`__call__`) open each image's slots written by this
+        call."""
         cfg = self.cfg
         batch, tokens = positions.shape
         first = next(iter(cache.values()))["end_index"]
         end = first[0] if first.ndim == 1 else first[0, 0]  # scanned: [L/P, B]
         size = next(iter(cache.values()))["k"].shape[-3]
+        if blocks is not None:  # the slots this call writes hold its tokens' blocks
+            slots = (end + jnp.arange(tokens)) % size  # [T]
+            slot_blocks = jnp.full((batch, size), -1, jnp.int32).at[:, slots].set(blocks)
         tables = {}
         for t in sorted(set(cfg.layer_types)):
             attn = cfg.attention[t]
             cos, sin = rope_tables(positions, attn.rope, attn.head_dim)
             window = attn.sliding_window if t == "sliding" else None
-            tables[t] = (
-                cos,
-                sin,
-                kv_cache.slot_mask(end % size, tokens, size, mask, batch, window),
-            )
+            allowed = kv_cache.slot_mask(end % size, tokens, size, mask, batch, window)
+            if blocks is not None:
+                allowed |= block_overlay(blocks, slot_blocks)  # [B, T, S]
+            tables[t] = (cos, sin, allowed)
         aux = jnp.zeros((), jnp.float32)
         new = {}
         if not cfg.scan_layers:
@@ -257,7 +264,7 @@ class Decoder(nnx.Module):
         x, (auxes, caches) = jax.lax.scan(body, x, (tuple(states), caches))
         return x, jnp.sum(auxes), {f"block_{p}": c for p, c in enumerate(caches)}
 
-    def __call__(self, tokens, positions, padding_mask=None, cache=None, embeds=None):
+    def __call__(self, tokens, positions, padding_mask=None, cache=None, embeds=None, blocks=None):
         """The final-normed hidden states of ``tokens``.
 
         Dimensions: B batch, T sequence, D d_model.
@@ -274,6 +281,9 @@ class Decoder(nnx.Module):
             (``None``: each token sees every slot up to its own). Never rematerialised.
           embeds: ``[B, T, D]`` input embeddings used instead of ``tokens``' (a vision
             model's, with image soft tokens placed), or ``None``.
+          blocks: ``[B, T]`` int32 image of each token (-1: not an image token;
+            :func:`posttrain.layers.vision.image_blocks`): tokens of one image also see
+            each other, later ones included; ``None``: causal only.
 
         Returns:
           ``(hidden [B, T, D] in cfg.dtype, moe_aux_loss)``: the load-balancing losses of
@@ -285,9 +295,9 @@ class Decoder(nnx.Module):
         x = self.embed_tokens(tokens) if embeds is None else embeds
         x = sharding.constrain(x, sharding.ACTIVATION_AXES)
         if cache is not None:
-            x, aux, cache = self._cached(x, positions, padding_mask, cache)
+            x, aux, cache = self._cached(x, positions, padding_mask, cache, blocks)
             return self.norm(x), aux, cache
-        tables = self._tables(positions, padding_mask)
+        tables = self._tables(positions, padding_mask, blocks)
         if _UNROLLED.get():
             x, aux = self._call_unrolled(x, tables)
             return self.norm(x), aux

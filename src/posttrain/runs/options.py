@@ -24,6 +24,20 @@ from posttrain.flags import flag_of, option
 from posttrain.runs.directory import check_output_dir
 
 DEFAULT_MODEL = "qwen3-tiny"
+
+
+class NotGiven(str):
+    """A default that stands for "not given": it reads (``--help``, argparse, ``==``) as
+    its text, but is told apart from that text given on purpose. :class:`RunOptions`
+    resolves it once, at construction (``__post_init__``), into the workflow's value, a
+    plain ``str``; so ``posttrain sft --vision --model qwen3-tiny`` keeps ``qwen3-tiny``
+    while ``posttrain sft --vision`` alone trains the vision preset."""
+
+    __slots__ = ()
+
+
+#: ``--model``'s default before resolution: :meth:`RunOptions.default_model`.
+MODEL_NOT_GIVEN = NotGiven(DEFAULT_MODEL)
 #: What to do with an example longer than a row.
 Overflow = Literal["truncate", "reject"]
 
@@ -60,7 +74,7 @@ class RunOptions:
         "seed",
     )
 
-    model: str = option(DEFAULT_MODEL, "preset name, native or HF checkpoint directory")
+    model: str = option(MODEL_NOT_GIVEN, "preset name, native or HF checkpoint directory")
     tokenizer: str | None = option(
         None, "tokenizer.json (default: the HF dir's, else the byte tokenizer)"
     )
@@ -83,6 +97,15 @@ class RunOptions:
         None, "stop at this step; rerun with the same --output to resume"
     )
     output: str = option("runs/sft", "run directory; a rerun resumes from its checkpoint")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, NotGiven):  # the one place "not given" is resolved
+            object.__setattr__(self, "model", str(self.default_model()))
+
+    def default_model(self) -> str:
+        """The model of a run given no ``--model``: :data:`DEFAULT_MODEL`; a workflow
+        whose default depends on its other options overrides this."""
+        return DEFAULT_MODEL
 
     def bad(self, name: str, expected: str) -> NoReturn:
         """Raises the one-line ValueError of a bad field: its name, value and flag."""

@@ -10,6 +10,8 @@ from posttrain.flags import option
 from posttrain.runs.options import PeftRunOptions
 
 ReplicaParallelSaves = Literal["auto", "on", "off"]
+#: ``--vision``'s model when no ``--model`` is given (:meth:`SFTConfig.default_model`)
+VISION_MODEL = "gemma4-vision-tiny"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +41,8 @@ class SFTConfig(PeftRunOptions):
         recorded in ``run.json``.
       vision: train on images (:mod:`posttrain.sft.vision_run`): ``--data`` in TRL's
         vision chat format, else the embedded drawn images; the default ``--model``
-        becomes ``gemma4-vision-tiny``; one conversation per row; the tower frozen.
+        becomes ``gemma4-vision-tiny`` (:meth:`default_model`; a given one is kept, and
+        refused if it has no tower); one conversation per row; the tower frozen.
       train_vision_tower: with ``vision``, train the tower too (full fine-tuning).
     """
 
@@ -78,6 +81,11 @@ class SFTConfig(PeftRunOptions):
     train_vision_tower: bool = option(
         False, "with --vision, train the vision tower too (full fine-tuning only)"
     )
+
+    def default_model(self) -> str:
+        """:data:`VISION_MODEL` under ``vision`` (the text default has no tower), else the
+        text default; a given ``--model`` is kept either way."""
+        return VISION_MODEL if self.vision else super().default_model()
 
     def check_fields(self) -> None:
         super().check_fields()

@@ -167,12 +167,9 @@ def _checked(cfg: SFTConfig):
     positions or a step's memory.
 
     Returns:
-        ``(cfg, mesh, global_batch, resume_facts)``; with ``--vision`` the default model
-        is the vision preset.
+        ``(cfg, mesh, global_batch, resume_facts)`` (with ``--vision`` and no
+        ``--model``, ``cfg.model`` is already the vision preset: ``SFTConfig.default_model``).
     """
-    from posttrain.sft import vision_run
-
-    cfg = vision_run.resolved(cfg)
     cfg.check()
     run_record.check_resumable(cfg, cfg.output)
     mesh = sharding.make_mesh(cfg.mesh)

@@ -1,7 +1,8 @@
 """``posttrain sft --vision``: what a vision run adds to :func:`posttrain.sft.run.run_sft`.
 
-- The model: ``--model``'s default (``qwen3-tiny``, which has no tower) becomes
-  :data:`VISION_MODEL`; a model without a vision tower is refused in one line.
+- The model: with no ``--model``, :data:`VISION_MODEL` (resolved by the options,
+  :meth:`posttrain.sft.options.SFTConfig.default_model`); a given model without a vision
+  tower (``qwen3-tiny`` too) is refused in one line.
 - The data: ``--data`` in TRL's vision chat format (:mod:`posttrain.sft.vision_data`),
   else :data:`EMBEDDED_COUNT` drawn images (:mod:`posttrain.sft.vision_default_data`)
   of which every :data:`HELD_OUT_EVERY`-th is held out for the answer figures. Rows are
@@ -28,22 +29,13 @@ import tempfile
 from typing import Any
 
 from posttrain.layers.mlp import CLIP_BOUNDS
-from posttrain.runs.options import DEFAULT_MODEL
+from posttrain.sft.options import VISION_MODEL
 
-VISION_MODEL = "gemma4-vision-tiny"
 EMBEDDED_COUNT = 512  # drawn images of the embedded set
 EMBEDDED_SEED = 0
 HELD_OUT_EVERY = 8  # every 8th embedded conversation is held out
 PRESET_SOFT_TOKENS = 64  # a 48 x 48 drawing -> 64 x 64 -> 256 patches (tower p 4, k 2)
 PROCESSOR_FILE = "preprocessor_config.json"
-
-
-def resolved(cfg):
-    """``cfg`` with the default ``--model`` replaced by :data:`VISION_MODEL` under
-    ``--vision`` (the default has no tower); other options unchanged."""
-    if cfg.vision and cfg.model == DEFAULT_MODEL:
-        return dataclasses.replace(cfg, model=VISION_MODEL)
-    return cfg
 
 
 def image_processing(model: str, vision):

@@ -1,0 +1,125 @@
+"""Bidirectional attention within an image's tokens (``VisionConfig.bidirectional``; HF
+``text_config.use_bidirectional_attention == "vision"``, the larger Gemma 4 checkpoints).
+
+transformers 5.12.1: ``Gemma4Model.forward`` (``models/gemma4/modeling_gemma4.py``) builds
+``block_sequence_ids`` from ``mm_token_type_ids`` (``get_block_sequence_ids_for_mask``: one
+id per run of image tokens, -1 elsewhere) when the text config says ``"vision"``, and
+``masking_utils.create_causal_mask`` / ``create_sliding_window_causal_mask`` OR
+``blockwise_overlay`` (same block, not -1) onto the causal, window and padding mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import conversion
+from posttrain.conversion import parity
+from posttrain.conversion.native import load_native
+from posttrain.families.gemma4 import gemma4_tiny
+from posttrain.layers.vision import block_overlay, image_blocks
+from posttrain.models import get_config
+from tests.path_params import model_with_path_values
+from tests.test_conversion_parity import MAX_ABS, MAX_KL
+from tests.test_vision import IMG, TOKENS, VISION, forward, hf_images, images, native_images
+
+BIDIRECTIONAL = dataclasses.replace(VISION, bidirectional=True)
+
+
+def test_image_blocks_number_each_image_and_the_overlay_pairs_its_tokens():
+    """Each run of image tokens is one block (numbered from 0 per row), other tokens -1;
+    the overlay pairs exactly the tokens of one image, in both directions."""
+    tokens = jnp.asarray([[5, IMG, IMG, 6, IMG, IMG, IMG, 7], [IMG, 8, 9, 9, 9, 9, 9, IMG]])
+    blocks = np.asarray(image_blocks(tokens, IMG))
+    np.testing.assert_array_equal(
+        blocks, [[-1, 0, 0, -1, 1, 1, 1, -1], [0, -1, -1, -1, -1, -1, -1, 1]]
+    )
+    pairs = np.asarray(block_overlay(jnp.asarray(blocks), jnp.asarray(blocks)))
+    want = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    np.testing.assert_array_equal(pairs, want)
+    assert pairs[0, 1, 2] and pairs[0, 2, 1] and not pairs[0, 2, 4] and not pairs[1, 0, 7]
+    assert not pairs[0, 0, 0]  # a text token gains nothing (its causal mask stays)
+
+
+def test_an_image_token_sees_the_later_tokens_of_its_image_only_when_bidirectional():
+    """Same weights, same images: with ``bidirectional`` an image's first token's logits
+    change (it now sees the image's later tokens); every token before the image keeps its
+    causal logits bit for bit. Fails when the overlay is not applied (causal images)."""
+    text = get_config("llama3-tiny")  # dense: compiles in a fraction of gemma4-tiny's MoE
+    causal = model_with_path_values(text.replace(vision=VISION))
+    both = model_with_path_values(text.replace(vision=BIDIRECTIONAL))
+    args = jnp.asarray(TOKENS), native_images(images())
+    before, after = np.asarray(forward(causal, *args)), np.asarray(forward(both, *args))
+    for row in range(len(TOKENS)):
+        at = np.flatnonzero(TOKENS[row] == IMG)
+        np.testing.assert_array_equal(before[row, : at[0]], after[row, : at[0]])
+        assert np.abs(before[row, at[0]] - after[row, at[0]]).max() > 1e-3, row
+
+
+@pytest.mark.slow
+def test_a_cached_prefill_with_bidirectional_images_equals_the_full_forward():
+    """The prefill opens each image's slots to its tokens: prefill (images in) then
+    one-token decode steps give the full forward's logits."""
+    from tests.test_generate import INCREMENTAL_ATOL
+
+    model = model_with_path_values(gemma4_tiny().replace(vision=BIDIRECTIONAL))
+    tokens, batch = jnp.asarray(TOKENS), native_images(images())
+    batch_size, seq = TOKENS.shape
+    prefill = 10  # past both images
+    positions = jnp.broadcast_to(jnp.arange(seq), (batch_size, seq))
+    want = forward(model, tokens, batch)
+    cache = model.init_cache(batch_size, seq, "float32")
+    step = nnx.jit(lambda m, t, p, c, i: m(t, p, c, None, images=i))
+    logits, cache = step(model, tokens[:, :prefill], positions[:, :prefill], cache, batch)
+    got = [logits]
+    for t in range(prefill, seq):
+        logits, cache = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], cache, None)
+        got.append(logits)
+    got = np.asarray(jnp.concatenate(got, axis=1))
+    np.testing.assert_allclose(got, np.asarray(want), atol=INCREMENTAL_ATOL)
+
+
+def hf_logits(model, mm_token_type_ids: bool) -> np.ndarray:
+    import torch
+
+    pixel_values, position_ids = hf_images(images())
+    kwargs = dict(pixel_values=pixel_values, image_position_ids=position_ids)
+    if mm_token_type_ids:  # what Gemma4Processor returns: 1 on image tokens
+        kwargs["mm_token_type_ids"] = torch.tensor(TOKENS == IMG).long()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(TOKENS).long(), **kwargs).logits.float().numpy()
+
+
+@pytest.mark.reference
+@pytest.mark.slow
+def test_bidirectional_images_match_transformers(hf_tiny, tmp_path):
+    """A checkpoint with ``use_bidirectional_attention: "vision"`` converts to a tower with
+    ``bidirectional`` and matches transformers (fp32, the text families' bounds); the
+    fixture reaches the feature (HF without ``mm_token_type_ids``, i.e. causal images,
+    is > 100x the bound away); native -> HF writes the field back."""
+    import torch
+    import transformers
+
+    built = hf_tiny.build_vision()
+    built.config.text_config.use_bidirectional_attention = "vision"
+    src = hf_tiny.save(built, tmp_path / "hf")
+    conversion.convert_hf_to_native(src, tmp_path / "native", vision=True)
+    model = load_native(tmp_path / "native", dtype="float32", param_dtype="float32")
+    assert model.config.vision.bidirectional
+    hf = transformers.Gemma4ForConditionalGeneration.from_pretrained(
+        src, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    reference = hf_logits(hf, mm_token_type_ids=True)
+    got = np.asarray(forward(model, jnp.asarray(TOKENS), native_images(images())))
+    result = parity.compare(reference, got, np.ones(TOKENS.shape, np.int32))
+    print(result.line())
+    assert result.ok(MAX_KL, MAX_ABS) and result.top1 == 1.0, result.line()
+    assert np.abs(reference - hf_logits(hf, mm_token_type_ids=False)).max() > 100 * MAX_ABS
+
+    conversion.convert_native_to_hf(tmp_path / "native", tmp_path / "back")
+    config = hf.config.from_pretrained(tmp_path / "back")
+    assert config.text_config.use_bidirectional_attention == "vision"
