@@ -12,8 +12,9 @@ of the mean token loss), and forward only, for our ``CausalLM`` and Tunix's
 asserted equal). Both are called with Tunix's convention (tokens, positions, no cache, a
 ``[batch, seq, seq]`` causal mask), the batch passed as jit arguments as a trainer passes
 it. The steps take turns, each ending in ``block_until_ready``, so that other load slows
-both alike; the figures are ratios of medians. The baseline is a matmul of the step's FLOPs (XLA's ``cost_analysis`` of our
-step) timed in the same run: "share" is the step's GFLOP/s as a fraction of the matmul's.
+both alike; the figures are ratios of medians. The baseline is a matmul of the step's
+FLOPs (XLA's ``cost_analysis`` of our step) timed in the same run: "share" is the step's
+GFLOP/s as a fraction of the matmul's.
 
 ``--hlo DIR`` writes both compiled steps' HLO text and prints the op counts that differ
 (transposes, converts, copies, fusions ...), the first place to look when the ratio moves.
