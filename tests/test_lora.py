@@ -288,7 +288,7 @@ def test_apply_lora_on_16_device_meshes():
         from harness.devices import configure_devices
         configure_devices(16)
         from hypothesis import given, settings
-        from tests.strategies import presets_and_meshes
+        from tests.strategies import presets_and_meshes, scaled
         from tests.test_lora import check_apply
 
         @settings(max_examples=scaled(8), deadline=None, derandomize=True, database=None)

@@ -239,6 +239,50 @@ def test_a_short_vision_run_trains_the_projector_and_leaves_the_tower(tmp_path):
     assert processor["max_soft_tokens"] == vision_run.PRESET_SOFT_TOKENS
 
 
+def test_lora_on_a_vision_model_adapts_the_text_model_and_refuses_the_tower():
+    """The default target covers the text model's projections, not the tower's namesakes
+    (Qwix traces the model without images at apply time, so an adapter there would be
+    created mid-training and fail); a target that reaches the tower is refused in one
+    line."""
+    from posttrain.lora import LoraConfig, apply_lora
+    from posttrain.models import build_model, get_config
+
+    mesh = sharding.make_mesh(None)
+    base = build_model(get_config("llama3-tiny").replace(vision=VISION), mesh, seed=0)
+    adapted = apply_lora(base, mesh, LoraConfig(rank=4, alpha=4))
+    paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(adapted, nnx.LoRAParam))]
+    assert any("/self_attn/q_proj/" in p for p in paths), paths[:4]
+    assert paths and all(p.startswith("model/") for p in paths), paths[:4]
+    tower = LoraConfig(rank=4, alpha=4, target=r".*/self_attn/q_proj")
+    with pytest.raises(ValueError, match=r"reaches the vision tower \(vision_tower/layers/0/"):
+        apply_lora(base, mesh, tower)
+
+
+@pytest.mark.slow  # 9 s; the gate applies the adapters above and runs a full vision run
+def test_a_lora_vision_run_trains_adapters_on_the_text_model(tmp_path):
+    """``posttrain sft --vision --lora-rank 4``, two real steps: finite losses, and the
+    exported adapter holds the text model's adapters only."""
+    import safetensors.numpy
+
+    from posttrain.sft.run import run_sft
+
+    cfg = SFTConfig(
+        vision=True,
+        model=small_vision_model(tmp_path / "model"),
+        data=small_dataset(tmp_path / "data"),
+        steps=2,
+        max_target_length=160,
+        lora_rank=4,
+        output=str(tmp_path / "run"),
+    )
+    result = run_sft(cfg)
+    assert [r["step"] for r in result.history] == [1, 2]
+    assert all(np.isfinite(r["loss"]) for r in result.history)
+    (adapter,) = [p for p in result.exported if p.name.startswith("adapter-step")]
+    names = list(safetensors.numpy.load_file(str(adapter / "lora_adapter.safetensors")))
+    assert names and all(n.startswith("model") for n in names), names[:4]
+
+
 #: the held-out accuracy a model blind to the images reaches at best: each question's most
 #: common training answer (4 of the 64 held-out drawings)
 BLIND_ACCURACY = 0.0625

@@ -31,6 +31,16 @@ def default_target(experts: bool = False) -> str:
     return "|".join(f"(?:{p})" for p in parts)
 
 
+VISION_TOWER = "vision_tower/"
+"""The module path prefix of a model's vision tower (:mod:`posttrain.layers.vision`)."""
+
+
+def text_only(target: str) -> str:
+    """``target`` restricted to paths outside the vision tower (its layers are named like
+    the text model's: ``vision_tower/layers/0/self_attn/q_proj``)."""
+    return f"(?!{VISION_TOWER})(?:{target})"
+
+
 def _fail(message: str) -> None:
     raise ValueError(message)
 
