@@ -63,7 +63,7 @@ def abstract_lora(
     Raises:
       ValueError, NotImplementedError: as :func:`posttrain.lora.apply_lora`.
     """
-    lora_config = apply.for_model(lora_config, model)
+    lora_config = lora_config.for_model(model.config)
     target = lora_config.target_regex
     matched = [p for p in apply.module_paths(model) if re.fullmatch(target, p)]
     if not matched:

@@ -83,17 +83,6 @@ def _example_paths(paths: list[str], limit: int = 24) -> str:
     return ", ".join(shown[:limit]) + (" ..." if len(shown) > limit else "")
 
 
-def for_model(lora_config: LoraConfig, model) -> LoraConfig:
-    """``lora_config`` as applied to ``model``: with a vision tower the default target
-    covers the text model only (:func:`posttrain.lora.config.text_only`); a text model's
-    config is returned as it is."""
-    from posttrain.lora.config import text_only
-
-    if lora_config.target is not None or model.config.vision is None:
-        return lora_config
-    return lora_config.replace(target=text_only(lora_config.target_regex))
-
-
 def _check(model, lora_config: LoraConfig, mesh: Mesh, rules, matched: list[str]) -> None:
     from posttrain.lora.config import VISION_TOWER
 
@@ -352,7 +341,7 @@ def apply_lora(
     """
     if nnx.state(model, nnx.LoRAParam):
         raise ValueError("model already has LoRA params; apply_lora takes a base model")
-    lora_config = for_model(lora_config, model)
+    lora_config = lora_config.for_model(model.config)
     target = lora_config.target_regex
     paths = module_paths(model)
     matched = [p for p in paths if re.fullmatch(target, p)]

@@ -115,6 +115,13 @@ class LoraConfig:
         """The effective target regex (``target`` or the default)."""
         return self.target if self.target is not None else default_target(self.experts)
 
+    def for_model(self, model_config) -> LoraConfig:
+        """This config as applied to a model of ``model_config``: with a vision tower the
+        default target covers the text model only (:func:`text_only`); otherwise as it is."""
+        if self.target is not None or model_config.vision is None:
+            return self
+        return self.replace(target=text_only(self.target_regex))
+
     @property
     def scale(self) -> float:
         """alpha / rank, the factor on the adapter output."""
