@@ -29,12 +29,10 @@ target (<= 1.0). Tunix's models are built unsharded (on one device): compare wit
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 
-def main(argv=None) -> int:
+def _args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--student", default="qwen3-tiny")
     parser.add_argument("--student-layers", type=int, default=1)
@@ -44,26 +42,73 @@ def main(argv=None) -> int:
     parser.add_argument("--per-device-batch-size", type=int, default=1)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args(argv)
-    from _timing import fake_devices
+    return parser.parse_args(argv)
+
+
+def _turns(args, mesh, batch, student_cfg, teacher) -> dict:
+    """The timed calls: our SFT step and distillation step on the same student, the
+    teacher's forward alone, and (where its model fits) Tunix's own models through the
+    same trainer."""
+    import optax
+
+    from posttrain.distill import tunix_distill
+    from posttrain.distill.trainer import distill_trainer_class, labels_fn, model_logits
+    from posttrain.models import build_model
+    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+
+    strategy = tunix_distill.logit_strategy(
+        model_logits, model_logits, labels_fn(teacher.config.vocab_size), temperature=1.0,
+        alpha=0.5,
+    )  # fmt: skip
+    config = tunix_distill.config_class()(eval_every_n_steps=10**9, max_steps=10**9)
+    options = SFTOptions(mesh=mesh)
+    student = build_model(student_cfg, mesh, seed=0)
+    sft = SFTTrainer(student, optax.adamw(1e-4), config, options=options)
+    distill = distill_trainer_class()(
+        build_model(student_cfg, mesh, seed=0), teacher, strategy, optax.adamw(1e-4), config,
+        options=options,
+    )  # fmt: skip
+    sft_step = sft.jit_train_and_eval_step(False, True)[0]
+    distill_step = distill.jit_train_and_eval_step(False, True)[0]
+    fields = {
+        k: distill._place_rows(batch[k]) for k in ("input_tokens", "positions", "segment_ids")
+    }
+    turns = {
+        "sft": lambda: sft_step(sft._prepare_inputs(batch)),
+        "distill": lambda: distill_step(distill._prepare_inputs(batch)),
+        "teacher forward": lambda: strategy.get_teacher_outputs(teacher, fields),
+    }
+    if _tunix_models_fit(student_cfg, teacher.config):
+        turns["Tunix's distill"] = tunix_distill_turn(student_cfg, teacher.config, batch)
+    return turns
+
+
+def _report(median: dict, compile_s: dict) -> None:
+    for name in median:
+        print(f"  {name:16s} {median[name] * 1e3:8.1f} ms   (first call {compile_s[name]:.1f} s)")
+    expected = median["sft"] + median["teacher forward"]
+    print(f"  ratio distill / sft step: {median['distill'] / median['sft']:.3f}")
+    print(
+        f"  ratio distill / (sft step + teacher forward), the expected cost: "
+        f"{median['distill'] / expected:.3f}"
+    )
+    if "Tunix's distill" in median:
+        ratio = median["distill"] / median["Tunix's distill"]
+        print(f"  ratio distill / Tunix's distill (the target: <= 1.0): {ratio:.3f}")
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    from _timing import fake_devices, first_and_medians
 
     fake_devices(args.devices)
 
     import jax
-    import optax
 
     from posttrain import sharding, tokenizer
-    from posttrain.distill import tunix_distill
-    from posttrain.distill.trainer import (
-        cast_params,
-        distill_trainer_class,
-        labels_fn,
-        model_logits,
-        shallower,
-    )
+    from posttrain.distill.trainer import cast_params, shallower
     from posttrain.models import build_model, get_config
     from posttrain.sft import data, default_data
-    from posttrain.sft.trainer import SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh(None)
     batch_size = args.per_device_batch_size * sharding.data_parallel_size(mesh)
@@ -75,59 +120,17 @@ def main(argv=None) -> int:
     if args.student_layers:
         student_cfg = shallower(student_cfg, args.student_layers)
     teacher = cast_params(build_model(get_config(args.teacher), mesh, seed=1), args.teacher_dtype)
-    strategy = tunix_distill.logit_strategy(
-        model_logits,
-        model_logits,
-        labels_fn(teacher.config.vocab_size),
-        temperature=1.0,
-        alpha=0.5,
-    )
-    config = tunix_distill.config_class()(eval_every_n_steps=10**9, max_steps=10**9)
-    options = SFTOptions(mesh=mesh)
-
     with sharding.use_mesh(mesh):
-        sft = SFTTrainer(
-            build_model(student_cfg, mesh, seed=0), optax.adamw(1e-4), config, options=options
-        )
-        distill = distill_trainer_class()(
-            build_model(student_cfg, mesh, seed=0),
-            teacher,
-            strategy,
-            optax.adamw(1e-4),
-            config,
-            options=options,
-        )
-        sft_step = sft.jit_train_and_eval_step(False, True)[0]
-        distill_step = distill.jit_train_and_eval_step(False, True)[0]
-        fields = {
-            k: distill._place_rows(batch[k]) for k in ("input_tokens", "positions", "segment_ids")
-        }
-        turns = {
-            "sft": lambda: sft_step(sft._prepare_inputs(batch)),
-            "distill": lambda: distill_step(distill._prepare_inputs(batch)),
-            "teacher forward": lambda: strategy.get_teacher_outputs(teacher, fields),
-        }
-        if _tunix_models_fit(student_cfg, teacher.config):
-            turns["Tunix's distill"] = tunix_distill_turn(student_cfg, teacher.config, batch)
-        times, compile_s = _interleaved(turns, args.repeats, jax.block_until_ready)
-    median = {name: statistics.median(t) for name, t in times.items()}
+        turns = _turns(args, mesh, batch, student_cfg, teacher)
+        blocking = {n: lambda t=t: jax.block_until_ready(t()) for n, t in turns.items()}
+        compile_s, median = first_and_medians(blocking, args.repeats)
     print(
         f"student {args.student} ({student_cfg.num_layers} layers), teacher {args.teacher} "
         f"({teacher.config.num_layers} layers, {args.teacher_dtype}), batch {batch_size} x "
         f"{args.seq}, {jax.device_count()} {jax.devices()[0].platform} devices, "
         f"medians of {args.repeats} interleaved turns"
     )
-    for name in turns:
-        print(f"  {name:16s} {median[name] * 1e3:8.1f} ms   (first call {compile_s[name]:.1f} s)")
-    expected = median["sft"] + median["teacher forward"]
-    print(f"  ratio distill / sft step: {median['distill'] / median['sft']:.3f}")
-    print(
-        f"  ratio distill / (sft step + teacher forward), the expected cost: "
-        f"{median['distill'] / expected:.3f}"
-    )
-    if "Tunix's distill" in median:
-        ratio = median["distill"] / median["Tunix's distill"]
-        print(f"  ratio distill / Tunix's distill (the target: <= 1.0): {ratio:.3f}")
+    _report({n: median[n] for n in turns}, compile_s)
     return 0
 
 
@@ -177,23 +180,6 @@ def tunix_distill_turn(student_cfg, teacher_cfg, batch):
     step = trainer.jit_train_and_eval_step(False, True)[0]
     inputs = TrainingInput(input_tokens=batch["input_tokens"], input_mask=batch["input_mask"])
     return lambda: step(trainer._prepare_inputs(inputs))
-
-
-def _interleaved(turns: dict, repeats: int, block) -> tuple[dict, dict]:
-    """``({name: [seconds per call]}, {name: first call's seconds})``: each turn called once
-    (compiling), then ``repeats`` rounds of one call of each, in turn."""
-    times = {name: [] for name in turns}
-    compile_s = {}
-    for name, turn in turns.items():
-        t0 = time.perf_counter()
-        block(turn())
-        compile_s[name] = time.perf_counter() - t0
-    for _ in range(repeats):
-        for name, turn in turns.items():
-            t0 = time.perf_counter()
-            block(turn())
-            times[name].append(time.perf_counter() - t0)
-    return times, compile_s
 
 
 if __name__ == "__main__":
