@@ -39,8 +39,17 @@ def restored_hooks():
     logging.getLogger("absl").filters[:] = filters
 
 
+@pytest.fixture
+def sigint_default():
+    """SIGINT as an interactive Python has it (a gate started as a shell's background job
+    inherits SIGINT ignored, and Python then installs no handler); put back after."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
-def test_a_signal_raises_its_name_after_quieting_orbax(restored_quiet, name):
+def test_a_signal_raises_its_name_after_quieting_orbax(restored_quiet, sigint_default, name):
     assert not logging.getLogger("absl").disabled
     with pytest.raises(KeyboardInterrupt) as interrupt, signals.interrupts():
         os.kill(os.getpid(), getattr(signal, name))
@@ -49,6 +58,19 @@ def test_a_signal_raises_its_name_after_quieting_orbax(restored_quiet, name):
     assert logging.getLogger("absl").disabled  # Orbax's abandoned saves say nothing
     assert signal.getsignal(signal.SIGTERM) is not None  # restored on the way out
     assert signals.exit_status(KeyboardInterrupt()) == ("SIGINT", 130)  # a bare Ctrl-C
+
+
+def test_a_sigint_the_parent_ignored_stays_ignored(restored_quiet):
+    """A background job's SIGINT (ignored by its shell) is left as it is: the run goes on."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with signals.interrupts():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # nothing is raised
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_an_interrupted_training_command_sweeps_unfinished_checkpoints_at_exit(
