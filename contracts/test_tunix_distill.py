@@ -363,3 +363,73 @@ def make_trainer_over(student, teacher, mesh):
         config,
         options=SFTOptions(mesh=mesh),
     )
+
+
+def _identity(*args, **kwargs):
+    return args[0] if args else None
+
+
+@pytest.mark.contract("tunix.distillation.strategies.LogitStrategy.compute_loss formula")
+@pytest.mark.parametrize(
+    ("temperature", "alpha", "top_k"),
+    [(1.0, 0.5, 0), (2.0, 0.0, 0), (3.0, 1.0, 0), (2.0, 0.25, TOP_K)],
+    ids=["T1-a.5", "T2-a0", "T3-a1", f"T2-a.25-top{TOP_K}"],
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_written_out_logit_loss_is_tunix_s(temperature, alpha, top_k, dtype):
+    """:mod:`posttrain.distill.logit_loss` equals this release's ``compute_loss`` at each
+    position (7 positions, vocab 40), and the objective takes it: its per-position call
+    returns no metrics, while a subclass of the strategy (which may compute otherwise)
+    keeps going through its own ``compute_loss``. bf16 logits are compared with the
+    release's formula on them cast to float32: we compute in float32 as 0.1.7 does
+    (0.1.5 computed in the logits' dtype)."""
+    from posttrain.distill import logit_loss
+
+    strategy = tunix_distill.logit_strategy(
+        _identity, _identity, _identity, temperature=temperature, alpha=alpha,
+        distill_top_k=top_k,
+    )  # fmt: skip
+    known = logit_loss.settings(strategy)
+    assert known == (temperature, alpha, top_k)
+    rng = np.random.default_rng(3)
+    student = jnp.asarray(rng.normal(0, 3, (7, 40)), dtype)
+    teacher = jnp.asarray(rng.normal(0, 3, (7, 40)), dtype)
+    tokens = jnp.asarray(rng.integers(0, 40, 7), jnp.int32)
+    f32 = (student.astype(jnp.float32), teacher.astype(jnp.float32))
+    theirs, metrics = distill_loss._vmapped(strategy, *f32, tokens)
+    ours = logit_loss.per_position(student, teacher, tokens, *known)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert logit_loss.agrees(strategy, known, distill_loss._vmapped)
+    values, none = distill_loss.per_position(strategy, student, teacher, tokens)
+    np.testing.assert_allclose(values, theirs, rtol=1e-5, atol=1e-6)
+    assert none == {} and (metrics or tunix_distill.loss_convention() == "scalar")
+    subclass = type("Custom", (type(strategy),), {})
+    assert logit_loss.settings(object.__new__(subclass)) is None
+
+
+def test_a_written_out_loss_that_disagrees_is_not_used(monkeypatch):
+    """Where the written-out formula differs from the release's (here: the temperature not
+    squared), the check finds it and the strategy's own ``compute_loss`` is used."""
+    from posttrain.distill import logit_loss
+
+    right = logit_loss.per_position
+    monkeypatch.setattr(
+        logit_loss,
+        "per_position",
+        lambda s, t, y, temperature, alpha, top_k=0: (
+            right(s, t, y, temperature, alpha, top_k) / temperature**2
+            if alpha == 1.0
+            else right(s, t, y, temperature, alpha, top_k)
+        ),
+    )
+    monkeypatch.setattr(logit_loss, "_AGREES", {})
+    strategy = tunix_distill.logit_strategy(
+        _identity, _identity, _identity, temperature=2.0, alpha=1.0
+    )
+    rng = np.random.default_rng(4)
+    student, teacher = (jnp.asarray(rng.normal(0, 3, (5, 32)), jnp.float32) for _ in "st")
+    tokens = jnp.asarray(rng.integers(0, 32, 5), jnp.int32)
+    assert not logit_loss.agrees(strategy, logit_loss.settings(strategy), distill_loss._vmapped)
+    values, metrics = distill_loss.per_position(strategy, student, teacher, tokens)
+    theirs, _ = distill_loss._vmapped(strategy, student, teacher, tokens)
+    np.testing.assert_array_equal(values, theirs)

@@ -234,6 +234,12 @@ TARGETS: dict[str, list[str]] = {
         "contracts/test_tunix_distill_features.py",
     ],
     "src/posttrain/distill/tunix_distill.py": ["contracts/test_tunix_distill.py"],
+    # the written-out logit loss and its check against the release's own
+    "src/posttrain/distill/logit_loss.py": [
+        "contracts/test_tunix_distill.py",
+        "-k",
+        "written_out or hand_computed or accumulated",
+    ],
     "src/posttrain/distill/trainer.py": [
         "contracts/test_tunix_distill.py",
         "contracts/test_tunix_distill_features.py",

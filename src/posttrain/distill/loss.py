@@ -43,8 +43,21 @@ def per_position(strategy, student, teacher, tokens: jax.Array):
 
     Each position is given to ``compute_loss`` as Tunix's arrays with a position axis of 1
     before the last axis (logits ``[1, vocab]``, features ``[L, 1, D]``), so its means are
-    that position's values.
+    that position's values. Tunix's own ``LogitStrategy`` gets the same values written out
+    instead, where they were checked equal (:mod:`posttrain.distill.logit_loss`; no
+    metrics then: the objective reads none).
     """
+    from posttrain.distill import logit_loss
+
+    known = logit_loss.settings(strategy)
+    if known is not None and logit_loss.agrees(strategy, known, _vmapped):
+        return logit_loss.per_position(student, teacher, tokens, *known), {}
+    return _vmapped(strategy, student, teacher, tokens)
+
+
+def _vmapped(strategy, student, teacher, tokens: jax.Array):
+    """:func:`per_position` through the strategy's own ``compute_loss``, one position at a
+    time."""
     logits = student["logits"] if isinstance(student, dict) else student
     labels = jax.nn.one_hot(tokens, logits.shape[-1], dtype=jnp.float32)
 
