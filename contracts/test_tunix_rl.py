@@ -321,8 +321,10 @@ def test_the_rollout_draws_the_same_numbers_every_call_unless_the_seed_varies():
     assert texts() == varied[0]
 
 
-REWARD_MEANS = ("rewards/mean", "rewards/score/mean")
-"""Tunix's names for the step's mean reward (both on 0.1.7 and main)."""
+REWARD_MEANS = ("rewards/mean", "rewards/score/mean", "rewards/sum")
+"""Tunix's names for the step's mean reward: ``rewards/mean`` and ``rewards/score/mean`` on
+0.1.7 and main; ``rewards/sum`` on 0.1.5 (``RLLearner._compute_rewards``: each
+trajectory's reward summed over the reward functions, buffered with ``np.mean``)."""
 
 
 @pytest.mark.contract("tunix.rl GRPO run over our policy")
