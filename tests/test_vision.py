@@ -310,9 +310,14 @@ def test_vision_config_is_read_only_when_asked_and_refuses_what_it_lacks():
 def test_a_cached_prefill_with_images_then_decoding_equals_the_full_forward():
     """The prefill writes the image soft tokens into the KV cache: prefill (images in) plus
     one-token decode steps (no images) give the full forward's logits."""
+    check_cached_prefill(vision_model())
+
+
+def check_cached_prefill(model) -> None:
+    """Prefill :data:`TOKENS` past both images (images in), then one-token decode steps
+    (no images): their logits equal ``model``'s full forward."""
     from tests.test_generate import INCREMENTAL_ATOL
 
-    model = vision_model()
     tokens, batch = jnp.asarray(TOKENS), native_images(images())
     batch_size, seq = TOKENS.shape
     prefill = 10  # past both images

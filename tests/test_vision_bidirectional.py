@@ -15,7 +15,6 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from posttrain import conversion
 from posttrain.conversion import parity
@@ -25,7 +24,16 @@ from posttrain.layers.vision import block_overlay, image_blocks
 from posttrain.models import get_config
 from tests.path_params import model_with_path_values
 from tests.test_conversion_parity import MAX_ABS, MAX_KL
-from tests.test_vision import IMG, TOKENS, VISION, forward, hf_images, images, native_images
+from tests.test_vision import (
+    IMG,
+    TOKENS,
+    VISION,
+    check_cached_prefill,
+    forward,
+    hf_images,
+    images,
+    native_images,
+)
 
 BIDIRECTIONAL = dataclasses.replace(VISION, bidirectional=True)
 
@@ -64,23 +72,7 @@ def test_an_image_token_sees_the_later_tokens_of_its_image_only_when_bidirection
 def test_a_cached_prefill_with_bidirectional_images_equals_the_full_forward():
     """The prefill opens each image's slots to its tokens: prefill (images in) then
     one-token decode steps give the full forward's logits."""
-    from tests.test_generate import INCREMENTAL_ATOL
-
-    model = model_with_path_values(gemma4_tiny().replace(vision=BIDIRECTIONAL))
-    tokens, batch = jnp.asarray(TOKENS), native_images(images())
-    batch_size, seq = TOKENS.shape
-    prefill = 10  # past both images
-    positions = jnp.broadcast_to(jnp.arange(seq), (batch_size, seq))
-    want = forward(model, tokens, batch)
-    cache = model.init_cache(batch_size, seq, "float32")
-    step = nnx.jit(lambda m, t, p, c, i: m(t, p, c, None, images=i))
-    logits, cache = step(model, tokens[:, :prefill], positions[:, :prefill], cache, batch)
-    got = [logits]
-    for t in range(prefill, seq):
-        logits, cache = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], cache, None)
-        got.append(logits)
-    got = np.asarray(jnp.concatenate(got, axis=1))
-    np.testing.assert_allclose(got, np.asarray(want), atol=INCREMENTAL_ATOL)
+    check_cached_prefill(model_with_path_values(gemma4_tiny().replace(vision=BIDIRECTIONAL)))
 
 
 def hf_logits(model, mm_token_type_ids: bool) -> np.ndarray:

@@ -210,14 +210,11 @@ def small_vision_model(directory) -> str:
     return str(directory)
 
 
-def test_a_short_vision_run_trains_the_projector_and_leaves_the_tower(tmp_path):
-    """Two real steps of ``posttrain sft --vision`` on 8 drawings: finite losses, the
-    projector (and the text model) moved, every tower tensor bit for bit as loaded, and
-    the export carries how its images were prepared."""
-    from posttrain.conversion import load_native
+def _two_steps(tmp_path, model: str, **options):
+    """Two real steps of ``posttrain sft --vision`` on ``model`` and 8 drawings (160-token
+    rows); their losses are steps 1 and 2, finite."""
     from posttrain.sft.run import run_sft
 
-    model = small_vision_model(tmp_path / "model")
     cfg = SFTConfig(
         vision=True,
         model=model,
@@ -225,10 +222,22 @@ def test_a_short_vision_run_trains_the_projector_and_leaves_the_tower(tmp_path):
         steps=2,
         max_target_length=160,
         output=str(tmp_path / "run"),
+        **options,
     )
     result = run_sft(cfg)
     assert [r["step"] for r in result.history] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in result.history)
+    return result
+
+
+def test_a_short_vision_run_trains_the_projector_and_leaves_the_tower(tmp_path):
+    """Two real steps of ``posttrain sft --vision`` on 8 drawings: finite losses, the
+    projector (and the text model) moved, every tower tensor bit for bit as loaded, and
+    the export carries how its images were prepared."""
+    from posttrain.conversion import load_native
+
+    model = small_vision_model(tmp_path / "model")
+    result = _two_steps(tmp_path, model)
     before = flat(load_native(model))
     after = flat(load_native(result.exported[0]))
     tower = [k for k in before if k.startswith("vision_tower.")]
@@ -264,20 +273,7 @@ def test_a_lora_vision_run_trains_adapters_on_the_text_model(tmp_path):
     exported adapter holds the text model's adapters only."""
     import safetensors.numpy
 
-    from posttrain.sft.run import run_sft
-
-    cfg = SFTConfig(
-        vision=True,
-        model=small_vision_model(tmp_path / "model"),
-        data=small_dataset(tmp_path / "data"),
-        steps=2,
-        max_target_length=160,
-        lora_rank=4,
-        output=str(tmp_path / "run"),
-    )
-    result = run_sft(cfg)
-    assert [r["step"] for r in result.history] == [1, 2]
-    assert all(np.isfinite(r["loss"]) for r in result.history)
+    result = _two_steps(tmp_path, small_vision_model(tmp_path / "model"), lora_rank=4)
     (adapter,) = [p for p in result.exported if p.name.startswith("adapter-step")]
     names = list(safetensors.numpy.load_file(str(adapter / "lora_adapter.safetensors")))
     assert names and all(n.startswith("model") for n in names), names[:4]
