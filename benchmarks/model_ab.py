@@ -15,6 +15,9 @@ Forms (the earlier one kept here as the reference it replaced):
 * ``rope``: ``apply_rope`` rotating each half with its own cos/sin slices, against the
   ``x * cos + rotate_half(x) * sin`` form (HF ``apply_rotary_pos_emb``), whose backward
   pads and concatenates the negated halves.
+* ``tokens``: the projections' matmuls over the merged token dims ``[B*T, D]``
+  (``token_einsum``) against the einsums over ``[B, T, D]``.
+* ``blocks``: causal attention in ``QUERY_BLOCKS`` query blocks against one block.
 """
 
 from __future__ import annotations
@@ -37,7 +40,26 @@ def rotate_half_rope(x, cos, sin, sections: int = 1):
     return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
-FORMS = {"rope": ("posttrain.layers.attention", "apply_rope", rotate_half_rope)}
+def einsum_over_batch_and_sequence(spec, x, kernel):
+    """``token_einsum`` before #43: the einsum over ``x``'s own token dims."""
+    import jax.numpy as jnp
+
+    return jnp.einsum(spec, x, kernel)
+
+
+# form -> the (module, attribute, earlier value) patches that put the earlier form back
+FORMS = {
+    "rope": [("posttrain.layers.attention", "apply_rope", rotate_half_rope)],
+    "tokens": [
+        (module, "token_einsum", einsum_over_batch_and_sequence)
+        for module in (
+            "posttrain.layers.mlp",
+            "posttrain.layers.attention",
+            "posttrain.layers.embeddings",
+        )
+    ],
+    "blocks": [("posttrain.layers.attention", "QUERY_BLOCKS", 1)],
+}
 
 
 def main(argv=None) -> int:
@@ -63,17 +85,18 @@ def main(argv=None) -> int:
     mask = jnp.broadcast_to(
         jnp.tril(jnp.ones((args.seq, args.seq), bool)), (args.batch, args.seq, args.seq)
     )
-    module_name, attr, old = FORMS[known.form]
-    module = importlib.import_module(module_name)
+    patches = [(importlib.import_module(m), attr, old) for m, attr, old in FORMS[known.form]]
     new_step, new_fwd, _ = steps(build_model(cfg, seed=0), tokens, positions, mask)
-    kept = getattr(module, attr)
-    setattr(module, attr, old)
+    kept = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
+    for module, attr, old in patches:
+        setattr(module, attr, old)
     try:
         old_step, old_fwd, _ = steps(build_model(cfg, seed=0), tokens, positions, mask)
         old_grads = jax.tree.leaves(old_step())  # both traced while the old form is in
         old_fwd()
     finally:
-        setattr(module, attr, kept)
+        for module, attr, value in kept:
+            setattr(module, attr, value)
     new_grads = jax.tree.leaves(new_step())
     diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(old_grads, new_grads, strict=True))
     fns = {"new": new_step, "old": old_step, "new_fwd": new_fwd, "old_fwd": old_fwd}

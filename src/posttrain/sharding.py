@@ -302,6 +302,13 @@ def current() -> MeshContext | None:
     return _CURRENT.get()
 
 
+def sequence_sharded() -> bool:
+    """Whether the current mesh (:func:`use_mesh`) splits the activation sequence
+    (:func:`sequence_parallel_size` > 1); ``False`` outside one."""
+    ctx = _CURRENT.get()
+    return ctx is not None and sequence_parallel_size(ctx.mesh, ctx.rules) > 1
+
+
 def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
     """Constrains activation ``x`` to the sharding its logical axes resolve to.
 

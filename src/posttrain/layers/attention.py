@@ -14,12 +14,16 @@ from flax import nnx
 from posttrain import sharding
 from posttrain.config import AttentionConfig
 from posttrain.layers import kv_cache
-from posttrain.layers.mlp import add_clip_bounds, clip, kernel_value
+from posttrain.layers.mlp import add_clip_bounds, clip, kernel_value, token_einsum
 from posttrain.layers.norms import RMSNorm, rms_normalize
 from posttrain.layers.rope import apply_rope
 
 _KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
 _OUT_KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=(0, 1), out_axis=2)
+# causal attention without a cache: the queries in this many blocks (at most), each at least
+# MIN_QUERY_BLOCK positions long (Attention._attend)
+QUERY_BLOCKS = 4
+MIN_QUERY_BLOCK = 64
 
 
 def attention_mask(
@@ -86,7 +90,7 @@ class HeadProjection(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = clip(x.astype(self.dtype), self.input_min, self.input_max)
-        y = jnp.einsum("btd,dnh->btnh", x, kernel_value(self.kernel, self.dtype))
+        y = token_einsum("...d,dnh->...nh", x, kernel_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return clip(y, self.output_min, self.output_max)  # [B, T, heads, H]
@@ -124,7 +128,7 @@ class OutProjection(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = clip(x.astype(self.dtype), self.input_min, self.input_max)
-        y = jnp.einsum("btnh,nhd->btd", x, kernel_value(self.kernel, self.dtype))
+        y = token_einsum("...nh,nhd->...d", x, kernel_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return clip(y, self.output_min, self.output_max)  # [B, T, D]
@@ -139,7 +143,9 @@ class Attention(nnx.Module):
 
     ``rope_sections``: 2 for the vision tower's 2-D RoPE (:func:`posttrain.layers.rope.apply_rope`);
     ``clipped``: the projections clamp their inputs and outputs (Gemma 4's vision tower,
-    :func:`posttrain.layers.mlp.add_clip_bounds`).
+    :func:`posttrain.layers.mlp.add_clip_bounds`); ``causal``: every mask it is given is
+    within the causal one (a decoder's, not the vision tower's or one with bidirectional
+    image blocks), so that without a cache it may skip the keys after each query block.
 
     Steps: project; qk-norm (before RoPE, Qwen3/Gemma 4); v = k projection
     before norm/RoPE when ``k_eq_v``; weightless v-norm; RoPE on q and k;
@@ -158,8 +164,10 @@ class Attention(nnx.Module):
         param_dtype=jnp.float32,
         rope_sections: int = 1,
         clipped: bool = False,
+        causal: bool = False,
     ):
         self.cfg = cfg
+        self.causal = causal
         self.norm_eps = norm_eps
         self.rope_sections = rope_sections
         self.dtype = dtype
@@ -228,33 +236,62 @@ class Attention(nnx.Module):
             )
             if cache is not None:
                 k, v, cache, _ = kv_cache.write(cache, k, v)  # [B, S, K, H]
-        out = self._attend(q, k, v, mask)
+        out = self._attend(q, k, v, mask, causal=self.causal and cache is None)
         return out if cache is None else (out, cache)
 
-    def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    def _attend(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, causal: bool
+    ) -> jax.Array:
         """``q`` ``[B, T, N, H]`` over ``k``, ``v`` ``[B, S, K, H]`` under ``mask``
-        ``[B, T, S]``; then ``o_proj``."""
+        ``[B, T, S]``; then ``o_proj``.
+
+        ``causal`` (S = T, and ``mask`` never lets query t see a key s > t): the queries
+        go in :data:`QUERY_BLOCKS` blocks, block i over the keys up to its own last
+        position, skipping the scores above the diagonal that the mask would zero. The
+        same products and sums; a query that sees no key at all (every key masked) then
+        averages the values of its block's keys instead of all S (HF's eager attention
+        averages all S; such a query's output is padding, never trained on).
+        """
         cfg = self.cfg
         batch, seq = q.shape[:2]
         groups = cfg.num_heads // cfg.num_kv_heads
+        q = q.reshape(batch, seq, cfg.num_kv_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        blocks = min(QUERY_BLOCKS, seq // MIN_QUERY_BLOCK)
+        if not causal or blocks < 2 or sharding.sequence_sharded():
+            out = self._scores_softmax_out(q, k, v, mask)
+        else:
+            edges = [round(i * seq / blocks) for i in range(blocks + 1)]
+            out = jnp.concatenate(
+                [
+                    self._scores_softmax_out(q[:, lo:hi], k[:, :hi], v[:, :hi], mask[:, lo:hi, :hi])
+                    for lo, hi in zip(edges[:-1], edges[1:], strict=True)
+                ],
+                axis=1,
+            )  # [B, T, K, G, H]
+        with jax.named_scope("attention_out"):
+            out = out.astype(self.dtype).reshape(batch, seq, cfg.num_heads, cfg.head_dim)
+            out = sharding.constrain(
+                out, ("activation_batch", "activation_length", "activation_heads", None)
+            )  # [B, T, N, H]
+            return self.o_proj(out)
+
+    def _scores_softmax_out(self, q, k, v, mask):
+        """``q`` ``[B, T, K, G, H]`` over float32 ``k``, ``v`` ``[B, S, K, H]`` under ``mask``
+        ``[B, T, S]``: float32 ``[B, T, K, G, H]``."""
+        cfg = self.cfg
         with jax.named_scope("attention_scores"):
-            q = q.reshape(batch, seq, cfg.num_kv_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
-            logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
+            logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k)
             logits = logits * cfg.logit_scale  # [B, K, G, T, S] float32: softmax range needs it
             big_negative = jnp.finfo(jnp.float32).min
             logits = jnp.where(mask[:, None, None, :, :], logits, big_negative)
         with jax.named_scope("attention_softmax"):
             if self.sinks is not None:
-                sink = self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, groups)
+                sink = self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, -1)
                 sink = jnp.broadcast_to(sink[None, :, :, None, None], (*logits.shape[:-1], 1))
                 logits = jnp.concatenate([logits, sink], axis=-1)  # [B, K, G, T, S + 1]
             probs = jax.nn.softmax(logits, axis=-1)
             if self.sinks is not None:
                 probs = probs[..., :-1]  # [B, K, G, T, S]: rows sum to < 1
         with jax.named_scope("attention_out"):
-            out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32))
-            out = out.astype(self.dtype).reshape(batch, seq, cfg.num_heads, cfg.head_dim)
-            out = sharding.constrain(
-                out, ("activation_batch", "activation_length", "activation_heads", None)
-            )  # [B, T, N, H]
-            return self.o_proj(out)
+            return jnp.einsum("bkgts,bskh->btkgh", probs, v)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import sharding
+from posttrain.layers.mlp import token_einsum
 
 
 class Embed(nnx.Module):
@@ -48,4 +49,4 @@ class Embed(nnx.Module):
         return x
 
     def attend(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("btd,vd->btv", x, self.embedding[...].astype(x.dtype))  # [B, T, V]
+        return token_einsum("...d,vd->...v", x, self.embedding[...].astype(x.dtype))  # [B, T, V]

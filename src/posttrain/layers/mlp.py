@@ -53,6 +53,33 @@ def kernel_value(kernel, dtype):
     return value if value.dtype == dtype else value.astype(dtype)
 
 
+def token_einsum(spec: str, x: jax.Array, kernel) -> jax.Array:
+    """``jnp.einsum(spec, x, kernel)`` with ``x``'s token dims merged into one.
+
+    ``spec`` begins its first operand and its output with ``...``, the token dims
+    (``[B, T]`` or ``[T]``), e.g. ``"...d,dnh->...nh"``: ``x`` ``[B, T, *in]`` is reshaped
+    to ``[B*T, *in]``, contracted with ``kernel``, and the result reshaped back to
+    ``[B, T, *out]``; the einsum's dtype. The tokens are left as they are when the current
+    mesh shards the sequence (:func:`posttrain.sharding.sequence_sharded`: merging an
+    unsharded batch with a sharded sequence would reshard).
+
+    Why: the weight gradient of an einsum over ``[B, T]`` contracts two token dims. XLA's
+    CPU compiler lowers it through a transposing copy of the output gradient (``[F, B*T]``)
+    with the activation's backward fused in, which reads its inputs strided by F; with one
+    token dim the dot reads both operands in place. The dense training step was 0.75x as
+    long with the merge (``benchmarks/model_ab.py --form tokens``, docs/benchmarks.md); the
+    products are the same, summed in another order.
+    """
+    lhs, rest = spec.split(",", 1)
+    features = len(lhs) - 3  # the dims after "..."
+    lead = x.shape[: x.ndim - features]
+    if len(lead) < 2 or sharding.sequence_sharded():
+        return jnp.einsum(spec, x, kernel)
+    token = next(c for c in "tuvwxyz" if c not in spec)
+    y = jnp.einsum(spec.replace("...", token), x.reshape(-1, *x.shape[len(lead) :]), kernel)
+    return y.reshape(*lead, *y.shape[1:])
+
+
 def gated_activation(gate: jax.Array, up: jax.Array, act: ActivationConfig) -> jax.Array:
     """Combines gate and up projections ``[..., d_ff]`` into the hidden ``[..., d_ff]``.
 
@@ -108,7 +135,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = clip(x.astype(self.dtype), self.input_min, self.input_max)
-        y = jnp.einsum("...i,io->...o", x, kernel_value(self.kernel, self.dtype))
+        y = token_einsum("...i,io->...o", x, kernel_value(self.kernel, self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return clip(y, self.output_min, self.output_max)

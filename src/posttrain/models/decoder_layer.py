@@ -53,6 +53,8 @@ class DecoderLayer(nnx.Module):
             rngs=rngs,
             dtype=dtype,
             param_dtype=param_dtype,
+            # images seen bidirectionally open keys after a query (Decoder._tables)
+            causal=cfg.vision is None or not cfg.vision.bidirectional,
         )
         self.post_attention_layernorm = norm()
         dense = (

@@ -1,0 +1,160 @@
+"""The two forms that sped up the training step (#43), each against the form it replaced.
+
+* Causal attention without a cache takes its queries in blocks, each over the keys up to its
+  own last position (``Attention._attend``; ``QUERY_BLOCKS`` blocks of at least
+  ``MIN_QUERY_BLOCK`` positions): the logits and gradients equal one block's.
+* Projections merge the token dims ``[B, T]`` into one before the matmul
+  (``posttrain.layers.mlp.token_einsum``), unless the mesh shards the sequence.
+
+The tests lower ``MIN_QUERY_BLOCK`` so that the tiny presets' short sequences are blocked.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import sharding
+from posttrain.layers import attention
+from posttrain.layers.mlp import token_einsum
+from posttrain.models import build_model, get_config
+from tests.jaxprs import matmuls
+
+BATCH, SEQ = 3, 37  # 4 blocks of 9, 9, 10, 9 queries with MIN_QUERY_BLOCK = 8
+PAD = 6  # row 1 right-padded, row 2 left-padded (its first PAD queries see no key)
+
+
+def _mask() -> np.ndarray:
+    """Tunix's ``[B, T, T]`` causal-and-padding mask and the ``[B, T]`` queries that see a key."""
+    valid = np.ones((BATCH, SEQ), bool)
+    valid[1, SEQ - PAD :] = False
+    valid[2, :PAD] = False
+    causal = np.tril(np.ones((SEQ, SEQ), bool))
+    return causal[None] & valid[:, None, :], valid
+
+
+def _loss_logits_grads(model, tokens, mask, valid):
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    positions = jnp.broadcast_to(jnp.arange(SEQ), tokens.shape)
+
+    def loss(p):
+        logits = nnx.merge(graph, p, rest)(tokens, positions, None, mask)[0].astype(jnp.float32)
+        return jnp.sum(jnp.where(valid[..., None], jax.nn.log_softmax(logits), 0.0)), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return np.asarray(logits), [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
+
+
+def score_queries(jaxpr, kv_heads: int = 4, groups: int = 2) -> list[int]:
+    """The query lengths T of the attention's score matmuls (queries ``[B, T, K, G, H]``),
+    in the traced order (the tiny presets: 4 kv heads, 2 query heads each)."""
+    return [
+        shape[1]
+        for shapes, _ in matmuls(jaxpr.jaxpr)
+        for shape in shapes
+        if len(shape) == 5 and shape[2:4] == (kv_heads, groups)
+    ]
+
+
+def _score_queries(model, tokens, mask) -> list[int]:
+    positions = jnp.broadcast_to(jnp.arange(SEQ), tokens.shape)
+    return score_queries(jax.make_jaxpr(lambda t, m: model(t, positions, None, m)[0])(tokens, mask))
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "rel"),
+    [
+        ("qwen3-tiny", "float32", 1e-5),  # qk-norm, GQA
+        ("gpt_oss-tiny", "float32", 1e-5),  # sinks, a sliding window layer
+        ("qwen3-tiny", "bfloat16", 1e-2),  # bf16's rounding of other-sized sums
+    ],
+)
+def test_causal_query_blocks_give_one_block_s_logits_and_gradients(name, dtype, rel, monkeypatch):
+    """With padding on either side, a sliding window and sinks: the blocked attention's
+    logits (at every query that sees a key) and parameter gradients equal one block's,
+    and the blocks are really taken (their score matmuls have 9, 9, 10, 9 queries).
+    A block reading the keys up to its first position instead of its last fails."""
+    monkeypatch.setattr(attention, "MIN_QUERY_BLOCK", 8)
+    model = build_model(get_config(name, dtype=dtype, param_dtype=dtype), seed=0)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (BATCH, SEQ)), jnp.int32)
+    mask, valid = _mask()
+    assert _score_queries(model, tokens, mask)[:4] == [9, 9, 10, 9]
+    logits, grads = _loss_logits_grads(model, tokens, mask, valid)
+    monkeypatch.setattr(attention, "QUERY_BLOCKS", 1)
+    assert set(_score_queries(model, tokens, mask)) == {SEQ}
+    one_logits, one_grads = _loss_logits_grads(model, tokens, mask, valid)
+    assert _scaled_error(logits[valid], one_logits[valid]) <= rel
+    for got, want in zip(grads, one_grads, strict=True):
+        assert _scaled_error(got, want) <= rel
+
+
+def _scaled_error(got, want) -> float:
+    """The largest difference over the largest magnitude (the matmuls of other sizes sum
+    in another order: fp32 differences ~1e-6 of the scale)."""
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def test_a_model_that_sees_images_bidirectionally_attends_in_one_block(monkeypatch):
+    """An image's tokens see its later tokens (``VisionConfig.bidirectional``), which a
+    causal block would cut off (row 0's image spans the first block edge): such a model's
+    text attention is not causal, and its logits equal one block's."""
+    from tests.path_params import model_with_path_values
+    from tests.test_vision import TOKENS, forward, images, native_images
+    from tests.test_vision_bidirectional import BIDIRECTIONAL
+
+    monkeypatch.setattr(attention, "MIN_QUERY_BLOCK", 2)  # edges 0, 4, 8, 12, 16
+    model = model_with_path_values(get_config("llama3-tiny").replace(vision=BIDIRECTIONAL))
+    assert not model.model.layers[0].self_attn.causal
+    args = jnp.asarray(TOKENS), native_images(images())
+    blocked = np.asarray(forward(model, *args))
+    monkeypatch.setattr(attention, "QUERY_BLOCKS", 1)
+    np.testing.assert_array_equal(blocked, np.asarray(forward(model, *args)))
+    assert build_model(get_config("llama3-tiny"), seed=0).model.layers[0].self_attn.causal
+
+
+@pytest.mark.devices(8)
+def test_a_sharded_sequence_keeps_its_queries_and_tokens_whole(monkeypatch):
+    """With the sequence split over ``context``, neither form applies (each would reshard
+    the sequence): one score matmul per layer over all queries, projections over
+    ``[B, T, D]``; the logits equal the single-device blocked ones."""
+    monkeypatch.setattr(attention, "MIN_QUERY_BLOCK", 8)
+    cfg = get_config("qwen3-tiny")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 32)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(32), tokens.shape)
+    single = np.asarray(build_model(cfg, seed=0)(tokens, positions, None, None)[0])
+    mesh = sharding.make_mesh({"context": 2, "fsdp": 4})
+    model = build_model(cfg, mesh, seed=0)
+    with sharding.use_mesh(mesh):
+        jaxpr = jax.make_jaxpr(lambda t: model(t, positions, None, None)[0])(tokens)
+        logits = nnx.jit(lambda m, t: m(t, positions, None, None)[0])(model, tokens)
+    assert set(score_queries(jaxpr)) == {32}
+    operands = [shape for shapes, _ in matmuls(jaxpr.jaxpr) for shape in shapes]
+    assert not [s for s in operands if s[0] == 4 * 32], operands  # no [B*T, ...] operand
+    np.testing.assert_allclose(np.asarray(logits), single, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("spec", "x_shape", "k_shape", "merged"),
+    [
+        ("...i,io->...o", (2, 5, 3), (3, 4), (10, 3)),
+        ("...d,dnh->...nh", (2, 5, 3), (3, 2, 4), (10, 3)),
+        ("...nh,nhd->...d", (2, 5, 2, 4), (2, 4, 3), (10, 2, 4)),
+        ("...d,vd->...v", (5, 3), (7, 3), (5, 3)),  # one token dim: as it is
+    ],
+)
+def test_token_einsum_merges_the_token_dims_and_keeps_the_values(spec, x_shape, k_shape, merged):
+    """Values and gradients equal ``jnp.einsum``'s; the matmul's first operand has the
+    token dims merged (``[B*T, *in]``)."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+    k = jnp.asarray(rng.standard_normal(k_shape), jnp.float32)
+    np.testing.assert_allclose(token_einsum(spec, x, k), jnp.einsum(spec, x, k), atol=1e-6)
+    ours = jax.grad(lambda x, k: jnp.sum(jnp.sin(token_einsum(spec, x, k))), (0, 1))(x, k)
+    theirs = jax.grad(lambda x, k: jnp.sum(jnp.sin(jnp.einsum(spec, x, k))), (0, 1))(x, k)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    jaxpr = jax.make_jaxpr(lambda x, k: token_einsum(spec, x, k))(x, k)
+    assert [shapes for shapes, _ in matmuls(jaxpr.jaxpr)] == [(merged, k_shape)]
