@@ -96,6 +96,15 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_parity_fixtures.py",
         "tests/test_config_sensitivity.py",
         "tests/test_generate.py::test_incremental_decoding_equals_the_full_forward",
+        "tests/test_attention_blocks.py",
+    ],
+    # the projections and gated MLP: values from HF parity (every family's activation,
+    # biases, clipped vision linears), token_einsum's merge and its sharding guard
+    "src/posttrain/layers/mlp.py": [
+        "tests/test_attention_blocks.py",
+        "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
+        "tests/test_bf16.py::test_bf16_model_agrees_with_its_fp32_twin",
+        "tests/test_vision.py",
     ],
     # RoPE values against HF (the families of each RoPE kind, Llama 3's bands with
     # factors other than its published 1 / 4, YaRN's clamped and collapsed correction
