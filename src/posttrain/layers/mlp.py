@@ -70,13 +70,11 @@ def token_einsum(spec: str, x: jax.Array, kernel) -> jax.Array:
     long with the merge (``benchmarks/model_ab.py --form tokens``, docs/benchmarks.md); the
     products are the same, summed in another order.
     """
-    lhs, rest = spec.split(",", 1)
-    features = len(lhs) - 3  # the dims after "..."
+    features = len(spec.partition(",")[0]) - 3  # the dims after "..."
     lead = x.shape[: x.ndim - features]
     if len(lead) < 2 or sharding.sequence_sharded():
         return jnp.einsum(spec, x, kernel)
-    token = next(c for c in "tuvwxyz" if c not in spec)
-    y = jnp.einsum(spec.replace("...", token), x.reshape(-1, *x.shape[len(lead) :]), kernel)
+    y = jnp.einsum(spec, x.reshape(-1, *x.shape[len(lead) :]), kernel)  # "..." is [B*T]
     return y.reshape(*lead, *y.shape[1:])
 
 
