@@ -37,6 +37,9 @@ from posttrain.layers.moe import dispatch
 
 # lecun_normal per expert: fan_in is the input axis only, not E * in.
 _KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+# What the sorted algorithm's backward keeps of each block: the matmuls' outputs. Its weight
+# slices and activation are recomputed (Experts._sorted).
+BLOCK_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 _PARAM_NAMES = (
     "gate_proj",
     "up_proj",
@@ -187,6 +190,10 @@ class Experts(nnx.Module):
             used = b < layout.num_used_blocks
             return carry, jax.lax.cond(used, self._block_mlp, skip, block_rows, w)  # [S, D]
 
+        # Without the checkpoint, JAX's linearisation saved each block's weight slices for the
+        # backward, stacked over the blocks ([NB, D, F] per projection: NB / E copies of the
+        # weights written and read per step); with it the backward slices them again.
+        block = jax.checkpoint(block, policy=BLOCK_POLICY)
         block_ids = jnp.arange(num_blocks, dtype=jnp.int32)  # [NB]
         _, out = jax.lax.scan(block, None, (rows, layout.block_expert, block_ids))  # [NB, S, D]
         out = out.reshape(num_blocks * size, d_model)  # [NB * S, D]
