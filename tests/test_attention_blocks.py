@@ -11,6 +11,8 @@ The tests lower ``MIN_QUERY_BLOCK`` so that the tiny presets' short sequences ar
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,3 +160,53 @@ def test_token_einsum_merges_the_token_dims_and_keeps_the_values(spec, x_shape, 
         np.testing.assert_allclose(a, b, atol=1e-6)
     jaxpr = jax.make_jaxpr(lambda x, k: token_einsum(spec, x, k))(x, k)
     assert [shapes for shapes, _ in matmuls(jaxpr.jaxpr)] == [(merged, k_shape)]
+
+
+def _head_projection_matmuls(projection, x) -> list:
+    jaxpr = jax.make_jaxpr(lambda x: projection(x))(x)
+    return [shapes[1] for shapes, _ in matmuls(jaxpr.jaxpr)]
+
+
+def test_head_projections_multiply_a_matrix_unless_qwix_may_intercept():
+    """A q/k/v projection multiplies its kernel as a ``[D, heads * H]`` matrix, with the
+    values and gradients of the einsum over ``[D, heads, H]``; inside a Qwix pass and once
+    it holds LoRA adapters it hands Qwix the kernel itself (Qwix matches the einsum's
+    operand to the weight by identity; a reshaped kernel would get no adapter)."""
+    from posttrain.layers.mlp import qwix_pass
+
+    d_model, heads, head_dim = 12, 3, 4
+    projection = attention.HeadProjection(
+        d_model,
+        heads,
+        head_dim,
+        "heads",
+        use_bias=True,
+        rngs=nnx.Rngs(0),
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+    )
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 5, d_model)), jnp.float32)
+    assert _head_projection_matmuls(projection, x) == [(d_model, heads * head_dim)]
+    with qwix_pass():
+        assert _head_projection_matmuls(projection, x) == [(d_model, heads, head_dim)]
+    assert _head_projection_matmuls(projection, x) == [(d_model, heads * head_dim)]  # reset
+
+    graphdef, state = nnx.split(projection)
+
+    def objective(state, x, intercepted):
+        with qwix_pass() if intercepted else contextlib.nullcontext():
+            return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x)))
+
+    matrix, einsum = (
+        jax.grad(objective, (0, 1))(state, x, intercepted) for intercepted in (False, True)
+    )
+    np.testing.assert_allclose(
+        nnx.merge(graphdef, state)(x),
+        jnp.einsum("btd,dnh->btnh", x, projection.kernel[...]) + projection.bias[...],
+        atol=1e-6,
+    )
+    for a, b in zip(jax.tree.leaves(matrix), jax.tree.leaves(einsum), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+    projection.kernel_lora_a = nnx.LoRAParam(jnp.zeros((d_model, 2)))
+    assert _head_projection_matmuls(projection, x)[0] == (d_model, heads, head_dim)

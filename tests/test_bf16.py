@@ -295,10 +295,11 @@ def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_is
     def matmul_dtypes(shape):
         return [dtypes for shapes, dtypes in matmuls(jaxpr) if shape in shapes]
 
-    for kernel in ((d_model, n, h), (d_model, k, h), (n, h, d_model)):  # q; k and v; o
+    # q; k and v (their kernels as [D, heads * H] matrices: HeadProjection); o
+    for kernel in ((d_model, n * h), (d_model, k * h), (n, h, d_model)):
         found = matmul_dtypes(kernel)
         assert found and all(set(d) == {"bfloat16"} for d in found), (kernel, found)
-    assert len(matmul_dtypes((d_model, k, h))) == 2  # k_proj and v_proj
+    assert len(matmul_dtypes((d_model, k * h))) == 2  # k_proj and v_proj
     kv_shape = (batch, seq, k, h)
     islands = matmul_dtypes(kv_shape)  # scores (q.k) and weighted sum (p.v)
     assert len(islands) == 2 and all(set(d) == {"float32"} for d in islands), islands

@@ -14,7 +14,13 @@ from flax import nnx
 from posttrain import sharding
 from posttrain.config import AttentionConfig
 from posttrain.layers import kv_cache
-from posttrain.layers.mlp import add_clip_bounds, clip, kernel_value, token_einsum
+from posttrain.layers.mlp import (
+    add_clip_bounds,
+    clip,
+    kernel_value,
+    qwix_may_intercept,
+    token_einsum,
+)
 from posttrain.layers.norms import RMSNorm, rms_normalize
 from posttrain.layers.rope import apply_rope
 
@@ -90,7 +96,17 @@ class HeadProjection(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = clip(x.astype(self.dtype), self.input_min, self.input_max)
-        y = token_einsum("...d,dnh->...nh", x, kernel_value(self.kernel, self.dtype))
+        kernel = kernel_value(self.kernel, self.dtype)  # [D, heads, H]
+        if isinstance(kernel, jax.Array) and not qwix_may_intercept(self):
+            # The kernel as a [D, heads * H] matrix: JAX transposes the 3-D einsum into a
+            # weight gradient [heads, H, D] then transposed, and XLA's CPU compiler fed that
+            # dot a transposing copy of the output gradient with the qk-norm and RoPE
+            # backward fused in (benchmarks/model_ab.py --form heads).
+            d, heads, head_dim = kernel.shape
+            y = token_einsum("...d,dk->...k", x, kernel.reshape(d, heads * head_dim))
+            y = y.reshape(*y.shape[:-1], heads, head_dim)
+        else:
+            y = token_einsum("...d,dnh->...nh", x, kernel)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return clip(y, self.output_min, self.output_max)  # [B, T, heads, H]

@@ -6,6 +6,10 @@ Reference: HF ``LlamaMLP`` (SiLU(gate) * up -> down), ``Gemma4TextMLP``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -14,6 +18,7 @@ from posttrain import _compat, sharding
 from posttrain.config import ActivationConfig
 
 _KERNEL_INIT = nnx.initializers.lecun_normal()
+_QWIX_PASS = contextvars.ContextVar("posttrain_qwix_pass", default=False)
 CLIP_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 
 
@@ -51,6 +56,26 @@ def kernel_value(kernel, dtype):
         return _compat.quantised_weight(kernel)
     value = kernel[...]
     return value if value.dtype == dtype else value.astype(dtype)
+
+
+@contextlib.contextmanager
+def qwix_pass() -> Iterator[None]:
+    """Marks a Qwix pass (QLoRA's quantisation, LoRA's initialisation: ``posttrain.lora``),
+    in which every projection hands Qwix its weight as the einsum's operand
+    (:func:`qwix_may_intercept`)."""
+    token = _QWIX_PASS.set(True)
+    try:
+        yield
+    finally:
+        _QWIX_PASS.reset(token)
+
+
+def qwix_may_intercept(module: nnx.Module) -> bool:
+    """Whether Qwix may intercept ``module``'s matmul, and so must find the weight itself as
+    the operand of ``jnp.einsum`` (it matches operands to weights by identity): inside
+    :func:`qwix_pass`, or once the module holds LoRA adapters (``nnx.LoRAParam``; a
+    quantised weight is no array at all, :func:`kernel_value`)."""
+    return _QWIX_PASS.get() or any(isinstance(v, nnx.LoRAParam) for v in vars(module).values())
 
 
 def token_einsum(spec: str, x: jax.Array, kernel) -> jax.Array:

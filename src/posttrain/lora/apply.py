@@ -45,6 +45,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from posttrain import _compat, sharding
+from posttrain.layers.mlp import qwix_pass
 from posttrain.lora import layout
 from posttrain.lora.config import LoraConfig
 from posttrain.models.decoder import unrolled_layers
@@ -138,7 +139,7 @@ def _qwix_rule(lora_config: LoraConfig) -> dict:
 
 def _ptq_pass(model, tokens, lora_config: LoraConfig):
     """Qwix's PTQ pass (QLoRA's quantised base weights); run under ``nnx.eval_shape``."""
-    with unrolled_layers():
+    with unrolled_layers(), qwix_pass():
         provider = qwix.PtqProvider([qwix.QuantizationRule(**_qwix_rule(lora_config))])
         return qwix.quantize_model(
             model,
@@ -157,7 +158,7 @@ def _lora_pass(model, tokens, lora_config: LoraConfig):
         dropout=lora_config.dropout,
         **_qwix_rule(lora_config),
     )
-    with unrolled_layers():
+    with unrolled_layers(), qwix_pass():
         return qwix.apply_lora_to_model(
             model,
             qwix.LoraProvider([rule]),
