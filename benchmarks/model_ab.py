@@ -18,6 +18,11 @@ Forms (the earlier one kept here as the reference it replaced):
 * ``tokens``: the projections' matmuls over the merged token dims ``[B*T, D]``
   (``token_einsum``) against the einsums over ``[B, T, D]``.
 * ``blocks``: causal attention in ``QUERY_BLOCKS`` query blocks against one block.
+* ``heads``: the q/k/v projections' kernels as ``[D, heads * head_dim]`` matrices against
+  the einsum over the ``[D, heads, head_dim]`` kernel (the form Qwix still gets).
+* ``slices`` (``--family qwen3_moe``): the sorted MoE's block scan under a checkpoint that
+  saves only the matmuls' outputs (``experts.BLOCK_POLICY``) against one that saves
+  everything, as no checkpoint does: each block's weight slices stacked for the backward.
 """
 
 from __future__ import annotations
@@ -47,6 +52,14 @@ def einsum_over_batch_and_sequence(spec, x, kernel):
     return jnp.einsum(spec, x, kernel)
 
 
+def jax_policy(name: str):
+    """``jax.checkpoint_policies.<name>`` (``everything_saveable``: a checkpoint that saves
+    what no checkpoint would)."""
+    import jax
+
+    return getattr(jax.checkpoint_policies, name)
+
+
 # form -> the (module, attribute, earlier value) patches that put the earlier form back
 FORMS = {
     "rope": [("posttrain.layers.attention", "apply_rope", rotate_half_rope)],
@@ -59,6 +72,14 @@ FORMS = {
         )
     ],
     "blocks": [("posttrain.layers.attention", "QUERY_BLOCKS", 1)],
+    "heads": [("posttrain.layers.attention", "qwix_may_intercept", lambda module: True)],
+    "slices": [
+        (
+            "posttrain.layers.moe.experts",
+            "BLOCK_POLICY",
+            jax_policy("everything_saveable"),
+        )
+    ],
 }
 
 

@@ -18,8 +18,13 @@ GFLOP/s as a fraction of the matmul's. Model FLOPs, not what XLA counts: the sam
 for both models whatever each skips (our causal query blocks) or repeats (Tunix's MoE runs
 every expert on every token), and XLA's ``cost_analysis`` counts a scan's body once.
 
+"ceiling" is the share the step would reach if all but its matmuls took no time: model
+FLOPs over the wall time its dots occupy in a profiler trace (``harness.op_profile``), the
+most those matmuls, at the shapes XLA gave them, can do on this machine.
+
 ``--hlo DIR`` writes both compiled steps' HLO text and prints the op counts that differ
-(transposes, converts, copies, fusions ...), the first place to look when the ratio moves.
+(transposes, converts, copies, fusions ...), the first place to look when the ratio moves;
+``--ops`` lists each step's costliest ops by kind from the same profile.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ def _args(argv):
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--hlo", default=None, help="directory for both steps' HLO text")
+    parser.add_argument(
+        "--ops", action="store_true", help="list each step's costliest ops from its profile"
+    )
     return parser.parse_args(argv)
 
 
@@ -159,7 +167,8 @@ def jax_block(x):
 
 
 def _report(args, times: dict, n: int, flops: float, params: int) -> None:
-    """Prints the medians, the ratios ours/Tunix and the shares of the matmul's GFLOP/s."""
+    """Prints the medians, the ratios ours/Tunix, the shares of the matmul's GFLOP/s and
+    their ceilings (``times["ours_dots"]``, ``times["tunix_dots"]``: seconds in matmuls)."""
     mm_rate = 2 * n**3 / times["matmul"]
     print(
         f"{args.family}: {params:,} parameters, batch {args.batch} x {args.seq}, 1 CPU device, fp32"
@@ -173,6 +182,13 @@ def _report(args, times: dict, n: int, flops: float, params: int) -> None:
         f"  share of the equal-FLOP matmul's GFLOP/s ({flops / 1e9:.1f} model GFLOP; "
         f"{n}^3: {mm_rate / 1e9:.1f} GFLOP/s): "
         f"ours {flops / times['ours'] / mm_rate:.0%}, Tunix {flops / times['tunix'] / mm_rate:.0%}"
+    )
+    dots = {name: times[f"{name}_dots"] for name in ("ours", "tunix")}
+    print(
+        f"  in matmuls (profile): ours {dots['ours'] * 1e3:.1f} ms "
+        f"({dots['ours'] / times['ours']:.0%} of its step), Tunix {dots['tunix'] * 1e3:.1f} ms "
+        f"({dots['tunix'] / times['tunix']:.0%}); the share's ceiling, matmuls alone: "
+        f"ours {flops / dots['ours'] / mm_rate:.0%}, Tunix {flops / dots['tunix'] / mm_rate:.0%}"
     )
 
 
@@ -232,7 +248,17 @@ def main(argv=None) -> int:
         },
         args.repeats,
     )
+    from harness.op_profile import dot_seconds, profile, top_ops
+
+    profiles = {}
+    for name, step, exe in (("ours", ours_step, ours_exe), ("tunix", theirs_step, theirs_exe)):
+        profiles[name] = profile(lambda step=step: jax_block(step()), calls=3)
+        times[f"{name}_dots"] = dot_seconds(exe.as_text(), profiles[name])
     _report(args, times, n, flops, n_ours)
+    if args.ops:
+        for name, measured in profiles.items():
+            listed = ", ".join(f"{kind} {s * 1e3:.0f}" for kind, s in top_ops(measured, 8))
+            print(f"  costliest ops, {name} (ms per step): {listed}")
     if args.hlo:
         write_hlo(args.hlo, args.family, {"ours": ours_exe, "tunix": theirs_exe})
     return 0

@@ -97,6 +97,8 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_config_sensitivity.py",
         "tests/test_generate.py::test_incremental_decoding_equals_the_full_forward",
         "tests/test_attention_blocks.py",
+        # the vision tower's attention: its 2-D RoPE's two sections
+        "tests/test_vision.py::test_vision_logits_match_transformers",
     ],
     # the projections and gated MLP: values from HF parity (every family's activation,
     # biases, clipped vision linears), token_einsum's merge and its sharding guard
@@ -173,6 +175,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py", "tests/test_reward_probe.py"],
     "harness/progress.py": ["tests/test_matrix_progress.py"],
+    "harness/op_profile.py": ["tests/test_op_profile.py"],
     "harness/bisect.py": ["tests/test_bisect.py"],
     # runs only in child pytest sessions: mutmut records no test for it (scored "no tests")
     "harness/deprecation_recorder.py": ["tests/test_verdicts.py"],

@@ -1,0 +1,126 @@
+"""harness.op_profile: which HLO instructions are matmuls, the union of their intervals in
+a profiler trace, and the per-kind totals (benchmarks/model_step.py's ceiling and --ops)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from harness.op_profile import (
+    Profile,
+    dot_instructions,
+    dot_seconds,
+    profile,
+    top_ops,
+    union_seconds,
+)
+
+# A module in XLA's text form with each case by construction: a matmul fusion (the dot as
+# its root), a fusion whose dot sits in a nested fusion, a plain dot and a convolution in a
+# while body, a loop fusion and a transpose with none (whose metadata names a dot_general,
+# as a transpose's may), and names with and without the leading %.
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_dot (param_0: f32[4,4], param_1: f32[4,4]) -> f32[4,4] {
+  %param_0 = f32[4,4]{1,0} parameter(0)
+  %param_1 = f32[4,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[4,4]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}
+}
+
+%inner (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %dot.2 = f32[4,4]{1,0} dot(%p, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%outer (q: f32[4,4]) -> f32[4,4] {
+  %q = f32[4,4]{1,0} parameter(0)
+  %nested = f32[4,4]{1,0} fusion(%q), kind=kCustom, calls=%inner
+  ROOT %neg.1 = f32[4,4]{1,0} negate(%nested)
+}
+
+%relu (r: f32[4,4]) -> f32[4,4] {
+  %r = f32[4,4]{1,0} parameter(0)
+  %zero = f32[] constant(0)
+  %b = f32[4,4]{1,0} broadcast(%zero), dimensions={}
+  ROOT %max.1 = f32[4,4]{1,0} maximum(%r, %b)
+}
+
+%body (s: f32[4,4]) -> f32[4,4] {
+  %s = f32[4,4]{1,0} parameter(0)
+  dot.3 = f32[4,4]{1,0} dot(%s, %s), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %conv.1 = f32[1,4,4]{2,1,0} convolution(%s, %s), window={size=1}, dim_labels=b0f_0io->b0f
+  ROOT %t.1 = f32[4,4]{0,1} transpose(dot.3), metadata={op_name="jit(step)/dot_general"}
+}
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %ynn_fusion.7 = f32[4,4]{1,0} fusion(%a, %a), kind=kCustom, calls=%fused_dot
+  %outer_fusion = f32[4,4]{1,0} fusion(%ynn_fusion.7), kind=kLoop, calls=%outer
+  %loop_fusion = f32[4,4]{1,0} fusion(%outer_fusion), kind=kLoop, calls=%relu
+  ROOT %while.1 = f32[4,4]{1,0} while(%loop_fusion), condition=%cond, body=%body
+}
+"""
+
+
+def test_dot_instructions_are_the_dots_and_the_fusions_holding_one():
+    """Dots, convolutions and fusions holding one at any depth; never a loop fusion, a
+    transpose whose metadata names a dot, or a while whose body holds dots."""
+    assert dot_instructions(HLO) == {
+        "dot.1",
+        "dot.2",
+        "dot.3",
+        "conv.1",
+        "ynn_fusion.7",
+        "nested",
+        "outer_fusion",
+    }
+
+
+@pytest.mark.parametrize(
+    "intervals, expected",
+    [
+        ([], 0.0),
+        ([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)], 4.0),  # overlapping pair, then a gap
+        ([(5.0, 6.0), (0.0, 10.0), (2.0, 3.0)], 10.0),  # unsorted, nested
+        ([(0.0, 1.0), (1.0, 2.0)], 2.0),  # touching
+    ],
+)
+def test_union_seconds(intervals, expected):
+    assert union_seconds(intervals) == pytest.approx(expected)
+
+
+def test_top_ops_sums_by_kind_per_call_costliest_first():
+    ops = [
+        ("copy_fusion.1", 0.0, 1.0),
+        ("ynn_fusion", 0.0, 0.5),
+        ("copy_fusion.12", 4.0, 6.0),
+        ("while", 0.0, 0.25),
+    ]
+    assert top_ops(Profile(ops, calls=2), most=2) == [("copy_fusion", 1.5), ("ynn_fusion", 0.25)]
+
+
+def test_dot_seconds_from_a_real_trace():
+    """A compiled program of two matmuls and a relu: the trace names both matmuls (once
+    per call), whose union lies within the ops' span and is more than half of it (two
+    256^3 matmuls against one elementwise pass), in seconds per call: less than a call's
+    wall time. A profile whose matmuls are missing is an error."""
+    f = jax.jit(lambda a, b: jax.nn.relu(a @ b) @ b)
+    a = jnp.ones((256, 256), jnp.float32)
+    hlo = f.lower(a, a).compile().as_text()
+    dots = dot_instructions(hlo)  # the two fusions and the dot inside each
+    f(a, a).block_until_ready()
+    start = time.perf_counter()
+    measured = profile(lambda: f(a, a).block_until_ready(), calls=2)
+    wall = (time.perf_counter() - start) / 2  # a call's wall time, the profiler's included
+    assert measured.calls == 2
+    ran = [name for name, _, _ in measured.ops if name in dots]
+    assert len(set(ran)) == 2 and len(ran) == 4, ran  # each matmul once per call
+    span = union_seconds([(start, end) for _, start, end in measured.ops]) / 2
+    seconds = dot_seconds(hlo, measured)
+    assert span / 2 < seconds <= span < wall
+    others = Profile([op for op in measured.ops if op[0] not in dots], calls=2)
+    with pytest.raises(RuntimeError, match="none of the module's matmuls"):
+        dot_seconds(hlo, others)
