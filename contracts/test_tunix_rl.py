@@ -321,10 +321,11 @@ def test_the_rollout_draws_the_same_numbers_every_call_unless_the_seed_varies():
     assert texts() == varied[0]
 
 
-REWARD_MEANS = ("rewards/mean", "rewards/score/mean", "rewards/sum")
+REWARD_MEANS = ("rewards/mean", "rewards/score/mean", "rewards/sum", "rewards/overall")
 """Tunix's names for the step's mean reward: ``rewards/mean`` and ``rewards/score/mean`` on
-0.1.7 and main; ``rewards/sum`` on 0.1.5 (``RLLearner._compute_rewards``: each
-trajectory's reward summed over the reward functions, buffered with ``np.mean``)."""
+0.1.7 and main; ``rewards/sum`` on 0.1.5 and ``rewards/overall`` on 0.0.2-0.1.3
+(``RLLearner._compute_rewards``: each trajectory's reward summed over the reward
+functions, buffered with ``np.mean``)."""
 
 
 @pytest.mark.contract("tunix.rl GRPO run over our policy")
@@ -421,7 +422,10 @@ def _one_update(tmp_path, grad_accum: int) -> dict:
         patch.setattr(optax, "adamw", lambda lr, **kwargs: optax.sgd(lr * 1000))
         cluster, learner, _ = build.build_learner(cfg, model, tok, (mesh, mesh), [length])
     training, _, _ = build.configs(cfg, pathlib.Path(cfg.output), mesh, tok.stop_ids)
-    assert training.get_with_default("gradient_accumulation_steps", 1) == grad_accum
+    steps = training.get_with_default("gradient_accumulation_steps", None)
+    if steps is None:  # 0.0.2: the micro-batches a mini-batch splits into
+        steps = training.mini_batch_size // training.training_micro_batch_size
+    assert steps == grad_accum
     with build.saves():
         learner.train([{"prompts": np.array(["1+1=", "2+2="]), "answer": np.array([2, 4])}])
     assert int(cluster.actor_trainer.train_steps) == 1

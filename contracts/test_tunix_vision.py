@@ -80,7 +80,8 @@ def vision_batch():
 def test_tunix_default_loss_passes_the_images_as_our_model_takes_them():
     """Tunix's own default loss, given a batch's images, calls our ``CausalLM`` with
     ``images=`` (its keyword) and gets the loss of our SFT objective on the same batch;
-    without the field (<= 0.1.5) it has no way to pass them."""
+    without the field (<= 0.1.5) it has no way to pass them. Tunix main returns a
+    ``utils.LossOutput`` (the token-weighted sum and its count) instead of the mean."""
     if not has_images_field():
         assert "images" not in inspect.signature(peft_trainer._default_loss_fn).parameters
         return
@@ -93,6 +94,8 @@ def test_tunix_default_loss_passes_the_images_as_our_model_takes_them():
     @nnx.jit
     def both(model, tokens, mask, images):
         theirs = peft_trainer._default_loss_fn(model, tokens, mask, positions, causal, images)
+        if hasattr(theirs, "primary_loss"):  # main: utils.LossOutput, the mean by compute()
+            theirs = theirs.primary_loss.compute()
         ours, _ = loss.eval_loss_fn(
             model, input_tokens=tokens, input_mask=mask, positions=positions, images=images
         )
@@ -110,7 +113,7 @@ def test_tunix_default_loss_passes_the_images_as_our_model_takes_them():
 def test_the_image_processor_ships_with_the_images_field_and_dpo_takes_it_from_0_1_7():
     """``tunix.processors.image_processor`` exists exactly where ``TrainingInput.images``
     does (0.1.6+); ``DPOTrainer`` takes ``image_processor`` from 0.1.7 (recorded: our DPO
-    trains text only)."""
+    trains text only; the class is ``DpoTrainer`` in 0.0.2)."""
     has_processor = importlib.util.find_spec("tunix.processors") is not None and (
         importlib.util.find_spec("tunix.processors.image_processor") is not None
     )
@@ -120,7 +123,7 @@ def test_the_image_processor_ships_with_the_images_field_and_dpo_takes_it_from_0
 
         assert callable(image_processor.ImageProcessor)
     if importlib.util.find_spec("tunix.sft.dpo") is not None:
-        from tunix.sft.dpo import dpo_trainer
+        from posttrain.preference.tunix_dpo import trainer_class
 
-        takes = "image_processor" in inspect.signature(dpo_trainer.DPOTrainer.__init__).parameters
+        takes = "image_processor" in inspect.signature(trainer_class().__init__).parameters
         assert not takes or has_images_field()  # 0.1.7+: never without the field

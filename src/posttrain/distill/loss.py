@@ -55,6 +55,19 @@ def per_position(strategy, student, teacher, tokens: jax.Array):
     return _vmapped(strategy, student, teacher, tokens)
 
 
+def check_strategy(strategy) -> None:
+    """Runs the check that :func:`per_position` makes of a ``LogitStrategy`` (whether the
+    written-out loss equals its ``compute_loss``) now, outside any trace, so that the step
+    finds it cached. Inside the step's jit trace, JAX releases older than the one main
+    pins (the era environments, google-tunix 0.1.1's) handed the check's eager values back
+    as tracers (``TracerArrayConversionError``)."""
+    from posttrain.distill import logit_loss
+
+    known = logit_loss.settings(strategy)
+    if known is not None:
+        logit_loss.agrees(strategy, known, _vmapped)
+
+
 def _vmapped(strategy, student, teacher, tokens: jax.Array):
     """:func:`per_position` through the strategy's own ``compute_loss``, one position at a
     time."""

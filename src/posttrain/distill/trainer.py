@@ -155,6 +155,7 @@ class DistillTrainerMixin(SFTTrainerMixin):
         features.check_models(features.strategy_name(strategy), model.config, teacher.config)
         self._teacher, self._strategy = teacher, strategy
         self._reads_features = features.strategy_name(strategy) in features.TAPS
+        distill_loss.check_strategy(strategy)
         super().__init__(model, optimizer, training_config, options=options)
         self.gen_model_input_fn = lambda x: x  # our batches are dicts of every field
 
