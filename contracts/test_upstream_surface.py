@@ -118,6 +118,27 @@ def test_multisteps_window_gradient_is_what_multisteps_applies():
     assert _compat.multisteps_window_gradient(plain.opt_state, grads[0]) is None
 
 
+@pytest.mark.contract("optax: the run optimizer keeps a +-inf parameter that gets no gradient")
+def test_the_run_optimizer_keeps_an_infinite_parameter_with_no_gradient():
+    """The SFT/DPO optimizer (``runs.training.adam_schedule``) leaves a parameter of +-inf
+    with a zero gradient at +-inf through its schedule (the vision tower's clip bounds
+    until a checkpoint sets them, frozen or not), and moves a finite one against its
+    gradient. optax 0.2.6's ``adamw(weight_decay=0.0)`` added ``0 * inf``: NaN from the
+    first step (seen in the google-tunix 0.1.6 era row's vision run)."""
+    from posttrain.runs.training import adam_schedule
+    from posttrain.sft.options import SFTConfig
+
+    _, tx = adam_schedule(SFTConfig(steps=4, warmup_steps=1))
+    params = {"bound": jnp.array([-jnp.inf, jnp.inf]), "w": jnp.array([1.0, -2.0])}
+    grads = {"bound": jnp.zeros(2), "w": jnp.array([0.5, -0.5])}
+    state = tx.init(params)
+    for _ in range(3):
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(params["bound"], [-np.inf, np.inf])
+    assert params["w"][0] < 1.0 and params["w"][1] > -2.0
+
+
 @pytest.mark.contract("orbax.checkpoint.CheckpointManagerOptions(enable_async_checkpointing)")
 def test_orbax_sync_saves_option():
     import orbax.checkpoint as ocp

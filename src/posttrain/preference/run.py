@@ -325,7 +325,7 @@ def _trainer(cfg: DPORunConfig, model, mesh, out: pathlib.Path, log_every):
     from posttrain.preference.trainer import DPOTrainer
     from posttrain.rl.policy import TunixPolicy, reference_of
     from posttrain.runs.training import (
-        adamw_schedule,
+        adam_schedule,
         peft_training_fields,
         single_process_cpu,
         trainer_options,
@@ -333,7 +333,7 @@ def _trainer(cfg: DPORunConfig, model, mesh, out: pathlib.Path, log_every):
 
     policy = TunixPolicy(model)
     reference = None if cfg.algorithm == "orpo" else reference_of(policy)
-    schedule, tx = adamw_schedule(cfg)
+    schedule, tx = adam_schedule(cfg)
     training_config = tunix_dpo.training_config(
         algorithm=cfg.algorithm,
         beta=cfg.beta,

@@ -8,10 +8,15 @@ import pathlib
 from posttrain import distributed, sharding
 
 
-def adamw_schedule(cfg):
+def adam_schedule(cfg):
     """``(schedule, optimizer)`` of a run config with ``learning_rate``, ``warmup_steps``
-    and ``steps``: linear warm-up to the peak, cosine to 10% of it; AdamW (b2 0.95, no
-    weight decay) after clipping the global norm at 1. ``posttrain sft`` and ``dpo``."""
+    and ``steps``: linear warm-up to the peak, cosine to 10% of it; Adam (b2 0.95) after
+    clipping the global norm at 1. ``posttrain sft`` and ``dpo``.
+
+    Adam, not ``optax.adamw(weight_decay=0.0)``: the same updates, except that optax 0.2.6
+    (the google-tunix 0.1.6 era's) still adds ``0 * parameter``, which turns a parameter
+    of +-inf into NaN. The vision tower's clip bounds are +-inf until a checkpoint sets
+    them (no clamp), and Tunix's optimizer holds them even while the tower is frozen."""
     import optax
 
     schedule = optax.warmup_cosine_decay_schedule(
@@ -21,9 +26,7 @@ def adamw_schedule(cfg):
         cfg.steps,
         end_value=cfg.learning_rate * 0.1,
     )
-    tx = optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.95, weight_decay=0.0)
-    )
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule, b2=0.95))
     return schedule, tx
 
 

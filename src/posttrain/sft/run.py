@@ -32,7 +32,7 @@ from posttrain.runs.checks import check_same_run, discard_unstarted
 from posttrain.runs.directory import prepare_output
 from posttrain.runs.loading import load_run_model, pad_id_of
 from posttrain.runs.shards import data_shards, recorded_shards
-from posttrain.runs.training import adamw_schedule, peft_training_fields, trainer_options
+from posttrain.runs.training import adam_schedule, peft_training_fields, trainer_options
 from posttrain.sft.options import SFTConfig
 
 __all__ = ["SFTConfig", "SFTResult", "build_rows", "run_sft"]
@@ -229,7 +229,7 @@ def _trainer(cfg: SFTConfig, model, mesh, out: pathlib.Path, log_every, trainer_
 
     from posttrain.sft.trainer import SFTTrainer
 
-    schedule, tx = adamw_schedule(cfg)
+    schedule, tx = adam_schedule(cfg)
     training_config = peft_trainer.TrainingConfig(
         **peft_training_fields(cfg, out, mesh, async_saves=not cfg.sync_saves)
     )
