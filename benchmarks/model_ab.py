@@ -20,9 +20,11 @@ Forms (the earlier one kept here as the reference it replaced):
 * ``blocks``: causal attention in ``QUERY_BLOCKS`` query blocks against one block.
 * ``heads``: the q/k/v projections' kernels as ``[D, heads * head_dim]`` matrices against
   the einsum over the ``[D, heads, head_dim]`` kernel (the form Qwix still gets).
-* ``slices`` (``--family qwen3_moe``): the sorted MoE's block scan under a checkpoint that
-  saves only the matmuls' outputs (``experts.BLOCK_POLICY``) against one that saves
-  everything, as no checkpoint does: each block's weight slices stacked for the backward.
+* ``grouped`` (``--family qwen3_moe``): the sorted MoE's grouped matmul (``layers.moe.
+  grouped``: each expert's weights read once, its rows in chunks of up to the mean rows
+  per expert, a hand-written backward, blocks of A / (8E) rows) against the scan over
+  blocks of A / (2E) rows it replaced (:func:`block_scan_sorted`: a ``cond`` per block to
+  skip the unused ones, each block's weight slices taken again in the backward).
 """
 
 from __future__ import annotations
@@ -52,15 +54,47 @@ def einsum_over_batch_and_sequence(spec, x, kernel):
     return jnp.einsum(spec, x, kernel)
 
 
-def jax_policy(name: str):
-    """``jax.checkpoint_policies.<name>`` (``everything_saveable``: a checkpoint that saves
-    what no checkpoint would)."""
+def block_scan_sorted(self, x, weights, expert_ids, p):
+    """``Experts._sorted`` before the grouped matmul: a scan over fixed blocks of the old
+    default size, A / (2E) rows, each block multiplied by its expert's weight slices under a
+    ``cond`` that skips the unused trailing blocks, the scan body checkpointed to save only
+    the matmuls' outputs."""
     import jax
+    import jax.numpy as jnp
 
-    return getattr(jax.checkpoint_policies, name)
+    from posttrain.layers.moe import dispatch
+
+    num_experts = self.moe.num_experts
+    # the old default, A / (2E) rows: default_block_size now takes A / (8E)
+    size = self.moe.block_size or dispatch.default_block_size(4 * expert_ids.size, num_experts)
+    layout = dispatch.block_layout(expert_ids, num_experts, size)
+    num_blocks, d_model = layout.row_token.shape[0] // size, x.shape[-1]
+    block_ids = jnp.arange(num_blocks, dtype=jnp.int32)  # [NB]
+    ended = layout.block_ends[None, :] <= block_ids[:, None]  # [NB, E]
+    block_expert = jnp.minimum(jnp.sum(ended, axis=1), num_experts - 1)  # [NB]
+    rows = x[layout.row_token].reshape(num_blocks, size, d_model)  # [NB, S, D]
+
+    def mlp(rows, w):
+        gate, up = rows @ w["gate_proj"], rows @ w["up_proj"]  # [S, F]
+        if w["gate_proj_bias"] is not None:
+            gate, up = gate + w["gate_proj_bias"], up + w["up_proj_bias"]
+        out = self._act(gate, up) @ w["down_proj"]  # [S, D]
+        return out if w["down_proj_bias"] is None else out + w["down_proj_bias"]
+
+    def block(carry, inputs):
+        block_rows, e, b = inputs
+        w = {n: None if v is None else v[e] for n, v in p.items()}
+        skip = lambda rows, w: jnp.zeros((size, d_model), rows.dtype)  # noqa: E731
+        return carry, jax.lax.cond(b < layout.block_ends[-1], mlp, skip, block_rows, w)
+
+    block = jax.checkpoint(block, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    _, out = jax.lax.scan(block, None, (rows, block_expert, block_ids))  # [NB, S, D]
+    out = out.reshape(num_blocks * size, d_model)
+    return dispatch.combine_rows(out, layout.assignment_row, weights)
 
 
-# form -> the (module, attribute, earlier value) patches that put the earlier form back
+# form -> the (module, attribute or Class.attribute, earlier value) patches that put the
+# earlier form back
 FORMS = {
     "rope": [("posttrain.layers.attention", "apply_rope", rotate_half_rope)],
     "tokens": [
@@ -73,13 +107,7 @@ FORMS = {
     ],
     "blocks": [("posttrain.layers.attention", "QUERY_BLOCKS", 1)],
     "heads": [("posttrain.layers.attention", "qwix_may_intercept", lambda module: True)],
-    "slices": [
-        (
-            "posttrain.layers.moe.experts",
-            "BLOCK_POLICY",
-            jax_policy("everything_saveable"),
-        )
-    ],
+    "grouped": [("posttrain.layers.moe.experts", "Experts._sorted", block_scan_sorted)],
 }
 
 
@@ -106,7 +134,13 @@ def main(argv=None) -> int:
     mask = jnp.broadcast_to(
         jnp.tril(jnp.ones((args.seq, args.seq), bool)), (args.batch, args.seq, args.seq)
     )
-    patches = [(importlib.import_module(m), attr, old) for m, attr, old in FORMS[known.form]]
+    patches = []
+    for module, path, old in FORMS[known.form]:  # "Class.method" patches the class
+        *owners, attr = path.split(".")
+        owner = importlib.import_module(module)
+        for name in owners:
+            owner = getattr(owner, name)
+        patches.append((owner, attr, old))
     new_step, new_fwd, _ = steps(build_model(cfg, seed=0), tokens, positions, mask)
     kept = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
     for module, attr, old in patches:

@@ -62,6 +62,12 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/layers/moe/dispatch.py": ["tests/test_moe.py"],
     # test_bf16: the tiny MoE presets run the sorted experts in bfloat16
     "src/posttrain/layers/moe/experts.py": ["tests/test_moe.py", "tests/test_bf16.py"],
+    # its backward is hand-written: test_moe's gradients against dense (float32, bfloat16)
+    "src/posttrain/layers/moe/grouped.py": [
+        "tests/test_moe_grouped.py",
+        "tests/test_moe.py",
+        "tests/test_bf16.py::test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32",
+    ],
     # the block against HF's MoE families (shared expert, router input, capacity), each
     # MoE field perturbed, the objective's weighted load-balancing loss
     "src/posttrain/layers/moe/block.py": [
@@ -341,7 +347,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     ),
 }
 TRANSFORMS = re.compile(
-    r"(functools\.)?(partial\()?(jax|nnx)\.(jit|remat|checkpoint|vmap|scan|grad|value_and_grad)\b"
+    r"(functools\.)?(partial\()?(jax|nnx)\.(jit|remat|checkpoint|vmap|scan|grad|value_and_grad|custom_vjp)\b"
 )
 """Decorators :func:`undecorate` moves below their function (JAX / NNX transforms, bare
 or through ``functools.partial``); a function with any other decorator stays as it is."""

@@ -148,9 +148,10 @@ def param_dtypes(module) -> set[str]:
 # What each algorithm's program must hold (the config picks it, never the platform): its
 # values all agree, so only the program shows which one ran.
 ALGORITHM_PRIMITIVES = {
-    "dense": ({"dot_general"}, {"scan", "ragged_dot_general"}),
-    "sorted": ({"scan", "cond"}, {"ragged_dot_general"}),
-    "ragged": ({"ragged_dot_general"}, {"scan"}),
+    "dense": ({"dot_general"}, {"scan", "while", "ragged_dot_general"}),
+    # the grouped matmul's chunk loops (layers.moe.grouped), not a scan of conds
+    "sorted": ({"while"}, {"cond", "ragged_dot_general"}),
+    "ragged": ({"ragged_dot_general"}, {"scan", "while"}),
 }
 
 
@@ -170,7 +171,7 @@ def test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32(
 ):
     """``Experts`` with dtype bfloat16 on a float32 input, with the fused per-expert scale:
     every parameter takes ``param_dtype``, every matmul of an expert (gate, up, down; in
-    the sorted algorithm's scan and cond too) reads bfloat16 operands, the program is the
+    the sorted algorithm's chunk loops too) reads bfloat16 operands, the program is the
     configured algorithm's, the weighted sum over experts is float32 (the documented
     result), and it agrees with the float32 twin (the same bf16-representable weights,
     biases and scale) within bf16 rounding."""

@@ -159,8 +159,9 @@ class MoEConfig:
         parameters: the path Qwix LoRA can adapt), ``sorted`` (block-sorted
         grouped matmul, fast on CPU), ``ragged`` (``jax.lax.ragged_dot``, for
         accelerators with ragged kernels).
-      block_size: token rows per block in the ``sorted`` algorithm; ``None``
-        picks one from the number of assignments per expert.
+      block_size: token rows per block in the ``sorted`` algorithm (each expert's rows
+        pad to whole blocks, multiplied in chunks of 2^j blocks); ``None`` picks one
+        from the number of assignments per expert.
       aux_loss_weight: weight of the load-balancing loss (Switch Transformer).
     """
 

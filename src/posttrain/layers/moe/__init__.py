@@ -3,9 +3,10 @@
 * :mod:`.router`: ``Router`` (logits), ``route`` (top-k weights),
   ``load_balancing_loss``.
 * :mod:`.dispatch`: ``capacity_mask``, sorting assignments by expert, the
-  block layout, ``combine_rows``.
+  block layout and its chunks, ``combine_rows``.
 * :mod:`.experts`: ``Experts`` with the ``dense``, ``sorted`` and ``ragged``
-  algorithms.
+  algorithms; :mod:`.grouped`: the sorted algorithm's grouped matmul and its
+  backward.
 * :mod:`.block`: ``MoEBlock`` wiring the stages together.
 
 Importing this package changes no global state.
@@ -17,6 +18,7 @@ from posttrain.layers.moe.dispatch import (
     SortedAssignments,
     block_layout,
     capacity_mask,
+    chunk_blocks,
     combine_rows,
     default_block_size,
     expert_capacity,
@@ -35,6 +37,7 @@ __all__ = [
     "SortedAssignments",
     "block_layout",
     "capacity_mask",
+    "chunk_blocks",
     "combine_rows",
     "default_block_size",
     "expert_capacity",

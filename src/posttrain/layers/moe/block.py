@@ -38,7 +38,7 @@ class MoEBlock(nnx.Module):
     3. **Experts**: ``Experts`` by ``moe.algorithm`` (dense, sorted, ragged;
        sorted blocks hold ``moe.block_size`` rows, by default
        :func:`~posttrain.layers.moe.dispatch.default_block_size`: the power of
-       two at or below T * R / (2E), clamped to [8, 512]). On the fused path
+       two at or below T * R / (8E), clamped to [8, 512]). On the fused path
        (``moe.fuse_expert_scales``) the per-expert scale multiplies ``down_proj``
        and ``down_proj_bias`` of each expert instead; it is applied in exactly
        one of these two places.

@@ -12,9 +12,10 @@ All three compute ``sum_r weights[t, r] * expert_{ids[t, r]}(x[t])`` with
   ``apply_lora_to_model`` gives ``dense`` LoRA on all three projections, gives
   ``sorted`` none (silently), and fails on ``ragged`` (``TraceContextError``).
 * ``sorted``: assignments sorted by expert into blocks of ``block_size`` rows
-  that each belong to one expert; a scan over blocks multiplies each block by
-  its expert's weights (sliced in place, not gathered per block). Near the
-  useful FLOPs on any backend (``benchmarks/moe.py``).
+  that each belong to one expert; a loop over the experts reads each expert's
+  weights once and multiplies its blocks in large chunks, with a hand-written
+  backward (:mod:`.grouped`). Near the useful FLOPs on any backend
+  (``benchmarks/moe.py``).
 * ``ragged``: ``jax.lax.ragged_dot`` over the assignments sorted by expert, for
   accelerators with ragged-matmul kernels (on CPU it is slower than ``dense``).
 
@@ -34,12 +35,10 @@ from posttrain import sharding
 from posttrain.config import ActivationConfig, MoEConfig
 from posttrain.layers.mlp import gated_activation, kernel_value
 from posttrain.layers.moe import dispatch
+from posttrain.layers.moe.grouped import grouped_mlp
 
 # lecun_normal per expert: fan_in is the input axis only, not E * in.
 _KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-# What the sorted algorithm's backward keeps of each block: the matmuls' outputs. Its weight
-# slices and activation are recomputed (Experts._sorted).
-BLOCK_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 _PARAM_NAMES = (
     "gate_proj",
     "up_proj",
@@ -158,45 +157,13 @@ class Experts(nnx.Module):
             out = out + jnp.sum(combine[:, :, None] * bias[None], axis=1)  # [T, D]
         return out
 
-    def _block_mlp(self, rows: jax.Array, w: dict[str, jax.Array | None]) -> jax.Array:
-        """One expert on one block: rows ``[S, D]`` -> ``[S, D]`` with that expert's weights."""
-        gate, up = rows @ w["gate_proj"], rows @ w["up_proj"]  # [S, F]
-        if w["gate_proj_bias"] is not None:
-            gate, up = gate + w["gate_proj_bias"], up + w["up_proj_bias"]
-        out = self._act(gate, up) @ w["down_proj"]  # [S, D]
-        if w["down_proj_bias"] is not None:
-            out = out + w["down_proj_bias"]
-        return out
-
     def _sorted(self, x, weights, expert_ids, p) -> jax.Array:
         num_assignments, num_experts = expert_ids.size, self.moe.num_experts
         size = self.moe.block_size or dispatch.default_block_size(num_assignments, num_experts)
         layout = dispatch.block_layout(expert_ids, num_experts, size)
-        num_blocks, d_model = layout.block_expert.shape[0], x.shape[-1]
-        rows = x[layout.row_token].reshape(num_blocks, size, d_model)  # [NB, S, D]
-
-        def skip(rows, w):
-            return jnp.zeros((size, d_model), rows.dtype)
-
-        def block(carry, inputs):
-            # A scan over blocks slices expert e's weights in place; a batched einsum
-            # over gathered [NB, D, F] weights copies them per block and ran ~4x
-            # slower on CPU (benchmarks/moe.py shape). Blocks past num_used_blocks
-            # (up to E of them, from the static bound) skip the matmuls. The slices
-            # are taken outside the cond so its gradient is [D, F]-sized, not a
-            # full [E, D, F] per block.
-            block_rows, e, b = inputs  # [S, D], scalar, scalar
-            w = {n: None if v is None else v[e] for n, v in p.items()}  # expert e's weights
-            used = b < layout.num_used_blocks
-            return carry, jax.lax.cond(used, self._block_mlp, skip, block_rows, w)  # [S, D]
-
-        # Without the checkpoint, JAX's linearisation saved each block's weight slices for the
-        # backward, stacked over the blocks ([NB, D, F] per projection: NB / E copies of the
-        # weights written and read per step); with it the backward slices them again.
-        block = jax.checkpoint(block, policy=BLOCK_POLICY)
-        block_ids = jnp.arange(num_blocks, dtype=jnp.int32)  # [NB]
-        _, out = jax.lax.scan(block, None, (rows, layout.block_expert, block_ids))  # [NB, S, D]
-        out = out.reshape(num_blocks * size, d_model)  # [NB * S, D]
+        rows = x[layout.row_token]  # [NB * S, D]
+        chunks = dispatch.chunk_blocks(num_assignments, num_experts, size)
+        out = grouped_mlp(rows, layout.block_ends, p, self.activation, size, chunks)  # [NB*S, D]
         return dispatch.combine_rows(out, layout.assignment_row, weights)
 
     def _ragged(self, x, weights, expert_ids, p) -> jax.Array:
