@@ -30,9 +30,7 @@ most those matmuls, at the shapes XLA gave them, can do on this machine.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
-import re
 import sys
 
 
@@ -145,12 +143,6 @@ def steps(model, tokens, positions, mask):
     return (lambda: grad(params, *batch)), (lambda: forward(params, *batch)), compiled
 
 
-def op_counts(hlo: str) -> collections.Counter:
-    """Instruction opcodes of an HLO module's text (fusion bodies included)."""
-    found = re.findall(r"=\s*[\w\[\]{}, .:/-]*?\s([a-z][a-z0-9-]*)\(", hlo)
-    return collections.Counter(found)
-
-
 def _interleaved(fns: dict, repeats: int) -> dict:
     """Median seconds of each of ``fns`` (each blocked on its result), taking turns."""
     from _timing import interleaved_medians
@@ -195,13 +187,15 @@ def _report(args, times: dict, n: int, flops: float, params: int) -> None:
 def write_hlo(directory: str, family: str, executables: dict) -> None:
     """Writes each compiled step's HLO text to ``directory`` and prints the op counts that
     differ between them (``executables``: ``{"ours": ..., "tunix": ...}``)."""
+    from harness.op_profile import opcodes
+
     os.makedirs(directory, exist_ok=True)
     counts = {}
     for name, exe in executables.items():
         text = exe.as_text()
         with open(os.path.join(directory, f"{family}-{name}.hlo.txt"), "w") as f:
             f.write(text)
-        counts[name] = op_counts(text)
+        counts[name] = opcodes(text)
     print("  HLO ops that differ (ours, Tunix):")
     for op in sorted(set(counts["ours"]) | set(counts["tunix"])):
         if counts["ours"][op] != counts["tunix"][op]:

@@ -16,6 +16,7 @@ sum.
 
 from __future__ import annotations
 
+import collections
 import glob
 import gzip
 import json
@@ -57,6 +58,13 @@ def dot_instructions(hlo: str) -> set[str]:
         for name, op, calls in instructions
         if is_dot(op, calls)
     }
+
+
+def opcodes(hlo: str) -> collections.Counter:
+    """How often each opcode occurs in an HLO module's text, fusion bodies included."""
+    return collections.Counter(
+        m.group(2) for line in hlo.splitlines() if (m := _INSTRUCTION.match(line))
+    )
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:

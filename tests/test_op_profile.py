@@ -13,6 +13,7 @@ from harness.op_profile import (
     Profile,
     dot_instructions,
     dot_seconds,
+    opcodes,
     profile,
     top_ops,
     union_seconds,
@@ -76,6 +77,23 @@ def test_dot_instructions_are_the_dots_and_the_fusions_holding_one():
         "ynn_fusion.7",
         "nested",
         "outer_fusion",
+    }
+
+
+def test_opcodes_counts_every_instruction_of_every_computation():
+    """Each instruction's opcode, in fusion and loop bodies too, with or without ROOT and
+    the leading %; a transpose whose metadata names a dot_general is a transpose."""
+    assert opcodes(HLO) == {
+        "parameter": 7,
+        "dot": 3,
+        "fusion": 4,
+        "negate": 1,
+        "constant": 1,
+        "broadcast": 1,
+        "maximum": 1,
+        "convolution": 1,
+        "transpose": 1,
+        "while": 1,
     }
 
 
