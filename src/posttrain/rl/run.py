@@ -314,7 +314,16 @@ def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: 
 
 def _check_accumulation(cfg: GRPORunConfig, mesh) -> None:
     """Raises ValueError (one line) unless ``grad_accum`` divides the step's prompts and
-    each micro-batch's completions divide over the mesh's data-parallel shards."""
+    each micro-batch's completions divide over the mesh's data-parallel shards, or when
+    ``grad_accum`` > 1 on a Tunix that would update once per micro-batch."""
+    from posttrain.rl import tunix_rl
+
+    if cfg.grad_accum > 1 and not tunix_rl.accumulates_micro_batches():
+        raise ValueError(
+            f"grad_accum={cfg.grad_accum} (--grad-accum): this google-tunix's GRPO takes an "
+            "optimizer update per micro-batch instead of accumulating them (accumulation "
+            "came in 0.1.0); expected 1 on this release"
+        )
     batch, shards = batch_size(cfg, mesh), sharding.data_parallel_size(mesh)
     micro = batch // cfg.grad_accum
     if batch % cfg.grad_accum or (micro * cfg.num_generations) % shards:

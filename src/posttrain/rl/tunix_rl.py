@@ -191,6 +191,25 @@ def rollout_config(**values):
     return cls(**{k: v for k, v in values.items() if k in fields})
 
 
+def accumulates_micro_batches() -> bool:
+    """Whether the installed GRPO averages a mini-batch's training micro-batches into one
+    optimizer update: its ``RLTrainingConfig`` derives ``gradient_accumulation_steps``
+    from the mini- and micro-batch sizes (0.1.0+). google-tunix 0.0.2 derives nothing
+    (its micro-batch "must be the same as the input batch size"): each micro-batch
+    there takes an update of its own. A probe of the release's own config, not its
+    version."""
+    import optax
+
+    probe = training_config(
+        actor_optimizer=optax.sgd(1.0),
+        eval_every_n_steps=1,
+        max_steps=1,
+        mini_batch_size=2,
+        micro_batch_size=1,
+    )
+    return getattr(probe, "gradient_accumulation_steps", None) == 2  # upstream's config
+
+
 def rollout_takes_data_type() -> bool:
     """Whether the installed ``RolloutConfig`` has ``data_type`` (0.1.2+): the dtype
     Tunix casts a rollout copy on another mesh to."""
@@ -263,6 +282,7 @@ def surface() -> dict[str, str]:
         f"{_first(('algo_config', 'grpo_config'), params, 'config')}) with {config.__name__}",
         "algorithms": ", ".join(available_algorithms()),
         "micro-batch field": micro,
+        "accumulates micro-batches": "yes" if accumulates_micro_batches() else "no",
         "metric_fn advantages keyword": advantages_keyword(),
         "reward kwargs from algo_config": "yes" if reward_kwargs_from_algo_config() else "no",
         "trainer logps at rollout temperature": "yes" if logps_follow_temperature() else "no",
