@@ -17,7 +17,7 @@ activation from the saved gate and up projections, and accumulates each expert's
 gradients in float32 across its chunks, written once per expert. Against the scan over
 fixed blocks it replaced (a ``cond`` per block to skip the unused ones, each block's
 weight slices taken again in its backward), the Qwen3-MoE step of
-``benchmarks/model_ab.py --form grouped`` takes 0.79x the time, its forward 0.82x.
+``benchmarks/model_ab.py --form grouped`` takes 0.79-0.81x the time, its forward 0.82x.
 
 Dimension legend (STYLE.md): D d_model, F moe_d_ff, E num_experts, S block size (rows),
 NB blocks, P = NB * S padded rows, C chunk rows.
