@@ -118,8 +118,8 @@ def chunk_blocks(num_assignments: int, num_experts: int, block_size: int) -> tup
     expert. ``(1,)`` when a block already holds the mean. Static: shapes only.
     """
     reach = min(max(num_assignments / num_experts, block_size), max(_MAX_BLOCK, block_size))
-    most = 2 ** int(math.floor(math.log2(reach / block_size)))  # >= 1
-    return tuple(2**j for j in range(int(math.log2(most)), -1, -1))
+    top = int(math.floor(math.log2(reach / block_size)))  # >= 0
+    return tuple(2**j for j in range(top, -1, -1))
 
 
 def num_blocks_bound(num_assignments: int, num_experts: int, block_size: int) -> int:

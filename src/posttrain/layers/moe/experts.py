@@ -34,19 +34,11 @@ from flax import nnx
 from posttrain import sharding
 from posttrain.config import ActivationConfig, MoEConfig
 from posttrain.layers.mlp import gated_activation, kernel_value
-from posttrain.layers.moe import dispatch
-from posttrain.layers.moe.grouped import grouped_mlp
+from posttrain.layers.moe import dispatch, grouped
 
 # lecun_normal per expert: fan_in is the input axis only, not E * in.
 _KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-_PARAM_NAMES = (
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "gate_proj_bias",
-    "up_proj_bias",
-    "down_proj_bias",
-)
+_PARAM_NAMES = grouped.KERNELS + grouped.BIASES  # the parameter attributes
 
 
 class Experts(nnx.Module):
@@ -163,7 +155,9 @@ class Experts(nnx.Module):
         layout = dispatch.block_layout(expert_ids, num_experts, size)
         rows = x[layout.row_token]  # [NB * S, D]
         chunks = dispatch.chunk_blocks(num_assignments, num_experts, size)
-        out = grouped_mlp(rows, layout.block_ends, p, self.activation, size, chunks)  # [NB*S, D]
+        out = grouped.grouped_mlp(
+            rows, layout.block_ends, p, self.activation, size, chunks
+        )  # [NB*S, D]
         return dispatch.combine_rows(out, layout.assignment_row, weights)
 
     def _ragged(self, x, weights, expert_ids, p) -> jax.Array:

@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from posttrain.config import ActivationConfig
 from posttrain.layers.mlp import gated_activation
 
-Params = dict[str, jax.Array | None]  # gate_proj, up_proj, down_proj and their biases
-_KERNELS = ("gate_proj", "up_proj", "down_proj")
-_BIASES = ("gate_proj_bias", "up_proj_bias", "down_proj_bias")
+KERNELS = ("gate_proj", "up_proj", "down_proj")  # [E, D, F], [E, D, F], [E, F, D]
+BIASES = ("gate_proj_bias", "up_proj_bias", "down_proj_bias")  # [E, F], [E, F], [E, D]
+Params = dict[str, jax.Array | None]  # KERNELS and BIASES (None where absent)
 
 
 def _each_chunk(
@@ -166,10 +166,10 @@ def _grouped_bwd(activation, block_size, chunks, residuals, d_out):
 
     def expert(d_rows, e):
         w = _expert(params, e)
-        transposed = {name: w[name].T for name in _KERNELS}  # once per expert, not per chunk
+        transposed = {name: w[name].T for name in KERNELS}  # once per expert, not per chunk
         grads = {
             name: jnp.zeros(w[name].shape, jnp.float32)
-            for name in _KERNELS + _BIASES
+            for name in KERNELS + BIASES
             if w[name] is not None
         }  # float32 accumulators over the expert's chunks
 
