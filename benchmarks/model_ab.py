@@ -18,6 +18,8 @@ Forms (the earlier one kept here as the reference it replaced):
 * ``tokens``: the projections' matmuls over the merged token dims ``[B*T, D]``
   (``token_einsum``) against the einsums over ``[B, T, D]``.
 * ``blocks``: causal attention in ``QUERY_BLOCKS`` query blocks against one block.
+* ``softmax``: attention's softmax divided after the weighted sum of the values
+  (``softmax_attend``: ``(e @ v) / l``) against ``jax.nn.softmax`` then the sum.
 * ``heads``: the q/k/v projections' kernels as ``[D, heads * head_dim]`` matrices against
   the einsum over the ``[D, heads, head_dim]`` kernel (the form Qwix still gets).
 * ``grouped`` (``--family qwen3_moe``): the sorted MoE's grouped matmul (``layers.moe.
@@ -45,6 +47,21 @@ def rotate_half_rope(x, cos, sin, sections: int = 1):
         rotated.append(jnp.concatenate([-part[..., half:], part[..., :half]], axis=-1))
     rotated = jnp.concatenate(rotated, axis=-1)  # [B, T, N, H]
     return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
+
+
+def normalised_softmax_attention(q, k, v, mask, sinks, scale):
+    """``softmax_attend`` before #43's last change: ``jax.nn.softmax`` over the masked scores
+    and the sink column, then the weighted sum of the values."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k) * scale
+    logits = jnp.where(mask[:, None, None, :, :], logits, jnp.finfo(jnp.float32).min)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks[None, :, :, None, None], (*logits.shape[:-1], 1))
+        logits = jnp.concatenate([logits, sink], axis=-1)  # [B, K, G, T, S + 1]
+    probs = jax.nn.softmax(logits, axis=-1)[..., : k.shape[1]]
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v)
 
 
 def einsum_over_batch_and_sequence(spec, x, kernel):
@@ -107,6 +124,7 @@ FORMS = {
     ],
     "blocks": [("posttrain.layers.attention", "QUERY_BLOCKS", 1)],
     "heads": [("posttrain.layers.attention", "qwix_may_intercept", lambda module: True)],
+    "softmax": [("posttrain.layers.attention", "softmax_attend", normalised_softmax_attention)],
     "grouped": [("posttrain.layers.moe.experts", "Experts._sorted", block_scan_sorted)],
 }
 

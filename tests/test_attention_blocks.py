@@ -5,6 +5,8 @@
   ``MIN_QUERY_BLOCK`` positions): the logits and gradients equal one block's.
 * Projections merge the token dims ``[B, T]`` into one before the matmul
   (``posttrain.layers.mlp.token_einsum``), unless the mesh shards the sequence.
+* The softmax divides after the weighted sum of the values
+  (``attention.softmax_attend``): values and gradients equal ``jax.nn.softmax``'s.
 
 The tests lower ``MIN_QUERY_BLOCK`` so that the tiny presets' short sequences are blocked.
 """
@@ -210,3 +212,59 @@ def test_head_projections_multiply_a_matrix_unless_qwix_may_intercept():
 
     projection.kernel_lora_a = nnx.LoRAParam(jnp.zeros((d_model, 2)))
     assert _head_projection_matmuls(projection, x)[0] == (d_model, heads, head_dim)
+
+
+def _normalised_attention(q, k, v, mask, sinks, scale):
+    """The form ``softmax_attend`` replaced: ``jax.nn.softmax`` over the masked scores and
+    the sink column, then the weighted sum."""
+    s = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k) * scale
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    if sinks is not None:
+        column = jnp.broadcast_to(sinks[None, :, :, None, None], (*s.shape[:-1], 1))
+        s = jnp.concatenate([s, column], axis=-1)
+    probs = jax.nn.softmax(s, axis=-1)[..., : k.shape[1]]
+    return jnp.einsum("bkgts,bskh->btkgh", probs, v)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize(
+    ("seq", "keys", "q_dtype", "rel"),
+    [
+        (6, 6, "float32", 1e-5),  # square, as without a cache
+        (3, 7, "float32", 1e-5),  # fewer queries than keys, as with a cache
+        (6, 6, "bfloat16", 8e-3),  # bf16 queries; q's gradient may round to a neighbour
+    ],
+)
+def test_softmax_attend_equals_the_normalised_softmax(seq, keys, q_dtype, rel, with_sinks):
+    """Values and the gradients of q (in its dtype), k, v and the sinks equal the
+    normalised softmax's, with a query that sees no key (it averages all values, or puts
+    all weight on the sink) and large scores (the row maximum is taken out first)."""
+    b, kv, g, h = 2, 2, 3, 4
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(8 * rng.standard_normal((b, seq, kv, g, h)), q_dtype)
+    k, v = (jnp.asarray(8 * rng.standard_normal((b, keys, kv, h)), jnp.float32) for _ in "kv")
+    sinks = jnp.asarray(rng.standard_normal((kv, g)), jnp.float32) if with_sinks else None
+    mask = np.tril(np.ones((seq, keys), bool), k=keys - seq)[None].repeat(b, 0)
+    mask[1, 0] = False  # a query that sees no key
+    mask = jnp.asarray(mask)
+    weights = jnp.asarray(rng.standard_normal((b, seq, kv, g, h)), jnp.float32)
+
+    def objective(form):
+        def f(q, k, v, sinks):
+            return jnp.sum(form(q, k, v, mask, sinks, h**-0.5) * weights)
+
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3) if with_sinks else (0, 1, 2))
+
+    got, want = (
+        objective(form)(q, k, v, sinks)
+        for form in (attention.softmax_attend, _normalised_attention)
+    )
+    out = attention.softmax_attend(q, k, v, mask, sinks, h**-0.5)
+    assert out.dtype == jnp.float32 and out.shape == (b, seq, kv, g, h)
+    # no key: the mean of the values (HF's eager attention), or with a sink all weight on it
+    mean = jnp.broadcast_to(v[1].mean(0)[:, None], (kv, g, h))
+    np.testing.assert_allclose(out[1, 0], 0 * mean if with_sinks else mean, atol=1e-5)
+    assert _scaled_error(np.asarray(got[0]), np.asarray(want[0])) <= rel
+    for mine, theirs in zip(got[1], want[1], strict=True):
+        assert mine.dtype == theirs.dtype
+        assert _scaled_error(np.asarray(mine, np.float32), np.asarray(theirs, np.float32)) <= rel

@@ -294,20 +294,53 @@ class Attention(nnx.Module):
 
     def _scores_softmax_out(self, q, k, v, mask):
         """``q`` ``[B, T, K, G, H]`` over float32 ``k``, ``v`` ``[B, S, K, H]`` under ``mask``
-        ``[B, T, S]``: float32 ``[B, T, K, G, H]``."""
+        ``[B, T, S]``: float32 ``[B, T, K, G, H]`` (:func:`softmax_attend`)."""
         cfg = self.cfg
-        with jax.named_scope("attention_scores"):
-            logits = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k)
-            logits = logits * cfg.logit_scale  # [B, K, G, T, S] float32: softmax range needs it
-            big_negative = jnp.finfo(jnp.float32).min
-            logits = jnp.where(mask[:, None, None, :, :], logits, big_negative)
-        with jax.named_scope("attention_softmax"):
-            if self.sinks is not None:
-                sink = self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, -1)
-                sink = jnp.broadcast_to(sink[None, :, :, None, None], (*logits.shape[:-1], 1))
-                logits = jnp.concatenate([logits, sink], axis=-1)  # [B, K, G, T, S + 1]
-            probs = jax.nn.softmax(logits, axis=-1)
-            if self.sinks is not None:
-                probs = probs[..., :-1]  # [B, K, G, T, S]: rows sum to < 1
-        with jax.named_scope("attention_out"):
-            return jnp.einsum("bkgts,bskh->btkgh", probs, v)
+        sinks = None
+        if self.sinks is not None:
+            sinks = self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, -1)  # [K, G]
+        return softmax_attend(q, k, v, mask, sinks, cfg.logit_scale)
+
+
+def softmax_attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    sinks: jax.Array | None,
+    scale: float,
+) -> jax.Array:
+    """Softmax attention of ``q`` over ``k``, ``v`` in float32: ``jax.nn.softmax`` over
+    ``where(mask, q.k * scale, float32 min)``, the sink logits (GPT-OSS) as one more column
+    per query that weighs no value, then the weighted sum of the values.
+
+    The softmax stays unnormalised until after the weighted sum, ``(e @ v) / l`` with
+    ``e = exp(s - max)`` and ``l`` its row sum (the sinks' terms added): the division runs
+    over ``[T, H]`` instead of ``[T, S]``, in the forward and in its backward
+    (``benchmarks/model_ab.py --form attention``). A query with no visible key averages all
+    S values (HF's eager attention); its scores get no gradient.
+
+    Args:
+      q: ``[B, T, K, G, H]``, any float dtype (the product is float32).
+      k, v: ``[B, S, K, H]`` float32.
+      mask: ``[B, T, S]`` bool, True where query t may attend key s.
+      sinks: ``[K, G]`` float32 sink logits, or ``None``.
+      scale: the scores' factor (``AttentionConfig.logit_scale``).
+
+    Returns:
+      ``[B, T, K, G, H]`` float32.
+    """
+    with jax.named_scope("attention_scores"):
+        s = jnp.einsum("btkgh,bskh->bkgts", q.astype(jnp.float32), k) * scale
+        s = jnp.where(mask[:, None, None, :, :], s, jnp.finfo(jnp.float32).min)  # [B, K, G, T, S]
+    with jax.named_scope("attention_softmax"):
+        top = jax.lax.stop_gradient(jnp.max(s, axis=-1))  # [B, K, G, T]; cancels out
+        if sinks is not None:
+            top = jnp.maximum(top, sinks[None, :, :, None])
+        e = jnp.exp(s - top[..., None])  # [B, K, G, T, S]
+        total = jnp.sum(e, axis=-1)  # [B, K, G, T]
+        if sinks is not None:
+            total = total + jnp.exp(sinks[None, :, :, None] - top)
+    with jax.named_scope("attention_out"):
+        out = jnp.einsum("bkgts,bskh->btkgh", e, v)  # [B, T, K, G, H]
+        return out / jnp.moveaxis(total, 3, 1)[..., None]
