@@ -13,18 +13,18 @@ counted as the dot's, which only raises the ceiling). Ops of one step may run at
 on the runtime's threads, so the figure is the union of the dots' intervals, not their
 sum.
 
-A plain ``dot`` or ``convolution`` instruction runs in Eigen, asynchronously: its trace
-event often ends when the contraction is handed to Eigen's threads, while the work goes
-on (a ``[2048, 256]^T [2048, 768]`` weight gradient of ~4 ms shows as a 0.5 ms event, then
-a gap with no op; in the model step, all 29 weight gradients). Such a dot is outstanding until the first traced op that reads its
-result starts (:func:`async_dot_readers`), or, if its result leaves the program, until
-the call ends; the time in that window when no traced op runs is counted as its own.
-That leaves out the part of its work that overlaps other ops, so the ceiling stays an
-upper bound.
+A plain ``dot`` or ``convolution`` outside a fusion runs in Eigen, asynchronously
+(:func:`eigen_dots`): its trace event often ends when the contraction is handed to
+Eigen's threads while the work goes on. A ``[2048, 256]^T [2048, 768]`` weight gradient of
+~4 ms shows as a 0.5 ms event, then a gap in which no op runs (in the dense model step,
+after the weight gradients of each layer's MLP). The gap right after such a dot's event,
+until the next op starts, counts as the dot's; any part of its work that overlaps later
+ops does not, so the ceiling stays an upper bound.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import glob
 import gzip
@@ -70,29 +70,29 @@ def dot_instructions(hlo: str) -> set[str]:
     }
 
 
-def async_dot_readers(hlo: str) -> dict[str, set[str]]:
-    """``{dot: readers}`` for each plain ``dot`` or ``convolution`` of the module's entry
-    computation (an Eigen op, asynchronous in XLA:CPU's runtime): the instructions that read
-    its result, through any number of ``bitcast``, ``tuple`` and ``get-tuple-element``
-    (which the runtime does not trace)."""
-    entry: dict[str, tuple[str, set[str]]] = {}  # name -> (opcode, operands)
-    inside = False
+def _instructions(hlo: str) -> dict[str, list[tuple[str, str]]]:
+    """``{computation: [(instruction, opcode)]}`` of an HLO module's text."""
+    computations: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []  # before the first computation: none
     for line in hlo.splitlines():
         if m := _COMPUTATION.match(line):
-            inside = line.lstrip().startswith("ENTRY")
-        elif inside and (m := _INSTRUCTION.match(line)):
-            args = line[m.end() :].split(")", 1)[0]  # the operand list
-            entry[m.group(1)] = (m.group(2), set(_OPERANDS.findall(args)))
-    untraced = {"bitcast", "tuple", "get-tuple-element"}
+            current = computations.setdefault(m.group(1), [])
+        elif m := _INSTRUCTION.match(line):
+            current.append((m.group(1), m.group(2)))
+    return computations
 
-    def readers(name: str) -> set[str]:
-        found = set()
-        for reader, (op, operands) in entry.items():
-            if name in operands:
-                found |= readers(reader) if op in untraced else {reader}
-        return found
 
-    return {name: readers(name) for name, (op, _) in entry.items() if op in _DOT_OPCODES}
+def eigen_dots(hlo: str) -> set[str]:
+    """The plain ``dot`` and ``convolution`` instructions outside fusion bodies (the entry
+    computation, ``while`` bodies ...): XLA:CPU runs them in Eigen, asynchronously."""
+    fused = set(re.findall(r"\bfusion\(.*?calls=%?([\w.-]+)", hlo))
+    return {
+        name
+        for computation, instructions in _instructions(hlo).items()
+        if computation not in fused
+        for name, op in instructions
+        if op in _DOT_OPCODES
+    }
 
 
 def opcodes(hlo: str) -> collections.Counter:
@@ -102,27 +102,28 @@ def opcodes(hlo: str) -> collections.Counter:
     )
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as disjoint intervals, sorted."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of ``(start, end)`` intervals."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+    return sum(end - start for start, end in _merged(intervals))
 
 
 class Profile(NamedTuple):
     """The ops of ``calls`` calls of one program: ``ops`` holds ``(HLO instruction, start
-    s, end s)`` for every op XLA's runtime executed, ``spans`` ``(start s, end s)`` of each
-    call (empty where unknown)."""
+    s, end s)`` for every op XLA's runtime executed."""
 
     ops: list[tuple[str, float, float]]
     calls: int
-    spans: tuple[tuple[float, float], ...] = ()
-
-
-_CALL = "op_profile.call"  # the trace annotation around each call
 
 
 def profile(run: Callable[[], object], calls: int) -> Profile:
@@ -134,8 +135,7 @@ def profile(run: Callable[[], object], calls: int) -> Profile:
         jax.profiler.start_trace(directory)
         try:
             for _ in range(calls):
-                with jax.profiler.TraceAnnotation(_CALL):
-                    run()
+                run()
         finally:
             jax.profiler.stop_trace()
         # the trace in Chrome's JSON form, which jax.profiler writes beside its XSpace
@@ -146,22 +146,23 @@ def profile(run: Callable[[], object], calls: int) -> Profile:
     def seconds(e):
         return e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6  # us -> s
 
-    complete = [e for e in events if e.get("ph") == "X"]
-    ops = [(e["args"]["hlo_op"], *seconds(e)) for e in complete if "hlo_op" in e.get("args", {})]
-    spans = tuple(sorted(seconds(e) for e in complete if e.get("name") == _CALL))
-    return Profile(ops, calls, spans)
+    ops = [
+        (e["args"]["hlo_op"], *seconds(e))
+        for e in events
+        if e.get("ph") == "X" and "hlo_op" in e.get("args", {})
+    ]
+    return Profile(ops, calls)
 
 
-def _idle(ops: list[tuple[str, float, float]], start: float, end: float):
-    """``[(start, end)]``: the parts of ``[start, end]`` in which none of ``ops`` (sorted by
-    start) runs."""
+def _idle(busy: list[tuple[float, float]], start: float, end: float):
+    """``[(start, end)]``: the parts of ``[start, end]`` outside ``busy`` (:func:`_merged`)."""
     gaps, reach = [], start
-    for _, op_start, op_end in ops:  # sorted by start
-        if op_start >= end:
+    for busy_start, busy_end in busy[max(bisect.bisect_right(busy, (start,)) - 1, 0) :]:
+        if busy_start >= end:
             break
-        if op_start > reach:
-            gaps.append((reach, op_start))
-        reach = max(reach, op_end)
+        if busy_start > reach:
+            gaps.append((reach, busy_start))
+        reach = max(reach, busy_end)
     return gaps + ([(reach, end)] if reach < end else [])
 
 
@@ -175,15 +176,21 @@ def dot_seconds(hlo: str, measured: Profile) -> float:
       RuntimeError: the profile names none of the program's matmuls (another program's
         profile, or a runtime that no longer names its ops).
     """
-    dots, readers = dot_instructions(hlo), async_dot_readers(hlo)
-    ops = sorted(measured.ops, key=lambda op: op[1])
+    dots, eigen = dot_instructions(hlo), eigen_dots(hlo)
+    loops = {  # a while's or call's event spans its body's ops: no op of its own
+        name
+        for instructions in _instructions(hlo).values()
+        for name, op in instructions
+        if op in ("while", "conditional", "call")
+    }
+    ops = sorted((op for op in measured.ops if op[0] not in loops), key=lambda op: op[1])
+    starts = [op_start for _, op_start, _ in ops]
+    busy = _merged([(op_start, op_end) for _, op_start, op_end in ops])
     intervals = []
     for op, start, end in ops:
-        if op in readers:  # an Eigen dot: outstanding until a reader starts or the call ends
-            reads = [s for name, s, _ in ops if name in readers[op] and s >= end]
-            ends = [span_end for span_start, span_end in measured.spans if span_start <= start]
-            done = min(reads or [e for e in ends if e >= end] or [end])
-            intervals += _idle(ops, end, done)
+        if op in eigen:  # outstanding in the idle time until the next op starts
+            after = bisect.bisect_left(starts, end)
+            intervals += _idle(busy, end, starts[after] if after < len(starts) else end)
         if op in dots:
             intervals.append((start, end))
     if not intervals:
