@@ -154,16 +154,13 @@ def profile(run: Callable[[], object], calls: int) -> Profile:
     return Profile(ops, calls)
 
 
-def _idle(busy: list[tuple[float, float]], start: float, end: float):
-    """``[(start, end)]``: the parts of ``[start, end]`` outside ``busy`` (:func:`_merged`)."""
-    gaps, reach = [], start
-    for busy_start, busy_end in busy[max(bisect.bisect_right(busy, (start,)) - 1, 0) :]:
-        if busy_start >= end:
-            break
-        if busy_start > reach:
-            gaps.append((reach, busy_start))
-        reach = max(reach, busy_end)
-    return gaps + ([(reach, end)] if reach < end else [])
+def _gap_after(busy: list[tuple[float, float]], end: float, done: float):
+    """``[(start, done)]``: the idle part of ``[end, done]``, which begins once the ops
+    running at ``end`` are done (``busy``, :func:`_merged`, holds every op; ``done`` is the
+    next op's start, so no op starts in between); empty if there is none."""
+    holding = bisect.bisect_right(busy, (end,)) - 1  # the busy stretch that began before end
+    start = max(end, busy[holding][1]) if holding >= 0 else end
+    return [(start, done)] if start < done else []
 
 
 def dot_seconds(hlo: str, measured: Profile) -> float:
@@ -177,11 +174,11 @@ def dot_seconds(hlo: str, measured: Profile) -> float:
         profile, or a runtime that no longer names its ops).
     """
     dots, eigen = dot_instructions(hlo), eigen_dots(hlo)
-    loops = {  # a while's or call's event spans its body's ops: no op of its own
+    loops = {  # a loop's or conditional's event spans its body's ops: no op of its own
         name
         for instructions in _instructions(hlo).values()
         for name, op in instructions
-        if op in ("while", "conditional", "call")
+        if op in ("while", "conditional")
     }
     ops = sorted((op for op in measured.ops if op[0] not in loops), key=lambda op: op[1])
     starts = [op_start for _, op_start, _ in ops]
@@ -190,7 +187,7 @@ def dot_seconds(hlo: str, measured: Profile) -> float:
     for op, start, end in ops:
         if op in eigen:  # outstanding in the idle time until the next op starts
             after = bisect.bisect_left(starts, end)
-            intervals += _idle(busy, end, starts[after] if after < len(starts) else end)
+            intervals += _gap_after(busy, end, starts[after] if after < len(starts) else end)
         if op in dots:
             intervals.append((start, end))
     if not intervals:

@@ -141,12 +141,14 @@ def test_dot_seconds_from_a_real_trace():
     seconds = dot_seconds(hlo, measured)
     assert span / 2 < seconds <= span < wall
     others = Profile([op for op in measured.ops if op[0] not in dots], calls=2)
-    with pytest.raises(RuntimeError, match="none of the module's matmuls"):
+    message = "^the profiler trace names none of the module's matmuls$"
+    with pytest.raises(RuntimeError, match=message):
         dot_seconds(hlo, others)
 
 
 # An entry computation with two plain dots (one read through a bitcast, one leaving through
-# the ROOT tuple), a matmul fusion, and a while loop whose body holds a third plain dot.
+# the ROOT tuple), a matmul fusion, and a while loop and a conditional whose body holds a
+# third plain dot.
 ASYNC_HLO = """HloModule jit_step, is_scheduled=true
 
 %fused_dot (p0: f32[4,4]) -> f32[4,4] {
@@ -174,6 +176,7 @@ ENTRY %main (a: f32[4,4], b: f32[4,4]) -> (f32[16], f32[4,4]) {
   %dot.2 = f32[4,4]{1,0} dot(%a, %a), lhs_contracting_dims={0}, rhs_contracting_dims={0}
   %ynn_fusion = f32[4,4]{1,0} fusion(%b), kind=kCustom, calls=%fused_dot
   %while.1 = f32[4,4]{1,0} while(%a), condition=%cond, body=%body
+  %conditional.1 = f32[4,4]{1,0} conditional(%p, %a, %a), branch_computations={%body, %body}
   ROOT %tuple = (f32[16]{0}, f32[4,4]{1,0}) tuple(%neg_fusion, %dot.2)
 }
 """
@@ -187,21 +190,26 @@ def test_eigen_dots_are_the_plain_dots_outside_fusion_bodies():
 
 
 def test_dot_seconds_counts_the_gap_after_an_eigen_dot_s_event():
-    """An Eigen dot's event may end at hand-off: the gap after it, until the next op
-    starts, counts as the dot's (dot.2: 0.5 + 2 s; dot.3 inside a loop whose event spans
-    its body: 0.5 + 1 s), none where another op starts at once (dot.1: 1 s, not the
-    1 s gap before its reader); a matmul fusion counts its event only (0.5 s)."""
+    """An Eigen dot's event may end at hand-off: the idle time after it, from when the ops
+    running at its end are done until the next op starts, counts as the dot's. dot.1: 1 s
+    and the gap [2, 3] after other_fusion; dot.2: 0.5 s and [6, 6.5] after neg_fusion;
+    dot.3, inside a loop and a conditional whose events span their body: 0.5 s and
+    [7.5, 8.5]; dot.2 as the last op: its event. A matmul fusion counts its event only.
+    The events come in any order."""
     ops = [
         ("dot.1", 0.0, 1.0),
-        ("other_fusion", 1.0, 2.0),
-        ("neg_fusion", 3.0, 4.0),
+        ("other_fusion", 0.5, 2.0),  # on the other core, past dot.1's event
+        ("neg_fusion", 3.0, 6.0),  # from before dot.2 to past its event
         ("dot.2", 4.0, 4.5),
         ("ynn_fusion", 6.5, 7.0),
         ("while.1", 7.0, 10.0),
+        ("conditional.1", 7.0, 10.0),
         ("dot.3", 7.0, 7.5),
         ("add_fusion", 8.5, 10.0),
+        ("dot.2", 10.5, 11.0),
     ]
-    assert dot_seconds(ASYNC_HLO, Profile(ops, calls=2)) == pytest.approx((1 + 2.5 + 0.5 + 1.5) / 2)
+    expected = (2.0 + 1.0 + 0.5 + 1.5 + 0.5) / 2
+    assert dot_seconds(ASYNC_HLO, Profile(ops[::-1], calls=2)) == pytest.approx(expected)
 
 
 def test_an_eigen_dot_of_a_real_trace_counts_its_work():
