@@ -25,7 +25,7 @@ from posttrain import sharding
 from posttrain.layers import attention
 from posttrain.layers.mlp import token_einsum
 from posttrain.models import build_model, get_config
-from tests.jaxprs import matmuls
+from tests.jaxprs import matmuls, scoped_primitives
 
 BATCH, SEQ = 3, 37  # 4 blocks of 9, 9, 10, 9 queries with MIN_QUERY_BLOCK = 8
 PAD = 6  # row 1 right-padded, row 2 left-padded (its first PAD queries see no key)
@@ -268,3 +268,18 @@ def test_softmax_attend_equals_the_normalised_softmax(seq, keys, q_dtype, rel, w
     for mine, theirs in zip(got[1], want[1], strict=True):
         assert mine.dtype == theirs.dtype
         assert _scaled_error(np.asarray(mine, np.float32), np.asarray(theirs, np.float32)) <= rel
+
+
+def test_softmax_attend_names_its_stages():
+    """The stage scopes Attention's docstring promises for profiles: the scores' matmul
+    under ``attention_scores``, the exponential (and no matmul) under
+    ``attention_softmax``, the weighted sum's matmul under ``attention_out``."""
+    q = jnp.ones((1, 4, 2, 2, 8), jnp.float32)
+    k = jnp.ones((1, 4, 2, 8), jnp.float32)
+    mask = jnp.ones((1, 4, 4), bool)
+    jaxpr = jax.make_jaxpr(lambda q: attention.softmax_attend(q, k, k, mask, None, 0.5))(q)
+    scopes = scoped_primitives(jaxpr.jaxpr)
+    assert "dot_general" in scopes["attention_scores"]
+    assert "exp" in scopes["attention_softmax"]
+    assert "dot_general" not in scopes["attention_softmax"]
+    assert "dot_general" in scopes["attention_out"]
