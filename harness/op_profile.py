@@ -184,9 +184,9 @@ def dot_seconds(hlo: str, measured: Profile) -> float:
     starts = [op_start for _, op_start, _ in ops]
     busy = _merged([(op_start, op_end) for _, op_start, op_end in ops])
     intervals = []
-    for op, start, end in ops:
+    for at, (op, start, end) in enumerate(ops):
         if op in eigen:  # outstanding in the idle time until the next op starts
-            after = bisect.bisect_left(starts, end)
+            after = max(at + 1, bisect.bisect_left(starts, end))  # not itself, if it took 0 s
             intervals += _gap_after(busy, end, starts[after] if after < len(starts) else end)
         if op in dots:
             intervals.append((start, end))
