@@ -194,11 +194,10 @@ def test_dot_seconds_counts_the_gap_after_an_eigen_dot_s_event():
     running at its end are done until the next op starts, counts as the dot's. dot.1: 1 s
     and the gap [2, 3] after other_fusion; dot.2: 0.5 s and [6, 6.5] after neg_fusion;
     dot.3, inside a loop and a conditional whose events span their body: 0.5 s and
-    [7.5, 8.5]; dot.2 as the last op: its event; a 0 s event first: the gap to the next
-    op; dot.1 while ops run past the next op's start: its event. A matmul fusion counts
+    [7.5, 8.5]; dot.2 as the last op: its event; dot.1 while ops run past the next op's
+    start: its event; a 0 s event as the first op: the gap to the next op. A matmul fusion counts
     its event only. The events come in any order."""
     ops = [
-        ("dot.2", -1.0, -1.0),  # a hand-off the trace rounds to 0 us, the first event
         ("dot.1", 0.0, 1.0),
         ("other_fusion", 0.5, 2.0),  # on the other core, past dot.1's event
         ("neg_fusion", 3.0, 6.0),  # from before dot.2 to past its event
@@ -213,8 +212,10 @@ def test_dot_seconds_counts_the_gap_after_an_eigen_dot_s_event():
         ("neg_fusion", 13.0, 14.5),  # starts while other_fusion still runs: no gap
         ("dot.2", 15.0, 15.5),
     ]
-    expected = (1.0 + 2.0 + 1.0 + 0.5 + 1.5 + 0.5 + 0.5) / 2
+    expected = (2.0 + 1.0 + 0.5 + 1.5 + 0.5 + 0.5) / 2
     assert dot_seconds(ASYNC_HLO, Profile(ops[::-1], calls=2)) == pytest.approx(expected)
+    first = [("dot.2", 0.0, 0.0), ("neg_fusion", 1.0, 2.0)]  # a hand-off rounded to 0 us
+    assert dot_seconds(ASYNC_HLO, Profile(first, calls=1)) == pytest.approx(1.0)
 
 
 def test_an_eigen_dot_of_a_real_trace_counts_its_work():
