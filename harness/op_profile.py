@@ -37,7 +37,6 @@ from typing import NamedTuple
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.-]+)\s*=\s*.*?\s([a-z][a-z0-9-]*)\(")
 _CALLS = re.compile(r"calls=%?([\w.-]+)")
-_OPERANDS = re.compile(r"%([\w.-]+)")
 _DOT_OPCODES = frozenset({"dot", "convolution"})
 
 
@@ -142,14 +141,10 @@ def profile(run: Callable[[], object], calls: int) -> Profile:
         (path,) = glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)
         with gzip.open(path) as f:
             events = json.load(f)["traceEvents"]
-
-    def seconds(e):
-        return e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6  # us -> s
-
     ops = [
-        (e["args"]["hlo_op"], *seconds(e))
+        (e["args"]["hlo_op"], e["ts"] * 1e-6, (e["ts"] + e["dur"]) * 1e-6)  # us -> s
         for e in events
-        if e.get("ph") == "X" and "hlo_op" in e.get("args", {})
+        if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})
     ]
     return Profile(ops, calls)
 

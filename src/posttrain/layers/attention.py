@@ -317,8 +317,9 @@ def softmax_attend(
     The softmax stays unnormalised until after the weighted sum, ``(e @ v) / l`` with
     ``e = exp(s - max)`` and ``l`` its row sum (the sinks' terms added): the division runs
     over ``[T, H]`` instead of ``[T, S]``, in the forward and in its backward
-    (``benchmarks/model_ab.py --form attention``). A query with no visible key averages all
-    S values (HF's eager attention); its scores get no gradient.
+    (``benchmarks/model_ab.py --form softmax``: the model step 0.97x). A query with no
+    visible key averages all S values (HF's eager attention), or with sinks puts all its
+    weight on the sink; its scores get no gradient.
 
     Args:
       q: ``[B, T, K, G, H]``, any float dtype (the product is float32).
