@@ -253,7 +253,7 @@ def test_softmax_attend_equals_the_normalised_softmax(seq, keys, q_dtype, rel, w
         def f(q, k, v, sinks):
             return jnp.sum(form(q, k, v, mask, sinks, h**-0.5) * weights)
 
-        return jax.value_and_grad(f, argnums=(0, 1, 2, 3) if with_sinks else (0, 1, 2))
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3) if with_sinks else (0, 1, 2)))
 
     got, want = (
         objective(form)(q, k, v, sinks)
