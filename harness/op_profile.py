@@ -40,17 +40,27 @@ _CALLS = re.compile(r"calls=%?([\w.-]+)")
 _DOT_OPCODES = frozenset({"dot", "convolution"})
 
 
+Instruction = tuple[str, str, list[str]]  # (name, opcode, the computations it calls)
+
+
+def _instructions(hlo: str) -> dict[str, list[Instruction]]:
+    """``{computation: [(instruction, opcode, called computations)]}`` of an HLO module's
+    text."""
+    computations: dict[str, list[Instruction]] = {}
+    current: list[Instruction] = []  # before the first computation: none
+    for line in hlo.splitlines():
+        if m := _COMPUTATION.match(line):
+            current = computations.setdefault(m.group(1), [])
+        elif m := _INSTRUCTION.match(line):
+            current.append((m.group(1), m.group(2), _CALLS.findall(line)))
+    return computations
+
+
 def dot_instructions(hlo: str) -> set[str]:
     """Names of the instructions of an HLO module's text that are matmuls: ``dot`` and
     ``convolution`` instructions, and fusions whose called computation holds one
     (directly or through a nested fusion)."""
-    holds: dict[str, list[tuple[str, str, list[str]]]] = {}
-    current: list[tuple[str, str, list[str]]] = []  # before the first computation: none
-    for line in hlo.splitlines():
-        if m := _COMPUTATION.match(line):
-            current = holds.setdefault(m.group(1), [])
-        elif m := _INSTRUCTION.match(line):
-            current.append((m.group(1), m.group(2), _CALLS.findall(line)))
+    holds = _instructions(hlo)
     memo: dict[str, bool] = {}
 
     def is_dot(op: str, calls: list[str]) -> bool:
@@ -69,27 +79,22 @@ def dot_instructions(hlo: str) -> set[str]:
     }
 
 
-def _instructions(hlo: str) -> dict[str, list[tuple[str, str]]]:
-    """``{computation: [(instruction, opcode)]}`` of an HLO module's text."""
-    computations: dict[str, list[tuple[str, str]]] = {}
-    current: list[tuple[str, str]] = []  # before the first computation: none
-    for line in hlo.splitlines():
-        if m := _COMPUTATION.match(line):
-            current = computations.setdefault(m.group(1), [])
-        elif m := _INSTRUCTION.match(line):
-            current.append((m.group(1), m.group(2)))
-    return computations
-
-
 def eigen_dots(hlo: str) -> set[str]:
     """The plain ``dot`` and ``convolution`` instructions outside fusion bodies (the entry
     computation, ``while`` bodies ...): XLA:CPU runs them in Eigen, asynchronously."""
-    fused = set(re.findall(r"\bfusion\(.*?calls=%?([\w.-]+)", hlo))
+    computations = _instructions(hlo)
+    fused = {  # the computations fusions call
+        called
+        for instructions in computations.values()
+        for _, op, calls in instructions
+        if op == "fusion"
+        for called in calls
+    }
     return {
         name
-        for computation, instructions in _instructions(hlo).items()
+        for computation, instructions in computations.items()
         if computation not in fused
-        for name, op in instructions
+        for name, op, _ in instructions
         if op in _DOT_OPCODES
     }
 
@@ -172,7 +177,7 @@ def dot_seconds(hlo: str, measured: Profile) -> float:
     loops = {  # a loop's or conditional's event spans its body's ops: no op of its own
         name
         for instructions in _instructions(hlo).values()
-        for name, op in instructions
+        for name, op, _ in instructions
         if op in ("while", "conditional")
     }
     ops = sorted((op for op in measured.ops if op[0] not in loops), key=lambda op: op[1])
