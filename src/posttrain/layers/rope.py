@@ -19,6 +19,27 @@ import numpy as np
 from posttrain.config import RopeConfig
 
 
+def yarn_correction_range(rope: RopeConfig, head_dim: int) -> tuple[float, float]:
+    """``(low, high)``: the frequency indices between which YaRN's ramp goes from
+    extrapolation to interpolation (HF ``_compute_yarn_parameters``' correction range:
+    the dims of ``beta_fast`` and ``beta_slow`` rotations, floored and ceiled when
+    ``truncate``, clipped to ``[0, head_dim - 1]``, ``high`` nudged past ``low`` when they
+    meet)."""
+
+    def correction_dim(rotations: float) -> float:
+        return (
+            head_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+        ) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # HF: prevents a division by zero
+    return low, high
+
+
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
     """Inverse frequencies ``[head_dim // 2]`` (float64 numpy) and the cos/sin scale.
 
@@ -43,19 +64,7 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, fl
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled), 1.0
     if rope.kind == "yarn":
-
-        def correction_dim(rotations: float) -> float:
-            return (
-                head_dim
-                * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
-            ) / (2 * math.log(rope.theta))
-
-        low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
-        if rope.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, head_dim - 1)
-        if low == high:
-            high += 0.001  # HF: prevents a division by zero
+        low, high = yarn_correction_range(rope, head_dim)
         ramp = np.clip((np.arange(half, dtype=np.float64) - low) / (high - low), 0, 1)  # [H/2]
         extrapolation = 1 - ramp
         inv = base / rope.factor * (1 - extrapolation) + base * extrapolation
