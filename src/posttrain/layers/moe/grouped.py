@@ -80,6 +80,16 @@ def _put(array: jax.Array, update: jax.Array, first: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(array, update.astype(array.dtype), first, 0)
 
 
+def times_transposed(a: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``a @ kernel.T``: ``[C, K] x [N, K] -> [C, N]`` in ``a``'s dtype, one dot over both
+    operands' minor dims, so that XLA reads the kernel as it lies. The backward took
+    ``kernel.T`` once per expert before its chunk loops, a transposed copy of each kernel
+    that XLA cannot fold into the dots inside the loops; without those copies the
+    Qwen3-MoE step of ``benchmarks/model_step.py`` takes 0.96-0.97x the time (an A/B of
+    the two backwards in one process)."""
+    return jax.lax.dot_general(a, kernel, (((1,), (1,)), ((), ())))
+
+
 def _expert(params: Params, expert: jax.Array) -> Params:
     """Expert ``expert``'s weights and biases: ``[D, F]``, ``[F, D]``, ``[F]``, ``[D]``."""
     return {name: None if v is None else v[expert] for name, v in params.items()}
@@ -166,7 +176,6 @@ def _grouped_bwd(activation, block_size, chunks, residuals, d_out):
 
     def expert(d_rows, e):
         w = _expert(params, e)
-        transposed = {name: w[name].T for name in KERNELS}  # once per expert, not per chunk
         grads = {
             name: jnp.zeros(w[name].shape, jnp.float32)
             for name in KERNELS + BIASES
@@ -178,7 +187,7 @@ def _grouped_bwd(activation, block_size, chunks, residuals, d_out):
             x, gate, up = (_rows(a, first, count) for a in (rows, gate_all, up_all))
             d_y = _rows(d_out, first, count)  # [C, D]
             hidden, act_vjp = jax.vjp(act, gate, up)  # [C, F]
-            d_gate, d_up = act_vjp(d_y @ transposed["down_proj"])  # [C, F] each
+            d_gate, d_up = act_vjp(times_transposed(d_y, w["down_proj"]))  # [C, F] each
             update = {
                 "down_proj": jnp.dot(hidden.T, d_y, preferred_element_type=jnp.float32),
                 "gate_proj": jnp.dot(x.T, d_gate, preferred_element_type=jnp.float32),
@@ -188,7 +197,8 @@ def _grouped_bwd(activation, block_size, chunks, residuals, d_out):
                 "up_proj_bias": jnp.sum(d_up, axis=0, dtype=jnp.float32),
             }
             grads = {name: g + update[name] for name, g in grads.items()}
-            d_x = d_gate @ transposed["gate_proj"] + d_up @ transposed["up_proj"]  # [C, D]
+            d_x = times_transposed(d_gate, w["gate_proj"])  # [C, D]
+            d_x = d_x + times_transposed(d_up, w["up_proj"])
             return _put(d_rows, d_x, first), grads
 
         d_rows, grads = _each_chunk(block_ends, e, chunks, block_size, chunk, (d_rows, grads))
