@@ -81,7 +81,7 @@ def _put(array: jax.Array, update: jax.Array, first: jax.Array) -> jax.Array:
 
 
 def times_transposed(a: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``a @ kernel.T``: ``[C, K] x [N, K] -> [C, N]`` in ``a``'s dtype, one dot over both
+    """``a @ kernel.T`` (its dtype): ``[C, K] x [N, K] -> [C, N]``, one dot over both
     operands' minor dims, so that XLA reads the kernel as it lies. The backward took
     ``kernel.T`` once per expert before its chunk loops, a transposed copy of each kernel
     that XLA cannot fold into the dots inside the loops; without those copies the
