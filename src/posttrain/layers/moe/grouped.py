@@ -80,7 +80,7 @@ def _put(array: jax.Array, update: jax.Array, first: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(array, update.astype(array.dtype), first, 0)
 
 
-def times_transposed(a: jax.Array, kernel: jax.Array) -> jax.Array:
+def _times_transposed(a: jax.Array, kernel: jax.Array) -> jax.Array:
     """``a @ kernel.T`` (its dtype): ``[C, K] x [N, K] -> [C, N]``, one dot over both
     operands' minor dims, so that XLA reads the kernel as it lies. The backward took
     ``kernel.T`` once per expert before its chunk loops, a transposed copy of each kernel
@@ -187,7 +187,7 @@ def _grouped_bwd(activation, block_size, chunks, residuals, d_out):
             x, gate, up = (_rows(a, first, count) for a in (rows, gate_all, up_all))
             d_y = _rows(d_out, first, count)  # [C, D]
             hidden, act_vjp = jax.vjp(act, gate, up)  # [C, F]
-            d_gate, d_up = act_vjp(times_transposed(d_y, w["down_proj"]))  # [C, F] each
+            d_gate, d_up = act_vjp(_times_transposed(d_y, w["down_proj"]))  # [C, F] each
             update = {
                 "down_proj": jnp.dot(hidden.T, d_y, preferred_element_type=jnp.float32),
                 "gate_proj": jnp.dot(x.T, d_gate, preferred_element_type=jnp.float32),
@@ -197,8 +197,8 @@ def _grouped_bwd(activation, block_size, chunks, residuals, d_out):
                 "up_proj_bias": jnp.sum(d_up, axis=0, dtype=jnp.float32),
             }
             grads = {name: g + update[name] for name, g in grads.items()}
-            d_x = times_transposed(d_gate, w["gate_proj"])  # [C, D]
-            d_x = d_x + times_transposed(d_up, w["up_proj"])
+            d_x = _times_transposed(d_gate, w["gate_proj"])  # [C, D]
+            d_x = d_x + _times_transposed(d_up, w["up_proj"])
             return _put(d_rows, d_x, first), grads
 
         d_rows, grads = _each_chunk(block_ends, e, chunks, block_size, chunk, (d_rows, grads))
