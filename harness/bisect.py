@@ -179,11 +179,13 @@ class Stepper:
             tree.mkdir(parents=True)
             # only what a build reads: the package and the top-level build files (a
             # snapshot may lack large blobs elsewhere, docs' images)
-            top = git_output(self.repo, "ls-tree", "--name-only", commit.sha).split("\n")
+            top = git_output(self.repo, "ls-tree", "--name-only", "--end-of-options",
+                             commit.sha).split("\n")  # fmt: skip
             keep = [n for n in top if n == self.package or n in BUILD_FILES
                     or n.startswith(("README", "LICENSE"))]  # fmt: skip
             archive = subprocess.run(
-                ["git", "-C", str(self.repo), "archive", "--format=tar", commit.sha, "--", *keep],
+                ["git", "-C", str(self.repo), "archive", "--format=tar", "--end-of-options",
+                 commit.sha, "--", *keep],
                 capture_output=True,
             )  # fmt: skip
             if archive.returncode != 0:
@@ -338,7 +340,7 @@ def run_suggestions(
         result: dict[str, Any] = dict(item)
         try:
             target = parse_target(item["contract"])
-            repo = local_checkout(item["source"], cache.root.parent)
+            repo = local_checkout(item["source"], cache.root)
             with tempfile.TemporaryDirectory(prefix="bisect-") as work:
                 stepper = Stepper(repo, target, verdict=item["verdict"], cache=cache,
                                   work=Path(work), log=log)  # fmt: skip

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import subprocess
 from pathlib import Path
 
 from harness import sources
+
+_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")  # SHA-1 or SHA-256 repositories
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +24,9 @@ class Commit:
 
 def local_checkout(source: str, cache_root: Path) -> Path:
     """``--source`` as a local repository: a directory as it is; a URL cloned (or
-    fetched again) into ``cache_root/sources/<hash of the URL>``.
+    fetched again) into ``cache_root/sources/<hash of the URL without credentials>``.
+    Credentials in the URL reach git through its environment only
+    (:func:`harness.sources.git_environ`): the clone's files never hold them.
 
     Raises:
       ValueError: the spec is empty, or the clone or fetch fails (git's last line).
@@ -30,14 +35,15 @@ def local_checkout(source: str, cache_root: Path) -> Path:
     if parsed.path is not None:
         return parsed.path
     assert parsed.url is not None
-    digest = hashlib.sha256(parsed.url.encode()).hexdigest()[:16]
+    url, environ = sources.git_environ(parsed.url)
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     target = cache_root / "sources" / digest
     if (target / ".git").is_dir():
         command = ["git", "-C", str(target), "fetch", "--quiet", "--tags", "origin"]
     else:
         target.parent.mkdir(parents=True, exist_ok=True)
-        command = ["git", "clone", "--quiet", parsed.url, str(target)]
-    done = subprocess.run(command, capture_output=True, text=True)
+        command = ["git", "clone", "--quiet", "--end-of-options", url, str(target)]
+    done = subprocess.run(command, capture_output=True, text=True, env=environ)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["git failed"])[-1]
         raise ValueError(f"--source {source!r} cannot be had: {last}")
@@ -53,13 +59,34 @@ def git_output(repo: Path, *args: str) -> str:
     return done.stdout
 
 
-def commits_between(repo: Path, good: str, bad: str) -> tuple[Commit, Commit, list[Commit]]:
-    """The good and bad commits and the first-parent commits after good up to bad,
-    oldest first (bad last).
+def verify_commit(repo: Path, ref: str, flag: str) -> str:
+    """The full hash of the commit ``ref`` names in ``repo``, checked before any other
+    git call sees it: ``git rev-parse --verify --end-of-options REF^{commit}`` (an
+    option-like ``--output=FILE`` is then a name, never an option).
 
     Raises:
-      ValueError: ``repo`` is not a git repository, a ref names nothing, or good is not
-        an ancestor of bad (one line each).
+      ValueError: ``<flag> '<ref>': no such commit in <repo>`` (also for a ref that
+        names a tree or blob, and for an empty one).
+    """
+    done = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", "--end-of-options",
+         f"{ref}^{{commit}}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    sha = done.stdout.strip()
+    if done.returncode != 0 or not ref.strip() or not _SHA.fullmatch(sha):
+        raise ValueError(f"{flag} {ref!r}: no such commit in {repo}")
+    return sha
+
+
+def commits_between(repo: Path, good: str, bad: str) -> tuple[Commit, Commit, list[Commit]]:
+    """The good and bad commits and the first-parent commits after good up to bad,
+    oldest first (bad last). Both refs are verified as commits first
+    (:func:`verify_commit`); git sees only their hashes after that.
+
+    Raises:
+      ValueError: ``repo`` is not a git repository, a ref names no commit, or good is
+        not an ancestor of bad (one line each).
     """
     if (
         not repo.is_dir()
@@ -70,21 +97,28 @@ def commits_between(repo: Path, good: str, bad: str) -> tuple[Commit, Commit, li
         raise ValueError(f"--source {repo}: not a git repository")
 
     def one(ref: str, flag: str) -> Commit:
-        try:
-            line = git_output(repo, "log", "-1", "--format=%H%x00%cI%x00%s", ref, "--")
-        except ValueError:
-            raise ValueError(f"{flag} {ref!r}: no such commit in {repo}") from None
-        sha, date, subject = line.rstrip("\n").split("\x00", 2)
+        sha = verify_commit(repo, ref, flag)
+        line = git_output(repo, "log", "-1", "--format=%H%x00%cI%x00%s", "--end-of-options", sha)
+        _, date, subject = line.rstrip("\n").split("\x00", 2)
         return Commit(sha, date, subject)
 
     first, last = one(good, "--good"), one(bad, "--bad")
     if subprocess.run(
-        ["git", "-C", str(repo), "merge-base", "--is-ancestor", first.sha, last.sha]
+        [
+            "git",
+            "-C",
+            str(repo),
+            "merge-base",
+            "--is-ancestor",
+            "--end-of-options",
+            first.sha,
+            last.sha,
+        ]  # fmt: skip
     ).returncode:
         raise ValueError(f"--good {good!r} is not an ancestor of --bad {bad!r}")
     log = git_output(
         repo, "log", "--reverse", "--first-parent", "--format=%H%x00%cI%x00%s",
-        f"{first.sha}..{last.sha}",
+        "--end-of-options", f"{first.sha}..{last.sha}",
     )  # fmt: skip
     between = [Commit(*line.split("\x00", 2)) for line in log.splitlines() if line]
     return first, last, between
@@ -92,7 +126,9 @@ def commits_between(repo: Path, good: str, bad: str) -> tuple[Commit, Commit, li
 
 def touched(repo: Path, commit: Commit, package: str) -> list[str]:
     """The files ``commit`` changed under the package's directory (all, if none)."""
-    names = git_output(repo, "show", "--name-only", "--format=", commit.sha).split()
+    names = git_output(
+        repo, "show", "--name-only", "--format=", "--end-of-options", commit.sha
+    ).split()
     inside = [n for n in names if n.startswith(f"{package}/")]
     return inside or names
 
@@ -100,8 +136,9 @@ def touched(repo: Path, commit: Commit, package: str) -> list[str]:
 def merged(repo: Path, commit: Commit) -> list[str]:
     """A merge's own commits (``sha subject``, oldest first: what its second parent
     brought in, where the change itself is); ``[]`` for a plain commit."""
-    parents = git_output(repo, "log", "-1", "--format=%P", commit.sha).split()
+    parents = git_output(repo, "log", "-1", "--format=%P", "--end-of-options", commit.sha).split()
     if len(parents) < 2:
         return []
-    log = git_output(repo, "log", "--reverse", "--format=%H %s", f"{parents[0]}..{parents[1]}")
+    between = f"{parents[0]}..{parents[1]}"
+    log = git_output(repo, "log", "--reverse", "--format=%H %s", "--end-of-options", between)
     return log.splitlines()

@@ -28,6 +28,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from urllib.parse import urlsplit
 
 DISTRIBUTION = "google-tunix"
 ANY_DEPTH = frozenset({".git", "__pycache__"})
@@ -42,15 +43,69 @@ class SourceError(ValueError):
     """A source spec that is malformed, unreachable or not a package; one line."""
 
 
-_USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][\w+.-]*://)[^/@\s'\"]+@")
+# a URL in free text: a scheme, "://", then everything up to white space or the next
+# URL; the URL parser takes the authority from that (up to the first /, ? or #)
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]*://"
+_URL = re.compile(rf"{_SCHEME}(?:(?!{_SCHEME})\S)+")
 REDACTED = "***"
+
+
+def _userinfo(url: str) -> str:
+    """The user-info of ``url`` (``scheme://USERINFO@host...``): the authority up to its
+    last ``@`` (a password may hold ``@``, ``:`` and escapes); ``""`` when it has none."""
+    rest = url.split("://", 1)[1]
+    try:
+        authority = urlsplit("//" + rest).netloc
+    except ValueError:  # a malformed [IPv6] host: the authority as the parser would cut it
+        authority = re.split(r"[/?#]", rest, maxsplit=1)[0]
+    return authority.rpartition("@")[0]
+
+
+def strip_userinfo(url: str) -> str:
+    """``url`` without its user-info (``https://user:token@host/x`` -> ``https://host/x``):
+    what may be written to disk. A URL without one, or scp-like ``git@host:path``, is
+    returned as it is."""
+    if "://" not in url or not (info := _userinfo(url)):
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{rest[len(info) + 1 :]}"
+
+
+def git_environ(url: str) -> tuple[str, dict[str, str]]:
+    """``(url without its user-info, the environment for git)``: git is given the
+    stripped URL (what a clone writes to its config, reflogs and ``FETCH_HEAD``, and what
+    shows in the process list) and, through its environment only, the rule that turns it
+    back into ``url`` (``url.<url>.insteadOf <stripped>``; ``GIT_CONFIG_COUNT``, git
+    >= 2.31), so the credentials reach the transport and nothing written. Prompts are
+    off either way (``GIT_TERMINAL_PROMPT=0``)."""
+    environ = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
+    stripped = strip_userinfo(url)
+    if stripped != url:
+        n = int(environ.get("GIT_CONFIG_COUNT", "0") or 0)  # after any the user set
+        environ.update(
+            {
+                f"GIT_CONFIG_KEY_{n}": f"url.{url}.insteadOf",
+                f"GIT_CONFIG_VALUE_{n}": stripped,
+                "GIT_CONFIG_COUNT": str(n + 1),
+            }
+        )
+    return stripped, environ
 
 
 def redact(text: str) -> str:
     """``text`` with the user-info of every URL in it (``https://user:token@host``)
     replaced by :data:`REDACTED`: what is shown or stored of a source spec, never what
     is installed from it. An scp-like ``git@host:path`` has no secret and stays."""
-    return _USERINFO.sub(rf"\g<scheme>{REDACTED}@", text)
+
+    def hide(match: re.Match) -> str:
+        url = match.group(0)
+        info = _userinfo(url)
+        if not info:
+            return url
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://{REDACTED}@{rest[len(info) + 1 :]}"
+
+    return _URL.sub(hide, text)
 
 
 def check_directory(path: Path, spec: str) -> None:
@@ -171,7 +226,10 @@ def tree_hash(root: Path) -> str:
 
 
 def _git(
-    args: list[str], cwd: Path | None = None, timeout: float = 30
+    args: list[str],
+    cwd: Path | None = None,
+    timeout: float = 30,
+    environ: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["git", *args],
@@ -180,7 +238,7 @@ def _git(
         text=True,
         timeout=timeout,
         check=False,
-        env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        env=environ if environ is not None else {**os.environ, "GIT_TERMINAL_PROMPT": "0"},
     )
 
 
@@ -205,8 +263,9 @@ def resolve(source: Source) -> Resolved:
     else:
         try:
             # ref^{}: an annotated tag's commit (ls-remote lists it only when asked)
-            command = ["ls-remote", source.url, source.ref, f"{source.ref}^{{}}"]
-            done = _git(command, timeout=LS_REMOTE_TIMEOUT_S)
+            url, environ = git_environ(source.url)
+            command = ["ls-remote", "--end-of-options", url, source.ref, f"{source.ref}^{{}}"]
+            done = _git(command, timeout=LS_REMOTE_TIMEOUT_S, environ=environ)
         except (OSError, subprocess.TimeoutExpired) as error:
             raise SourceError(f"source {source.spec!r} cannot be reached: {error}") from None
         if done.returncode != 0:

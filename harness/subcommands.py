@@ -175,7 +175,7 @@ def run_bisect(args: argparse.Namespace) -> int:
         if target.kind == "cell" and args.verdict == "warn":
             raise ValueError(f"--verdict warn needs a contract; run cell {target.name!r} "
                              "records no deprecations")  # fmt: skip
-        repo = git_history.local_checkout(args.source, (args.cache or envs.DEFAULT_CACHE).parent)
+        repo = git_history.local_checkout(args.source, args.cache or envs.DEFAULT_CACHE)
         with tempfile.TemporaryDirectory(prefix="bisect-") as work:
             stepper = bisect.Stepper(
                 repo,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import bisect, bisect_suggestions, cli, envs, git_history
+from harness import bisect, bisect_suggestions, cli, envs, git_history, sources
 from tests.test_matrix_sources import FAKE_PYPROJECT
 
 
@@ -216,6 +216,48 @@ def test_bad_input_is_one_line_and_exit_2(upstream, tmp_path, capsys, argv, word
     assert not out.exists() and not (tmp_path / "envs").exists()
 
 
+@pytest.mark.parametrize("flag", ["--good", "--bad"])
+@pytest.mark.parametrize(
+    "value",
+    ["--output={out}", "-o{out}", "--end-of-options", "HEAD --output={out}", "HEAD^{{tree}}"],
+    ids=["long-option", "short-option", "end-of-options", "spaced", "not-a-commit"],
+)
+def test_a_ref_that_looks_like_an_option_is_refused_and_never_reaches_git(
+    upstream, tmp_path, capsys, flag, value
+):
+    """Every ref is verified as a commit (``rev-parse --verify --end-of-options``) before
+    git sees it: an option (``git log --output=FILE`` writes FILE) or a non-commit is one
+    line naming the value, exit 2, and nothing is written."""
+    root, _, _ = upstream
+    out = tmp_path / "written"
+    value = value.format(out=out)
+    refs = {"--good": "HEAD~2", "--bad": "HEAD", flag: value}
+    argv = ["bisect", "--contract", "sft", "--source", str(root), f"--good={refs['--good']}",
+            f"--bad={refs['--bad']}", "--report-dir", str(tmp_path / "r"),
+            "--cache", str(tmp_path / "envs")]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{flag} {value!r}: no such commit" in err[0], err
+    assert not out.exists() and not (tmp_path / "r").exists()
+
+
+def test_git_calls_put_end_of_options_before_user_values(upstream, monkeypatch):
+    """The refs reach git only after ``--end-of-options`` (and as verified commits)."""
+    root, shas, _ = upstream
+    seen: list[list[str]] = []
+    real = subprocess.run
+
+    def record(command, *args, **kwargs):
+        seen.append(list(command))
+        return real(command, *args, **kwargs)
+
+    monkeypatch.setattr(git_history.subprocess, "run", record)
+    git_history.commits_between(root, "HEAD~2", "HEAD")
+    for ref in ("HEAD~2", "HEAD"):  # each once, verified; git sees hashes after that
+        (call,) = [c for c in seen if f"{ref}^{{commit}}" in c]
+        assert call.index("--end-of-options") < call.index(f"{ref}^{{commit}}"), call
+
+
 def test_the_result_is_written_and_summarised(tmp_path):
     commit = {"sha": "a" * 40, "date": "2026-11-30T10:00:00+00:00", "subject": "rename it"}
     result = {"verdict": "fail", "commits": 9, "steps": [{}] * 5, "candidates": [commit],
@@ -321,3 +363,88 @@ def test_a_merge_named_as_first_bad_lists_the_commits_it_brought_in(tmp_path):
     pr = git("rev-parse", "pr", cwd=root)
     assert git_history.merged(root, merge) == [f"{pr} stop decode one step earlier"]
     assert git_history.merged(root, git_history.Commit(pr, "", "")) == []
+
+
+SOURCE_SECRET = "t0ken@with:odd%40chars"
+
+
+@pytest.fixture
+def served(upstream, tmp_path):
+    """The fake upstream as a bare repository over git's dumb HTTP on loopback, behind
+    Basic authentication with :data:`SOURCE_SECRET`; yields the URL with credentials."""
+    import base64
+    import functools
+    import http.server
+    import threading
+    from urllib.parse import quote
+
+    root, _, _ = upstream
+    bare = tmp_path / "served" / "tunix.git"
+    git("clone", "-q", "--bare", str(root), str(bare), cwd=tmp_path)
+    git("update-server-info", cwd=bare)
+    wanted = "Basic " + base64.b64encode(f"user:{SOURCE_SECRET}".encode()).decode()
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            if self.headers.get("Authorization") != wanted:
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Basic realm="t"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Handler, directory=str(bare.parent))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield f"http://user:{quote(SOURCE_SECRET, safe='')}@{host}:{port}/tunix.git"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_cloned_source_keeps_no_credentials_and_lives_under_the_cache(served, tmp_path):
+    """A ``--source`` URL with a token is cloned (and fetched again) with the token given
+    to git through its environment only: no file of the clone (config, logs, FETCH_HEAD,
+    packed-refs) holds it. The clone lives under ``--cache`` itself, not beside it."""
+    from urllib.parse import quote
+
+    cache = tmp_path / "cache"
+    repo = git_history.local_checkout(served, cache)
+    assert repo.parent == cache / "sources", repo
+    assert git_history.local_checkout(served, cache) == repo  # the fetch works too
+    assert git("rev-parse", "HEAD", cwd=repo)
+    secrets = (SOURCE_SECRET, quote(SOURCE_SECRET, safe=""), "user:")
+    for path in repo.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            assert not any(s.encode() in data for s in secrets), path
+    assert git("remote", "get-url", "origin", cwd=repo) == sources.strip_userinfo(served)
+
+
+def test_bisect_and_matrix_bisect_clone_under_the_cache_they_are_given(tmp_path, monkeypatch):
+    """``bisect --cache DIR`` and ``matrix --bisect`` hand DIR itself as the clones'
+    root (``DIR/sources/...``), never its parent."""
+    seen = []
+
+    def checkout(source, root):
+        seen.append(root)
+        raise ValueError("stop")
+
+    monkeypatch.setattr(bisect, "local_checkout", checkout)
+    monkeypatch.setattr(git_history, "local_checkout", checkout)
+    item = {"contract": "sft", "source": "https://h/x", "good": "a", "bad": "b",
+            "verdict": "fail"}  # fmt: skip
+    (done,) = bisect.run_suggestions([item], envs.EnvCache(tmp_path / "cache"))
+    assert done["why"] == "stop"
+    argv = ["bisect", "--contract", "sft", "--source", "https://h/x", "--good", "a",
+            "--bad", "b", "--cache", str(tmp_path / "cache"),
+            "--report-dir", str(tmp_path / "r")]  # fmt: skip
+    assert cli.main(argv) == 2
+    assert seen == [tmp_path / "cache", tmp_path / "cache"]

@@ -126,6 +126,22 @@ def test_redact_hides_the_user_info_of_urls_only(text, shown):
     assert shown in sources.redact(text) and SECRET not in sources.redact(text)
 
 
+@pytest.mark.parametrize(
+    "password",
+    ["p@ss@" + SECRET, "a:b:" + SECRET, "p%40ss%3A" + SECRET, SECRET + "@x:y%25z"],
+    ids=["at-signs", "colons", "percent-escapes", "all-three"],
+)
+def test_redact_hides_a_password_holding_at_signs_colons_and_escapes(password):
+    """The whole user-info goes (up to the last ``@`` of the authority, as the URL parser
+    reads it), in a URL alone, quoted in a message, and before a ``@ref``."""
+    url = f"https://user:{password}@git.example.com/google/tunix"
+    texts = (url, f"{url}@main", f"source '{url}@v1' cannot be reached", f"{url},{url}@v2")
+    for text in texts:
+        shown = sources.redact(text)
+        assert SECRET not in shown and "user" not in shown, shown
+        assert "https://***@git.example.com/google/tunix" in shown, shown
+
+
 def test_a_source_url_with_credentials_is_never_shown_or_stored(tmp_path, capsys, monkeypatch):
     """--list (plain and JSON), the progress lines, the Markdown on stdout and all three
     report files name the source with its user-info redacted."""

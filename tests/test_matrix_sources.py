@@ -134,6 +134,23 @@ def test_a_source_that_cannot_be_had_is_a_one_line_error(spec, message):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("where", ["resolve", "clone"])
+def test_a_source_url_that_looks_like_an_option_never_reaches_git_as_one(tmp_path, where):
+    """A spec such as ``--upload-pack=CMD;://x`` is a URL to git (after
+    ``--end-of-options``), never an option: git runs nothing and the spec is one line."""
+    from harness import git_history
+
+    marker = tmp_path / "ran"
+    spec = f"--upload-pack=touch {marker};echo ://x@main"
+    with pytest.raises(ValueError, match="cannot be") as caught:
+        if where == "resolve":
+            sources.resolve(sources.parse(spec))
+        else:
+            git_history.local_checkout(spec, tmp_path / "cache")
+    assert "\n" not in str(caught.value)
+    assert not marker.exists()
+
+
 def test_a_directory_without_a_package_is_named(tmp_path):
     with pytest.raises(sources.SourceError, match="has no pyproject.toml or setup.py"):
         sources.resolve(sources.parse(str(tmp_path)))
