@@ -6,7 +6,8 @@ generating it changed none of them. Derived once from the hand-written parser (c
 Changes since: ``--chat-template`` on ``sft``, ``dpo`` and ``grpo`` (#36: the model's own
 template drives training; a file or ``chatml`` overrides it); ``--vision`` and
 ``--train-vision-tower`` on ``sft`` and ``--image`` on ``generate`` (#39: vision SFT
-and generation)."""
+and generation); ``--image-root`` on ``sft`` (#56: the directory a vision JSONL's images
+are confined to)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--output": ("value", "runs/sft", None, None, False),
         "--vision": ("flag", None, None, None, False),  # #39
         "--train-vision-tower": ("flag", None, None, None, False),  # #39
+        "--image-root": ("value", None, None, None, False),  # #56: images' confinement
     },
     "forward": {
         "--model": ("value", "qwen3_moe-tiny", None, None, False),

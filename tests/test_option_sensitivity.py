@@ -351,6 +351,8 @@ NO_EFFECT: dict[str, str] = {
     "vision": "distill's is a plain field (no flag), always False; sft's has its row",
     "train_vision_tower": "which variables the step differentiates (SFTOptions.frozen), "
     "not what Tunix receives; tests/test_vision_sft.py checks the tower's gradient both ways",
+    "image_root": "which image files may be read, not what is read (the same files, or a "
+    "one-line refusal); tests/test_vision_data.py checks it reaches the loader",
     "eval_samples": "the evaluation before and after training only (``posttrain grpo``'s "
     "run.json, written at the end; tests/test_rl checks it); Tunix never sees it",
     "output": "where the run writes: each capture writes to a fresh directory, whose path "

@@ -184,3 +184,83 @@ def test_encoded_conversation_trains_on_the_answer_only(tmp_path):
     assert tokens[boi + soft + 1] == vision.eoi_token_id
     assert np.all(tokens[boi + 1 : boi + 1 + soft] == vision.image_token_id)
     assert tokenizer.decode(tokens[mask].tolist(), skip_special_tokens=False) == "that<|im_end|>"
+
+
+def _outside(tmp_path, how: str) -> tuple[pathlib.Path, str]:
+    """A data directory and an image path in it that leaves it (``how``)."""
+    data, secret = tmp_path / "data", tmp_path / "private"
+    data.mkdir()
+    secret.mkdir()
+    png(secret / "s.png", 8, 8)
+    if how == "absolute":
+        return data, str(secret / "s.png")
+    if how == "dotdot":
+        return data, "../private/s.png"
+    if how == "missing":  # outside and absent: the same line as outside and present
+        return data, "../private/absent.png"
+    if how == "file-link":
+        (data / "link.png").symlink_to(secret / "s.png")
+        return data, "link.png"
+    (data / "dir-link").symlink_to(secret)  # a directory link: the file reached through it
+    return data, "dir-link/s.png"
+
+
+OUTSIDE = ("absolute", "dotdot", "missing", "file-link", "dir-link")
+
+
+@pytest.mark.parametrize("how", OUTSIDE)
+def test_an_image_outside_the_data_directory_is_refused_without_saying_if_it_exists(tmp_path, how):
+    """Images are confined to the data file's directory (resolved, links followed): an
+    absolute path, ``..`` or a link that leaves it is one line naming the path and the
+    directory, the same whether the file exists or not."""
+    data, image = _outside(tmp_path, how)
+    path = write(data, [record([image])])
+    with pytest.raises(ValueError) as error:
+        read_vision_jsonl(path, PLACEHOLDER, TINY)
+    message = str(error.value)
+    root = str(data.resolve())
+    assert message == (
+        f"{path}, line 1: image {image!r} is outside {root}; images must be under the data "
+        "file's directory (widen it with --image-root DIR)"
+    ), message
+    assert "exist" not in message and "readable" not in message
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot", "file-link", "dir-link"])
+def test_image_root_widens_the_confinement_to_an_explicit_directory(tmp_path, how):
+    """``image_root`` (``--image-root``): images anywhere under it are read, the data
+    directory no longer counts, and what leaves the root is still refused."""
+    data, image = _outside(tmp_path, how)
+    path = write(data, [record([image])])
+    (conversation,) = read_vision_jsonl(path, PLACEHOLDER, TINY, image_root=str(tmp_path))
+    assert conversation.images == (str((tmp_path / "private" / "s.png").resolve()),)
+    inner = str(tmp_path / "private")
+    with pytest.raises(ValueError, match=r"is outside .*private; images must be under --image-"):
+        read_vision_jsonl(write(data, [record(["ok.png"])]), PLACEHOLDER, TINY, image_root=inner)
+    with pytest.raises(ValueError, match=r"^--image-root '.*nope' is not a directory$"):
+        read_vision_jsonl(path, PLACEHOLDER, TINY, image_root=str(tmp_path / "nope"))
+
+
+def test_image_root_reaches_the_loader_from_the_command_line(tmp_path, monkeypatch):
+    """``posttrain sft --vision --data F --image-root DIR`` hands DIR to the vision
+    loader (an explicit value, and None when not given)."""
+    from posttrain import cli
+    from posttrain.sft import vision_data, vision_run
+
+    seen = []
+
+    def reader(path, placeholder, processing, *, image_root=None):
+        seen.append(image_root)
+        raise ValueError("stop")
+
+    monkeypatch.setattr(vision_data, "read_vision_jsonl", reader)
+    monkeypatch.setattr(vision_run, "placeholder_of", lambda tok, vision: PLACEHOLDER)
+    for extra, root in (([], None), (["--image-root", "/some/root"], "/some/root")):
+        cfg = cli.parse_options(["sft", "--vision", "--data", "d.jsonl", *extra])
+        assert cfg.image_root == root
+        with pytest.raises(ValueError, match="stop"):
+            vision_run._encoded(cfg, None, None, TINY, None)
+    assert seen == [None, "/some/root"]
+    for argv in (["--image-root", "r"], ["--vision", "--image-root", "r"]):  # nothing to widen
+        with pytest.raises(ValueError, match=r"^image_root='r' \(--image-root\): expected only"):
+            cli.parse_options(["sft", *argv]).check_fields()

@@ -79,6 +79,7 @@ class DistillRunConfig(SFTConfig):
     # SFT's image options are not distillation's (plain fields: no flags)
     vision: bool = False
     train_vision_tower: bool = False
+    image_root: str | None = None
 
     def check_fields(self) -> None:
         super().check_fields()

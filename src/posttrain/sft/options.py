@@ -44,6 +44,9 @@ class SFTConfig(PeftRunOptions):
         becomes ``gemma4-vision-tiny`` (:meth:`default_model`; a given one is kept, and
         refused if it has no tower); one conversation per row; the tower frozen.
       train_vision_tower: with ``vision``, train the tower too (full fine-tuning).
+      image_root: with ``vision`` and ``data``, the directory the data's images must lie
+        under (resolved, links followed); None: the data file's directory
+        (:func:`posttrain.sft.vision_data.read_vision_jsonl`).
     """
 
     #: Settings that change what a resumed run computes; the others (output,
@@ -81,6 +84,11 @@ class SFTConfig(PeftRunOptions):
     train_vision_tower: bool = option(
         False, "with --vision, train the vision tower too (full fine-tuning only)"
     )
+    image_root: str | None = option(
+        None,
+        "with --vision --data, the directory images may be read from (default: the data "
+        "file's directory; paths that leave it are refused)",
+    )
 
     def default_model(self) -> str:
         """:data:`VISION_MODEL` under ``vision`` (the text default has no tower), else the
@@ -91,6 +99,8 @@ class SFTConfig(PeftRunOptions):
         super().check_fields()
         if self.train_vision_tower and not self.vision:
             self.bad("train_vision_tower", "only with --vision")
+        if self.image_root is not None and not (self.vision and self.data):
+            self.bad("image_root", "only with --vision and --data (where the images are read)")
         if self.train_vision_tower and self.lora_rank:
             self.bad(
                 "train_vision_tower",

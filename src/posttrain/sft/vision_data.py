@@ -1,7 +1,8 @@
 """Images for vision SFT: TRL's vision chat format, Pillow decoding, Gemma 4's resize,
 rescale, normalisation and patches, and the image tokens the template's one token becomes.
 
-Input format (TRL's), one conversation per line, image paths relative to the JSONL file::
+Input format (TRL's), one conversation per line, image paths relative to the JSONL file
+and confined to its directory (or ``--image-root``; :func:`confined`)::
 
     {"messages": [{"role": "user", "content": [{"type": "image"},
                                                {"type": "text", "text": "What shape?"}]},
@@ -239,18 +240,46 @@ def _text_content(content, placeholder: str, where: str, index: int) -> tuple[st
     return "".join(text), images
 
 
+def confined(image: str, base: str, root: str, widened: bool, where: str) -> str:
+    """``image`` (relative to ``base``, or absolute) resolved, links followed, when it
+    lies under ``root`` (itself resolved).
+
+    Raises:
+      ValueError: it leaves ``root``; the line does not say whether it exists.
+    """
+    real = os.path.realpath(os.path.join(base, image))
+    if os.path.commonpath([real, root]) != root:
+        within = "--image-root" if widened else "the data file's directory"
+        hint = "" if widened else " (widen it with --image-root DIR)"
+        raise ValueError(f"{where}: image {image!r} is outside {root}; images must be under "
+                         f"{within}{hint}")  # fmt: skip
+    return real
+
+
 def read_vision_jsonl(
-    path: str | os.PathLike, placeholder: str, processing: ImageProcessing
+    path: str | os.PathLike,
+    placeholder: str,
+    processing: ImageProcessing,
+    *,
+    image_root: str | os.PathLike | None = None,
 ) -> list[VisionConversation]:
     """Reads and checks a vision chat JSONL file (TRL's format, module docstring).
+
+    Image paths resolve beside the file and must stay under its directory, or under
+    ``image_root`` when one is given (``--image-root``): both resolved, links followed
+    (:func:`confined`).
 
     Raises:
       ValueError: naming the file and line: what :func:`posttrain.sft.data.read_chat_jsonl`
         refuses, a malformed part, ``images`` not a list of strings, a count of image
-        parts other than the number of paths, or an image :func:`open_image` refuses.
+        parts other than the number of paths, an image outside the allowed directory,
+        or one :func:`open_image` refuses; ``image_root`` is not a directory.
     """
     path = os.fspath(path)
     base = os.path.dirname(os.path.abspath(path))
+    if image_root is not None and not os.path.isdir(image_root):
+        raise ValueError(f"--image-root {os.fspath(image_root)!r} is not a directory")
+    root = os.path.realpath(base if image_root is None else image_root)
     out = []
     for where, record in jsonl_records(path, "a vision chat JSONL file"):
         if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
@@ -270,7 +299,7 @@ def read_vision_jsonl(
                 f"{where}: {parts} image part(s) in the messages but {len(paths)} path(s) in "
                 "'images'"
             )
-        resolved = tuple(os.path.join(base, p) for p in paths)
+        resolved = tuple(confined(p, base, root, image_root is not None, where) for p in paths)
         for p in resolved:
             open_image(p, processing, where).close()
         out.append(VisionConversation(messages, resolved))

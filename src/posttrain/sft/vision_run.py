@@ -243,12 +243,12 @@ def _encoded(cfg, tok, template, processing, vision) -> tuple[list, list]:
 
     placeholder = placeholder_of(tok, vision)
 
-    def encode(path):
-        conversations = read_vision_jsonl(path, placeholder, processing)
+    def encode(path, image_root=None):
+        conversations = read_vision_jsonl(path, placeholder, processing, image_root=image_root)
         return encode_vision_chats(conversations, tok, template, processing, vision)
 
     if cfg.data:
-        return encode(cfg.data), []
+        return encode(cfg.data, cfg.image_root), []
     with tempfile.TemporaryDirectory(prefix="posttrain-vision-") as tmp:
         every = encode(vision_default_data.write_dataset(tmp, EMBEDDED_COUNT, EMBEDDED_SEED))
     held = HELD_OUT_EVERY - 1
