@@ -22,13 +22,14 @@ from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.sft import data, default_data, tunix_compat  # noqa: E402
 from posttrain.sft.trainer import SFTOptions, SFTTrainer, sft_trainer_class  # noqa: E402
 from posttrain.sft.tunix_compat import OptimizerStateCheckpoints  # noqa: E402
+from tests.meshes import fitted  # noqa: E402
 
 EMULATED = te.EMULATED
 # installed: the installed release's own train() (bound2 on 0.1.6/0.1.7, positional3
 # before); the other conventions are emulated, so all of them run whatever is installed.
 BASES = te.contract_bases()
 by_convention = te.by_convention
-MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}  # 8 fake devices by default
+MESH = fitted({"fsdp": 4, "tensor": 2})  # as at 8 devices, the default
 
 
 @functools.cache

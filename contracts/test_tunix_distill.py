@@ -33,8 +33,9 @@ from posttrain.distill.trainer import (  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.sft import data, default_data  # noqa: E402
 from posttrain.sft.trainer import SFTOptions  # noqa: E402
+from tests.meshes import fitted  # noqa: E402
 
-MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}
+MESH = fitted({"fsdp": 4, "tensor": 2})
 TOP_K = 5 if tunix_distill.has_top_k() else 0
 
 

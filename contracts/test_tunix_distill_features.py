@@ -30,8 +30,9 @@ from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.models.taps import AttentionOutput, LayerOutput  # noqa: E402
 from posttrain.sft import data  # noqa: E402
 from posttrain.sft.trainer import SFTOptions  # noqa: E402
+from tests.meshes import fitted  # noqa: E402
 
-MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}
+MESH = fitted({"fsdp": 4, "tensor": 2})
 FEATURES = tuple(features.TAPS)
 
 

@@ -28,11 +28,12 @@ from posttrain.sft import data as sft_data  # noqa: E402
 from posttrain.sft import tunix_compat  # noqa: E402
 from posttrain.sft.trainer import SFTOptions  # noqa: E402
 from posttrain.tokenizer import byte_tokenizer  # noqa: E402
+from tests.meshes import fitted  # noqa: E402
 
 # The conventions the gradient-accumulation contract runs under (as the SFT ones).
 BASES = te.contract_bases()
 by_convention = te.by_convention
-MESH = {"fsdp": jax.device_count() // 2, "tensor": 2}
+MESH = fitted({"fsdp": 4, "tensor": 2})
 PROMPT, RESPONSE = 24, 40  # tokens: short rows keep the contracts fast
 
 

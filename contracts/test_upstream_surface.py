@@ -240,7 +240,8 @@ def test_qwix_qlora_applies_to_our_model():
     from posttrain.lora import LoraConfig, apply_lora, base_weights
     from posttrain.models import build_model, flat_params, get_config
 
-    mesh = sharding.make_mesh({"fsdp": 2}, devices=jax.devices()[:2])
+    devices = jax.devices()[:2]  # two where there are, the one chip of a single-TPU host
+    mesh = sharding.make_mesh({"fsdp": len(devices)}, devices=devices)
     base = build_model(get_config("qwen3-tiny"), mesh)
     want = flat_params(base)
     model = apply_lora(base, mesh, LoraConfig(rank=2, alpha=4.0, weight_qtype="int8"))
@@ -336,6 +337,7 @@ def test_orbax_round_trip_keeps_values_and_shardings(tmp_path):
 @pytest.mark.contract(
     "orbax.checkpoint ArrayHandler._use_replica_parallel (_compat.single_replica_array_saves)"
 )
+@pytest.mark.devices(2)  # two replicas of each shard: the slices a replica-parallel save makes
 def test_orbax_single_replica_saves_slice_nothing_and_restore_the_same(tmp_path, monkeypatch):
     """Replica-parallel Orbax splits a replicated array between its replicas (one eager
     ``jax.lax.slice_in_dim`` each); inside ``single_replica_array_saves`` it slices

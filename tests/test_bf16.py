@@ -258,13 +258,15 @@ def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_is
     from bfloat16 k and v, as HF's bf16 attention rounds them (v-norm's output included,
     ``type_as``); the output is bfloat16. A projection without its ``dtype`` computes in
     float32 without a word: the values move too little for the bf16-vs-fp32 bounds.
-    Traced on an fsdp=4 x tensor=2 mesh: q, k and the weighted sum are constrained (and
+    Traced on an fsdp=4 x tensor=2 mesh (fitted to fewer devices: the constraints are in
+    the trace whatever their sizes): q, k and the weighted sum are constrained (and
     resharded) in bfloat16; a float32 weighted sum left for ``o_proj`` to cast would move
     twice the bytes and give the same values."""
     from posttrain import sharding
     from posttrain.config import AttentionConfig
     from posttrain.layers.attention import Attention, attention_mask
     from posttrain.layers.rope import rope_tables
+    from tests.meshes import fitted
 
     d_model, n, k, h, batch, seq = 20, 6, 2, 8, 4, 5  # all distinct: operands by shape
     cfg = AttentionConfig(
@@ -283,7 +285,7 @@ def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_is
     positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
     cos, sin = rope_tables(positions, cfg.rope, h)
     mask = attention_mask(batch, seq, None, None)
-    with sharding.use_mesh(sharding.make_mesh({"fsdp": 4, "tensor": 2})):
+    with sharding.use_mesh(sharding.make_mesh(fitted({"fsdp": 4, "tensor": 2}))):
         jaxpr = jax.make_jaxpr(lambda x: attention(x, cos, sin, mask))(x).jaxpr
     constrained = [
         (eqn.invars[0].aval.shape, str(eqn.invars[0].aval.dtype))

@@ -25,6 +25,7 @@ from posttrain.distill.trainer import (  # noqa: E402
 )
 from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.sft import data, default_data  # noqa: E402
+from tests.meshes import fitted  # noqa: E402
 
 #: bfloat16's unit roundoff: 8 significand bits (7 stored), round to nearest, so a
 #: weight w is stored as w (1 + e) with |e| <= 2^-8 (Higham, Accuracy and Stability of
@@ -53,7 +54,7 @@ def one_batch(rows: int = 4, length: int = 64) -> dict[str, np.ndarray]:
 def test_cast_params_keeps_every_sharding_and_rounds_to_nearest():
     """Each parameter is its float32 value rounded to bfloat16 (relative error <= 2^-8),
     on the same sharding as before the cast."""
-    mesh = sharding.make_mesh({"fsdp": jax.device_count() // 2, "tensor": 2})
+    mesh = sharding.make_mesh(fitted({"fsdp": 4, "tensor": 2}))
     model = build_model(get_config("llama3-tiny"), mesh, seed=1)
     before = teacher_params(model)
     after = teacher_params(cast_params(model, "bfloat16"))
@@ -97,7 +98,7 @@ def test_a_bf16_teacher_moves_the_loss_within_the_rounding_bound(monkeypatch):
     The second-order remainder is O(u^2) against this O(u sqrt(n)) term: neglected.
     Seen failing with the teacher cast to float8_e4m3fn instead (u = 2^-4: the loss moved
     2.9e-3 against a bound of 2.1e-3; bfloat16 moves it 6.3e-5)."""
-    mesh = sharding.make_mesh({"fsdp": jax.device_count() // 2, "tensor": 2})
+    mesh = sharding.make_mesh(fitted({"fsdp": 4, "tensor": 2}))
     batch = one_batch()
     student = build_model(shallower(get_config("qwen3-tiny"), 1), mesh, seed=0)
     teacher32 = build_model(get_config("llama3-tiny"), mesh, seed=1)

@@ -77,7 +77,7 @@ def test_save_native_refuses(tmp_path, kind):
 
 @functools.cache
 def lora_model_and_adapter(directory):
-    mesh = sharding.make_mesh({"fsdp": 8})
+    mesh = sharding.make_mesh()  # every device on fsdp (8 by default)
     model = apply_lora(
         build_model(get_config("qwen3-tiny"), mesh), mesh, LoraConfig(rank=4, alpha=8.0)
     )

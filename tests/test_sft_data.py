@@ -267,7 +267,7 @@ def test_a_resumed_run_keeps_its_recorded_data_shards():
     from posttrain.runs.shards import data_shards
     from posttrain.sft.run import SFTConfig
 
-    mesh = sharding.make_mesh({"fsdp": 8})
+    mesh = sharding.make_mesh()  # every device on fsdp, all in this one process
     assert data_shards(SFTConfig(), mesh, 8) == (1, range(0, 1))
     assert data_shards(SFTConfig(), mesh, 8, recorded=2) == (2, range(0, 2))
     assert data_shards(SFTConfig(data_shards=4), mesh, 8) == (4, range(0, 4))

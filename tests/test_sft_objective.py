@@ -23,8 +23,9 @@ from posttrain import sharding  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.sft import data  # noqa: E402
 from posttrain.sft.trainer import SFTOptions, SFTTrainer  # noqa: E402
+from tests.meshes import fitted  # noqa: E402
 
-MESH = {"fsdp": jax.device_count() // 2, "expert": 2}
+MESH = fitted({"fsdp": 4, "expert": 2})
 LEARNING_RATE = 0.1  # plain SGD: a step moves the params by exactly this x the gradient
 
 

@@ -17,6 +17,7 @@ from posttrain import _compat, cli  # noqa: E402
 from posttrain.conversion import load_native  # noqa: E402
 from posttrain.sft.metrics import LearningRate  # noqa: E402
 from posttrain.sft.run import SFTConfig, run_sft  # noqa: E402
+from tests.meshes import fitted  # noqa: E402
 
 
 def records(path):
@@ -73,15 +74,15 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(
     import orbax.checkpoint as ocp
 
     # Count Orbax's replica-parallel slices: replica_parallel_saves="auto" is off in one
-    # CPU process, so train() saves each replicated array (data=2) from one replica (the
-    # contract test shows the default slices).
+    # CPU process, so train() saves each replicated array (data=2 from 2 devices on) from
+    # one replica (the contract test shows the default slices).
     handler = ocp.type_handlers.get_type_handler(jax.Array)
     replica_parallel = handler._use_replica_parallel
     slices, slice_in_dim = [], jax.lax.slice_in_dim
     monkeypatch.setattr(
         jax.lax, "slice_in_dim", lambda *a, **k: slices.append(a[0].shape) or slice_in_dim(*a, **k)
     )
-    mesh = {"data": 2, "fsdp": jax.device_count() // 4, "tensor": 2}
+    mesh = fitted({"data": 2, "fsdp": 2, "tensor": 2})
     common = {
         "steps": 3,
         "grad_accum": 2,
@@ -347,7 +348,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     from posttrain.sft.metrics import all_finite as _all_finite
     from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
 
-    mesh = sharding.make_mesh({"fsdp": 8})
+    mesh = sharding.make_mesh()  # every device on fsdp
     model = build_model(get_config("qwen3-tiny"), mesh, seed=0)
     config = peft_trainer.TrainingConfig(
         eval_every_n_steps=1000, max_steps=4, checkpoint_root_directory=str(tmp_path / "ckpt")
