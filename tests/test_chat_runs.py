@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -69,8 +70,13 @@ def test_sft_trains_the_checkpoints_template_and_exports_it(tmp_path):
     conversations = [c for c in LLAMA3.conversations if c[0]["role"] != "system"]
     data = _chat_file(tmp_path, conversations)
     out = tmp_path / "run"
-    cfg = SFTConfig(
-        model=str(ckpt), data=str(data), steps=2, max_target_length=128, output=str(out)
+    cfg = SFTConfig(  # a first batch of 8 rows on any mesh, each row packed full
+        model=str(ckpt),
+        data=str(data),
+        steps=2,
+        max_target_length=128,
+        per_device_batch_size=max(1, 8 // jax.device_count()),
+        output=str(out),
     )
     seen: list = []
     run_sft(cfg, on_built=_first_batch(seen))

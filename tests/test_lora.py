@@ -222,6 +222,7 @@ def test_lora_config_rejects_bad_values(kwargs, message):
         LoraConfig(**kwargs)
 
 
+@pytest.mark.devices(8)  # the product of three 2-sized axes on the batch: 8 devices
 def test_dummy_batch_shape_multiplies_the_rule_axes():
     """Dummy batch = product of the activation_batch rule's axes, seq = activation_length's,
     and a rule gaining an axis is counted (the rules are read, not a fixed axis list)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, processors
@@ -14,6 +15,10 @@ from posttrain.preference import data
 from posttrain.preference.default_data import HELD_OUT_EVERY, pydoc_pairs
 from posttrain.preference.run import DPORunConfig
 from posttrain.tokenizer import byte_tokenizer
+
+#: The default global batch: --per-device-batch-size's 1 x the data-parallel shards of the
+#: default mesh (every device on fsdp): 8 at 8 devices, 1 on one chip.
+DEFAULT_BATCH = DPORunConfig().per_device_batch_size * jax.device_count()
 
 
 def _write(tmp_path, lines) -> str:
@@ -215,8 +220,10 @@ def test_too_few_held_out_pairs_fail_before_anything_is_written(tmp_path):
 
     one = _write(tmp_path, [GOOD])
     out = tmp_path / "run"
+    # 2 pairs per shard: a global batch of at least 2 on any mesh (1 on one device would
+    # take the one pair)
     with pytest.raises(ValueError, match=f"--eval-data {one} has 1 pairs, fewer than one"):
-        run_dpo(DPORunConfig(eval_data=one, output=str(out)))
+        run_dpo(DPORunConfig(eval_data=one, per_device_batch_size=2, output=str(out)))
     assert not out.exists()
     with pytest.raises(ValueError, match="--eval-data '/no/such.jsonl' does not exist"):
         run_dpo(DPORunConfig(eval_data="/no/such.jsonl", output=str(out)))
@@ -263,7 +270,11 @@ def test_the_run_config_names_the_bad_field(field, value, words, tmp_path):
         (["--algorithm", "ipo"], "algorithm='ipo'"),
         (["--mesh", "fsdp=0"], "mesh"),
         (["--data", "/nonexistent.jsonl"], "does not exist"),
-        (["--data-shards", "3"], "global batch 8 does not divide into it"),
+        pytest.param(
+            ["--data-shards", "3"],
+            f"global batch {DEFAULT_BATCH} does not divide into it",
+            id="argv4-the global batch does not divide into it",
+        ),
     ],
 )
 def test_the_cli_exits_2_with_one_line_and_writes_nothing(argv, words, tmp_path, capsys):

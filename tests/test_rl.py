@@ -19,6 +19,9 @@ from posttrain.rl.policy import ConfigView, TunixPolicy, has_lora, reference_of
 from posttrain.rl.run import GRPORunConfig
 
 TOKENS = jnp.asarray([[5, 9, 2, 7, 1, 3]], jnp.int32)
+#: A default step's prompts: --per-device-batch-size's 2 x the data-parallel shards of the
+#: default mesh (every device on fsdp): 16 at 8 devices, 2 on one chip.
+DEFAULT_PROMPTS = GRPORunConfig().per_device_batch_size * jax.device_count()
 
 
 def test_the_config_view_answers_tunix_from_the_first_layer_type():
@@ -182,11 +185,11 @@ def test_the_run_config_names_the_bad_field(field, value, words, tmp_path):
 
 def test_a_bfloat16_rollout_on_the_actors_own_mesh_is_refused_before_any_work(tmp_path):
     """Tunix shares the actor's model with a rollout on the same mesh, so no copy is
-    cast: ``--rollout-dtype`` with ``--rollout-mesh fsdp=8`` (the default actor mesh)
-    would be silently ignored."""
+    cast: ``--rollout-dtype`` with ``--rollout-mesh fsdp=<every device>`` (the default
+    actor mesh) would be silently ignored."""
     from posttrain.rl.run import run_grpo
 
-    cfg = _tiny(tmp_path, rollout_mesh={"fsdp": 8}, rollout_dtype="bfloat16")
+    cfg = _tiny(tmp_path, rollout_mesh={"fsdp": jax.device_count()}, rollout_dtype="bfloat16")
     with pytest.raises(ValueError, match="rollout_dtype='bfloat16' .*the actor's, whose"):
         run_grpo(cfg)
     assert not (tmp_path / "run").exists()
@@ -220,7 +223,11 @@ def test_dapo_with_a_beta_is_refused():
         (["--mesh", "fsdp=0"], "mesh"),
         (["--algorithm", "ppo"], "algorithm='ppo'"),
         (["--rollout-dtype", "bfloat16"], "--rollout-mesh too"),
-        (["--grad-accum", "3"], "grad_accum=3 (--grad-accum): the step's 16 prompts"),
+        pytest.param(
+            ["--grad-accum", "3"],
+            f"grad_accum=3 (--grad-accum): the step's {DEFAULT_PROMPTS} prompts",
+            id="argv5-grad_accum=3 (--grad-accum): the step's prompts",
+        ),
     ],
 )
 def test_the_cli_exits_2_with_one_line_and_writes_nothing(argv, words, tmp_path, capsys):
