@@ -161,10 +161,14 @@ NOT_APPLICABLE = 3
 
 def emulated_sft(convention: str, output: str) -> None:
     """The matrix's SFT run under an emulated convention (called inside the entry's env);
-    over a base not of its era it prints ``n/a: why`` and exits :data:`NOT_APPLICABLE`."""
+    over a base not of its era it prints ``n/a: why`` and exits :data:`NOT_APPLICABLE`.
+
+    Devices: ``$POSTTRAIN_DEVICES`` (8 unless set; :func:`~harness.matrix.entry_environ`
+    sets 8), so a caller whose JAX already runs on that count (a test, any ``--devices``)
+    can call it in-process."""
     from harness.devices import configure_devices
 
-    configure_devices(8)
+    configure_devices()
     from contracts import tunix_emulation
     from posttrain.sft.run import SFTConfig, run_sft
     from posttrain.sft.trainer import sft_trainer_class
