@@ -224,15 +224,15 @@ TARGETS: dict[str, list[str]] = {
     # the committed reports/ are not in the scratch copy: their test stays out
     "harness/fits.py": ["tests/test_fits.py", "-k", "not committed_rows"],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
-    # a checkpoint's formats: the family tests (transformers' masks and ids, the SFT and
-    # DPO spans written from each published format) and the unit tests; not the greedy
-    # generation test (a compile per mutant; the stop ids have their own tests)
+    # a checkpoint's formats: the family tests (transformers' masks and ids, SFT and DPO spans
+    # of each format), the unit tests; not greedy generation (a compile per mutant)
     "src/posttrain/chat/template.py": [
         "tests/test_chat.py",
         "tests/test_chat_families.py",
         "-k",
         "not greedy",
     ],
+    "src/posttrain/chat/sandbox.py": ["tests/test_chat_bounds.py", "tests/test_chat.py"],
     "src/posttrain/chat/encode.py": [
         "tests/test_chat.py",
         "tests/test_chat_families.py",

@@ -12,7 +12,8 @@ transformers gives chat templates (``trim_blocks``, ``lstrip_blocks``, the
 ``loopcontrols`` extension, ``raise_exception``, ``strftime_now``, a ``tojson`` filter
 with ``ensure_ascii=False``; the tokenizer's special tokens ``bos_token``, ``eos_token``
 ... as variables; ``add_generation_prompt``). Reference: transformers 5.12
-``utils/chat_template_utils.py`` (``_cached_compile_jinja_template``).
+``utils/chat_template_utils.py`` (``_cached_compile_jinja_template``). Bounded in time,
+output and template size (:mod:`posttrain.chat.sandbox`).
 
 ``{% generation %}...{% endgeneration %}`` blocks (transformers' ``AssistantTracker``
 tag) mark the text an assistant turn trains on; :meth:`ChatTemplate.render_spans` returns
@@ -23,7 +24,6 @@ around its body, removed after rendering; their positions are the spans.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import hashlib
 import json
@@ -35,7 +35,8 @@ import secrets
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-import jinja2.sandbox
+
+from posttrain.chat import sandbox
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -130,11 +131,16 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
             "_generation_markers": (begin, end),
         }
+        template = _compile(self.source)
         try:
-            text = _compile(self.source).render(**variables)
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
-            # raise_exception, the sandbox, undefined names; a value of the wrong type
-            # (a list where the template adds strings) fails in Python's own operators
+            text = sandbox.render(template, variables)
+        except (
+            jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError,
+            ArithmeticError, sandbox.BoundExceeded,
+        ) as e:  # fmt: skip
+            # raise_exception, the sandbox and its bounds, undefined names; a value of the
+            # wrong type (a list where the template adds strings) fails in Python's own
+            # operators, 1e308 ** 2 in its arithmetic
             raise TemplateError(f"chat template {self.origin}: {_one_line(e)}") from None
         return _strip_markers(text, begin, end)
 
@@ -196,22 +202,24 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
     )
 
 
-def _strftime_now(format):
-    return datetime.datetime.now().strftime(format)
-
-
 @functools.lru_cache(maxsize=32)
 def _compile(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = sandbox.BoundedEnvironment(  # strftime_now and the bounds: posttrain.chat.sandbox
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.bound_filters()
     try:
+        sandbox.check_source(source)
         return env.from_string(source)
+    except sandbox.BoundExceeded as e:
+        raise TemplateError(f"chat template: {e}") from None
+    except RecursionError:
+        raise TemplateError("chat template does not parse: nested deeper than Python's "
+                            "recursion limit") from None  # fmt: skip
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(
             f"chat template does not parse: {_one_line(e)} (line {e.lineno})"
@@ -275,7 +283,7 @@ def load_template(path: str | os.PathLike) -> ChatTemplate | None:
     tokens = special_tokens(directory)
     jinja_file = directory / TEMPLATE_FILE
     if jinja_file.is_file():
-        return _checked(jinja_file.read_text(encoding="utf-8"), tokens, str(jinja_file))
+        return _checked(_read_source(jinja_file), tokens, str(jinja_file))
     config = directory / TOKENIZER_CONFIG
     if not config.is_file():
         return None
@@ -294,6 +302,16 @@ def load_template(path: str | os.PathLike) -> ChatTemplate | None:
     if not isinstance(value, str):
         raise TemplateError(f"{where}: expected a Jinja string, got {type(value).__name__}")
     return _checked(value, tokens, where)
+
+
+def _read_source(path: pathlib.Path) -> str:
+    """A template file's text (:func:`posttrain.chat.sandbox.read_source`: its size bounded)."""
+    try:
+        return sandbox.read_source(path)
+    except sandbox.BoundExceeded as e:
+        raise TemplateError(f"{path}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise TemplateError(f"{path}: not a readable template ({_one_line(e)})") from None
 
 
 def _checked(source: str, tokens: dict[str, str], origin: str) -> ChatTemplate:
@@ -325,7 +343,7 @@ def resolve_template(
             raise TemplateError(
                 f"--chat-template {override!r} is not a file; expected a Jinja file or 'chatml'"
             )
-        return _checked(path.read_text(encoding="utf-8"), tokens, str(path))
+        return _checked(_read_source(path), tokens, str(path))
     own = load_template(tokenizer) if tokenizer is not None else None
     return own if own is not None else chatml(tokens)
 
