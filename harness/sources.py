@@ -73,11 +73,12 @@ def strip_userinfo(url: str) -> str:
 
 def git_environ(url: str) -> tuple[str, dict[str, str]]:
     """``(url without its user-info, the environment for git)``: git is given the
-    stripped URL (what a clone writes to its config, reflogs and ``FETCH_HEAD``, and what
-    shows in the process list) and, through its environment only, the rule that turns it
-    back into ``url`` (``url.<url>.insteadOf <stripped>``; ``GIT_CONFIG_COUNT``, git
-    >= 2.31), so the credentials reach the transport and nothing written. Prompts are
-    off either way (``GIT_TERMINAL_PROMPT=0``)."""
+    stripped URL (what a clone writes to its config, reflogs and ``FETCH_HEAD``) and,
+    through its environment only, the rule that turns it back into ``url``
+    (``url.<url>.insteadOf <stripped>``; ``GIT_CONFIG_COUNT``, git >= 2.31), so the
+    credentials reach the transport (as before: git's remote helper is handed the full
+    URL while it runs) and nothing written. Prompts are off either way
+    (``GIT_TERMINAL_PROMPT=0``)."""
     environ = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
     stripped = strip_userinfo(url)
     if stripped != url:
