@@ -40,6 +40,16 @@ RUNAWAY = {
         "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
         "the output (",  # streamed: stops at the bound, not at the end
     ),
+    "macro-buffer": (  # pieces within the bound, joined only when the macro returns
+        "{% set s = 'x' * 4000000 %}{% macro m() %}{% for i in range(100000) %}{{ s }}"
+        "{% endfor %}{% endmacro %}{{ m()|length }}",
+        "the text written, in all macros and blocks (",
+    ),
+    "set-block": (
+        "{% set s = 'x' * 4000000 %}{% set b %}{% for i in range(100000) %}{{ s }}{% endfor %}"
+        "{% endset %}{{ b|length }}",
+        "the text written",
+    ),
     "doubling": (
         "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
         "{% endfor %}{{ ns.s|length }}",

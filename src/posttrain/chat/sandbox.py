@@ -11,6 +11,8 @@ the value:
   ``for`` iterates through :meth:`BoundedEnvironment.bounded_iter`, put there when the
   template is compiled), call, filter, intercepted operator and output chunk;
 - size: the output, streamed (``Template.generate``), stops at :data:`MAX_OUTPUT_CHARS`;
+  the text written in all frames (macros, ``set`` blocks, the top) at
+  :data:`EMITTED_PER_OUTPUT` times that, counted as each piece is written;
   a value an operator, call or filter builds is refused beyond it, before it is built
   where its size can be known first (``*``, ``**``, ``%`` and ``format`` widths,
   ``replace``, ``join``, ``indent``, width arguments, ``lipsum``); integers beyond
@@ -55,8 +57,14 @@ _PASSED = (jinja2.runtime.Context, jinja2.nodes.EvalContext, jinja2.Environment)
 _SIZING_FILTERS = frozenset({"center", "batch", "slice", "format", "indent"})
 # a value whose methods' integer arguments may size their result (ljust, zfill, ...)
 _SIZED_RECEIVERS = (str, bytes, list, tuple)
+# the text written in all frames, per rendering: a macro's output is written again by its
+# caller, so this bound is a multiple of the output's
+EMITTED_PER_OUTPUT = 4
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "posttrain_chat_deadline", default=None
+)
+_emitted: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "posttrain_chat_emitted", default=None
 )
 
 
@@ -188,7 +196,8 @@ def strftime_now(format: str) -> str:  # noqa: A002 - transformers' name
 
 class _Guard(jinja2.visitor.NodeTransformer):
     """Each ``for`` iterates through ``environment.bounded_iter``; each ``~`` chain's
-    result passes ``environment.bounded_value``."""
+    result passes ``environment.bounded_value``; each piece of output, in any frame
+    (a macro's, a ``set`` block's), ``environment.bounded_output``."""
 
     def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
         self.generic_visit(node)
@@ -198,6 +207,11 @@ class _Guard(jinja2.visitor.NodeTransformer):
     def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
         self.generic_visit(node)
         return _environment_call("bounded_value", node)
+
+    def visit_Output(self, node: jinja2.nodes.Output) -> jinja2.nodes.Node:
+        self.generic_visit(node)
+        node.nodes = [_environment_call("bounded_output", child) for child in node.nodes]
+        return node
 
 
 def _environment_call(method: str, argument: jinja2.nodes.Expr) -> jinja2.nodes.Call:
@@ -279,6 +293,20 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
     def bounded_value(self, value):
         return checked_size(value)
 
+    def bounded_output(self, value) -> str:
+        """``value`` as text, counted against :data:`EMITTED_PER_OUTPUT` x
+        :data:`MAX_OUTPUT_CHARS`: what macros and blocks write into their buffers is
+        refused as it is written, not once joined."""
+        text = checked_size(str(value))
+        emitted = _emitted.get()
+        if emitted is not None:
+            emitted[0] += len(text)
+            if emitted[0] > EMITTED_PER_OUTPUT * MAX_OUTPUT_CHARS:
+                raise _over(f"the text written, in all macros and blocks ({emitted[0]} "
+                            "characters so far),", EMITTED_PER_OUTPUT * MAX_OUTPUT_CHARS,
+                            f"{EMITTED_PER_OUTPUT} x MAX_OUTPUT_CHARS")  # fmt: skip
+        return text
+
 
 def render(template: jinja2.Template, variables: dict) -> str:
     """``template`` rendered with ``variables`` within the bounds (module docstring).
@@ -287,6 +315,7 @@ def render(template: jinja2.Template, variables: dict) -> str:
       BoundExceeded: a bound was hit (one line naming it and the value).
     """
     token = _deadline.set(time.monotonic() + MAX_RENDER_SECONDS)
+    counter = _emitted.set([0])
     pieces, size = [], 0
     try:
         for piece in template.generate(**variables):
@@ -305,6 +334,7 @@ def render(template: jinja2.Template, variables: dict) -> str:
         raise BoundExceeded("out of memory while rendering") from None
     finally:
         _deadline.reset(token)
+        _emitted.reset(counter)
     return "".join(pieces)
 
 
