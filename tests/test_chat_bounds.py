@@ -72,6 +72,12 @@ RUNAWAY = {
     ),
     "expandtabs": ("{{ ('\\t' * 1000).expandtabs(100000) }}", "expandtabs() would build"),
     "join": ("{{ range(100000)|join('x' * 1000) }}", "filter join would build"),
+    "join-items": ("{{ (['x' * 4000000] * 100)|join }}", "filter join would build"),
+    "join-method": ("{{ ''.join(['x' * 4000000] * 100) }}", "join() would build"),
+    "wordwrap": (
+        "{{ ('a ' * 100000)|wordwrap(2, true, 'x' * 1000) }}",
+        "filter wordwrap would build",
+    ),
     "indent": ("{{ ('a\\n' * 100000)|indent('x' * 1000) }}", "filter indent would build"),
 }
 

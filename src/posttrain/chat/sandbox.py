@@ -15,7 +15,7 @@ the value:
   :data:`EMITTED_PER_OUTPUT` times that, counted as each piece is written;
   a value an operator, call or filter builds is refused beyond it, before it is built
   where its size can be known first (``*``, ``**``, ``%`` and ``format`` widths,
-  ``replace``, ``join``, ``indent``, width arguments, ``lipsum``); integers beyond
+  ``replace``, ``join``, ``indent``, ``wordwrap``, width arguments, ``lipsum``); integers beyond
   :data:`MAX_INT_BITS`;
 - ``range`` beyond :data:`MAX_RANGE` items (Jinja's own ``MAX_RANGE``, named here),
   ``strftime_now`` formats beyond :data:`MAX_FORMAT_CHARS`, recursion beyond Python's
@@ -125,6 +125,14 @@ def _length(value) -> int:
         return 0
 
 
+def _joined(items, separator: str) -> int:
+    """The length of ``separator.join(items)``, the strings among ``items`` counted."""
+    if not isinstance(items, (list, tuple)):
+        return max(0, _length(items) - 1) * len(separator)
+    text = sum(len(i) for i in items if isinstance(i, str))
+    return text + max(0, len(items) - 1) * len(separator)
+
+
 def _estimate(name: str, receiver, args, kwargs, what: str) -> None:
     """Refuses, before it runs, a string operation whose result would be too large."""
     if name == "replace" and isinstance(receiver, str) and len(args) >= 2:
@@ -133,7 +141,7 @@ def _estimate(name: str, receiver, args, kwargs, what: str) -> None:
             count = receiver.count(old) if old else len(receiver) + 1
             _refuse_larger(len(receiver) + count * (len(new) - len(old)), what)
     elif name == "join" and isinstance(receiver, str) and args:  # sep.join(items)
-        _refuse_larger(max(0, _length(args[0]) - 1) * len(receiver), what)
+        _refuse_larger(_joined(args[0], receiver), what)
     elif name == "expandtabs" and isinstance(receiver, str) and args and isinstance(args[0], int):
         _refuse_larger(receiver.count("\t") * args[0] + len(receiver), what)
 
@@ -146,13 +154,19 @@ def _estimate_filter(name: str, args, kwargs) -> None:
     elif name == "join":
         sep = args[1] if len(args) > 1 else kwargs.get("d", "")
         if isinstance(sep, str):
-            _refuse_larger(max(0, _length(value) - 1) * len(sep) + _length(value), what)
+            _refuse_larger(_joined(value, sep), what)
     elif name == "indent" and isinstance(value, str):
         width = args[1] if len(args) > 1 else kwargs.get("width", 4)
         size = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
         _refuse_larger(len(value) + (value.count("\n") + 1) * size, what)
     elif name == "format" and isinstance(value, str):
         _check_widths(value, what)
+    elif name == "wordwrap" and isinstance(value, str):  # a wrapstring after each line
+        width = args[1] if len(args) > 1 else kwargs.get("width", 79)
+        wrap = args[3] if len(args) > 3 else kwargs.get("wrapstring")
+        if isinstance(width, int) and isinstance(wrap, str):
+            _refuse_larger(len(value) + (len(value) // builtins.max(width, 1) + 1) * len(wrap),
+                           what)  # fmt: skip
 
 
 def _bounded_filter(name: str, function):
