@@ -226,7 +226,10 @@ def _bisect_command(commands) -> None:
     )
     bisect.add_argument("--report-dir", default=LATEST_REPORTS, type=Path)
     bisect.add_argument(
-        "--cache", default=None, type=Path, help="environment cache (as matrix --cache)"
+        "--cache",
+        default=None,
+        type=Path,
+        help="environment cache (as matrix --cache); a URL --source is cloned under CACHE/sources",
     )
 
 
