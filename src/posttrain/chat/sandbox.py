@@ -8,7 +8,7 @@ ends. :class:`BoundedEnvironment` adds, each a :class:`BoundExceeded` naming the
 the value:
 
 - time: :data:`MAX_RENDER_SECONDS` per rendering, checked at every loop item (each
-  ``for`` iterates through :meth:`BoundedEnvironment.bounded_iter`, put there when the
+  ``for`` iterates through :func:`bounded_iter`, put there when the
   template is compiled), call, filter, intercepted operator and output chunk;
 - size: the output, streamed (``Template.generate``), stops at :data:`MAX_OUTPUT_CHARS`;
   the text written in all frames (macros, ``set`` blocks, the top) at
@@ -208,29 +208,66 @@ def strftime_now(format: str) -> str:  # noqa: A002 - transformers' name
     return datetime.datetime.now().strftime(format)
 
 
+@jinja2.pass_context  # never folded at compile time: counted at every rendering
+def bounded_iter(context, iterable):
+    """``iterable``'s items, the time checked before each."""
+    for item in iterable:
+        tick()
+        yield item
+
+
+@jinja2.pass_context
+def bounded_value(context, value):
+    return checked_size(value)
+
+
+@jinja2.pass_context
+def bounded_output(context, value) -> str:
+    """``value`` as text, counted against :data:`EMITTED_PER_OUTPUT` x
+    :data:`MAX_OUTPUT_CHARS`: what macros and blocks write into their buffers is refused
+    as it is written, not once joined."""
+    text = checked_size(str(value))
+    emitted = _emitted.get()
+    if emitted is not None:
+        emitted[0] += len(text)
+        if emitted[0] > EMITTED_PER_OUTPUT * MAX_OUTPUT_CHARS:
+            raise _over(f"the text written, in all macros and blocks ({emitted[0]} "
+                        "characters so far),", EMITTED_PER_OUTPUT * MAX_OUTPUT_CHARS,
+                        f"{EMITTED_PER_OUTPUT} x MAX_OUTPUT_CHARS")  # fmt: skip
+    return text
+
+
+# the guards, as filters: a filter is called directly (a call node would pass through
+# the sandbox's call, several times slower on every piece of output)
+_GUARDS = {
+    "_posttrain_iter": bounded_iter,
+    "_posttrain_value": bounded_value,
+    "_posttrain_output": bounded_output,
+}
+
+
 class _Guard(jinja2.visitor.NodeTransformer):
-    """Each ``for`` iterates through ``environment.bounded_iter``; each ``~`` chain's
-    result passes ``environment.bounded_value``; each piece of output, in any frame
-    (a macro's, a ``set`` block's), ``environment.bounded_output``."""
+    """Each ``for`` iterates through :func:`bounded_iter`; each ``~`` chain's result
+    passes :func:`bounded_value`; each piece of output, in any frame (a macro's, a
+    ``set`` block's), :func:`bounded_output`."""
 
     def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
         self.generic_visit(node)
-        node.iter = _environment_call("bounded_iter", node.iter)
+        node.iter = _guarded("_posttrain_iter", node.iter)
         return node
 
     def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
         self.generic_visit(node)
-        return _environment_call("bounded_value", node)
+        return _guarded("_posttrain_value", node)
 
     def visit_Output(self, node: jinja2.nodes.Output) -> jinja2.nodes.Node:
         self.generic_visit(node)
-        node.nodes = [_environment_call("bounded_output", child) for child in node.nodes]
+        node.nodes = [_guarded("_posttrain_output", child) for child in node.nodes]
         return node
 
 
-def _environment_call(method: str, argument: jinja2.nodes.Expr) -> jinja2.nodes.Call:
-    attribute = jinja2.nodes.EnvironmentAttribute(method, lineno=argument.lineno)
-    return jinja2.nodes.Call(attribute, [argument], [], None, None, lineno=argument.lineno)
+def _guarded(guard: str, node: jinja2.nodes.Expr) -> jinja2.nodes.Filter:
+    return jinja2.nodes.Filter(node, guard, [], [], None, None, lineno=node.lineno)
 
 
 class _GuardedCode(jinja2.compiler.CodeGenerator):
@@ -255,6 +292,7 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         """Wraps every filter registered so far (call once they all are)."""
         for name, function in list(self.filters.items()):
             self.filters[name] = _bounded_filter(name, function)
+        self.filters.update(_GUARDS)
 
     def call_binop(self, context, operator: str, left, right):
         tick()
@@ -297,29 +335,6 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
             return checked_size(wrapped(*args, **kwargs))
 
         return checked
-
-    def bounded_iter(self, iterable):
-        """``iterable``'s items, the time checked before each."""
-        for item in iterable:
-            tick()
-            yield item
-
-    def bounded_value(self, value):
-        return checked_size(value)
-
-    def bounded_output(self, value) -> str:
-        """``value`` as text, counted against :data:`EMITTED_PER_OUTPUT` x
-        :data:`MAX_OUTPUT_CHARS`: what macros and blocks write into their buffers is
-        refused as it is written, not once joined."""
-        text = checked_size(str(value))
-        emitted = _emitted.get()
-        if emitted is not None:
-            emitted[0] += len(text)
-            if emitted[0] > EMITTED_PER_OUTPUT * MAX_OUTPUT_CHARS:
-                raise _over(f"the text written, in all macros and blocks ({emitted[0]} "
-                            "characters so far),", EMITTED_PER_OUTPUT * MAX_OUTPUT_CHARS,
-                            f"{EMITTED_PER_OUTPUT} x MAX_OUTPUT_CHARS")  # fmt: skip
-        return text
 
 
 def render(template: jinja2.Template, variables: dict) -> str:
