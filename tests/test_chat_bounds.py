@@ -78,6 +78,7 @@ RUNAWAY = {
         "{{ ('a ' * 100000)|wordwrap(2, true, 'x' * 1000) }}",
         "filter wordwrap would build",
     ),
+    "tojson-indent": ("{{ range(1000)|list|tojson(indent=100000) }}", "filter tojson would"),
     "indent": ("{{ ('a\\n' * 100000)|indent('x' * 1000) }}", "filter indent would build"),
 }
 

@@ -15,7 +15,8 @@ the value:
   :data:`EMITTED_PER_OUTPUT` times that, counted as each piece is written;
   a value an operator, call or filter builds is refused beyond it, before it is built
   where its size can be known first (``*``, ``**``, ``%`` and ``format`` widths,
-  ``replace``, ``join``, ``indent``, ``wordwrap``, width arguments, ``lipsum``); integers beyond
+  ``replace``, ``join``, ``indent``, ``wordwrap``, ``tojson``'s indent, width arguments,
+  ``lipsum``); integers beyond
   :data:`MAX_INT_BITS`;
 - ``range`` beyond :data:`MAX_RANGE` items (Jinja's own ``MAX_RANGE``, named here),
   ``strftime_now`` formats beyond :data:`MAX_FORMAT_CHARS`, recursion beyond Python's
@@ -125,6 +126,17 @@ def _length(value) -> int:
         return 0
 
 
+def _items(value) -> int:
+    """The lists' and dicts' items in ``value``, nested ones included."""
+    count, stack = 0, [value]
+    while stack:
+        top = stack.pop()
+        if isinstance(top, (list, tuple, dict)):
+            count += len(top)
+            stack.extend(top.values() if isinstance(top, dict) else top)
+    return count
+
+
 def _joined(items, separator: str) -> int:
     """The length of ``separator.join(items)``, the strings among ``items`` counted."""
     if not isinstance(items, (list, tuple)):
@@ -161,6 +173,10 @@ def _estimate_filter(name: str, args, kwargs) -> None:
         _refuse_larger(len(value) + (value.count("\n") + 1) * size, what)
     elif name == "format" and isinstance(value, str):
         _check_widths(value, what)
+    elif name == "tojson":  # each item on its own line, indented at least once
+        indent = args[2] if len(args) > 2 else kwargs.get("indent")
+        if isinstance(indent, int):
+            _refuse_larger(_items(value) * indent, what)
     elif name == "wordwrap" and isinstance(value, str):  # a wrapstring after each line
         width = args[1] if len(args) > 1 else kwargs.get("width", 79)
         wrap = args[3] if len(args) > 3 else kwargs.get("wrapstring")
