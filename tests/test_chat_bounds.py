@@ -134,3 +134,13 @@ def test_a_template_over_the_size_bound_is_not_read(tmp_path, monkeypatch):
     config.write_text(json.dumps({"chat_template": "x" * (sandbox.MAX_TEMPLATE_CHARS + 1)}))
     with pytest.raises(chat.TemplateError, match="a template of 1048577 characters is over"):
         chat.load_template(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "{% if 1 %}" * 2000 + "{% endif %}" * 2000],
+    ids=["parentheses", "blocks"],
+)
+def test_a_template_nested_past_the_recursion_limit_is_one_line(source):
+    with pytest.raises(chat.TemplateError, match="^chat template does not parse: nested deeper"):
+        chat.ChatTemplate(source).render([])
