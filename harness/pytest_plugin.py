@@ -14,6 +14,12 @@ Markers:
     tpu, gpu, accelerator: needs that real backend (several: any of them).
     slow: left out of the gate unless ``--slow``.
     reference: needs torch and transformers.
+    host: exercises host code only (CLI parsing, reports, git, local processes); left
+        out, and counted, on a real accelerator (``--devices real`` on a TPU or GPU),
+        whose tier is for what the chip computes (``--host-tests run`` keeps them).
+    matmul_precision(name): the test (and its fixtures) run under
+        ``jax.default_matmul_precision(name)``; ``--emulate-chip-precision`` finds the
+        comparisons that need it (:mod:`harness.chip_precision`).
     contract(name): pins upstream symbol ``name``; recorded as the JUnit
         testcase property ``contract`` for the reports.
     convention(name): exercises Tunix train-step convention ``name`` (``installed``:
@@ -21,20 +27,20 @@ Markers:
         marked with one of them, and the unmarked ones when ``installed`` is among
         them: how the matrix runs a release row (``installed``) or an emulated one.
 
+Real devices (``--devices real``): a backend that does not come up fails the session
+(never a run that skips everything), ``--require-backend tpu`` fails it on any other
+backend, and hypothesis loads the ``chip`` profile (each compile costs a chip far more
+than the CPU: the properties are explored on the CPU, sampled on the chip).
+
 ``--upstream-deprecations record`` (the matrix): a deprecation raised from upstream
 code is recorded on its test instead of raised (:mod:`harness.deprecations`).
 
-Garbage collection: after collection the objects alive (the imported JAX, Flax,
-Tunix, torch: ~370k) are frozen out of the cyclic collector and full collections
-are made 100x rarer (:func:`tune_gc`); at the end of the session the young
-generations are collected and the heap is frozen (:func:`finish_gc`).
-``POSTTRAIN_GC_TUNING=0`` keeps Python's defaults.
+Hypothesis profiles and garbage collection: :mod:`harness.session_tuning`.
 """
 
 from __future__ import annotations
 
 import functools
-import gc
 import importlib.util
 import os
 from collections.abc import Sequence
@@ -42,8 +48,15 @@ from typing import Any
 
 import pytest
 
-from harness import deprecation_recorder
+from harness import chip_precision, deprecation_recorder, session_tuning
 from harness import devices as _devices
+from harness.session_tuning import (  # noqa: F401 (re-exported: tests and tools read them here)
+    GC_ENV_VAR,
+    GC_GEN2_THRESHOLD,
+    PROFILE_EXAMPLES,
+    finish_gc,
+    tune_gc,
+)
 
 MARKERS: tuple[str, ...] = (
     "devices(n): needs at least n JAX devices; skipped when fewer exist "
@@ -56,6 +69,10 @@ MARKERS: tuple[str, ...] = (
     "aot: compiles for a TPU slice through libtpu (the tpu extra); skipped where libtpu "
     "is not installed (a failure under --strict-skips)",
     "contract(name): pins the upstream symbol `name`; reports group results by it",
+    "host: exercises host code only (CLI parsing, reports, git, local processes); left "
+    "out on a real accelerator unless --host-tests run",
+    "matmul_precision(name): runs under jax.default_matmul_precision(name) (float32 "
+    "comparisons pin it: a TPU's default matmul is one bfloat16 pass)",
     "convention(name): exercises Tunix train-step convention `name` (see --conventions)",
 )
 # Backend markers -> the jax.default_backend() values they accept.
@@ -65,11 +82,11 @@ BACKEND_MARKERS: dict[str, tuple[str, ...]] = {
     "accelerator": ("tpu", "gpu"),
 }
 REFERENCE_MODULES: tuple[str, ...] = ("torch", "transformers")
-GC_ENV_VAR = "POSTTRAIN_GC_TUNING"
-PROFILE_EXAMPLES = {"ci": 20, "dev": 10, "thorough": 200}
-"""hypothesis ``max_examples`` of each profile (``HYPOTHESIS_PROFILE``)."""
-# Full (generation 2) collections after this many generation-1 ones (Python's default: 10).
-GC_GEN2_THRESHOLD = 1000
+ACCELERATOR_BACKENDS: tuple[str, ...] = ("tpu", "gpu")
+HOST_REASON = (
+    "host code only (CLI parsing, reports, git, local processes): the CPU tier runs it; "
+    "--host-tests run keeps it here"
+)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -99,6 +116,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "recorded on the test as the JUnit property upstream_deprecations (the matrix's warn "
         "cells; harness/deprecations.py); 'error' (default): filterwarnings decides",
     )
+    _add_chip_options(group)
     group.addoption(
         "--conventions",
         dest="conventions",
@@ -113,6 +131,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAME",
         default=None,
         help="keep only the tests marked contract(NAME) (a matrix column; bisect runs one)",
+    )
+
+
+def _add_chip_options(group) -> None:
+    """The options of a run on real chips: the backend required, the host tests, the
+    chip's precision emulated on the CPU."""
+    group.addoption(
+        "--require-backend",
+        dest="require_backend",
+        metavar="NAME",
+        default=None,
+        help="fail the session unless JAX's backend is NAME (tox -e tpu: tpu), instead "
+        "of running the suites on whatever came up",
+    )
+    group.addoption(
+        "--host-tests",
+        dest="host_tests",
+        choices=("auto", "run", "skip"),
+        default="auto",
+        help="tests marked host: 'auto' (default) leaves them out on a real accelerator "
+        "and runs them on the CPU; 'run' always; 'skip' never",
+    )
+    group.addoption(
+        "--emulate-chip-precision",
+        dest="emulate_chip_precision",
+        action="store_true",
+        default=False,
+        help="multiply float32 at the default precision as a TPU does (one bfloat16 pass): "
+        "finds the float32 comparisons that need matmul_precision, without a TPU",
     )
 
 
@@ -136,68 +183,16 @@ def pytest_configure(config: pytest.Config) -> None:
     _apply_devices(config.getoption("posttrain_devices"))
     for line in MARKERS:
         config.addinivalue_line("markers", line)
-    _load_hypothesis_profile(config)
+    session_tuning.load_hypothesis_profile(config)
+    config.pluginmanager.register(chip_precision.Pinning(), "posttrain_matmul_precision")
+    if config.getoption("emulate_chip_precision"):
+        import jax  # noqa: F401 (the device source is set: JAX may start)
+
+        config.add_cleanup(chip_precision.emulate())
     if config.getoption("upstream_deprecations") == "record":
         config.pluginmanager.register(
             deprecation_recorder.Recorder(), "posttrain_upstream_deprecations"
         )
-
-
-def _load_hypothesis_profile(config: pytest.Config) -> None:
-    """Registers the ci/dev/thorough profiles and loads the one the environment names.
-
-    ``HYPOTHESIS_PROFILE`` names it; otherwise ``ci`` when ``CI`` is set, else
-    ``dev``. hypothesis's own ``--hypothesis-profile`` option wins over both.
-    """
-    try:
-        from hypothesis import HealthCheck, settings
-    except ImportError:  # the plugin works without hypothesis installed
-        return
-    # A new profile inherits from the loaded one; start from hypothesis's defaults,
-    # not from the "ci" profile hypothesis itself loads when it detects CI.
-    settings.load_profile("default")
-    # deadline=None everywhere: XLA compile times are spiky, a deadline only flakes.
-    settings.register_profile(
-        "ci",
-        derandomize=True,
-        deadline=None,
-        max_examples=PROFILE_EXAMPLES["ci"],
-        print_blob=True,
-        database=None,  # derandomized: a database would only replay the same examples
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-    settings.register_profile("dev", deadline=None, max_examples=PROFILE_EXAMPLES["dev"])
-    settings.register_profile("thorough", deadline=None, max_examples=PROFILE_EXAMPLES["thorough"])
-    if config.getoption("hypothesis_profile", None):
-        return
-    name = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
-    try:
-        settings.load_profile(name)
-    except Exception as error:  # hypothesis.errors.InvalidArgument for an unknown name
-        raise pytest.UsageError(f"HYPOTHESIS_PROFILE={name!r}: {error}") from None
-
-
-def tune_gc() -> bool:
-    """Collects the young generations, freezes the objects alive now and makes full
-    collections 100x rarer.
-
-    The suites keep every traced and lowered program alive in JAX's caches, so the
-    heap grows to ~800k tracked objects and each full collection walks all of them
-    (~0.5 s on this 2-core machine): 20 of them took 9 s of a 100 s single-process
-    run (``gc.callbacks``), as long as the XLA compiles they sit next to. Frozen,
-    the imports are never walked again; with ``GC_GEN2_THRESHOLD`` the same run
-    makes 2 full collections (0.5 s) and peaks at 2.0 GB instead of 1.4 GB. Young
-    cycles (generations 0 and 1) are collected as before.
-
-    Returns whether it tuned (``POSTTRAIN_GC_TUNING=0``: nothing is changed).
-    """
-    if os.environ.get(GC_ENV_VAR, "1").strip() == "0":
-        return False
-    gc.collect(1)  # the young garbage; a full walk of the imports costs ~0.6 s a worker
-    gc.freeze()
-    gen0, gen1, _ = gc.get_threshold()
-    gc.set_threshold(gen0, gen1, GC_GEN2_THRESHOLD)
-    return True
 
 
 _gc_tuned = False
@@ -210,22 +205,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     global _gc_tuned
     if not _gc_tuned:
         _gc_tuned = tune_gc()
-
-
-def finish_gc() -> None:
-    """At the end of a tuned session: the young generations collected, then the whole
-    heap frozen.
-
-    pytest >= 9 collects twice more after the session (``unraisableexception``: in
-    ``pytest_unconfigure`` and its cleanup), each a full collection walking every object
-    the tests left in JAX's caches (~1.5 s a worker here, at the end of the gate's wall
-    time). Collected here, the young garbage's finalizers still run while pytest's
-    unraisable hook records what they raise; frozen, pytest's own collections find
-    nothing left to walk. Garbage already in the oldest generation is not finalized:
-    with ``GC_GEN2_THRESHOLD`` the tests' full collections are rare anyway.
-    """
-    gc.collect(1)
-    gc.freeze()
 
 
 @pytest.hookimpl(trylast=True)
@@ -271,8 +250,30 @@ def _junit_xml(config: pytest.Config) -> Any:
     return config.stash.get(xml_key, None)
 
 
-@pytest.hookimpl(trylast=True)
+def backend_problem(config: pytest.Config, facts: dict[str, str]) -> str | None:
+    """Why the session must not run on the backend that came up; ``None`` when it may.
+
+    On real devices a backend that did not start is an error, not a run that skips
+    every test; ``--require-backend NAME`` refuses any other backend.
+    """
+    backend = facts["backend"]
+    wanted = config.getoption("require_backend")
+    real = os.environ.get(_devices.ENV_VAR, "").strip().lower() == _devices.REAL
+    if backend.startswith("unavailable") and (real or wanted):
+        return f"posttrain-harness: the JAX backend did not come up: {backend}"
+    if wanted and backend != wanted:
+        return (
+            f"posttrain-harness: --require-backend {wanted}, but JAX's backend is {backend} "
+            f"({facts['device_count']} devices)"
+        )
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session: pytest.Session) -> None:
+    problem = backend_problem(session.config, environment_facts())
+    if problem:
+        pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
     xml = _junit_xml(session.config)
     if xml is None:  # no --junitxml, or an xdist worker (the controller writes it)
         return
@@ -289,7 +290,36 @@ def _marker_int(marker: pytest.Mark) -> int:
     return args[0]
 
 
+def leaves_out_host_tests(config: pytest.Config, backend: str) -> bool:
+    """Whether tests marked ``host`` are left out: ``--host-tests``, and for ``auto``
+    whether ``backend`` is a real accelerator."""
+    choice = config.getoption("host_tests")
+    return choice == "skip" or (choice == "auto" and backend in ACCELERATOR_BACKENDS)
+
+
+_HOST_LEFT_OUT = pytest.StashKey[int]()
+
+
+def _drop_host_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not leaves_out_host_tests(config, environment_facts()["backend"]):
+        return
+    dropped = [item for item in items if item.get_closest_marker("host") is not None]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item.get_closest_marker("host") is None]
+    config.stash[_HOST_LEFT_OUT] = len(dropped)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _HOST_LEFT_OUT in config.stash:
+        terminalreporter.write_line(
+            f"posttrain-harness: left out {config.stash[_HOST_LEFT_OUT]} tests marked host on "
+            f"{environment_facts()['backend']}: {HOST_REASON}"
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _drop_host_tests(config, items)
     chosen = config.getoption("conventions")
     contract = config.getoption("contract")
     if chosen is None and contract is None:
@@ -335,6 +365,12 @@ def _missing_reference_modules() -> tuple[str, ...]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    _check_markers(item)
+
+
+def _check_markers(item: pytest.Item) -> None:
+    """Records the contract; skips (or fails, under ``--strict-skips``) what the markers
+    say this session cannot run."""
     contract = item.get_closest_marker("contract")
     if contract is not None:
         item.user_properties.append(("contract", _contract_name(contract)))

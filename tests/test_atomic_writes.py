@@ -15,6 +15,8 @@ import pytest
 from posttrain.conversion import directories
 from posttrain.conversion import safetensors_io as sio
 
+pytestmark = pytest.mark.host
+
 
 def fd_path(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")

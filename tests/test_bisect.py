@@ -17,6 +17,8 @@ import pytest
 from harness import bisect, bisect_suggestions, cli, envs, git_history, sources
 from tests.test_matrix_sources import FAKE_PYPROJECT
 
+pytestmark = pytest.mark.host
+
 
 def git(*args: str, cwd: Path) -> str:
     done = subprocess.run(

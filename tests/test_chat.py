@@ -20,6 +20,8 @@ from posttrain.tokenizer import byte_tokenizer
 from posttrain.tunix_sampler import TunixTokenizer
 from tests import chat_formats as cf
 
+pytestmark = pytest.mark.host
+
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi <|im_end|> there"},

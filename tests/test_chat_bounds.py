@@ -12,6 +12,8 @@ import pytest
 from posttrain import chat
 from posttrain.chat import sandbox
 
+pytestmark = pytest.mark.host
+
 # each runaway form -> a piece of the one line it gives
 RUNAWAY = {
     "nested-loops": (

@@ -9,6 +9,10 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
+pytestmark = pytest.mark.host
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TREES = ("src/posttrain", "harness", "benchmarks")
 MODULE_LINES = 410

@@ -16,6 +16,8 @@ from posttrain.conversion import transforms as tf
 from posttrain.models import get_config
 from tests.checkpoints import hf_checkpoint, patch_rows, read_dir, write_hf_dir
 
+pytestmark = pytest.mark.host
+
 FAMILY = "qwen3_moe"  # MoE: router, experts and per-expert keys are all in play
 
 

@@ -24,6 +24,8 @@ import pytest
 from posttrain import cli
 from posttrain.runs import stops
 
+pytestmark = pytest.mark.host
+
 TENSORSTORE = (
     'OUT_OF_RANGE: Error writing "model.embed_tokens.embedding.value/0.0" in OCDBT database '
     'at local file "/r/checkpoints/2.orbax-checkpoint-tmp/model_params.orbax-checkpoint-tmp/'

@@ -19,6 +19,8 @@ from posttrain.conversion import NativeMeta, hf_config
 from posttrain.conversion import safetensors_io as sio
 from posttrain.models import presets
 
+pytestmark = pytest.mark.host
+
 # The gate runs every tiny preset in dozens of tests: the budget that keeps it fast.
 MAX_TINY_PARAMS = 300_000
 MAX_TINY_LAYERS = 2

@@ -14,6 +14,8 @@ import pytest
 from harness import entries, fits, report, report_html, report_md
 from posttrain.plan import topology
 
+pytestmark = pytest.mark.host
+
 GIB = 1 << 30
 
 

@@ -17,6 +17,8 @@ from posttrain.models import get_config
 from posttrain.sft import data
 from tests.strategies import json_values
 
+pytestmark = pytest.mark.host
+
 ONE_LINE = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 

@@ -12,6 +12,8 @@ import pytest
 from posttrain import cli, limits
 from posttrain.models import get_config
 
+pytestmark = pytest.mark.host
+
 
 def _files(tmp_path):
     """Every bad input file, by name (written fresh under ``tmp_path``)."""

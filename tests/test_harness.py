@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import gate, pytest_plugin
+from harness import gate, pytest_plugin, session_tuning
 from harness.devices import (
     BACKEND_OPT_FLAG,
     CODEGEN_SPLIT_FLAG,
@@ -28,6 +28,8 @@ from harness.devices import (
     suite_env,
 )
 from posttrain import atomic
+
+pytestmark = pytest.mark.host
 
 DEVICE_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "POSTTRAIN_DEVICES")
 
@@ -248,6 +250,76 @@ def test_markers_skip_with_reasons(jax_started, pytester: pytest.Pytester, monke
     )
 
 
+HOST_AND_DEVICE_TESTS = """
+import pytest
+
+@pytest.mark.host
+def test_parses_a_flag():
+    pass
+
+def test_computes():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("option", "left_out"), [("skip", 1), ("run", 0), ("auto", 0)], ids=["skip", "run", "auto-cpu"]
+)
+def test_host_tests_are_left_out_and_counted(
+    jax_started, pytester: pytest.Pytester, option, left_out
+) -> None:
+    """--host-tests skip leaves out the tests marked host and says how many and why; run
+    keeps them; auto keeps them on the CPU (it leaves them out on a TPU or GPU)."""
+    pytester.makepyfile(HOST_AND_DEVICE_TESTS)
+    result = pytester.runpytest("--host-tests", option, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2 - left_out, deselected=left_out)
+    line = f"*left out {left_out} tests marked host on {_backend()}: host code only*"
+    if left_out:
+        result.stdout.fnmatch_lines([line])
+    else:
+        result.stdout.no_fnmatch_line("*tests marked host*")
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu", "cpu"])
+def test_auto_leaves_host_tests_out_on_accelerators_only(backend) -> None:
+    config = types.SimpleNamespace(getoption=lambda name: "auto")
+    assert pytest_plugin.leaves_out_host_tests(config, backend) is (backend != "cpu")
+
+
+def test_a_backend_other_than_the_required_one_fails_the_session(
+    jax_started, pytester: pytest.Pytester
+) -> None:
+    """--require-backend tpu on this CPU: the session stops before any test, exit 4, with
+    one line naming both backends; never a green run of skips."""
+    pytester.makepyfile(HOST_AND_DEVICE_TESTS)
+    result = pytester.runpytest("--require-backend", "tpu", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    out = result.stdout.str() + result.stderr.str()
+    assert f"--require-backend tpu, but JAX's backend is {_backend()}" in out
+    assert "passed" not in out and "test_computes" not in out
+
+
+@pytest.mark.parametrize(
+    ("devices", "wanted", "problem"),
+    [
+        ("real", None, "did not come up"),
+        ("8", "tpu", "did not come up"),
+        ("8", None, None),
+    ],
+    ids=["real", "required", "fake-devices"],
+)
+def test_a_backend_that_did_not_come_up_fails_on_real_devices(
+    monkeypatch, devices, wanted, problem
+) -> None:
+    """On real devices (or with a backend required) a backend that failed to start is an
+    error; on fake devices the report says so and the tests decide."""
+    monkeypatch.setenv("POSTTRAIN_DEVICES", devices)
+    config = types.SimpleNamespace(getoption=lambda name: wanted)
+    facts = {"backend": "unavailable (RuntimeError: no TPU)", "device_count": "0"}
+    found = pytest_plugin.backend_problem(config, facts)
+    assert (found is None) if problem is None else (problem in found and "no TPU" in found)
+
+
 def test_strict_skips_turn_a_devices_skip_into_a_failure(
     jax_started, pytester: pytest.Pytester
 ) -> None:
@@ -428,15 +500,19 @@ def restore_hypothesis_profile():
         ({"CI": "true"}, "ci", 20),
         ({}, "dev", 10),
         ({"CI": "true", "HYPOTHESIS_PROFILE": "thorough"}, "thorough", 200),
+        ({"CI": "true", "POSTTRAIN_DEVICES": "real"}, "chip", 4),
+        ({"POSTTRAIN_DEVICES": "real", "HYPOTHESIS_PROFILE": "ci"}, "ci", 20),
     ],
-    ids=["ci-from-CI", "dev-default", "env-names-thorough"],
+    ids=["ci-from-CI", "dev-default", "env-names-thorough", "chip-on-real", "env-wins-on-real"],
 )
 def test_hypothesis_profile_follows_the_environment(
     monkeypatch, restore_hypothesis_profile, env, profile, max_examples
 ) -> None:
-    """HYPOTHESIS_PROFILE names the profile; else ci when CI is set, else dev."""
+    """HYPOTHESIS_PROFILE names the profile; else chip on real devices, ci when CI is set,
+    else dev."""
     for name in ("CI", "HYPOTHESIS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("POSTTRAIN_DEVICES", "8")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     settings = restore_hypothesis_profile
@@ -445,11 +521,11 @@ def test_hypothesis_profile_follows_the_environment(
     settings.register_profile("loaded-before", derandomize=True, max_examples=3)
     settings.load_profile("loaded-before")
     config = types.SimpleNamespace(getoption=lambda name, default=None: None)
-    pytest_plugin._load_hypothesis_profile(config)  # type: ignore[arg-type]
+    session_tuning.load_hypothesis_profile(config)  # type: ignore[arg-type]
     assert settings.get_current_profile_name() == profile
     assert settings.default.max_examples == max_examples
     assert settings.default.deadline is None
-    assert settings.default.derandomize is (profile == "ci")
+    assert settings.default.derandomize is (profile in ("ci", "chip"))
 
 
 @pytest.fixture

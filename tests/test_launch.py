@@ -23,6 +23,8 @@ import pytest
 from harness import launch
 from harness.cli import main as harness_main
 
+pytestmark = pytest.mark.host
+
 ROOT = Path(__file__).resolve().parent.parent
 
 RANK = "import os, signal, sys, time\nr = int(os.environ['POSTTRAIN_PROCESS_ID'])\n"

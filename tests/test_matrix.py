@@ -13,6 +13,8 @@ import pytest
 from harness import cli, entries, envs, matrix, report, report_md, run_cells
 from posttrain.sft import tunix_compat
 
+pytestmark = pytest.mark.host
+
 RELEASES = ("0.0.2", "0.1.0", "0.1.1", "0.1.2", "0.1.3", "0.1.4", "0.1.5", "0.1.6", "0.1.7")
 
 

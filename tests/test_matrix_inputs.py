@@ -10,6 +10,8 @@ import pytest
 
 from harness import cli, matrix, report, sources
 
+pytestmark = pytest.mark.host
+
 SECRET = "s3cr3t-t0ken"
 URL = f"https://user:{SECRET}@git.example.com/google/tunix@main"
 

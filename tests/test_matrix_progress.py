@@ -24,6 +24,8 @@ from harness import (
 )
 from tests.test_matrix_inputs import _row
 
+pytestmark = pytest.mark.host
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

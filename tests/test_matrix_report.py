@@ -17,6 +17,8 @@ import pytest
 
 from harness import cli, drift, entries, matrix, report, report_html, report_md
 
+pytestmark = pytest.mark.host
+
 REPO = Path(__file__).resolve().parent.parent
 COMMITTED = REPO / "reports" / "compat-matrix.json"
 

@@ -16,6 +16,8 @@ import pytest
 from harness import cli, entries, envs, matrix, run_cells, sources
 from posttrain.sft import tunix_compat
 
+pytestmark = pytest.mark.host
+
 FAKE_PYPROJECT = """\
 [build-system]
 requires = ["setuptools>=61"]

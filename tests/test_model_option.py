@@ -12,6 +12,8 @@ from posttrain import cli
 from posttrain.runs.options import DEFAULT_MODEL
 from posttrain.sft.options import VISION_MODEL, SFTConfig
 
+pytestmark = pytest.mark.host
+
 
 @pytest.mark.parametrize(
     ("argv", "model"),

@@ -10,6 +10,8 @@ import pytest
 
 from harness import mutants
 
+pytestmark = pytest.mark.host
+
 
 def test_each_target_is_a_source_file_with_a_test_selection():
     root = pathlib.Path(mutants.__file__).resolve().parent.parent

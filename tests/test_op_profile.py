@@ -20,6 +20,8 @@ from harness.op_profile import (
     union_seconds,
 )
 
+pytestmark = pytest.mark.host
+
 # A module in XLA's text form with each case by construction: a matmul fusion (the dot as
 # its root), a fusion whose dot sits in a nested fusion, a plain dot and a convolution in a
 # while body, a loop fusion and a transpose with none (whose metadata names a dot_general,

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.host
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

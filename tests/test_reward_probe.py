@@ -14,6 +14,8 @@ import pytest
 from posttrain import cli
 from posttrain.rl import rewards
 
+pytestmark = pytest.mark.host
+
 MODULE = textwrap.dedent(
     """
     import sys

@@ -16,6 +16,8 @@ from posttrain.rl.options import GRPORunConfig
 from posttrain.runs.options import RunOptions
 from posttrain.sft.options import SFTConfig
 
+pytestmark = pytest.mark.host
+
 
 def _other_value(field: dataclasses.Field, hint) -> tuple[list[str], object]:
     """``(command-line words, the value they give)`` for a value other than the field's

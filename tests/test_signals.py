@@ -17,6 +17,8 @@ import pytest
 
 from posttrain import signals
 
+pytestmark = pytest.mark.host
+
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
 
 

@@ -15,6 +15,8 @@ import pytest
 from posttrain.runs import tunix_loss
 from posttrain.sft import tunix_compat
 
+pytestmark = pytest.mark.host
+
 JIT_UNBOUND = """
 def jit_train_and_eval_step(self, skip_jit=False):
     train_step = self.create_train_step_fn()

@@ -12,10 +12,13 @@ import json
 import re
 from xml.sax.saxutils import quoteattr
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import deprecations, matrix, report, report_html, report_md
+
+pytestmark = pytest.mark.host
 
 OUTCOMES = ("passed", "skipped", "failed", "error")
 DEPRECATIONS = (
