@@ -14,6 +14,8 @@ import optax
 import pytest
 from flax import nnx
 
+pytestmark = pytest.mark.matmul_precision("highest")
+
 tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
 
 from contracts import tunix_emulation as te  # noqa: E402

@@ -15,12 +15,11 @@ import optax
 import pytest
 from flax import nnx
 
+pytestmark = pytest.mark.matmul_precision("highest")
+
 pytest.importorskip("tunix.distillation", reason="the installed Tunix has no tunix.distillation")
 
-from posttrain import (
-    sharding,  # noqa: E402
-    tokenizer,  # noqa: E402
-)
+from posttrain import sharding, tokenizer  # noqa: E402
 from posttrain.distill import loss as distill_loss  # noqa: E402
 from posttrain.distill import tunix_distill  # noqa: E402
 from posttrain.distill.trainer import (  # noqa: E402

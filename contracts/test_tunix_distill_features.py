@@ -15,6 +15,8 @@ import optax
 import pytest
 from flax import nnx
 
+pytestmark = pytest.mark.matmul_precision("highest")
+
 pytest.importorskip("tunix.distillation", reason="the installed Tunix has no tunix.distillation")
 
 from posttrain import sharding  # noqa: E402

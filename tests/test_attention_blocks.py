@@ -27,6 +27,8 @@ from posttrain.layers.mlp import token_einsum
 from posttrain.models import build_model, get_config
 from tests.jaxprs import matmuls, scoped_primitives
 
+pytestmark = pytest.mark.matmul_precision("highest")
+
 BATCH, SEQ = 3, 37  # 4 blocks of 9, 9, 10, 9 queries with MIN_QUERY_BLOCK = 8
 PAD = 6  # row 1 right-padded, row 2 left-padded (its first PAD queries see no key)
 

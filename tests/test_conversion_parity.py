@@ -20,7 +20,7 @@ from posttrain.conversion import parity
 from posttrain.conversion import transforms as tf
 from tests.checkpoints import patch_rows
 
-pytestmark = pytest.mark.reference
+pytestmark = [pytest.mark.reference, pytest.mark.matmul_precision("highest")]
 
 # float32 on both sides: observed mean KL <= 2e-13 and max |delta logit| <= 5e-6 on logits
 # of magnitude ~3 (reassociation noise), and top-1 agreement 1.0, so MoE routing is the

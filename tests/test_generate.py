@@ -25,6 +25,8 @@ from posttrain.models import CausalLM, build_model, get_config
 from posttrain.models.presets import TINY_PRESETS
 from tests.strategies import meshes, scaled
 
+pytestmark = pytest.mark.matmul_precision("highest")
+
 # fp32, one device: incremental and full forward differ by reassociation only
 # (observed <= 4e-6 on logits ~3, past the sliding window, all families).
 INCREMENTAL_ATOL = 1e-5

@@ -51,6 +51,8 @@ from posttrain.models import PRESETS, CausalLM, flat_params, get_config
 from tests.strategies import ALL_AXES, mesh_id, meshes, presets_and_meshes, scaled
 from tests.tracing import tracer_sharding_reads
 
+pytestmark = pytest.mark.matmul_precision("highest")
+
 LORA = LoraConfig(rank=4, alpha=8.0)
 # B = 0 adds an exact zero, but XLA may fuse the LoRA model's matmuls differently:
 # observed <= 1.5e-7 on fp32 logits of magnitude ~1.

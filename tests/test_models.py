@@ -31,6 +31,8 @@ from tests.jaxprs import scoped_primitives
 from tests.strategies import custom_rules, factorisations, mesh_id, meshes, scaled
 from tests.tracing import tracer_sharding_reads
 
+pytestmark = pytest.mark.matmul_precision("highest")
+
 # fp32 forward on 8 fake CPU devices vs 1: reduction order differs across shards,
 # observed differences ~1e-6 on logits of magnitude ~1.
 SHARDED_ATOL = 1e-5

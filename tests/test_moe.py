@@ -28,6 +28,8 @@ from posttrain.layers.moe import (
 from tests.jaxprs import equations
 from tests.strategies import moe_cases, scaled
 
+pytestmark = pytest.mark.matmul_precision("highest")
+
 ALGORITHMS = ("dense", "sorted", "ragged")
 ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 # fp32 forward vs a float64 numpy reference: sums of O(1) terms over d_model = 5,

@@ -30,6 +30,8 @@ from tests.path_params import model_with_path_values
 from tests.test_bf16 import MAX_MEAN_DELTA_PER_STD, MAX_NLL_DELTA, MIN_TOP1_AGREEMENT
 from tests.test_conversion_parity import MAX_ABS, MAX_KL
 
+pytestmark = pytest.mark.matmul_precision("highest")
+
 VISION = vision_tiny()
 IMG, BOI, EOI = VISION.image_token_id, VISION.boi_token_id, VISION.eoi_token_id
 PATCHES = 16  # per image, after padding

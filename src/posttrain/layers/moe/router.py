@@ -96,7 +96,10 @@ class Router(nnx.Module):
         else:  # Gemma 4: weightless RMSNorm * scale * d_model^-1/2
             h = rms_normalize(x, self.norm_eps) * self.scale[...].astype(jnp.float32)
             h = h * self.d_model**-0.5
-        logits = jnp.einsum("td,de->te", h, self.kernel[...].astype(jnp.float32))  # [T, E]
+        # HIGHEST: a TPU multiplies float32 at its default precision in one bfloat16 pass,
+        # which rounds the logits as bf16 would (tests/test_bf16.py's tie, on a v5e).
+        kernel = self.kernel[...].astype(jnp.float32)
+        logits = jnp.einsum("td,de->te", h, kernel, precision=jax.lax.Precision.HIGHEST)  # [T, E]
         if self.bias is not None:
             logits = logits + self.bias[...].astype(jnp.float32)
         return logits
