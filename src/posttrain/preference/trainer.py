@@ -55,7 +55,7 @@ class PreferenceMetrics(StepMetrics):
     ``grad_norm``            global norm of the applied (accumulated) gradient
     ``moe_aux_loss``         the load-balancing loss (unweighted; 0 if dense)
     ``tokens``               non-padding tokens through the policy (prompt twice)
-    ``step_time_s``          wall time since the previous record (``null`` for the first)
+    ``step_time_s``          time between this and the previous record's results being ready
     ``tokens_per_s``         ``tokens / step_time_s``
     ``learning_rate``        the schedule at this step
     =======================  ===========================================================
