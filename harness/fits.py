@@ -11,8 +11,8 @@ asserts their verdicts and figures).
 Row (JSON object): ``name``, ``what`` (the plan's description), ``topology``, ``verdict``
 (one of :data:`VERDICTS`), ``expected`` (the seed's), ``peak_bytes``, ``hbm_bytes``,
 ``headroom`` (``null`` when refused), ``stage`` (a workflow's tightest program),
-``compile_seconds``, ``floor_seconds``, ``mfu``, ``line`` (the compiler's refusal),
-``measured`` (UTC date), ``machine``.
+``compile_seconds``, ``floor_seconds``, ``estimate_seconds``, ``mfu``, ``line`` (the
+compiler's refusal), ``measured`` (UTC date), ``machine``.
 """
 
 from __future__ import annotations
@@ -150,6 +150,7 @@ def row_of(s: Seed, record: dict | None = None, refused: str | None = None) -> d
         "stage": record.get("stage", ""),
         "compile_seconds": sum(x["compile_seconds"] for x in stages.values()),
         "floor_seconds": record["floor_seconds"],
+        "estimate_seconds": record["estimate_seconds"],
         "mfu": record["mfu"],
         "line": None,
     }

@@ -17,6 +17,8 @@ import pytest
 
 from posttrain import cli
 
+pytestmark = pytest.mark.host
+
 # flag (or positional name) -> (kind, default, choices, type name, required).
 # kind: "value", "flag" (present: switches a bool; its default is not shown), "append".
 # choices: argparse's choices=, or those the help shows as a metavar ({a,b}) when the
@@ -225,6 +227,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--num-layers": ("value", None, None, "int", False),
         "--extrapolate": ("flag", None, None, None, False),
         "--json": ("value", None, None, None, False),
+        "--run-steps": ("value", 0, None, "int", False),
     },
 }
 

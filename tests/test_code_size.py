@@ -20,7 +20,7 @@ FUNCTION_LINES = 60
 
 #: modules over :data:`MODULE_LINES` for their tables: ``path`` -> lines now (a ceiling)
 MODULES_OVER: dict[str, int] = {
-    "harness/mutants.py": 582,  # TARGETS / FUNCTIONS: ~260 lines of table
+    "harness/mutants.py": 512,  # TARGETS / FUNCTIONS: ~270 lines of table
 }
 
 #: ``path:function`` -> its code lines now: jitted loops, the plan's program builders, the

@@ -29,6 +29,7 @@ def _record(peak_gib: float, fits_: bool = True, stages=None) -> dict:
         "headroom": hbm - peak,
         "stage": "",
         "floor_seconds": 0.5,
+        "estimate_seconds": 0.7,
         "mfu": 0.4,
         "peak_bytes": peak,
         "compile_seconds": 100.0,
@@ -145,7 +146,8 @@ def test_each_seed_is_a_valid_plan():
 # the row's fields, as the module docstring lists them
 ROW_FIELDS = {
     "name", "what", "topology", "verdict", "expected", "peak_bytes", "hbm_bytes", "headroom",
-    "stage", "compile_seconds", "floor_seconds", "mfu", "line", "measured", "machine",
+    "stage", "compile_seconds", "floor_seconds", "estimate_seconds", "mfu", "line", "measured",
+    "machine",
 }  # fmt: skip
 # a refusal as the plan words it (the compiler's line has parentheses of its own)
 REFUSAL = (
@@ -165,7 +167,8 @@ def test_rows_carry_the_documented_fields_and_round_trip_through_load(tmp_path):
     fitted = fits.row_of(sft, _record(13.0))
     refused = fits.row_of(fits.seed("llama3.1-70b sft remat none"), refused=REFUSAL)
     for row in (over, fitted, refused):
-        figures = {"peak_bytes", "stage", "compile_seconds", "floor_seconds", "mfu"}
+        figures = {"peak_bytes", "stage", "compile_seconds", "floor_seconds", "estimate_seconds"}
+        figures.add("mfu")
         assert ROW_FIELDS - figures <= set(row)  # a refusal has no figures
         assert set(row) <= ROW_FIELDS and row["verdict"] in fits.VERDICTS
         assert row["expected"] == fits.seed(row["name"]).expected
@@ -173,6 +176,7 @@ def test_rows_carry_the_documented_fields_and_round_trip_through_load(tmp_path):
         assert row["machine"].startswith(platform.machine() + ", 3.")
     assert set(fitted) == ROW_FIELDS and fitted["line"] is None
     assert fitted["floor_seconds"] == 0.5 and fitted["mfu"] == 0.4 and fitted["what"] == "x sft"
+    assert fitted["estimate_seconds"] == 0.7
     assert refused["line"] == REFUSAL and refused["what"] == ""
     rows = [fitted, over, refused]
     (tmp_path / fits.FITS_NAME).write_text(json.dumps(rows))

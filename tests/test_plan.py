@@ -98,7 +98,9 @@ def test_a_program_exactly_the_size_of_hbm_fits_and_an_empty_one_has_no_mfu():
     exact = report.judge(_figures(temporaries=84 * topology.GIB), v5p)  # 10 + 3 - 2 + 84
     assert exact.fits and exact.headroom == 0
     empty = report.judge(_figures(flops=0.0, bytes_accessed=0.0), v5p)
-    assert empty.floor_seconds == 0.0 and empty.mfu == 0.0
+    assert empty.estimate_seconds == 0.0 and empty.mfu == 0.0
+    # nothing computed, but the state is still read and written once: 10 + 3 GiB
+    assert empty.floor_seconds == pytest.approx(13 * topology.GIB / 2765e9)
 
 
 def test_verdict_headroom_and_mfu():
@@ -108,7 +110,9 @@ def test_verdict_headroom_and_mfu():
     assert figures.peak == 16 * topology.GIB  # 10 + 3 - 2 + 5
     assert verdict.fits and verdict.headroom == (95 - 16) * topology.GIB
     assert verdict.bound == "compute" and verdict.floor_seconds == pytest.approx(0.01)
-    # model FLOPs / (floor x peak x chips) = 4 x 4.59e12 / (0.01 x 459e12 x 4)
+    # v5p is uncalibrated (step_scale 1): the estimate is the compiled costs' roofline
+    assert verdict.estimate_seconds == pytest.approx(0.01)
+    # model FLOPs / (estimate x peak x chips) = 4 x 4.59e12 / (0.01 x 459e12 x 4)
     assert verdict.mfu == pytest.approx(1.0)
     over = report.judge(_figures(temporaries=85 * topology.GIB), v5p)
     assert not over.fits and over.headroom == -topology.GIB
@@ -204,13 +208,15 @@ def test_a_workflow_fits_only_when_each_program_does():
     verdict = report.judge_stages({"rollout": rollout, "train step": train}, v5p)
     assert not verdict.fits and verdict.stage == "rollout"
     assert verdict.headroom == -topology.GIB
-    assert verdict.floor_seconds == pytest.approx(0.04) and verdict.bound == "memory"
-    assert verdict.mfu == pytest.approx(0.25)  # the train step's FLOPs over both floors
+    assert verdict.estimate_seconds == pytest.approx(0.04) and verdict.bound == "memory"
+    assert verdict.mfu == pytest.approx(0.25)  # the train step's FLOPs over both estimates
+    # floors: each 10 ms of FLOPs at peak (more than its 13 GiB of state at 2765 GB/s)
+    assert verdict.floor_seconds == pytest.approx(0.02)
     swapped = report.judge_stages({"rollout": train, "train step": rollout}, v5p)
     assert swapped.stage == "train step"  # the tightest, whatever the names' order
     idle = _figures(flops=0.0, bytes_accessed=0.0)
     nothing = report.judge_stages({"a": idle, "b": idle}, v5p)
-    assert nothing.floor_seconds == 0.0 and nothing.mfu == 0.0 and nothing.fits
+    assert nothing.estimate_seconds == 0.0 and nothing.mfu == 0.0 and nothing.fits
     alone = report.judge_stages({"train step": train}, v5p)
     assert alone == report.judge(train, v5p)  # one program: the single-program verdict
     held = _figures(resident=80 * topology.GIB)  # another model held beside it

@@ -279,7 +279,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if command.devices:
         _set_devices(parse_devices(args.devices))
         distributed.initialize()  # a no-op outside the launcher and POSTTRAIN_DISTRIBUTED
-    else:
+    elif not (args.command == "plan" and args.run_steps):  # --run-steps: on the chips
         os.environ.setdefault("JAX_PLATFORMS", "cpu")  # conversion, parity, plans: CPU work
     options = flags.options_from(command.options, args)
     options.check()

@@ -22,12 +22,25 @@ def run(options: PlanOptions) -> int:
         print(f"posttrain plan: {e}", file=sys.stderr)
         return 1
     print(result.table())
+    record = result.record()
+    if options.run_steps:
+        import dataclasses
+
+        from posttrain.plan import measure
+
+        measured = measure.measure(options)
+        topo = topology.get(options.topology)
+        print(report.against_the_chip(result.figures, result.verdict, measured, topo))
+        record["measured"] = dataclasses.asdict(measured)
     if options.json_path:
-        report.write_json(options.json_path, [result.record()])
+        report.write_json(options.json_path, [record])
     if not result.verdict.fits:
         topo = topology.get(options.topology)
         print(
-            f"posttrain plan: {report.overflow_line(result.figures.peak, topo, result.what)}",
+            "posttrain plan: "
+            + report.overflow_line(
+                result.figures.peak, topo, result.what, report.knobs(options, topo)
+            ),
             file=sys.stderr,
         )
         return 1

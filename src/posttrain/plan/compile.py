@@ -35,16 +35,17 @@ def compile_stages(options: PlanOptions) -> tuple[str, dict[str, Figures]]:
       ValueError: a mesh, batch or model the others do not divide (one line).
       DoesNotFit: the compiler refused a program for lack of memory.
     """
-    from posttrain.plan import topology
+    from posttrain.plan import report, topology
     from posttrain.plan.options import check_output
 
     check_output(options.json_path)
     topo = topology.get(options.topology)
     what, programs, mesh = build_programs(options, topo)
     stages = {}
+    advice = report.knobs(options, topo)
     for name, program in programs.items():
         stages[name] = _compile(
-            program, mesh, f"{what}: {name}" if len(programs) > 1 else what, topo
+            program, mesh, f"{what}: {name}" if len(programs) > 1 else what, topo, advice
         )
     return what, stages
 
@@ -53,11 +54,11 @@ def build_programs(options: PlanOptions, topo) -> tuple[str, dict, object]:
     """``(description, {program name: Program}, trainer mesh)`` of ``options``' workflow on
     the abstract model."""
     from posttrain import sharding
-    from posttrain.plan import abstract, steps, topology, workflows
+    from posttrain.plan import abstract, steps, workflows
     from posttrain.plan.options import planned_config
 
     cfg = planned_config(options)
-    devices = topology.devices(topo)
+    devices = plan_devices(options, topo)
     mesh = sharding.make_mesh(options.mesh, devices=devices)
     rules = sharding.DEFAULT_RULES
     cfg.check_mesh(dict(mesh.shape), rules)
@@ -111,11 +112,20 @@ def build_programs(options: PlanOptions, topo) -> tuple[str, dict, object]:
     return describe(options, cfg, mesh, batch), programs, mesh
 
 
-def _compile(program, mesh, what: str, topo) -> Figures:
+def plan_devices(options: PlanOptions, topo) -> list:
+    """The devices a plan compiles for: libtpu's deviceless ones, or with ``run_steps`` this
+    process's chips, which the program will run on (:mod:`posttrain.plan.measure`)."""
+    from posttrain.plan import measure, topology
+
+    return measure.chip_devices(topo) if options.run_steps else topology.devices(topo)
+
+
+def _compile(program, mesh, what: str, topo, advice: str) -> Figures:
     """One program lowered and compiled for ``topo``'s devices; its figures.
 
     Raises:
-      DoesNotFit: the compiler refused it for lack of memory (``what`` names it).
+      DoesNotFit: the compiler refused it for lack of memory (``what`` names it, and
+        ``advice`` what to try).
     """
     import dataclasses
 
@@ -136,7 +146,7 @@ def _compile(program, mesh, what: str, topo) -> Figures:
         first = next((ln for ln in str(e).splitlines() if ln.strip()), "")
         raise DoesNotFit(
             f"{what} does not fit {topo.name}: the compiler refused it ({first.strip()[:240]}); "
-            f"try {report.KNOBS}"
+            f"try {advice}"
         ) from None
     seconds = time.perf_counter() - start
     figures = report.figures_of(

@@ -60,6 +60,10 @@ class PlanOptions:
       extrapolate: the fast route: compile one and two layer periods and extrapolate the
         figures to the full depth (:mod:`posttrain.plan.depth`) instead of compiling it.
       json_path: write the JSON record here.
+      run_steps: after planning, build the program on this process's TPU chips (which must
+        be the topology's), run it this many times and print the measured peak HBM, step
+        time and MFU beside the predicted ones (:mod:`posttrain.plan.measure`); 0: plan
+        only.
 
     Each field is also a flag of ``posttrain plan`` (:mod:`posttrain.flags`); the values
     are checked by :meth:`check`, as every subcommand's options are.
@@ -102,6 +106,12 @@ class PlanOptions:
         "temporaries underestimated (docs/scale.md)",
     )
     json_path: str | None = option(None, "write the JSON record to this file", flag="--json")
+    run_steps: int = option(
+        0,
+        "run the planned step N times on this host's chips (the topology's) and print "
+        "measured beside predicted",
+        show_default=False,
+    )
 
     def check(self) -> None:
         """Refuses values outside their ranges and a JSON path whose directory does not
@@ -128,6 +138,14 @@ class PlanOptions:
         for name in ("per_device_batch_size", "seq", "new_tokens", "grad_accum", "num_iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.run_steps < 0:
+            raise ValueError(f"run_steps={self.run_steps} must be >= 0")
+        if self.run_steps and self.workflow != "sft":
+            raise ValueError(
+                f"run_steps measures the sft step; workflow={self.workflow!r} is planned only"
+            )
+        if self.run_steps and self.extrapolate:
+            raise ValueError("run_steps runs the full depth: drop --extrapolate")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank} must be >= 0")
         if self.qlora and not self.lora_rank:

@@ -30,6 +30,10 @@ class Chip:
       peak_flops: peak dense bf16 FLOP/s per chip.
       hbm_bandwidth: HBM bandwidth per chip, bytes/s.
       source: the page the figures are from.
+      step_scale: measured step time over the roofline of the compiled costs
+        (``max(FLOPs / peak, bytes accessed / bandwidth)``) on this chip, by which a plan
+        estimates its step time; 1.0 where no chip was measured.
+      step_scale_source: the measurement behind ``step_scale`` ("" when uncalibrated).
     """
 
     name: str
@@ -37,9 +41,11 @@ class Chip:
     peak_flops: float
     hbm_bandwidth: float
     source: str
+    step_scale: float = 1.0
+    step_scale_source: str = ""
 
     def __post_init__(self) -> None:
-        if self.hbm_bytes <= 0 or self.peak_flops <= 0 or self.hbm_bandwidth <= 0:
+        if min(self.hbm_bytes, self.peak_flops, self.hbm_bandwidth, self.step_scale) <= 0:
             raise ValueError(f"chip {self.name}: every figure must be > 0")
 
 
@@ -52,13 +58,21 @@ CHIPS: dict[str, Chip] = {
         hbm_bandwidth=1200e9,
         source="https://cloud.google.com/tpu/docs/v4",
     ),
-    # "Peak compute per chip (bf16) 197 TFLOPs; HBM2 capacity and bandwidth 16 GB, 819 GBps"
+    # "Peak compute per chip (bf16) 197 TFLOPs; HBM2 capacity and bandwidth 16 GB, 819 GBps".
+    # HBM: what the runtime gives a program, Device.memory_stats()["bytes_limit"] on a lent
+    # v5e (2026-12-05), not the page's 16: the compiler refuses beyond it ("exceeds
+    # available HBM (15.75G)").
     "v5e": Chip(
         name="v5e",
-        hbm_bytes=16 * GIB,
+        hbm_bytes=16_909_336_064,
         peak_flops=197e12,
         hbm_bandwidth=819e9,
         source="https://cloud.google.com/tpu/docs/v5e",
+        step_scale=0.80,
+        step_scale_source=(
+            "posttrain plan --run-steps 5 on a v5e, qwen3-0.6b SFT (docs/scale.md): measured / "
+            "roofline 0.870 (full, 4 x 2048), 0.723 (full, 2 x 2048), 0.728 (LoRA 16, 4 x 2048)"
+        ),
     ),
     # "Peak compute per chip (bf16) 459 TFLOPs; HBM2e capacity and bandwidth 95GB, 2765 GBps"
     "v5p": Chip(

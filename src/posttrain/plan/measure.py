@@ -1,0 +1,184 @@
+"""``posttrain plan --run-steps N``: the planned step run on the chips themselves, measured
+beside what the plan predicted.
+
+The plan's program (:func:`posttrain.plan.compile.build_programs`, the trainer's own step)
+is built on this process's real devices instead of libtpu's deviceless ones, its abstract
+arguments made concrete on their shardings (floats 0, integers 1: a step's time and memory
+do not depend on the values), and called ``N`` times. Measured:
+
+- peak HBM per device: ``peak_bytes_in_use + peak_bytes_reserved`` of
+  ``Device.memory_stats()`` (on a TPU the program's temporaries are reserved apart from
+  ``bytes_in_use``), the largest over the devices, against the plan's peak;
+- the step time: the median of the steps after the first (the first compiles), each
+  timed until its results are ready, against the plan's floor and estimate;
+- the MFU: the step's model FLOPs over ``step time x peak FLOP/s x chips``.
+
+A program the chip cannot hold fails in the run with ``RESOURCE_EXHAUSTED``; that is a
+measurement too (``fits`` false), the plan's refusal checked against the chip's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+#: ``Device.device_kind`` of each chip generation, as the TPU runtime names it
+DEVICE_KINDS: dict[str, tuple[str, ...]] = {
+    "v4": ("TPU v4",),
+    "v5e": ("TPU v5 lite", "TPU v5e"),
+    "v5p": ("TPU v5", "TPU v5p"),
+    "v6e": ("TPU v6 lite", "TPU v6e"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Measured:
+    """One program run on the chips.
+
+    Attributes:
+      steps: steps run (0 when the first did not fit).
+      step_seconds: median wall time of the steps after the first, each until its
+        results were ready (the only step's time when ``steps`` is 1).
+      first_step_seconds: the first step's, compile included.
+      peak_bytes: the largest ``peak_bytes_in_use + peak_bytes_reserved`` over the devices
+        (0 where the runtime gives no memory statistics).
+      bytes_limit: the smallest ``bytes_limit`` over the devices: the HBM a program may use.
+      fits: whether the steps ran (false: the runtime refused them for lack of memory).
+      error: the runtime's first line when it refused them, else ``""``.
+    """
+
+    steps: int
+    step_seconds: float
+    first_step_seconds: float
+    peak_bytes: int
+    bytes_limit: int
+    fits: bool = True
+    error: str = ""
+
+
+def chip_devices(topology) -> list:
+    """This process's devices, when they are ``topology``'s chips; in device-id order.
+
+    Raises:
+      ValueError: the backend is not a TPU, the device count differs from the slice's
+        chips, or the chips are of another generation (one line naming both).
+    """
+    backend = jax.default_backend()
+    if backend != "tpu":
+        raise ValueError(
+            f"--run-steps runs the plan on its chips: JAX's backend here is {backend!r}, "
+            f"not a TPU {topology.name}"
+        )
+    devices = sorted(jax.devices(), key=lambda d: d.id)
+    if len(devices) != topology.chips:
+        raise ValueError(
+            f"--run-steps: topology {topology.name} has {topology.chips} chips, this "
+            f"process sees {len(devices)} TPU devices"
+        )
+    kind = devices[0].device_kind
+    expected = DEVICE_KINDS.get(topology.chip.name, ())
+    if not any(kind.lower() == e.lower() for e in expected):
+        raise ValueError(
+            f"--run-steps: the devices here are {kind!r}, not {topology.chip.name} "
+            f"({' or '.join(map(repr, expected)) or 'unknown kind'})"
+        )
+    return devices
+
+
+def concrete(tree):
+    """``tree`` with each ``ShapeDtypeStruct`` leaf made an array on its sharding: floats
+    0, integers and booleans 1 (masks on, token ids in range)."""
+
+    def one(leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        value = 0 if jnp.issubdtype(leaf.dtype, jnp.floating) else 1
+        make = jax.jit(lambda: jnp.full(leaf.shape, value, leaf.dtype), out_shardings=leaf.sharding)
+        return make()
+
+    return jax.tree.map(one, tree)
+
+
+def _made_concrete(arg):
+    if isinstance(arg, nnx.Module | nnx.Optimizer):
+        nnx.update(arg, concrete(nnx.state(arg)))
+        return arg
+    return concrete(arg)
+
+
+def memory_peak(devices) -> tuple[int, int]:
+    """``(max peak_bytes_in_use + peak_bytes_reserved, min bytes_limit)`` over ``devices``;
+    ``(0, 0)`` where the runtime keeps no statistics."""
+    peaks, limits = [], []
+    for device in devices:
+        stats = device.memory_stats() or {}
+        peaks.append(
+            int(stats.get("peak_bytes_in_use", 0)) + int(stats.get("peak_bytes_reserved", 0))
+        )
+        limits.append(int(stats.get("bytes_limit", 0)))
+    return max(peaks, default=0), min(limits, default=0)
+
+
+def run_program(program, steps: int, devices) -> Measured:
+    """Runs ``program`` (:class:`posttrain.plan.steps.Program`) ``steps`` times on its
+    concrete arguments; each step timed until its results are ready.
+
+    Raises:
+      ValueError: ``steps`` < 1.
+    """
+    if steps < 1:
+        raise ValueError(f"run_steps={steps} must be >= 1")
+    args = tuple(_made_concrete(a) for a in program.args)
+    seconds = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            jax.block_until_ready(program.jitted(*args, **program.kwargs))
+            seconds.append(time.perf_counter() - start)
+    except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED when it does not fit
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        peak, limit = memory_peak(devices)
+        return Measured(
+            steps=len(seconds),
+            step_seconds=0.0,
+            first_step_seconds=seconds[0] if seconds else 0.0,
+            peak_bytes=peak,
+            bytes_limit=limit,
+            fits=False,
+            error=first[:240],
+        )
+    peak, limit = memory_peak(devices)
+    steady = seconds[1:] or seconds
+    return Measured(
+        steps=steps,
+        step_seconds=statistics.median(steady),
+        first_step_seconds=seconds[0],
+        peak_bytes=peak,
+        bytes_limit=limit,
+    )
+
+
+def measure(options) -> Measured:
+    """Builds ``options``' SFT step on this process's chips and runs it
+    ``options.run_steps`` times (:func:`run_program`).
+
+    Raises:
+      ValueError: the devices here are not the topology's (:func:`chip_devices`).
+    """
+    from posttrain import sharding
+    from posttrain.plan import topology
+    from posttrain.plan.compile import build_programs, main_stage
+
+    topo = topology.get(options.topology)
+    devices = chip_devices(topo)
+    _, programs, mesh = build_programs(options, topo)
+    program = programs[main_stage(programs)]
+    with sharding.use_mesh(mesh, sharding.DEFAULT_RULES, jax_context=False):
+        return run_program(program, options.run_steps, devices)
