@@ -171,6 +171,54 @@ def test_the_masked_loss_is_the_hand_computed_one(top_k):
         assert not np.isclose(value, want, rtol=1e-3), name
 
 
+#: a teacher with almost no mass on two tokens and a uniform student: KL(p || q) 0.66 and
+#: KL(q || p) 2.01 at T 1; 0.45 and 0.73 at T 2 (a temperature evens the two out)
+TEACHER_P = np.array([0.497, 0.497, 0.005, 0.001])
+STUDENT_Q = np.full(4, 0.25)
+
+
+def kl_np(p, q):
+    return float(np.sum(p * (np.log(p) - np.log(q))))
+
+
+def tempered(probs, temperature):
+    z = np.log(probs) / temperature
+    return np.exp(z - np.logaddexp.reduce(z))
+
+
+@pytest.mark.contract("tunix.distillation.strategies.LogitStrategy.compute_loss")
+@pytest.mark.parametrize("temperature", [1.0, 2.0], ids=["T1", "T2"])
+@pytest.mark.parametrize("written_out", [True, False], ids=["written-out", "tunix-own"])
+def test_the_kl_is_teacher_to_student_on_an_asymmetric_pair(temperature, written_out):
+    """On one target position whose teacher and student distributions give KL(p || q) !=
+    KL(q || p) by 60% or more, alpha 1: the objective is ``T^2 KL(p_T || q_T)`` (teacher first,
+    hand-computed in numpy), through the written-out loss and Tunix's own
+    ``compute_loss`` alike; the reported ``kl_sum`` and :func:`kl_to_teacher` are
+    ``KL(p || q)`` at temperature 1. The reverse direction is far from each."""
+    p_t, q_t = tempered(TEACHER_P, temperature), tempered(STUDENT_Q, temperature)
+    forward, reverse = kl_np(p_t, q_t), kl_np(q_t, p_t)
+    assert reverse > 1.5 * forward  # the pair is asymmetric
+    # [batch 1, seq 2, vocab 4]: position 0 predicts token 1, a target
+    s = jnp.asarray(np.log(STUDENT_Q)[None, None].repeat(2, axis=1), jnp.float32)
+    t = jnp.asarray(np.log(TEACHER_P)[None, None].repeat(2, axis=1), jnp.float32)
+    tokens = jnp.asarray([[0, 2]], jnp.int32)
+    mask, segments = jnp.asarray([[0, 1]], jnp.int32), jnp.asarray([[1, 1]], jnp.int32)
+    st = strategy(temperature=temperature, alpha=1.0)
+    if not written_out:  # a subclass: its own compute_loss, vmapped per position
+        st = strategy(temperature=temperature, alpha=1.0, cls=type("Own", (type(st),), {}))
+    terms = distill_loss.distill_terms(st, s, t, tokens, mask, segments)
+    got = float(terms["distill_sum"])
+    np.testing.assert_allclose(got, temperature**2 * forward, rtol=1e-5)
+    assert not np.isclose(got, temperature**2 * reverse, rtol=0.1)
+    kl_1 = kl_np(TEACHER_P, STUDENT_Q)
+    for name, value in {
+        "kl_sum": float(terms["kl_sum"]),
+        "kl_to_teacher": float(distill_loss.kl_to_teacher(s[0, 0], t[0, 0])),
+    }.items():
+        np.testing.assert_allclose(value, kl_1, rtol=1e-5, err_msg=name)
+        assert not np.isclose(value, kl_np(STUDENT_Q, TEACHER_P), rtol=0.1), name
+
+
 def test_with_every_position_a_target_it_is_tunix_mean_times_the_count():
     """Tunix's own ``compute_loss`` on the whole batch (its mean over every position) x the
     count of positions == our sum when every position is a target."""
