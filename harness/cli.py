@@ -39,6 +39,7 @@ from harness.subcommands import (
     run_report_merge,
     show_devices,
 )
+from posttrain import flags
 
 
 def default_compile_cache() -> str:
@@ -52,7 +53,7 @@ def default_compile_cache() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = flags.Parser(
         prog="posttrain-harness",
         description="Harness of the posttrain stack: device setup and the pre-merge gate.",
         allow_abbrev=False,

@@ -284,3 +284,35 @@ def test_each_subcommand_prints_its_help(command, capsys, monkeypatch):
     assert exit_.value.code == 0
     printed = capsys.readouterr().out
     assert all(flag.split("/")[0] in printed for flag in EXPECTED[command])
+
+
+@pytest.mark.parametrize(
+    ("program", "argv", "words"),
+    [
+        ("posttrain", ["plan", "--model", "x", "--topology", "v5e-1", "--seq", "1e12"],
+         "argument --seq: invalid int value: '1e12'"),
+        ("posttrain", ["plan", "--model", "x", "--topology", "v5e-1", "--nope"],
+         "unrecognized arguments: --nope"),
+        ("posttrain", ["plan", "--topology", "v5e-1"], "required: --model"),
+        ("posttrain", ["nope"], "invalid choice: 'nope'"),
+        ("posttrain-harness", ["bisect", "--contract", "sft"], "required: --source"),
+        ("posttrain-harness", ["gate", "--jobs", "x"], "argument --jobs"),
+    ],
+    ids=["bad-int", "unknown-flag", "missing-flag", "unknown-command", "harness-missing",
+         "harness-bad-value"],
+)  # fmt: skip
+def test_a_usage_error_is_one_line_naming_the_option_and_pointing_to_help(
+    program, argv, words, capsys, monkeypatch
+):
+    """argparse's errors (an unknown flag, a bad value, a missing flag): one line naming
+    the option and a hint to ``--help``, exit 2; not the whole usage (#56 12)."""
+    from harness import cli as harness_cli
+
+    monkeypatch.delenv("POSTTRAIN_DEVICES", raising=False)
+    main = {"posttrain": cli.main, "posttrain-harness": harness_cli.main}[program]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"{program}") and words in err[0], err
+    assert err[0].endswith("--help`"), err

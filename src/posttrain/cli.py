@@ -165,7 +165,7 @@ MULTI_PROCESS = tuple(c.name for c in COMMANDS if c.multi_process)
 def build_parser() -> argparse.ArgumentParser:
     """``posttrain``'s parser: one subparser per :data:`COMMANDS` row, its flags generated
     from the row's options (:func:`posttrain.flags.add_options`)."""
-    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__.split("\n")[0])
+    parser = flags.Parser(prog="posttrain", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--debug",
         action="store_true",

@@ -31,9 +31,20 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 _MISSING = dataclasses.MISSING
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (#56): the option and what is
+    wrong with it, then where the usage is (``posttrain plan: error: argument --seq:
+    invalid int value: '1e12'; see `posttrain plan --help```), exit 2. Its subparsers are
+    of this class too (argparse's default ``parser_class``)."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {text}; see `{self.prog} --help`\n")
 
 
 def option(
