@@ -232,6 +232,28 @@ def test_qwix_qlora_weight_types_we_offer():
 
 
 @pytest.mark.contract("qwix QLoRA weight_qtype")
+def test_the_offered_fp8_base_type_is_e4m3fn():
+    """The FP8 QLoRA type we offer quantises to OCP's E4M3FN (no infinity, max 448), the
+    ``--qlora float8_e4m3fn`` the CLI names, not the IEEE-style E4M3 (max 240): absmax
+    calibration puts each channel's largest value at the type's max, 448."""
+    pytest.importorskip("qwix")
+    from qwix._src.core.qarray import HowToQuantize
+
+    from posttrain.lora.config import WEIGHT_QTYPES
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)), jnp.float32)
+    fp8 = [qtype for qtype in WEIGHT_QTYPES if qtype.startswith("float8")]
+    assert fp8
+    for qtype in fp8:
+        how = HowToQuantize(
+            qtype=qtype, channelwise_axes=(1,), tiled_axes={}, calibration_method="absmax"
+        )
+        q = _compat.qwix_quantize(x, how).qvalue
+        assert q.dtype == jnp.float8_e4m3fn, qtype
+        assert float(jnp.abs(q.astype(jnp.float32)).max()) == 448.0, qtype
+
+
+@pytest.mark.contract("qwix QLoRA weight_qtype")
 def test_qwix_qlora_applies_to_our_model():
     """``apply_lora(weight_qtype=...)``: Qwix quantises every adapted base weight of a
     tiny model and adds adapters; the dequantised weights are the float ones and the

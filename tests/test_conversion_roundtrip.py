@@ -221,3 +221,49 @@ def test_the_config_strategy_draws_square_attention():
         return attn.num_heads * attn.head_dim == cfg.d_model
 
     assert square(find(tiny_model_configs("qwen3"), square))
+
+
+# --- FP8 flavours -------------------------------------------------------------------
+
+NAN = float("nan")
+
+#: raw bytes of a safetensors FP8 tensor and their values, decoded by hand. F8_E4M3 is
+#: OCP's E4M3FN (bias 7, no infinity, only S.1111.111 NaN: max 448 at 0x7E), not the IEEE
+#: style ``float8_e4m3`` (bias 7, 0x78 infinity, 0x79..0x7F NaN, max 240), on which the
+#: first four bytes read inf, nan, nan, -inf. F8_E5M2 is IEEE style (bias 15, 0x7C
+#: infinity), not ``float8_e5m2fnuz`` (bias 16, no infinity), on which 0x3C reads 0.5.
+FP8_FIXTURES = {
+    "F8_E4M3": (
+        [0x78, 0x7E, 0xFE, 0xF8, 0x77, 0x7F, 0x38, 0x01],
+        [256.0, 448.0, -448.0, -256.0, 240.0, NAN, 1.0, 2.0**-9],
+    ),
+    "F8_E5M2": (
+        [0x7B, 0x7C, 0xFC, 0x7E, 0x3C, 0x01],
+        [57344.0, float("inf"), -float("inf"), NAN, 1.0, 2.0**-16],
+    ),
+}
+
+
+@pytest.mark.parametrize("code", sorted(FP8_FIXTURES))
+def test_fp8_bytes_read_and_write_as_their_flavour(code, tmp_path):
+    """A hand-written safetensors file of FP8 bytes on which the flavours differ (E4M3FN's
+    256 and 448 are the IEEE-style E4M3's inf and NaN) reads as the hand-decoded values,
+    and writing those values back gives the same bytes under the same dtype code."""
+    raw, want = FP8_FIXTURES[code]
+    header = {"w": {"dtype": code, "shape": [len(raw)], "data_offsets": [0, len(raw)]}}
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    (tmp_path / "model.safetensors").write_bytes(
+        len(head).to_bytes(8, "little") + head + bytes(raw)
+    )
+    with sio.CheckpointReader(tmp_path) as reader:
+        got = reader.read("w")
+    np.testing.assert_array_equal(got.astype(np.float64), np.asarray(want))
+    out = tmp_path / "out"
+    out.mkdir()
+    writer = sio.CheckpointWriter(out, "model", [sio.OutputSpec("w", code, (len(raw),))])
+    writer.write("w", np.asarray(want, np.float32).astype(got.dtype))
+    writer.finish()
+    data = (out / "model.safetensors").read_bytes()
+    assert json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["w"]["dtype"] == code
+    assert list(data[-len(raw) :]) == raw
