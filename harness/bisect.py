@@ -183,9 +183,11 @@ class Stepper:
                              commit.sha).split("\n")  # fmt: skip
             keep = [n for n in top if n == self.package or n in BUILD_FILES
                     or n.startswith(("README", "LICENSE"))]  # fmt: skip
+            # no "--" before the paths: after --end-of-options, git 2.39's archive took it
+            # for a pathspec ("pathspec '--' did not match"), and every tree was a skip
             archive = subprocess.run(
                 ["git", "-C", str(self.repo), "archive", "--format=tar", "--end-of-options",
-                 commit.sha, "--", *keep],
+                 commit.sha, *keep],
                 capture_output=True,
             )  # fmt: skip
             if archive.returncode != 0:

@@ -450,3 +450,155 @@ def test_bisect_and_matrix_bisect_clone_under_the_cache_they_are_given(tmp_path,
             "--report-dir", str(tmp_path / "r")]  # fmt: skip
     assert cli.main(argv) == 2
     assert seen == [tmp_path / "cache", tmp_path / "cache"]
+
+
+# --- odd histories: a merged pull request and a commit whose target errors ------------
+
+RAISING = "def helper():\n    raise RuntimeError('helper broke')\n"
+TWO = "def helper():\n    return 2\n"
+README = "Fake tunix.\n"
+
+#: (subject, branch, tunix/__init__.py or None for a README-only change), in commit
+#: order, one minute apart. ``pr`` branches from c2 and is merged into main after c3:
+#: first-parent history is c1 c2 c3 merge c4 c5; dated order puts p1 between c3 and
+#: the merge, where a walk over every commit would step on it.
+ODD = [
+    ("c1 base", "main", SIGNATURE + HELPER),
+    ("c2 docs", "main", '"""Fake tunix."""\n' + SIGNATURE + HELPER),
+    ("c3 readme", "main", None),
+    ("p1 rename is_update_step", "pr", '"""Fake tunix."""\n' + RENAMED + HELPER),
+    ("Merge pull request #1", "main", None),
+    ("c4 helper raises", "main", '"""Fake tunix."""\n' + RENAMED + RAISING),
+    ("c5 helper returns 2", "main", '"""Fake tunix."""\n' + RENAMED + TWO),
+]
+
+#: fake contracts (node name -> (fixture, check)) on the namespace of a tree's
+#: tunix/__init__.py: an exception in the fixture is a JUnit ``error`` (as pytest's setup
+#: errors are), a false or raising check a ``failure``
+FAKE_CONTRACTS = {
+    "test_train_step_takes_is_update_step": (
+        lambda tunix: None,
+        lambda tunix, _: tunix["train_step"](1, is_update_step=True) == 2,
+    ),
+    "test_helper_is_one": (lambda tunix: tunix["helper"](), lambda tunix, value: value == 1),
+}
+
+
+@pytest.fixture(scope="module")
+def odd_upstream(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """:data:`ODD` as a repository; its commits by subject."""
+    import os
+
+    root = tmp_path_factory.mktemp("odd-upstream")
+    (root / "tunix").mkdir()
+    shas: dict[str, str] = {}
+    for minute, (subject, branch, code) in enumerate(ODD):
+        when = f"2026-01-01T10:{minute:02d}:00+00:00"
+        dated = {**os.environ, "GIT_AUTHOR_DATE": when, "GIT_COMMITTER_DATE": when}
+
+        def at(*args, env=dated):
+            return subprocess.run(
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                cwd=root, capture_output=True, text=True, check=True, env=env,
+            ).stdout.strip()  # fmt: skip
+
+        if not shas:
+            at("init", "-q", "-b", "main")
+        elif subject.startswith("p1"):
+            at("checkout", "-q", "-b", "pr", shas["c2 docs"])
+        elif branch == "main" and at("branch", "--show-current") != "main":
+            at("checkout", "-q", "main")
+        if subject.startswith("Merge"):
+            at("merge", "-q", "--no-ff", "-m", subject, "pr")
+        else:
+            if code is None:
+                (root / "README.md").write_text(README + subject + "\n")
+            else:
+                (root / "tunix" / "__init__.py").write_text(code)
+            at("add", "-A")
+            at("commit", "-q", "-m", subject)
+        shas[subject] = at("rev-parse", "HEAD")
+    return root, shas
+
+
+class TreeCache:
+    """An environment cache that builds nothing: each tree's "environment" is a path
+    inside the exported tree, so the runner finds the tree from the command's python."""
+
+    def ensure(self, entry):
+        return envs.EnvResult(Path(entry.source) / "env", built=False, seconds=0.0)
+
+
+def tree_runner(command, environ):
+    """Runs the node's :data:`FAKE_CONTRACTS` entry on the tree the command's python lies
+    in and writes the JUnit file the command names, as pytest would."""
+    import runpy
+    from xml.sax.saxutils import quoteattr
+
+    tree = Path(command[0]).parents[2]
+    junit_file = next(a.split("=", 1)[1] for a in command if a.startswith("--junitxml="))
+    name = command[3].split("::")[-1]
+    tunix = runpy.run_path(str(tree / "tunix" / "__init__.py"))
+    fixture, check = FAKE_CONTRACTS[name]
+    try:
+        value = fixture(tunix)
+    except Exception as error:
+        outcome = f"<error message={quoteattr(repr(error))}/>"
+    else:
+        try:
+            outcome = "" if check(tunix, value) else "<failure message='assert False'/>"
+        except Exception as error:
+            outcome = f"<failure message={quoteattr(repr(error))}/>"
+    Path(junit_file).write_text(
+        f"<testsuites><testsuite><testcase classname='test_fake' name='{name}'>"
+        f"{outcome}</testcase></testsuite></testsuites>"
+    )
+    return subprocess.CompletedProcess(command, 0, "", "")
+
+
+def odd_bisect(odd_upstream, tmp_path, contract: str, good: str, bad: str):
+    root, shas = odd_upstream
+    target = bisect.Target("node", f"/fake/test_fake.py::{contract}")
+    stepper = bisect.Stepper(root, target, cache=TreeCache(), work=tmp_path,
+                             runner=tree_runner, log=lambda _: None)  # fmt: skip
+    return bisect.bisect(root, shas[good], shas[bad], target, stepper)
+
+
+def test_the_walk_is_first_parent_history(odd_upstream):
+    """Between c1 and c5 lie c2, c3, the merge, c4 and c5: the pull request's own commit
+    (p1, dated between c3 and the merge) is not among them."""
+    root, shas = odd_upstream
+    _, _, between = git_history.commits_between(root, shas["c1 base"], shas["c5 helper returns 2"])
+    assert [c.subject for c in between] == [
+        "c2 docs", "c3 readme", "Merge pull request #1", "c4 helper raises",
+        "c5 helper returns 2",
+    ]  # fmt: skip
+
+
+def test_a_break_brought_in_by_a_merge_names_the_merge(odd_upstream, tmp_path):
+    """The rename lands on main with the merge: bisect names the merge (with p1 as what
+    it brought in), and no step classifies a commit off the first-parent line."""
+    root, shas = odd_upstream
+    result = odd_bisect(odd_upstream, tmp_path, "test_train_step_takes_is_update_step",
+                        "c1 base", "c5 helper returns 2")  # fmt: skip
+    assert result["first_bad"]["subject"] == "Merge pull request #1", result["steps"]
+    assert result["first_bad"]["merged"] == [f"{shas['p1 rename is_update_step']} "
+                                             "p1 rename is_update_step"]  # fmt: skip
+    assert result["commits"] == 5
+    assert all(not s["subject"].startswith("p1") for s in result["steps"]), result["steps"]
+
+
+def test_a_target_that_errors_is_bad_not_good_nor_skipped(odd_upstream, tmp_path):
+    """c4 makes the contract's fixture raise (a JUnit error), c5 makes its assertion fail:
+    the first bad commit is c4, classified bad with the error's message; from c4 on as
+    ``--bad``, the erroring endpoint is accepted as bad."""
+    root, shas = odd_upstream
+    result = odd_bisect(odd_upstream, tmp_path, "test_helper_is_one", "c1 base",
+                        "c5 helper returns 2")  # fmt: skip
+    assert result["first_bad"] is not None, result["candidates"]
+    assert result["first_bad"]["subject"] == "c4 helper raises", result["steps"]
+    (step,) = [s for s in result["steps"] if s["subject"] == "c4 helper raises"]
+    assert step["verdict"] == "bad" and step["why"].startswith("error: "), step
+    assert "helper broke" in step["why"]
+    ends = odd_bisect(odd_upstream, tmp_path, "test_helper_is_one", "c2 docs", "c4 helper raises")
+    assert ends["first_bad"]["subject"] == "c4 helper raises"
