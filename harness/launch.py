@@ -66,9 +66,9 @@ def check(
         raise ValueError("no command after --; e.g. launch -n 2 -- posttrain forward")
     mesh = _mesh_option(command)
     if mesh is not None:
-        from posttrain import sharding
+        from posttrain import flags, sharding
 
-        axes = sharding.parse_mesh_spec(mesh)
+        axes = flags.parse_flag("--mesh", mesh, sharding.parse_mesh_spec)
         product = 1
         for size in axes.values():
             product *= size

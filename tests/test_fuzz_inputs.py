@@ -84,9 +84,11 @@ def test_config_json_bytes(tmp_path_factory, text):
 @given(spec=st.text(max_size=30))
 def test_mesh_specs(spec):
     try:
-        sharding.parse_mesh_spec(spec)
+        axes = sharding.parse_mesh_spec(spec)
     except ValueError as error:
         one_line(error)
+        return
+    assert axes and all(size >= 1 for size in axes.values()), axes  # never silently empty
 
 
 @given(value=st.one_of(st.text(max_size=12), st.just("real"), st.integers(-3, 99).map(str)))
@@ -119,6 +121,11 @@ def test_matrix_entries_files(tmp_path, text):
         # the fuzz test's find: a MemoryError building a per-layer table of this length
         ("num_hidden_layers", 12_000_000_000, "num_hidden_layers: 12000000000, expected 1 to"),
         ("rope_parameters", [], "rope_parameters"),
+        # #56 8: accepted before, every RMSNorm then NaN
+        ("rms_norm_eps", float("nan"), "norm_eps=nan: expected a finite number > 0"),
+        ("rms_norm_eps", float("inf"), "norm_eps=inf: expected a finite number > 0"),
+        ("rms_norm_eps", 0, "norm_eps=0: expected a finite number > 0"),
+        ("rms_norm_eps", -1e-6, "norm_eps=-1e-06: expected a finite number > 0"),
     ],
 )
 def test_wrong_field_types_name_the_field(field, value, message):

@@ -12,6 +12,7 @@ module only uses the field's standard terms.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from collections.abc import Mapping
 from typing import Literal
@@ -297,6 +298,8 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "num_layers"):
             if getattr(self, name) < 1:
                 _fail(f"{name}={getattr(self, name)} must be >= 1")
+        if not (math.isfinite(self.norm_eps) and self.norm_eps > 0):  # NaN: every norm NaN
+            _fail(f"norm_eps={self.norm_eps}: expected a finite number > 0")
         if self.num_layers > MAX_NUM_LAYERS:
             _fail(f"num_layers={self.num_layers} must be at most {MAX_NUM_LAYERS}")
         if not self.layer_types:

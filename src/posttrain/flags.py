@@ -166,6 +166,19 @@ def options_from(cls, args: argparse.Namespace):
         if typing.get_origin(hint) is tuple:
             value = tuple(value) if value else field.default
         elif isinstance(value, str) and field.metadata["parse"] is not None:
-            value = field.metadata["parse"](value)
+            value = parse_flag(_flag_name(field, hint), value, field.metadata["parse"])
         values[field.name] = value
     return cls(**values)
+
+
+def parse_flag(flag: str, value: str, parse: Callable[[str], Any]) -> Any:
+    """``parse(value)``, its ``ValueError`` naming the flag and the value
+    (``--mesh '': names no axis; ...``).
+
+    Raises:
+      ValueError: ``parse`` refused ``value``.
+    """
+    try:
+        return parse(value)
+    except ValueError as error:
+        raise ValueError(f"{flag} {value!r}: {error}") from None

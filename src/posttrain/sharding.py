@@ -36,14 +36,8 @@ from posttrain import _compat
 from posttrain.tree import path_name
 
 MESH_AXES: tuple[str, ...] = (
-    "data",
-    "fsdp",
-    "fsdp_transpose",
-    "expert",
-    "tensor",
-    "tensor_sequence",
-    "context",
-)
+    "data", "fsdp", "fsdp_transpose", "expert", "tensor", "tensor_sequence", "context",
+)  # fmt: skip
 """Every mesh this package builds has exactly these axes, in this order."""
 
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "fsdp_transpose", "expert")
@@ -167,16 +161,22 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
     """Parses ``"data=2,fsdp=4"`` into ``{"data": 2, "fsdp": 4}``.
 
     Raises:
-      ValueError: an entry is not ``axis=int`` or names an unknown axis.
+      ValueError: no entry, one not ``axis=INT``, an unknown axis, twice, a size < 1.
     """
     out: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, size = part.partition("=")
-        if not sep or not re.fullmatch(r"[0-9]+", size.strip()):  # "²".isdigit() is True
+        name, sep, size = (x.strip() for x in part.partition("="))
+        if sep and re.fullmatch(r"[-+]?[0-9]+", size) and int(size) < 1:
+            raise ValueError(f"mesh axis {name}={int(size)}: expected a size >= 1")
+        if not sep or not re.fullmatch(r"[0-9]+", size):  # "²".isdigit() is True
             raise ValueError(f"mesh entry {part!r} must look like axis=INT, e.g. fsdp=4")
-        if name.strip() not in MESH_AXES:
-            raise ValueError(f"mesh axis {name.strip()!r} is unknown; expected one of {MESH_AXES}")
-        out[name.strip()] = int(size)
+        if name not in MESH_AXES or name in out:
+            known = f"is given twice ({name}={out[name]}, {part})" if name in out else (
+                f"is unknown; expected one of {MESH_AXES}")  # fmt: skip
+            raise ValueError(f"mesh axis {name!r} {known}")
+        out[name] = int(size)
+    if not out:
+        raise ValueError("names no axis; expected axis=INT entries, e.g. fsdp=4 (or no flag)")
     return out
 
 

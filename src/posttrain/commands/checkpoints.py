@@ -16,11 +16,15 @@ def forward(args) -> int:
     import numpy as np
     from flax import nnx
 
-    from posttrain import sharding
+    from posttrain import flags, sharding
     from posttrain.models import build_model, get_config
 
     cfg = get_config(args.model, scan_layers=args.scan, remat=args.remat)
-    mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
+    mesh = sharding.make_mesh(
+        None
+        if args.mesh is None
+        else flags.parse_flag("--mesh", args.mesh, sharding.parse_mesh_spec)
+    )
     dp = sharding.data_parallel_size(mesh)
     sp = sharding.sequence_parallel_size(mesh)
     batch = args.per_device_batch_size * dp

@@ -45,8 +45,8 @@ def _prompts(args) -> list[dict]:
 def generate(args) -> int:
     """``posttrain generate``: one prompt streams its text to stdout; several write JSONL
     (``--output`` or stdout), one record per prompt."""
+    from posttrain import flags, limits, sharding
     from posttrain import generate as gen
-    from posttrain import limits, sharding
 
     spec = args.model or newest_export()
     if spec is None:
@@ -59,7 +59,11 @@ def generate(args) -> int:
         from posttrain.commands.generate_image import check_image_model
 
         check_image_model(args.image, spec)
-    mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
+    mesh = sharding.make_mesh(
+        None
+        if args.mesh is None
+        else flags.parse_flag("--mesh", args.mesh, sharding.parse_mesh_spec)
+    )
     with sharding.use_mesh(mesh):
         model, tok = _model_and_tokenizer(args, spec, mesh)
         # the checkpoint's own template and stop ids (its generation_config.json, then
