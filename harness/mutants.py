@@ -17,11 +17,16 @@ Workers are forked from a fork server that has imported nothing (``forkserver_wa
 none``): JAX is not fork-safe once its backend has started.
 
 Jitted functions: :mod:`harness.mutant_sources` (how their mutants are reached).
+
+Without mutmut (or what the copies' tests import) it stops before copying anything: one
+line naming the first missing module and how to get it, exit 2
+(:func:`missing_prerequisite`).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -203,8 +208,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_rl.py::test_the_run_config_names_the_bad_field",
     ],
     "src/posttrain/runs/tunix_loss.py": ["tests/test_tunix_compat.py"],
-    # the plan: the table, the verdict and roofline logic, the options and one real compile
-    # (tests/test_plan.py needs libtpu: the tpu extra); the seeds' tests are minutes each
+    # the plan's logic and one real compile (libtpu: the tpu extra); not the seeds' (minutes)
     "src/posttrain/plan/topology.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     "src/posttrain/plan/report.py": [
         "tests/test_plan.py",
@@ -219,6 +223,7 @@ TARGETS: dict[str, list[str]] = {
     "harness/mutant_sources.py": ["tests/test_mutants.py"],
     "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     "src/posttrain/plan/depth.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
+    "src/posttrain/plan/sizes.py": ["tests/test_plan.py", "-k", "refuses"],  # #56 7
     "src/posttrain/plan/abstract.py": ["tests/test_plan.py"],
     "src/posttrain/plan/steps.py": ["tests/test_plan.py"],
     "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
@@ -352,6 +357,29 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
 # the gate's tier, and this module as a plugin (the stats phase's cache clearing)
 _PYTEST_ARGS = ["-p", "no:cacheprovider", "-p", "harness.mutants", "-x", "-q", "-m", "not slow"]
 _COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md", ".gitignore")
+
+
+# what a run needs in this interpreter (mutmut's copies run their tests with it), first
+# missing first, and where each comes from
+PREREQUISITES = (
+    ("mutmut", "the mutants dependency group"),
+    ("pytest", "the test dependency group"),
+    ("hypothesis", "the test dependency group"),
+    ("tunix", "the train extra"),
+)
+_GET_THEM = (
+    "uvx --with tox-uv tox -e mutants (from a fresh clone), or "
+    "uv run --extra train --group test --group mutants python -m harness.mutants"
+)
+
+
+def missing_prerequisite() -> str | None:
+    """One line naming the first of :data:`PREREQUISITES` this interpreter lacks and how
+    to get it; None when every one imports."""
+    for module, source in PREREQUISITES:
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed ({source}); run: {_GET_THEM}"
+    return None
 
 
 def _section(module: str, selection: list[str], max_children: int) -> str:
@@ -491,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     report_dir = pathlib.Path(args.report_dir)
     if report_dir.exists() and not report_dir.is_dir():
         parser.error(f"--report-dir {report_dir} is a file, expected a directory")
+    if missing := missing_prerequisite():
+        print(f"python -m harness.mutants: {missing}", file=sys.stderr)
+        return 2
     rows = []
     for module, names in functions.items():
         work = pathlib.Path(tempfile.mkdtemp(prefix="mutants-"))

@@ -179,23 +179,102 @@ def test_workflow_options_are_refused_naming_the_value(changes, message):
         PlanOptions(model="qwen3-0.6b", topology="v5p-8", **changes).check()
 
 
+@pytest.fixture
+def no_compile(monkeypatch):
+    """``posttrain plan`` with its programs never built: a refusal must come before."""
+    from posttrain.plan import compile as plan_compile
+
+    def build_programs(*args, **kwargs):
+        raise AssertionError("the programs were built: the refusal came too late")
+
+    monkeypatch.setattr(plan_compile, "build_programs", build_programs)
+
+
+def _plan_cli(capsys, *flags: str, model: str = "qwen3-0.6b", topo: str = "v5p-8"):
+    """``posttrain plan`` with ``flags``: ``(exit status, stderr lines)``."""
+    from posttrain import cli
+
+    status = cli.main(["plan", "--model", model, "--topology", topo, *flags])
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+INT32 = 2**31 - 1
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--workflow", "dpo", "--extrapolate"], "workflow='dpo' plans one micro-step"),
         (["--mesh", "fsdp=four"], "fsdp=four"),
-        (["--json", "/nonexistent/plan.json"], "--json '/nonexistent/plan.json': its directory"),
+        (["--json", "/nonexistent/plan.json"], "--json '/nonexistent/plan.json': directory"),
+        (["--mesh", ""], "--mesh '': names no axis; expected axis=INT entries"),
+        (["--rollout-mesh", "", "--workflow", "grpo"], "--rollout-mesh '': names no axis"),
+        (["--json", ""], "--json '': expected a file path"),
+        (["--mesh", "fsdp=2,fsdp=2"], "mesh axis 'fsdp' is given twice (fsdp=2, fsdp=2)"),
+        (["--mesh", "fsdp=-4"], "mesh axis fsdp=-4: expected a size >= 1"),
+        (["--mesh", "fsdp=0,tensor=4"], "mesh axis fsdp=0: expected a size >= 1"),
+        (["--seq", "1000000000000"], f"seq=1000000000000 (--seq): expected at most {INT32}"),
+        (["--batch", str(2**40)], f"batch=1099511627776 (--batch): expected at most {INT32}"),
+        (["--workflow", "generate", "--seq", str(INT32 - 10), "--new-tokens", "100"],
+         f"tokens per row: seq={INT32 - 10} + new_tokens=100 = 2147483737; expected at most"),
+        (["--seq", "2000000000"], "seq=2000000000 (--seq): the attention scores"),
+        (["--batch", "2000000000", "--seq", "2000000"], "the logits [batch=2000000000, "),
     ],
-    ids=["dpo-extrapolate", "mesh", "json-directory"],
-)
-def test_cli_refuses_bad_input_with_one_line_before_compiling(flags, message, capsys):
-    """``posttrain plan`` is a COMMANDS row: its options' errors are one line, exit 2."""
-    from posttrain import cli
+    ids=["dpo-extrapolate", "mesh", "json-directory", "mesh-empty", "rollout-mesh-empty",
+         "json-empty", "mesh-twice", "mesh-negative", "mesh-zero", "seq-int32", "batch-int32",
+         "tokens-per-row", "scores-bytes", "logits-bytes"],
+)  # fmt: skip
+def test_cli_refuses_bad_input_with_one_line_before_compiling(flags, message, capsys, no_compile):
+    """``posttrain plan`` is a COMMANDS row: its options' errors are one line, exit 2,
+    before any program is built (#56 7-9: sizes past what int32 indices and XLA's int64
+    byte counts hold; an empty, repeated or negative mesh; an empty --json)."""
+    status, err = _plan_cli(capsys, *flags)
+    assert status == 2 and len(err) == 1 and err[0].startswith("posttrain: error: "), err
+    assert message in err[0], err
 
-    status = cli.main(["plan", "--model", "qwen3-0.6b", "--topology", "v5p-8", *flags])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert status == 2 and len(err) == 1 and err[0].startswith("posttrain: error: ")
-    assert message in err[0]
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda text: text[: len(text) // 2], "config.json: not valid JSON"),
+        (lambda text: text.replace('"vocab_size": 151936', '"vocab_size": 1000000000000'),
+         f"vocab_size=1000000000000: expected at most {INT32}"),
+        (lambda text: text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": NaN'),
+         "norm_eps=nan: expected a finite number > 0"),
+        (lambda text: text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 0'),
+         "norm_eps=0: expected a finite number > 0"),
+    ],
+    ids=["truncated", "vocab-1e12", "eps-nan", "eps-zero"],
+)  # fmt: skip
+def test_cli_refuses_a_bad_config_json_naming_it(tmp_path, capsys, no_compile, change, message):
+    """A truncated ``config.json`` is named; a vocabulary past int32 token ids and a NaN
+    or zero ``rms_norm_eps`` are refused with their value (#56 7-9)."""
+    from posttrain.conversion import to_hf_config
+    from posttrain.models import get_config
+
+    text = json.dumps(to_hf_config(get_config("qwen3-0.6b")))
+    (tmp_path / "config.json").write_text(change(text))
+    status, err = _plan_cli(capsys, model=str(tmp_path))
+    assert status == 2 and len(err) == 1 and err[0].startswith("posttrain: error: "), err
+    assert message in err[0], err
+    if "JSON" in message:
+        assert str(tmp_path / "config.json") in err[0], err
+
+
+@pytest.mark.parametrize("where", ["directory", "kernel-fs", "under-a-file"])
+def test_cli_refuses_a_json_path_it_cannot_write_before_compiling(
+    tmp_path, capsys, no_compile, where
+):
+    """``--json`` is checked as a file it can write before the compile (it failed after
+    80 s, naming a temporary file; #56 10). (An unwritable directory is the same check,
+    ``os.access``, which root passes.)"""
+    (tmp_path / "file").write_text("")
+    path = {"directory": tmp_path, "kernel-fs": "/proc/plan.json",
+            "under-a-file": tmp_path / "file" / "plan.json"}[where]  # fmt: skip
+    status, err = _plan_cli(capsys, "--json", str(path))
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"posttrain: error: --json '{path}"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_a_workflow_fits_only_when_each_program_does():

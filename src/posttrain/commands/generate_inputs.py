@@ -32,28 +32,28 @@ def check_options(opts) -> None:
         check_output_file(opts.output)
 
 
-def check_output_file(output: str) -> None:
-    """Checks that ``--output`` can be written: a path that is not a directory, under an
-    existing writable directory.
+def check_output_file(output: str, flag: str = "--output") -> None:
+    """Checks that ``output`` (the value of ``flag``) can be written: a path that is not a
+    directory, under an existing writable directory.
 
     Raises:
       ValueError: naming the path and what is wrong with it.
     """
     if not output.strip():
-        raise ValueError(f"--output {output!r}: expected a file path")
+        raise ValueError(f"{flag} {output!r}: expected a file path")
     if os.path.isdir(output):
-        raise ValueError(f"--output {output!r} is a directory; expected a file path")
+        raise ValueError(f"{flag} {output!r} is a directory; expected a file path")
     parent = os.path.dirname(os.path.abspath(output))
     if os.path.exists(parent) and not os.path.isdir(parent):
-        raise ValueError(f"--output {output!r}: {parent} is not a directory")
+        raise ValueError(f"{flag} {output!r}: {parent} is not a directory")
     if not os.path.isdir(parent):
-        raise ValueError(f"--output {output!r}: directory {parent} does not exist")
+        raise ValueError(f"{flag} {output!r}: directory {parent} does not exist")
     if parent.split(os.sep)[1:2] in (["proc"], ["sys"], ["dev"]):
-        raise ValueError(f"--output {output!r} is under a kernel file system; expected a file")
+        raise ValueError(f"{flag} {output!r} is under a kernel file system; expected a file")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--output {output!r}: directory {parent} is not writable")
+        raise ValueError(f"{flag} {output!r}: directory {parent} is not writable")
     if os.path.exists(output) and not os.access(output, os.W_OK):
-        raise ValueError(f"--output {output!r} is not writable")
+        raise ValueError(f"{flag} {output!r} is not writable")
 
 
 def check_text(text: str, where: str) -> None:

@@ -84,15 +84,17 @@ def plan(options: PlanOptions) -> Plan:
         model the others do not divide (one line).
       DoesNotFit: the compiler itself rejected the program for lack of memory.
     """
-    from posttrain.plan import depth, report, topology
-    from posttrain.plan.compile import compile_stages, main_stage
+    from posttrain.plan import depth, report, sizes, topology
+    from posttrain.plan.compile import compile_stages, main_stage, planned_batch
+    from posttrain.plan.options import planned_config
 
     options.check()
+    sizes.check(options, planned_config(options), planned_batch(options))
     if options.extrapolate:
         what, stages = depth.extrapolated_figures(options)
     else:
         what, stages = compile_stages(options)
     if options.scan_layers and not options.extrapolate:
         stages = depth.with_unscanned_costs(options, stages)
-    verdict = report.judge_stages(stages, topology.get(options.topology))
+    verdict = report.judge(stages[main_stage(stages)], topology.get(options.topology))
     return Plan(what, options, stages[main_stage(stages)], verdict, stages)

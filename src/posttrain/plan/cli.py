@@ -32,7 +32,7 @@ def run(options: PlanOptions) -> int:
         topo = topology.get(options.topology)
         print(report.against_the_chip(result.figures, result.verdict, measured, topo))
         record["measured"] = dataclasses.asdict(measured)
-    if options.json_path:
+    if options.json_path is not None:
         report.write_json(options.json_path, [record])
     if not result.verdict.fits:
         topo = topology.get(options.topology)

@@ -62,7 +62,7 @@ def build_programs(options: PlanOptions, topo) -> tuple[str, dict, object]:
     mesh = sharding.make_mesh(options.mesh, devices=devices)
     rules = sharding.DEFAULT_RULES
     cfg.check_mesh(dict(mesh.shape), rules)
-    batch = options.batch or options.per_device_batch_size * sharding.data_parallel_size(mesh)
+    batch = planned_batch(options)
     model = abstract.abstract_model(cfg)
     if options.lora_rank:
         from posttrain.lora import LoraConfig
@@ -110,6 +110,17 @@ def build_programs(options: PlanOptions, topo) -> tuple[str, dict, object]:
             )
         }
     return describe(options, cfg, mesh, batch), programs, mesh
+
+
+def planned_batch(options: PlanOptions) -> int:
+    """The global batch of a plan: ``--batch``, else ``--per-device-batch-size`` x the
+    mesh's data-parallel size (every chip on ``fsdp`` without ``--mesh``), known before
+    any device is made."""
+    from posttrain import sharding
+    from posttrain.plan import topology
+
+    mesh = options.mesh or {"fsdp": topology.get(options.topology).chips}
+    return options.batch or options.per_device_batch_size * sharding.data_parallel_size(mesh)
 
 
 def plan_devices(options: PlanOptions, topo) -> list:

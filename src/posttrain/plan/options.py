@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import pathlib
 from typing import Literal
 
@@ -176,6 +174,7 @@ def load_config(spec: str) -> ModelConfig:
     Raises:
       ValueError: neither a preset nor a directory with a readable ``config.json``.
     """
+    from posttrain.conversion.errors import read_json_object
     from posttrain.conversion.hf_config import from_hf_config
     from posttrain.models import get_config
     from posttrain.models.presets import PRESETS
@@ -184,7 +183,7 @@ def load_config(spec: str) -> ModelConfig:
         return get_config(spec)
     path = pathlib.Path(spec)
     if path.is_dir() and (path / "config.json").is_file():
-        return from_hf_config(json.loads((path / "config.json").read_text(encoding="utf-8")))
+        return from_hf_config(read_json_object(path / "config.json"))
     raise ValueError(
         f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
         f"directory with a config.json"
@@ -209,6 +208,13 @@ def planned_config(options: PlanOptions) -> ModelConfig:
 
 
 def check_output(path: str | None) -> None:
-    """Refuses a JSON path whose directory does not exist, before any compile."""
-    if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise ValueError(f"--json {path!r}: its directory does not exist")
+    """Refuses a ``--json`` path that cannot be written (empty, a directory, under a
+    missing or unwritable directory) before any compile.
+
+    Raises:
+      ValueError: naming the path and what is wrong with it.
+    """
+    from posttrain.commands.generate_inputs import check_output_file
+
+    if path is not None:
+        check_output_file(path, flag="--json")
