@@ -96,5 +96,5 @@ def plan(options: PlanOptions) -> Plan:
         what, stages = compile_stages(options)
     if options.scan_layers and not options.extrapolate:
         stages = depth.with_unscanned_costs(options, stages)
-    verdict = report.judge(stages[main_stage(stages)], topology.get(options.topology))
+    verdict = report.judge_stages(stages, topology.get(options.topology))
     return Plan(what, options, stages[main_stage(stages)], verdict, stages)
