@@ -199,9 +199,12 @@ def generate_program(
     cfg = generate.SamplingConfig(max_new_tokens=new_tokens, temperature=0.0)
     cache_size = prompt + new_tokens
     cache = kv_cache.cache_bytes(model.config, batch, cache_size, model.config.dtype)
+    index = 4 * batch * model.config.num_layers  # each layer's int32 end_index [B]
     kinds = {
         "parameters": abstract.device_bytes(nnx.state(model)),
-        "KV cache": cache // (dp * _kv_head_shards(model.config, mesh, rules)),
+        # keys and values [B, S, K, H] over the batch's and the kv heads' axes (KV_AXES);
+        # the write indices are not constrained: counted whole, as if replicated
+        "KV cache": (cache - index) // (dp * _kv_head_shards(model.config, mesh, rules)) + index,
     }
     n = abstract.active_matmul_params(model)
     # each later decode step: 2 N per row over the slice; reads the weights and the cache
