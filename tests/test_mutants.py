@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 import tomllib
@@ -74,6 +75,23 @@ def test_bad_arguments_exit_2(capsys, argv, message):
     assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_missing_mutmut_stops_before_copying_anything(monkeypatch, capsys, tmp_path):
+    """Without mutmut the driver prints one line saying how to get it and exits 2, before
+    copying the project (it had copied it 86 times, printing 258 lines of errors)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "mutmut" else real(name, *a)
+    )
+    monkeypatch.setattr(mutants, "run_module", lambda *a, **k: pytest.fail("copied the project"))
+    assert mutants.main(["--report-dir", str(tmp_path / "r")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert "mutmut is not installed (the mutants dependency group)" in err
+    assert "uvx --with tox-uv tox -e mutants" in err and "--group mutants" in err
+    assert not (tmp_path / "r").exists()
+    assert mutants.PREREQUISITES[0][0] == "mutmut"
+
+
 def test_each_function_names_a_function_mutmut_mutates():
     """A pattern matching nothing would make mutmut stop with "nothing matches"; one for a
     renamed function would silently shrink the run, so each must name a real function,
@@ -143,6 +161,7 @@ def test_functions_reach_the_run_and_the_defaults_stay(monkeypatch, tmp_path):
                 "total": 1, "score": 1.0, "survivors": []}  # fmt: skip
 
     monkeypatch.setattr(mutants, "run_module", run)
+    monkeypatch.setattr(mutants, "missing_prerequisite", lambda: None)
     loss, trainer = "src/posttrain/sft/loss.py", "src/posttrain/sft/trainer.py"
     argv = ["--report-dir", str(tmp_path), "--max-children", "1"]
     assert mutants.main([loss, trainer, *argv]) == 0
