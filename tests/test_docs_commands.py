@@ -293,12 +293,7 @@ def check_pages(pages: dict[str, str]) -> list[str]:
 
 
 # pages whose commands another part of #57 rewrites; strict: once they pass, the mark goes
-_ELSEWHERE = {
-    # bare `posttrain plan` lines in unlabelled blocks, one of them for a v5e only
-    "docs/scale.md": "the TPU part of #57 rewrites docs/scale.md's commands",
-    # "On a real chip": `uv run pytest --emulate-chip-precision ...` in an unlabelled block
-    "docs/testing.md": "the TPU part of #57 labels docs/testing.md's chip-precision block",
-}
+_ELSEWHERE: dict[str, str] = {}  # page -> why it is expected to fail (none today)
 
 
 @pytest.mark.parametrize(
