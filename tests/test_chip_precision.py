@@ -66,3 +66,51 @@ def test_the_marker_pins_the_test_and_its_fixtures(pytester, jax_started):
     )
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize(
+    ("precision", "default"),
+    [
+        (None, True),
+        (jax.lax.Precision.DEFAULT, True),
+        ((jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT), True),
+        ((None, jax.lax.Precision.DEFAULT), True),
+        (jax.lax.Precision.HIGHEST, False),
+        ((jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGHEST), False),
+        ((jax.lax.Precision.HIGH, jax.lax.Precision.HIGH), False),
+    ],
+    ids=["none", "default", "both-default", "none-default", "highest", "one-highest", "high"],
+)
+def test_only_a_dot_left_at_the_default_precision_is_emulated(precision, default):
+    """An operand pinned above the default keeps the dot out of the emulation."""
+    assert chip_precision._is_default(precision) is default
+
+
+def test_the_emulated_operands_are_the_bf16_roundings_exactly():
+    """While emulating, x @ y equals the float64 product of x and y rounded to bfloat16
+    (to float32's summation error), not of x and y themselves."""
+    a, b = _operands()
+    rounded = [np.asarray(jnp.asarray(m, jnp.bfloat16), np.float64) for m in (a, b)]
+    restore = chip_precision.emulate()
+    try:
+        got = np.asarray(jax.jit(lambda x, y: x @ y)(a, b), np.float64)
+    finally:
+        restore()
+    np.testing.assert_allclose(got, rounded[0] @ rounded[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("args", ["()", "(1)", "('highest', 'high')", "(name='highest')"])
+def test_a_marker_without_one_precision_name_is_a_usage_error(pytester, jax_started, args):
+    pytester.makepyfile(
+        f"""
+        import pytest
+
+        @pytest.mark.matmul_precision{args}
+        def test_marked():
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    assert result.ret != 0
+    out = result.stdout.str() + result.stderr.str()
+    assert "matmul_precision takes one precision name" in out
