@@ -139,3 +139,17 @@ def test_a_native_config_with_more_layers_than_the_bound_fails_before_building_t
     """A native config.json (or a preset override) is checked the same way."""
     with pytest.raises(ValueError, match=r"^num_layers=12000000000 must be at most 10000$"):
         get_config("llama3-tiny").replace(num_layers=12_000_000_000, layer_types=())
+
+
+def test_jax_platform_advice_stays_out_of_a_commands_one_line(capsys):
+    """On a TPU VM without transparent hugepages JAX warns at import; a command's stderr
+    is still its one line (issue 54: the advice stood before ``posttrain: error:``)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        status = cli.main(["plan", "--model", "no-such-model", "--topology", "v5e-1"])
+        warnings.warn(f"{cli.PLATFORM_ADVICE}. TPU runtime ...", UserWarning, stacklevel=1)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith("posttrain: error: ")
+    assert not [w for w in caught if cli.PLATFORM_ADVICE in str(w.message)]

@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 
 from posttrain import distributed, flags, signals
 from posttrain.cli_options import (
@@ -228,6 +229,10 @@ def _one_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
+#: the start of JAX's platform advice that a command does not print (:func:`main`)
+PLATFORM_ADVICE = "Transparent hugepages are not enabled"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs ``posttrain`` with ``argv``; returns the exit status.
 
@@ -236,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     (``distributed.OtherProcessFailed``) prints one line and returns 1. Anything else is
     a bug: one line ``posttrain: internal error: ...`` and 1, the traceback only with ``--debug`` or
     ``POSTTRAIN_DEBUG=1``. Ctrl-C and SIGTERM: one line, 130 / 143.
+
+    JAX's advice at import on a TPU VM without transparent hugepages (a ``UserWarning``
+    from ``jax/_src/cloud_tpu_init.py``, 0.10.2) is not printed: it names the machine,
+    not the run, and stood before the one line a failing command prints (issue 54).
     """
+    warnings.filterwarnings("ignore", message=PLATFORM_ADVICE, category=UserWarning)
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0")
     try:
