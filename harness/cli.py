@@ -22,6 +22,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -39,7 +40,7 @@ from harness.subcommands import (
     run_report_merge,
     show_devices,
 )
-from posttrain import flags
+from posttrain import flags, signals
 
 
 def default_compile_cache() -> str:
@@ -281,10 +282,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reports is not None and reports.exists() and not reports.is_dir():
         parser.error(f"--report-dir {reports} is a file; expected a directory")
     try:
-        return _dispatch(parser, args, passthrough)
-    except KeyboardInterrupt:
-        print("posttrain-harness: interrupted", file=sys.stderr)
-        return 130
+        # SIGTERM as Ctrl-C: exports, half-built environments and clones are removed on the
+        # way out (gate: pytest's own handling; launch: its own, which stops the ranks)
+        with contextlib.nullcontext() if args.command in ("gate", "launch") else (
+            signals.interrupts()
+        ):  # fmt: skip
+            return _dispatch(parser, args, passthrough)
+    except KeyboardInterrupt as interrupt:
+        name, status = signals.exit_status(interrupt)
+        print(signals.line(name, "posttrain-harness"), file=sys.stderr)
+        return status
     except Exception as error:
         if os.environ.get("POSTTRAIN_DEBUG", "") not in ("", "0"):
             raise

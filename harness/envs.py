@@ -124,7 +124,11 @@ class EnvCache:
         if target.exists():
             shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)
-        error = self._build(entry, target)
+        try:
+            error = self._build(entry, target)
+        except BaseException:  # a signal (SIGTERM, Ctrl-C): no half-built environment left
+            shutil.rmtree(target, ignore_errors=True)
+            raise
         if error:
             shutil.rmtree(target, ignore_errors=True)
             return EnvResult(None, True, time.monotonic() - start, error)

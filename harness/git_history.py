@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -43,7 +44,12 @@ def local_checkout(source: str, cache_root: Path) -> Path:
     else:
         target.parent.mkdir(parents=True, exist_ok=True)
         command = ["git", "clone", "--quiet", "--end-of-options", url, str(target)]
-    done = subprocess.run(command, capture_output=True, text=True, env=environ)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=environ)
+    except BaseException:  # a signal: no half-made clone for the next run to fetch into
+        if command[1] == "clone":
+            shutil.rmtree(target, ignore_errors=True)
+        raise
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["git failed"])[-1]
         raise ValueError(f"--source {source!r} cannot be had: {last}")
@@ -103,6 +109,11 @@ def commits_between(repo: Path, good: str, bad: str) -> tuple[Commit, Commit, li
         return Commit(sha, date, subject)
 
     first, last = one(good, "--good"), one(bad, "--bad")
+    if first.sha == last.sha:  # before any environment is built for them
+        raise ValueError(
+            f"--good {good!r} and --bad {bad!r} are the same commit {first.sha[:12]}; "
+            "expected --good an ancestor of --bad"
+        )
     if subprocess.run(
         [
             "git",

@@ -218,6 +218,73 @@ def test_bad_input_is_one_line_and_exit_2(upstream, tmp_path, capsys, argv, word
     assert not out.exists() and not (tmp_path / "envs").exists()
 
 
+@pytest.mark.parametrize(
+    ("good", "bad"), [("HEAD", "HEAD"), ("HEAD~0", "main")], ids=["same-ref", "same-commit"]
+)
+def test_good_and_bad_naming_one_commit_are_refused_before_any_build(
+    upstream, tmp_path, capsys, monkeypatch, good, bad
+):
+    """``--good`` and ``--bad`` resolved to one commit: one line naming both, exit 2,
+    before an environment is built (it built one for 12 s first; #56 9)."""
+    root, _, _ = upstream
+
+    def ensure(self, entry, rebuild=False):
+        raise AssertionError("an environment was built before the refusal")
+
+    monkeypatch.setattr(envs.EnvCache, "ensure", ensure)
+    argv = ["bisect", "--contract", "sft", "--source", str(root), "--good", good, "--bad", bad,
+            "--report-dir", str(tmp_path / "r"), "--cache", str(tmp_path / "envs")]  # fmt: skip
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--good {good!r} and --bad {bad!r} are the same commit" in err[0]
+    assert not (tmp_path / "r").exists() and not (tmp_path / "envs").exists()
+
+
+SIGTERM_DURING_BUILD = """
+import subprocess, sys
+from pathlib import Path
+from harness import cli, envs
+
+def build(self, entry, path):  # a build that is half done when the signal comes
+    (path / "bin").mkdir(parents=True)
+    subprocess.run(["sh", "-c", "echo building; exec sleep 60"])  # as EnvCache runs a step
+    return None
+
+envs.EnvCache._build = build
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_an_environment_build_is_one_line_143_and_leaves_nothing(upstream, tmp_path):
+    """SIGTERM while bisect builds an environment: one line, exit 143, and neither the
+    ``bisect-*`` export nor the half-built environment is left (it exited 143 without a
+    word and left both; #56 11)."""
+    import os
+    import signal
+    import sys
+    import time
+
+    root, _, _ = upstream
+    temp, cache = tmp_path / "tmp", tmp_path / "envs"
+    temp.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-c", SIGTERM_DURING_BUILD, "bisect", "--contract", "sft", "--source",
+         str(root), "--good", "HEAD~2", "--bad", "HEAD", "--report-dir", str(tmp_path / "r"),
+         "--cache", str(cache)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "TMPDIR": str(temp)}, cwd=Path(cli.__file__).parent.parent,
+    )  # fmt: skip
+    assert process.stdout.readline() == "building\n"
+    time.sleep(0.5)  # the build's process started: the signal comes while it runs
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 143, err
+    assert err.strip().splitlines() == ["posttrain-harness: interrupted (SIGTERM)"], err
+    assert list(temp.iterdir()) == [], list(temp.iterdir())
+    assert not cache.exists() or [p.name for p in cache.iterdir()] == [], list(cache.iterdir())
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("flag", ["--good", "--bad"])
 @pytest.mark.parametrize(
     "value",

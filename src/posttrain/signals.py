@@ -38,9 +38,9 @@ def quiet() -> None:
     threading.excepthook = lambda args: None
 
 
-def line(name: str) -> str:
-    """The one line an interrupted command prints."""
-    return f"posttrain: interrupted ({name})"
+def line(name: str, prog: str = "posttrain") -> str:
+    """The one line an interrupted command prints (``prog``: ``posttrain-harness``)."""
+    return f"{prog}: interrupted ({name})"
 
 
 @contextlib.contextmanager
