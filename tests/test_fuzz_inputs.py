@@ -121,6 +121,9 @@ def test_matrix_entries_files(tmp_path, text):
         # the fuzz test's find: a MemoryError building a per-layer table of this length
         ("num_hidden_layers", 12_000_000_000, "num_hidden_layers: 12000000000, expected 1 to"),
         ("rope_parameters", [], "rope_parameters"),
+        # #56 7: an OverflowError (int32 token ids) where a command first used it
+        ("vocab_size", 10**12, "vocab_size=1000000000000: expected at most 2147483647"),
+        ("hidden_size", 2**31, "d_model=2147483648: expected at most 2147483647"),
         # #56 8: accepted before, every RMSNorm then NaN
         ("rms_norm_eps", float("nan"), "norm_eps=nan: expected a finite number > 0"),
         ("rms_norm_eps", float("inf"), "norm_eps=inf: expected a finite number > 0"),

@@ -29,6 +29,8 @@ MoEAlgorithm = Literal["dense", "sorted", "ragged"]
 # 126 (Llama 3.1 405B); the bound keeps a malformed config (12,000,000,000 layers, found
 # by tests/test_fuzz_inputs.py) from allocating its per-layer tables before any check.
 MAX_NUM_LAYERS = 10_000
+#: The largest model dimension: token ids, positions and gather indices are int32 (#56 7).
+MAX_DIM = 2**31 - 1
 
 
 def _fail(message: str) -> None:
@@ -298,6 +300,11 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "num_layers"):
             if getattr(self, name) < 1:
                 _fail(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("vocab_size", "d_model", "d_ff"):
+            if getattr(self, name) > MAX_DIM:
+                _fail(
+                    f"{name}={getattr(self, name)}: expected at most {MAX_DIM} (2**31 - 1: int32)"
+                )
         if not (math.isfinite(self.norm_eps) and self.norm_eps > 0):  # NaN: every norm NaN
             _fail(f"norm_eps={self.norm_eps}: expected a finite number > 0")
         if self.num_layers > MAX_NUM_LAYERS:

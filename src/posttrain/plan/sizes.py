@@ -22,11 +22,11 @@ from __future__ import annotations
 import math
 
 from posttrain import flags
-from posttrain.config import ModelConfig
+from posttrain.config import MAX_DIM, ModelConfig
 from posttrain.plan.options import PlanOptions
 
 #: The largest dimension or count: int32 indices (token ids, positions, iota, gathers).
-MAX_INDEX = 2**31 - 1
+MAX_INDEX = MAX_DIM
 #: The largest array in bytes: XLA's element and byte counts are int64.
 MAX_ARRAY_BYTES = 2**63 - 1
 _FLOAT32 = 4
