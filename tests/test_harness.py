@@ -501,9 +501,17 @@ def restore_hypothesis_profile():
         ({}, "dev", 10),
         ({"CI": "true", "HYPOTHESIS_PROFILE": "thorough"}, "thorough", 200),
         ({"CI": "true", "POSTTRAIN_DEVICES": "real"}, "chip", 4),
+        ({"POSTTRAIN_DEVICES": " Real "}, "chip", 4),
         ({"POSTTRAIN_DEVICES": "real", "HYPOTHESIS_PROFILE": "ci"}, "ci", 20),
     ],
-    ids=["ci-from-CI", "dev-default", "env-names-thorough", "chip-on-real", "env-wins-on-real"],
+    ids=[
+        "ci-from-CI",
+        "dev-default",
+        "env-names-thorough",
+        "chip-on-real",
+        "chip-on-real-spelled-loosely",
+        "env-wins-on-real",
+    ],
 )
 def test_hypothesis_profile_follows_the_environment(
     monkeypatch, restore_hypothesis_profile, env, profile, max_examples
@@ -526,6 +534,11 @@ def test_hypothesis_profile_follows_the_environment(
     assert settings.default.max_examples == max_examples
     assert settings.default.deadline is None
     assert settings.default.derandomize is (profile in ("ci", "chip"))
+    if profile in ("ci", "chip"):  # derandomized: a database would replay the same examples
+        from hypothesis import HealthCheck
+
+        assert settings.default.database is None
+        assert HealthCheck.too_slow in settings.default.suppress_health_check
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from posttrain.plan import PlanOptions, measure, report, topology
@@ -102,3 +104,96 @@ def test_a_program_runs_its_steps_and_reports_each_until_ready():
     assert trained and all(not isinstance(v, jax.ShapeDtypeStruct) for v in trained)
     with pytest.raises(ValueError, match="run_steps=0 must be >= 1"):
         measure.run_program(program, 0, jax.devices())
+
+
+class _Chip:
+    """A device as ``chip_devices`` and ``memory_peak`` read one: an id, a kind and the
+    runtime's memory statistics (a v5e's field names; CI has no chip)."""
+
+    def __init__(self, id_: int, kind: str = "TPU v5 lite", stats: dict | None = None):
+        self.id, self.device_kind, self._stats = id_, kind, stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_the_peak_is_in_use_plus_reserved_of_the_fullest_device_against_the_smallest_limit():
+    devices = [
+        _Chip(1, stats={"peak_bytes_in_use": 5, "peak_bytes_reserved": 7, "bytes_limit": 20}),
+        _Chip(0, stats={"peak_bytes_in_use": 9, "peak_bytes_reserved": 1, "bytes_limit": 16}),
+        _Chip(2, stats={"peak_bytes_in_use": 3, "bytes_limit": 30}),
+    ]
+    assert measure.memory_peak(devices) == (12, 16)
+    assert measure.memory_peak([_Chip(0, stats=None)]) == (0, 0)  # the CPU keeps none
+
+
+@pytest.mark.parametrize(
+    ("backend", "found", "message"),
+    [
+        ("gpu", [_Chip(0)], "JAX's backend here is 'gpu', not a TPU v5e-4"),
+        ("tpu", [_Chip(0), _Chip(1)], "topology v5e-4 has 4 chips, this process sees 2"),
+        ("tpu", [_Chip(i, "TPU v4") for i in range(4)], "devices here are 'TPU v4', not v5e"),
+    ],
+    ids=["other-backend", "other-count", "other-generation"],
+)
+def test_run_steps_runs_only_on_the_topologys_own_chips(monkeypatch, backend, found, message):
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(jax, "devices", lambda: found)
+    with pytest.raises(ValueError, match=message):
+        measure.chip_devices(topology.get("v5e-4"))
+
+
+def test_the_topologys_chips_come_back_in_id_order(monkeypatch):
+    chips = [_Chip(i, "TPU v5e" if i % 2 else "TPU v5 lite") for i in (3, 1, 0, 2)]
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(jax, "devices", lambda: chips)
+    assert [d.id for d in measure.chip_devices(topology.get("v5e-4"))] == [0, 1, 2, 3]
+
+
+def test_concrete_leaves_keep_shape_dtype_and_sharding_floats_0_the_rest_1():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from posttrain import sharding
+
+    mesh = sharding.make_mesh()
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    tree = {
+        "w": jax.ShapeDtypeStruct((8, 3), jnp.bfloat16, sharding=rows),
+        "ids": jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rows),
+        "mask": jax.ShapeDtypeStruct((8,), jnp.bool_, sharding=rows),
+        "other": "kept",
+    }
+    got = measure.concrete(tree)
+    assert got["other"] == "kept"
+    for name, value in (("w", 0), ("ids", 1), ("mask", True)):
+        leaf = got[name]
+        assert leaf.shape == tree[name].shape and leaf.dtype == tree[name].dtype
+        assert leaf.sharding == rows
+        assert (np.asarray(leaf) == value).all(), name
+
+
+class _Program:
+    """A program whose ``n``-th call fails with ``error`` (a runtime's refusal)."""
+
+    def __init__(self, fail_at: int, error: str):
+        self.calls, self.fail_at, self.error = 0, fail_at, error
+        self.args, self.kwargs = (), {}
+
+    def jitted(self):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError(self.error)
+        return jnp.ones(())
+
+
+def test_a_step_the_chip_cannot_hold_is_a_measurement_and_other_errors_are_not():
+    refused = measure.run_program(
+        _Program(2, "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.\ndetail"), 4, []
+    )
+    assert not refused.fits and refused.steps == 1 and refused.step_seconds == 0.0
+    assert refused.error == "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm."
+    assert refused.first_step_seconds > 0
+    with pytest.raises(RuntimeError, match="INTERNAL"):
+        measure.run_program(_Program(1, "INTERNAL: something else"), 2, [])
+    ran = measure.run_program(_Program(0, ""), 3, [])
+    assert ran.fits and ran.steps == 3 and ran.error == "" and ran.peak_bytes == 0
