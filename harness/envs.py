@@ -180,8 +180,10 @@ class EnvCache:
                     *entry.install_spec(),
                 ],
             ]
+        # a source URL's credentials reach git through the environment, never argv
+        environ = sources.install_environ(entry.source)
         for step in steps:
-            done = self.run(step, None)
+            done = self.run(step, environ if "install" in step else None)
             if done.returncode != 0:
                 return f"environment build failed: {first_error(done.stderr + done.stdout)}"
         return None

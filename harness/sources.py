@@ -288,9 +288,29 @@ def resolve(source: Source) -> Resolved:
                 f"source {source.spec!r}: ref {source.ref!r} not found on the remote; "
                 "expected a branch, tag or full commit"
             )
-    # pip has no scp-like form: git@host:path is ssh://git@host/path
-    url = source.url if "://" in source.url else "ssh://" + source.url.replace(":", "/", 1)
+    # pip has no scp-like form: git@host:path is ssh://git@host/path; credentials stay
+    # out of the requirement (uv and pip keep it in caches): install_environ hands them
+    url = strip_userinfo(source.url) if "://" in source.url else _ssh(source.url)
     return Resolved(source, commit, f"{DISTRIBUTION} @ git+{url}@{commit}")
+
+
+def _ssh(scp: str) -> str:
+    return "ssh://" + scp.replace(":", "/", 1)
+
+
+def install_environ(spec: str | None) -> dict[str, str] | None:
+    """The environment for installing a resolved ``spec``: :func:`git_environ`'s when
+    its URL carries credentials (the requirement holds the URL without them), else
+    None (the inherited one)."""
+    if spec is None:
+        return None
+    try:
+        url = parse(spec).url
+    except SourceError:
+        return None
+    if url is None or strip_userinfo(url) == url:
+        return None
+    return git_environ(url)[1]
 
 
 def _resolve_directory(source: Source) -> Resolved:
