@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import warnings
 
 import numpy as np
 import pytest
@@ -140,6 +141,39 @@ def test_bad_images_fail_in_one_line_naming_file_and_line(tmp_path, case, messag
     with pytest.raises(ValueError, match=message) as error:
         read_vision_jsonl(path, PLACEHOLDER, small)
     assert "\n" not in str(error.value)
+
+
+def corrupt_image(path, how):
+    """An image whose header opens but whose pixels the decoder rejects in its own way."""
+    import io
+
+    from PIL import Image
+
+    if how == "png-chunk":  # the second IDAT's type mangled: Pillow raises SyntaxError
+        data = png(path, 256, 256).read_bytes()  # incompressible: several IDATs
+        second = data.index(b"IDAT", data.index(b"IDAT") + 4)
+        data = data[:second] + b"ID\xaaT" + data[second + 4 :]
+    else:  # an icon whose directory says 32x32 over a 64x64 image: Pillow warns
+        buffer = io.BytesIO()
+        Image.new("RGB", (64, 64)).save(buffer, "ICO", sizes=[(64, 64)])
+        data = bytearray(buffer.getvalue())
+        data[6:8] = b"\x20\x20"
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("how", ["png-chunk", "ico-size"])
+def test_a_corrupt_image_is_one_line_whatever_the_decoder_raises(tmp_path, how):
+    """Whatever Pillow raises or warns while decoding is one ValueError naming the file,
+    and no warning reaches stderr."""
+    path = corrupt_image(tmp_path / f"bad.{how.split('-')[0]}", how)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(
+            ValueError, match=r"--image: image '.*bad\.\w+' is not a readable image"
+        ):
+            load_image(str(path), TINY, "--image")
+    assert not caught, [str(w.message) for w in caught]
 
 
 def test_the_embedded_dataset_is_drawn_deterministically_and_reads_back(tmp_path):

@@ -65,10 +65,11 @@ def test_cached_generation_with_an_image_equals_the_uncached_greedy_loop(tmp_pat
             ["--image", "{dir}/gone.png"],
             "--image '{dir}/gone.png' does not exist; expected an image file",
         ),
+        (["--image", "{dir}"], "--image '{dir}' is not a file; expected an image file"),
         (["--image", "{dir}/a.png", "--prompt", "again"], "takes exactly one --prompt (got 2)"),
         (["--image", "{dir}/a.png", "--model", "llama3-tiny"], "'llama3-tiny' has no vision"),
     ],
-    ids=["missing-image", "two-prompts", "no-tower"],
+    ids=["missing-image", "a-directory", "two-prompts", "no-tower"],
 )
 def test_cli_bad_image_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):
     Image.new("RGB", (16, 16), (0, 0, 200)).save(tmp_path / "a.png")

@@ -149,7 +149,8 @@ class GenerateOptions:
         check_options(self)
         if self.image is not None:  # one prompt about one image, before a model is read
             if not os.path.isfile(self.image):
-                raise ValueError(f"--image {self.image!r} does not exist; expected an image file")
+                what = "is not a file" if os.path.exists(self.image) else "does not exist"
+                raise ValueError(f"--image {self.image!r} {what}; expected an image file")
             if len(self.prompt) != 1 or self.prompts is not None:
                 count = len(self.prompt) + (self.prompts is not None)
                 raise ValueError(f"--image {self.image!r} takes exactly one --prompt (got {count})")

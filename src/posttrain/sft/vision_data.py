@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import struct
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -108,6 +109,11 @@ def resized_size(height: int, width: int, processing: ImageProcessing) -> tuple[
     return h, w
 
 
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, struct.error)
+"""What Pillow's decoders raise on a corrupt file besides ``OSError`` (a broken PNG chunk is
+a ``SyntaxError``, a short read an ``EOFError`` or ``struct.error``)."""
+
+
 def open_image(path: str, processing: ImageProcessing, where: str):
     """The opened Pillow image at ``path`` (header read, pixels not yet decoded).
 
@@ -120,12 +126,13 @@ def open_image(path: str, processing: ImageProcessing, where: str):
     if not os.path.isfile(path):
         raise ValueError(f"{where}: image {path!r} does not exist")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # a decoder's warning is a corrupt file here
+            warnings.simplefilter("error")
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # sized below
             image = Image.open(path)
     except Image.DecompressionBombError:
         raise ValueError(f"{where}: image {path!r} is oversized (Pillow refuses it)") from None
-    except OSError as e:
+    except (*DECODE_ERRORS, Warning) as e:
         raise ValueError(f"{where}: image {path!r} is not a readable image ({e})") from None
     width, height = image.size
     if width * height > processing.max_pixels:
@@ -144,10 +151,18 @@ def load_image(path: str, processing: ImageProcessing, where: str) -> np.ndarray
     Raises:
       ValueError: as :func:`open_image`, or the pixels do not decode (truncated file).
     """
+    from PIL import Image
+
     with open_image(path, processing, where) as image:
         try:
-            rgb = image.convert("RGB")
-        except OSError as e:
+            with warnings.catch_warnings():  # a decoder's warning is a corrupt file here
+                warnings.simplefilter("error")
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # sized
+                image.load()
+            with warnings.catch_warnings():  # e.g. a palette's transparency: not ours
+                warnings.simplefilter("ignore")
+                rgb = image.convert("RGB")
+        except (*DECODE_ERRORS, Warning) as e:
             raise ValueError(f"{where}: image {path!r} is not a readable image ({e})") from None
     height, width = rgb.height, rgb.width
     h, w = resized_size(height, width, processing)
