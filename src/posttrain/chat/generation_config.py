@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 
@@ -61,18 +62,27 @@ def _json(path: pathlib.Path) -> dict | None:
     return value
 
 
-def _ids(value, where: str) -> tuple[int, ...] | None:
-    """``eos_token_id`` as a tuple (None when absent or null)."""
+def _ids(value, where: str, vocab: int, key: str = "eos_token_id") -> tuple[int, ...] | None:
+    """``eos_token_id`` as a tuple (None when absent or null), each id below ``vocab``
+    (the tokenizer's size: an id past it is never generated, and may not fit int32)."""
     if value is None:
         return None
-    values = value if isinstance(value, list) else [value]
+    values = value if isinstance(value, list) and key == "eos_token_id" else [value]
     if not values or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values
     ):
+        expected = "an id >= 0 or a list of them" if key == "eos_token_id" else "an id >= 0"
+        raise TemplateError(f"{where}: {key}={value!r}; expected {expected}")
+    if past := [v for v in values if v >= vocab]:
         raise TemplateError(
-            f"{where}: eos_token_id={value!r}; expected an id >= 0 or a list of them"
+            f"{where}: {key}={value!r}; id {past[0]} is past the tokenizer's vocabulary "
+            f"of {vocab} ids"
         )
     return tuple(dict.fromkeys(values))
+
+
+def _vocab(tokenizer) -> int:
+    return tokenizer.get_vocab_size()
 
 
 def stop_ids_with_source(
@@ -101,7 +111,7 @@ def stop_ids_with_source(
             value = config.get("eos_token_id")
             if value is None and isinstance(config.get("text_config"), dict):
                 value = config["text_config"].get("eos_token_id")
-            ids = _ids(value, str(directory / name))
+            ids = _ids(value, str(directory / name), _vocab(tokenizer))
             if ids is not None:
                 return ids, str(directory / name)
     where = tokenizer_dir if tokenizer_dir is not None else checkpoint
@@ -146,11 +156,7 @@ def pad_id(tokenizer, *, checkpoint=None, tokenizer_dir=None) -> int | None:
             value = None if config is None else config.get("pad_token_id")
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise TemplateError(
-                    f"{directory / name}: pad_token_id={value!r}; expected an id >= 0"
-                )
-            return value
+            return _ids(value, str(directory / name), _vocab(tokenizer), "pad_token_id")[0]
     where = tokenizer_dir if tokenizer_dir is not None else checkpoint
     token = special_tokens(where).get("pad_token") if where is not None else None
     if token is not None:
@@ -215,12 +221,30 @@ def sampling_defaults(checkpoint: str | os.PathLike | None) -> dict[str, float |
     out: dict[str, float | int] = {"temperature": 1.0}  # GenerationConfig's default
     for key in SAMPLING_KEYS:
         value = config.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise TemplateError(f"{path}: {key}={value!r}; expected a number")
-        out[key] = int(value) if key == "top_k" else float(value)
+        if value is not None:
+            out[key] = _sampling_value(key, value, path)
     return out
+
+
+SAMPLING_RANGES = {
+    "temperature": "a number: finite and >= 0",
+    "top_k": "a number: an integer in [1, 2**31 - 1]",
+    "top_p": "a number in (0, 1]",
+}
+
+
+def _sampling_value(key: str, value, path: pathlib.Path) -> float | int:
+    """``value`` of ``key`` as SamplingConfig takes it, or one line naming the file (the
+    JSON may hold NaN, Infinity, a fraction of a token or an id past int32)."""
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    fits = number and {
+        "temperature": lambda v: math.isfinite(v) and v >= 0,
+        "top_k": lambda v: math.isfinite(v) and v == int(v) and 1 <= v <= 2**31 - 1,
+        "top_p": lambda v: 0 < v <= 1,
+    }[key](value)
+    if not fits:
+        raise TemplateError(f"{path}: {key}={value!r}; expected {SAMPLING_RANGES[key]}")
+    return int(value) if key == "top_k" else float(value)
 
 
 def resolve_sampling(
