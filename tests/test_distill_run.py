@@ -100,7 +100,17 @@ def test_the_embedded_run_with_its_teacher_trained_on_the_fly(tmp_path, capsys, 
         (["--alpha", "1.5"], "alpha=1.5 (--alpha): expected a value in [0, 1]"),
         (["--distill-top-k", "-1"], "(--distill-top-k): expected >= 0"),
         (["--teacher", "{wide}"], "has vocab_size 300 but the student 'qwen3-tiny' has 264"),
+        # the flag named, and nothing written before the student is found (#56)
+        (["--teacher", "{missing}"], "--teacher '{missing}' is neither a preset"),
+        (["--model", "{missing}", "--teacher", "llama3-tiny"], "--model '{missing}' is neither"),
+        (
+            ["--distill-top-k", "100000", "--teacher", "llama3-tiny"],
+            "distill_top_k=100000 (--distill-top-k): expected at most the teacher's vocab_size 264",
+        ),
     ],
+    ids=lambda value: (
+        "-".join(a.strip("-{}") for a in value[:2]) if isinstance(value, list) else ""
+    ),
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     from posttrain.conversion.native import save_native
@@ -113,7 +123,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     deep = tmp_path / "deep"  # three layers, deeper than the two of the default teacher
     config = get_config("qwen3-tiny").replace(num_layers=3, layer_types=("full",) * 3)
     save_native(flat_params(build_model(config)), config, deep)
-    argv = [a.replace("{wide}", str(wide)).replace("{deep}", str(deep)) for a in argv]
+    places = {"{wide}": wide, "{deep}": deep, "{missing}": tmp_path / "missing"}
+    for place, path in places.items():
+        argv = [a.replace(place, str(path)) for a in argv]
+        message = message.replace(place, str(path))
     out = tmp_path / "out"
     assert cli.main(["distill", "--output", str(out), *argv]) == 2
     err = capsys.readouterr().err.strip()

@@ -29,9 +29,10 @@ from posttrain.config import ModelConfig
 from posttrain.conversion.hf_config import DEFAULT_MAX_POSITIONS
 
 
-def checkpoint_config(spec: str) -> tuple[ModelConfig, int, str]:
+def checkpoint_config(spec: str, flag: str = "--model") -> tuple[ModelConfig, int, str]:
     """``(model config, max positions, where that limit comes from)`` of a ``--model``
-    value, read from its ``config.json`` without loading any weight.
+    value (or another ``flag``'s, named in the error), read from its ``config.json``
+    without loading any weight.
 
     Raises:
       ValueError: ``spec`` is neither a preset nor a checkpoint directory, or its
@@ -43,7 +44,7 @@ def checkpoint_config(spec: str) -> tuple[ModelConfig, int, str]:
         return get_config(spec), DEFAULT_MAX_POSITIONS, _DEFAULT_SOURCE
     if not os.path.isdir(spec):
         raise ValueError(
-            f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))})"
+            f"{flag} {spec!r} is neither a preset ({', '.join(sorted(PRESETS))})"
             " nor a checkpoint directory (HF or native)"
         )
     from posttrain.conversion.hf_config import from_hf_config

@@ -82,10 +82,11 @@ def run_distill(
     tunix_distill.check_strategy(cfg.strategy, cfg.distill_top_k)
     mesh = sharding.make_mesh(cfg.mesh)
     out = pathlib.Path(cfg.output)
+    # both models' configs are checked before anything is read or written
+    check_student(cfg, _teacher_config(cfg))
     teacher = None
-    if cfg.teacher is not None:  # the teacher is checked before anything is written
+    if cfg.teacher is not None:
         teacher, _ = load_model(cfg.teacher, mesh, seed=cfg.seed + 1, scratch=cfg.output)
-    check_student(cfg, _default_teacher_config() if teacher is None else teacher.config)
     train_path, held_path = _split_data(cfg, out / "data")
     teacher_spec = cfg.teacher or _default_teacher(cfg, out, train_path)
     run_cfg = dataclasses.replace(
@@ -115,23 +116,39 @@ def run_distill(
     return DistillResult(result, teacher_spec, built["before"], after)
 
 
+def _teacher_config(cfg: DistillRunConfig):
+    """The teacher's ``ModelConfig`` from its files (no weight read), the on-the-fly
+    teacher's without ``--teacher``; a missing or unreadable one names ``--teacher``."""
+    from posttrain import limits
+
+    if cfg.teacher is None:
+        return _default_teacher_config()
+    return limits.checkpoint_config(cfg.teacher, "--teacher")[0]
+
+
 def check_student(cfg: DistillRunConfig, teacher_config) -> None:
-    """Raises ValueError (one line) when a preset or native student's ``vocab_size`` is
-    not the teacher's, or ``--strategy`` cannot read the two models
-    (:func:`posttrain.distill.features.check_models`); an HF student is checked when the
-    trainer is built."""
+    """Raises ValueError (one line) when the student is missing or unreadable, its
+    ``vocab_size`` is not the teacher's, ``--distill-top-k`` is past the teacher's
+    vocabulary, or ``--strategy`` cannot read the two models
+    (:func:`posttrain.distill.features.check_models`; an HF student's layers are checked
+    when the trainer is built)."""
+    from posttrain import limits
     from posttrain.distill import features
 
+    if cfg.distill_top_k > teacher_config.vocab_size:
+        raise ValueError(
+            f"distill_top_k={cfg.distill_top_k} (--distill-top-k): expected at most the "
+            f"teacher's vocab_size {teacher_config.vocab_size}"
+        )
     student = _student_config(cfg)
-    if student is None:
-        return
-    if student.vocab_size != teacher_config.vocab_size:
+    vocab = (student or limits.checkpoint_config(cfg.model)[0]).vocab_size
+    if vocab != teacher_config.vocab_size:
         raise ValueError(
             f"--teacher {cfg.teacher!r} has vocab_size {teacher_config.vocab_size} but the "
-            f"student {cfg.model!r} has {student.vocab_size}: distillation needs the same "
-            "vocabulary"
+            f"student {cfg.model!r} has {vocab}: distillation needs the same vocabulary"
         )
-    features.check_models(cfg.strategy, student, teacher_config)
+    if student is not None:
+        features.check_models(cfg.strategy, student, teacher_config)
 
 
 def _student_config(cfg: DistillRunConfig):
