@@ -30,12 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from harness import sources
+from harness.report_shape import RUN_CELLS, STATUSES, check_shape
 from posttrain import atomic
 
-STATUSES = ("passed", "warned", "skipped", "failed", "error")
-"""Cell statuses, best to worst; ``skipped`` is shown as n/a (its message says why)."""
-RUN_CELLS = ("sft", "rl", "dpo", "distill", "vision")
-"""The columns after the contracts: one real run each (``harness.matrix``)."""
 BAD = ("failed", "error")
 REPORT_NAME = "compat-matrix"
 
@@ -245,58 +242,13 @@ def load(report_dir: Path) -> dict[str, Any] | None:
         report = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is not a matrix report ({error})") from None
+    except RecursionError:  # [[[[...: past Python's recursion limit
+        raise ValueError(f"{path} is not a matrix report (nested too deeply)") from None
     problem = check_shape(report)
     if problem:
-        raise ValueError(f"{path} is not a matrix report ({problem})")
+        # the value named may be a source URL's: never its credentials
+        raise ValueError(sources.redact(f"{path} is not a matrix report ({problem})"))
     return report
-
-
-def _cell_problem(cell: Any) -> str | None:
-    if not isinstance(cell, dict):
-        return f"{cell!r}; expected a table"
-    if cell.get("status") not in STATUSES:
-        return f"status {cell.get('status')!r}; expected one of {', '.join(STATUSES)}"
-    if not isinstance(cell.get("message", ""), str):
-        return f"message {cell['message']!r}; expected a string"
-    return None
-
-
-def check_shape(report: Any) -> str | None:
-    """What is wrong with a loaded report's shape, in a few words (None: nothing): the
-    keys the merge, the flips and the renderers read, each of the type they expect."""
-    if not isinstance(report, dict):
-        return f"{type(report).__name__}; expected a JSON object"
-    missing = [k for k in ("entries", "columns", "generated", "machine") if k not in report]
-    if missing:
-        return ", ".join(repr(k) for k in missing)
-    for key in ("generated", "machine"):
-        if not isinstance(report[key], str):
-            return f"{key} = {report[key]!r}; expected a string"
-    if not isinstance(report["columns"], list) or not all(
-        isinstance(c, str) for c in report["columns"]
-    ):
-        return f"columns = {report['columns']!r}; expected a list of strings"
-    if not isinstance(report["entries"], list):
-        return f"entries = {report['entries']!r}; expected a list"
-    for i, row in enumerate(report["entries"]):
-        if not isinstance(row, dict):
-            return f"entry {i} is {row!r}; expected an object"
-        missing = [k for k in ("name", "flavour", "convention", "contracts") if k not in row]
-        if missing:
-            return f"entry {i} has no {', '.join(missing)}"
-        for key in ("name", "flavour", "convention"):
-            if not isinstance(row[key], str):
-                return f"entry {i}: {key} = {row[key]!r}; expected a string"
-        if not isinstance(row["contracts"], dict):
-            got = row["contracts"]
-            return f"entry {i} ({row['name']}): contracts = {got!r}; expected an object"
-        cells = [(f"contracts[{k!r}]", v) for k, v in row["contracts"].items()]
-        cells += [(c, row[c]) for c in RUN_CELLS if row.get(c) is not None]
-        for where, cell in cells:
-            problem = _cell_problem(cell)
-            if problem:
-                return f"entry {i} ({row['name']}): {where} {problem}"
-    return None
 
 
 def combine(

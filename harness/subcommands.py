@@ -218,7 +218,7 @@ def run_report_merge(args: argparse.Namespace) -> int:
             parts.append(part)
         previous = report.load(args.report_dir)
     except ValueError as error:
-        print(f"posttrain-harness report merge: {error}", file=sys.stderr)
+        print(f"posttrain-harness report merge: {sources.redact(str(error))}", file=sys.stderr)
         return 2
     rows = report.combine([p["entries"] for p in parts], [e.name for e in loaded])
     # a part's host: its machine line up to the details (", 2 cores ...") or an earlier

@@ -51,6 +51,15 @@ BAD_PARTS = [
         _report(entries=[{**_row(), "contracts": {"c": {"status": "passed", "message": 1}}}]),
         "message 1; expected a string",
     ),
+    # what the renderers read besides the cells (#56: an internal error each before)
+    (_report(entries=[{**_row(), "versions": [1]}]), "entry 0 (e1): versions = [1]; expected"),
+    (_report(entries=[{**_row(), "source": URL}]), "entry 0 (e1): source = 'https://***@"),
+    (
+        _report(entries=[{**_row(), "source": {"spec": 1, "resolved": None}}]),
+        "entry 0 (e1): source = {'spec': 1, 'resolved': None}; expected",
+    ),
+    (_report(entries=[{**_row(), "error": ["x"]}]), "entry 0 (e1): error = ['x']; expected"),
+    ('{"entries": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
 ]
 
 
@@ -61,11 +70,13 @@ def test_a_malformed_part_is_refused_in_one_line_and_nothing_is_written(
     """Each wrong type a merge or renderer would trip on is named, with the file."""
     where = tmp_path / "part"
     where.mkdir()
-    (where / "compat-matrix.json").write_text(json.dumps(part))
+    text = part if isinstance(part, str) else json.dumps(part)  # a str: the file's text
+    (where / "compat-matrix.json").write_text(text)
     out = tmp_path / "merged"
     assert cli.main(["report", "merge", str(where), "--report-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not a matrix report" in err[0] and words in err[0], err
+    assert SECRET not in err[0]
     assert str(where / "compat-matrix.json") in err[0]
     assert not out.exists()
 
