@@ -23,9 +23,10 @@ with gloo collectives: what a pod slice's hosts are, on one machine.
   a failing rank does (SIGTERM, SIGKILL after ``grace``); a SIGKILL of the launcher
   reaches them through Linux's parent-death signal (``PR_SET_PDEATHSIG``), which a small
   shim sets before it execs the command.
-- Bad input, found before any process starts (one line, exit 2): N or M below 1, a
-  negative or non-finite ``grace``, or a ``--mesh`` in the command whose axis sizes do not
-  multiply to N x M.
+- Bad input, found before any process starts (one line, exit 2): N or M below 1 or over
+  :data:`MAX_PROCESSES` / :data:`MAX_DEVICES_PER_PROCESS`, a command that is not an
+  executable file, a negative or non-finite ``grace``, or a ``--mesh`` in the command
+  whose axis sizes do not multiply to N x M.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ from collections.abc import Sequence
 
 from posttrain import distributed
 
+MAX_PROCESSES = 64
+"""Ranks on this one machine (each a JAX process of a few hundred MB): a pod slice's hosts."""
+MAX_DEVICES_PER_PROCESS = 512
+"""Fake CPU devices a rank's XLA creates (``--xla_force_host_platform_device_count``)."""
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now."""
@@ -60,8 +66,15 @@ def check(
         raise ValueError(f"--grace {grace}: expected a finite number of seconds >= 0")
     if num_processes < 1:
         raise ValueError(f"-n {num_processes}: expected at least 1 process")
+    if num_processes > MAX_PROCESSES:
+        raise ValueError(f"-n {num_processes}: expected at most {MAX_PROCESSES} processes")
     if devices_per_process < 1:
         raise ValueError(f"--devices-per-process {devices_per_process}: expected at least 1")
+    if devices_per_process > MAX_DEVICES_PER_PROCESS:
+        raise ValueError(
+            f"--devices-per-process {devices_per_process}: expected at most "
+            f"{MAX_DEVICES_PER_PROCESS}"
+        )
     if not command:
         raise ValueError("no command after --; e.g. launch -n 2 -- posttrain forward")
     mesh = _mesh_option(command)
@@ -115,6 +128,8 @@ def _program(command: Sequence[str]) -> list[str]:
     if command[0] in ("python", "python3"):
         return [sys.executable, *command[1:]]
     found = shutil.which(command[0])
+    if found is None and os.sep in command[0] and os.path.exists(command[0]):
+        raise ValueError(f"command {command[0]!r} is not an executable file")
     if found is None:
         raise ValueError(f"command {command[0]!r} not found on PATH")
     return [found, *command[1:]]

@@ -141,6 +141,14 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(capsys):
         (["-n", "2", "--grace", "-1", "--", "python"], "--grace -1.0: expected a finite number"),
         (["-n", "2", "--grace", "nan", "--", "python"], "--grace nan: expected a finite number"),
         (["-n", "2", "--grace", "inf", "--", "python"], "--grace inf: expected a finite number"),
+        # #56: bounded before any process starts (-n 100000 started processes for minutes)
+        (["-n", "100000", "--", "python"], "-n 100000: expected at most 64 processes"),
+        (
+            ["-n", "2", "--devices-per-process", "100000000", "--", "python"],
+            "--devices-per-process 100000000: expected at most 512",
+        ),
+        (["-n", "2", "--", "/etc/passwd"], "command '/etc/passwd' is not an executable file"),
+        (["-n", "2", "--", "/tmp"], "command '/tmp' is not an executable file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_any_process_starts(argv, words, capsys):
