@@ -6,6 +6,7 @@ exit 2 on the command line), never an ``OverflowError`` or a silent truncation."
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -95,7 +96,11 @@ def test_a_bad_generation_config_stops_generate_in_one_line_and_writes_nothing(
     )
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--model", "qwen3-tiny", "--prompt", "hi", "--output", str(out)]
+    flags = os.environ.get("XLA_FLAGS")
     assert cli.main([*argv, "--devices", "1"]) == 2
+    # in a process already running JAX the command leaves the device flags alone (they
+    # told later in-process pytest sessions of this worker 1 device instead of 8)
+    assert os.environ.get("XLA_FLAGS") == flags
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "eos_token_id=1000000000000" in err, err
     assert not out.exists() and not any(tmp_path.glob(".out*"))

@@ -47,8 +47,13 @@ from posttrain.sft.options import SFTConfig
 
 
 def _set_devices(count: str) -> None:
-    """Fake CPU devices before JAX is imported (this is a program entry point)."""
-    if count == "real":
+    """Fake CPU devices before JAX is imported (this is a program entry point).
+
+    Nothing when JAX is imported already (``main`` called in a process that runs JAX, as
+    the tests do): the flags could no longer take effect, and left in ``os.environ`` they
+    told that process's later JAX users (pytest's in-process sessions) another count.
+    """
+    if count == "real" or "jax" in sys.modules:
         return
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     xla_flags = [
