@@ -411,6 +411,7 @@ def test_dpo_compiles_the_reference_forward_and_the_step_on_chosen_and_rejected(
 
 
 @pytest.mark.aot
+@pytest.mark.slow  # the gate keeps one real compile (the small LoRA SFT step); tox -e aot runs it
 def test_grpo_plan_from_the_cli_compiles_rollout_reference_old_policy_and_step(tmp_path, capsys):
     """``posttrain plan --workflow grpo --num-iterations 2``: the rollout (prefill +
     decode with the KV cache), the reference forward, the old-policy forward Tunix runs
