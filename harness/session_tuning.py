@@ -27,10 +27,10 @@ GC_GEN2_THRESHOLD = 1000
 
 
 def load_hypothesis_profile(config: pytest.Config) -> None:
-    """Registers the ci/dev/thorough profiles and loads the one the environment names.
+    """Registers the ci/chip/dev/thorough profiles and loads the one the environment names.
 
-    ``HYPOTHESIS_PROFILE`` names it; otherwise ``ci`` when ``CI`` is set, else
-    ``dev``. hypothesis's own ``--hypothesis-profile`` option wins over both.
+    ``HYPOTHESIS_PROFILE`` names it; otherwise :func:`default_profile`. hypothesis's own
+    ``--hypothesis-profile`` option wins over both (and may name ``chip``).
     """
     try:
         from hypothesis import HealthCheck, settings
@@ -40,27 +40,20 @@ def load_hypothesis_profile(config: pytest.Config) -> None:
     # not from the "ci" profile hypothesis itself loads when it detects CI.
     settings.load_profile("default")
     # deadline=None everywhere: XLA compile times are spiky, a deadline only flakes.
-    settings.register_profile(
-        "ci",
-        derandomize=True,
-        deadline=None,
-        max_examples=PROFILE_EXAMPLES["ci"],
-        print_blob=True,
-        database=None,  # derandomized: a database would only replay the same examples
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    for derandomized in ("ci", "chip"):  # CI and real chips: the same examples each run
+        settings.register_profile(
+            derandomized,
+            derandomize=True,
+            deadline=None,
+            max_examples=PROFILE_EXAMPLES[derandomized],
+            print_blob=True,
+            database=None,  # derandomized: a database would only replay the same examples
+            suppress_health_check=[HealthCheck.too_slow],
+        )
     settings.register_profile("dev", deadline=None, max_examples=PROFILE_EXAMPLES["dev"])
     settings.register_profile("thorough", deadline=None, max_examples=PROFILE_EXAMPLES["thorough"])
-    if config.getoption("hypothesis_profile", None):
+    if config.getoption("hypothesis_profile", None):  # --hypothesis-profile NAME: its choice
         return
-    settings.register_profile(
-        "chip",
-        derandomize=True,
-        deadline=None,
-        max_examples=PROFILE_EXAMPLES["chip"],
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
     name = os.environ.get("HYPOTHESIS_PROFILE") or default_profile()
     try:
         settings.load_profile(name)

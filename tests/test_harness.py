@@ -829,3 +829,12 @@ def test_gate_default_compile_cache_is_per_user_not_per_checkout(monkeypatch, tm
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     args = cli._parser().parse_args(["gate"])
     assert args.compile_cache == str(tmp_path / "posttrain-harness" / "jax-compile")
+
+
+def test_the_chip_profile_is_there_for_hypothesis_own_option(restore_hypothesis_profile):
+    """``--hypothesis-profile chip`` (hypothesis loads it after our plugin) finds it."""
+    settings = restore_hypothesis_profile
+    chosen = {"hypothesis_profile": "chip"}
+    config = types.SimpleNamespace(getoption=lambda name, default=None: chosen.get(name))
+    session_tuning.load_hypothesis_profile(config)  # type: ignore[arg-type]
+    assert settings.get_profile("chip").max_examples == session_tuning.PROFILE_EXAMPLES["chip"]
