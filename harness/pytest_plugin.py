@@ -151,7 +151,8 @@ def _add_chip_options(group) -> None:
         choices=("auto", "run", "skip"),
         default="auto",
         help="tests marked host: 'auto' (default) leaves them out on a real accelerator "
-        "and runs them on the CPU; 'run' always; 'skip' never",
+        "and runs them on the CPU; 'run' runs them everywhere; 'skip' leaves them out "
+        "everywhere",
     )
     group.addoption(
         "--emulate-chip-precision",
