@@ -47,7 +47,10 @@ from posttrain import atomic
 
 # the gate's tier, and this module as a plugin (the stats phase's cache clearing)
 _PYTEST_ARGS = ["-p", "no:cacheprovider", "-p", "harness.mutants", "-x", "-q", "-m", "not slow"]
-_COPIED = ("src", "harness", "tests", "contracts", "pyproject.toml", "README.md", ".gitignore")
+# compat/: the harness reads compat/entries.toml (a report merge's tests, #56's report_shape)
+_COPIED = (
+    "src", "harness", "tests", "contracts", "compat", "pyproject.toml", "README.md", ".gitignore"
+)  # fmt: skip
 
 
 # what a run needs in this interpreter (mutmut's copies run their tests with it), first
@@ -80,7 +83,8 @@ def _section(module: str, selection: list[str], max_children: int) -> str:
     top = module.split("/")[0]  # src (the posttrain package) or harness: mutmut's import root
     # README.md: pyproject's readme, without which the matrix's and bisect's environment
     # builds of this checkout (tests/test_bisect.py) fail inside mutmut's copy
-    copied = [d for d in ("src", "harness", "contracts", ".gitignore", "README.md") if d != top]
+    kept = ("src", "harness", "contracts", "compat", ".gitignore", "README.md")
+    copied = [d for d in kept if d != top]
     return (
         "\n[tool.mutmut]\n"
         f"source_paths = {toml_list([top])}\n"
