@@ -23,6 +23,8 @@ from tests.checkpoints import (
 )
 from tests.strategies import CONVERSION_FAMILIES, scaled, tiny_model_configs
 
+pytestmark = pytest.mark.host  # host code only: left out of the TPU/GPU tier
+
 # Each example converts files twice (~0.5 s); 3 per family and direction keeps the module
 # near 30 s on 2 cores while every family, layout, scan and dtype choice still gets drawn.
 FILE_EXAMPLES = scaled(3)

@@ -15,6 +15,8 @@ import pytest
 from posttrain.plan import report, topology
 from posttrain.plan.options import PlanOptions
 
+pytestmark = pytest.mark.host  # host code only: left out of the TPU/GPU tier
+
 # Compiled argument bytes against the analytic bytes of the arguments' shardings: XLA adds
 # no padding to these (bf16 / f32 / int32 arrays whose shards divide evenly), so 1% is room
 # for nothing but a wrong count.

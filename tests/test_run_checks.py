@@ -11,6 +11,8 @@ import pytest
 from posttrain import cli
 from posttrain.runs import checks
 
+pytestmark = pytest.mark.host  # host code only: left out of the TPU/GPU tier
+
 
 def _started(out, *, checkpoint: str | None = None):
     out.mkdir()

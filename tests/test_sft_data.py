@@ -13,6 +13,8 @@ from posttrain import tokenizer
 from posttrain.sft import data, default_data
 from tests.strategies import chat_messages
 
+pytestmark = pytest.mark.host  # host code only: left out of the TPU/GPU tier
+
 TOK = tokenizer.byte_tokenizer()
 CHAT = [
     {"role": "system", "content": "Be brief."},

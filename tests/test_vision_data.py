@@ -21,6 +21,8 @@ from posttrain.sft.vision_data import (
     resized_size,
 )
 
+pytestmark = pytest.mark.host  # host code only: left out of the TPU/GPU tier
+
 # a tiny processor: 4 x 4 patches, 2 x 2 pooling, 70 soft tokens (HF's smallest budget)
 TINY = ImageProcessing(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
 PLACEHOLDER = "<image>"
