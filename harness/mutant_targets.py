@@ -199,6 +199,9 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/workflows.py": ["tests/test_plan.py"],
     # the committed reports/ are not in the scratch copy: their test stays out
     "harness/fits.py": ["tests/test_fits.py", "-k", "not committed_rows"],
+    # the docs run: the gate's tests (the quick page in a fresh copy), not the slow run
+    "harness/docs_run.py": ["tests/test_docs_run.py", "-k", "not every_docs_command"],
+    "harness/docs_figures.py": ["tests/test_docs_run.py", "-k", "not every_docs_command"],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
     # a checkpoint's formats: the family tests (transformers' masks and ids, SFT and DPO spans
     # of each format), the unit tests; not greedy generation (a compile per mutant)

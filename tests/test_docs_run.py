@@ -1,0 +1,176 @@
+"""The fenced commands of README.md and docs/*.md, run as written, in order, in a fresh
+copy of the checkout (:mod:`harness.docs_run`), their quoted figures checked against what
+they print (:mod:`harness.docs_figures`), and the copy's ``git status`` clean afterwards.
+The gate runs the quick pages (:data:`QUICK`); the slow tier runs every page."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from harness import docs_run
+from harness.docs_figures import FIGURES, Figure, agrees, check_figure, check_figures
+from harness.docs_run import NO_RUN, ROOT, SET_UP, Command, Result
+
+pytestmark = pytest.mark.host
+
+QUICK = ("docs/sharding.md",)  # pages whose commands take seconds and read nothing earlier
+
+
+def _run_pages(tmp_path, chosen):
+    copy = docs_run.copy_checkout(ROOT, tmp_path)
+    texts = {p: (copy / p).read_text(encoding="utf-8") for p in docs_run.pages(copy)}
+    cmds = [c for p in chosen for c in docs_run.commands(p, texts[p], (NO_RUN, SET_UP))]
+    results = docs_run.run(copy, cmds, timeout=3600)
+    return results, check_figures(texts, results, FIGURES), docs_run.dirty(copy)
+
+
+def _assert_ran(results, checks, left):
+    failed = [
+        f"{r.command.where()}: exit {r.status}\n{r.output[-2000:]}" for r in results if r.failed()
+    ]
+    assert not failed, "\n".join(failed)
+    assert all(c.ok for c in checks), "\n".join(c.line() for c in checks if not c.ok)
+    assert not left, f"the commands left in the checkout: {left}"
+
+
+def test_the_quick_pages_run_as_written_in_a_fresh_copy(tmp_path):
+    """The quick pages' commands exit as their pages say, print the figures they quote,
+    and leave the copy's git status clean."""
+    results, checks, left = _run_pages(tmp_path, QUICK)
+    assert results and checks
+    _assert_ran(results, checks, left)
+
+
+@pytest.mark.slow
+def test_every_docs_command_runs_as_written_in_order_from_a_fresh_copy(tmp_path):
+    """Every page's commands (the README first) run in one fresh copy: each exits as its
+    page says, every quoted figure is within its tolerance of the fresh output, and the
+    copy's git status is clean afterwards (examples write under runs/ and scratch/)."""
+    results, checks, left = _run_pages(tmp_path, docs_run.pages(ROOT))
+    _assert_ran(results, checks, left)
+
+
+PAGE = f"""intro
+{SET_UP}
+```bash
+bash .ci/run
+```
+```bash
+mkdir -p runs && echo made > runs/a   # a comment
+uv run posttrain-harness devices \\
+    --json
+```
+{NO_RUN}
+```bash
+posttrain sft --nonsense
+```
+<!-- exits 2 -->
+```console
+$ false || exit 2
+an output line
+```
+  - a list item:
+    ```sh
+    echo indented
+    ```
+"""
+
+
+def test_commands_are_read_in_order_honouring_the_markers():
+    """Set-up and no-run blocks are left out when asked, continuations joined, console
+    output lines dropped, an exits marker read, a list item's block unindented."""
+    found = docs_run.commands("x.md", PAGE, (NO_RUN, SET_UP))
+    assert [(c.text, c.exits) for c in found] == [
+        ("mkdir -p runs && echo made > runs/a   # a comment", 0),
+        ("uv run posttrain-harness devices --json", 0),
+        ("false || exit 2", 2),
+        ("echo indented", 0),
+    ]
+    assert found[0].bare() == "mkdir -p runs && echo made > runs/a"
+    quoted = Command("x.md", 1, "python -c \"print('#1 it's')\"  # Tunix's")
+    assert quoted.bare() == "python -c \"print('#1 it's')\""
+    assert found[1].line == 8
+    assert docs_run.commands("x.md", PAGE)[0].text == "bash .ci/run"
+
+
+@pytest.mark.parametrize(
+    ("quoted", "fresh", "tolerance", "ok"),
+    [
+        ("2.983", "2.9834", 0.0, True),  # rounds to the quoted precision
+        ("2.983", "2.9846", 0.0, False),
+        ("2.983", "3.01", 0.01, True),  # within 1%
+        ("2.983", "3.02", 0.01, False),
+        ("91,984", "91984", 0.0, True),
+        ("77", "78.6", 0.0, False),
+        ("77", "77.4", 0.0, True),
+        ("6.7e-07", "6.7e-07", 0.0, True),
+        ("n te te", "n te te", 0.0, True),
+        ("A red circle.", "A red square.", 0.5, False),
+    ],
+)
+def test_a_figure_agrees_when_rounded_or_within_its_tolerance(quoted, fresh, tolerance, ok):
+    assert agrees(quoted, fresh, tolerance) is ok
+
+
+def _result(text: str, output: str, page: str = "p.md", status: int = 0) -> Result:
+    return Result(Command(page, 1, text), status, 1.0, output)
+
+
+def test_each_figure_is_checked_against_its_own_commands_output():
+    figure = Figure("p.md", r"posttrain sft$", r"loss ([\d.]+) -> ([\d.]+)", tolerance=0.01)
+    page = "text: loss 5.559 -> 2.983 here"
+    other = _result("uv run posttrain sft --steps 4", "loss 9.0 -> 9.0")
+    same = _result("uv run posttrain sft  # comment", "step 1\nloss 5.5594 -> 2.99\n")
+    check = check_figure(figure, page, [other, same])
+    assert check.ok and check.fresh == ("5.5594", "2.99")
+    off = check_figure(figure, page, [_result("posttrain sft", "loss 5.559 -> 3.1")])
+    assert not off.ok and "OFF" in off.line() and "3.1" in off.line()
+    missing = check_figure(figure, page, [_result("posttrain sft", "nothing")])
+    assert not missing.ok and "not printed" in missing.line()
+    gone = check_figure(figure, "no figure here", [same])
+    assert not gone.ok and "no longer quotes" in gone.line()
+    assert check_figure(figure, page, [other]) is None  # its command did not run
+    assert check_figure(figure, page, [_result("posttrain sft", "x", page="q.md")]) is None
+
+
+def test_every_figure_names_a_command_of_its_page_and_is_quoted_there():
+    texts = {p: (ROOT / p).read_text(encoding="utf-8") for p in docs_run.pages(ROOT)}
+    for figure in FIGURES:
+        cmds = docs_run.commands(figure.page, texts[figure.page], (NO_RUN, SET_UP))
+        assert any(re.search(figure.command, c.bare()) for c in cmds), figure
+        assert re.search(figure.quoted, texts[figure.page], re.M), figure
+
+
+def _repository(path):
+    (path / "docs").mkdir(parents=True)
+    (path / ".gitignore").write_text("runs/\n")
+    (path / "README.md").write_text("x\n")
+    (path / "docs/a.md").write_text("y\n")
+    (path / "deleted.md").write_text("z\n")
+    for argv in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", *argv], cwd=path, check=True)
+    (path / "README.md").write_text("changed\n")  # the working tree's, not the index's
+    (path / "deleted.md").unlink()
+    return path
+
+
+def test_a_command_that_writes_outside_the_ignored_paths_leaves_the_copy_dirty(tmp_path):
+    """The copy holds the working tree's tracked files; what a command writes under an
+    ignored path is fine, anything else is reported; an exit status other than the
+    page's is a failure."""
+    copy = docs_run.copy_checkout(_repository(tmp_path / "src"), tmp_path / "copy")
+    assert (copy / "README.md").read_text() == "changed\n"
+    assert not (copy / "deleted.md").exists() and docs_run.dirty(copy) == []
+    cmds = [
+        Command("README.md", 1, "mkdir -p runs && touch runs/a"),
+        Command("README.md", 2, "exit 2", exits=2),
+        Command("README.md", 3, "touch red-circle.png && echo $UV_NO_SYNC"),
+    ]
+    results = docs_run.run(copy, cmds)
+    assert [r.failed() for r in results] == [False, False, False]
+    assert results[2].output == "1\n"
+    assert docs_run.dirty(copy) == ["?? red-circle.png"]
+    assert docs_run.run(copy, [Command("README.md", 4, "exit 3")])[0].failed()
