@@ -33,6 +33,7 @@ import shlex
 import pytest
 
 from harness import cli as harness_cli
+from harness.docs_run import NO_RUN, Command, blocks, joined
 from posttrain import cli, flags
 from posttrain.models.presets import PRESETS
 
@@ -40,7 +41,6 @@ pytestmark = pytest.mark.host
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NO_RUN = "<!-- no-run -->"
 SCRATCH = ("runs/", "scratch/")  # where examples write (.gitignore)
 WORKFLOWS = ("sft", "dpo", "grpo", "distill")  # posttrain runs with an --output directory
 # options whose value a command reads (a path, unless it names a preset or a built-in)
@@ -49,56 +49,20 @@ READS += ("hf_dir", "native_dir", "chat_template")
 BUILT_IN = {*PRESETS, "chatml"}
 EXTRAS = {"posttrain": {"train"}, "check-logits": {"train", "reference"}}
 BARE = {"posttrain", "posttrain-harness", "python", "pytest", "tox", "mutmut"}
-_FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.M | re.S)  # in a list item too
 _FILE = r"[\w.-]+/[\w./-]+|[\w.-]+\.(png|jpe?g|jsonl?|txt|safetensors|jinja|md)"
 _LOOKS_RUN = re.compile(r"^(\$ |uv |uvx |python3? |bash |posttrain(-harness)? \S+ -)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Command:
-    page: str
-    line: int
-    text: str
-
-    def where(self) -> str:
-        return f"{self.page}:{self.line}: {self.text[:90]}"
-
-
-def blocks(text: str):
-    """(line, label, body, no_run) of each fenced block of a page."""
-    for match in _FENCE.finditer(text):
-        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        line = text[: match.start()].count("\n") + 2  # the block's first line
-        indent = len(match.group(1))
-        body = "".join(row[indent:] for row in match.group(3).splitlines(keepends=True))
-        yield line, match.group(2), body, before.strip() == NO_RUN
 
 
 def commands(page: str, text: str) -> tuple[list[Command], list[str]]:
     """The commands of a page's runnable blocks, and its unlabelled blocks that look run."""
     found, unlabelled = [], []
-    for line, label, body, no_run in blocks(text):
+    for line, label, body, marker in blocks(text):
         rows = body.splitlines()
-        if label in ("bash", "sh", "shell", "console") and not no_run:
-            found += _joined(page, line, rows, prompt="$ " if label == "console" else "")
+        if label in ("bash", "sh", "shell", "console") and marker != NO_RUN:
+            found += joined(page, line, rows, prompt="$ " if label == "console" else "")
         elif not label and any(_LOOKS_RUN.match(r) for r in rows):
             unlabelled.append(f"{page}:{line}: an unlabelled block of commands (bash / text?)")
     return [c for c in found if c.text and not c.text.startswith("#")], unlabelled
-
-
-def _joined(page: str, line: int, rows: list[str], prompt: str) -> list[Command]:
-    """A block's commands: lines after ``prompt`` (console: ``$``), ``\\`` continued."""
-    found: list[Command] = []
-    carry: tuple[int, str] | None = None
-    for i, row in enumerate(rows):
-        if carry is None and not row.startswith(prompt):
-            continue  # a console block's output
-        start, text = carry or (line + i, "")
-        text += " " + (row if carry else row[len(prompt) :]).strip()
-        carry = (start, text[:-1]) if text.endswith("\\") else None
-        if carry is None:
-            found.append(Command(page, start, text.strip()))
-    return found
 
 
 def words(text: str) -> list[list[str]]:
