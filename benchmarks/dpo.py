@@ -24,7 +24,6 @@ first call of each compiles and is excluded. Printed: medians in ms and the rati
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 
@@ -34,9 +33,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=96)
     parser.add_argument("--response", type=int, default=160)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--devices", default="8", help="N fake CPU devices, or real (a TPU)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    from _timing import fake_devices
+
+    fake_devices(args.devices)
 
     import jax
     from _timing import interleaved_medians
@@ -143,7 +144,7 @@ def _trainers(cfg, mesh):
             peft_trainer.TrainingConfig(**peft),
             options=options,
         )
-    theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1), ("fsdp", "tp"))
+    theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))
 
     def tunix_model():
         model = tunix_qwen3.Qwen3(tunix_qwen3_config(cfg), rngs=nnx.Rngs(0))
@@ -160,13 +161,15 @@ def _trainers(cfg, mesh):
 
 
 def _report(args, batch: dict, median: dict, pairs: int, convention: str) -> None:
+    import jax
+
     tokens = int(
         2 * batch["prompt_mask"].sum() + batch["chosen_mask"].sum() + batch["rejected_mask"].sum()
     )
     print(
         f"DPO step, qwen3-tiny shape, {pairs} pairs x (prompt {args.prompt} + response "
-        f"{args.response}), full fine-tuning, 8 fake CPU devices, convention "
-        f"{convention}; medians of {args.repeats}"
+        f"{args.response}), full fine-tuning, {jax.device_count()} "
+        f"{jax.devices()[0].platform} devices, convention {convention}; medians of {args.repeats}"
     )
     for name, ms in median.items():
         print(f"  {name:<26}{ms:>9.1f} ms")

@@ -39,6 +39,7 @@ def _args(argv):
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf", action="store_true", help="also time transformers.generate")
+    parser.add_argument("--devices", default="1", help="N fake CPU devices, or real (a TPU)")
     return parser.parse_args(argv)
 
 
@@ -73,7 +74,9 @@ def _recompute_seconds(model, prompts, new_tokens: int, bucket: int = 64) -> flo
 
 def main(argv=None) -> int:
     args = _args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from _timing import fake_devices
+
+    fake_devices(args.devices)
 
     import jax
     import numpy as np

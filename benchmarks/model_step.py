@@ -49,6 +49,7 @@ def _args(argv):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--devices", default="1", help="N fake CPU devices, or real (a TPU)")
     parser.add_argument("--hlo", default=None, help="directory for both steps' HLO text")
     parser.add_argument(
         "--ops", action="store_true", help="list each step's costliest ops from its profile"
@@ -209,7 +210,9 @@ def write_hlo(directory: str, family: str, executables: dict) -> None:
 
 def main(argv=None) -> int:
     args = _args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from _timing import fake_devices
+
+    fake_devices(args.devices)
     import jax
     import jax.numpy as jnp
     import numpy as np
