@@ -57,8 +57,8 @@ def main(argv=None) -> int:
     from _timing import best_time
 
     from posttrain import chat
-    from posttrain.sft.default_data import pydoc_conversations
     from posttrain.tokenizer import load_tokenizer
+    from posttrain.training.default_data import pydoc_conversations
 
     conversations = pydoc_conversations()
     tok = load_tokenizer(None)

@@ -54,7 +54,7 @@ def _turns(args, mesh, batch, student_cfg, teacher) -> dict:
     from posttrain.distill import tunix_distill
     from posttrain.distill.trainer import distill_trainer_class, labels_fn, model_logits
     from posttrain.models import build_model
-    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+    from posttrain.training.trainer import SFTOptions, SFTTrainer
 
     strategy = tunix_distill.logit_strategy(
         model_logits, model_logits, labels_fn(teacher.config.vocab_size), temperature=1.0,
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     from posttrain import sharding, tokenizer
     from posttrain.distill.trainer import cast_params, shallower
     from posttrain.models import build_model, get_config
-    from posttrain.sft import data, default_data
+    from posttrain.training import data, default_data
 
     mesh = sharding.make_mesh(None)
     batch_size = args.per_device_batch_size * sharding.data_parallel_size(mesh)

@@ -121,8 +121,8 @@ def _trainers(cfg, mesh):
     from posttrain.models import build_model
     from posttrain.preference import tunix_dpo
     from posttrain.preference.trainer import DPOTrainer
-    from posttrain.rl.policy import TunixPolicy, reference_of
-    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+    from posttrain.training.policy import TunixPolicy, reference_of
+    from posttrain.training.trainer import SFTOptions, SFTTrainer
 
     peft = {"eval_every_n_steps": 10**9, "max_steps": 10**9}
 

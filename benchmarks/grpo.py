@@ -116,7 +116,7 @@ def main(argv=None) -> int:
 
     from posttrain import sharding
     from posttrain.models import build_model, get_config
-    from posttrain.rl.policy import TunixPolicy, reference_of
+    from posttrain.training.policy import TunixPolicy, reference_of
 
     cfg = get_config("qwen3-tiny")
     ours_mesh = sharding.make_mesh(None)

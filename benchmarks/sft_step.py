@@ -41,7 +41,7 @@ def _batches(args, batch_size: int):
     import numpy as np
 
     from posttrain import tokenizer
-    from posttrain.sft import data, default_data, loss
+    from posttrain.training import data, default_data, loss
 
     examples = data.encode_dataset(
         default_data.pydoc_conversations(), tokenizer.byte_tokenizer(), args.seq
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     from tunix.sft import peft_trainer
 
     from posttrain import sharding
-    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+    from posttrain.training.trainer import SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh(sharding.parse_mesh_spec(args.mesh) if args.mesh else None)
     batch_size = args.per_device_batch_size * sharding.data_parallel_size(mesh)

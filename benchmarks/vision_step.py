@@ -62,8 +62,8 @@ def main(argv=None) -> int:
 
     from posttrain import sharding
     from posttrain.models import build_model, get_config
-    from posttrain.sft.trainer import SFTOptions, SFTTrainer
     from posttrain.sft.vision_run import frozen_filter
+    from posttrain.training.trainer import SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh(None)
     vision_batch, text_batch = batches(args.seq, sharding.data_parallel_size(mesh))

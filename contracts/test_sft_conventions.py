@@ -21,9 +21,9 @@ tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is no
 from contracts import tunix_emulation as te  # noqa: E402
 from posttrain import sharding, tokenizer  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft import data, default_data, tunix_compat  # noqa: E402
-from posttrain.sft.trainer import SFTOptions, SFTTrainer, sft_trainer_class  # noqa: E402
-from posttrain.sft.tunix_compat import OptimizerStateCheckpoints  # noqa: E402
+from posttrain.training import data, default_data, tunix_compat  # noqa: E402
+from posttrain.training.trainer import SFTOptions, SFTTrainer, sft_trainer_class  # noqa: E402
+from posttrain.training.tunix_compat import OptimizerStateCheckpoints  # noqa: E402
 from tests.meshes import fitted  # noqa: E402
 
 EMULATED = te.EMULATED

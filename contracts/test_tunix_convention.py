@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from posttrain.sft import tunix_compat
+from posttrain.training import tunix_compat
 
 tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
 

@@ -30,8 +30,8 @@ from posttrain.distill.trainer import (  # noqa: E402
     shallower,
 )
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft import data, default_data  # noqa: E402
-from posttrain.sft.trainer import SFTOptions  # noqa: E402
+from posttrain.training import data, default_data  # noqa: E402
+from posttrain.training.trainer import SFTOptions  # noqa: E402
 from tests.meshes import fitted  # noqa: E402
 
 MESH = fitted({"fsdp": 4, "tensor": 2})

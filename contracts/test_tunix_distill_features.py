@@ -30,8 +30,8 @@ from posttrain.distill.trainer import (  # noqa: E402
 )
 from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.models.taps import AttentionOutput, LayerOutput  # noqa: E402
-from posttrain.sft import data  # noqa: E402
-from posttrain.sft.trainer import SFTOptions  # noqa: E402
+from posttrain.training import data  # noqa: E402
+from posttrain.training.trainer import SFTOptions  # noqa: E402
 from tests.meshes import fitted  # noqa: E402
 
 MESH = fitted({"fsdp": 4, "tensor": 2})
@@ -276,7 +276,7 @@ def eight_rows():
     """8 packed rows of 64 tokens of the embedded data: every step trains on the same
     batch, so its logged loss is comparable across steps."""
     from posttrain import tokenizer
-    from posttrain.sft import default_data
+    from posttrain.training import default_data
 
     conversations = [
         [{"role": "user", "content": user["content"][: 8 + 4 * (i % 7)]}, assistant]

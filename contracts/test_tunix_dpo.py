@@ -25,11 +25,11 @@ from posttrain.preference import data as pdata  # noqa: E402
 from posttrain.preference import tunix_dpo  # noqa: E402
 from posttrain.preference.default_data import pydoc_pairs  # noqa: E402
 from posttrain.preference.trainer import DPOTrainer, dpo_trainer_class  # noqa: E402
-from posttrain.rl.policy import TunixPolicy, reference_of  # noqa: E402
-from posttrain.sft import data as sft_data  # noqa: E402
-from posttrain.sft import tunix_compat  # noqa: E402
-from posttrain.sft.trainer import SFTOptions  # noqa: E402
 from posttrain.tokenizer import byte_tokenizer  # noqa: E402
+from posttrain.training import data as sft_data  # noqa: E402
+from posttrain.training import tunix_compat  # noqa: E402
+from posttrain.training.policy import TunixPolicy, reference_of  # noqa: E402
+from posttrain.training.trainer import SFTOptions  # noqa: E402
 from tests.meshes import fitted  # noqa: E402
 
 # The conventions the gradient-accumulation contract runs under (as the SFT ones).

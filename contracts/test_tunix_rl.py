@@ -21,9 +21,9 @@ pytest.importorskip("tunix.rl.rl_cluster", reason="google-tunix is not installed
 from posttrain import _compat  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
 from posttrain.rl import tunix_cluster, tunix_rl  # noqa: E402
-from posttrain.rl.policy import TunixPolicy, reference_of  # noqa: E402
-from posttrain.runs import tunix_loss  # noqa: E402
 from posttrain.tokenizer import byte_tokenizer  # noqa: E402
+from posttrain.training import tunix_loss  # noqa: E402
+from posttrain.training.policy import TunixPolicy, reference_of  # noqa: E402
 from posttrain.tunix_sampler import TunixTokenizer  # noqa: E402
 
 G = 4  # completions per prompt

@@ -79,7 +79,7 @@ def test_the_samplers_logprobs_equal_ours_and_the_trainers():
     completions (``compute_per_token_logps``, T = 1): the rollout's and the learner's
     numbers for one sequence agree (bug class 4's other half)."""
     from posttrain.rl import tunix_rl
-    from posttrain.rl.policy import TunixPolicy
+    from posttrain.training.policy import TunixPolicy
 
     model = build_model(get_config("qwen3-tiny"), seed=1)
     _, theirs, ids, ours, _ = _greedy_both(model, return_logprobs=True)

@@ -13,7 +13,7 @@ release       ``TrainingInput.images``  default loss -> ``images=``   image proc
 ============  ========================  ============================  =====================
 
 ``posttrain sft --vision`` puts the images under the field's name
-(:func:`posttrain.sft.tunix_compat.image_field`) and refuses a release without it; the
+(:func:`posttrain.training.tunix_compat.image_field`) and refuses a release without it; the
 matrix's vision cell is then n/a (``harness/vision_cell.py``). The image processor is
 recorded, not used: images are prepared as transformers prepares Gemma 4's
 (:mod:`posttrain.sft.vision_data`).
@@ -36,7 +36,7 @@ peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
 from posttrain.families.gemma4 import gemma4_vision_tiny  # noqa: E402
 from posttrain.layers.vision import ImageBatch  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft import loss, tunix_compat  # noqa: E402
+from posttrain.training import loss, tunix_compat  # noqa: E402
 
 #: the loss through Tunix's default loss equals ours to float32 rounding of one mean
 LOSS_RTOL = 1e-5

@@ -120,13 +120,13 @@ def test_multisteps_window_gradient_is_what_multisteps_applies():
 
 @pytest.mark.contract("optax: the run optimizer keeps a +-inf parameter that gets no gradient")
 def test_the_run_optimizer_keeps_an_infinite_parameter_with_no_gradient():
-    """The SFT/DPO optimizer (``runs.training.adam_schedule``) leaves a parameter of +-inf
+    """The SFT/DPO optimizer (``training.optimizer.adam_schedule``) leaves a parameter of +-inf
     with a zero gradient at +-inf through its schedule (the vision tower's clip bounds
     until a checkpoint sets them, frozen or not), and moves a finite one against its
     gradient. optax 0.2.6's ``adamw(weight_decay=0.0)`` added ``0 * inf``: NaN from the
     first step (seen in the google-tunix 0.1.6 era row's vision run)."""
-    from posttrain.runs.training import adam_schedule
     from posttrain.sft.options import SFTConfig
+    from posttrain.training.optimizer import adam_schedule
 
     _, tx = adam_schedule(SFTConfig(steps=4, warmup_steps=1))
     params = {"bound": jnp.array([-jnp.inf, jnp.inf]), "w": jnp.array([1.0, -2.0])}

@@ -20,7 +20,7 @@ Each class follows the observable behaviour recorded in
   example's ``is_update_step`` if present, else ``iter_steps % GA == 0``
   (``iter_steps`` incremented before the call).
 
-:func:`posttrain.sft.tunix_compat.detect` reads these classes' own ``train`` and
+:func:`posttrain.training.tunix_compat.detect` reads these classes' own ``train`` and
 ``jit_train_and_eval_step`` like any release, so they double as its test input.
 """
 
@@ -36,7 +36,7 @@ from flax import nnx
 from tunix.sft import peft_trainer
 
 from posttrain import _compat
-from posttrain.sft import tunix_compat
+from posttrain.training import tunix_compat
 
 
 class GradientAccumulator(nnx.Module):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.sft import tunix_compat
+from posttrain.training import tunix_compat
 
 REPO = Path(__file__).resolve().parent.parent
 ENTRIES_FILE = REPO / "compat" / "entries.toml"

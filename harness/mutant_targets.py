@@ -123,22 +123,25 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_conversion_parity.py::test_square_expert_kernels_convert_by_value",
         "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
     ],
-    "src/posttrain/sft/loss.py": ["tests/test_sft_loss.py", "tests/test_sft_objective.py"],
+    "src/posttrain/training/loss.py": ["tests/test_sft_loss.py", "tests/test_sft_objective.py"],
     # the LoRA run: in full fine-tuning the frozen part of the step's split is empty, so
     # mutants of its filter and its copy passed the others; the NaN-weights save: the
     # check before saving
-    "src/posttrain/sft/trainer.py": [
+    "src/posttrain/training/trainer.py": [
         "tests/test_sft_objective.py",
         "contracts/test_sft_conventions.py",
         "tests/test_sft_run.py::test_lora_run_checkpoints_only_the_adapters",
         "tests/test_sft_run.py::test_non_finite_weights_are_never_checkpointed",
     ],
-    "src/posttrain/sft/metrics.py": ["tests/test_sft_run.py", "contracts/test_sft_conventions.py"],
+    "src/posttrain/training/metrics.py": [
+        "tests/test_sft_run.py",
+        "contracts/test_sft_conventions.py",
+    ],
     "src/posttrain/layers/kv_cache.py": ["tests/test_generate.py", "-k", "incremental or cache"],
     "src/posttrain/generate.py": ["tests/test_generate.py", "-k", "not cli"],
     "src/posttrain/lora/merge.py": ["tests/test_lora.py", "-k", "merge or zero_adapter"],
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
-    "src/posttrain/rl/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
+    "src/posttrain/training/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py", "tests/test_reward_probe.py"],
     "harness/progress.py": ["tests/test_matrix_progress.py"],
     "harness/op_profile.py": ["tests/test_op_profile.py"],
@@ -162,14 +165,14 @@ TARGETS: dict[str, list[str]] = {
     ],
     # the CLI generated from the options, and the checks every run shares
     "src/posttrain/flags.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
-    "src/posttrain/runs/options.py": [
+    "src/posttrain/training/options.py": [
         "tests/test_run_options.py",
         "tests/test_model_option.py",
         "tests/test_sft_run.py::test_cli_bad_input_is_one_line_and_exit_2",
         "tests/test_preference.py::test_the_run_config_names_the_bad_field",
         "tests/test_rl.py::test_the_run_config_names_the_bad_field",
     ],
-    "src/posttrain/runs/tunix_loss.py": ["tests/test_tunix_compat.py"],
+    "src/posttrain/training/tunix_loss.py": ["tests/test_tunix_compat.py"],
     # the plan's logic and one real compile (libtpu: the tpu extra); not the seeds' (minutes)
     "src/posttrain/plan/topology.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     "src/posttrain/plan/report.py": [
@@ -191,7 +194,11 @@ TARGETS: dict[str, list[str]] = {
     "harness/report_shape.py": ["tests/test_matrix_inputs.py"],  # #56: a malformed part
     "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     "src/posttrain/plan/depth.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
-    "src/posttrain/plan/sizes.py": ["tests/test_plan.py", "-k", "refuses"],  # #56 7
+    # #56 7: each bound at its edge, and the CLI's refusals (checked before any compile)
+    "src/posttrain/plan/sizes.py": [
+        "tests/test_plan_sizes.py",
+        "tests/test_plan.py::test_cli_refuses_bad_input_with_one_line_before_compiling",
+    ],
     "src/posttrain/plan/abstract.py": ["tests/test_plan.py"],
     "src/posttrain/plan/steps.py": ["tests/test_plan.py"],
     "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
@@ -278,23 +285,26 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/rl/tunix_cluster.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     # the run's Tunix configs and cluster (#37's split of rl/run.py)
     "src/posttrain/rl/build.py": ["contracts/test_tunix_rl.py", "tests/test_rl.py"],
-    "src/posttrain/runs/directory.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
-    "src/posttrain/runs/export.py": [
+    "src/posttrain/training/directory.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
+    "src/posttrain/training/export.py": [
         "tests/test_sft_run.py",
         "tests/test_lora.py",
         "-k",
         "export or run",
     ],
     # the runs in the checkpoint's format, the refusals, the export's files
-    "src/posttrain/runs/formats.py": [
+    "src/posttrain/training/formats.py": [
         "tests/test_chat_runs.py",
         "tests/test_sft_run.py",
         "-k",
         "chat or template or bad_input",
     ],
-    "src/posttrain/runs/loading.py": ["tests/test_sft_run.py", "tests/test_preference.py"],
-    "src/posttrain/runs/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
-    "src/posttrain/runs/training.py": ["tests/test_option_sensitivity.py", "tests/test_sft_run.py"],
+    "src/posttrain/training/loading.py": ["tests/test_sft_run.py", "tests/test_preference.py"],
+    "src/posttrain/training/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
+    "src/posttrain/training/optimizer.py": [
+        "tests/test_option_sensitivity.py",
+        "tests/test_sft_run.py",
+    ],
     "src/posttrain/sft/options.py": [
         "tests/test_sft_run.py",
         "tests/test_run_options.py",
@@ -303,10 +313,10 @@ TARGETS: dict[str, list[str]] = {
     # reliability of the inputs and faults (#40)
     "src/posttrain/limits.py": ["tests/test_generate_inputs.py"],
     "src/posttrain/commands/generate_inputs.py": ["tests/test_generate_inputs.py"],
-    "src/posttrain/runs/checks.py": ["tests/test_run_checks.py"],
-    "src/posttrain/runs/record.py": ["tests/test_run_checks.py", "tests/test_sft_run.py"],
+    "src/posttrain/training/checks.py": ["tests/test_run_checks.py"],
+    "src/posttrain/training/record.py": ["tests/test_run_checks.py", "tests/test_sft_run.py"],
     "src/posttrain/signals.py": ["tests/test_signals.py"],
-    "src/posttrain/runs/stops.py": ["tests/test_disk_full.py", "tests/test_signals.py"],
+    "src/posttrain/training/stops.py": ["tests/test_disk_full.py", "tests/test_signals.py"],
 }
 # module -> the functions mutated, by mutmut's names
 # (:func:`harness.mutant_sources.function_names`); a module
@@ -319,7 +329,7 @@ TARGETS: dict[str, list[str]] = {
 FUNCTIONS: dict[str, tuple[str, ...]] = {
     # the step (objective, gradients, the update or skip, the logged terms), not the
     # trainer's Tunix plumbing (saves, placement, closing)
-    "src/posttrain/sft/trainer.py": (
+    "src/posttrain/training/trainer.py": (
         "xǁSFTTrainerMixinǁ_objective",
         "xǁSFTTrainerMixinǁ_report",
         "xǁSFTTrainerMixinǁ_grads",

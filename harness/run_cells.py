@@ -171,7 +171,7 @@ def emulated_sft(convention: str, output: str) -> None:
     configure_devices()
     from contracts import tunix_emulation
     from posttrain.sft.run import SFTConfig, run_sft
-    from posttrain.sft.trainer import sft_trainer_class
+    from posttrain.training.trainer import sft_trainer_class
 
     reason = tunix_emulation.not_applicable(convention)
     if reason:

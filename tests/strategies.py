@@ -227,7 +227,7 @@ def custom_rules(draw) -> sharding.Rules:
 def chat_messages() -> st.SearchStrategy[list[dict[str, str]]]:
     """One conversation: 1-4 messages of any role, contents that include the ChatML
     markers themselves (``<|im_end|>``, ``<|im_start|>``), empty and arbitrary text."""
-    from posttrain.sft import data
+    from posttrain.training import data
 
     content = st.sampled_from(["", "<|im_end|>", "a<|im_start|>b"]) | st.text(max_size=12)
     message = st.fixed_dictionaries({"role": st.sampled_from(data.ROLES), "content": content})

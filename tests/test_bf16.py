@@ -20,7 +20,7 @@ from posttrain.config import ActivationConfig, MoEConfig
 from posttrain.layers.moe.router import Router, route
 from posttrain.models import get_config
 from posttrain.models.presets import TINY_PRESETS
-from posttrain.sft import loss
+from posttrain.training import loss
 from tests.jaxprs import matmuls, primitive_dtypes, reading, sub_jaxprs
 from tests.path_params import model_with_path_values
 

@@ -15,8 +15,8 @@ import pytest
 from posttrain import chat
 from posttrain.preference import data as pref_data
 from posttrain.rl import arithmetic
-from posttrain.sft import data, default_data
 from posttrain.tokenizer import byte_tokenizer
+from posttrain.training import data, default_data
 from posttrain.tunix_sampler import TunixTokenizer
 from tests import chat_formats as cf
 

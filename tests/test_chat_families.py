@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from posttrain import chat
-from posttrain.sft import data
+from posttrain.training import data
 from tests import chat_formats as cf
 
 

@@ -133,8 +133,8 @@ def test_a_resume_in_another_template_is_refused_before_any_write(tmp_path, caps
     """A rerun into an output trained in the built-in ChatML (recorded, or recorded
     before templates were read) with another template file is refused in one line naming
     both; with the same template it passes the check."""
-    from posttrain.runs import formats as run_formats
-    from posttrain.runs import record as run_record
+    from posttrain.training import formats as run_formats
+    from posttrain.training import record as run_record
 
     other = tmp_path / "other.jinja"
     other.write_text(chat.CHATML.replace("'\\n'", "'\\n\\n'"))
@@ -172,7 +172,7 @@ def test_a_resume_in_another_template_is_refused_before_any_write(tmp_path, caps
 def test_a_preset_with_a_tokenizer_directory_trains_in_the_tokenizers_template(tmp_path):
     """``--model PRESET --tokenizer DIR/tokenizer.json``: the template and the stop id are
     the tokenizer directory's (its tokenizer_config.json), not ChatML and names."""
-    from posttrain.runs.formats import run_formats
+    from posttrain.training.formats import run_formats
 
     ckpt = chat_formats.write_checkpoint(LLAMA3, tmp_path / "llama3")
     path = str(ckpt / "tokenizer.json")
@@ -186,7 +186,7 @@ def test_a_preset_with_a_tokenizer_directory_trains_in_the_tokenizers_template(t
 def test_a_chatml_run_exports_im_end_first_and_the_embedded_tokenizer(tmp_path):
     """The built-in ChatML run's export stops at ``<|im_end|>`` (what it learnt to end a
     turn with) before the names' others, and its template is ChatML."""
-    from posttrain.runs.formats import run_formats
+    from posttrain.training.formats import run_formats
 
     tok = load_tokenizer(None)
     formats = run_formats(SFTConfig(output=str(tmp_path / "run")), tok, None)
@@ -428,7 +428,7 @@ def test_native_to_hf_carries_the_exports_formats(tmp_path):
     the run trained (transformers reads them: the slow test above)."""
     from posttrain.conversion import convert_native_to_hf, save_native
     from posttrain.models import build_model, flat_params, get_config
-    from posttrain.runs.formats import run_formats
+    from posttrain.training.formats import run_formats
 
     cfg = get_config("qwen3-tiny")
     native = save_native(flat_params(build_model(cfg, seed=0)), cfg, tmp_path / "native")
@@ -464,7 +464,7 @@ def test_the_export_keeps_the_checkpoints_pad_bos_and_sampling_defaults(tmp_path
     """The export's generation_config.json: the run's stop ids, and the base checkpoint's
     pad id, the template's BOS id and its sampling defaults (transformers reads them back:
     ``tests/test_chat_families.py``), so generating from the export samples as the base."""
-    from posttrain.runs.formats import run_formats
+    from posttrain.training.formats import run_formats
 
     ckpt = chat_formats.write_checkpoint(LLAMA3, tmp_path / "llama3")
     config = json.loads((ckpt / "generation_config.json").read_text())

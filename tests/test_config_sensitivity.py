@@ -30,7 +30,7 @@ from posttrain import _compat
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
 from posttrain.conversion.native import abstract_params
 from posttrain.models import get_config
-from posttrain.sft.loss import token_nll
+from posttrain.training.loss import token_nll
 from posttrain.tree import path_name
 from tests.path_params import is_variable, model_with_path_values
 

@@ -1,6 +1,6 @@
 """A full disk during a training run (#40): one line naming what was being written and
 the bytes that did not fit, exit 2, no tracebacks, no unfinished checkpoint left
-(:mod:`posttrain.runs.stops`).
+(:mod:`posttrain.training.stops`).
 
 Emulation: the gate raises ``OSError(errno.ENOSPC)`` at a write point of a real run (the
 run record) and feeds the recognisers the messages tensorstore really gives; the slow
@@ -22,7 +22,7 @@ import textwrap
 import pytest
 
 from posttrain import cli
-from posttrain.runs import stops
+from posttrain.training import stops
 
 pytestmark = pytest.mark.host
 
@@ -108,12 +108,12 @@ def test_orbax_records_of_a_full_disk_and_the_cascade_after_are_dropped():
 def test_enospc_at_a_write_point_of_a_real_run_is_one_line(tmp_path, capsys, monkeypatch):
     """``OSError(ENOSPC)`` raised where the run writes its record (after the model and
     the trainer are built): one line, exit 2."""
-    from posttrain.sft import run as sft_run
+    from posttrain.training import supervised
 
     def full(out, *args):
         raise OSError(errno.ENOSPC, "No space left on device", str(out / "run.json"))
 
-    monkeypatch.setattr(sft_run.run_record, "begin_segment", full)
+    monkeypatch.setattr(supervised.run_record, "begin_segment", full)
     out = tmp_path / "run"
     assert cli.main(["sft", "--steps", "2", "--output", str(out)]) == 2
     err = capsys.readouterr().err

@@ -24,7 +24,7 @@ from posttrain.distill.trainer import (  # noqa: E402
     shallower,
 )
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft import data, default_data  # noqa: E402
+from posttrain.training import data, default_data  # noqa: E402
 from tests.meshes import fitted  # noqa: E402
 
 #: bfloat16's unit roundoff: 8 significand bits (7 stored), round to nearest, so a

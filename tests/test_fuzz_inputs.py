@@ -14,7 +14,7 @@ from posttrain import cli, sharding
 from posttrain.conversion import ConversionError, from_hf_config, to_hf_config
 from posttrain.conversion.errors import read_json_object
 from posttrain.models import get_config
-from posttrain.sft import data
+from posttrain.training import data
 from tests.strategies import json_values
 
 pytestmark = pytest.mark.host

@@ -376,7 +376,7 @@ distributed.initialize()
 import jax
 from posttrain import sharding
 from posttrain.loading import load_model
-from posttrain.runs.export import export_final
+from posttrain.training.export import export_final
 hf, out = Path(sys.argv[1]), Path(sys.argv[2])
 mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
 model, _ = load_model(str(hf), mesh, scratch=out / "scratch")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli, entries, envs, matrix, report, report_md, run_cells
-from posttrain.sft import tunix_compat
+from posttrain.training import tunix_compat
 
 pytestmark = pytest.mark.host
 

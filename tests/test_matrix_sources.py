@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli, entries, envs, matrix, run_cells, sources
-from posttrain.sft import tunix_compat
+from posttrain.training import tunix_compat
 
 pytestmark = pytest.mark.host
 

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 
 from posttrain import cli
-from posttrain.runs.options import DEFAULT_MODEL
 from posttrain.sft.options import VISION_MODEL, SFTConfig
+from posttrain.training.options import DEFAULT_MODEL
 
 pytestmark = pytest.mark.host
 

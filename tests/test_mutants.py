@@ -23,9 +23,9 @@ def test_each_target_is_a_source_file_with_a_test_selection():
 
 
 def test_the_section_is_toml_that_mutates_one_module_with_its_tests():
-    section = mutants._section("src/posttrain/sft/loss.py", ["tests/test_sft_loss.py"], 2)
+    section = mutants._section("src/posttrain/training/loss.py", ["tests/test_sft_loss.py"], 2)
     config = tomllib.loads(section)["tool"]["mutmut"]
-    assert config["only_mutate"] == ["src/posttrain/sft/loss.py"]
+    assert config["only_mutate"] == ["src/posttrain/training/loss.py"]
     assert config["pytest_add_cli_args_test_selection"] == ["tests/test_sft_loss.py"]
     assert config["max_children"] == 2 and config["process_isolation"] == "forkserver"
     assert config["pytest_add_cli_args"][-2:] == ["-m", "not slow"]
@@ -37,7 +37,7 @@ def test_mutmuts_copy_holds_what_building_this_checkout_reads():
     failed in its stats phase, 'Readme file does not exist')."""
     root = pathlib.Path(mutants.__file__).resolve().parent.parent
     readme = tomllib.loads((root / "pyproject.toml").read_text())["project"]["readme"]
-    for module in ("harness/git_history.py", "src/posttrain/sft/loss.py"):
+    for module in ("harness/git_history.py", "src/posttrain/training/loss.py"):
         config = tomllib.loads(mutants._section(module, ["tests/x.py"], 1))["tool"]["mutmut"]
         assert readme in config["also_copy"], module
         assert module.split("/")[0] not in config["also_copy"]  # mutmut's own source path
@@ -100,11 +100,11 @@ def test_each_function_names_a_function_mutmut_mutates():
     for module, names in mutants.FUNCTIONS.items():
         assert module in mutants.TARGETS, module
         assert set(names) <= mutants.function_names(module, root), module
-    trainer = mutants.function_names("src/posttrain/sft/trainer.py", root)
+    trainer = mutants.function_names("src/posttrain/training/trainer.py", root)
     assert "xǁSFTTrainerMixinǁ_step_body" in trainer and "x_default_moe_aux_loss_weight" in trainer
     assert "xǁSFTTrainerMixinǁcreate_train_step_fn" not in trainer  # @override: not mutated
-    assert mutants.mutant_patterns("src/posttrain/sft/loss.py", ["x_token_nll"]) == [
-        "posttrain.sft.loss.x_token_nll__mutmut_*"
+    assert mutants.mutant_patterns("src/posttrain/training/loss.py", ["x_token_nll"]) == [
+        "posttrain.training.loss.x_token_nll__mutmut_*"
     ]
 
 
@@ -113,15 +113,15 @@ def test_each_function_names_a_function_mutmut_mutates():
     [
         (["--functions", "x_token_nll"], "--functions needs exactly one MODULE, got 0"),
         (
-            ["src/posttrain/sft/loss.py", "src/posttrain/lora/merge.py", "--functions", "x_a"],
+            ["src/posttrain/training/loss.py", "src/posttrain/lora/merge.py", "--functions", "x_a"],
             "--functions needs exactly one MODULE, got 2",
         ),
         (
-            ["src/posttrain/sft/loss.py", "--functions", "x_token_nll,x_tokn_nll"],
-            "--functions 'x_tokn_nll' is not a function mutmut mutates in src/posttrain/sft/loss",
+            ["src/posttrain/training/loss.py", "--functions", "x_token_nll,x_tokn_nll"],
+            "--functions 'x_tokn_nll' is not a function mutmut mutates in src/posttrain/training/loss",
         ),
         (
-            ["src/posttrain/sft/loss.py", "--functions", ""],
+            ["src/posttrain/training/loss.py", "--functions", ""],
             "--functions '' is not a function mutmut mutates",
         ),
     ],
@@ -162,7 +162,7 @@ def test_functions_reach_the_run_and_the_defaults_stay(monkeypatch, tmp_path):
 
     monkeypatch.setattr(mutants, "run_module", run)
     monkeypatch.setattr(mutants, "missing_prerequisite", lambda: None)
-    loss, trainer = "src/posttrain/sft/loss.py", "src/posttrain/sft/trainer.py"
+    loss, trainer = "src/posttrain/training/loss.py", "src/posttrain/training/trainer.py"
     argv = ["--report-dir", str(tmp_path), "--max-children", "1"]
     assert mutants.main([loss, trainer, *argv]) == 0
     assert calls == {loss: (), trainer: mutants.FUNCTIONS[trainer]}

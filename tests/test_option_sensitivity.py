@@ -86,7 +86,7 @@ def _model_picture(model) -> dict:
 def _recorded_facts(cfg) -> dict:
     """What the run recorded of this start in ``run.json`` before training (global batch,
     rows or pairs, data shards, the held-out evaluation before), without the settings."""
-    from posttrain.runs import record
+    from posttrain.training import record
 
     body = record.read(cfg.output) or {}
     fields = {f.name for f in dataclasses.fields(cfg)}
@@ -111,7 +111,7 @@ def _optimizer_picture(tx, steps: int) -> str:
 def _received(trainer, batches, steps: int) -> dict:
     """What Tunix receives from our run: its ``TrainingConfig``, the optimizer, the
     model, our trainer's mesh and save mode, the first batch."""
-    from posttrain.rl.policy import TunixPolicy
+    from posttrain.training.policy import TunixPolicy
 
     model = trainer.model.model if isinstance(trainer.model, TunixPolicy) else trainer.model
     return {

@@ -516,7 +516,7 @@ def test_the_reference_holds_a_copy_or_only_its_zeroed_lora_b(rank):
     from posttrain.lora.abstract import abstract_lora
     from posttrain.models import get_config
     from posttrain.plan import abstract, workflows
-    from posttrain.rl.policy import TunixPolicy
+    from posttrain.training.policy import TunixPolicy
 
     mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
     model = abstract.abstract_model(get_config("qwen3-tiny", scan_layers=True))

@@ -174,7 +174,7 @@ def test_pairs_split_into_interleaved_shards_and_one_shard_is_the_unsharded_orde
     micro-batch takes B/N pairs of each shard, in shard order (each shard shuffled on its
     own); with one shard the stream and the held-out pass are the unsharded ones."""
     from posttrain.preference.run import pair_arrays
-    from posttrain.sft import data as sft_data
+    from posttrain.training import data as sft_data
 
     cfg = DPORunConfig(max_prompt_length=48, max_response_length=48)
     tok = byte_tokenizer()
@@ -309,8 +309,8 @@ def test_the_moe_load_balancing_term_enters_the_objective_and_the_router_gradien
     from posttrain.models import build_model, get_config
     from posttrain.preference import tunix_dpo
     from posttrain.preference.trainer import DPOTrainer
-    from posttrain.rl.policy import TunixPolicy, reference_of
-    from posttrain.sft.trainer import SFTOptions
+    from posttrain.training.policy import TunixPolicy, reference_of
+    from posttrain.training.trainer import SFTOptions
 
     mesh = sharding.make_mesh({"fsdp": 4, "expert": 2})
     model = build_model(get_config("qwen3_moe-tiny"), mesh, seed=0)
@@ -393,7 +393,7 @@ def test_a_short_lora_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
 def test_a_run_from_an_export_continues_with_the_tokenizer_its_run_recorded(tmp_path):
     """``posttrain dpo --model runs/sft/model-step60`` after ``posttrain sft --tokenizer
     T``: the tokenizer is T (the export holds none), not the embedded one."""
-    from posttrain.runs.loading import run_tokenizer
+    from posttrain.training.loading import run_tokenizer
 
     tok = byte_tokenizer()
     tok.add_special_tokens(["<|extra|>"])

@@ -19,7 +19,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from posttrain import distributed, sharding
-from posttrain.sft import data
+from posttrain.training import data
 from tests.strategies import factorisations, mesh_id, scaled
 
 MICRO_BATCHES = 4  # per simulated run: two optimizer steps
@@ -130,7 +130,8 @@ def test_replicated_and_split_layouts_count_every_shard_once(layout):
 
 
 def _check_layout(layout, monkeypatch) -> None:
-    from posttrain.sft.run import SFTConfig, data_shards
+    from posttrain.sft.options import SFTConfig
+    from posttrain.training.shards import data_shards
 
     shape, processes, deal, global_batch, shards_option = layout
     mesh = sharding.make_mesh(shape)

@@ -15,8 +15,8 @@ from flax import nnx
 from posttrain import _compat
 from posttrain.models import build_model, get_config
 from posttrain.rl import arithmetic, rewards
-from posttrain.rl.policy import ConfigView, TunixPolicy, has_lora, reference_of
 from posttrain.rl.run import GRPORunConfig
+from posttrain.training.policy import ConfigView, TunixPolicy, has_lora, reference_of
 
 TOKENS = jnp.asarray([[5, 9, 2, 7, 1, 3]], jnp.int32)
 #: A default step's prompts: --per-device-batch-size's 2 x the data-parallel shards of the
@@ -141,8 +141,8 @@ def test_a_recorded_reward_keeps_its_name_and_signature_and_checks_its_output():
 
 
 def test_the_task_covers_every_problem_and_its_prompt_is_the_sft_template():
-    from posttrain.sft.data import chat_prompt
     from posttrain.tokenizer import byte_tokenizer
+    from posttrain.training.data import chat_prompt
     from posttrain.tunix_sampler import TunixTokenizer
 
     task = arithmetic.problems()

@@ -1,5 +1,5 @@
 """What a run leaves when it stops before its first checkpoint, and what it refuses to
-resume (:mod:`posttrain.runs.checks`, #40)."""
+resume (:mod:`posttrain.training.checks`, #40)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from posttrain import cli
-from posttrain.runs import checks
+from posttrain.training import checks
 
 pytestmark = pytest.mark.host  # host code only: left out of the TPU/GPU tier
 
@@ -87,7 +87,7 @@ def test_a_damaged_run_json_is_one_line_exit_2(tmp_path, capsys, command, body, 
 
 def _recorded(out, cfg, **facts):
     """``out`` as a run of ``cfg`` started with ``facts`` had left it."""
-    from posttrain.runs import record
+    from posttrain.training import record
 
     out.mkdir(exist_ok=True)
     record.record_segment(out, cfg, {"global_batch": 8, "devices": 8, "data_shards": 1, **facts}, 0)
@@ -110,7 +110,7 @@ def test_a_resume_whose_devices_change_the_global_batch_is_refused_naming_both(t
 
 @pytest.mark.devices(8)
 def test_a_grpo_resume_whose_devices_change_the_global_batch_is_refused(tmp_path, capsys):
-    """GRPO's run.json (recorded as every run's, ``runs.record``) with the global batch of
+    """GRPO's run.json (recorded as every run's, ``training.record``) with the global batch of
     a run on 4 devices (2 prompts per shard); this process has 8: refused before any
     work."""
     from posttrain.rl.options import GRPORunConfig
@@ -192,7 +192,7 @@ def test_the_data_digest_is_the_files_sha256():
 
 
 def test_a_torn_last_metrics_line_is_removed_with_a_notice(tmp_path, capsys):
-    from posttrain.runs import record
+    from posttrain.training import record
 
     lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "lo')
@@ -206,7 +206,7 @@ def test_a_torn_last_metrics_line_is_removed_with_a_notice(tmp_path, capsys):
 
 
 def test_a_bad_metrics_line_before_the_last_is_named(tmp_path):
-    from posttrain.runs import record
+    from posttrain.training import record
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n{"step": 3}\n')
     with pytest.raises(
@@ -220,7 +220,7 @@ def test_an_empty_export_directory_is_written_and_a_foreign_one_refused(tmp_path
     word); one holding something else is refused, naming it; a whole export is kept."""
     from posttrain.conversion.native import is_native_dir
     from posttrain.models import build_model, get_config
-    from posttrain.runs.export import export_final
+    from posttrain.training.export import export_final
 
     model = build_model(get_config("qwen3-tiny"), seed=0)
     (tmp_path / "model-step2").mkdir()
@@ -238,7 +238,7 @@ def test_the_summary_line_spans_the_trained_steps_with_the_median_speed():
     """SFT's and DPO's summaries: first and last loss of the records that trained (an
     evaluation record has none), the last record's details, the median tokens/s; a
     resume with nothing left says where it stands."""
-    from posttrain.runs import record
+    from posttrain.training import record
 
     history = [
         {"step": 3, "loss": 2.5, "tokens_per_s": 100.0, "perplexity": 12.0},

@@ -1,5 +1,5 @@
 """The options dataclasses and the flags generated from them (:mod:`posttrain.flags`,
-:mod:`posttrain.runs.options`): every field reaches its options from the command line,
+:mod:`posttrain.training.options`): every field reaches its options from the command line,
 and the shared checks name the field and its flag."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from posttrain import cli, flags
 from posttrain.distill.options import DistillRunConfig
 from posttrain.preference.options import DPORunConfig
 from posttrain.rl.options import GRPORunConfig
-from posttrain.runs.options import RunOptions
 from posttrain.sft.options import SFTConfig
+from posttrain.training.options import RunOptions
 
 pytestmark = pytest.mark.host
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from posttrain import tokenizer
-from posttrain.sft import data, default_data
+from posttrain.training import data, default_data
 from tests.strategies import chat_messages
 
 pytestmark = pytest.mark.host  # host code only: left out of the TPU/GPU tier
@@ -220,7 +220,7 @@ def test_sharded_batches_are_the_same_global_batches_whoever_reads_which_shard()
     is the unsharded order of ``batches``."""
     import itertools
 
-    from posttrain.sft.data import batches, sharded_batches
+    from posttrain.training.data import batches, sharded_batches
 
     rng = np.random.default_rng(0)
 
@@ -266,8 +266,8 @@ def test_a_resumed_run_keeps_its_recorded_data_shards():
     recorded before the setting), whatever the processes now; another count is refused,
     naming both; a count that does not divide the batch is named."""
     from posttrain import sharding
-    from posttrain.runs.shards import data_shards
     from posttrain.sft.run import SFTConfig
+    from posttrain.training.shards import data_shards
 
     mesh = sharding.make_mesh()  # every device on fsdp, all in this one process
     assert data_shards(SFTConfig(), mesh, 8) == (1, range(0, 1))

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from posttrain.models import build_model, get_config
-from posttrain.sft import data, loss
+from posttrain.training import data, loss
 
 
 @functools.cache

@@ -21,8 +21,8 @@ tunix = pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is no
 
 from posttrain import sharding  # noqa: E402
 from posttrain.models import build_model, get_config  # noqa: E402
-from posttrain.sft import data  # noqa: E402
-from posttrain.sft.trainer import SFTOptions, SFTTrainer  # noqa: E402
+from posttrain.training import data  # noqa: E402
+from posttrain.training.trainer import SFTOptions, SFTTrainer  # noqa: E402
 from tests.meshes import fitted  # noqa: E402
 
 MESH = fitted({"fsdp": 4, "expert": 2})
@@ -66,7 +66,7 @@ def objective_and_router_grad(trainer):
 def test_the_weight_comes_from_the_model_config():
     import types
 
-    from posttrain.sft.trainer import default_moe_aux_loss_weight
+    from posttrain.training.trainer import default_moe_aux_loss_weight
 
     assert configured_trainer().moe_aux_loss_weight == 0.25
     assert trainer_for(0.25, moe_aux_loss_weight=0.5).moe_aux_loss_weight == 0.5
@@ -106,7 +106,7 @@ def test_the_reported_loss_and_token_count(segment_ids, want_tokens, nll_sum, ta
     """What a micro-step logs (``_report``): the loss is the mean NLL over its target
     tokens (a single target token divides by 1; none gives 0, not NaN), ``tokens``
     counts the non-padding tokens (segment id > 0; every token without segment ids,
-    sft.metrics' definition) as float32, and grad_norm and the forward terms pass on."""
+    training.metrics' definition) as float32, and grad_norm and the forward terms pass on."""
     inputs = {"input_tokens": jnp.ones((2, 4), jnp.int32)}
     if segment_ids is not None:
         inputs["segment_ids"] = jnp.asarray(segment_ids, jnp.int32)

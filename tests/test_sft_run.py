@@ -15,8 +15,8 @@ pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not instal
 
 from posttrain import _compat, cli  # noqa: E402
 from posttrain.conversion import load_native  # noqa: E402
-from posttrain.sft.metrics import LearningRate  # noqa: E402
 from posttrain.sft.run import SFTConfig, run_sft  # noqa: E402
+from posttrain.training.metrics import LearningRate  # noqa: E402
 from tests.meshes import fitted  # noqa: E402
 
 
@@ -94,7 +94,7 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(
     listening = _compat.scalar_listeners()
     # The check before each save (finite weights, the step's record): at the interval
     # save (step 2) and at Tunix's final save (step 3, off the interval: forced).
-    from posttrain.sft.trainer import SFTTrainerMixin
+    from posttrain.training.trainer import SFTTrainerMixin
 
     checked, check = [], SFTTrainerMixin._check_before_save
     monkeypatch.setattr(
@@ -321,7 +321,7 @@ def test_sft_accepts_a_native_checkpoint_directory(tmp_path, capsys):
 def test_a_resume_with_other_training_settings_is_refused_before_any_write(tmp_path, capsys):
     """run.json names the run's settings: a rerun that changes a training-relevant one
     (learning rate, seed, model ...) is refused, naming each; others may change."""
-    from posttrain.runs import record as run_record
+    from posttrain.training import record as run_record
 
     out = tmp_path / "run"
     out.mkdir()
@@ -345,8 +345,8 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
 
     from posttrain import sharding
     from posttrain.models import build_model, get_config
-    from posttrain.sft.metrics import all_finite as _all_finite
-    from posttrain.sft.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
+    from posttrain.training.metrics import all_finite as _all_finite
+    from posttrain.training.trainer import NonFiniteLossError, SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh()  # every device on fsdp
     model = build_model(get_config("qwen3-tiny"), mesh, seed=0)

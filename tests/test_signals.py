@@ -80,7 +80,7 @@ def test_an_interrupted_training_command_sweeps_unfinished_checkpoints_at_exit(
 ):
     """The sweep is registered with atexit (it must run after Orbax's threads stopped)
     and removes exactly Orbax's temporaries."""
-    from posttrain.runs import checks, stops
+    from posttrain.training import checks, stops
 
     registered = []
     monkeypatch.setattr(stops.atexit, "register", lambda *a: registered.append(a))

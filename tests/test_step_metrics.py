@@ -1,5 +1,5 @@
 """The step time in ``metrics.jsonl`` is the time a step took, not the time to dispatch it
-(:class:`posttrain.sft.metrics.StepMetrics`; issue 54: 4 ms on a v5e whose step ran 563 ms)."""
+(:class:`posttrain.training.metrics.StepMetrics`; issue 54: 4 ms on a v5e whose step ran 563 ms)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.sft.metrics import StepMetrics
+from posttrain.training.metrics import StepMetrics
 
 
 @jax.jit

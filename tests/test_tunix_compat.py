@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posttrain.runs import tunix_loss
-from posttrain.sft import tunix_compat
+from posttrain.training import tunix_compat, tunix_loss
 
 pytestmark = pytest.mark.host
 

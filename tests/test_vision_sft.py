@@ -16,10 +16,11 @@ pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not instal
 
 from posttrain import chat, cli, sharding  # noqa: E402
 from posttrain.families.gemma4 import gemma4_tiny, gemma4_vision_tiny  # noqa: E402
-from posttrain.sft import loss, vision_default_data, vision_run  # noqa: E402
+from posttrain.sft import vision_default_data, vision_run  # noqa: E402
 from posttrain.sft.options import SFTConfig  # noqa: E402
 from posttrain.sft.vision_rows import PATCH_POSITIONS, PIXELS, with_images  # noqa: E402
 from posttrain.tokenizer import byte_tokenizer  # noqa: E402
+from posttrain.training import loss  # noqa: E402
 from tests.path_params import model_with_path_values  # noqa: E402
 
 VISION = gemma4_vision_tiny().vision
@@ -68,7 +69,7 @@ def trainer_of(model, frozen):
     import optax
     from tunix.sft import peft_trainer
 
-    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+    from posttrain.training.trainer import SFTOptions, SFTTrainer
 
     mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
     config = peft_trainer.TrainingConfig(eval_every_n_steps=100, max_steps=1)
@@ -422,7 +423,7 @@ def test_the_tokenizer_image_token_is_the_placeholder():
 def test_a_run_recorded_before_the_vision_options_resumes_as_a_text_run(tmp_path):
     """``run.json`` of a run recorded before ``vision`` existed reads as ``vision=False``
     (its default then): the text run resumes, a ``--vision`` one is refused naming it."""
-    from posttrain.runs import record
+    from posttrain.training import record
 
     out = tmp_path / "run"
     out.mkdir()

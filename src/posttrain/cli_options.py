@@ -1,6 +1,6 @@
 """The options of ``posttrain``'s subcommands that are not training runs (``forward``,
 ``convert``, ``check-logits``, ``generate``); the training runs' are
-:mod:`posttrain.runs.options` and each workflow's ``options`` module. Each field is a
+:mod:`posttrain.training.options` and each workflow's ``options`` module. Each field is a
 flag (:mod:`posttrain.flags`); the field names are what :mod:`posttrain.commands` reads.
 """
 

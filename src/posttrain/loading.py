@@ -1,6 +1,6 @@
 """A model from what a user types: a preset name, a native directory or an HF checkpoint
 directory (``posttrain sft --model`` and ``posttrain generate --model``). A run's final
-weights go back out through :func:`posttrain.runs.export.export_final`."""
+weights go back out through :func:`posttrain.training.export.export_final`."""
 
 from __future__ import annotations
 

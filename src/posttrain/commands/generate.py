@@ -126,7 +126,7 @@ def _model_and_tokenizer(args, spec: str, mesh):
 def _prompt_ids(prompt: dict, tok, chat: bool, template=None) -> list[int]:
     """A prompt's token ids: messages (or ``--chat`` text) through the chat template
     (``template``: the checkpoint's; default ChatML), else the text's own tokens."""
-    from posttrain.sft.data import chat_prompt
+    from posttrain.training.data import chat_prompt
 
     if "messages" in prompt or chat:
         messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]

@@ -43,7 +43,7 @@ def image_prompt(image: str, prompts: list[dict], model, tok, template, spec: st
 
     from posttrain.layers.vision import ImageBatch
     from posttrain.sft import vision_data, vision_run
-    from posttrain.sft.data import chat_prompt
+    from posttrain.training.data import chat_prompt
 
     if len(prompts) != 1 or "prompt" not in prompts[0]:
         raise ValueError(f"--image {image!r} takes exactly one --prompt (got {len(prompts)})")

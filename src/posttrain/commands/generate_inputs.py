@@ -86,7 +86,7 @@ def read_prompts(texts, path: str | None) -> list[dict]:
         line: not UTF-8, not JSON (or nested too deeply), neither ``{"prompt": text}`` nor
         ``{"messages": [...]}``, an empty or invalid text, bad messages.
     """
-    from posttrain.sft.data import jsonl_records, validate_messages
+    from posttrain.training.data import jsonl_records, validate_messages
 
     prompts = []
     for number, text in enumerate(texts or (), 1):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from posttrain import distributed
-from posttrain.runs.stops import clean_stop
+from posttrain.training.stops import clean_stop
 
 
 def sft(cfg) -> int:

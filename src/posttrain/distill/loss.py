@@ -14,7 +14,7 @@ the values are summed over target positions only:
 
 with ``l_t = alpha * T^2 * KL(softmax(teacher_t / T) || softmax(student_t / T)) + (1 -
 alpha) * CE(student_t, token_{t+1})`` for Tunix's ``LogitStrategy`` (Hinton et al. 2015,
-arXiv:1503.02531), ``mask`` from :func:`posttrain.sft.loss.target_mask` (completion
+arXiv:1503.02531), ``mask`` from :func:`posttrain.training.loss.target_mask` (completion
 tokens of the same packed segment). Logits at t predict token t+1: the labels are
 ``input_tokens[:, 1:]``, one-hot (Tunix's ``optax.softmax_cross_entropy`` convention).
 """
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from posttrain.distill import tunix_distill
-from posttrain.sft import loss as sft_loss
+from posttrain.training import loss as sft_loss
 
 #: what keeps the teacher's logits out of the gradient (one name, so a test can break it)
 frozen = jax.lax.stop_gradient
@@ -122,7 +122,7 @@ def distill_terms(strategy, student, teacher_output, input_tokens, input_mask, s
       teacher_output: what the strategy's ``get_teacher_outputs`` gave: ``[batch, seq,
         vocab]`` logits (any float dtype; bf16 too) or ``[L_t, batch, seq, D_t]``
         features; a constant here (``frozen``).
-      input_tokens, input_mask, segment_ids: ``[batch, seq]`` (:mod:`posttrain.sft.loss`).
+      input_tokens, input_mask, segment_ids: ``[batch, seq]`` (:mod:`posttrain.training.loss`).
 
     Raises:
       ValueError: the logit strategy's vocabularies differ.

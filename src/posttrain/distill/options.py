@@ -1,5 +1,6 @@
-"""``posttrain distill``'s options: :class:`~posttrain.sft.options.SFTConfig` (the data,
-rows and saves of an SFT run; ``--model`` is the student) and the teacher and strategy."""
+"""``posttrain distill``'s options: :class:`~posttrain.training.options.SupervisedRunOptions`
+(the data, rows and saves of a supervised run, as ``posttrain sft``'s; ``--model`` is the
+student) and the teacher and strategy."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import typing
 from typing import ClassVar, Literal
 
 from posttrain.flags import option
-from posttrain.sft.options import SFTConfig
+from posttrain.training.options import SupervisedRunOptions
 
 #: the teacher's parameter dtypes (``--teacher-dtype``)
 TeacherDType = Literal["float32", "bfloat16"]
@@ -19,13 +20,13 @@ SFT_EXPORT = "runs/sft/model-step60"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DistillRunConfig(SFTConfig):
+class DistillRunConfig(SupervisedRunOptions):
     """One distillation run; defaults are the embedded run: the student ``qwen3-tiny``
     one layer deep, the teacher :data:`SFT_EXPORT` if present, else ``llama3-tiny``
     trained on the fly by a short SFT run (``<output>/teacher``), the embedded
     ``pydoc_data`` set with 1 conversation in 8 held out for the KL figure.
 
-    Attributes beyond :class:`~posttrain.sft.options.SFTConfig`:
+    Attributes beyond :class:`~posttrain.training.options.SupervisedRunOptions`:
       teacher: a preset, a native or HF directory, a run's export; None: the default
         above.
       student_layers: keep the first N layers of a preset student (0: all of them).
@@ -41,7 +42,7 @@ class DistillRunConfig(SFTConfig):
     """
 
     TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
-        *SFTConfig.TRAINING_FIELDS,
+        *SupervisedRunOptions.TRAINING_FIELDS,
         "teacher",
         "student_layers",
         "strategy",
@@ -76,10 +77,6 @@ class DistillRunConfig(SFTConfig):
     steps: int = option(40, "optimizer steps")
     max_target_length: int = option(128, "tokens per row", show_default=False)
     output: str = option("runs/distill", "run directory; a rerun resumes from its checkpoint")
-    # SFT's image options are not distillation's (plain fields: no flags)
-    vision: bool = False
-    train_vision_tower: bool = False
-    image_root: str | None = None
 
     def check_fields(self) -> None:
         super().check_fields()

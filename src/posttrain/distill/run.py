@@ -1,9 +1,9 @@
-"""One distillation run end to end, on the SFT run's pipeline (``posttrain.sft.run``):
+"""One distillation run end to end, a supervised run (``posttrain.training.supervised``):
 the same data, rows, checkpoints, record, metrics and export, with
 :class:`~posttrain.distill.trainer.DistillTrainerMixin` over Tunix's
 ``DistillationTrainer`` as its trainer.
 
-Output directory (``DistillRunConfig.output``): an SFT run's (``posttrain.sft.run``),
+Output directory (``DistillRunConfig.output``): a supervised run's, as ``posttrain sft``'s,
 plus::
 
     data/train.jsonl      the conversations trained on (7 in 8)
@@ -34,7 +34,8 @@ TEACHER_PRESET = "llama3-tiny"
 
 @dataclasses.dataclass
 class DistillResult:
-    """The SFT pipeline's result (``posttrain.sft.run.SFTResult``), the teacher used and
+    """The supervised run's result (``posttrain.training.supervised.SFTResult``), the
+    teacher used and
     the held-out KL(teacher || student) per target token before and after training."""
 
     sft: object
@@ -75,8 +76,8 @@ def run_distill(
         labels_fn,
     )
     from posttrain.loading import load_model
-    from posttrain.runs.formats import run_tokenizer_and_formats
-    from posttrain.sft.run import build_rows, run_sft
+    from posttrain.training.formats import run_tokenizer_and_formats
+    from posttrain.training.supervised import build_rows, run_supervised
 
     cfg.check()
     tunix_distill.check_strategy(cfg.strategy, cfg.distill_top_k)
@@ -111,7 +112,7 @@ def run_distill(
         if on_built is not None:
             on_built(t)
 
-    result = run_sft(run_cfg, trainer_class=trainer, on_built=measured, log_every=log_every)
+    result = run_supervised(run_cfg, trainer_class=trainer, on_built=measured, log_every=log_every)
     after = held_out_kl(built["trainer"].model, teacher, held_out, mesh)
     return DistillResult(result, teacher_spec, built["before"], after)
 
@@ -200,8 +201,8 @@ def _split_data(cfg: DistillRunConfig, where: pathlib.Path) -> tuple[pathlib.Pat
 
 
 def _write_split(cfg: DistillRunConfig, train: pathlib.Path, held: pathlib.Path) -> None:
-    from posttrain.sft import data
-    from posttrain.sft.default_data import pydoc_conversations
+    from posttrain.training import data
+    from posttrain.training.default_data import pydoc_conversations
 
     if train.exists() and held.exists():
         return
@@ -262,14 +263,14 @@ def _default_teacher(cfg: DistillRunConfig, out: pathlib.Path, train: pathlib.Pa
     run on the training split (``out/teacher``), reused by a rerun."""
     if os.path.isdir(SFT_EXPORT):
         return SFT_EXPORT
-    from posttrain.sft.options import SFTConfig
-    from posttrain.sft.run import run_sft
+    from posttrain.training.options import SupervisedRunOptions
+    from posttrain.training.supervised import run_supervised
 
     teacher_out = out / "teacher"
     export = teacher_out / f"model-step{cfg.teacher_steps}"
     if not export.is_dir():
-        run_sft(
-            SFTConfig(
+        run_supervised(
+            SupervisedRunOptions(
                 model=TEACHER_PRESET,
                 data=str(train),
                 chat_template=cfg.chat_template,

@@ -1,7 +1,7 @@
 """``DistillTrainer``: Tunix's ``DistillationTrainer`` with our train step in front.
 
 Tunix's trainer subclasses ``PeftTrainer``; ours puts
-:class:`~posttrain.sft.trainer.SFTTrainerMixin`'s step in front of it (every step
+:class:`~posttrain.training.trainer.SFTTrainerMixin`'s step in front of it (every step
 convention, exact gradient accumulation, finiteness checks, checkpoints with the
 optimizer state, one record per optimizer step) and replaces only what it must:
 
@@ -31,9 +31,9 @@ from flax import nnx
 
 from posttrain.distill import features, tunix_distill
 from posttrain.distill import loss as distill_loss
-from posttrain.sft import loss as sft_loss
-from posttrain.sft.metrics import StepMetrics
-from posttrain.sft.trainer import SFTOptions, SFTTrainerMixin
+from posttrain.training import loss as sft_loss
+from posttrain.training.metrics import StepMetrics
+from posttrain.training.trainer import SFTOptions, SFTTrainerMixin
 
 __all__ = [
     "DistillMetrics",
@@ -136,12 +136,12 @@ class DistillTrainerMixin(SFTTrainerMixin):
         student's taps in the step).
       optimizer, training_config: Tunix's (``training_config`` of
         :func:`posttrain.distill.tunix_distill.config_class`).
-      options: :class:`~posttrain.sft.trainer.SFTOptions` (keyword-only).
+      options: :class:`~posttrain.training.trainer.SFTOptions` (keyword-only).
 
     Raises:
       ValueError: the student's and teacher's vocabularies differ, or a feature strategy
         cannot read the two models (:func:`posttrain.distill.features.check_models`).
-      posttrain.sft.tunix_compat.UnknownConventionError: an unknown step convention.
+      posttrain.training.tunix_compat.UnknownConventionError: an unknown step convention.
     """
 
     reported_sum = "distill_sum"  # the reported loss: the distillation objective's mean
@@ -259,7 +259,7 @@ def cast_params(model, dtype: str):
 def held_out_kl(student, teacher, batch: dict, mesh=None) -> float:
     """Mean ``KL(teacher || student)`` at temperature 1 over the target tokens of
     ``batch`` (``[batch, seq]`` host arrays, the same in every process; fields of
-    :mod:`posttrain.sft.loss`): the figure ``posttrain distill`` reports falling.
+    :mod:`posttrain.training.loss`): the figure ``posttrain distill`` reports falling.
     ``mesh``: the models' mesh, on which the batch is placed replicated (needed when it
     spans processes)."""
     from posttrain.distributed import host_array

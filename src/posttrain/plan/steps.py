@@ -1,6 +1,6 @@
 """The programs a plan compiles: the trainer's own step, and generation's prefill + decode.
 
-SFT: the step is :class:`posttrain.sft.trainer.SFTTrainer`'s, built by the trainer itself
+SFT: the step is :class:`posttrain.training.trainer.SFTTrainer`'s, built by the trainer itself
 (``create_train_step_fn`` under the installed Tunix's calling convention) and jitted as
 Tunix's ``PeftTrainer.jit_train_and_eval_step`` does (``nnx.jit`` donating the optimizer),
 then lowered on the abstract model and optimizer state instead of called. What had to
@@ -87,7 +87,7 @@ def abstract_init(tx: optax.GradientTransformation) -> optax.GradientTransformat
 
 
 def sft_inputs(mesh: Mesh, batch: int, seq: int, rules=sharding.DEFAULT_RULES) -> dict:
-    """The SFT micro-batch ``posttrain.sft.data.batches`` yields, abstract and placed on the
+    """The SFT micro-batch ``posttrain.training.data.batches`` yields, abstract and placed on the
     trainer's batch sharding: ``[batch, seq]`` int32 tokens, mask, positions, segment ids
     and ``[batch]`` step target counts.
 
@@ -135,7 +135,7 @@ def sft_program(
     """
     from tunix.sft import peft_trainer
 
-    from posttrain.sft.trainer import SFTOptions, SFTTrainer
+    from posttrain.training.trainer import SFTOptions, SFTTrainer
 
     tx = make_optimizer(optimizer)
     if grad_accum > 1:

@@ -26,7 +26,7 @@ with the loss ``GRPOLearner`` installs and our MoE term):
 
 What stays on the device between programs (``Program.resident``): the policy, its
 optimizer state and the reference. With LoRA the reference is the policy with its
-``lora_b`` zeroed (:func:`posttrain.rl.policy.reference_of`): only those are its own
+``lora_b`` zeroed (:func:`posttrain.training.policy.reference_of`): only those are its own
 bytes; without, a full copy. A rollout mesh other than the trainer's holds its own copy
 of the policy.
 """
@@ -59,9 +59,9 @@ def _check_batch(mesh: Mesh, rules, rows: int) -> None:
 def _reference(policy) -> tuple[nnx.Module, int]:
     """``(abstract reference, bytes one device holds for it beyond the policy)``: a copy
     of the placed ``policy``; with LoRA its own bytes are the zeroed ``lora_b``
-    (:func:`posttrain.rl.policy.reference_of`), else all of it."""
+    (:func:`posttrain.training.policy.reference_of`), else all of it."""
     from posttrain.lora.layout import LORA_B
-    from posttrain.rl.policy import has_lora
+    from posttrain.training.policy import has_lora
 
     reference = nnx.clone(policy)
     if not has_lora(policy):
@@ -101,8 +101,8 @@ def dpo_programs(
     """
     from posttrain.preference import tunix_dpo
     from posttrain.preference.trainer import DPOTrainer
-    from posttrain.rl.policy import TunixPolicy
-    from posttrain.sft.trainer import SFTOptions
+    from posttrain.training.policy import TunixPolicy
+    from posttrain.training.trainer import SFTOptions
 
     rows, seq = 2 * pairs, prompt + response
     _check_batch(mesh, rules, rows)
@@ -178,7 +178,7 @@ def grpo_programs(
     from tunix.rl import function_registry
 
     from posttrain.rl import tunix_rl
-    from posttrain.rl.policy import TunixPolicy
+    from posttrain.training.policy import TunixPolicy
 
     if not hasattr(function_registry, "get_policy_loss_fn"):
         raise NotImplementedError("plan builds GRPO's loss as google-tunix 0.1.7 does")
@@ -232,8 +232,8 @@ def _grpo_trainer(model, optimizer: str, algo):
     from tunix.sft import peft_trainer
 
     from posttrain.rl import tunix_rl
-    from posttrain.rl.policy import TunixPolicy
-    from posttrain.sft.trainer import default_moe_aux_loss_weight
+    from posttrain.training.policy import TunixPolicy
+    from posttrain.training.trainer import default_moe_aux_loss_weight
 
     loss = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
     trainer = rl_trainer.Trainer(

@@ -43,7 +43,7 @@ import numpy as np
 
 from posttrain import chat
 from posttrain.chat import ChatTemplate
-from posttrain.sft.data import (
+from posttrain.training.data import (
     NOT_READ,
     Messages,
     _unpadded,
@@ -72,7 +72,7 @@ def read_preference_jsonl(
     """Reads and validates a preference JSONL file (blank lines are skipped); ``flag``
     names the option it came from in a missing-file error. ``only(i)`` False: pair ``i``
     is counted but not parsed or validated, and is None in the list (as
-    :func:`posttrain.sft.data.read_chat_jsonl`).
+    :func:`posttrain.training.data.read_chat_jsonl`).
 
     Raises:
       ValueError: naming the file and line: not UTF-8, not JSON, a missing or mistyped
@@ -161,7 +161,7 @@ def encode_completion(
     return chat.split_completion(list(prompt), turns, tokenizer, template or chat.chatml())[1]
 
 
-_ENCODE_CHUNK = 1024  # pairs per encode_batch call, as posttrain.sft.data's
+_ENCODE_CHUNK = 1024  # pairs per encode_batch call, as posttrain.training.data's
 
 
 def _encode_all(

@@ -1,6 +1,6 @@
 """The embedded default preference data, built offline from ``posttrain sft``'s data.
 
-Each conversation of :func:`posttrain.sft.default_data.pydoc_conversations` (a question
+Each conversation of :func:`posttrain.training.default_data.pydoc_conversations` (a question
 about a Python language topic and a paragraph of the reference as the answer) becomes
 one pair: ``chosen`` is its own answer, ``rejected`` is the answer to the question
 halfway round the list (another topic) with its words in reverse order: off-topic and
@@ -13,7 +13,7 @@ at 0.02; word order is, and it carries over to held-out pairs.) Every
 from __future__ import annotations
 
 from posttrain.preference.data import Pair
-from posttrain.sft.default_data import pydoc_conversations
+from posttrain.training.default_data import pydoc_conversations
 
 #: One pair in this many is held out (``pydoc_pairs``' second list).
 HELD_OUT_EVERY = 8

@@ -1,4 +1,4 @@
-"""``posttrain dpo``'s options: :class:`~posttrain.runs.options.PeftRunOptions` and what
+"""``posttrain dpo``'s options: :class:`~posttrain.training.options.PeftRunOptions` and what
 only preference tuning has."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from posttrain.config import choices
 from posttrain.flags import option
-from posttrain.runs.options import DEFAULT_MODEL, PeftRunOptions, finite_positive
+from posttrain.training.options import DEFAULT_MODEL, PeftRunOptions, finite_positive
 
 PreferenceAlgorithm = Literal["dpo", "orpo"]
 
@@ -18,14 +18,14 @@ class DPORunConfig(PeftRunOptions):
     """Everything one preference run needs; defaults are the embedded run (``qwen3-tiny``
     on the embedded ``pydoc_data`` preference pairs, every device on fsdp).
 
-    Attributes beyond :class:`~posttrain.runs.options.PeftRunOptions`:
+    Attributes beyond :class:`~posttrain.training.options.PeftRunOptions`:
       data: preference JSONL (:mod:`posttrain.preference.data`); None for the embedded
         pairs.
       eval_data: held-out preference JSONL for the evaluation before and after; None:
         the embedded held-out pairs with the embedded data, no evaluation with ``data``.
       data_shards: split the pairs (train and held-out) into this many interleaved
         shards (pair i in shard ``i % data_shards``), each shuffled on its own; as
-        ``posttrain sft``'s (:attr:`posttrain.sft.options.SFTConfig.data_shards`).
+        ``posttrain sft``'s (:attr:`posttrain.training.options.SupervisedRunOptions.data_shards`).
       max_prompt_length, max_response_length: tokens of the left-padded prompt and of
         each right-padded completion.
       algorithm: ``dpo`` or ``orpo`` (google-tunix >= 0.1.4).

@@ -26,8 +26,8 @@ import numpy as np
 
 from posttrain import atomic, distributed, sharding
 from posttrain.preference.options import DPORunConfig
-from posttrain.runs import record as run_record
-from posttrain.runs.checks import check_same_run, discard_unstarted
+from posttrain.training import record as run_record
+from posttrain.training.checks import check_same_run, discard_unstarted
 
 __all__ = ["DPORunConfig", "DPOResult", "pair_arrays", "run_dpo"]
 
@@ -91,8 +91,8 @@ class ShardedPairs:
 
     def batches(self, global_batch: int, grad_accum: int, *, seed: int):
         """This process's part of each global micro-batch, repeating
-        (:func:`posttrain.sft.data.sharded_batches`)."""
-        from posttrain.sft import data
+        (:func:`posttrain.training.data.sharded_batches`)."""
+        from posttrain.training import data
 
         return data.sharded_batches(self.arrays, self.shards, global_batch, grad_accum, seed=seed)
 
@@ -117,8 +117,8 @@ def pair_arrays(
     only (the others' lines are counted)."""
     from posttrain.preference import data
     from posttrain.preference.default_data import pydoc_pairs
-    from posttrain.runs.loading import pad_id_of
     from posttrain.tokenizer import check_coverage
+    from posttrain.training.loading import pad_id_of
 
     def mine_only(i: int) -> bool:  # the other shards' lines are counted, not parsed
         return i % shards in mine
@@ -199,10 +199,10 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
     """
 
     from posttrain.preference import tunix_dpo
-    from posttrain.runs.directory import prepare_output
-    from posttrain.runs.export import export_final
-    from posttrain.runs.formats import run_tokenizer_and_formats
-    from posttrain.runs.loading import load_run_model
+    from posttrain.training.directory import prepare_output
+    from posttrain.training.export import export_final
+    from posttrain.training.formats import run_tokenizer_and_formats
+    from posttrain.training.loading import load_run_model
 
     cfg.check()
     tunix_dpo.check_algorithm(cfg.algorithm)  # before anything is read or written
@@ -259,7 +259,7 @@ def _train(trainer, cfg: DPORunConfig, out, facts: dict, train, held_out, *, wri
     then), records this segment (the writer), trains from the step Tunix restored and
     evaluates again; returns the figures ``(before, after)`` (None without held-out
     pairs). A non-finite loss abandons the run (no final checkpoint, no export)."""
-    from posttrain.sft.trainer import NonFiniteLossError
+    from posttrain.training.trainer import NonFiniteLossError
 
     global_batch = facts["global_batch"]
     scale = cfg.beta if cfg.algorithm == "dpo" else cfg.lambda_orpo
@@ -277,7 +277,7 @@ def _train(trainer, cfg: DPORunConfig, out, facts: dict, train, held_out, *, wri
         trainer.train(train.batches(global_batch, cfg.grad_accum, seed=cfg.seed))
     except NonFiniteLossError as error:
         trainer.abandon()
-        # a run that never checkpointed leaves nothing half-written (runs.checks)
+        # a run that never checkpointed leaves nothing half-written (training.checks)
         if write and discard_unstarted(out, restored):
             raise NonFiniteLossError(f"{error}; removed what the run wrote in {out}") from None
         raise
@@ -297,7 +297,7 @@ def _read_pairs(
       ValueError: bad pairs, or fewer than one optimizer step of them (one global batch
         of held-out pairs).
     """
-    from posttrain.runs.shards import data_shards, recorded_shards
+    from posttrain.training.shards import data_shards, recorded_shards
 
     shards, mine = data_shards(cfg, mesh, global_batch, recorded_shards(cfg))
     # Bad data fails before the model is built or anything is written. Each process
@@ -323,13 +323,13 @@ def _trainer(cfg: DPORunConfig, model, mesh, out: pathlib.Path, log_every):
     (none for ORPO; the policy with adapters off under LoRA, else a frozen copy)."""
     from posttrain.preference import tunix_dpo
     from posttrain.preference.trainer import DPOTrainer
-    from posttrain.rl.policy import TunixPolicy, reference_of
-    from posttrain.runs.training import (
+    from posttrain.training.optimizer import (
         adam_schedule,
         peft_training_fields,
         single_process_cpu,
         trainer_options,
     )
+    from posttrain.training.policy import TunixPolicy, reference_of
 
     policy = TunixPolicy(model)
     reference = None if cfg.algorithm == "orpo" else reference_of(policy)

@@ -2,7 +2,7 @@
 accumulation, the MoE load-balancing term and one record per optimizer step.
 
 Tunix's ``DPOTrainer`` subclasses ``PeftTrainer``; ours puts
-:class:`~posttrain.sft.trainer.SFTTrainerMixin`'s step in front of it (so every calling
+:class:`~posttrain.training.trainer.SFTTrainerMixin`'s step in front of it (so every calling
 convention the SFT step survives, ``positional3`` / ``bound2`` / ``bound3_update``, is
 handled once) and replaces only the objective:
 
@@ -13,7 +13,7 @@ handled once) and replaces only the objective:
 - The micro-step's share of the step loss is ``(loss + moe_aux_loss_weight x
   moe_aux_loss) / grad_accum``: Tunix's losses are means over the micro-batch's pairs
   and every micro-batch has the same number of pairs, so the shares sum to the loss of
-  one large batch under every convention (:mod:`posttrain.sft.trainer`).
+  one large batch under every convention (:mod:`posttrain.training.trainer`).
 - The MoE term: Tunix's loss sees logits only (its forward runs inside its jitted
   ``compute_logps``, which returns log-probabilities alone; a variable written there
   cannot be carried out of it into the gradient's trace: flax's ``TraceContextError``).
@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from posttrain.preference import tunix_dpo
-from posttrain.sft.metrics import StepMetrics
-from posttrain.sft.trainer import SFTOptions, SFTTrainerMixin
+from posttrain.training.metrics import StepMetrics
+from posttrain.training.trainer import SFTOptions, SFTTrainerMixin
 
 __all__ = ["DPOTrainer", "PreferenceMetrics", "dpo_trainer_class"]
 
@@ -94,15 +94,15 @@ class DPOTrainerMixin(SFTTrainerMixin):
     """The preference step; mix in front of Tunix's DPO trainer class.
 
     Args:
-      model: a :class:`~posttrain.rl.policy.TunixPolicy` (the trained policy).
-      ref_model: the reference (:func:`posttrain.rl.policy.reference_of`), or None for
+      model: a :class:`~posttrain.training.policy.TunixPolicy` (the trained policy).
+      ref_model: the reference (:func:`posttrain.training.policy.reference_of`), or None for
         ORPO (google-tunix >= 0.1.4 accepts it).
       optimizer, training_config: Tunix's (``training_config`` from
         :func:`posttrain.preference.tunix_dpo.training_config`).
-      options: :class:`~posttrain.sft.trainer.SFTOptions` (keyword-only).
+      options: :class:`~posttrain.training.trainer.SFTOptions` (keyword-only).
 
     Raises:
-      posttrain.sft.tunix_compat.UnknownConventionError: an unknown step convention.
+      posttrain.training.tunix_compat.UnknownConventionError: an unknown step convention.
       posttrain.preference.tunix_dpo.UnknownPreferenceShapeError: an unknown DPO shape.
     """
 

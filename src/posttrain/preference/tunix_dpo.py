@@ -33,7 +33,7 @@ import inspect
 
 from flax import nnx
 
-from posttrain.runs import tunix_loss
+from posttrain.training import tunix_loss
 
 #: The metrics every release's loss reports, by their Tunix names.
 METRICS = (

@@ -1,6 +1,6 @@
 """RL through Tunix: GRPO (DAPO, DrGRPO where the release has them) over our model.
 
-- :mod:`posttrain.rl.policy`: the model as Tunix's RL stack takes it, and its reference.
+- :mod:`posttrain.training.policy`: the model as Tunix's RL stack takes it, and its reference.
 - :mod:`posttrain.rl.tunix_rl`: the adapter to Tunix's cluster, learners and configs
   (every release's drift, detected by feature).
 - :mod:`posttrain.rl.tunix_cluster`: what a run does to Tunix's cluster once built.

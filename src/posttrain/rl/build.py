@@ -66,7 +66,7 @@ def configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_ids):
 
 def build_learner(cfg: GRPORunConfig, model, tok, meshes, fns):
     """Tunix's cluster and learner over ``model`` with the run's configs
-    (:func:`configs`): the actor and its reference (:func:`posttrain.rl.policy.reference_of`),
+    (:func:`configs`): the actor and its reference (:func:`posttrain.training.policy.reference_of`),
     the actor's optimizer placed on ``meshes[0]``, the MoE load-balancing term in the
     actor's loss. ``meshes``: ``(actor mesh, rollout mesh)``; ``fns``: the reward
     functions. Returns ``(cluster, learner, (actor, reference))``.
@@ -75,7 +75,7 @@ def build_learner(cfg: GRPORunConfig, model, tok, meshes, fns):
       ValueError: an algorithm the installed Tunix does not have (one line naming it).
     """
     from posttrain.rl import tunix_cluster, tunix_rl
-    from posttrain.rl.policy import TunixPolicy, reference_of
+    from posttrain.training.policy import TunixPolicy, reference_of
 
     mesh, rollout_mesh = meshes
     training, rollout, algo = configs(cfg, pathlib.Path(cfg.output), mesh, tok.stop_ids)

@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 
 from posttrain import atomic
-from posttrain.runs import record as run_record
+from posttrain.training import record as run_record
 
 
 def step_record(step: int, tunix: dict, rewards_by_fn: dict, tap) -> dict:

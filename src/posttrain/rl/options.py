@@ -1,4 +1,4 @@
-"""``posttrain grpo``'s options: :class:`~posttrain.runs.options.RunOptions` and what
+"""``posttrain grpo``'s options: :class:`~posttrain.training.options.RunOptions` and what
 only RL has (the rollout, the algorithm, the rewards, the warm-up SFT, the evaluation)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 from posttrain.config import choices
 from posttrain.flags import option
 from posttrain.rl import rewards
-from posttrain.runs.options import DEFAULT_MODEL, RunOptions, finite_positive, parse_mesh
+from posttrain.training.options import DEFAULT_MODEL, RunOptions, finite_positive, parse_mesh
 
 #: GRPO's family of learners: ``dapo`` since google-tunix 0.1.4, ``drgrpo`` since 0.1.6.
 GRPOAlgorithm = Literal["grpo", "dapo", "drgrpo"]
@@ -21,7 +21,7 @@ class GRPORunConfig(RunOptions):
     """Everything one GRPO run needs; defaults are the embedded run (``qwen3-tiny`` on the
     embedded addition task after a warm-up SFT, every device on fsdp).
 
-    Attributes beyond :class:`~posttrain.runs.options.RunOptions`:
+    Attributes beyond :class:`~posttrain.training.options.RunOptions`:
       mesh: the actor's and reference's axis sizes; None puts every device on fsdp.
       rollout_mesh: the rollout's axis sizes (same devices, another layout; weights
         are synced every step); None shares the actor's mesh and model.
@@ -49,7 +49,7 @@ class GRPORunConfig(RunOptions):
       reward: reward functions, built-in names or ``module:function``; summed.
       warmup_steps: SFT steps on the task before GRPO (0: none).
       warmup_data_shards: the warm-up SFT's ``data_shards``
-        (:attr:`posttrain.sft.options.SFTConfig.data_shards`; None: one per process
+        (:attr:`posttrain.training.options.SupervisedRunOptions.data_shards`; None: one per process
         slice of its batch). The same value gives the same warm-up on any number of
         processes.
       eval_samples: completions of each task problem in the evaluation before and after

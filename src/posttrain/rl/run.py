@@ -31,7 +31,7 @@ from posttrain.rl import arithmetic, rewards
 from posttrain.rl.build import batch_size
 from posttrain.rl.metrics import progress_line, step_record, write_metrics
 from posttrain.rl.options import GRPORunConfig
-from posttrain.runs import record as run_record
+from posttrain.training import record as run_record
 
 __all__ = ["GRPOResult", "GRPORunConfig", "progress_line", "run_grpo", "step_record"]
 
@@ -95,7 +95,8 @@ def evaluate(model, tok, problems, cfg: GRPORunConfig, fns, template=None) -> fl
 
 def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
     """Runs (or finds) the warm-up SFT; returns the model to start GRPO from."""
-    from posttrain.sft.run import SFTConfig, run_sft
+    from posttrain.training.options import SupervisedRunOptions
+    from posttrain.training.supervised import run_supervised
 
     if cfg.warmup_steps == 0:
         return cfg.model
@@ -106,7 +107,7 @@ def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
     distributed.on_writer(
         lambda: arithmetic.write_warmup_jsonl(problems, data, repeats=4), "write the warm-up data"
     )
-    sft = SFTConfig(
+    sft = SupervisedRunOptions(
         model=cfg.model,
         data=str(data),
         tokenizer=cfg.tokenizer,
@@ -121,7 +122,7 @@ def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
         sync_saves=True,
         output=str(out / "warmup"),
     )
-    result = run_sft(sft, log_every=log_every)
+    result = run_supervised(sft, log_every=log_every)
     if log_every:
         print(f"warm-up SFT: {result.summary()}", flush=True)
     return str(done)
@@ -142,8 +143,8 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     import jax
 
     from posttrain.loading import load_trainable
-    from posttrain.runs.export import export_final
-    from posttrain.runs.formats import run_tokenizer_and_formats
+    from posttrain.training.export import export_final
+    from posttrain.training.formats import run_tokenizer_and_formats
     from posttrain.tunix_sampler import TunixTokenizer
 
     cfg.check()
@@ -204,7 +205,7 @@ def _check_before_work(cfg: GRPORunConfig, out: pathlib.Path):
       ValueError: one line naming the offending option.
     """
     from posttrain.rl import tunix_rl
-    from posttrain.runs.checks import check_global_batch
+    from posttrain.training.checks import check_global_batch
 
     run_record.check_resumable(cfg, out)
     previous = run_record.read(out)

@@ -19,7 +19,7 @@ from posttrain.rl.tunix_rl import UnknownRLShapeError
 def _update_filter(rl_cluster):
     from flax import nnx
 
-    from posttrain.rl.policy import has_lora
+    from posttrain.training.policy import has_lora
 
     return (nnx.LoRAParam if has_lora(rl_cluster.actor_trainer.model) else nnx.Param,)
 
@@ -186,13 +186,13 @@ def place_actor_optimizer(cluster, mesh) -> None:
     applies an eager ``jax.lax.with_sharding_constraint`` to the optimizer state under
     the ``with mesh:`` the RL cluster enters. Across 2 CPU processes (google-tunix 0.1.7,
     jax 0.10.2, gloo) both ranks wait inside it forever at the first update. As for SFT
-    (``posttrain.sft.trainer.replicate_unplaced``), arrays not yet on a named sharding
+    (``posttrain.training.trainer.replicate_unplaced``), arrays not yet on a named sharding
     are replicated on the mesh with ``jax.device_put``, and ``_shard_optimizer`` becomes a
     no-op on this trainer. One process keeps Tunix's own path.
     """
     if jax.process_count() == 1:
         return
-    from posttrain.sft.trainer import replicate_unplaced
+    from posttrain.training.trainer import replicate_unplaced
 
     trainer = cluster.actor_trainer
     replicate_unplaced(trainer.optimizer, mesh)

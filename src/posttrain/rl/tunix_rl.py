@@ -41,7 +41,7 @@ import numpy as np
 
 from posttrain.config import choices
 from posttrain.rl.options import GRPOAlgorithm
-from posttrain.runs import tunix_loss
+from posttrain.training import tunix_loss
 
 ALGORITHMS = choices(GRPOAlgorithm)
 
@@ -222,7 +222,7 @@ def cluster(*, actor, reference, tokenizer, meshes: dict[str, Any], training, ro
     """Tunix's cluster (``RLCluster`` or ``RLEngine``) on the vanilla rollout engine.
 
     Args:
-      actor, reference: :class:`~posttrain.rl.policy.TunixPolicy` modules, each already
+      actor, reference: :class:`~posttrain.training.policy.TunixPolicy` modules, each already
         placed on its role's mesh.
       tokenizer: a :class:`~posttrain.tunix_sampler.TunixTokenizer`.
       meshes: ``{"actor": mesh, "reference": mesh, "rollout": mesh}``.

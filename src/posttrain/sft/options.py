@@ -1,44 +1,23 @@
-"""``posttrain sft``'s options: :class:`~posttrain.runs.options.PeftRunOptions` and what
-only SFT has."""
+"""``posttrain sft``'s options: :class:`~posttrain.training.options.SupervisedRunOptions`
+and what only SFT has (its images, ``--vision``)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 from posttrain.flags import option
-from posttrain.runs.options import PeftRunOptions
+from posttrain.training.options import VISION_MODEL, SupervisedRunOptions
 
-ReplicaParallelSaves = Literal["auto", "on", "off"]
-#: ``--vision``'s model when no ``--model`` is given (:meth:`SFTConfig.default_model`)
-VISION_MODEL = "gemma4-vision-tiny"
+__all__ = ["VISION_MODEL", "SFTConfig"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SFTConfig(PeftRunOptions):
+class SFTConfig(SupervisedRunOptions):
     """Everything one SFT run needs; defaults are the embedded run (``qwen3-tiny`` on the
     embedded ``pydoc_data`` Q/A set, the byte tokenizer, every device on fsdp).
 
-    Attributes beyond :class:`~posttrain.runs.options.PeftRunOptions`:
-      data: chat JSONL file; None for the embedded ``pydoc_data`` set.
-      data_shards: split the conversations into this many interleaved shards, each
-        packed and shuffled on its own (:func:`posttrain.sft.data.sharded_batches`);
-        each process tokenises only the shards of its own rows of every global batch.
-        None: a resumed run's count, else one shard per distinct slice of the batch
-        across processes (1 in one process: the unsharded order). The same value gives
-        the same batches on any number of processes whose rows are whole shards (the
-        count a multiple of the processes' slices of the batch).
-      max_target_length: tokens per row.
-      packing: pack several conversations per row (else one per row, padded).
-      sync_saves: each checkpoint is complete on disk before the next step starts
-        (Orbax ``enable_async_checkpointing=False``); by default Orbax saves in the
-        background, so a kill can lose the steps since the last completed save.
-      replica_parallel_saves: how Orbax writes arrays replicated over the mesh: ``on``
-        (Orbax's default: the replicas share each array's writes), ``off`` (one replica
-        writes it; same checkpoint), ``auto`` (``off`` in one process on the CPU
-        backend, where there is nobody to share with and the per-replica slicing costs
-        about a third of each save; ``on`` elsewhere). The choice is printed and
-        recorded in ``run.json``.
+    Attributes beyond :class:`~posttrain.training.options.SupervisedRunOptions`:
       vision: train on images (:mod:`posttrain.sft.vision_run`): ``--data`` in TRL's
         vision chat format, else the embedded drawn images; the default ``--model``
         becomes ``gemma4-vision-tiny`` (:meth:`default_model`; a given one is kept, and
@@ -49,30 +28,10 @@ class SFTConfig(PeftRunOptions):
         (:func:`posttrain.sft.vision_data.read_vision_jsonl`).
     """
 
-    #: Settings that change what a resumed run computes; the others (output,
-    #: save_every, stop_after, remat, sync_saves, replica_parallel_saves, data_shards)
-    #: may change between segments (a resumed run keeps its data shards unless given).
     TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
-        *PeftRunOptions.TRAINING_FIELDS,
-        "max_target_length",
-        "packing",
+        *SupervisedRunOptions.TRAINING_FIELDS,
         "vision",
         "train_vision_tower",
-    )
-
-    data: str | None = option(None, "chat JSONL file (default: embedded pydoc_data)")
-    max_target_length: int = option(256, "tokens per row", show_default=False)
-    packing: bool = option(True, "one conversation per row")
-    sync_saves: bool = option(
-        False,
-        "finish each checkpoint before the next step (default: Orbax saves in the "
-        "background; a kill loses the steps since the last completed save)",
-    )
-    replica_parallel_saves: ReplicaParallelSaves = option(
-        "auto",
-        "Orbax's replica-parallel writes of replicated arrays (auto: off in one CPU "
-        "process, else on)",
-        checked=True,
     )
 
     vision: bool = option(
@@ -106,15 +65,3 @@ class SFTConfig(PeftRunOptions):
                 "train_vision_tower",
                 "full fine-tuning (--lora-rank 0): LoRA adapts the text model only",
             )
-        if self.max_target_length < 2:
-            self.bad("max_target_length", ">= 2")
-        if self.replica_parallel_saves not in ("auto", "on", "off"):
-            self.bad("replica_parallel_saves", "auto, on or off")
-
-    def resolved_replica_parallel_saves(self) -> bool:
-        """``replica_parallel_saves`` as a bool, ``auto`` resolved for this process."""
-        import jax
-
-        if self.replica_parallel_saves == "auto":
-            return not (jax.default_backend() == "cpu" and jax.process_count() == 1)
-        return self.replica_parallel_saves == "on"

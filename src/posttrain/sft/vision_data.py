@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from posttrain.layers.vision import patchify
-from posttrain.sft.data import Messages, jsonl_records, validate_messages
+from posttrain.training.data import Messages, jsonl_records, validate_messages
 
 DEFAULT_MAX_PIXELS = 4096 * 4096  # an image beyond this is refused, not decoded
 
@@ -285,7 +285,7 @@ def read_vision_jsonl(
     (:func:`confined`).
 
     Raises:
-      ValueError: naming the file and line: what :func:`posttrain.sft.data.read_chat_jsonl`
+      ValueError: naming the file and line: what :func:`posttrain.training.data.read_chat_jsonl`
         refuses, a malformed part, ``images`` not a list of strings, a count of image
         parts other than the number of paths, an image outside the allowed directory,
         or one :func:`open_image` refuses; ``image_root`` is not a directory.
@@ -346,7 +346,7 @@ def encode_vision_chats(
     processing: ImageProcessing,
     vision,
 ) -> list[VisionExample]:
-    """Encodes each conversation (:func:`posttrain.sft.data.encode_chats`: the template's
+    """Encodes each conversation (:func:`posttrain.training.data.encode_chats`: the template's
     assistant mask), loads its images and expands each image placeholder.
 
     Args:
@@ -358,7 +358,7 @@ def encode_vision_chats(
       ValueError: an image cannot be loaded (:func:`load_image`), or the rendered text
         holds another number of image tokens than the conversation has images.
     """
-    from posttrain.sft.data import encode_chats
+    from posttrain.training.data import encode_chats
 
     encoded = encode_chats([c.messages for c in conversations], tokenizer, template)
     out = []

@@ -114,7 +114,7 @@ def _scores(model, tokens, mask, positions, segments, images):
     import jax
     import jax.numpy as jnp
 
-    from posttrain.sft import loss
+    from posttrain.training import loss
 
     logits, _ = model.forward(
         tokens, positions, loss.packed_attention_mask(segments), images=images

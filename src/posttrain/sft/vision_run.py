@@ -9,7 +9,7 @@
   one conversation each, images padded to the data's largest count per conversation
   (:mod:`posttrain.sft.vision_rows`).
 - The images enter the step as Tunix's ``TrainingInput.images`` (the batch field the
-  release names, :func:`posttrain.sft.tunix_compat.image_field`); a release without it
+  release names, :func:`posttrain.training.tunix_compat.image_field`); a release without it
   is refused in one line.
 - The tower is frozen (``SFTOptions.frozen``) unless ``--train-vision-tower``; the
   projector trains with the text model (full fine-tuning). With LoRA, Qwix adapts the
@@ -157,6 +157,10 @@ class VisionRun:
             return None
         return answer_scores(model, self.held_out, mesh, chunk)
 
+    def held_out_summary(self, before: dict[str, float], after: dict[str, float]) -> str:
+        """The closing line of the held-out figures (:func:`held_out_line`)."""
+        return held_out_line(before, after, len(self.held_out["input_tokens"]))
+
     def write(self, exported: list[pathlib.Path]) -> None:
         """``preprocessor_config.json`` into the model export (atomically)."""
         from posttrain import atomic
@@ -193,8 +197,8 @@ def prepare(cfg, tok, template, pad_id: int) -> VisionRun:
         tokenizer no image token; a bad data line or image (naming the file and line);
         a conversation whose image tokens do not fit its row (naming it).
     """
-    from posttrain.sft import tunix_compat
     from posttrain.sft.vision_rows import fit_example, vision_rows
+    from posttrain.training import tunix_compat
 
     field = tunix_compat.image_field()
     if field is None:

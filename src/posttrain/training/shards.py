@@ -1,15 +1,15 @@
 """How many data shards a run reads its data in, and which this process reads
-(:attr:`posttrain.runs.options.PeftRunOptions.data_shards`)."""
+(:attr:`posttrain.training.options.PeftRunOptions.data_shards`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from posttrain import distributed
-from posttrain.runs import record as run_record
+from posttrain.training import record as run_record
 
 if TYPE_CHECKING:
-    from posttrain.runs.options import PeftRunOptions
+    from posttrain.training.options import PeftRunOptions
 
 
 def recorded_shards(cfg: PeftRunOptions) -> int | None:
@@ -26,7 +26,7 @@ def data_shards(
     cfg: PeftRunOptions, mesh, global_batch: int, recorded: int | None = None
 ) -> tuple[int, range]:
     """``(shards, the shards this process reads)``
-    (:attr:`~posttrain.runs.options.PeftRunOptions.data_shards`): the process reads the
+    (:attr:`~posttrain.training.options.PeftRunOptions.data_shards`): the process reads the
     shards whose rows of every global batch its devices hold. A run resumed without
     ``data_shards`` keeps the count it was ``recorded`` with, so the data order survives
     a change in the number of processes.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from posttrain.sft.data import Messages
+from posttrain.training.data import Messages
 
 _SENTENCE_END = re.compile(r"(?<=[.!?:])\s")
 

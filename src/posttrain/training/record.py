@@ -1,7 +1,7 @@
 """What a run directory says about itself: ``run.json`` and ``metrics.jsonl`` on resume.
 
 ``run.json`` holds the settings of the run (its options' fields,
-:mod:`posttrain.runs.options`), the facts of its latest segment at the top level
+:mod:`posttrain.training.options`), the facts of its latest segment at the top level
 (``global_batch``, ``rows``, ``convention``, ``started`` ...), and ``segments``: one
 record per start or resume, each with its own settings and the step it resumed from.
 

@@ -124,7 +124,7 @@ def check_unchanged(out: str | os.PathLike, formats: RunFormats) -> None:
     Raises:
       ValueError: one line naming both templates.
     """
-    from posttrain.runs import record
+    from posttrain.training import record
 
     recorded = record.read(out)
     if recorded is None:
@@ -142,13 +142,13 @@ def check_unchanged(out: str | os.PathLike, formats: RunFormats) -> None:
 
 def run_tokenizer_and_formats(cfg) -> tuple[Any, RunFormats]:
     """``(tokenizer, formats)`` of the run ``cfg``: the tokenizer at
-    :func:`posttrain.runs.loading.run_tokenizer_path` and :func:`run_formats`.
+    :func:`posttrain.training.loading.run_tokenizer_path` and :func:`run_formats`.
 
     Raises:
       ValueError: as :func:`run_formats`, or a tokenizer that cannot be loaded.
     """
-    from posttrain.runs.loading import run_tokenizer_path
     from posttrain.tokenizer import load_tokenizer
+    from posttrain.training.loading import run_tokenizer_path
 
     path = run_tokenizer_path(cfg, cfg.model if os.path.isdir(cfg.model) else None)
     tok = load_tokenizer(path)

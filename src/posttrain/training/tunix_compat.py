@@ -162,7 +162,7 @@ def checkpoint_saves_optimizer(manager_cls: type | None = None) -> bool:
 
     Up to 0.1.5 ``save(step, model, save_only_lora_params, force[, custom_metadata])``
     writes the params only, so a resumed run restarts its optimizer state;
-    :class:`posttrain.sft.trainer.SFTTrainer` then checkpoints the optimizer itself.
+    :class:`posttrain.training.trainer.SFTTrainer` then checkpoints the optimizer itself.
     """
     if manager_cls is None:
         from tunix.sft import checkpoint_manager

@@ -5,7 +5,10 @@
   save cadence, stop, output (``posttrain sft``, ``dpo`` and ``grpo``);
 - :class:`PeftRunOptions`: a dataset file, its shards, gradient accumulation, the
   overflow rule, the warm-up of the learning-rate schedule and the decoder options
-  (``posttrain sft`` and ``dpo``, whose trainers are Tunix ``PeftTrainer``\\ s).
+  (``posttrain sft`` and ``dpo``, whose trainers are Tunix ``PeftTrainer``\\ s);
+- :class:`SupervisedRunOptions`: chat rows of a fixed length, packed or not, and how
+  Orbax saves (a supervised run, :mod:`posttrain.training.supervised`: ``posttrain sft``,
+  its ``--vision`` runs, ``distill``, GRPO's warm-up).
 
 Each field is also its command-line flag (:mod:`posttrain.flags`); a workflow that wants
 another default redeclares the field. ``check()`` raises one line naming the first bad
@@ -21,9 +24,11 @@ from typing import ClassVar, Literal, NoReturn
 
 from posttrain.config import RematPolicy, choices
 from posttrain.flags import flag_of, option
-from posttrain.runs.directory import check_output_dir
+from posttrain.training.directory import check_output_dir
 
 DEFAULT_MODEL = "qwen3-tiny"
+#: ``posttrain sft --vision``'s model when no ``--model`` is given
+VISION_MODEL = "gemma4-vision-tiny"
 
 
 class NotGiven(str):
@@ -40,6 +45,7 @@ class NotGiven(str):
 MODEL_NOT_GIVEN = NotGiven(DEFAULT_MODEL)
 #: What to do with an example longer than a row.
 Overflow = Literal["truncate", "reject"]
+ReplicaParallelSaves = Literal["auto", "on", "off"]
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -59,9 +65,9 @@ class RunOptions:
     """What every training run needs; see each field's help."""
 
     #: Settings that change what a resumed run computes: a rerun into the same output
-    #: with another value is refused (:func:`posttrain.runs.record.check_resumable`);
+    #: with another value is refused (:func:`posttrain.training.record.check_resumable`);
     #: the others (output, save cadence, stop) may change between segments. The chat
-    #: template is compared by content, not path (:mod:`posttrain.runs.formats`).
+    #: template is compared by content, not path (:mod:`posttrain.training.formats`).
     TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
         "model",
         "tokenizer",
@@ -114,7 +120,7 @@ class RunOptions:
 
     def check(self) -> None:
         """Raises ValueError naming the first bad field (and its flag), the output path
-        last (:func:`~posttrain.runs.directory.check_output_dir`)."""
+        last (:func:`~posttrain.training.directory.check_output_dir`)."""
         self.check_fields()
         check_output_dir(self.output)
 
@@ -174,3 +180,69 @@ class PeftRunOptions(RunOptions):
             self.bad("warmup_steps", ">= 0")
         if self.remat not in choices(RematPolicy):
             self.bad("remat", " or ".join(choices(RematPolicy)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SupervisedRunOptions(PeftRunOptions):
+    """A supervised run on chat rows (:mod:`posttrain.training.supervised`).
+
+    Attributes beyond :class:`PeftRunOptions`:
+      data: chat JSONL file; None for the embedded ``pydoc_data`` set.
+      data_shards: split the conversations into this many interleaved shards, each
+        packed and shuffled on its own (:func:`posttrain.training.data.sharded_batches`);
+        each process tokenises only the shards of its own rows of every global batch.
+        None: a resumed run's count, else one shard per distinct slice of the batch
+        across processes (1 in one process: the unsharded order). The same value gives
+        the same batches on any number of processes whose rows are whole shards (the
+        count a multiple of the processes' slices of the batch).
+      max_target_length: tokens per row.
+      packing: pack several conversations per row (else one per row, padded).
+      sync_saves: each checkpoint is complete on disk before the next step starts
+        (Orbax ``enable_async_checkpointing=False``); by default Orbax saves in the
+        background, so a kill can lose the steps since the last completed save.
+      replica_parallel_saves: how Orbax writes arrays replicated over the mesh: ``on``
+        (Orbax's default: the replicas share each array's writes), ``off`` (one replica
+        writes it; same checkpoint), ``auto`` (``off`` in one process on the CPU
+        backend, where there is nobody to share with and the per-replica slicing costs
+        about a third of each save; ``on`` elsewhere). The choice is printed and
+        recorded in ``run.json``.
+    """
+
+    #: Settings that change what a resumed run computes; the others (output,
+    #: save_every, stop_after, remat, sync_saves, replica_parallel_saves, data_shards)
+    #: may change between segments (a resumed run keeps its data shards unless given).
+    TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
+        *PeftRunOptions.TRAINING_FIELDS,
+        "max_target_length",
+        "packing",
+    )
+
+    data: str | None = option(None, "chat JSONL file (default: embedded pydoc_data)")
+    max_target_length: int = option(256, "tokens per row", show_default=False)
+    packing: bool = option(True, "one conversation per row")
+    sync_saves: bool = option(
+        False,
+        "finish each checkpoint before the next step (default: Orbax saves in the "
+        "background; a kill loses the steps since the last completed save)",
+    )
+    replica_parallel_saves: ReplicaParallelSaves = option(
+        "auto",
+        "Orbax's replica-parallel writes of replicated arrays (auto: off in one CPU "
+        "process, else on)",
+        checked=True,
+    )
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.max_target_length < 2:
+            self.bad("max_target_length", ">= 2")
+        if self.replica_parallel_saves not in choices(ReplicaParallelSaves):
+            self.bad("replica_parallel_saves", "auto, on or off")
+
+    def resolved_replica_parallel_saves(self) -> bool:
+        """``replica_parallel_saves`` as a bool, ``auto`` resolved for this process."""
+        import jax
+
+        if self.replica_parallel_saves == "auto":
+            return not (jax.default_backend() == "cpu" and jax.process_count() == 1)
+        return self.replica_parallel_saves == "on"

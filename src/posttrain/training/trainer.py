@@ -2,7 +2,7 @@
 calling convention Tunix has used, exact gradient accumulation and the SFT loss.
 
 The step body is written once (:meth:`SFTTrainerMixin._step_body`) and wrapped
-into the signature the installed Tunix expects (:mod:`posttrain.sft.tunix_compat`):
+into the signature the installed Tunix expects (:mod:`posttrain.training.tunix_compat`):
 
 - ``positional3`` (google-tunix 0.0.2-0.1.5): ``step(model, optimizer, inputs) -> (loss, aux)``;
 - ``bound2`` (0.1.6-0.1.7): same parameters, ``-> (loss, aux, grad_norm)``;
@@ -16,7 +16,7 @@ variables (``nnx.LoRAParam`` when LoRA is on, else ``nnx.Param``) and the rest,
 nested inside Tunix's ``nnx.jit``.
 
 Gradient accumulation is exact: each micro-step differentiates its share of the
-step loss (:func:`posttrain.sft.loss.step_objective`, normalised by the step's
+step loss (:func:`posttrain.training.loss.step_objective`, normalised by the step's
 target-token count), so the shares sum to the gradient of one large batch.
 With ``optax.MultiSteps`` (releases; it averages) the share is scaled by the
 accumulation count; with main's ``GradientAccumulator`` every micro-step is
@@ -41,9 +41,9 @@ from tunix.sft import peft_trainer
 from typing_extensions import override
 
 from posttrain import _compat, sharding
-from posttrain.sft import loss as sft_loss
-from posttrain.sft import tunix_compat
-from posttrain.sft.metrics import CheckedSaves, NonFiniteLossError, StepMetrics, all_finite
+from posttrain.training import loss as sft_loss
+from posttrain.training import tunix_compat
+from posttrain.training.metrics import CheckedSaves, NonFiniteLossError, StepMetrics, all_finite
 
 __all__ = [
     "NonFiniteLossError",
@@ -67,19 +67,19 @@ class SFTOptions:
         :func:`default_moe_aux_loss_weight`, the model config's
         ``moe.aux_loss_weight``, 0 for dense models).
       learning_rate_fn: ``step -> learning rate`` (an optax schedule), only logged
-        (:class:`posttrain.sft.metrics.LearningRate`).
+        (:class:`posttrain.training.metrics.LearningRate`).
       metrics_path: JSONL file, one record per optimizer step
-        (:mod:`posttrain.sft.metrics` lists the fields).
+        (:mod:`posttrain.training.metrics` lists the fields).
       log_every: also print one line per this many steps to stdout (for logs
         without a terminal, where Tunix's tqdm progress bar is off).
-      convention: a :class:`~posttrain.sft.tunix_compat.Convention`; default:
+      convention: a :class:`~posttrain.training.tunix_compat.Convention`; default:
         read from the trainer class's ``train`` / ``jit_train_and_eval_step``.
       single_replica_saves: during ``train``, Orbax saves each replicated array from
         one replica (:func:`posttrain._compat.single_replica_array_saves`) instead of
         its replica-parallel default; same checkpoint, faster in one process on CPU.
         ``run_sft`` turns it on there (``SFTConfig.replica_parallel_saves``).
       process_local_batches: host batches hold only this process's rows of each global
-        batch (``posttrain.sft.data.sharded_batches``), placed with
+        batch (``posttrain.training.data.sharded_batches``), placed with
         ``jax.make_array_from_process_local_data``; otherwise (default) every process
         holds the whole global batch. The same in one process.
       frozen: an ``nnx`` filter of trained variables that stay as they are (a vision
@@ -107,13 +107,13 @@ class SFTTrainerMixin:
       options: :class:`SFTOptions` (keyword-only).
 
     Raises:
-      posttrain.sft.tunix_compat.UnknownConventionError: at construction, when
+      posttrain.training.tunix_compat.UnknownConventionError: at construction, when
         the trainer class calls its step in an unknown way.
     """
 
     reported_sum = "nll_sum"  # the term whose per-target-token mean is the reported loss
 
-    #: the per-step record writer (:mod:`posttrain.sft.metrics`)
+    #: the per-step record writer (:mod:`posttrain.training.metrics`)
     metrics_class: type[StepMetrics] = StepMetrics
 
     def __init__(self, model, optimizer, training_config, *args, options: SFTOptions, **kwargs):
@@ -185,13 +185,13 @@ class SFTTrainerMixin:
 
     @property
     def history(self) -> list[dict]:
-        """The step records written so far (:mod:`posttrain.sft.metrics`)."""
+        """The step records written so far (:mod:`posttrain.training.metrics`)."""
         return self.metrics.history
 
     # --- the step -------------------------------------------------------------------------
     def _objective(self, model, inputs):
         """``(this micro-step's share of the step loss, the forward terms)`` for ``model``
-        (the merged, differentiable model): :func:`posttrain.sft.loss.step_objective`,
+        (the merged, differentiable model): :func:`posttrain.training.loss.step_objective`,
         MoE load-balancing term included. Other trainers (DPO) override this and
         :meth:`_report`; the step around them is shared."""
         terms = sft_loss.sft_terms(model, **inputs)
@@ -244,7 +244,7 @@ class SFTTrainerMixin:
                 grads = jax.tree.map(lambda g: g * k, grads)
             # grad_norm is the norm of the applied (accumulated) gradient under every
             # convention: MultiSteps applies the window's mean at its last micro-step,
-            # and only that micro-step's value is logged (posttrain.sft.metrics).
+            # and only that micro-step's value is logged (posttrain.training.metrics).
             window = _compat.multisteps_window_gradient(optimizer.opt_state, grads)
             grad_norm = _compat.global_norm(grads if window is None else window)
             optimizer.update(model, grads)

@@ -8,11 +8,11 @@ import pathlib
 def export_final(model, out: pathlib.Path, step: int, *, formats=None) -> list[pathlib.Path]:
     """A run's final weights: ``out/model-step<step>`` (native safetensors, LoRA merged)
     and, for a LoRA model, ``out/adapter-step<step>``; an existing export is kept, an
-    empty directory replaced, anything else refused (:func:`posttrain.runs.checks.
+    empty directory replaced, anything else refused (:func:`posttrain.training.checks.
     check_exports`).
     Returns the directories written (by this process).
 
-    ``formats`` (:class:`posttrain.runs.formats.RunFormats`): the model directory also
+    ``formats`` (:class:`posttrain.training.formats.RunFormats`): the model directory also
     gets the run's chat template, tokenizer and ``generation_config.json``, so
     ``posttrain generate`` on it prompts and stops in the format the run trained.
 
@@ -24,7 +24,7 @@ def export_final(model, out: pathlib.Path, step: int, *, formats=None) -> list[p
     from posttrain.lora import lora_params, merge_lora, save_adapter
     from posttrain.lora.adapters import adapter_arrays
     from posttrain.models.params import flat_params
-    from posttrain.runs.checks import check_exports, replace_empty
+    from posttrain.training.checks import check_exports, replace_empty
 
     writer = distributed.is_writer()
     written = []

@@ -4,7 +4,7 @@
 
 - any stop (Ctrl-C, SIGTERM, an error) leaves the checkpoints whole or absent: Orbax's
   unfinished ``*.orbax-checkpoint-tmp*`` are swept at exit, once its save threads have
-  stopped (:func:`posttrain.runs.checks.sweep_partial_checkpoints`);
+  stopped (:func:`posttrain.training.checks.sweep_partial_checkpoints`);
 - a full disk (``ENOSPC``, ``EDQUOT``, or ``EFBIG`` past a file-size limit) is one line
   naming the path and the bytes that did not fit when the writer says
   (:class:`DiskFullError`, exit 2), instead of Orbax logging each failed write of each
@@ -120,7 +120,7 @@ def clean_stop(output: str) -> Iterator[None]:
         yield
     except BaseException as error:
         # the filter stays: Orbax's threads report the failure again until exit
-        from posttrain.runs.checks import sweep_partial_checkpoints
+        from posttrain.training.checks import sweep_partial_checkpoints
 
         atexit.register(sweep_partial_checkpoints, pathlib.Path(output) / "checkpoints")
         line = disk_full_line(error, output) if isinstance(error, Exception) else None

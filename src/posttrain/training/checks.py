@@ -1,4 +1,4 @@
-"""What a run checks about its directory beyond its settings (:mod:`posttrain.runs.record`),
+"""What a run checks about its directory beyond its settings (:mod:`posttrain.training.record`),
 and what it leaves when it stops before its first step (#40).
 
 - A run stopped by a non-finite loss before it ever checkpointed (``--beta 1e30`` at step
@@ -20,7 +20,7 @@ import os
 import pathlib
 import shutil
 
-from posttrain.runs.record import METRICS_FILE, RUN_FILE, read
+from posttrain.training.record import METRICS_FILE, RUN_FILE, read
 
 #: What a run writes before its first checkpoint, removed when it never reaches one.
 STARTED_FILES = (RUN_FILE, METRICS_FILE, "tensorboard", "checkpoints")

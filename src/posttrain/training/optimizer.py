@@ -68,10 +68,10 @@ def single_process_cpu() -> bool:
 
 
 def trainer_options(mesh, schedule, out: pathlib.Path, log_every, *, single_replica_saves: bool):
-    """Our trainer options (:class:`posttrain.sft.trainer.SFTOptions`) of a
+    """Our trainer options (:class:`posttrain.training.trainer.SFTOptions`) of a
     ``PeftTrainer`` run: its mesh and schedule, ``metrics.jsonl`` written by the writer
     process only, each process's share of every batch (``process_local_batches``)."""
-    from posttrain.sft.trainer import SFTOptions
+    from posttrain.training.trainer import SFTOptions
 
     return SFTOptions(
         mesh=mesh,

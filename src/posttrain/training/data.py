@@ -286,7 +286,7 @@ def to_rows(
 
 
 def count_targets(rows: dict[str, np.ndarray]) -> np.ndarray:
-    """Target tokens per row (``posttrain.sft.loss.target_mask`` in NumPy)."""
+    """Target tokens per row (``posttrain.training.loss.target_mask`` in NumPy)."""
     seg = rows["segment_ids"]
     same = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
     return (rows["input_mask"][:, 1:].astype(bool) & same).sum(axis=1)
