@@ -227,12 +227,17 @@ def main(argv: list[str] | None = None) -> int:
         texts = {p: (copy / p).read_text(encoding="utf-8") for p in pages(copy)}
         cmds = [c for p in args.page or texts for c in commands(p, texts[p], (NO_RUN, SET_UP))]
         print(f"docs_run: {len(cmds)} commands in {copy}", flush=True)
-        results = run(copy, cmds, echo=lambda r: print(_line(r), flush=True))
+        done: list[Result] = []
+
+        def echo(result: Result) -> None:  # the log so far, rewritten after each command
+            print(_line(result), flush=True)
+            done.append(result)
+            if args.log:
+                rows = [dataclasses.asdict(r) for r in done]
+                args.log.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+
+        results = run(copy, cmds, echo=echo)
         left = dirty(copy)
-        if args.log:
-            args.log.write_text(
-                json.dumps([dataclasses.asdict(r) for r in results], indent=1), encoding="utf-8"
-            )
         if not args.keep:
             shutil.rmtree(copy, ignore_errors=True)
     checks = check_figures(texts, results, FIGURES)

@@ -5,6 +5,7 @@ The gate runs the quick pages (:data:`QUICK`); the slow tier runs every page."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 
@@ -174,3 +175,23 @@ def test_a_command_that_writes_outside_the_ignored_paths_leaves_the_copy_dirty(t
     assert results[2].output == "1\n"
     assert docs_run.dirty(copy) == ["?? red-circle.png"]
     assert docs_run.run(copy, [Command("README.md", 4, "exit 3")])[0].failed()
+
+
+def test_the_command_line_runs_a_page_logs_it_and_rechecks_the_log(tmp_path, capsys):
+    """``python -m harness.docs_run --page P --log F`` runs the page and writes each
+    command's output; ``--from-log F`` checks the figures again without running; a page
+    that is not one is a usage error."""
+    log = tmp_path / "log.json"
+    assert docs_run.main(["--page", "docs/sharding.md", "--log", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "exit 2, " in out and "ok  docs/sharding.md" in out
+    assert "1 commands (0 failed" in out and "0 paths left in the checkout" in out
+    (row,) = json.loads(log.read_text())
+    assert row["command"]["exits"] == 2 and "num_kv_heads" in row["output"]
+    row["output"] = "posttrain: error: something else"
+    log.write_text(json.dumps([row]))
+    assert docs_run.main(["--from-log", str(log)]) == 1
+    assert "OFF docs/sharding.md" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        docs_run.main(["--page", "docs/nowhere.md"])
+    assert exit_.value.code == 2 and "docs/nowhere.md" in capsys.readouterr().err
