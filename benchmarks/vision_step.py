@@ -25,10 +25,11 @@ def batches(seq: int, rows: int):
     and with every image token replaced by an ordinary one."""
     from posttrain import chat
     from posttrain.families.gemma4_vision import vision_tiny
-    from posttrain.sft import vision_default_data, vision_run
-    from posttrain.sft.vision_data import encode_vision_chats, read_vision_jsonl
-    from posttrain.sft.vision_rows import vision_rows, with_images
     from posttrain.tokenizer import byte_tokenizer
+    from posttrain.vision import default_data as vision_default_data
+    from posttrain.vision import run as vision_run
+    from posttrain.vision.data import encode_vision_chats, read_vision_jsonl
+    from posttrain.vision.rows import vision_rows, with_images
 
     vision, tok = vision_tiny(), byte_tokenizer()
     processing = vision_run.image_processing("gemma4-vision-tiny", vision)
@@ -62,8 +63,8 @@ def main(argv=None) -> int:
 
     from posttrain import sharding
     from posttrain.models import build_model, get_config
-    from posttrain.sft.vision_run import frozen_filter
     from posttrain.training.trainer import SFTOptions, SFTTrainer
+    from posttrain.vision.run import frozen_filter
 
     mesh = sharding.make_mesh(None)
     vision_batch, text_batch = batches(args.seq, sharding.data_parallel_size(mesh))

@@ -16,7 +16,7 @@ release       ``TrainingInput.images``  default loss -> ``images=``   image proc
 (:func:`posttrain.training.tunix_compat.image_field`) and refuses a release without it; the
 matrix's vision cell is then n/a (``harness/vision_cell.py``). The image processor is
 recorded, not used: images are prepared as transformers prepares Gemma 4's
-(:mod:`posttrain.sft.vision_data`).
+(:mod:`posttrain.vision.data`).
 """
 
 from __future__ import annotations

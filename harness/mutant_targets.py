@@ -102,16 +102,19 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_conversion_roundtrip.py",
     ],
     # images against transformers' own processor, the token expansion, the file errors
-    "src/posttrain/sft/vision_data.py": ["tests/test_vision_data.py"],
+    "src/posttrain/vision/data.py": ["tests/test_vision_data.py"],
     "src/posttrain/vision_config.py": [
         "tests/test_vision.py::test_vision_config_refuses_what_the_tower_cannot_run",
         "tests/test_vision.py::test_every_vision_field_is_perturbed_shaped_or_the_data_s",
         "tests/test_vision.py::test_perturbing_a_vision_field_moves_the_logits",
     ],
-    "src/posttrain/sft/vision_default_data.py": ["tests/test_vision_data.py"],
+    "src/posttrain/vision/default_data.py": ["tests/test_vision_data.py"],
     # #39: the rows' tests without the real run (a minute per surviving mutant)
-    "src/posttrain/sft/vision_rows.py": ["tests/test_vision_sft.py", "-k", "not short_vision"],
-    "src/posttrain/sft/vision_run.py": ["tests/test_vision_sft.py"],
+    "src/posttrain/vision/rows.py": ["tests/test_vision_sft.py", "-k", "not short_vision"],
+    "src/posttrain/vision/run.py": ["tests/test_vision_sft.py"],
+    # posttrain sft's run: text only (--vision is run_vision's); the pass-through is
+    # every SFT run test's
+    "src/posttrain/sft/run.py": ["tests/test_vision_sft.py", "-k", "refuse_each_others"],
     "src/posttrain/commands/generate_image.py": ["tests/test_vision_generate.py"],
     # check-logits' image batch: placement, padding and the two models' inputs (the HF
     # parity runs themselves are slow-tier, which mutation runs leave out)

@@ -11,8 +11,8 @@ import warnings
 import numpy as np
 import pytest
 
-from posttrain.sft import vision_default_data
-from posttrain.sft.vision_data import (
+from posttrain.vision import default_data as vision_default_data
+from posttrain.vision.data import (
     ImageProcessing,
     expand_image_tokens,
     image_patches,
@@ -204,8 +204,8 @@ def test_encoded_conversation_trains_on_the_answer_only(tmp_path):
     a target: no prompt, role or image token."""
     from posttrain import chat
     from posttrain.families.gemma4_vision import vision_tiny
-    from posttrain.sft.vision_data import encode_vision_chats
     from posttrain.tokenizer import byte_tokenizer
+    from posttrain.vision.data import encode_vision_chats
 
     vision, tokenizer = vision_tiny(), byte_tokenizer()
     placeholder = tokenizer.id_to_token(vision.image_token_id)
@@ -281,7 +281,8 @@ def test_image_root_reaches_the_loader_from_the_command_line(tmp_path, monkeypat
     """``posttrain sft --vision --data F --image-root DIR`` hands DIR to the vision
     loader (an explicit value, and None when not given)."""
     from posttrain import cli
-    from posttrain.sft import vision_data, vision_run
+    from posttrain.vision import data as vision_data
+    from posttrain.vision import run as vision_run
 
     seen = []
 

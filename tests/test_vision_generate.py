@@ -13,8 +13,8 @@ from posttrain import chat, cli, generate
 from posttrain.commands.generate_image import image_prompt
 from posttrain.families.gemma4 import gemma4_vision_tiny
 from posttrain.models import build_model, get_config
-from posttrain.sft import vision_default_data
 from posttrain.tokenizer import byte_tokenizer
+from posttrain.vision import default_data as vision_default_data
 
 STEPS = 6
 QUESTION = "What shape is in the picture?"

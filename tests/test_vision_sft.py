@@ -16,11 +16,12 @@ pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not instal
 
 from posttrain import chat, cli, sharding  # noqa: E402
 from posttrain.families.gemma4 import gemma4_tiny, gemma4_vision_tiny  # noqa: E402
-from posttrain.sft import vision_default_data, vision_run  # noqa: E402
 from posttrain.sft.options import SFTConfig  # noqa: E402
-from posttrain.sft.vision_rows import PATCH_POSITIONS, PIXELS, with_images  # noqa: E402
 from posttrain.tokenizer import byte_tokenizer  # noqa: E402
 from posttrain.training import loss  # noqa: E402
+from posttrain.vision import default_data as vision_default_data  # noqa: E402
+from posttrain.vision import run as vision_run
+from posttrain.vision.rows import PATCH_POSITIONS, PIXELS, with_images  # noqa: E402
 from tests.path_params import model_with_path_values  # noqa: E402
 
 VISION = gemma4_vision_tiny().vision
@@ -214,7 +215,7 @@ def small_vision_model(directory) -> str:
 def _two_steps(tmp_path, model: str, **options):
     """Two real steps of ``posttrain sft --vision`` on ``model`` and 8 drawings (160-token
     rows); their losses are steps 1 and 2, finite."""
-    from posttrain.sft.run import run_sft
+    from posttrain.vision.run import run_vision
 
     cfg = SFTConfig(
         vision=True,
@@ -225,7 +226,7 @@ def _two_steps(tmp_path, model: str, **options):
         output=str(tmp_path / "run"),
         **options,
     )
-    result = run_sft(cfg)
+    result = run_vision(cfg)
     assert [r["step"] for r in result.history] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in result.history)
     return result
@@ -301,7 +302,7 @@ def test_the_embedded_vision_run_learns_to_read_the_images(tmp_path, capsys):
 
 
 def example(tokens, mask):
-    from posttrain.sft.vision_data import VisionExample
+    from posttrain.vision.data import VisionExample
 
     pixels, positions = np.zeros((1, 4, 48), np.float32), np.zeros((1, 4, 2), np.int32)
     return VisionExample(np.asarray(tokens, np.int32), np.asarray(mask, bool), pixels, positions)
@@ -335,7 +336,7 @@ def test_a_row_is_cut_only_after_its_image_tokens(tokens, mask, length, overflow
     """``fit_example``: a conversation that fits is kept; a longer one is cut (``truncate``)
     only past its last image token and the one after it, refused with ``reject``; one left
     without a target (the first token is never one) is dropped."""
-    from posttrain.sft.vision_rows import fit_example
+    from posttrain.vision.rows import fit_example
 
     ex = example(tokens, mask)
     if isinstance(want, str):
@@ -354,8 +355,8 @@ def test_a_row_is_cut_only_after_its_image_tokens(tokens, mask, length, overflow
 def test_rows_refuse_more_images_than_their_slots_and_pad_the_rest():
     """A row's unused image slots are all padding (positions -1, pixels 0); an example
     with more images than the slots, or a dataset without one image, is refused."""
-    from posttrain.sft.vision_data import VisionExample
-    from posttrain.sft.vision_rows import vision_rows
+    from posttrain.vision.data import VisionExample
+    from posttrain.vision.rows import vision_rows
 
     one = example([5, IMG, 6, 7], [0, 0, 1, 1])
     pixels = np.ones((2, 4, 48), np.float32)
@@ -386,7 +387,7 @@ def test_rows_refuse_more_images_than_their_slots_and_pad_the_rest():
 def test_the_exported_processor_config_reads_back_as_the_run_prepared_images(tmp_path):
     """``preprocessor_config.json`` of the run's processing reads back as it (every field),
     and a model directory holding one is prepared by it; a preset by the tower's sizes."""
-    from posttrain.sft.vision_data import ImageProcessing
+    from posttrain.vision.data import ImageProcessing
 
     preset = vision_run.image_processing("gemma4-vision-tiny", VISION)
     assert (preset.patch_size, preset.pooling_kernel_size) == (4, 2)
@@ -437,3 +438,17 @@ def test_a_run_recorded_before_the_vision_options_resumes_as_a_text_run(tmp_path
     record.check_resumable(cfg, out)
     with pytest.raises(ValueError, match="vision False -> True"):
         record.check_resumable(SFTConfig(output=str(out), vision=True), out)
+
+
+def test_sft_and_vision_runs_refuse_each_others_options(tmp_path):
+    """``run_sft`` refuses ``--vision`` options and ``run_vision`` text ones, in one line
+    and before anything is written (``posttrain sft`` picks the run by ``--vision``)."""
+    from posttrain.sft.run import run_sft
+    from posttrain.vision.run import run_vision
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="run_vision's"):
+        run_sft(SFTConfig(vision=True, output=str(out)))
+    with pytest.raises(ValueError, match="vision is off"):
+        run_vision(SFTConfig(output=str(out)))
+    assert not out.exists()

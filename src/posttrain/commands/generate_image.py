@@ -19,7 +19,7 @@ def check_image_model(image: str, spec: str) -> None:
 
 
 def _no_tower(image: str, spec: str) -> str:
-    from posttrain.sft.vision_run import VISION_MODEL
+    from posttrain.vision.run import VISION_MODEL
 
     return (
         f"--image {image!r}: --model {spec!r} has no vision tower (e.g. use {VISION_MODEL} "
@@ -33,7 +33,7 @@ def image_prompt(image: str, prompts: list[dict], model, tok, template, spec: st
     token expanded to begin-of-image, one token per soft token, end-of-image; ``images`` a
     one-row :class:`~posttrain.layers.vision.ImageBatch`. The image is prepared as the
     checkpoint's ``preprocessor_config.json`` says (a vision run's export has one), else
-    as a vision run prepares a preset's (:func:`posttrain.sft.vision_run.image_processing`).
+    as a vision run prepares a preset's (:func:`posttrain.vision.run.image_processing`).
 
     Raises:
       ValueError: not exactly one text prompt, a model without a vision tower, or an
@@ -42,8 +42,9 @@ def image_prompt(image: str, prompts: list[dict], model, tok, template, spec: st
     import numpy as np
 
     from posttrain.layers.vision import ImageBatch
-    from posttrain.sft import vision_data, vision_run
     from posttrain.training.data import chat_prompt
+    from posttrain.vision import data as vision_data
+    from posttrain.vision import run as vision_run
 
     if len(prompts) != 1 or "prompt" not in prompts[0]:
         raise ValueError(f"--image {image!r} takes exactly one --prompt (got {len(prompts)})")

@@ -10,13 +10,15 @@ from posttrain.training.stops import clean_stop
 
 
 def sft(cfg) -> int:
-    """``posttrain sft``: one :class:`~posttrain.sft.options.SFTConfig` run."""
+    """``posttrain sft``: one :class:`~posttrain.sft.options.SFTConfig` run (with
+    ``--vision``, :func:`posttrain.vision.run.run_vision`'s)."""
     from posttrain.sft.run import run_sft
+    from posttrain.vision.run import run_vision
 
     # Tunix's tqdm bar shows on a terminal only; elsewhere print ~10 progress lines.
     log_every = None if sys.stderr.isatty() else max(1, cfg.steps // 10)
     with clean_stop(cfg.output):
-        result = run_sft(cfg, log_every=log_every)
+        result = (run_vision if cfg.vision else run_sft)(cfg, log_every=log_every)
     if log_every is None and distributed.is_writer():
         print(
             f"model {cfg.model}: {result.params:,} params, {result.trainable:,} trained; "

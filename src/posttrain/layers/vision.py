@@ -268,7 +268,7 @@ def place_image_features(
       ``[B, T, D]``: the r-th image token of a row holds the row's r-th valid soft token
       (HF ``masked_scatter``, which fills the batch's image tokens in row-major order);
       every other position keeps its embedding. The counts must agree (the data checks
-      them, :func:`posttrain.sft.vision_data.expand_image_tokens`); image tokens beyond a
+      them, :func:`posttrain.vision.data.expand_image_tokens`); image tokens beyond a
       row's valid soft tokens get unspecified (padding) features.
     """
     rank = jnp.cumsum(is_image, axis=1) - 1  # [B, T]: which image token this is in its row

@@ -18,14 +18,14 @@ class SFTConfig(SupervisedRunOptions):
     embedded ``pydoc_data`` Q/A set, the byte tokenizer, every device on fsdp).
 
     Attributes beyond :class:`~posttrain.training.options.SupervisedRunOptions`:
-      vision: train on images (:mod:`posttrain.sft.vision_run`): ``--data`` in TRL's
+      vision: train on images (:mod:`posttrain.vision.run`): ``--data`` in TRL's
         vision chat format, else the embedded drawn images; the default ``--model``
         becomes ``gemma4-vision-tiny`` (:meth:`default_model`; a given one is kept, and
         refused if it has no tower); one conversation per row; the tower frozen.
       train_vision_tower: with ``vision``, train the tower too (full fine-tuning).
       image_root: with ``vision`` and ``data``, the directory the data's images must lie
         under (resolved, links followed); None: the data file's directory
-        (:func:`posttrain.sft.vision_data.read_vision_jsonl`).
+        (:func:`posttrain.vision.data.read_vision_jsonl`).
     """
 
     TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (

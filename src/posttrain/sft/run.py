@@ -1,5 +1,6 @@
 """One SFT run end to end: the supervised run (:mod:`posttrain.training.supervised`) of
-``posttrain sft``'s options, with ``--vision``'s images (:mod:`posttrain.sft.vision_run`).
+``posttrain sft``'s options; ``--vision`` runs are :func:`posttrain.vision.run.run_vision`'s
+(``posttrain sft`` picks it).
 
 ``run_sft(SFTConfig())`` is what ``posttrain sft`` does with no arguments:
 ``qwen3-tiny`` on the embedded ``pydoc_data`` Q/A set and the embedded byte
@@ -8,7 +9,6 @@ tokenizer, on every device on ``fsdp``; the output directory is the supervised r
 
 from __future__ import annotations
 
-from posttrain.sft import vision_run
 from posttrain.sft.options import SFTConfig
 from posttrain.training.supervised import SFTResult, run_supervised
 
@@ -25,12 +25,9 @@ def run_sft(
     """Runs (or resumes) one SFT run (:func:`~posttrain.training.supervised.run_supervised`).
 
     Raises:
-      ValueError: a bad config, mesh, model, tokenizer or dataset (one line naming it).
+      ValueError: a bad config, mesh, model, tokenizer or dataset (one line naming it);
+        ``vision`` set (its images are :func:`posttrain.vision.run.run_vision`'s).
     """
-    return run_supervised(
-        cfg,
-        trainer_class=trainer_class,
-        on_built=on_built,
-        log_every=log_every,
-        prepare_images=vision_run.prepare if cfg.vision else None,
-    )
+    if cfg.vision:
+        raise ValueError("run_sft: --vision runs are posttrain.vision.run.run_vision's")
+    return run_supervised(cfg, trainer_class=trainer_class, on_built=on_built, log_every=log_every)

@@ -178,7 +178,7 @@ IMAGE_FIELD = "images"
 def image_field(training_input: type | None = None) -> str | None:
     """The name of the installed ``TrainingInput``'s images field (``images``: google-tunix
     >= 0.1.6, which its default loss passes to the model as ``images=``), None without one.
-    ``posttrain sft --vision`` puts each batch's images there (:mod:`posttrain.sft.vision_run`).
+    ``posttrain sft --vision`` puts each batch's images there (:mod:`posttrain.vision.run`).
     """
     if training_input is None:
         from tunix.sft import peft_trainer

@@ -1,13 +1,14 @@
-"""``posttrain sft --vision``: what a vision run adds to :func:`posttrain.sft.run.run_sft`.
+"""``posttrain sft --vision``: what a vision run adds to the supervised run
+(:func:`posttrain.training.supervised.run_supervised`); :func:`run_vision` runs one.
 
 - The model: with no ``--model``, :data:`VISION_MODEL` (resolved by the options,
-  :meth:`posttrain.sft.options.SFTConfig.default_model`); a given model without a vision
+  ``posttrain.sft.options.SFTConfig.default_model``); a given model without a vision
   tower (``qwen3-tiny`` too) is refused in one line.
-- The data: ``--data`` in TRL's vision chat format (:mod:`posttrain.sft.vision_data`),
-  else :data:`EMBEDDED_COUNT` drawn images (:mod:`posttrain.sft.vision_default_data`)
+- The data: ``--data`` in TRL's vision chat format (:mod:`posttrain.vision.data`),
+  else :data:`EMBEDDED_COUNT` drawn images (:mod:`posttrain.vision.default_data`)
   of which every :data:`HELD_OUT_EVERY`-th is held out for the answer figures. Rows are
   one conversation each, images padded to the data's largest count per conversation
-  (:mod:`posttrain.sft.vision_rows`).
+  (:mod:`posttrain.vision.rows`).
 - The images enter the step as Tunix's ``TrainingInput.images`` (the batch field the
   release names, :func:`posttrain.training.tunix_compat.image_field`); a release without it
   is refused in one line.
@@ -29,7 +30,8 @@ import tempfile
 from typing import Any
 
 from posttrain.layers.mlp import CLIP_BOUNDS
-from posttrain.sft.options import VISION_MODEL
+from posttrain.training.options import VISION_MODEL
+from posttrain.training.supervised import SFTResult, run_supervised
 
 EMBEDDED_COUNT = 512  # drawn images of the embedded set
 EMBEDDED_SEED = 0
@@ -42,7 +44,7 @@ def image_processing(model: str, vision):
     """How ``model``'s images are prepared: its directory's ``preprocessor_config.json``
     when it has one (an HF checkpoint, a vision run's export), else the tower's patch and
     pooling sizes with :data:`PRESET_SOFT_TOKENS` soft tokens at most."""
-    from posttrain.sft.vision_data import ImageProcessing
+    from posttrain.vision.data import ImageProcessing
 
     path = os.path.join(model, PROCESSOR_FILE)
     if os.path.isfile(path):
@@ -118,7 +120,7 @@ class VisionRun:
       field: the batch key of the images (Tunix's ``TrainingInput`` field).
       processing: how images are prepared (written beside the export).
       examples: the encoded training conversations, in file order.
-      held_out: the held-out rows (:func:`posttrain.sft.vision_rows.vision_rows`), None
+      held_out: the held-out rows (:func:`posttrain.vision.rows.vision_rows`), None
         without a held-out split (``--data``).
       images_per_row: image slots per row.
       frozen: the ``nnx`` filter of the variables training leaves as they are.
@@ -134,8 +136,8 @@ class VisionRun:
     pad_id: int
 
     def rows(self, cfg, tok, shard: tuple[int, int] = (0, 1), template=None):
-        """The training rows of data shard ``(index, count)`` (``run_sft``'s row builder)."""
-        from posttrain.sft.vision_rows import vision_rows
+        """The training rows of data shard ``(index, count)`` (the supervised run's row builder)."""
+        from posttrain.vision.rows import vision_rows
 
         index, count = shard
         kept = self.examples[index::count]
@@ -145,13 +147,13 @@ class VisionRun:
 
     def batches(self, batches):
         """The run's batches with their images as Tunix's images field."""
-        from posttrain.sft.vision_rows import with_images
+        from posttrain.vision.rows import with_images
 
         return with_images(batches, self.field)
 
     def score(self, model, mesh, chunk: int) -> dict[str, float] | None:
         """The held-out answer figures of ``model`` (None without a held-out split)."""
-        from posttrain.sft.vision_rows import answer_scores
+        from posttrain.vision.rows import answer_scores
 
         if self.held_out is None:
             return None
@@ -197,8 +199,8 @@ def prepare(cfg, tok, template, pad_id: int) -> VisionRun:
         tokenizer no image token; a bad data line or image (naming the file and line);
         a conversation whose image tokens do not fit its row (naming it).
     """
-    from posttrain.sft.vision_rows import fit_example, vision_rows
     from posttrain.training import tunix_compat
+    from posttrain.vision.rows import fit_example, vision_rows
 
     field = tunix_compat.image_field()
     if field is None:
@@ -242,8 +244,8 @@ def _encoded(cfg, tok, template, processing, vision) -> tuple[list, list]:
     """``(training examples, held-out examples)``: ``--data``'s (nothing held out), else
     the embedded set drawn into a temporary directory (every :data:`HELD_OUT_EVERY`-th
     held out)."""
-    from posttrain.sft import vision_default_data
-    from posttrain.sft.vision_data import encode_vision_chats, read_vision_jsonl
+    from posttrain.vision import default_data as vision_default_data
+    from posttrain.vision.data import encode_vision_chats, read_vision_jsonl
 
     placeholder = placeholder_of(tok, vision)
 
@@ -267,4 +269,25 @@ def held_out_line(before: dict[str, float], after: dict[str, float], rows: int) 
     return (
         f"held-out answers ({rows} images): loss {before['loss']:.3f} -> {after['loss']:.3f}, "
         f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
+    )
+
+
+def run_vision(
+    cfg, *, trainer_class: type | None = None, on_built=None, log_every: int | None = None
+) -> SFTResult:
+    """Runs (or resumes) one vision run: ``cfg`` is ``posttrain sft --vision``'s options
+    (an ``SFTConfig`` with ``vision`` set), the supervised run with :func:`prepare`'s
+    images.
+
+    Raises:
+      ValueError: a bad config, mesh, model, tokenizer, dataset or image (one line).
+    """
+    if not cfg.vision:
+        raise ValueError("run_vision: the options' vision is off (posttrain sft --vision)")
+    return run_supervised(
+        cfg,
+        trainer_class=trainer_class,
+        on_built=on_built,
+        log_every=log_every,
+        prepare_images=prepare,
     )

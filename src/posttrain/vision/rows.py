@@ -28,7 +28,7 @@ PIXELS, PATCH_POSITIONS = "image_pixels", "image_positions"
 
 
 def fit_example(example, max_target_length: int, overflow: str, image_token_id: int, where: str):
-    """``example`` (a :class:`~posttrain.sft.vision_data.VisionExample`) cut to
+    """``example`` (a :class:`~posttrain.vision.data.VisionExample`) cut to
     ``max_target_length`` tokens, or None when nothing of it is a target any more.
 
     Raises:

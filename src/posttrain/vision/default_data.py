@@ -2,7 +2,7 @@
 or a digit), each with a question and its answer, written in TRL's vision chat format.
 
 Deterministic for a seed, no download: :func:`write_dataset` writes ``images/*.png`` and
-``data.jsonl`` (:mod:`posttrain.sft.vision_data`'s format) into a directory.
+``data.jsonl`` (:mod:`posttrain.vision.data`'s format) into a directory.
 """
 
 from __future__ import annotations
