@@ -93,6 +93,7 @@ def test_commands_are_read_in_order_honouring_the_markers():
     assert found[0].bare() == "mkdir -p runs && echo made > runs/a"
     quoted = Command("x.md", 1, "python -c \"print('#1 it's')\"  # Tunix's")
     assert quoted.bare() == "python -c \"print('#1 it's')\""
+    assert Command("x.md", 1, "echo a#b  # c").bare() == "echo a#b"
     assert found[1].line == 8
     assert docs_run.commands("x.md", PAGE)[0].text == "bash .ci/run"
 
