@@ -77,7 +77,9 @@ def check(options: PlanOptions, cfg: ModelConfig, batch: int) -> None:
 
 
 def _check_counts(options: PlanOptions, cfg: ModelConfig, batch: int) -> None:
-    """Every dimension of ``cfg`` and count of ``options`` at most :data:`MAX_INDEX`."""
+    """Every count of ``options`` and dimension of ``cfg`` at most :data:`MAX_INDEX` (the
+    attention's heads and head_dim, the experts' count and width: ``ModelConfig`` checks
+    the others)."""
     values = {
         "batch": batch,
         "per_device_batch_size": options.per_device_batch_size,
@@ -92,7 +94,8 @@ def _check_counts(options: PlanOptions, cfg: ModelConfig, batch: int) -> None:
             if name == "batch" and options.batch is None:
                 flag = "--per-device-batch-size x the data-parallel size"
             raise ValueError(f"{name}={value} ({flag}): expected at most {MAX_INDEX} (2**31 - 1)")
-    dims = {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "d_ff": cfg.d_ff}
+    # vocab_size, d_model and d_ff: ModelConfig refuses them past MAX_DIM (every command)
+    dims: dict[str, int] = {}
     for attention in cfg.attention.values():
         dims.update(
             num_heads=max(dims.get("num_heads", 0), attention.num_heads),
