@@ -185,9 +185,14 @@ TARGETS: dict[str, list[str]] = {
         _NO_COMPILE,
     ],
     # --run-steps: the checks of the chips and a real run of a tiny step on the CPU
-    "src/posttrain/plan/measure.py": ["tests/test_plan_chip.py"],
+    "src/posttrain/plan/measure.py": ["tests/test_plan_chip.py", "tests/test_plan_measure.py"],
     "harness/chip_precision.py": ["tests/test_chip_precision.py"],
-    "harness/session_tuning.py": ["tests/test_harness.py", "-k", "profile or gc"],
+    "harness/session_tuning.py": [
+        "tests/test_harness.py",
+        "tests/test_session_tuning.py",
+        "-k",
+        "profile or gc or session_tuning",
+    ],
     # its own tests, without those that read the weekly workflow (not in mutmut's copy)
     "harness/mutant_sources.py": [
         "tests/test_mutants.py",

@@ -1,0 +1,100 @@
+"""``posttrain plan --run-steps``' checks of the chips and its run, at their edges: a
+one-chip slice, a topology whose chip has no TPU kind, a single step, a step's keyword
+arguments, and a refused step's memory figures. (tests/test_plan_chip.py holds the rest;
+CI has no chip, so the devices here are stand-ins with a device's fields.)"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from posttrain.plan import measure, topology
+
+
+class _Chip:
+    """A device as ``chip_devices`` and ``memory_peak`` read one."""
+
+    def __init__(self, id_: int, kind: str = "TPU v5 lite", stats: dict | None = None):
+        self.id, self.device_kind, self._stats = id_, kind, stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def _on_tpu(monkeypatch, chips):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(jax, "devices", lambda: chips)
+
+
+def test_a_one_chip_slice_runs_on_its_one_chip(monkeypatch):
+    """v5e-1: the one device is the slice (its kind read from the first device)."""
+    chip = _Chip(0, "TPU v5e")
+    _on_tpu(monkeypatch, [chip])
+    assert measure.chip_devices(topology.get("v5e-1")) == [chip]
+
+
+def test_the_first_chip_in_id_order_names_the_generation(monkeypatch):
+    """Chips of two kinds: the kind of the lowest id is the one judged and named."""
+    _on_tpu(monkeypatch, [_Chip(1, "TPU v5 lite"), _Chip(0, "TPU v4")])
+    with pytest.raises(ValueError) as error:
+        measure.chip_devices(
+            topology.Topology(
+                name="v5e-2", chip=topology.CHIPS["v5e"], chips=2, libtpu_name="v5e:1x2"
+            )
+        )
+    assert str(error.value) == (
+        "--run-steps: the devices here are 'TPU v4', not v5e ('TPU v5 lite' or 'TPU v5e')"
+    )
+
+
+def test_a_chip_with_no_tpu_kind_is_refused_naming_none(monkeypatch):
+    """An H200 plan on a TPU host: no device kind matches, the message says so."""
+    _on_tpu(monkeypatch, [_Chip(0)])
+    with pytest.raises(ValueError) as error:
+        measure.chip_devices(topology.get("h200"))
+    assert str(error.value) == (
+        "--run-steps: the devices here are 'TPU v5 lite', not h200 (unknown kind)"
+    )
+
+
+class _Step:
+    """A program that records its keyword arguments and fails at call ``fail_at``."""
+
+    def __init__(self, fail_at: int = 0, error: str = "", **kwargs):
+        self.calls, self.fail_at, self.error = 0, fail_at, error
+        self.args, self.kwargs, self.seen = (), kwargs, []
+
+    def jitted(self, **kwargs):
+        self.calls += 1
+        self.seen.append(kwargs)
+        if self.calls == self.fail_at:
+            raise RuntimeError(self.error)
+        return jnp.ones(())
+
+
+def test_one_step_is_a_run_and_its_time_is_the_step_time():
+    """--run-steps 1: one step, the first (compile included) is the step time."""
+    ran = measure.run_program(_Step(), 1, [])
+    assert ran.fits and ran.steps == 1
+    assert ran.step_seconds == ran.first_step_seconds > 0
+
+
+def test_each_step_gets_the_programs_keyword_arguments():
+    step = _Step(rng=7)
+    measure.run_program(step, 2, [])
+    assert step.seen == [{"rng": 7}, {"rng": 7}]
+
+
+def test_a_refused_step_reports_the_memory_the_chips_held():
+    """RESOURCE_EXHAUSTED at the first step: no step ran, fits is False, and the peak and
+    limit are the devices' (in use + reserved of the fullest, the smallest limit)."""
+    devices = [
+        _Chip(0, stats={"peak_bytes_in_use": 9, "peak_bytes_reserved": 1, "bytes_limit": 16}),
+        _Chip(1, stats={"peak_bytes_in_use": 5, "peak_bytes_reserved": 7, "bytes_limit": 20}),
+    ]
+    refused = measure.run_program(_Step(1, "RESOURCE_EXHAUSTED: hbm"), 3, devices)
+    assert refused.fits is False and refused.steps == 0
+    assert refused.first_step_seconds == 0.0 and refused.step_seconds == 0.0
+    assert (refused.peak_bytes, refused.bytes_limit) == (12, 16)
+    assert refused.error == "RESOURCE_EXHAUSTED: hbm"
