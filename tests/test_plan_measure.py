@@ -98,3 +98,41 @@ def test_a_refused_step_reports_the_memory_the_chips_held():
     assert refused.first_step_seconds == 0.0 and refused.step_seconds == 0.0
     assert (refused.peak_bytes, refused.bytes_limit) == (12, 16)
     assert refused.error == "RESOURCE_EXHAUSTED: hbm"
+
+
+class _Clock:
+    """``time.perf_counter`` for a program whose steps take ``durations`` seconds: each
+    call of the program moves it on by the next one (load-free step times)."""
+
+    def __init__(self, durations):
+        self.now, self.durations = 100.0, list(durations)
+
+    def __call__(self):
+        return self.now
+
+    def step(self):
+        self.now += self.durations.pop(0)
+        return jnp.ones(())
+
+
+@pytest.mark.parametrize(
+    ("durations", "median"),
+    [([5.0, 1.0], 1.0), ([5.0, 1.0, 2.0, 3.0], 2.0), ([5.0, 3.0, 1.0, 2.0], 2.0)],
+)
+def test_the_step_time_is_the_median_of_the_steps_after_the_first(monkeypatch, durations, median):
+    """The first step compiles: the step time is the median of the others alone."""
+    clock = _Clock(durations)
+    monkeypatch.setattr(measure.time, "perf_counter", clock)
+    program = _Step()
+    program.jitted = lambda: clock.step()
+    devices = [_Chip(0, stats={"peak_bytes_in_use": 9, "peak_bytes_reserved": 1,
+                               "bytes_limit": 16})]  # fmt: skip
+    ran = measure.run_program(program, len(durations), devices)
+    assert (ran.step_seconds, ran.first_step_seconds) == (median, 5.0)
+    assert (ran.peak_bytes, ran.bytes_limit, ran.fits) == (10, 16, True)
+
+
+def test_a_refusal_keeps_the_first_240_characters_of_its_line():
+    line = "RESOURCE_EXHAUSTED: " + "x" * 300
+    refused = measure.run_program(_Step(2, f"\n  {line}  \nmore"), 3, [])
+    assert refused.error == line[:240] and refused.steps == 1
