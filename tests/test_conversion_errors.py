@@ -13,6 +13,7 @@ import pytest
 from posttrain import cli, conversion
 from posttrain.conversion import ConversionError, to_hf_config
 from posttrain.conversion import transforms as tf
+from posttrain.families.gemma4_vision import vision_from_hf
 from posttrain.models import get_config
 from tests.checkpoints import hf_checkpoint, patch_rows, read_dir, write_hf_dir
 
@@ -313,3 +314,17 @@ def test_transform_shape_planning_names_what_is_wrong():
     broken = dataclasses.replace(tf.TRANSPOSE, to_native_fn=lambda a, s: [a[0][None]])
     with pytest.raises(ConversionError, match=r"transpose needs 2-D native tensors; output is 3-D"):
         broken.to_native([np.zeros((3, 2), np.float32)], [(2, 3)], ["w"])
+
+
+@pytest.mark.parametrize("rope_type", ["default", "axial"])
+def test_the_vision_tower_s_rope_reads_by_both_of_its_names(rope_type):
+    """transformers 5.12 writes the tower's 2-D rope as "default", 5.25 as "axial" (the
+    TPU image's release; its tiny vision model failed to convert there): one rope."""
+
+    def config(kind):
+        rope = {"rope_type": kind, "rope_theta": 100.0}
+        return {"vision_config": {"rope_parameters": rope, "head_dim": 8}, "text_config": {}}
+
+    assert vision_from_hf(config(rope_type)) == vision_from_hf(config("default"))
+    with pytest.raises(ConversionError, match="rope_type 'linear': one of default, axial only"):
+        vision_from_hf(config("linear"))

@@ -79,10 +79,19 @@ def test_the_advice_never_repeats_what_was_given(changes, chips, left):
     assert report.knobs(options, slice_) == left
 
 
-def test_run_steps_refuses_a_backend_that_is_not_the_topologys():
-    """--run-steps runs on the chips it planned for: here the CPU, so one line."""
-    with pytest.raises(ValueError, match="JAX's backend here is 'cpu', not a TPU v5e-1"):
-        measure.chip_devices(topology.get("v5e-1"))
+def test_run_steps_refuses_devices_that_are_not_the_topologys():
+    """--run-steps runs on the chips it planned for, one line otherwise: on a CPU or a GPU
+    the backend is named; on a TPU (the TPU tier) a slice of another size is refused."""
+    backend = jax.default_backend()
+    if backend != "tpu":
+        with pytest.raises(ValueError, match=f"JAX's backend here is '{backend}', not a TPU v5e-1"):
+            measure.chip_devices(topology.get("v5e-1"))
+        return
+    count = jax.device_count()
+    other = next(t for t in topology.TOPOLOGIES.values() if t.libtpu_name and t.chips != count)
+    message = f"topology {other.name} has {other.chips} chips, this process sees {count} TPU"
+    with pytest.raises(ValueError, match=message):
+        measure.chip_devices(other)
 
 
 def test_a_program_runs_its_steps_and_reports_each_until_ready():

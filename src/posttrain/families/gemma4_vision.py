@@ -98,6 +98,13 @@ UNSUPPORTED = (  # (vision_config field, values the native tower supports, why n
 )
 
 
+# The tower's 2-D rope (head_dim // 2 frequencies per axis, laid out h, h, w, w) by both of
+# its names: transformers 5.12 writes "default"; newer releases (5.25) call the same rope
+# "axial" and read a "default" as "axial" (Gemma4VisionConfig.default_rope_type), so a
+# written config keeps "default" and both releases load it.
+VISION_ROPE_TYPES = ("default", "axial")
+
+
 def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
     """The :class:`VisionConfig` of a ``Gemma4ForConditionalGeneration`` config.json,
     ``None`` when its ``vision_config`` is null or absent.
@@ -115,8 +122,11 @@ def vision_from_hf(config: Mapping[str, Any]) -> VisionConfig | None:
         if name in v and v[name] not in allowed:
             hf_fields.fail(field + name, f"{v[name]!r} is not supported ({why})")
     rope = v.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        hf_fields.fail(field + "rope_parameters", f"rope_type {rope['rope_type']!r}: default only")
+    if rope.get("rope_type", "default") not in VISION_ROPE_TYPES:
+        hf_fields.fail(
+            field + "rope_parameters",
+            f"rope_type {rope['rope_type']!r}: one of {', '.join(VISION_ROPE_TYPES)} only",
+        )
     heads = v.get("num_attention_heads", 12)
     text = config.get("text_config") or {}
     bidirectional = text.get("use_bidirectional_attention")

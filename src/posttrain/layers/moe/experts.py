@@ -18,6 +18,8 @@ All three compute ``sum_r weights[t, r] * expert_{ids[t, r]}(x[t])`` with
   (``benchmarks/moe.py``).
 * ``ragged``: ``jax.lax.ragged_dot`` over the assignments sorted by expert, for
   accelerators with ragged-matmul kernels (on CPU it is slower than ``dense``).
+  :func:`ragged_dot` steers around two XLA:TPU failures (libtpu 0.0.42, found on a
+  v5e, reproduced by a deviceless compile in ``tests/test_moe_tpu_compile.py``).
 
 The algorithm is ``MoEConfig.algorithm``, never chosen by platform.
 
@@ -35,6 +37,29 @@ from posttrain import sharding
 from posttrain.config import ActivationConfig, MoEConfig
 from posttrain.layers.mlp import gated_activation, kernel_value
 from posttrain.layers.moe import dispatch, grouped
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot(lhs, rhs, group_sizes)``, compilable for TPU.
+
+    Args: ``lhs`` [A, K] rows sorted by group, ``rhs`` [G, K, N] one matrix per group,
+    ``group_sizes`` [G] int32 summing to A. Returns [A, N] in the operands' dtype.
+
+    Two XLA:TPU compile failures (libtpu 0.0.42; the kernel is Mosaic's):
+
+    * one group (``num_experts == 1``): the group sizes fold to a constant and the
+      compiler fails a RET_CHECK in ``mask_aggregator.cc`` ("memory_space() ==
+      kHbm"). One group is every row times ``rhs[0]``: a plain dot, exactly.
+    * operands narrower than float32 under ``jax.default_matmul_precision("highest")``:
+      the kernel is asked for float32 contraction on bfloat16 vectors and refuses
+      ("Bad lhs type"). A bfloat16 product is exact in one pass, so the precision is
+      pinned to ``DEFAULT`` for them; float32 operands keep the caller's precision.
+    """
+    precision = None if lhs.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+    if rhs.shape[0] == 1:
+        return jnp.dot(lhs, rhs[0], precision=precision)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision)
+
 
 # lecun_normal per expert: fan_in is the input axis only, not E * in.
 _KERNEL_INIT = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
@@ -164,13 +189,13 @@ class Experts(nnx.Module):
         top_k = expert_ids.shape[1]
         s = dispatch.sort_by_expert(expert_ids, self.moe.num_experts)
         rows = x[s.order // top_k]  # [A, D] sorted by expert
-        gate = jax.lax.ragged_dot(rows, p["gate_proj"], s.group_sizes)  # [A, F]
-        up = jax.lax.ragged_dot(rows, p["up_proj"], s.group_sizes)  # [A, F]
+        gate = ragged_dot(rows, p["gate_proj"], s.group_sizes)  # [A, F]
+        up = ragged_dot(rows, p["up_proj"], s.group_sizes)  # [A, F]
         if p["gate_proj_bias"] is not None:
             gate = gate + p["gate_proj_bias"][s.sorted_ids]
             up = up + p["up_proj_bias"][s.sorted_ids]
         hidden = self._act(gate, up)  # [A, F]
-        out = jax.lax.ragged_dot(hidden, p["down_proj"], s.group_sizes)  # [A, D]
+        out = ragged_dot(hidden, p["down_proj"], s.group_sizes)  # [A, D]
         if p["down_proj_bias"] is not None:
             out = out + p["down_proj_bias"][s.sorted_ids]
         return dispatch.combine_rows(out, s.position, weights)
