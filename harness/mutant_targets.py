@@ -226,7 +226,11 @@ TARGETS: dict[str, list[str]] = {
         "-k",
         "not greedy",
     ],
-    "src/posttrain/chat/sandbox.py": ["tests/test_chat_bounds.py", "tests/test_chat.py"],
+    "src/posttrain/chat/sandbox.py": [
+        "tests/test_chat_bounds.py",
+        "tests/test_chat_sandbox.py",
+        "tests/test_chat.py",
+    ],
     "src/posttrain/chat/encode.py": [
         "tests/test_chat.py",
         "tests/test_chat_families.py",
