@@ -33,7 +33,7 @@ from pathlib import Path
 
 from _timing import best_time
 
-from harness.devices import configure_devices
+from harness.devices.devices import configure_devices
 
 DEFAULT_PRESETS = ("llama3-tiny", "qwen3_moe-tiny")
 

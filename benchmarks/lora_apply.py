@@ -42,7 +42,7 @@ import argparse
 
 from _timing import best_time
 
-from harness.devices import configure_devices
+from harness.devices.devices import configure_devices
 
 DEFAULT_PRESETS = ("qwen3-0.6b", "llama3-tiny")
 

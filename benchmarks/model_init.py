@@ -26,7 +26,7 @@ import argparse
 
 from _timing import best_time
 
-from harness.devices import configure_devices
+from harness.devices.devices import configure_devices
 
 DEFAULT_PRESETS = ("llama3-8b", "qwen3_moe-30b-a3b", "qwen3-tiny")
 

@@ -19,7 +19,7 @@ for both models whatever each skips (our causal query blocks) or repeats (Tunix'
 every expert on every token), and XLA's ``cost_analysis`` counts a scan's body once.
 
 "ceiling" is the share the step would reach if all but its matmuls took no time: model
-FLOPs over the wall time its dots occupy in a profiler trace (``harness.op_profile``), the
+FLOPs over the wall time its dots occupy in a profiler trace (``harness.tools.op_profile``), the
 most those matmuls, at the shapes XLA gave them, can do on this machine.
 
 ``--hlo DIR`` writes both compiled steps' HLO text and prints the op counts that differ
@@ -193,7 +193,7 @@ def _report(args, times: dict, n: int, flops: float, params: int) -> None:
 def write_hlo(directory: str, family: str, executables: dict) -> None:
     """Writes each compiled step's HLO text to ``directory`` and prints the op counts that
     differ between them (``executables``: ``{"ours": ..., "tunix": ...}``)."""
-    from harness.op_profile import opcodes
+    from harness.tools.op_profile import opcodes
 
     os.makedirs(directory, exist_ok=True)
     counts = {}
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
         },
         args.repeats,
     )
-    from harness.op_profile import dot_seconds, profile, top_ops
+    from harness.tools.op_profile import dot_seconds, profile, top_ops
 
     profiles = {}
     for name, step, exe in (("ours", ours_step, ours_exe), ("tunix", theirs_step, theirs_exe)):

@@ -14,7 +14,7 @@ release       ``TrainingInput.images``  default loss -> ``images=``   image proc
 
 ``posttrain sft --vision`` puts the images under the field's name
 (:func:`posttrain.training.tunix_compat.image_field`) and refuses a release without it; the
-matrix's vision cell is then n/a (``harness/vision_cell.py``). The image processor is
+matrix's vision cell is then n/a (``harness/matrix/vision_cell.py``). The image processor is
 recorded, not used: images are prepared as transformers prepares Gemma 4's
 (:mod:`posttrain.vision.data`).
 """

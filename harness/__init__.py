@@ -1,19 +1,24 @@
-"""The harness that keeps ``posttrain`` working while its upstreams move.
+"""The harness that keeps ``posttrain`` working while its upstreams move, in rooms.
 
-* :mod:`harness.devices` sets the JAX device source (N fake CPU devices, or the
-  real accelerators) before JAX starts, and reports the environment.
-* :mod:`harness.pytest_plugin` applies it to every pytest run (``--devices``),
-  registers the markers and hypothesis profiles and reports versions.
-* :mod:`harness.cli` is the ``posttrain-harness`` command's parser; :mod:`harness.gate`
-  runs the pre-merge gate and :mod:`harness.subcommands` the others (devices, launch,
-  matrix, bisect, report merge); :mod:`harness.mutants` the mutation runs and their
-  targets.
+From the top (a room imports only the rooms below it; pyproject's import-linter
+contracts keep it so):
+
+* :mod:`harness.cli`: the ``posttrain-harness`` command's parser and dispatch;
+  :mod:`harness.subcommands` the bodies of its subcommands other than the gate.
+* :mod:`harness.bisect`: name the upstream commit that broke a contract or run cell.
+* :mod:`harness.tools`: the developer tools no command imports (mutation testing, the
+  docs' commands and figures, the profiler trace's ops).
+* :mod:`harness.report`: the matrix report (JSON, Markdown, HTML) and its sections
+  (upstream drift, the plan fits).
+* :mod:`harness.matrix`: the compatibility matrix's rows, environments and run cells.
+* :mod:`harness.gate`: the test suite's pytest plugin and the pre-merge gate over it.
+* :mod:`harness.devices`: the JAX device source, and the local multi-process launcher.
 
 Importing this package imports no JAX and changes no global state.
 """
 
 from __future__ import annotations
 
-from harness.devices import configure_devices
+from harness.devices.devices import configure_devices
 
 __all__ = ["configure_devices"]

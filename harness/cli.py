@@ -10,8 +10,8 @@ Subcommands:
         Exit status: pytest's, except that a run that ran no test (pytest exit
         5, or every test skipped) is 1 with the message "gate ran no tests".
     launch: ``-n N [--devices-per-process M] -- COMMAND``: N local processes of
-        COMMAND joined into one JAX runtime (harness/launch.py).
-    matrix: the Tunix compatibility matrix (harness/matrix.py, harness/report.py):
+        COMMAND joined into one JAX runtime (harness/devices/launch.py).
+    matrix: the Tunix compatibility matrix (harness/matrix/matrix.py, harness/report/report.py):
         one cached env per compat/entries.toml entry, contracts + a short SFT run
         in each, reports/compat-matrix.{md,json,html}. ``--list [--json]`` prints the
         selected entries (one CI job each); ``--tunix-source`` adds Tunix from source.
@@ -29,8 +29,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness import sources
-from harness.gate import run_gate
+from harness.gate.gate import run_gate
+from harness.matrix import sources
 from harness.subcommands import (
     LATEST_REPORTS,
     REFERENCE_REPORTS,
@@ -259,7 +259,7 @@ def _report_command(commands) -> None:
 
 
 def _index_option(parser: argparse.ArgumentParser) -> None:
-    from harness import drift
+    from harness.report import drift
 
     parser.add_argument(
         "--index-url",

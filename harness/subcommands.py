@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import sys
 import time
@@ -14,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness import sources
-from harness.devices import configure_devices, device_facts
+from harness.devices.devices import configure_devices, device_facts
+from harness.matrix import sources
 
 REFERENCE_REPORTS = "reports"
 """The committed matrix report (the project's reference), relative to the checkout."""
@@ -24,9 +25,9 @@ LATEST_REPORTS = "reports/latest"
 
 
 def run_launch(args: argparse.Namespace, command: list[str]) -> int:
-    """``posttrain-harness launch``: :func:`harness.launch.launch`; bad input is one line
+    """``posttrain-harness launch``: :func:`harness.devices.launch.launch`; bad input is one line
     and exit status 2, before any process starts."""
-    from harness import launch
+    from harness.devices import launch
 
     try:
         return launch.launch(
@@ -47,9 +48,8 @@ def run_matrix(args: argparse.Namespace) -> int:
     with ``--update`` the kept rows count too) and every row ran, 1 otherwise, 2 for bad
     options (a malformed ``--tunix-source`` included; an unreachable one is an error row).
     """
-    import platform
-
-    from harness import entries, envs, matrix, progress, report
+    from harness.matrix import entries, envs, matrix, progress
+    from harness.report import report
 
     try:
         loaded = entries.load_entries(args.entries or entries.ENTRIES_FILE)
@@ -98,7 +98,7 @@ def run_matrix(args: argparse.Namespace) -> int:
         previous = _reference_report(args.report_dir)
     named = None
     if args.bisect:
-        from harness import bisect, bisect_suggestions
+        from harness.bisect import bisect, bisect_suggestions
 
         named = bisect.run_suggestions(
             bisect_suggestions.suggestions(rows),
@@ -111,7 +111,8 @@ def run_matrix(args: argparse.Namespace) -> int:
 def _reference_report(report_dir: Path) -> dict[str, Any] | None:
     """The committed reference report, to compare a first run in another directory with
     (None when ``report_dir`` is the reference's, or it is absent or unreadable)."""
-    from harness import entries, report
+    from harness.matrix import entries
+    from harness.report import report
 
     reference = entries.REPO / REFERENCE_REPORTS
     if report_dir.resolve() == reference.resolve():
@@ -132,7 +133,8 @@ def _write_report(
 ) -> int:
     """Builds (with drift, the flips against ``previous`` and the entries of ``every``
     it leaves out), writes and prints the report; the exit status of its cells."""
-    from harness import bisect_suggestions, drift, fits, report, report_md
+    from harness.bisect import bisect_suggestions
+    from harness.report import drift, fits, report, report_md
 
     built = report.build(
         rows,
@@ -165,7 +167,8 @@ def run_bisect(args: argparse.Namespace) -> int:
     (refs, a contract that does not exist, endpoints that are not what they claim)."""
     import tempfile
 
-    from harness import bisect, envs, git_history
+    from harness.bisect import bisect, git_history
+    from harness.matrix import envs
 
     def log(line: str) -> None:
         print(sources.redact(line), file=sys.stderr, flush=True)
@@ -204,7 +207,8 @@ def run_report_merge(args: argparse.Namespace) -> int:
     """``report merge DIR...``: the rows of each DIR's report, combined in the entries
     file's order (as ``matrix --update``), written to ``--report-dir`` and compared with
     the report already there. Exit status as ``matrix``; 2 for a missing or bad part."""
-    from harness import entries, report
+    from harness.matrix import entries
+    from harness.report import report
 
     parts = []
     try:

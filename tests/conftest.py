@@ -31,7 +31,7 @@ def jax_started():
     import jax
 
     jax.devices()
-    from harness import pytest_plugin
+    from harness.gate import pytest_plugin
 
     pytest_plugin.environment_facts()
     return jax

@@ -17,7 +17,7 @@ def scaled(ci_examples: int) -> int:
     """``max_examples`` for a test that runs ``ci_examples`` under the ``ci`` profile (the
     gate's): scaled with the loaded profile, so ``thorough`` runs 10x more and ``dev`` half.
     Read when the test module is imported, after the harness plugin loaded the profile."""
-    from harness.pytest_plugin import PROFILE_EXAMPLES
+    from harness.gate.pytest_plugin import PROFILE_EXAMPLES
 
     return max(1, round(ci_examples * settings().max_examples / PROFILE_EXAMPLES["ci"]))
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import bisect, bisect_suggestions, cli, envs, git_history, sources
+from harness import cli
+from harness.bisect import bisect, bisect_suggestions, git_history
+from harness.matrix import envs, sources
 from tests.test_matrix_sources import FAKE_PYPROJECT
 
 pytestmark = pytest.mark.host
@@ -243,7 +245,8 @@ def test_good_and_bad_naming_one_commit_are_refused_before_any_build(
 SIGTERM_DURING_BUILD = """
 import subprocess, sys
 from pathlib import Path
-from harness import cli, envs
+from harness import cli
+from harness.matrix import envs
 
 def build(self, entry, path):  # a build that is half done when the signal comes
     (path / "bin").mkdir(parents=True)
@@ -349,7 +352,7 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
     """A FAIL or warn cell of a source row gets the exact command, where the newest
     current release passes that column cleanly; a column the release also warns or
     fails in is no upstream regression between them, and gets none."""
-    from harness import report, report_md
+    from harness.report import report, report_md
 
     def row(name, tunix, contracts, sft, **more):
         return {"name": name, "tunix": tunix, "flavour": more.pop("flavour", "current"),
@@ -398,7 +401,7 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
 def test_matrix_bisect_runs_each_suggestion_and_names_the_commit(upstream, tmp_path):
     """matrix --bisect: the suggestion for a source row's failing cell, run, names c5 in
     the report's summary."""
-    from harness import report, report_md
+    from harness.report import report, report_md
 
     root, shas, contracts = upstream
     node = f"{contracts}::test_train_step_takes_is_update_step"

@@ -1,4 +1,4 @@
-"""harness.chip_precision: the ``matmul_precision`` marker pins what a test compares at,
+"""harness.gate.chip_precision: the ``matmul_precision`` marker pins what a test compares at,
 and ``--emulate-chip-precision`` multiplies float32 as a TPU does by default."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import chip_precision
+from harness.gate import chip_precision
 
 pytestmark = pytest.mark.host  # a CPU tool: on a TPU the default already is one bf16 pass
 

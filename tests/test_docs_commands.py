@@ -33,7 +33,7 @@ import shlex
 import pytest
 
 from harness import cli as harness_cli
-from harness.docs_run import NO_RUN, Command, blocks, joined
+from harness.tools.docs_run import NO_RUN, Command, blocks, joined
 from posttrain import cli, flags
 from posttrain.models.presets import PRESETS
 

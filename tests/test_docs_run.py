@@ -1,6 +1,6 @@
 """The fenced commands of README.md and docs/*.md, run as written, in order, in a fresh
-copy of the checkout (:mod:`harness.docs_run`), their quoted figures checked against what
-they print (:mod:`harness.docs_figures`), and the copy's ``git status`` clean afterwards.
+copy of the checkout (:mod:`harness.tools.docs_run`), their quoted figures checked against what
+they print (:mod:`harness.tools.docs_figures`), and the copy's ``git status`` clean afterwards.
 The gate runs the quick pages (:data:`QUICK`); the slow tier runs every page."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import subprocess
 
 import pytest
 
-from harness import docs_run
-from harness.docs_figures import FIGURES, Figure, agrees, check_figure, check_figures
-from harness.docs_run import NO_RUN, ROOT, SET_UP, Command, Result
+from harness.tools import docs_run
+from harness.tools.docs_figures import FIGURES, Figure, agrees, check_figure, check_figures
+from harness.tools.docs_run import NO_RUN, ROOT, SET_UP, Command, Result
 
 pytestmark = pytest.mark.host
 
@@ -179,7 +179,7 @@ def test_a_command_that_writes_outside_the_ignored_paths_leaves_the_copy_dirty(t
 
 
 def test_the_command_line_runs_a_page_logs_it_and_rechecks_the_log(tmp_path, capsys):
-    """``python -m harness.docs_run --page P --log F`` runs the page and writes each
+    """``python -m harness.tools.docs_run --page P --log F`` runs the page and writes each
     command's output; ``--from-log F`` checks the figures again without running; a page
     that is not one is a usage error."""
     log = tmp_path / "log.json"

@@ -1,6 +1,6 @@
-"""The matrix report's "fits" section (:mod:`harness.fits`): the seed configurations'
+"""The matrix report's "fits" section (:mod:`harness.report.fits`): the seed configurations'
 rows from real plans, their shape, and how the report shows them. No compile here: the
-rows are planned by ``python -m harness.fits`` (``tests/test_plan_seeds.py`` asserts the
+rows are planned by ``python -m harness.report.fits`` (``tests/test_plan_seeds.py`` asserts the
 same configurations' verdicts in the slow tier)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from harness import entries, fits, report, report_html, report_md
+from harness.matrix import entries
+from harness.report import fits, report, report_html, report_md
 from posttrain.plan import topology
 
 pytestmark = pytest.mark.host
@@ -72,7 +73,7 @@ def test_the_section_shows_each_seed_once_marks_surprises_and_names_the_missing(
     v5e = next(line for line in body if "one v5e" in line)
     assert "refused (RESOURCE_EXHAUSTED: 570.96G of HBM); try --remat full)" in v5e
     missing = next(line for line in body if line.startswith("| gpt-oss-20b rollout |"))
-    assert "not run: `python -m harness.fits --only 'gpt-oss-20b rollout'`" in missing
+    assert "not run: `python -m harness.report.fits --only 'gpt-oss-20b rollout'`" in missing
 
 
 def test_the_report_carries_the_section_in_markdown_and_html():
@@ -271,6 +272,6 @@ def test_main_without_only_plans_every_seed_into_reports(tmp_path, monkeypatch, 
         fits.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: python -m harness.fits" in out and "a seed name (repeatable)" in out
+    assert "usage: python -m harness.report.fits" in out and "a seed name (repeatable)" in out
     # the docstring's first line only
     assert 'The matrix report\'s "fits" section' in out and "Row (JSON object)" not in out

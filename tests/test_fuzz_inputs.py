@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import entries
+from harness.matrix import entries
 from posttrain import cli, sharding
 from posttrain.conversion import ConversionError, from_hf_config, to_hf_config
 from posttrain.conversion.errors import read_json_object

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import gate, pytest_plugin, session_tuning
-from harness.devices import (
+from harness.devices.devices import (
     BACKEND_OPT_FLAG,
     CODEGEN_SPLIT_FLAG,
     CORES,
@@ -27,6 +26,7 @@ from harness.devices import (
     forced_device_count,
     suite_env,
 )
+from harness.gate import gate, pytest_plugin, session_tuning
 from posttrain import atomic
 
 pytestmark = pytest.mark.host
@@ -159,7 +159,7 @@ def test_importing_the_harness_changes_nothing() -> None:
     """Importing every harness module imports no jax and leaves the environment alone."""
     code = (
         "import os, sys; before = dict(os.environ)\n"
-        "import harness, harness.devices, harness.pytest_plugin, harness.cli\n"
+        "import harness, harness.devices.devices, harness.gate.pytest_plugin, harness.cli\n"
         "print('jax' in sys.modules, dict(os.environ) == before)\n"
     )
     env = _subprocess_env()

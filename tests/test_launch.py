@@ -20,8 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from harness import launch
 from harness.cli import main as harness_main
+from harness.devices import launch
 
 pytestmark = pytest.mark.host
 

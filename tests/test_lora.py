@@ -288,7 +288,7 @@ def test_apply_lora_on_16_device_meshes():
     with four axes of size 2, or an axis of 16, which 8 devices cannot make. Slow tier: the
     8-device property and the old-rule teeth below catch the dummy-input regression."""
     code = textwrap.dedent("""
-        from harness.devices import configure_devices
+        from harness.devices.devices import configure_devices
         configure_devices(16)
         from hypothesis import given, settings
         from tests.strategies import presets_and_meshes, scaled

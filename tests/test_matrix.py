@@ -1,4 +1,5 @@
-"""The compatibility-matrix runner and report (harness/matrix.py, harness/report.py)."""
+"""The compatibility-matrix runner and report (harness/matrix/matrix.py and
+harness/report/report.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, entries, envs, matrix, report, report_md, run_cells
+from harness import cli
+from harness.matrix import entries, envs, matrix, run_cells
+from harness.report import report, report_md
 from posttrain.training import tunix_compat
 
 pytestmark = pytest.mark.host
@@ -466,7 +469,7 @@ def test_two_checkouts_do_not_share_an_environment(monkeypatch, tmp_path):
 def test_the_distill_run_parses_as_a_distill_run_config(tmp_path):
     """The distill cell's ``posttrain distill`` options are all real options with the
     intended values, and the run they describe passes its checks."""
-    from harness import distill_cell
+    from harness.matrix import distill_cell
     from posttrain import cli
 
     output = str(tmp_path / "out")
@@ -479,7 +482,7 @@ def test_the_distill_run_parses_as_a_distill_run_config(tmp_path):
 def test_the_distill_cell_reads_the_run_and_says_na_without_the_module(tmp_path):
     """``passed`` with the first and last step's loss and KL; n/a where the entry's Tunix has
     no ``tunix.distillation`` or the row is emulated; ``failed`` with the error line."""
-    from harness import distill_cell
+    from harness.matrix import distill_cell
 
     release = entries.Entry(name="r", tunix="0.1.7", flavour="current", convention="bound2")
     emulated = dataclasses.replace(release, emulated=True)
@@ -511,7 +514,7 @@ def test_the_distill_cell_reads_the_run_and_says_na_without_the_module(tmp_path)
 def test_the_vision_run_parses_as_an_sft_vision_config(tmp_path):
     """The vision cell's ``posttrain sft --vision`` options are all real options with the
     intended values, and the run they describe passes its checks."""
-    from harness import vision_cell
+    from harness.matrix import vision_cell
     from posttrain import cli
 
     output = str(tmp_path / "out")
@@ -525,7 +528,7 @@ def test_the_vision_cell_reads_the_run_and_says_na_without_the_images_field(tmp_
     """``passed`` with the first and last step's loss; n/a where the entry's
     ``TrainingInput`` has no images field or the row is emulated; ``failed`` with the
     error line of the probe or the run, or with the records of a short run."""
-    from harness import vision_cell
+    from harness.matrix import vision_cell
 
     release = entries.Entry(name="r", tunix="0.1.7", flavour="current", convention="bound2")
     emulated = dataclasses.replace(release, emulated=True)
@@ -569,6 +572,6 @@ def test_the_vision_cell_reads_the_run_and_says_na_without_the_images_field(tmp_
 
 
 def test_every_run_cell_is_a_report_column_in_order():
-    """A cell added to :data:`harness.run_cells.CELLS` is a report column (and a bisect
+    """A cell added to :data:`harness.matrix.run_cells.CELLS` is a report column (and a bisect
     target) in the same order, and no column lacks its runner."""
     assert tuple(run_cells.CELLS) == report.RUN_CELLS

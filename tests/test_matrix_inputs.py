@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, matrix, report, sources
+from harness import cli
+from harness.matrix import matrix, sources
+from harness.report import report
 
 pytestmark = pytest.mark.host
 

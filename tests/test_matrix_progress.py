@@ -11,17 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import (
-    cli,
-    entries,
-    envs,
-    matrix,
-    progress,
-    report,
-    report_html,
-    report_md,
-    subcommands,
-)
+from harness import cli, subcommands
+from harness.matrix import entries, envs, matrix, progress
+from harness.report import report, report_html, report_md
 from tests.test_matrix_inputs import _row
 
 pytestmark = pytest.mark.host

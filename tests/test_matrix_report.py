@@ -1,4 +1,4 @@
-"""The matrix report (harness/report.py, report_md.py, report_html.py, drift.py): flips
+"""The matrix report (harness/report/report.py, report_md.py, report_html.py, drift.py): flips
 since the previous report, the fan-out merge, drift against the package index, the
 Markdown's size, and the HTML as a real browser renders it."""
 
@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, drift, entries, matrix, report, report_html, report_md
+from harness import cli
+from harness.matrix import entries, matrix
+from harness.report import drift, report, report_html, report_md
 
 pytestmark = pytest.mark.host
 
@@ -160,7 +162,7 @@ def test_the_merged_report_equals_one_produced_in_a_single_run(tmp_path, capsys)
             return tmp_path / "envs" / entry.name
 
         def ensure(self, entry, rebuild=False):
-            from harness.envs import EnvResult
+            from harness.matrix.envs import EnvResult
 
             return EnvResult(self.path(entry), False, 0.0)
 
@@ -388,7 +390,7 @@ def test_the_report_tests_pass_twice_side_by_side(tmp_path):
     copies. A test that shares a path, a clock reading or any other state between
     workers fails here, where a single gate run shows it only now and then. The browser
     test is left out (a real chromium twice costs seconds and shares nothing of ours)."""
-    from harness import junit
+    from harness.gate import junit
 
     xml = tmp_path / "twice.xml"
     command = [

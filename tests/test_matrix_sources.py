@@ -1,5 +1,5 @@
-"""The matrix from a Tunix source (harness/sources.py), the warn verdict for upstream
-deprecations (harness/deprecations.py) and n/a for emulations over a base of another era."""
+"""The matrix from a Tunix source (harness/matrix/sources.py), the warn verdict for upstream
+deprecations (harness/gate/deprecations.py) and n/a for emulations over a base of another era."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import cli, entries, envs, matrix, run_cells, sources
+from harness import cli
+from harness.matrix import entries, envs, matrix, run_cells, sources
 from posttrain.training import tunix_compat
 
 pytestmark = pytest.mark.host
@@ -140,7 +141,7 @@ def test_a_source_that_cannot_be_had_is_a_one_line_error(spec, message):
 def test_a_source_url_that_looks_like_an_option_never_reaches_git_as_one(tmp_path, where):
     """A spec such as ``--upload-pack=CMD;://x`` is a URL to git (after
     ``--end-of-options``), never an option: git runs nothing and the spec is one line."""
-    from harness import git_history
+    from harness.bisect import git_history
 
     marker = tmp_path / "ran"
     spec = f"--upload-pack=touch {marker};echo ://x@main"
@@ -434,7 +435,7 @@ def test_only_files_of_this_checkout_outside_environments_count_as_ours():
     upstream."""
     import warnings
 
-    from harness import deprecations
+    from harness.gate import deprecations
 
     def message(path):
         return warnings.WarningMessage("m", DeprecationWarning, str(path), 1)

@@ -1,4 +1,4 @@
-"""The mutation-testing driver (harness/mutants.py): its config section and its report."""
+"""The mutation-testing driver (harness/tools/mutants.py): its config section and its report."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import tomllib
 
 import pytest
 
-from harness import mutants
+from harness.tools import mutants
 
 pytestmark = pytest.mark.host
 
 
 def test_each_target_is_a_source_file_with_a_test_selection():
-    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    root = pathlib.Path(mutants.__file__).resolve().parents[2]
     for module, selection in mutants.TARGETS.items():
         assert (root / module).is_file(), module
         files = [s.split("::")[0] for s in selection if s.startswith(("tests/", "contracts/"))]
@@ -33,11 +33,11 @@ def test_the_section_is_toml_that_mutates_one_module_with_its_tests():
 
 def test_mutmuts_copy_holds_what_building_this_checkout_reads():
     """The bisect and matrix tests build an environment of this checkout inside mutmut's
-    copy: pyproject's readme must be copied too (without it every harness/bisect.py run
+    copy: pyproject's readme must be copied too (without it every harness/bisect/bisect.py run
     failed in its stats phase, 'Readme file does not exist')."""
-    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    root = pathlib.Path(mutants.__file__).resolve().parents[2]
     readme = tomllib.loads((root / "pyproject.toml").read_text())["project"]["readme"]
-    for module in ("harness/git_history.py", "src/posttrain/training/loss.py"):
+    for module in ("harness/bisect/git_history.py", "src/posttrain/training/loss.py"):
         config = tomllib.loads(mutants._section(module, ["tests/x.py"], 1))["tool"]["mutmut"]
         assert readme in config["also_copy"], module
         assert module.split("/")[0] not in config["also_copy"]  # mutmut's own source path
@@ -96,7 +96,7 @@ def test_each_function_names_a_function_mutmut_mutates():
     """A pattern matching nothing would make mutmut stop with "nothing matches"; one for a
     renamed function would silently shrink the run, so each must name a real function,
     and an undecorated one (mutmut 3 does not mutate decorated functions)."""
-    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    root = pathlib.Path(mutants.__file__).resolve().parents[2]
     for module, names in mutants.FUNCTIONS.items():
         assert module in mutants.TARGETS, module
         assert set(names) <= mutants.function_names(module, root), module
@@ -118,7 +118,8 @@ def test_each_function_names_a_function_mutmut_mutates():
         ),
         (
             ["src/posttrain/training/loss.py", "--functions", "x_token_nll,x_tokn_nll"],
-            "--functions 'x_tokn_nll' is not a function mutmut mutates in src/posttrain/training/loss",
+            "--functions 'x_tokn_nll' is not a function mutmut mutates in "
+            "src/posttrain/training/loss",
         ),
         (
             ["src/posttrain/training/loss.py", "--functions", ""],
@@ -136,7 +137,7 @@ def test_the_weekly_workflow_runs_every_module_and_every_attention_function():
     """Each TARGETS module is a job of the weekly mutants matrix; a module split into
     shards (``--functions``: attention.py, and generate.py's jitted decode loop apart)
     names each function it has in them, once."""
-    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    root = pathlib.Path(mutants.__file__).resolve().parents[2]
     text = (root / ".github/workflows/matrix.yml").read_text()
     for module in mutants.TARGETS:
         assert f"- module: {module}\n" in text, module
@@ -237,7 +238,7 @@ def test_the_weekly_jobs_mutate_every_jitted_function_of_their_modules():
     the merge's shift, the step's finiteness check) are among those its weekly job mutates."""
     import ast
 
-    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    root = pathlib.Path(mutants.__file__).resolve().parents[2]
     jitted = {}
     for module in mutants.TARGETS:
         tree = ast.parse((root / module).read_text(encoding="utf-8"))
@@ -273,7 +274,7 @@ def test_the_stats_phase_traces_again_for_each_test(monkeypatch):
     monkeypatch.delenv("MUTANT_UNDER_TEST")
     mutants.pytest_runtest_setup(None)
     assert cleared == [1]
-    assert "harness.mutants" in mutants._PYTEST_ARGS
+    assert "harness.tools.mutants" in mutants._PYTEST_ARGS
 
 
 def test_the_scratch_copy_is_the_one_undecorated(monkeypatch, tmp_path):
@@ -281,7 +282,7 @@ def test_the_scratch_copy_is_the_one_undecorated(monkeypatch, tmp_path):
     leaves the checkout's file as it was."""
     import subprocess
 
-    root = pathlib.Path(mutants.__file__).resolve().parent.parent
+    root = pathlib.Path(mutants.__file__).resolve().parents[2]
     module = "src/posttrain/generate.py"
     before = (root / module).read_text(encoding="utf-8")
     seen = []

@@ -1,4 +1,4 @@
-"""harness.op_profile: which HLO instructions are matmuls, the union of their intervals in
+"""harness.tools.op_profile: which HLO instructions are matmuls, the union of their intervals in
 a profiler trace, and the per-kind totals (benchmarks/model_step.py's ceiling and --ops)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from harness.op_profile import (
+from harness.tools.op_profile import (
     Profile,
     dot_instructions,
     dot_seconds,

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from harness import fits
+from harness.report import fits
 from posttrain.plan import DoesNotFit, PlanOptions, plan, topology
 
 pytestmark = [pytest.mark.slow, pytest.mark.aot]
@@ -41,7 +41,7 @@ def _consistent(result) -> None:
 
 
 def _seed(name: str) -> PlanOptions:
-    """The seed configuration ``name`` (:data:`harness.fits.SEEDS`, what the report plans)."""
+    """The seed configuration ``name`` (:data:`harness.report.fits.SEEDS`: the report's)."""
     return PlanOptions(**fits.seed(name).options)
 
 

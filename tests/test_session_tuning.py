@@ -1,4 +1,4 @@
-"""``harness.session_tuning``: the profile chosen against a real pytest config (with and
+"""``harness.gate.session_tuning``: the profile chosen against a real pytest config (with and
 without hypothesis's own plugin), the derandomized profiles' settings, the environment
 unset, and an unknown profile's one line. In-process, milliseconds a test."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import session_tuning
+from harness.gate import session_tuning
 
 
 @pytest.fixture

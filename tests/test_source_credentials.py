@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import entries, envs, matrix, sources
+from harness.matrix import entries, envs, matrix, sources
 
 pytestmark = pytest.mark.host
 

@@ -1,4 +1,4 @@
-"""The harness's own verdicts in combination (harness/junit.py, matrix.junit_cells,
+"""The harness's own verdicts in combination (harness/gate/junit.py, matrix.junit_cells,
 report.py, report_md.py, report_html.py): every combination of test outcomes and
 upstream deprecations across a cell's tests, and the report's derived facts over random
 grids, against oracles written from the documented rules (docs/matrix.md), not from the
@@ -16,7 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness import deprecations, matrix, report, report_html, report_md
+from harness.gate import deprecations
+from harness.matrix import matrix
+from harness.report import report, report_html, report_md
 
 pytestmark = pytest.mark.host
 
@@ -327,7 +329,7 @@ def test_the_gate_summary_counts_every_outcome_and_its_verdict_needs_a_run(outco
     import pathlib
     import tempfile
 
-    from harness import gate
+    from harness.gate import gate
 
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "junit.xml"

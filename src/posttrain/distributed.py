@@ -5,7 +5,7 @@ devices; ``jax.distributed.initialize`` joins them into one set of global device
 mesh can span. This module does that once per process, before any computation, from
 one of two sources:
 
-- the local launcher (``posttrain-harness launch``, :mod:`harness.launch`) sets
+- the local launcher (``posttrain-harness launch``, :mod:`harness.devices.launch`) sets
   :data:`COORDINATOR`, :data:`NUM_PROCESSES` and :data:`PROCESS_ID`; on the CPU backend
   the cross-process collectives are gloo's (``jax_cpu_collectives_implementation``), and
   SIGTERM ends the process at once (JAX's preemption notifier would hold it);

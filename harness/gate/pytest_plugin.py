@@ -1,0 +1,407 @@
+"""pytest plugin of the harness: device source, markers, environment report, profiles, GC.
+
+Loaded through the ``pytest11`` entry point ``posttrain_harness``, so before any
+conftest or test module imports JAX. ``--devices`` is applied in
+``pytest_load_initial_conftests`` (before conftests are imported) and again,
+idempotently, in ``pytest_configure``; pytest-xdist workers load this plugin and
+parse the same command line, so they set the same device count. Nothing here
+imports JAX at module level; the hooks that need it import it after the device
+source is set.
+
+Markers:
+    devices(n): needs at least n devices; skipped when fewer exist, failed under
+        ``--strict-skips`` (the gate), where a silent skip would hide a test.
+    tpu, gpu, accelerator: needs that real backend (several: any of them).
+    slow: left out of the gate unless ``--slow``.
+    reference: needs torch and transformers.
+    host: exercises host code only (CLI parsing, reports, git, local processes); left
+        out, and counted, on a real accelerator (``--devices real`` on a TPU or GPU),
+        whose tier is for what the chip computes (``--host-tests run`` keeps them).
+    matmul_precision(name): the test (and its fixtures) run under
+        ``jax.default_matmul_precision(name)``; ``--emulate-chip-precision`` finds the
+        comparisons that need it (:mod:`harness.gate.chip_precision`).
+    contract(name): pins upstream symbol ``name``; recorded as the JUnit
+        testcase property ``contract`` for the reports.
+    convention(name): exercises Tunix train-step convention ``name`` (``installed``:
+        the installed release's own trainer). ``--conventions a,b`` keeps the tests
+        marked with one of them, and the unmarked ones when ``installed`` is among
+        them: how the matrix runs a release row (``installed``) or an emulated one.
+
+Real devices (``--devices real``): a backend that does not come up fails the session
+(never a run that skips everything), ``--require-backend tpu`` fails it on any other
+backend, and hypothesis loads the ``chip`` profile (each compile costs a chip far more
+than the CPU: the properties are explored on the CPU, sampled on the chip).
+
+``--upstream-deprecations record`` (the matrix): a deprecation raised from upstream
+code is recorded on its test instead of raised (:mod:`harness.gate.deprecations`).
+
+Hypothesis profiles and garbage collection: :mod:`harness.gate.session_tuning`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from harness.devices import devices as _devices
+from harness.gate import chip_precision, deprecation_recorder, session_tuning
+from harness.gate.session_tuning import (  # noqa: F401 (re-exported: tests and tools read them here)
+    GC_ENV_VAR,
+    GC_GEN2_THRESHOLD,
+    PROFILE_EXAMPLES,
+    finish_gc,
+    tune_gc,
+)
+
+MARKERS: tuple[str, ...] = (
+    "devices(n): needs at least n JAX devices; skipped when fewer exist "
+    "(a failure under --strict-skips)",
+    "tpu: needs a real TPU backend",
+    "gpu: needs a real GPU backend",
+    "accelerator: needs a real accelerator backend (TPU or GPU)",
+    "slow: slow test; the gate leaves it out unless --slow",
+    "reference: needs torch and transformers (HF reference implementations)",
+    "aot: compiles for a TPU slice through libtpu (the tpu extra); skipped where libtpu "
+    "is not installed (a failure under --strict-skips)",
+    "contract(name): pins the upstream symbol `name`; reports group results by it",
+    "host: exercises host code only (CLI parsing, reports, git, local processes); left "
+    "out on a real accelerator unless --host-tests run",
+    "matmul_precision(name): runs under jax.default_matmul_precision(name) (float32 "
+    "comparisons pin it: a TPU's default matmul is one bfloat16 pass)",
+    "convention(name): exercises Tunix train-step convention `name` (see --conventions)",
+)
+# Backend markers -> the jax.default_backend() values they accept.
+BACKEND_MARKERS: dict[str, tuple[str, ...]] = {
+    "tpu": ("tpu",),
+    "gpu": ("gpu",),
+    "accelerator": ("tpu", "gpu"),
+}
+REFERENCE_MODULES: tuple[str, ...] = ("torch", "transformers")
+ACCELERATOR_BACKENDS: tuple[str, ...] = ("tpu", "gpu")
+HOST_REASON = (
+    "host code only (CLI parsing, reports, git, local processes): the CPU tier runs it; "
+    "--host-tests run keeps it here"
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("posttrain-harness")
+    group.addoption(
+        "--devices",
+        dest="posttrain_devices",
+        metavar="N|real",
+        default=None,
+        help=f"N fake CPU devices, or 'real' for the real accelerators "
+        f"(default: ${_devices.ENV_VAR} or {_devices.DEFAULT_DEVICES})",
+    )
+    group.addoption(
+        "--strict-skips",
+        dest="strict_skips",
+        action="store_true",
+        default=False,
+        help="fail, instead of skipping, a test whose devices(n) marker asks for more "
+        "devices than exist (the gate sets this)",
+    )
+    group.addoption(
+        "--upstream-deprecations",
+        dest="upstream_deprecations",
+        choices=("error", "record"),
+        default="error",
+        help="'record': a deprecation raised from upstream code is shown, not raised, and "
+        "recorded on the test as the JUnit property upstream_deprecations (the matrix's warn "
+        "cells; harness/gate/deprecations.py); 'error' (default): filterwarnings decides",
+    )
+    _add_chip_options(group)
+    group.addoption(
+        "--conventions",
+        dest="conventions",
+        metavar="NAME,...",
+        default=None,
+        help="keep only the tests marked convention(NAME) for these names, and the "
+        "unmarked ones when 'installed' is among them (default: every test)",
+    )
+    group.addoption(
+        "--contract",
+        dest="contract",
+        metavar="NAME",
+        default=None,
+        help="keep only the tests marked contract(NAME) (a matrix column; bisect runs one)",
+    )
+
+
+def _add_chip_options(group) -> None:
+    """The options of a run on real chips: the backend required, the host tests, the
+    chip's precision emulated on the CPU."""
+    group.addoption(
+        "--require-backend",
+        dest="require_backend",
+        metavar="NAME",
+        default=None,
+        help="fail the session unless JAX's backend is NAME (tox -e tpu: tpu), instead "
+        "of running the suites on whatever came up",
+    )
+    group.addoption(
+        "--host-tests",
+        dest="host_tests",
+        choices=("auto", "run", "skip"),
+        default="auto",
+        help="tests marked host: 'auto' (default) leaves them out on a real accelerator "
+        "and runs them on the CPU; 'run' runs them everywhere; 'skip' leaves them out "
+        "everywhere",
+    )
+    group.addoption(
+        "--emulate-chip-precision",
+        dest="emulate_chip_precision",
+        action="store_true",
+        default=False,
+        help="multiply float32 at the default precision as a TPU does (one bfloat16 pass): "
+        "finds the float32 comparisons that need matmul_precision, without a TPU",
+    )
+
+
+def _apply_devices(value: str | None) -> int:
+    try:
+        return _devices.configure_devices(value)
+    except (ValueError, RuntimeError) as error:
+        raise pytest.UsageError(f"posttrain-harness: {error}") from None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(
+    early_config: pytest.Config, parser: pytest.Parser, args: list[str]
+) -> None:
+    # Before conftests are imported: one that imports jax then sees the devices.
+    _apply_devices(early_config.known_args_namespace.posttrain_devices)
+
+
+@pytest.hookimpl(tryfirst=True)  # before hypothesis's plugin loads --hypothesis-profile
+def pytest_configure(config: pytest.Config) -> None:
+    _apply_devices(config.getoption("posttrain_devices"))
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    session_tuning.load_hypothesis_profile(config)
+    config.pluginmanager.register(chip_precision.Pinning(), "posttrain_matmul_precision")
+    if config.getoption("emulate_chip_precision"):
+        import jax  # noqa: F401 (the device source is set: JAX may start)
+
+        config.add_cleanup(chip_precision.emulate())
+    if config.getoption("upstream_deprecations") == "record":
+        config.pluginmanager.register(
+            deprecation_recorder.Recorder(), "posttrain_upstream_deprecations"
+        )
+
+
+_gc_tuned = False
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # After collection: the test modules have imported what the tests use. Once per
+    # process: inner pytester sessions would each pay another full collection.
+    global _gc_tuned
+    if not _gc_tuned:
+        _gc_tuned = tune_gc()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _gc_tuned:
+        finish_gc()
+
+
+@functools.cache
+def environment_facts() -> dict[str, str]:
+    """Backend, device count and upstream versions of this process, as strings.
+
+    Imports jax (after the device source is set); cached per process.
+    """
+    try:
+        facts = _devices.device_facts()
+        found = {"backend": str(facts["backend"]), "device_count": str(facts["device_count"])}
+    except Exception as error:  # a broken jax install must still be reported, not crash
+        found = {"backend": f"unavailable ({type(error).__name__}: {error})", "device_count": "0"}
+    for name, version in _devices.package_versions().items():
+        found[f"version.{name}"] = version
+    return found
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    facts = environment_facts()
+    requested = os.environ.get(_devices.ENV_VAR, "?")
+    strict = "on" if config.getoption("strict_skips") else "off"
+    versions = ", ".join(f"{name} {facts[f'version.{name}']}" for name in _devices.DISTRIBUTIONS)
+    return [
+        f"posttrain-harness: backend {facts['backend']}, {facts['device_count']} devices "
+        f"(--devices {requested}), strict skips {strict}",
+        f"versions: {versions}",
+    ]
+
+
+def _junit_xml(config: pytest.Config) -> Any:
+    """The junitxml plugin's report object, when this process writes one."""
+    try:  # record_testsuite_property is a no-op under xdist; the stash key is not.
+        from _pytest.junitxml import xml_key
+    except ImportError:
+        return None
+    return config.stash.get(xml_key, None)
+
+
+def backend_problem(config: pytest.Config, facts: dict[str, str]) -> str | None:
+    """Why the session must not run on the backend that came up; ``None`` when it may.
+
+    On real devices a backend that did not start is an error, not a run that skips
+    every test; ``--require-backend NAME`` refuses any other backend.
+    """
+    backend = facts["backend"]
+    wanted = config.getoption("require_backend")
+    real = os.environ.get(_devices.ENV_VAR, "").strip().lower() == _devices.REAL
+    if backend.startswith("unavailable") and (real or wanted):
+        return f"posttrain-harness: the JAX backend did not come up: {backend}"
+    if wanted and backend != wanted:
+        return (
+            f"posttrain-harness: --require-backend {wanted}, but JAX's backend is {backend} "
+            f"({facts['device_count']} devices)"
+        )
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    problem = backend_problem(session.config, environment_facts())
+    if problem:
+        pytest.exit(problem, returncode=pytest.ExitCode.USAGE_ERROR)
+    xml = _junit_xml(session.config)
+    if xml is None:  # no --junitxml, or an xdist worker (the controller writes it)
+        return
+    xml.add_global_property("devices_option", os.environ.get(_devices.ENV_VAR, "?"))
+    xml.add_global_property("strict_skips", str(session.config.getoption("strict_skips")))
+    for name, value in environment_facts().items():
+        xml.add_global_property(name, value)
+
+
+def _marker_int(marker: pytest.Mark) -> int:
+    args: Sequence[object] = marker.args
+    if len(args) != 1 or marker.kwargs or type(args[0]) is not int or args[0] < 1:
+        pytest.fail(f"devices marker takes one positive int, got {marker}", pytrace=False)
+    return args[0]
+
+
+def leaves_out_host_tests(config: pytest.Config, backend: str) -> bool:
+    """Whether tests marked ``host`` are left out: ``--host-tests``, and for ``auto``
+    whether ``backend`` is a real accelerator."""
+    choice = config.getoption("host_tests")
+    return choice == "skip" or (choice == "auto" and backend in ACCELERATOR_BACKENDS)
+
+
+_HOST_LEFT_OUT = pytest.StashKey[int]()
+
+
+def _drop_host_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not leaves_out_host_tests(config, environment_facts()["backend"]):
+        return
+    dropped = [item for item in items if item.get_closest_marker("host") is not None]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item.get_closest_marker("host") is None]
+    config.stash[_HOST_LEFT_OUT] = len(dropped)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _HOST_LEFT_OUT in config.stash:
+        terminalreporter.write_line(
+            f"posttrain-harness: left out {config.stash[_HOST_LEFT_OUT]} tests marked host on "
+            f"{environment_facts()['backend']}: {HOST_REASON}"
+        )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _drop_host_tests(config, items)
+    chosen = config.getoption("conventions")
+    contract = config.getoption("contract")
+    if chosen is None and contract is None:
+        return
+    names = {name.strip() for name in (chosen or "").split(",") if name.strip()}
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker("convention")
+        if chosen is None:
+            wanted = True
+        else:
+            wanted = "installed" in names if marker is None else _one_name(item, marker) in names
+        if contract is not None:
+            pinned = item.get_closest_marker("contract")
+            wanted = wanted and pinned is not None and _contract_name(pinned) == contract
+        (kept if wanted else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
+def _one_name(item: pytest.Item, marker: pytest.Mark) -> str:
+    args: Sequence[object] = marker.args
+    if len(args) != 1 or marker.kwargs or not isinstance(args[0], str) or not args[0]:
+        raise pytest.UsageError(
+            f"{item.nodeid}: {marker.name} marker takes one name, got {marker.args}"
+        )
+    return args[0]
+
+
+def _contract_name(marker: pytest.Mark) -> str:
+    args: Sequence[object] = marker.args
+    if len(args) != 1 or marker.kwargs or not isinstance(args[0], str) or not args[0]:
+        pytest.fail(f"contract marker takes one non-empty name, got {marker}", pytrace=False)
+    return args[0]
+
+
+@functools.cache
+def _missing_reference_modules() -> tuple[str, ...]:
+    # find_spec, not import: importing torch costs seconds and is the test's business.
+    return tuple(name for name in REFERENCE_MODULES if importlib.util.find_spec(name) is None)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _check_markers(item)
+
+
+def _check_markers(item: pytest.Item) -> None:
+    """Records the contract; skips (or fails, under ``--strict-skips``) what the markers
+    say this session cannot run."""
+    contract = item.get_closest_marker("contract")
+    if contract is not None:
+        item.user_properties.append(("contract", _contract_name(contract)))
+
+    wanted = [name for name in BACKEND_MARKERS if item.get_closest_marker(name) is not None]
+    if wanted:
+        backend = environment_facts()["backend"]
+        if not any(backend in BACKEND_MARKERS[name] for name in wanted):
+            pytest.skip(f"needs a real {' or '.join(wanted)} backend; running on {backend}")
+
+    markers = list(item.iter_markers("devices"))
+    if markers:
+        needed = max(_marker_int(marker) for marker in markers)
+        available = int(environment_facts()["device_count"])
+        if available < needed:
+            reason = f"needs {needed} devices, {available} available"
+            if item.config.getoption("strict_skips"):
+                pytest.fail(
+                    f"{reason} (--strict-skips: a devices skip fails the gate; "
+                    f"run with --devices {needed} or more)",
+                    pytrace=False,
+                )
+            pytest.skip(f"{reason} (--devices {needed} runs it)")
+
+    if item.get_closest_marker("reference") is not None and _missing_reference_modules():
+        missing = ", ".join(_missing_reference_modules())
+        pytest.skip(f"reference test needs torch and transformers; not importable: {missing}")
+
+    if item.get_closest_marker("aot") is not None and importlib.util.find_spec("libtpu") is None:
+        reason = "needs libtpu to compile for a TPU slice: install the tpu extra"
+        if item.config.getoption("strict_skips"):
+            pytest.fail(f"{reason} (--strict-skips: the gate runs the aot tests)", pytrace=False)
+        pytest.skip(reason)

@@ -1,0 +1,139 @@
+"""The figures README.md and docs/*.md quote from a command's output, each beside the
+command that prints it and the tolerance it is held to (:data:`FIGURES`, read by
+:mod:`harness.tools.docs_run`).
+
+A figure is a regular expression on the page (its groups: the quoted values) and one on
+the output of the first command of that page matching ``command`` (its groups: the fresh
+values; the page's own expression by default). Numbers agree when the fresh one rounds to
+the quoted one at the quoted precision, or lies within ``tolerance`` (relative) of it;
+text agrees when equal. Figures of a machine (seconds, tokens/s) are not checked here: the
+README states once on which machine they were measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+NUMBER = re.compile(r"[+-]?\d[\d,]*(\.\d+)?(e[+-]?\d+)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    page: str
+    command: str  # a regular expression searched in the command's text (comment left out)
+    quoted: str  # a regular expression on the page; its groups are the quoted values
+    printed: str | None = None  # one on the command's output (default: ``quoted``)
+    tolerance: float = 0.0  # relative, for the numbers
+
+    def label(self) -> str:
+        return f"{self.page}: {self.quoted[:60]}"
+
+
+def agrees(quoted: str, fresh: str, tolerance: float) -> bool:
+    """Whether a fresh value is the quoted one (numbers: rounded to the quoted precision,
+    or within ``tolerance`` relative; text: equal)."""
+    if not (NUMBER.fullmatch(quoted) and NUMBER.fullmatch(fresh)):
+        return quoted == fresh
+    q, f = float(quoted.replace(",", "")), float(fresh.replace(",", ""))
+    digits = len(quoted.partition(".")[2]) if "e" not in quoted.lower() else None
+    if digits is not None and round(f, digits) == q:
+        return True
+    return abs(f - q) <= tolerance * abs(q)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    figure: Figure
+    quoted: tuple[str, ...]
+    fresh: tuple[str, ...] | None  # None: the command did not run or did not print it
+    ok: bool
+    why: str = ""
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok else "OFF "
+        fresh = " / ".join(self.fresh) if self.fresh is not None else self.why
+        return f"{mark}{self.figure.label()}: quoted {' / '.join(self.quoted)}, now {fresh}"
+
+
+def check_figure(figure: Figure, text: str, results) -> Check | None:
+    """One figure against the first matching command's output (``results``:
+    :class:`harness.tools.docs_run.Result`); None when that command was not run."""
+    ran = [
+        r
+        for r in results
+        if r.command.page == figure.page and re.search(figure.command, r.command.bare())
+    ]
+    if not ran:
+        return None
+    found = re.search(figure.quoted, text, re.M)
+    if found is None:
+        return Check(figure, (), None, False, "the page no longer quotes it")
+    quoted = found.groups()
+    printed = re.search(figure.printed or figure.quoted, ran[0].output, re.M)
+    if printed is None or len(printed.groups()) != len(quoted):
+        return Check(figure, quoted, None, False, "not printed")
+    fresh = printed.groups()
+    ok = all(agrees(q, f, figure.tolerance) for q, f in zip(quoted, fresh, strict=True))
+    return Check(figure, quoted, fresh, ok)
+
+
+def check_figures(texts: dict[str, str], results, figures) -> list[Check]:
+    """Every figure whose command ran (``texts``: page -> its text)."""
+    checks = (check_figure(f, texts[f.page], results) for f in figures)
+    return [c for c in checks if c is not None]
+
+
+_F = r"([\d.]+)"
+_SFT = r"posttrain sft$"
+FIGURES: tuple[Figure, ...] = (
+    # README 2: the default SFT run (deterministic on CPU: 1% for another CPU's rounding)
+    Figure("README.md", _SFT, r"model qwen3-tiny: ([\d,]+) params, [\d,]+ trained; ([\d,]+) rows"),
+    Figure("README.md", _SFT, rf"step 6: loss {_F}, grad_norm {_F}", tolerance=0.01),
+    Figure(
+        "README.md", _SFT, rf"steps 1-60: loss {_F} -> {_F} \(perplexity {_F}\)", tolerance=0.01
+    ),
+    # README 3: the default chat answer, greedy
+    Figure("README.md", r"generate --chat", r"^(n te te te[ te]*)$"),
+    # README 4
+    Figure(
+        "README.md",
+        r"posttrain dpo",
+        rf"steps 1-40: loss {_F} -> {_F}, preference accuracy {_F}, margin {_F}",
+        tolerance=0.01,
+    ),
+    Figure(
+        "README.md",
+        r"posttrain dpo",
+        rf"held-out \((\d+) pairs\): preference accuracy {_F} -> {_F}, reward margin {_F} -> {_F}",
+        tolerance=0.01,
+    ),
+    Figure(
+        "README.md",
+        r"posttrain grpo$",
+        rf"steps 1-150: reward {_F} -> {_F}; eval reward .*?{_F} -> {_F}",
+        tolerance=0.02,
+    ),
+    Figure(
+        "README.md",
+        r"posttrain distill$",
+        rf"held-out KL to the teacher falls {_F} -> {_F}",
+        rf"held-out KL.*?{_F} -> {_F}",
+        tolerance=0.01,
+    ),
+    # README 5: the plan example's row of the seeds' table
+    Figure(
+        "README.md",
+        r"posttrain plan --model llama3-70b",
+        r"\| the same, remat full \| [^|]+\| ([\d.]+) GiB \| fits "
+        r"\(estimate ([\d.]+) s.*?MFU (\d+)%",
+        r"peak ([\d.]+) GiB.*?estimate ([\d.]+) s.*?MFU (\d+)",
+        tolerance=0.02,
+    ),
+    # docs/sharding.md: a mesh the model cannot use (the gate runs this page)
+    Figure(
+        "docs/sharding.md",
+        r"forward --mesh tensor=8",
+        r"^(posttrain: error: num_kv_heads=\d+ is not divisible by mesh axes tensor=8)$",
+    ),
+)

@@ -1,0 +1,351 @@
+"""What mutation testing mutates, and with which tests: :data:`TARGETS` (module -> its
+test selection) and :data:`FUNCTIONS` (the functions mutated where not all are), read by
+:mod:`harness.tools.mutants` and kept in step with the weekly workflow's mutants jobs
+(``.github/workflows/matrix.yml``, checked by tests/test_mutants.py).
+"""
+
+from __future__ import annotations
+
+# module -> the tests that exercise it (pytest node ids or -k expressions after "-k").
+# tests/test_plan.py without its compiles (seconds, not a minute, per mutant): the logic
+# modules' own tests are the table, roofline, verdict, options and depth-line ones
+_NO_COMPILE = (
+    "not small_lora and not record_carries and not abstract_lora and not dpo_compiles "
+    "and not grpo_plan and not zeroed_lora_b and not old_policy"
+)
+
+TARGETS: dict[str, list[str]] = {
+    "src/posttrain/layers/moe/router.py": [
+        "tests/test_moe.py",
+        "tests/test_bf16.py::test_router_picks_the_fp32_winner_when_bf16_rounding_would_tie",
+    ],
+    "src/posttrain/layers/moe/dispatch.py": ["tests/test_moe.py"],
+    # test_bf16: the tiny MoE presets run the sorted experts in bfloat16
+    "src/posttrain/layers/moe/experts.py": ["tests/test_moe.py", "tests/test_bf16.py"],
+    # its backward is hand-written: test_moe's gradients against dense (float32, bfloat16)
+    "src/posttrain/layers/moe/grouped.py": [
+        "tests/test_moe_grouped.py",
+        "tests/test_moe.py",
+        "tests/test_bf16.py::test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32",
+    ],
+    # the block against HF's MoE families (shared expert, router input, capacity), each
+    # MoE field perturbed, the objective's weighted load-balancing loss
+    "src/posttrain/layers/moe/block.py": [
+        "tests/test_moe.py",
+        "tests/test_sft_objective.py",
+        "tests/test_bf16.py",
+        "tests/test_models.py::test_each_documented_stage_scope_holds_its_work",
+        "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
+        "tests/test_conversion_parity.py::test_config_variants_match_transformers",
+        "tests/test_config_sensitivity.py",
+    ],
+    # the attention's values come from HF parity (every family, the config variants, each
+    # quirk switched off), the field perturbations and the cached decode; test_models and
+    # test_bf16 only for what parity cannot see (stage scopes, logical axes, sharding
+    # constraints on a mesh, float32 islands and param dtypes): their scan, remat and MoE
+    # tests compare the attention with itself
+    "src/posttrain/layers/attention.py": [
+        "tests/test_models.py::test_forward_shapes_and_tunix_convention",
+        "tests/test_models.py::test_sharded_forward_equals_single_device",
+        "tests/test_models.py::test_parameters_name_only_known_logical_axes",
+        "tests/test_models.py::test_activations_name_only_known_logical_axes",
+        "tests/test_models.py::test_attention_shards_its_heads_over_tensor_and_d_model_over_fsdp",
+        "tests/test_models.py::test_a_mesh_check_mesh_accepts_shards_every_parameter",
+        "tests/test_models.py::test_profiles_name_the_attention_and_moe_stages",
+        "tests/test_models.py::test_each_documented_stage_scope_holds_its_work",
+        "tests/test_bf16.py::test_bf16_model_agrees_with_its_fp32_twin",
+        "tests/test_bf16.py::test_float32_islands_stay_float32_in_a_bf16_model",
+        "tests/test_bf16.py::test_every_parameter_takes_the_param_dtype",
+        "tests/test_bf16.py::test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_islands",
+        "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
+        "tests/test_conversion_parity.py::test_config_variants_match_transformers",
+        "tests/test_parity_fixtures.py",
+        "tests/test_config_sensitivity.py",
+        "tests/test_generate.py::test_incremental_decoding_equals_the_full_forward",
+        "tests/test_attention_blocks.py",
+        # the vision tower's attention: its 2-D RoPE's two sections
+        "tests/test_vision.py::test_vision_logits_match_transformers",
+    ],
+    # the projections and gated MLP: values from HF parity (every family's activation,
+    # biases, clipped vision linears), token_einsum's merge and its sharding guard
+    "src/posttrain/layers/mlp.py": [
+        "tests/test_attention_blocks.py",
+        "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
+        "tests/test_bf16.py::test_bf16_model_agrees_with_its_fp32_twin",
+        "tests/test_vision.py",
+    ],
+    # RoPE values against HF (the families of each RoPE kind, Llama 3's bands with
+    # factors other than its published 1 / 4, YaRN's clamped and collapsed correction
+    # ranges, Gemma 4's half rotary; HF's init functions over drawn parameters), each
+    # RoPE field perturbed, the bfloat16 round trip
+    "src/posttrain/layers/rope.py": [
+        "tests/test_rope.py",
+        "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
+        "tests/test_conversion_parity.py::test_config_variants_match_transformers",
+        "tests/test_config_sensitivity.py",
+        "tests/test_bf16.py::test_rope_rotates_in_float32_and_returns_the_activation_dtype",
+        "-k",
+        "llama3-hub or gpt_oss-hub or gemma4-hub or qwen3-hub or rope-bands or yarn or rotary "
+        "or Rope or rope_rotates",
+    ],
+    # the tower's values come from HF parity with images (patches, 2-D RoPE, pooling,
+    # padding, standardisation, projection, placement) and the placement/pixel properties
+    "src/posttrain/layers/vision.py": [
+        "tests/test_vision.py",
+        "tests/test_vision_bidirectional.py",
+        "tests/test_rope.py",
+    ],
+    # the tower's rows and config.json reader/writer: parity and the bit-exact round trip
+    "src/posttrain/families/gemma4_vision.py": [
+        "tests/test_vision.py",
+        "tests/test_families.py",
+        "tests/test_conversion_roundtrip.py",
+    ],
+    # images against transformers' own processor, the token expansion, the file errors
+    "src/posttrain/vision/data.py": ["tests/test_vision_data.py"],
+    "src/posttrain/vision_config.py": [
+        "tests/test_vision.py::test_vision_config_refuses_what_the_tower_cannot_run",
+        "tests/test_vision.py::test_every_vision_field_is_perturbed_shaped_or_the_data_s",
+        "tests/test_vision.py::test_perturbing_a_vision_field_moves_the_logits",
+    ],
+    "src/posttrain/vision/default_data.py": ["tests/test_vision_data.py"],
+    # #39: the rows' tests without the real run (a minute per surviving mutant)
+    "src/posttrain/vision/rows.py": ["tests/test_vision_sft.py", "-k", "not short_vision"],
+    "src/posttrain/vision/run.py": ["tests/test_vision_sft.py"],
+    # posttrain sft's run: text only (--vision is run_vision's); the pass-through is
+    # every SFT run test's
+    "src/posttrain/sft/run.py": ["tests/test_vision_sft.py", "-k", "refuse_each_others"],
+    "src/posttrain/commands/generate_image.py": ["tests/test_vision_generate.py"],
+    # check-logits' image batch: placement, padding and the two models' inputs (the HF
+    # parity runs themselves are slow-tier, which mutation runs leave out)
+    "src/posttrain/conversion/vision_parity.py": ["tests/test_vision_check_logits.py"],
+    "src/posttrain/conversion/directories.py": ["tests/test_atomic_writes.py"],
+    "src/posttrain/conversion/transforms.py": [
+        "tests/test_conversion_roundtrip.py",
+        "tests/test_conversion_errors.py",
+        "tests/test_conversion_parity.py::test_square_expert_kernels_convert_by_value",
+        "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
+    ],
+    "src/posttrain/training/loss.py": ["tests/test_sft_loss.py", "tests/test_sft_objective.py"],
+    # the LoRA run: in full fine-tuning the frozen part of the step's split is empty, so
+    # mutants of its filter and its copy passed the others; the NaN-weights save: the
+    # check before saving
+    "src/posttrain/training/trainer.py": [
+        "tests/test_sft_objective.py",
+        "contracts/test_sft_conventions.py",
+        "tests/test_sft_run.py::test_lora_run_checkpoints_only_the_adapters",
+        "tests/test_sft_run.py::test_non_finite_weights_are_never_checkpointed",
+    ],
+    "src/posttrain/training/metrics.py": [
+        "tests/test_sft_run.py",
+        "contracts/test_sft_conventions.py",
+    ],
+    "src/posttrain/layers/kv_cache.py": ["tests/test_generate.py", "-k", "incremental or cache"],
+    "src/posttrain/generate.py": ["tests/test_generate.py", "-k", "not cli"],
+    "src/posttrain/lora/merge.py": ["tests/test_lora.py", "-k", "merge or zero_adapter"],
+    "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
+    "src/posttrain/training/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
+    "src/posttrain/rl/rewards.py": ["tests/test_rl.py", "tests/test_reward_probe.py"],
+    "harness/matrix/progress.py": ["tests/test_matrix_progress.py"],
+    "harness/tools/op_profile.py": ["tests/test_op_profile.py"],
+    "harness/bisect/bisect.py": ["tests/test_bisect.py"],
+    # runs only in child pytest sessions: mutmut records no test for it (scored "no tests")
+    "harness/gate/deprecation_recorder.py": ["tests/test_verdicts.py"],
+    "harness/matrix/run_cells.py": ["tests/test_matrix.py", "tests/test_matrix_sources.py"],
+    # without the bisections that build environments (a minute per mutant)
+    "harness/bisect/bisect_suggestions.py": ["tests/test_bisect.py", "-k", "suggests"],
+    "harness/bisect/git_history.py": [
+        "tests/test_bisect.py",
+        "-k",
+        "not real_bisection and not matrix_bisect_runs",
+    ],
+    # the gate's command, exit status and summary; the subcommands' bodies (#37's split)
+    "harness/gate/gate.py": ["tests/test_verdicts.py", "tests/test_harness.py"],
+    "harness/subcommands.py": [
+        "tests/test_matrix_progress.py",
+        "tests/test_bisect.py",
+        "tests/test_harness.py",
+    ],
+    # the CLI generated from the options, and the checks every run shares
+    "src/posttrain/flags.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
+    "src/posttrain/training/options.py": [
+        "tests/test_run_options.py",
+        "tests/test_model_option.py",
+        "tests/test_sft_run.py::test_cli_bad_input_is_one_line_and_exit_2",
+        "tests/test_preference.py::test_the_run_config_names_the_bad_field",
+        "tests/test_rl.py::test_the_run_config_names_the_bad_field",
+    ],
+    "src/posttrain/training/tunix_loss.py": ["tests/test_tunix_compat.py"],
+    # the plan's logic and one real compile (libtpu: the tpu extra); not the seeds' (minutes)
+    "src/posttrain/plan/topology.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
+    "src/posttrain/plan/report.py": [
+        "tests/test_plan.py",
+        "tests/test_plan_chip.py",
+        "-k",
+        _NO_COMPILE,
+    ],
+    # --run-steps: the checks of the chips and a real run of a tiny step on the CPU
+    "src/posttrain/plan/measure.py": ["tests/test_plan_chip.py", "tests/test_plan_measure.py"],
+    "harness/gate/chip_precision.py": ["tests/test_chip_precision.py"],
+    "harness/gate/session_tuning.py": [
+        "tests/test_harness.py",
+        "tests/test_session_tuning.py",
+        "-k",
+        "profile or gc or session_tuning",
+    ],
+    # its own tests, without those that read the weekly workflow (not in mutmut's copy)
+    "harness/tools/mutant_sources.py": [
+        "tests/test_mutants.py",
+        "-k",
+        "undecorate or each_function_names or scratch_copy or patterns",
+    ],
+    "harness/report/report_shape.py": ["tests/test_matrix_inputs.py"],  # #56: a malformed part
+    "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
+    "src/posttrain/plan/depth.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
+    # #56 7: each bound at its edge, and the CLI's refusals (checked before any compile)
+    "src/posttrain/plan/sizes.py": [
+        "tests/test_plan_sizes.py",
+        "tests/test_plan.py::test_cli_refuses_bad_input_with_one_line_before_compiling",
+    ],
+    "src/posttrain/plan/abstract.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/steps.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/cli.py": ["tests/test_plan.py"],
+    "src/posttrain/plan/workflows.py": ["tests/test_plan.py"],
+    # the committed reports/ are not in the scratch copy: their test stays out
+    "harness/report/fits.py": ["tests/test_fits.py", "-k", "not committed_rows"],
+    # the docs run: the gate's tests (the quick page in a fresh copy), not the slow run
+    "harness/tools/docs_run.py": ["tests/test_docs_run.py", "-k", "not every_docs_command"],
+    "harness/tools/docs_figures.py": ["tests/test_docs_run.py", "-k", "not every_docs_command"],
+    "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
+    # a checkpoint's formats: the family tests (transformers' masks and ids, SFT and DPO spans
+    # of each format), the unit tests; not greedy generation (a compile per mutant)
+    "src/posttrain/chat/template.py": [
+        "tests/test_chat.py",
+        "tests/test_chat_families.py",
+        "-k",
+        "not greedy",
+    ],
+    "src/posttrain/chat/sandbox.py": [
+        "tests/test_chat_bounds.py",
+        "tests/test_chat_sandbox.py",
+        "tests/test_chat.py",
+    ],
+    "src/posttrain/chat/encode.py": [
+        "tests/test_chat.py",
+        "tests/test_chat_families.py",
+        "tests/test_preference.py",
+        "-k",
+        "not greedy",
+    ],
+    "src/posttrain/chat/generation_config.py": [
+        "tests/test_chat.py",
+        "tests/test_chat_families.py",
+        "-k",
+        "not greedy",
+    ],
+    # distillation: the hand-computed loss, the broken variants, a real run, accumulation
+    "src/posttrain/distill/loss.py": [
+        "contracts/test_tunix_distill.py",
+        "contracts/test_tunix_distill_features.py",
+    ],
+    "src/posttrain/distill/tunix_distill.py": ["contracts/test_tunix_distill.py"],
+    # the written-out logit loss and its check against the release's own
+    "src/posttrain/distill/logit_loss.py": [
+        "contracts/test_tunix_distill.py",
+        "-k",
+        "written_out or hand_computed or accumulated",
+    ],
+    "src/posttrain/distill/trainer.py": [
+        "contracts/test_tunix_distill.py",
+        "contracts/test_tunix_distill_features.py",
+        "tests/test_distill_teacher_dtype.py",
+    ],
+    "harness/matrix/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
+    "src/posttrain/distill/features.py": ["contracts/test_tunix_distill_features.py"],
+    "src/posttrain/models/taps.py": [
+        "tests/test_taps.py",
+        "contracts/test_tunix_distill_features.py",
+    ],
+    "harness/matrix/vision_cell.py": ["tests/test_matrix.py", "-k", "vision"],  # #39
+    # the run base and the generated CLI (#37): their targets, first scores to come
+    "src/posttrain/cli_options.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
+    "src/posttrain/commands/checkpoints.py": [
+        "tests/test_conversion_errors.py",
+        "tests/test_cli_options.py",
+    ],
+    "src/posttrain/commands/generate.py": [
+        "tests/test_generate.py",
+        "tests/test_chat_families.py",
+        "-k",
+        "cli or greedy",
+    ],
+    "src/posttrain/commands/training.py": [
+        "tests/test_sft_run.py",
+        "tests/test_preference.py",
+        "tests/test_rl.py",
+        "tests/test_distill_run.py",
+    ],
+    "src/posttrain/distill/options.py": ["tests/test_distill_run.py", "tests/test_run_options.py"],
+    "src/posttrain/distill/run.py": ["tests/test_distill_run.py"],
+    "src/posttrain/preference/options.py": [
+        "tests/test_preference.py",
+        "tests/test_run_options.py",
+    ],
+    "src/posttrain/rl/metrics.py": ["tests/test_rl.py"],
+    "src/posttrain/rl/options.py": ["tests/test_rl.py", "tests/test_run_options.py"],
+    "src/posttrain/rl/tunix_cluster.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
+    # the run's Tunix configs and cluster (#37's split of rl/run.py)
+    "src/posttrain/rl/build.py": ["contracts/test_tunix_rl.py", "tests/test_rl.py"],
+    "src/posttrain/training/directory.py": ["tests/test_sft_run.py", "tests/test_run_options.py"],
+    "src/posttrain/training/export.py": [
+        "tests/test_sft_run.py",
+        "tests/test_lora.py",
+        "-k",
+        "export or run",
+    ],
+    # the runs in the checkpoint's format, the refusals, the export's files
+    "src/posttrain/training/formats.py": [
+        "tests/test_chat_runs.py",
+        "tests/test_sft_run.py",
+        "-k",
+        "chat or template or bad_input",
+    ],
+    "src/posttrain/training/loading.py": ["tests/test_sft_run.py", "tests/test_preference.py"],
+    "src/posttrain/training/shards.py": ["tests/test_process_layouts.py", "tests/test_sft_run.py"],
+    "src/posttrain/training/optimizer.py": [
+        "tests/test_option_sensitivity.py",
+        "tests/test_sft_run.py",
+    ],
+    "src/posttrain/sft/options.py": [
+        "tests/test_sft_run.py",
+        "tests/test_run_options.py",
+        "tests/test_model_option.py",
+    ],
+    # reliability of the inputs and faults (#40)
+    "src/posttrain/limits.py": ["tests/test_generate_inputs.py"],
+    "src/posttrain/commands/generate_inputs.py": ["tests/test_generate_inputs.py"],
+    "src/posttrain/training/checks.py": ["tests/test_run_checks.py"],
+    "src/posttrain/training/record.py": ["tests/test_run_checks.py", "tests/test_sft_run.py"],
+    "src/posttrain/signals.py": ["tests/test_signals.py"],
+    "src/posttrain/training/stops.py": ["tests/test_disk_full.py", "tests/test_signals.py"],
+}
+# module -> the functions mutated, by mutmut's names
+# (:func:`harness.tools.mutant_sources.function_names`); a module
+# not listed has every function mutated, and ``--functions`` overrides either.
+# ``xǁClassǁmethod`` names a method, ``x_name`` a module-level function (mutmut's
+# mangling). mutmut 3 leaves decorated functions alone (the step's
+# ``create_train_step_fn`` is ``@override``), except those
+# :func:`harness.tools.mutant_sources.undecorate` frees
+# (metrics.py's ``all_finite``, ``@jax.jit``).
+FUNCTIONS: dict[str, tuple[str, ...]] = {
+    # the step (objective, gradients, the update or skip, the logged terms), not the
+    # trainer's Tunix plumbing (saves, placement, closing)
+    "src/posttrain/training/trainer.py": (
+        "xǁSFTTrainerMixinǁ_objective",
+        "xǁSFTTrainerMixinǁ_report",
+        "xǁSFTTrainerMixinǁ_grads",
+        "xǁSFTTrainerMixinǁ_step_body",
+        "x_default_moe_aux_loss_weight",
+    ),
+}
