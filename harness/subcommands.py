@@ -134,7 +134,7 @@ def _write_report(
     """Builds (with drift, the flips against ``previous`` and the entries of ``every``
     it leaves out), writes and prints the report; the exit status of its cells."""
     from harness.bisect import bisect_suggestions
-    from harness.report import drift, fits, report, report_md
+    from harness.report import drift, fits, report, report_files, report_md
 
     built = report.build(
         rows,
@@ -145,7 +145,7 @@ def _write_report(
         bisect=bisect_suggestions.suggestions(rows) if bisected is None else bisected,
         fits=fits.load(args.report_dir),  # the plans' rows beside the report, if any
     )
-    paths = report.write(built, args.report_dir)
+    paths = report_files.write(built, args.report_dir)
     print(sources.redact(report_md.markdown(built)))
     print("report: " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 1 if built["broken"] else 0

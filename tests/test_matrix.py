@@ -13,7 +13,7 @@ import pytest
 
 from harness import cli
 from harness.matrix import entries, envs, matrix, run_cells
-from harness.report import report, report_md
+from harness.report import report, report_files, report_md
 from posttrain.training import tunix_compat
 
 pytestmark = pytest.mark.host
@@ -217,7 +217,7 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     assert firsts[("current", "B")]["after_passing"] == "v2"
     assert firsts[("current", "sft")]["error"] == "sft broke"
     assert ("era", "A") not in firsts
-    paths = report.write(built, tmp_path)
+    paths = report_files.write(built, tmp_path)
     md, js, page = (p.read_text() for p in paths)
     assert "first fails in **v3** after passing in v2: boom in v3" in md
     assert "| v3 | - · 0.10.2 · - · - · - | ❌ | 💥 | ❌ |  |  |" in md
@@ -226,7 +226,7 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
 
 
 def test_update_merges_rerun_rows_into_the_report_in_entry_order(tmp_path):
-    report.write(
+    report_files.write(
         report.build(
             [row("v1", "current", {"A": "passed"}), row("v2", "current", {"A": "failed"})], "m"
         ),

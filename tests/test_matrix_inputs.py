@@ -10,7 +10,7 @@ import pytest
 
 from harness import cli
 from harness.matrix import matrix, sources
-from harness.report import report
+from harness.report import report, report_files
 
 pytestmark = pytest.mark.host
 
@@ -90,7 +90,7 @@ def test_a_well_formed_report_passes_the_shape_check():
 
 def test_a_part_without_entries_is_refused(tmp_path, capsys):
     where = tmp_path / "part"
-    report.write(report.build([], "m"), where)
+    report_files.write(report.build([], "m"), where)
     out = tmp_path / "merged"
     assert cli.main(["report", "merge", str(where), "--report-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

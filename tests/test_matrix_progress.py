@@ -13,7 +13,7 @@ import pytest
 
 from harness import cli, subcommands
 from harness.matrix import entries, envs, matrix, progress
-from harness.report import report, report_html, report_md
+from harness.report import report, report_files, report_html, report_md
 from tests.test_matrix_inputs import _row
 
 pytestmark = pytest.mark.host
@@ -175,7 +175,7 @@ def test_a_users_run_writes_outside_the_committed_report(tmp_path):
 
 def test_a_first_run_is_compared_with_the_committed_reference(tmp_path, monkeypatch):
     reference = tmp_path / "repo" / "reports"
-    report.write(report.build([_row("a")], "ref machine"), reference)
+    report_files.write(report.build([_row("a")], "ref machine"), reference)
     monkeypatch.setattr(entries, "REPO", tmp_path / "repo")
     compared = subcommands._reference_report(tmp_path / "latest")
     assert compared is not None and compared["machine"] == "ref machine"

@@ -17,7 +17,7 @@ import pytest
 
 from harness import cli
 from harness.matrix import entries, matrix
-from harness.report import drift, report, report_html, report_md
+from harness.report import drift, report, report_files, report_html, report_md
 
 pytestmark = pytest.mark.host
 
@@ -175,7 +175,7 @@ def test_the_merged_report_equals_one_produced_in_a_single_run(tmp_path, capsys)
     parts = []
     for entry in reversed(loaded):  # any order: the entries file decides
         where = tmp_path / "parts" / entry.name
-        report.write(report.build(rows_of([entry], where), "m"), where)
+        report_files.write(report.build(rows_of([entry], where), "m"), where)
         parts.append(str(where))
     argv = ["report", "merge", *parts, "--report-dir", str(tmp_path / "merged")]
     status = cli.main([*argv, "--entries", str(path), "--index-url", "off"])

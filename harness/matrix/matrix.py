@@ -48,7 +48,6 @@ from harness.matrix import run_cells, sources
 from harness.matrix.entries import REPO, Entry
 from harness.matrix.envs import EnvCache, EnvResult, Runner, _run, first_error, versions
 from harness.matrix.progress import Progress
-from harness.report.report import RUN_CELLS
 
 
 def junit_cells(path: Path, root: Path = REPO) -> dict[str, dict[str, Any]]:
@@ -125,7 +124,7 @@ def run(
             if entry.broken
             else cache.ensure(env_entry, rebuild=rebuild)
         )
-        cells = ", ".join(RUN_CELLS)
+        cells = ", ".join(run_cells.CELLS)
         log(
             f"{where}: "
             f"{'env error: ' + env.error if env.error else 'running contracts and ' + cells}"
@@ -133,7 +132,7 @@ def run(
         )
         row = run_entry(entry, env, report_dir, jobs, run=runner or _run, phase=progress.phase)
         rows.append(row)
-        cells = [*row["contracts"].values(), *(row[c] for c in RUN_CELLS if row.get(c))]
+        cells = [*row["contracts"].values(), *(row[c] for c in run_cells.CELLS if row.get(c))]
         bad = [c for c in cells if c["status"] in ("failed", "error")]
         log(
             f"{where}: {len(cells) - len(bad)}/{len(cells)} cells pass"

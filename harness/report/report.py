@@ -18,7 +18,8 @@ them:
   ``posttrain plan`` (:mod:`harness.report.fits`), or None when no plan rows exist.
 
 The Markdown (:mod:`harness.report.report_md`) is for a PR comment; the HTML
-(:mod:`harness.report.report_html`) is one self-contained page.
+(:mod:`harness.report.report_html`) is one self-contained page; both and the JSON are
+written by :func:`harness.report.report_files.write`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from typing import Any
 
 from harness.matrix import sources
 from harness.report.report_shape import RUN_CELLS, STATUSES, check_shape
-from posttrain import atomic
 
 BAD = ("failed", "error")
 REPORT_NAME = "compat-matrix"
@@ -263,23 +263,6 @@ def combine(
             by_name[row["name"]] = row
     rank = {name: i for i, name in enumerate(order)}
     return sorted(by_name.values(), key=lambda r: rank.get(r["name"], len(rank)))
-
-
-def write(report: dict[str, Any], report_dir: Path) -> list[Path]:
-    """Writes the three files atomically; returns their paths."""
-    from harness.report import report_html, report_md
-
-    report_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for suffix, text in (
-        ("md", report_md.markdown(report)),
-        ("json", json.dumps(report, indent=2) + "\n"),
-        ("html", report_html.page(report)),
-    ):
-        path = report_dir / f"{REPORT_NAME}.{suffix}"
-        atomic.write_text(path, sources.redact(text))  # no credentials of a source URL
-        paths.append(path)
-    return paths
 
 
 # What the two renderings share.
