@@ -10,7 +10,7 @@ from typing import Any
 STATUSES = ("passed", "warned", "skipped", "failed", "error")
 """Cell statuses, best to worst; ``skipped`` is shown as n/a (its message says why)."""
 RUN_CELLS = ("sft", "rl", "dpo", "distill", "vision")
-"""The columns after the contracts: one real run each (``harness.matrix.matrix``)."""
+"""The columns after the contracts: one real run each (:data:`harness.matrix.run_cells.CELLS`)."""
 
 
 def _cell_problem(cell: Any) -> str | None:
