@@ -130,6 +130,12 @@ FIGURES: tuple[Figure, ...] = (
         r"peak ([\d.]+) GiB.*?estimate ([\d.]+) s.*?MFU (\d+)",
         tolerance=0.02,
     ),
+    # docs/generation.md: the benchmark's cache (its speeds are the machine's)
+    Figure(
+        "docs/generation.md",
+        r"benchmarks/generate\.py",
+        r"cache: ([\d,]+) bytes \((\d+) x (\d+) slots, (\d+) layers",
+    ),
     # docs/sharding.md: a mesh the model cannot use (the gate runs this page)
     Figure(
         "docs/sharding.md",
