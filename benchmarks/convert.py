@@ -161,8 +161,15 @@ def _largest(directory: pathlib.Path, stem: str) -> tuple[int, int, int]:
     return max(sizes), sum(sizes), len(files)
 
 
-PHASES = ("baseline", "copy", "copy_fsync", "to_native", "to_native_nofsync", "to_native_scan",
-          "to_hf")  # fmt: skip
+PHASES = (
+    "baseline",
+    "copy",
+    "copy_fsync",
+    "to_native",
+    "to_native_nofsync",
+    "to_native_scan",
+    "to_hf",
+)
 
 
 def _args():

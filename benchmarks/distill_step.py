@@ -57,17 +57,24 @@ def _turns(args, mesh, batch, student_cfg, teacher) -> dict:
     from posttrain.training.trainer import SFTOptions, SFTTrainer
 
     strategy = tunix_distill.logit_strategy(
-        model_logits, model_logits, labels_fn(teacher.config.vocab_size), temperature=1.0,
+        model_logits,
+        model_logits,
+        labels_fn(teacher.config.vocab_size),
+        temperature=1.0,
         alpha=0.5,
-    )  # fmt: skip
+    )
     config = tunix_distill.config_class()(eval_every_n_steps=10**9, max_steps=10**9)
     options = SFTOptions(mesh=mesh)
     student = build_model(student_cfg, mesh, seed=0)
     sft = SFTTrainer(student, optax.adamw(1e-4), config, options=options)
     distill = distill_trainer_class()(
-        build_model(student_cfg, mesh, seed=0), teacher, strategy, optax.adamw(1e-4), config,
+        build_model(student_cfg, mesh, seed=0),
+        teacher,
+        strategy,
+        optax.adamw(1e-4),
+        config,
         options=options,
-    )  # fmt: skip
+    )
     sft_step = sft.jit_train_and_eval_step(False, True)[0]
     distill_step = distill.jit_train_and_eval_step(False, True)[0]
     fields = {

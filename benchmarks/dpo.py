@@ -128,9 +128,13 @@ def _trainers(cfg, mesh):
 
     def dpo_config():
         return tunix_dpo.training_config(
-            algorithm="dpo", beta=0.1, label_smoothing=0.0, lambda_orpo=0.1,
-            data_sharding_axis=("fsdp",), **peft,
-        )  # fmt: skip
+            algorithm="dpo",
+            beta=0.1,
+            label_smoothing=0.0,
+            lambda_orpo=0.1,
+            data_sharding_axis=("fsdp",),
+            **peft,
+        )
 
     with sharding.use_mesh(mesh):
         policy = TunixPolicy(build_model(cfg, mesh, seed=0))

@@ -284,9 +284,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # SIGTERM as Ctrl-C: exports, half-built environments and clones are removed on the
         # way out (gate: pytest's own handling; launch: its own, which stops the ranks)
-        with contextlib.nullcontext() if args.command in ("gate", "launch") else (
-            signals.interrupts()
-        ):  # fmt: skip
+        with (
+            contextlib.nullcontext()
+            if args.command in ("gate", "launch")
+            else (signals.interrupts())
+        ):
             return _dispatch(parser, args, passthrough)
     except KeyboardInterrupt as interrupt:
         name, status = signals.exit_status(interrupt)

@@ -176,8 +176,9 @@ def run_bisect(args: argparse.Namespace) -> int:
     try:
         target = bisect.parse_target(args.contract)
         if target.kind == "cell" and args.verdict == "warn":
-            raise ValueError(f"--verdict warn needs a contract; run cell {target.name!r} "
-                             "records no deprecations")  # fmt: skip
+            raise ValueError(
+                f"--verdict warn needs a contract; run cell {target.name!r} records no deprecations"
+            )
         repo = git_history.local_checkout(args.source, args.cache or envs.DEFAULT_CACHE)
         with tempfile.TemporaryDirectory(prefix="bisect-") as work:
             stepper = bisect.Stepper(
@@ -190,9 +191,14 @@ def run_bisect(args: argparse.Namespace) -> int:
                 log=log,
             )
             result = bisect.bisect(
-                repo, args.good, args.bad, target, stepper,
-                package=args.package, verdict=args.verdict,
-            )  # fmt: skip
+                repo,
+                args.good,
+                args.bad,
+                target,
+                stepper,
+                package=args.package,
+                verdict=args.verdict,
+            )
     except ValueError as error:
         print(f"posttrain-harness bisect: {sources.redact(str(error))}", file=sys.stderr)
         return 2

@@ -653,6 +653,7 @@ def test_the_one_screen_summary_lists_at_most_max_listed_of_each_kind(tmp_path: 
         "wall_time_s": 12.345,
         "junit_time_s": 10.0,
         "junit": "reports/junit-gate.xml",
+        "sizes": ["size: 1 modules over 400 lines (split them): a.py (401)"],
     }
     lines = gate.format_summary(summary, tmp_path / "s.json").splitlines()
     assert lines[:3] == [
@@ -664,11 +665,12 @@ def test_the_one_screen_summary_lists_at_most_max_listed_of_each_kind(tmp_path: 
     assert listed[0] == "  ERROR  t::f0: m0" and listed[1] == "  FAILED t::f1: m1"
     assert len(listed) == gate.MAX_LISTED + 1
     assert listed[-1] == f"  ... and 2 more in {tmp_path / 's.json'}"
-    reasons = lines[lines.index("skip reasons:") + 1 : -2]
+    reasons = lines[lines.index("skip reasons:") + 1 : -3]
     assert reasons == [f"  {i + 1:4d} x why {i}" for i in range(gate.MAX_LISTED)]
+    assert lines[-3] == "size: 1 modules over 400 lines (split them): a.py (401)"
     assert lines[-2] == f"reports: reports/junit-gate.xml, {tmp_path / 's.json'}"
     assert lines[-1] == f"gate: 3 passed, {many} failed, {many} skipped"
-    clean = {**summary, "failures": [], "skip_reasons": {}, "junit": None}
+    clean = {**summary, "failures": [], "skip_reasons": {}, "junit": None, "sizes": []}
     assert "failures and errors:" not in gate.format_summary(clean, tmp_path / "s.json")
     assert gate.format_summary(clean, tmp_path / "s.json").splitlines()[-2] == (
         f"reports: {tmp_path / 's.json'}"
@@ -683,6 +685,7 @@ def test_an_empty_summary_counts_every_outcome_as_zero() -> None:
         "skip_reasons": {},
         "junit_time_s": 0.0,
         "properties": {},
+        "sizes": [],
     }
 
 

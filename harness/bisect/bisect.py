@@ -179,17 +179,29 @@ class Stepper:
             tree.mkdir(parents=True)
             # only what a build reads: the package and the top-level build files (a
             # snapshot may lack large blobs elsewhere, docs' images)
-            top = git_output(self.repo, "ls-tree", "--name-only", "--end-of-options",
-                             commit.sha).split("\n")  # fmt: skip
-            keep = [n for n in top if n == self.package or n in BUILD_FILES
-                    or n.startswith(("README", "LICENSE"))]  # fmt: skip
+            top = git_output(
+                self.repo, "ls-tree", "--name-only", "--end-of-options", commit.sha
+            ).split("\n")
+            keep = [
+                n
+                for n in top
+                if n == self.package or n in BUILD_FILES or n.startswith(("README", "LICENSE"))
+            ]
             # no "--" before the paths: after --end-of-options, git 2.39's archive took it
             # for a pathspec ("pathspec '--' did not match"), and every tree was a skip
             archive = subprocess.run(
-                ["git", "-C", str(self.repo), "archive", "--format=tar", "--end-of-options",
-                 commit.sha, *keep],
+                [
+                    "git",
+                    "-C",
+                    str(self.repo),
+                    "archive",
+                    "--format=tar",
+                    "--end-of-options",
+                    commit.sha,
+                    *keep,
+                ],
                 capture_output=True,
-            )  # fmt: skip
+            )
             if archive.returncode != 0:
                 raise TreeError(archive.stderr.decode(errors="replace").strip().splitlines()[-1])
             subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
@@ -344,10 +356,12 @@ def run_suggestions(
             target = parse_target(item["contract"])
             repo = local_checkout(item["source"], cache.root)
             with tempfile.TemporaryDirectory(prefix="bisect-") as work:
-                stepper = Stepper(repo, target, verdict=item["verdict"], cache=cache,
-                                  work=Path(work), log=log)  # fmt: skip
-                outcome = bisect(repo, item["good"], item["bad"], target, stepper,
-                                 verdict=item["verdict"])  # fmt: skip
+                stepper = Stepper(
+                    repo, target, verdict=item["verdict"], cache=cache, work=Path(work), log=log
+                )
+                outcome = bisect(
+                    repo, item["good"], item["bad"], target, stepper, verdict=item["verdict"]
+                )
             if outcome["first_bad"]:
                 result["named"] = outcome["first_bad"]
             else:

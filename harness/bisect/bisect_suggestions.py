@@ -26,9 +26,10 @@ def suggestions(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
             return Version("0")
 
     releases = [
-        r for r in rows
+        r
+        for r in rows
         if r["flavour"] == "current" and not r.get("emulated") and not r.get("source")
-    ]  # fmt: skip
+    ]
     if not releases:
         return []
     newest = max(releases, key=version)
@@ -45,10 +46,17 @@ def suggestions(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
                 continue
             target = column if column in RUN_CELLS else here.get("test") or column
             command = [
-                "posttrain-harness", "bisect", "--source", source["spec"],
-                "--good", f"v{newest['tunix']}", "--bad", source["resolved"],
-                "--contract", target,
-            ]  # fmt: skip
+                "posttrain-harness",
+                "bisect",
+                "--source",
+                source["spec"],
+                "--good",
+                f"v{newest['tunix']}",
+                "--bad",
+                source["resolved"],
+                "--contract",
+                target,
+            ]
             if here["status"] == "warned":
                 command += ["--verdict", "warn"]
             found.append(

@@ -75,10 +75,19 @@ def verify_commit(repo: Path, ref: str, flag: str) -> str:
         names a tree or blob, and for an empty one).
     """
     done = subprocess.run(
-        ["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", "--end-of-options",
-         f"{ref}^{{commit}}"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            "git",
+            "-C",
+            str(repo),
+            "rev-parse",
+            "--verify",
+            "--quiet",
+            "--end-of-options",
+            f"{ref}^{{commit}}",
+        ],
+        capture_output=True,
+        text=True,
+    )
     sha = done.stdout.strip()
     if done.returncode != 0 or not ref.strip() or not _SHA.fullmatch(sha):
         raise ValueError(f"{flag} {ref!r}: no such commit in {repo}")
@@ -124,13 +133,18 @@ def commits_between(repo: Path, good: str, bad: str) -> tuple[Commit, Commit, li
             "--end-of-options",
             first.sha,
             last.sha,
-        ]  # fmt: skip
+        ]
     ).returncode:
         raise ValueError(f"--good {good!r} is not an ancestor of --bad {bad!r}")
     log = git_output(
-        repo, "log", "--reverse", "--first-parent", "--format=%H%x00%cI%x00%s",
-        "--end-of-options", f"{first.sha}..{last.sha}",
-    )  # fmt: skip
+        repo,
+        "log",
+        "--reverse",
+        "--first-parent",
+        "--format=%H%x00%cI%x00%s",
+        "--end-of-options",
+        f"{first.sha}..{last.sha}",
+    )
     between = [Commit(*line.split("\x00", 2)) for line in log.splitlines() if line]
     return first, last, between
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.devices.devices import suite_env
-from harness.gate import junit
+from harness.gate import junit, sizes
 from posttrain import atomic
 
 PYTEST_NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
@@ -69,6 +69,7 @@ def run_gate(args: argparse.Namespace, extra: Sequence[str]) -> int:
         command=command,
         junit=str(junit) if junit.is_file() else None,
     )
+    summary["sizes"] = sizes.summary_lines(Path(__file__).resolve().parents[2])
     summary_path = report_dir / SUMMARY_NAME
     atomic.write_text(summary_path, json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary, summary_path), flush=True)
@@ -97,6 +98,7 @@ def empty_summary() -> dict[str, Any]:
         "skip_reasons": {},
         "junit_time_s": 0.0,
         "properties": {},
+        "sizes": [],
     }
 
 
@@ -152,6 +154,7 @@ def format_summary(summary: dict[str, Any], summary_path: Path) -> str:
         lines.append("skip reasons:")
         for reason, count in list(summary["skip_reasons"].items())[:MAX_LISTED]:
             lines.append(f"  {count:4d} x {reason}")
+    lines.extend(summary["sizes"])  # STYLE.md's targets: a warning, not the verdict
     reports = ", ".join(str(p) for p in (summary["junit"], summary_path) if p is not None)
     lines.append(f"reports: {reports}")
     failed = counts["failed"] + counts["error"]

@@ -106,11 +106,14 @@ def summary(report: dict[str, Any]) -> list[str]:
         out.append("\n### Bisect: the commit behind a source row's cell\n")
         out += [
             f"- **{b['entry']}** / `{b['column']}` ({LABELS[b['status']]}): `{b['command']}`"
-            + (f" → first bad: `{b['named']['sha'][:12]}` {b['named']['subject']}"
-               if b.get("named") else "")
+            + (
+                f" → first bad: `{b['named']['sha'][:12]}` {b['named']['subject']}"
+                if b.get("named")
+                else ""
+            )
             + (f" → not named: {b['why']}" if b.get("why") else "")
             for b in suggested
-        ]  # fmt: skip
+        ]
     return out
 
 

@@ -187,6 +187,7 @@ TARGETS: dict[str, list[str]] = {
     # --run-steps: the checks of the chips and a real run of a tiny step on the CPU
     "src/posttrain/plan/measure.py": ["tests/test_plan_chip.py", "tests/test_plan_measure.py"],
     "harness/gate/chip_precision.py": ["tests/test_chip_precision.py"],
+    "harness/gate/sizes.py": ["tests/test_code_size.py"],
     "harness/gate/session_tuning.py": [
         "tests/test_harness.py",
         "tests/test_session_tuning.py",

@@ -58,8 +58,15 @@ _PYTEST_ARGS = [
 ]
 # compat/: the harness reads compat/entries.toml (a report merge's tests, #56's report_shape)
 _COPIED = (
-    "src", "harness", "tests", "contracts", "compat", "pyproject.toml", "README.md", ".gitignore"
-)  # fmt: skip
+    "src",
+    "harness",
+    "tests",
+    "contracts",
+    "compat",
+    "pyproject.toml",
+    "README.md",
+    ".gitignore",
+)
 
 
 # what a run needs in this interpreter (mutmut's copies run their tests with it), first

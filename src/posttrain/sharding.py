@@ -36,8 +36,14 @@ from posttrain import _compat
 from posttrain.tree import path_name
 
 MESH_AXES: tuple[str, ...] = (
-    "data", "fsdp", "fsdp_transpose", "expert", "tensor", "tensor_sequence", "context",
-)  # fmt: skip
+    "data",
+    "fsdp",
+    "fsdp_transpose",
+    "expert",
+    "tensor",
+    "tensor_sequence",
+    "context",
+)
 """Every mesh this package builds has exactly these axes, in this order."""
 
 BATCH_AXES: tuple[str, ...] = ("data", "fsdp", "fsdp_transpose", "expert")
@@ -171,8 +177,11 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
         if not sep or not re.fullmatch(r"[0-9]+", size):  # "²".isdigit() is True
             raise ValueError(f"mesh entry {part!r} must look like axis=INT, e.g. fsdp=4")
         if name not in MESH_AXES or name in out:
-            known = f"is given twice ({name}={out[name]}, {part})" if name in out else (
-                f"is unknown; expected one of {MESH_AXES}")  # fmt: skip
+            known = (
+                f"is given twice ({name}={out[name]}, {part})"
+                if name in out
+                else (f"is unknown; expected one of {MESH_AXES}")
+            )
             raise ValueError(f"mesh axis {name!r} {known}")
         out[name] = int(size)
     if not out:

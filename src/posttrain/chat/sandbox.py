@@ -101,8 +101,10 @@ def checked_size(value):
 def _refuse_larger(size: int, what: str) -> None:
     if size > MAX_OUTPUT_CHARS:
         shown = size if size < 1 << 64 else f"over 2**{size.bit_length() - 1}"
-        raise BoundExceeded(f"{what} would build a value of length {shown}, over the bound "
-                            f"of {MAX_OUTPUT_CHARS} (MAX_OUTPUT_CHARS)")  # fmt: skip
+        raise BoundExceeded(
+            f"{what} would build a value of length {shown}, over the bound "
+            f"of {MAX_OUTPUT_CHARS} (MAX_OUTPUT_CHARS)"
+        )
 
 
 def _check_widths(text: str, what: str) -> None:
@@ -181,8 +183,9 @@ def _estimate_filter(name: str, args, kwargs) -> None:
         width = args[1] if len(args) > 1 else kwargs.get("width", 79)
         wrap = args[3] if len(args) > 3 else kwargs.get("wrapstring")
         if isinstance(width, int) and isinstance(wrap, str):
-            _refuse_larger(len(value) + (len(value) // builtins.max(width, 1) + 1) * len(wrap),
-                           what)  # fmt: skip
+            _refuse_larger(
+                len(value) + (len(value) // builtins.max(width, 1) + 1) * len(wrap), what
+            )
 
 
 def _bounded_filter(name: str, function):
@@ -219,8 +222,9 @@ def bounded_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100)
 def strftime_now(format: str) -> str:  # noqa: A002 - transformers' name
     """transformers' ``strftime_now``, its format at most :data:`MAX_FORMAT_CHARS`."""
     if isinstance(format, str) and len(format) > MAX_FORMAT_CHARS:
-        raise _over(f"strftime_now's format of length {len(format)}", MAX_FORMAT_CHARS,
-                    "MAX_FORMAT_CHARS")  # fmt: skip
+        raise _over(
+            f"strftime_now's format of length {len(format)}", MAX_FORMAT_CHARS, "MAX_FORMAT_CHARS"
+        )
     return datetime.datetime.now().strftime(format)
 
 
@@ -247,9 +251,11 @@ def bounded_output(context, value) -> str:
     if emitted is not None:
         emitted[0] += len(text)
         if emitted[0] > EMITTED_PER_OUTPUT * MAX_OUTPUT_CHARS:
-            raise _over(f"the text written, in all macros and blocks ({emitted[0]} "
-                        "characters so far),", EMITTED_PER_OUTPUT * MAX_OUTPUT_CHARS,
-                        f"{EMITTED_PER_OUTPUT} x MAX_OUTPUT_CHARS")  # fmt: skip
+            raise _over(
+                f"the text written, in all macros and blocks ({emitted[0]} characters so far),",
+                EMITTED_PER_OUTPUT * MAX_OUTPUT_CHARS,
+                f"{EMITTED_PER_OUTPUT} x MAX_OUTPUT_CHARS",
+            )
     return text
 
 
@@ -320,8 +326,9 @@ class BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
             if abs(left) > 1 and right > 0:
                 bits = left.bit_length() * right
                 if bits > MAX_INT_BITS:
-                    raise _over(f"'**' would build an integer of {bits} bits", MAX_INT_BITS,
-                                "MAX_INT_BITS")  # fmt: skip
+                    raise _over(
+                        f"'**' would build an integer of {bits} bits", MAX_INT_BITS, "MAX_INT_BITS"
+                    )
         elif operator == "%" and isinstance(left, str):
             _check_widths(left, "'%'")
             _check_arguments(right if isinstance(right, tuple) else (right,), {}, "'%'")
@@ -366,8 +373,9 @@ def render(template: jinja2.Template, variables: dict) -> str:
         for piece in template.generate(**variables):
             size += len(piece)
             if size > MAX_OUTPUT_CHARS:
-                raise _over(f"the output ({size} characters so far)", MAX_OUTPUT_CHARS,
-                            "MAX_OUTPUT_CHARS")  # fmt: skip
+                raise _over(
+                    f"the output ({size} characters so far)", MAX_OUTPUT_CHARS, "MAX_OUTPUT_CHARS"
+                )
             tick()
             pieces.append(piece)
     except RecursionError:
@@ -386,8 +394,9 @@ def render(template: jinja2.Template, variables: dict) -> str:
 def check_source(source: str) -> None:
     """Raises :class:`BoundExceeded` for a source beyond :data:`MAX_TEMPLATE_CHARS`."""
     if len(source) > MAX_TEMPLATE_CHARS:
-        raise _over(f"a template of {len(source)} characters", MAX_TEMPLATE_CHARS,
-                    "MAX_TEMPLATE_CHARS")  # fmt: skip
+        raise _over(
+            f"a template of {len(source)} characters", MAX_TEMPLATE_CHARS, "MAX_TEMPLATE_CHARS"
+        )
 
 
 def read_source(path: str | os.PathLike) -> str:

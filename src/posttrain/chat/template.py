@@ -135,9 +135,14 @@ class ChatTemplate:
         try:
             text = sandbox.render(template, variables)
         except (
-            jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError,
-            ArithmeticError, sandbox.BoundExceeded,
-        ) as e:  # fmt: skip
+            jinja2.TemplateError,
+            TypeError,
+            ValueError,
+            LookupError,
+            AttributeError,
+            ArithmeticError,
+            sandbox.BoundExceeded,
+        ) as e:
             # raise_exception, the sandbox and its bounds, undefined names; a value of the
             # wrong type (a list where the template adds strings) fails in Python's own
             # operators, 1e308 ** 2 in its arithmetic
@@ -218,8 +223,9 @@ def _compile(source: str) -> jinja2.Template:
     except sandbox.BoundExceeded as e:
         raise TemplateError(f"chat template: {e}") from None
     except RecursionError:
-        raise TemplateError("chat template does not parse: nested deeper than Python's "
-                            "recursion limit") from None  # fmt: skip
+        raise TemplateError(
+            "chat template does not parse: nested deeper than Python's recursion limit"
+        ) from None
     except jinja2.TemplateSyntaxError as e:
         raise TemplateError(
             f"chat template does not parse: {_one_line(e)} (line {e.lineno})"

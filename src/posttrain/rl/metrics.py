@@ -29,8 +29,12 @@ def step_record(step: int, tunix: dict, rewards_by_fn: dict, tap) -> dict:
     # Tunix logs update s's rollout at global step s - 1, beside update s - 1's actor
     # figures (contracts/test_tunix_rl.py pins it): the rollout's at step - 1.
     rollout = tap.records.get(step - 1, {})
-    for key, source in (("loss", tunix), ("kl", tunix), ("pg_clipfrac", tunix),
-                        ("completions/mean_length", rollout)):  # fmt: skip
+    for key, source in (
+        ("loss", tunix),
+        ("kl", tunix),
+        ("pg_clipfrac", tunix),
+        ("completions/mean_length", rollout),
+    ):
         for name, value in source.items():
             if name == key or name.endswith("/" + key):
                 record[key] = value

@@ -163,9 +163,14 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
     out.mkdir(parents=True, exist_ok=True)
     start = _warmup(cfg, out, task, log_every)
     model = load_trainable(
-        start, mesh, vocab_size=tok.tokenizer.get_vocab_size(), lora_rank=cfg.lora_rank,
-        lora_alpha=cfg.lora_alpha, seed=cfg.seed, scratch=cfg.output,
-    )  # fmt: skip
+        start,
+        mesh,
+        vocab_size=tok.tokenizer.get_vocab_size(),
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        seed=cfg.seed,
+        scratch=cfg.output,
+    )
     # Our mesh for tracing, not JAX's mesh context: Orbax's eager per-shard copies fail
     # under it on jax 0.7-0.8 (as in SFTTrainer.train).
     with sharding.use_mesh(mesh, jax_context=False):

@@ -266,8 +266,9 @@ def confined(image: str, base: str, root: str, widened: bool, where: str) -> str
     if os.path.commonpath([real, root]) != root:
         within = "--image-root" if widened else "the data file's directory"
         hint = "" if widened else " (widen it with --image-root DIR)"
-        raise ValueError(f"{where}: image {image!r} is outside {root}; images must be under "
-                         f"{within}{hint}")  # fmt: skip
+        raise ValueError(
+            f"{where}: image {image!r} is outside {root}; images must be under {within}{hint}"
+        )
     return real
 
 
