@@ -88,6 +88,8 @@ def test_the_defaults_are_a_valid_run(cls, tmp_path):
     [
         ("steps", 0, "steps=0 (--steps): expected >= 1"),
         ("per_device_batch_size", 0, "(--per-device-batch-size): expected >= 1"),
+        ("grad_accum", 0, "grad_accum=0 (--grad-accum): expected >= 1"),
+        ("mesh", {"fsdp": 0}, "mesh={'fsdp': 0} (--mesh): expected axis sizes >= 1"),
         ("save_every", 0, "save_every=0 (--save-every): expected >= 1"),
         ("stop_after", 0, "stop_after=0 (--stop-after): expected >= 1"),
         ("lora_rank", -1, "lora_rank=-1 (--lora-rank): expected >= 0 (0 = full fine-tuning)"),

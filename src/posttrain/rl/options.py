@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 from posttrain.config import choices
 from posttrain.flags import option
 from posttrain.rl import rewards
-from posttrain.training.options import DEFAULT_MODEL, RunOptions, finite_positive, parse_mesh
+from posttrain.training.options import RunOptions, finite_positive, parse_mesh
 
 #: GRPO's family of learners: ``dapo`` since google-tunix 0.1.4, ``drgrpo`` since 0.1.6.
 GRPOAlgorithm = Literal["grpo", "dapo", "drgrpo"]
@@ -21,7 +21,8 @@ class GRPORunConfig(RunOptions):
     """Everything one GRPO run needs; defaults are the embedded run (``qwen3-tiny`` on the
     embedded addition task after a warm-up SFT, every device on fsdp).
 
-    Attributes beyond :class:`~posttrain.training.options.RunOptions`:
+    Attributes beyond :class:`~posttrain.training.options.RunOptions`, and what its
+    shared ones mean here:
       mesh: the actor's and reference's axis sizes; None puts every device on fsdp.
       rollout_mesh: the rollout's axis sizes (same devices, another layout; weights
         are synced every step); None shares the actor's mesh and model.
@@ -71,13 +72,8 @@ class GRPORunConfig(RunOptions):
         "max_new_tokens",
         "reward",
         "warmup_steps",
-        "grad_accum",
     )
 
-    model: str = option(DEFAULT_MODEL, "preset, native or HF directory", show_default=False)
-    tokenizer: str | None = option(
-        None, "tokenizer.json (default: the HF dir's, else the byte tokenizer)"
-    )
     mesh: dict[str, int] | None = option(
         None, "actor/reference axis sizes (default: fsdp)", parse=parse_mesh
     )
@@ -94,9 +90,6 @@ class GRPORunConfig(RunOptions):
     per_device_batch_size: int = option(2, "prompts per data-parallel shard")
     num_generations: int = option(8, "completions per prompt", show_default=False)
     steps: int = option(150, "GRPO steps")
-    grad_accum: int = option(
-        1, "micro-batches per update; the rollout stays one batch", show_default=False
-    )
     learning_rate: float = option(5e-4, "AdamW's learning rate, constant", show_default=False)
     algorithm: GRPOAlgorithm = option("grpo", "GRPO learner", checked=True)
     beta: float | None = option(None, "KL coefficient (default: Tunix's)")
@@ -119,14 +112,11 @@ class GRPORunConfig(RunOptions):
         show_default=False,
     )
     save_every: int = option(10, "checkpoint interval (steps)", show_default=False)
-    stop_after: int | None = option(None, "stop at this step; rerun to resume")
     output: str = option("runs/grpo", "run directory; a rerun resumes from its checkpoint")
 
     def check_fields(self) -> None:
         super().check_fields()
         self._check_rollout()
-        if self.grad_accum < 1:
-            self.bad("grad_accum", ">= 1")
         if self.num_generations < 2:
             self.bad("num_generations", ">= 2 (advantages are relative to the group)")
         for name in ("max_prompt_length", "max_new_tokens"):
@@ -155,10 +145,8 @@ class GRPORunConfig(RunOptions):
             rewards.probe(spec, rewards.resolve(spec))
 
     def _check_rollout(self) -> None:
-        for name in ("mesh", "rollout_mesh"):
-            value = getattr(self, name)
-            if value is not None and any(v < 1 for v in value.values()):
-                self.bad(name, "axis sizes >= 1")
+        if self.rollout_mesh is not None and any(v < 1 for v in self.rollout_mesh.values()):
+            self.bad("rollout_mesh", "axis sizes >= 1")
         if self.rollout_dtype not in (None, "float32", "bfloat16"):
             self.bad("rollout_dtype", "float32 or bfloat16")
         if self.rollout_dtype is not None and self.rollout_mesh is None:

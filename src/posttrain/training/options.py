@@ -1,11 +1,12 @@
 """The options every training run shares, extended by each workflow's own (as Tunix's
 ``DPOTrainingConfig`` extends ``TrainingConfig``):
 
-- :class:`RunOptions`: model, tokenizer, mesh, batch, steps, learning rate, LoRA, seed,
-  save cadence, stop, output (``posttrain sft``, ``dpo`` and ``grpo``);
-- :class:`PeftRunOptions`: a dataset file, its shards, gradient accumulation, the
-  overflow rule, the warm-up of the learning-rate schedule and the decoder options
-  (``posttrain sft`` and ``dpo``, whose trainers are Tunix ``PeftTrainer``\\ s);
+- :class:`RunOptions`: model, tokenizer, mesh, batch, gradient accumulation, steps,
+  learning rate, LoRA, seed, save cadence, stop, output (every
+  workflow: ``posttrain sft``, ``dpo``, ``grpo`` and ``distill``);
+- :class:`PeftRunOptions`: a dataset file, its shards, the overflow rule, the warm-up of
+  the learning-rate schedule and the decoder options (``posttrain sft``, ``dpo`` and
+  ``distill``, whose trainers are Tunix ``PeftTrainer``\\ s);
 - :class:`SupervisedRunOptions`: chat rows of a fixed length, packed or not, and how
   Orbax saves (a supervised run, :mod:`posttrain.training.supervised`: ``posttrain sft``,
   its ``--vision`` runs, ``distill``, GRPO's warm-up).
@@ -73,6 +74,7 @@ class RunOptions:
         "tokenizer",
         "mesh",
         "per_device_batch_size",
+        "grad_accum",
         "steps",
         "learning_rate",
         "lora_rank",
@@ -93,6 +95,7 @@ class RunOptions:
         None, "axis sizes, e.g. data=2,fsdp=4 (default: every device on fsdp)", parse=parse_mesh
     )
     per_device_batch_size: int = option(1, "global batch = this x data-parallel size")
+    grad_accum: int = option(1, "micro-batches per step", show_default=False)
     steps: int = option(60, "optimizer steps")
     learning_rate: float = option(3e-3, "peak learning rate", show_default=False)
     lora_rank: int = option(0, "LoRA rank (0: full fine-tuning)", show_default=False)
@@ -126,9 +129,11 @@ class RunOptions:
 
     def check_fields(self) -> None:
         """The fields' own rules; a workflow's options add theirs after calling this."""
-        for name in ("per_device_batch_size", "steps", "save_every"):
+        for name in ("per_device_batch_size", "grad_accum", "steps", "save_every"):
             if getattr(self, name) < 1:
                 self.bad(name, ">= 1")
+        if self.mesh is not None and any(v < 1 for v in self.mesh.values()):
+            self.bad("mesh", "axis sizes >= 1")
         if self.stop_after is not None and self.stop_after < 1:
             self.bad("stop_after", ">= 1")
         if self.lora_rank < 0:
@@ -150,7 +155,6 @@ class PeftRunOptions(RunOptions):
     TRAINING_FIELDS: ClassVar[tuple[str, ...]] = (
         *RunOptions.TRAINING_FIELDS,
         "data",
-        "grad_accum",
         "overflow",
         "warmup_steps",
         "scan_layers",
@@ -162,7 +166,6 @@ class PeftRunOptions(RunOptions):
         "split the data into N shards, each shuffled on its own; each process tokenises "
         "only its shards (default: one per process slice of the batch)",
     )
-    grad_accum: int = option(1, "micro-batches per step", show_default=False)
     overflow: Overflow = option("truncate", "examples longer than a row")
     warmup_steps: int = option(5, "linear warm-up steps of the learning rate", show_default=False)
     remat: RematPolicy = option("none", "rematerialisation of the decoder layers")
@@ -170,8 +173,6 @@ class PeftRunOptions(RunOptions):
 
     def check_fields(self) -> None:
         super().check_fields()
-        if self.grad_accum < 1:
-            self.bad("grad_accum", ">= 1")
         if self.data_shards is not None and self.data_shards < 1:
             self.bad("data_shards", ">= 1")
         if self.overflow not in choices(Overflow):
