@@ -88,6 +88,19 @@ TARGETS: dict[str, list[str]] = {
         "llama3-hub or gpt_oss-hub or gemma4-hub or qwen3-hub or rope-bands or yarn or rotary "
         "or Rope or rope_rotates",
     ],
+    # #58's split of sharding.py: the rules (resolution, the batch and sequence sizes, mesh
+    # specs and meshes), the current mesh and constrain, parameters and their placement;
+    # each against the models it shards (sharded forward = one device, the refusals)
+    "src/posttrain/sharding/rules.py": [
+        "tests/test_models.py",
+        "tests/test_fuzz_inputs.py::test_mesh_specs",
+        "tests/test_lora.py::test_dummy_batch_shape_multiplies_the_rule_axes",
+    ],
+    "src/posttrain/sharding/activations.py": [
+        "tests/test_models.py",
+        "tests/test_attention_blocks.py",
+    ],
+    "src/posttrain/sharding/params.py": ["tests/test_models.py"],
     # the tower's values come from HF parity with images (patches, 2-D RoPE, pooling,
     # padding, standardisation, projection, placement) and the placement/pixel properties
     "src/posttrain/layers/vision.py": [

@@ -1,39 +1,26 @@
-"""Mesh axes, logical-axis rules, mesh creation, and the two sharding helpers.
+"""Mesh axes, the logical-axis rules, their resolution to ``PartitionSpec``s, and mesh creation.
 
-This is the only module that names physical mesh axes. Layers speak logical axis
-names (the vocabulary in STYLE.md: ``activation_batch``, ``embed``, ``mlp``,
-``exp`` ...) through exactly two helpers:
-
-* :func:`param` creates every parameter and records its logical axes in the
-  ``logical_axes`` metadata of the ``nnx.Param``;
-* :func:`constrain` puts a sharding constraint on an activation, resolved against
-  the mesh and rules made current by :func:`use_mesh` (a no-op when none is).
-
-Resolution (:func:`logical_to_spec`) maps each dimension's logical name to the
-mesh axes its rule lists, skipping axes of size 1 and axes an earlier dimension of
-the same array already took (MaxText's convention, ``maxtext/layers``), and
-raises ``ValueError`` naming the dimension, its size and the axes when the size
-does not divide by the product of those axes.
+The only module that names physical mesh axes (its package's helpers,
+:mod:`.activations` and :mod:`.params`, resolve through it). Resolution
+(:func:`logical_to_spec`) maps each dimension's logical name to the mesh axes its
+rule lists, skipping axes of size 1 and axes an earlier dimension of the same array
+already took (MaxText's convention, ``maxtext/layers``), and raises ``ValueError``
+naming the dimension, its size and the axes when the size does not divide by the
+product of those axes.
 
 Mesh axes are always the full set :data:`MESH_AXES`; unused axes have size 1.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
-import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posttrain import _compat
-from posttrain.tree import path_name
 
 MESH_AXES: tuple[str, ...] = (
     "data",
@@ -270,150 +257,3 @@ def logical_to_spec(
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
-
-
-# --- the current mesh and rules, for activation constraints --------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshContext:
-    mesh: Mesh
-    rules: Rules
-
-
-_CURRENT: contextvars.ContextVar[MeshContext | None] = contextvars.ContextVar(
-    "posttrain_mesh", default=None
-)
-
-
-@contextlib.contextmanager
-def use_mesh(
-    mesh: Mesh, rules: Rules = DEFAULT_RULES, *, jax_context: bool = True
-) -> Iterator[Mesh]:
-    """Makes ``mesh`` and ``rules`` current for :func:`constrain` (and JAX's mesh context).
-
-    The context is read when a function is traced, so trace (first call of a
-    jitted function) inside it. ``jax_context=False`` leaves JAX's own mesh
-    context alone (:func:`constrain` names the mesh explicitly): under
-    ``jax.set_mesh``, jax 0.7-0.8 rejects the eager single-device ops Orbax runs
-    while saving sharded arrays.
-    """
-    token = _CURRENT.set(MeshContext(mesh, rules))
-    try:
-        with _compat.set_mesh(mesh) if jax_context else contextlib.nullcontext():
-            yield mesh
-    finally:
-        _CURRENT.reset(token)
-
-
-def current() -> MeshContext | None:
-    """The :class:`MeshContext` set by :func:`use_mesh`, or ``None``."""
-    return _CURRENT.get()
-
-
-def sequence_sharded() -> bool:
-    """Whether the current mesh (:func:`use_mesh`) splits the activation sequence
-    (:func:`sequence_parallel_size` > 1); ``False`` outside one."""
-    ctx = _CURRENT.get()
-    return ctx is not None and sequence_parallel_size(ctx.mesh, ctx.rules) > 1
-
-
-def constrain(x: jax.Array, logical_axes: LogicalAxes) -> jax.Array:
-    """Constrains activation ``x`` to the sharding its logical axes resolve to.
-
-    Returns ``x`` unchanged outside :func:`use_mesh` (the names are checked there too).
-
-    Raises:
-      ValueError: ``logical_axes`` names an axis outside :data:`ACTIVATION_AXIS_NAMES`
-        (``None`` replicates a dimension), or (from :func:`logical_to_spec`) a dimension
-        does not divide by its mesh axes.
-    """
-    unknown = [a for a in logical_axes if a is not None and a not in ACTIVATION_AXIS_NAMES]
-    if unknown:  # a misspelt name would silently replicate the activation
-        raise ValueError(
-            f"activation logical axis {unknown[0]!r} is not one of {ACTIVATION_AXIS_NAMES}"
-        )
-    ctx = _CURRENT.get()
-    if ctx is None:
-        return x
-    spec = logical_to_spec(logical_axes, x.shape, dict(ctx.mesh.shape), ctx.rules)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
-
-
-# --- parameters -----------------------------------------------------------------
-
-Initializer = Callable[[jax.Array, Sequence[int], jax.typing.DTypeLike], jax.Array]
-
-
-def param(
-    rngs: nnx.Rngs,
-    init: Initializer,
-    shape: Sequence[int],
-    logical_axes: LogicalAxes,
-    dtype: jax.typing.DTypeLike = np.float32,
-) -> nnx.Param:
-    """Creates a parameter and records its logical axes (metadata ``logical_axes``).
-
-    Raises:
-      ValueError: ``logical_axes`` does not have one name per dimension of ``shape``, or
-        names an axis outside :data:`PARAM_AXES` (``None`` replicates a dimension).
-    """
-    if len(shape) != len(logical_axes):
-        raise ValueError(f"param of shape {tuple(shape)} got logical axes {logical_axes}")
-    unknown = [a for a in logical_axes if a is not None and a not in PARAM_AXES]
-    if unknown:  # a misspelt name would silently replicate the parameter
-        raise ValueError(f"param logical axis {unknown[0]!r} is not one of {PARAM_AXES}")
-    key = _compat.next_rng_key(rngs.params)
-    return nnx.Param(init(key, tuple(shape), dtype), logical_axes=tuple(logical_axes))
-
-
-def variable_logical_axes(variable: nnx.Variable) -> LogicalAxes | None:
-    """The ``logical_axes`` metadata of a variable, or ``None`` when it has none."""
-    return variable.get_metadata().get("logical_axes")
-
-
-def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
-    """Maps each variable of ``state`` to its ``NamedSharding`` on ``mesh``.
-
-    The result has the structure of ``state`` (each variable holding a
-    ``NamedSharding``), so it can be passed to ``jax.device_put`` or as jit
-    ``out_shardings``.
-
-    Variables without ``logical_axes`` metadata are replicated.
-
-    Raises:
-      ValueError: a parameter dimension does not divide by its mesh axes; the
-        message starts with the parameter path.
-    """
-    mesh_shape = dict(mesh.shape)
-
-    def one(path, variable):
-        if not isinstance(variable, nnx.Variable):
-            return NamedSharding(mesh, PartitionSpec())
-        axes = variable_logical_axes(variable)
-        spec = PartitionSpec()
-        if axes is not None:
-            try:
-                shape = np.shape(_compat.variable_value(variable))
-                spec = logical_to_spec(axes, shape, mesh_shape, rules)
-            except ValueError as e:
-                raise ValueError(f"{path_name(path)}: {e}") from None
-        return variable.replace(NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(
-        one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-
-
-def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
-    """Places every variable of ``model`` on ``mesh`` per its logical axes, in place.
-
-    Returns the same model for chaining.
-
-    Raises:
-      ValueError: as :func:`state_shardings`.
-    """
-    state = nnx.state(model)
-    shardings = state_shardings(state, mesh, rules)
-    nnx.update(model, jax.device_put(state, shardings))
-    return model
