@@ -10,7 +10,7 @@ import time
 import pytest
 
 from posttrain import chat
-from posttrain.chat import sandbox
+from posttrain.chat import bounds
 
 pytestmark = pytest.mark.host
 
@@ -88,8 +88,8 @@ RUNAWAY = {
 @pytest.fixture
 def quick(monkeypatch):
     """A 0.3 s time bound and a 4 Mi character size bound: the cases finish in a second."""
-    monkeypatch.setattr(sandbox, "MAX_RENDER_SECONDS", 0.3)
-    monkeypatch.setattr(sandbox, "MAX_OUTPUT_CHARS", 1 << 22)
+    monkeypatch.setattr(bounds, "MAX_RENDER_SECONDS", 0.3)
+    monkeypatch.setattr(bounds, "MAX_OUTPUT_CHARS", 1 << 22)
 
 
 @pytest.mark.parametrize(("source", "words"), RUNAWAY.values(), ids=RUNAWAY.keys())
@@ -133,7 +133,7 @@ def test_a_template_over_the_size_bound_is_not_read(tmp_path, monkeypatch):
         )
     big.unlink()
     config = tmp_path / "tokenizer_config.json"
-    config.write_text(json.dumps({"chat_template": "x" * (sandbox.MAX_TEMPLATE_CHARS + 1)}))
+    config.write_text(json.dumps({"chat_template": "x" * (bounds.MAX_TEMPLATE_CHARS + 1)}))
     with pytest.raises(chat.TemplateError, match="a template of 1048577 characters is over"):
         chat.load_template(tmp_path)
 

@@ -1,4 +1,4 @@
-"""``posttrain.chat.sandbox``'s estimates at their edges: the length a value would have
+"""``posttrain.chat.bounds``'s estimates at their edges: the length a value would have
 is computed by hand and the refusal names it exactly; the value at the bound renders.
 The size bound is 1000 characters here (the module reads it at each call), so each case
 renders in milliseconds. (tests/test_chat_bounds.py holds the runaway templates.)"""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain import chat
-from posttrain.chat import sandbox
+from posttrain.chat import bounds
 
 pytestmark = pytest.mark.host
 
@@ -17,7 +17,7 @@ BOUND = 1000
 
 @pytest.fixture
 def small(monkeypatch):
-    monkeypatch.setattr(sandbox, "MAX_OUTPUT_CHARS", BOUND)
+    monkeypatch.setattr(bounds, "MAX_OUTPUT_CHARS", BOUND)
 
 
 def _render(source: str) -> str:

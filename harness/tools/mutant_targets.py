@@ -247,6 +247,13 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_chat_sandbox.py",
         "tests/test_chat.py",
     ],
+    # #58: the bounds and the size estimates, out of sandbox.py (test_chat_sandbox: each
+    # estimate at its edge; test_chat_bounds: the runaway templates)
+    "src/posttrain/chat/bounds.py": [
+        "tests/test_chat_bounds.py",
+        "tests/test_chat_sandbox.py",
+        "tests/test_chat.py",
+    ],
     "src/posttrain/chat/encode.py": [
         "tests/test_chat.py",
         "tests/test_chat_families.py",

@@ -36,7 +36,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 
-from posttrain.chat import sandbox
+from posttrain.chat import bounds, sandbox
 
 TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -141,7 +141,7 @@ class ChatTemplate:
             LookupError,
             AttributeError,
             ArithmeticError,
-            sandbox.BoundExceeded,
+            bounds.BoundExceeded,
         ) as e:
             # raise_exception, the sandbox and its bounds, undefined names; a value of the
             # wrong type (a list where the template adds strings) fails in Python's own
@@ -209,7 +209,7 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 @functools.lru_cache(maxsize=32)
 def _compile(source: str) -> jinja2.Template:
-    env = sandbox.BoundedEnvironment(  # strftime_now and the bounds: posttrain.chat.sandbox
+    env = sandbox.BoundedEnvironment(  # strftime_now and the bounds: chat.sandbox, chat.bounds
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
@@ -220,7 +220,7 @@ def _compile(source: str) -> jinja2.Template:
     try:
         sandbox.check_source(source)
         return env.from_string(source)
-    except sandbox.BoundExceeded as e:
+    except bounds.BoundExceeded as e:
         raise TemplateError(f"chat template: {e}") from None
     except RecursionError:
         raise TemplateError(
@@ -314,7 +314,7 @@ def _read_source(path: pathlib.Path) -> str:
     """A template file's text (:func:`posttrain.chat.sandbox.read_source`: its size bounded)."""
     try:
         return sandbox.read_source(path)
-    except sandbox.BoundExceeded as e:
+    except bounds.BoundExceeded as e:
         raise TemplateError(f"{path}: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise TemplateError(f"{path}: not a readable template ({_one_line(e)})") from None
