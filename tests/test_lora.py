@@ -618,6 +618,34 @@ def test_apply_lora_rejects_bad_input(preset, mesh_shape, lora, error, message):
         apply_lora(model, mesh, lora)
 
 
+def _fused_gemma4():
+    cfg = get_config("gemma4-tiny")
+    return cfg.replace(moe=dataclasses.replace(cfg.moe, algorithm="dense", fuse_expert_scales=True))
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize(
+    ("make_config", "lora", "message"),
+    [
+        (
+            lambda: get_config("llama3-tiny", dtype="bfloat16"),
+            LORA.replace(weight_qtype="int8"),
+            r"QLoRA \(weight_qtype='int8'\) needs dtype == param_dtype, got bfloat16 and float32",
+        ),
+        (_fused_gemma4, LORA.replace(experts=True), "needs moe.fuse_expert_scales=False"),
+    ],
+    ids=["qlora-mixed-dtypes", "experts-fused-scales"],
+)
+def test_apply_lora_refuses_a_base_qwix_would_adapt_wrongly(make_config, lora, message):
+    """QLoRA on a model computing in another dtype than its weights', and routed experts
+    whose per-expert scale is fused into down_proj (Qwix would adapt the product as a
+    weight), fail before any trace, saying which field."""
+    mesh = sharding.make_mesh({"fsdp": 8})
+    model = placed_model(make_config())
+    with pytest.raises(ValueError, match=message):
+        apply_lora(model, mesh, lora)
+
+
 # --- adapters on disk -------------------------------------------------------------------------
 
 

@@ -234,6 +234,15 @@ TARGETS: dict[str, list[str]] = {
     "harness/tools/docs_run.py": ["tests/test_docs_run.py", "-k", "not every_docs_command"],
     "harness/tools/docs_figures.py": ["tests/test_docs_run.py", "-k", "not every_docs_command"],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
+    # #58: apply_lora's refusals, out of apply.py (each refusal before any trace, the rank
+    # over min(d_in, d_out), the vision tower)
+    "src/posttrain/lora/checks.py": [
+        "tests/test_lora.py",
+        "tests/test_sft_run.py",
+        "tests/test_vision_sft.py",
+        "-k",
+        "bad_input or wrongly or refuses_the_tower",
+    ],
     # a checkpoint's formats: the family tests (transformers' masks and ids, SFT and DPO spans
     # of each format), the unit tests; not greedy generation (a compile per mutant)
     "src/posttrain/chat/template.py": [

@@ -4,6 +4,7 @@ The only package that imports Qwix (STYLE.md). Modules:
 
 * :mod:`.config`: :class:`LoraConfig` and the default targets.
 * :mod:`.apply`: :func:`apply_lora` on any mesh the model allows.
+* :mod:`.checks`: what ``apply_lora`` refuses (config, rank, state left behind).
 * :mod:`.layout`: where adapters live and how A and B factor each weight.
 * :mod:`.merge`: :func:`lora_deltas`, :func:`merge_lora`, :func:`unmerge_lora`.
 * :mod:`.adapters`: :func:`save_adapter`, :func:`load_adapter`, :func:`export_peft`.

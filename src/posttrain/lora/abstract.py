@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from posttrain import sharding
-from posttrain.lora import apply
+from posttrain.lora import apply, checks
 from posttrain.lora.config import LoraConfig
 
 
@@ -68,7 +68,7 @@ def abstract_lora(
     matched = [p for p in apply.module_paths(model) if re.fullmatch(target, p)]
     if not matched:
         raise ValueError(f"LoRA target {target!r} matches no module path of {model.config.family}")
-    apply._check(model, lora_config, mesh, rules, matched)
+    checks.check_config(model, lora_config, mesh, rules, matched)
     tokens = jnp.zeros(dummy_shape or apply.dummy_batch_shape(mesh, rules), jnp.int32)
     base = model
     with sharding.use_mesh(mesh, rules, jax_context=False):
@@ -77,7 +77,7 @@ def abstract_lora(
         lora_model = nnx.eval_shape(lambda m: apply._lora_pass(m, tokens, lora_config), base)
     if not nnx.state(lora_model, nnx.LoRAParam):
         raise ValueError(f"LoRA target {target!r} matched {matched[:4]} but Qwix added no adapters")
-    apply._check_rank(lora_model, lora_config.rank)
+    checks.check_rank(lora_model, lora_config.rank)
     _set_axes(lora_model, model)
     lora_model.lora_config = lora_config
     return lora_model

@@ -2,9 +2,9 @@
 
 Steps (qwix 0.1.8):
 
-1. Check the LoRA config against the model and the mesh (routed experts need the
-   ``dense`` algorithm; QLoRA needs ``dtype == param_dtype``; the mesh must divide
-   the model; the target must match a module).
+1. Check the LoRA config against the model and the mesh (:mod:`.checks`: routed experts
+   need the ``dense`` algorithm; QLoRA needs ``dtype == param_dtype``; the mesh must
+   divide the model; the target must match a module).
 2. Trace Qwix's initialisation pass abstractly (``nnx.eval_shape``: no FLOPs, no
    compile) under :func:`posttrain.sharding.use_mesh`, on dummy tokens
    ``[batch, seq]`` with batch = :func:`~posttrain.sharding.data_parallel_size`
@@ -28,13 +28,12 @@ Steps (qwix 0.1.8):
    and B (zeros) shaped after the unquantised weights, and the quantised kernels
    computed by one jit per kernel shape, straight into shardings derived from the base
    weight's logical axes.
-4. Verify: adapters exist; only ``Param`` / ``LoRAParam`` variables remain, so
+4. Verify (:mod:`.checks`): adapters exist; only ``Param`` / ``LoRAParam`` variables remain, so
    ``nnx.split``/``merge``, jit and grad see plain state.
 """
 
 from __future__ import annotations
 
-import math
 import re
 
 import jax
@@ -46,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from posttrain import _compat, sharding
 from posttrain.layers.mlp import qwix_pass
-from posttrain.lora import layout
+from posttrain.lora import checks, layout
 from posttrain.lora.config import LoraConfig
 from posttrain.models.decoder import unrolled_layers
 from posttrain.tree import path_name
@@ -76,50 +75,6 @@ def lora_params(model: nnx.Module) -> dict[str, jax.Array]:
     """Every ``nnx.LoRAParam`` of ``model`` by dotted path (``...q_proj.kernel_lora_a``)."""
     state = nnx.state(model, nnx.LoRAParam)
     return {path_name(p): _compat.variable_value(v) for p, v in nnx.to_flat_state(state)}
-
-
-def _example_paths(paths: list[str], limit: int = 24) -> str:
-    """Module paths of the first layer / block and outside the layers, for error messages."""
-    shown = [p for p in paths if not re.search(r"/(layers|blocks)/[1-9]", p)]
-    return ", ".join(shown[:limit]) + (" ..." if len(shown) > limit else "")
-
-
-def _check(model, lora_config: LoraConfig, mesh: Mesh, rules, matched: list[str]) -> None:
-    from posttrain.lora.config import VISION_TOWER
-
-    cfg = model.config
-    cfg.check_mesh(dict(mesh.shape), rules)
-    tower = [p for p in matched if p.startswith(VISION_TOWER)]
-    if tower:
-        raise ValueError(
-            f"LoRA target {lora_config.target_regex!r} reaches the vision tower ({tower[0]} "
-            f"...): Qwix traces the model without images, so the tower's modules would get "
-            f"no adapters; target the text model's (model/...) or train the tower in full"
-        )
-    if lora_config.dropout:
-        raise NotImplementedError(
-            f"dropout={lora_config.dropout}: LoRA dropout needs an RNG stream inside the "
-            f"decoder's split/merge layers, which is not implemented; use dropout=0.0"
-        )
-    if lora_config.weight_qtype and cfg.dtype != cfg.param_dtype:
-        raise ValueError(
-            f"QLoRA (weight_qtype={lora_config.weight_qtype!r}) needs dtype == "
-            f"param_dtype, got {cfg.dtype} and {cfg.param_dtype}"
-        )
-    experts = [p for p in matched if p.endswith("/experts")]
-    if experts and cfg.moe is not None:
-        if cfg.moe.algorithm != "dense":
-            raise ValueError(
-                f"LoRA on routed experts ({experts[0]} ...) needs moe.algorithm='dense', the only "
-                f"expert path Qwix can intercept; got {cfg.moe.algorithm!r} ('sorted' would get no "
-                f"adapters, 'ragged' fails). Build the model with that algorithm or drop experts"
-            )
-        if cfg.moe.fuse_expert_scales:
-            raise ValueError(
-                "LoRA on routed experts needs moe.fuse_expert_scales=False: the "
-                "fused scale turns down_proj into a product Qwix adapts as if it "
-                "were a weight"
-            )
 
 
 def _qwix_rngs(lora_config: LoraConfig) -> dict:
@@ -349,9 +304,9 @@ def apply_lora(
     if not matched:
         raise ValueError(
             f"LoRA target {target!r} matches no module path of {model.config.family}; "
-            f"paths look like: {_example_paths(paths)}"
+            f"paths look like: {checks.example_paths(paths)}"
         )
-    _check(model, lora_config, mesh, rules, matched)
+    checks.check_config(model, lora_config, mesh, rules, matched)
     batch, seq = dummy_shape or dummy_batch_shape(mesh, rules)
     tokens = jnp.zeros((batch, seq), jnp.int32)
     # Models are closed over, not arguments: their params stay concrete arrays, so Qwix
@@ -372,36 +327,8 @@ def apply_lora(
             f"{' ...' if len(matched) > 8 else ''}) but Qwix created no nnx.LoRAParam: none of "
             f"them multiplies a parameter in an einsum or dot_general Qwix intercepts"
         )
-    _check_rank(abstract, lora_config.rank)
+    checks.check_rank(abstract, lora_config.rank)
     lora_model = _materialise(base, abstract, lora_config, mesh, rules, weights=model)
     lora_model.lora_config = lora_config
-    _verify(lora_model)
+    checks.verify_state(lora_model)
     return lora_model
-
-
-def _check_rank(abstract: nnx.Module, rank: int) -> None:
-    """A rank above min(d_in, d_out) of an adapted weight adds parameters and no capacity
-    (A.B has rank <= min(d_in, d_out)); refused before any adapter is allocated.
-
-    d_in is the product of the weight dims A covers, d_out of the rest (per layer and,
-    for routed experts, over the experts A or B spans).
-    """
-    for adapter in layout.iter_adapters(abstract):
-        lead = int(adapter.stacked)
-        d_in = math.prod(adapter.a.shape[lead:-1])
-        d_out = math.prod(adapter.b.shape[lead + 1 :])
-        if rank > min(d_in, d_out):
-            raise ValueError(
-                f"lora rank={rank} exceeds min(d_in, d_out)={min(d_in, d_out)} of "
-                f"{adapter.key} ({d_in} x {d_out}); expected rank <= {min(d_in, d_out)}"
-            )
-
-
-def _verify(model: nnx.Module) -> None:
-    """Only Param / LoRAParam variables remain (no RNG or quant-stat state from Qwix)."""
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        if type(var) not in (nnx.Param, nnx.LoRAParam):
-            raise ValueError(
-                f"after apply_lora, {path_name(path)} is a {type(var).__name__}; "
-                f"only Param and LoRAParam are expected (Qwix left state behind)"
-            )
