@@ -6,6 +6,7 @@ The gate runs the quick pages (:data:`QUICK`); the slow tier runs every page."""
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 import subprocess
 
@@ -128,6 +129,10 @@ def test_each_figure_is_checked_against_its_own_commands_output():
     same = _result("uv run posttrain sft  # comment", "step 1\nloss 5.5594 -> 2.99\n")
     check = check_figure(figure, page, [other, same])
     assert check.ok and check.fresh == ("5.5594", "2.99")
+    assert check.line() == (
+        r"ok  p.md: loss ([\d.]+) -> ([\d.]+): quoted 5.559 / 2.983, now 5.5594 / 2.99"
+    )
+    assert Figure("p.md", "x", "q" * 70).label() == "p.md: " + "q" * 60  # 60 characters
     off = check_figure(figure, page, [_result("posttrain sft", "loss 5.559 -> 3.1")])
     assert not off.ok and "OFF" in off.line() and "3.1" in off.line()
     missing = check_figure(figure, page, [_result("posttrain sft", "nothing")])
@@ -196,3 +201,87 @@ def test_the_command_line_runs_a_page_logs_it_and_rechecks_the_log(tmp_path, cap
     with pytest.raises(SystemExit) as exit_:
         docs_run.main(["--page", "docs/nowhere.md"])
     assert exit_.value.code == 2 and "docs/nowhere.md" in capsys.readouterr().err
+
+
+README = f"""The run prints loss 2.50 (figure).
+{SET_UP}
+```bash
+exit 9
+```
+```bash
+echo loss 2.5   # prints the figure
+```
+<!-- exits 3 -->
+```bash
+exit 3
+```
+"""
+
+
+def _own_checkout(path, monkeypatch):
+    """A committed repository of two pages, made the checkout ``main`` runs, with one
+    figure of its own (the README's loss)."""
+    from harness.tools import docs_figures
+
+    (path / "docs").mkdir(parents=True)
+    (path / "README.md").write_text(README)
+    (path / "docs/a.md").write_text("```bash\ntouch left.txt\n```\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "pages"]):
+        subprocess.run([*git, *argv], cwd=path, check=True)
+    monkeypatch.setattr(docs_run, "ROOT", path)
+    figure = Figure("README.md", r"^echo loss", r"loss ([\d.]+) \(figure\)", r"loss ([\d.]+)")
+    monkeypatch.setattr(docs_figures, "FIGURES", (figure,))
+    return path
+
+
+def _lines(capsys) -> list[str]:
+    """stdout's lines, each time (a command's, the total) written ``T``."""
+    out = capsys.readouterr().out
+    out = re.sub(r"failed, \d+ s\)", "failed, T s)", re.sub(r"\d+\.\d s:", "T s:", out))
+    return out.splitlines()
+
+
+def test_the_command_line_prints_each_command_each_figure_and_a_summary(
+    tmp_path, capsys, monkeypatch
+):
+    """On a checkout of its own: a page's commands in order (the set-up left out), each
+    status and its last output line, each figure beside its fresh value, one summary
+    line; exit 0, the ``--keep`` copy kept and ``--log`` written; a page leaving a file
+    behind exits 1 and names it (its temporary copy removed); ``--ref`` runs a commit's
+    tree; ``--from-log`` rechecks the figures of a log whose output changed."""
+    _own_checkout(tmp_path / "repo", monkeypatch)
+    keep, log = tmp_path / "kept" / "copy", tmp_path / "log.json"
+    assert docs_run.main(["--page", "README.md", "--keep", str(keep), "--log", str(log)]) == 0
+    assert _lines(capsys) == [
+        f"docs_run: 2 commands in {keep}",
+        "exit 0, T s: README.md:7: echo loss 2.5   # prints the figure  -> loss 2.5",
+        "exit 3, T s: README.md:11: exit 3  -> ",
+        r"ok  README.md: loss ([\d.]+) \(figure\): quoted 2.50, now 2.5",
+        "docs_run: 2 commands (0 failed, T s), 1 figures (0 off), 0 paths left in the checkout",
+    ]
+    assert (keep / "README.md").read_text() == README
+    rows = json.loads(log.read_text())
+    assert [(r["command"]["line"], r["status"], r["output"]) for r in rows] == [
+        (7, 0, "loss 2.5\n"),
+        (11, 3, ""),
+    ]
+    assert docs_run.main([]) == 1  # every page: docs/a.md leaves a file
+    out = _lines(capsys)
+    assert out[0].startswith("docs_run: 3 commands in ") and out[-2:] == [
+        "left in the checkout: ?? left.txt",
+        "docs_run: 3 commands (0 failed, T s), 1 figures (0 off), 1 paths left in the checkout",
+    ]
+    assert not pathlib.Path(out[0].removeprefix("docs_run: 3 commands in ")).exists()
+    (tmp_path / "repo/README.md").write_text(README.replace("exit 3\n```", "exit 4\n```"))
+    assert docs_run.main(["--page", "README.md", "--ref", "HEAD"]) == 0  # the committed tree
+    capsys.readouterr()
+    assert docs_run.main(["--page", "README.md"]) == 1  # the working tree's
+    assert "FAILED exit 4, T s: README.md:11: exit 4  -> " in _lines(capsys)
+    rows[0]["output"] = "loss 2.6\n"
+    log.write_text(json.dumps(rows))
+    assert docs_run.main(["--from-log", str(log)]) == 1
+    assert _lines(capsys) == [
+        r"OFF README.md: loss ([\d.]+) \(figure\): quoted 2.50, now 2.6",
+        "docs_run: 2 commands (0 failed, T s), 1 figures (1 off), 0 paths left in the checkout",
+    ]

@@ -13,7 +13,7 @@ import pytest
 
 from harness import cli
 from harness.matrix import entries, envs, matrix, run_cells
-from harness.report import report, report_files, report_md
+from harness.report import report, report_files, report_html, report_md
 from posttrain.training import tunix_compat
 
 pytestmark = pytest.mark.host
@@ -223,6 +223,27 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     assert "| v3 | - · 0.10.2 · - · - · - | ❌ | 💥 | ❌ |  |  |" in md
     assert json.loads(js)["columns"] == ["A", "B", "sft", "rl", "dpo", "distill", "vision"]
     assert "<b>v3</b>" in page and "boom in v3" in page
+
+
+def test_the_report_files_are_its_three_renderings_without_credentials(tmp_path):
+    """``report_files.write`` makes a nested directory and writes ``compat-matrix.md``,
+    ``.json`` (indented by 2) and ``.html``, each exactly its rendering of the report with
+    a source URL's credentials hidden."""
+    secret = "https://user:token@example.com/tunix.git"
+    built = report.build([row("v1", "current", {"A": "passed"})], f"machine {secret}")
+    where = tmp_path / "a" / "b"
+    paths = report_files.write(built, where)
+    assert [p.name for p in paths] == [
+        "compat-matrix.md",
+        "compat-matrix.json",
+        "compat-matrix.html",
+    ]
+    md, js, page = (p.read_text() for p in paths)
+    shown = "https://***@example.com/tunix.git"
+    assert md == report_md.markdown(built).replace(secret, shown)
+    assert js == json.dumps(built, indent=2).replace(secret, shown) + "\n"
+    assert page == report_html.page(built).replace(secret, shown)
+    assert all(secret not in text and shown in text for text in (md, js, page))
 
 
 def test_update_merges_rerun_rows_into_the_report_in_entry_order(tmp_path):

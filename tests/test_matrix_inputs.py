@@ -88,6 +88,27 @@ def test_a_well_formed_report_passes_the_shape_check():
     assert report.check_shape(report.build([_row()], "m")) is None
 
 
+@pytest.mark.parametrize(
+    ("part", "problem"),
+    [
+        ({"entries": [], "columns": []}, "'generated', 'machine'"),
+        (_report(entries=[{"name": "e1"}]), "entry 0 has no flavour, convention, contracts"),
+        (
+            _report(entries=[{**_row(), "versions": {"tunix": 7}}]),
+            "entry 0 (e1): versions = {'tunix': 7}; expected an object of name: version strings",
+        ),
+        (
+            _report(entries=[{**_row(), "versions": {7: "0.1"}}]),
+            "entry 0 (e1): versions = {7: '0.1'}; expected an object of name: version strings",
+        ),
+    ],
+)
+def test_the_shape_check_names_what_is_missing_or_mistyped_in_full(part, problem):
+    """The missing keys of the report and of an entry, and a version that is not a
+    string on either side, each named in full."""
+    assert report.check_shape(part) == problem
+
+
 def test_a_part_without_entries_is_refused(tmp_path, capsys):
     where = tmp_path / "part"
     report_files.write(report.build([], "m"), where)

@@ -210,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-log", type=Path, help="check the figures of an earlier --log")
     args = parser.parse_args(argv)
     for page in args.page or []:
-        if page not in pages():
-            parser.error(f"--page {page!r}: not one of {', '.join(pages())}")
+        if page not in pages(ROOT):
+            parser.error(f"--page {page!r}: not one of {', '.join(pages(ROOT))}")
     if args.from_log:
-        texts = {p: (ROOT / p).read_text(encoding="utf-8") for p in pages()}
+        texts = {p: (ROOT / p).read_text(encoding="utf-8") for p in pages(ROOT)}
         results = [
             Result(Command(**r["command"]), r["status"], r["seconds"], r["output"])
             for r in json.loads(args.from_log.read_text(encoding="utf-8"))

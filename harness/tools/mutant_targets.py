@@ -14,14 +14,25 @@ _NO_COMPILE = (
     "and not grpo_plan and not zeroed_lora_b and not old_policy"
 )
 
+# tests/test_docs_run.py without those that read this checkout's git or docs/
+_OWN_PAGES = (
+    "not every_docs_command and not quick_pages and not every_figure_names "
+    "and not command_line_runs"
+)
+
 TARGETS: dict[str, list[str]] = {
     "src/posttrain/layers/moe/router.py": [
         "tests/test_moe.py",
         "tests/test_bf16.py::test_router_picks_the_fp32_winner_when_bf16_rounding_would_tie",
     ],
     "src/posttrain/layers/moe/dispatch.py": ["tests/test_moe.py"],
-    # test_bf16: the tiny MoE presets run the sorted experts in bfloat16
-    "src/posttrain/layers/moe/experts.py": ["tests/test_moe.py", "tests/test_bf16.py"],
+    # test_bf16: the tiny MoE presets run the sorted experts in bfloat16;
+    # test_moe_tpu_compile: ragged_dot's two ways around XLA:TPU (compiled for a v5e)
+    "src/posttrain/layers/moe/experts.py": [
+        "tests/test_moe.py",
+        "tests/test_bf16.py",
+        "tests/test_moe_tpu_compile.py",
+    ],
     # its backward is hand-written: test_moe's gradients against dense (float32, bfloat16)
     "src/posttrain/layers/moe/grouped.py": [
         "tests/test_moe_grouped.py",
@@ -149,6 +160,14 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_sft_run.py::test_lora_run_checkpoints_only_the_adapters",
         "tests/test_sft_run.py::test_non_finite_weights_are_never_checkpointed",
     ],
+    # the supervised run end to end (#58's split of sft/run.py): the text runs, their
+    # refusals and resumes, and one image run (its held-out line and its export)
+    "src/posttrain/training/supervised.py": [
+        "tests/test_supervised_run.py",
+        "tests/test_sft_run.py",
+        "tests/test_run_checks.py",
+        "tests/test_vision_sft.py::test_a_short_vision_run_trains_the_projector_and_leaves_the_tower",
+    ],
     "src/posttrain/training/metrics.py": [
         "tests/test_sft_run.py",
         "contracts/test_sft_conventions.py",
@@ -215,7 +234,11 @@ TARGETS: dict[str, list[str]] = {
     ],
     "harness/report/report_shape.py": ["tests/test_matrix_inputs.py"],  # #56: a malformed part
     # #58: the report's files apart from the report (its renderings import it one way only)
-    "harness/report/report_files.py": ["tests/test_matrix.py", "-k", "first_failing or rerun_rows"],
+    "harness/report/report_files.py": [
+        "tests/test_matrix.py",
+        "-k",
+        "first_failing or rerun_rows or report_files",
+    ],
     "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     "src/posttrain/plan/depth.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     # #56 7: each bound at its edge, and the CLI's refusals (checked before any compile)
@@ -230,9 +253,10 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/workflows.py": ["tests/test_plan.py"],
     # the committed reports/ are not in the scratch copy: their test stays out
     "harness/report/fits.py": ["tests/test_fits.py", "-k", "not committed_rows"],
-    # the docs run: the gate's tests (the quick page in a fresh copy), not the slow run
-    "harness/tools/docs_run.py": ["tests/test_docs_run.py", "-k", "not every_docs_command"],
-    "harness/tools/docs_figures.py": ["tests/test_docs_run.py", "-k", "not every_docs_command"],
+    # the docs run: the gate's tests that need neither the checkout's git nor docs/ (not
+    # in mutmut's copy): the pages' reading, the figures, a repository of their own
+    "harness/tools/docs_run.py": ["tests/test_docs_run.py", "-k", _OWN_PAGES],
+    "harness/tools/docs_figures.py": ["tests/test_docs_run.py", "-k", _OWN_PAGES],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
     # #58: apply_lora's refusals, out of apply.py (each refusal before any trace, the rank
     # over min(d_in, d_out), the vision tower)
