@@ -127,6 +127,9 @@ TARGETS: dict[str, list[str]] = {
     ],
     # images against transformers' own processor, the token expansion, the file errors
     "src/posttrain/vision/data.py": ["tests/test_vision_data.py"],
+    # #58: MoEConfig, out of config.py: each refusal and each field at its edge; the MoE
+    # block on the defaults
+    "src/posttrain/moe_config.py": ["tests/test_moe_config.py", "tests/test_moe.py"],
     "src/posttrain/vision_config.py": [
         "tests/test_vision.py::test_vision_config_refuses_what_the_tower_cannot_run",
         "tests/test_vision.py::test_every_vision_field_is_perturbed_shaped_or_the_data_s",
