@@ -35,7 +35,8 @@ than the CPU: the properties are explored on the CPU, sampled on the chip).
 ``--upstream-deprecations record`` (the matrix): a deprecation raised from upstream
 code is recorded on its test instead of raised (:mod:`harness.gate.deprecations`).
 
-Hypothesis profiles and garbage collection: :mod:`harness.gate.session_tuning`.
+Hypothesis profiles and garbage collection: :mod:`harness.gate.session_tuning`; the
+options and the markers' descriptions: :mod:`harness.gate.plugin_options`.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from typing import Any
 import pytest
 
 from harness.devices import devices as _devices
-from harness.gate import chip_precision, deprecation_recorder, session_tuning
+from harness.gate import chip_precision, deprecation_recorder, plugin_options, session_tuning
 from harness.gate.session_tuning import (  # noqa: F401 (re-exported: tests and tools read them here)
     GC_ENV_VAR,
     GC_GEN2_THRESHOLD,
@@ -58,23 +59,6 @@ from harness.gate.session_tuning import (  # noqa: F401 (re-exported: tests and 
     tune_gc,
 )
 
-MARKERS: tuple[str, ...] = (
-    "devices(n): needs at least n JAX devices; skipped when fewer exist "
-    "(a failure under --strict-skips)",
-    "tpu: needs a real TPU backend",
-    "gpu: needs a real GPU backend",
-    "accelerator: needs a real accelerator backend (TPU or GPU)",
-    "slow: slow test; the gate leaves it out unless --slow",
-    "reference: needs torch and transformers (HF reference implementations)",
-    "aot: compiles for a TPU slice through libtpu (the tpu extra); skipped where libtpu "
-    "is not installed (a failure under --strict-skips)",
-    "contract(name): pins the upstream symbol `name`; reports group results by it",
-    "host: exercises host code only (CLI parsing, reports, git, local processes); left "
-    "out on a real accelerator unless --host-tests run",
-    "matmul_precision(name): runs under jax.default_matmul_precision(name) (float32 "
-    "comparisons pin it: a TPU's default matmul is one bfloat16 pass)",
-    "convention(name): exercises Tunix train-step convention `name` (see --conventions)",
-)
 # Backend markers -> the jax.default_backend() values they accept.
 BACKEND_MARKERS: dict[str, tuple[str, ...]] = {
     "tpu": ("tpu",),
@@ -90,78 +74,7 @@ HOST_REASON = (
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("posttrain-harness")
-    group.addoption(
-        "--devices",
-        dest="posttrain_devices",
-        metavar="N|real",
-        default=None,
-        help=f"N fake CPU devices, or 'real' for the real accelerators "
-        f"(default: ${_devices.ENV_VAR} or {_devices.DEFAULT_DEVICES})",
-    )
-    group.addoption(
-        "--strict-skips",
-        dest="strict_skips",
-        action="store_true",
-        default=False,
-        help="fail, instead of skipping, a test whose devices(n) marker asks for more "
-        "devices than exist (the gate sets this)",
-    )
-    group.addoption(
-        "--upstream-deprecations",
-        dest="upstream_deprecations",
-        choices=("error", "record"),
-        default="error",
-        help="'record': a deprecation raised from upstream code is shown, not raised, and "
-        "recorded on the test as the JUnit property upstream_deprecations (the matrix's warn "
-        "cells; harness/gate/deprecations.py); 'error' (default): filterwarnings decides",
-    )
-    _add_chip_options(group)
-    group.addoption(
-        "--conventions",
-        dest="conventions",
-        metavar="NAME,...",
-        default=None,
-        help="keep only the tests marked convention(NAME) for these names, and the "
-        "unmarked ones when 'installed' is among them (default: every test)",
-    )
-    group.addoption(
-        "--contract",
-        dest="contract",
-        metavar="NAME",
-        default=None,
-        help="keep only the tests marked contract(NAME) (a matrix column; bisect runs one)",
-    )
-
-
-def _add_chip_options(group) -> None:
-    """The options of a run on real chips: the backend required, the host tests, the
-    chip's precision emulated on the CPU."""
-    group.addoption(
-        "--require-backend",
-        dest="require_backend",
-        metavar="NAME",
-        default=None,
-        help="fail the session unless JAX's backend is NAME (tox -e tpu: tpu), instead "
-        "of running the suites on whatever came up",
-    )
-    group.addoption(
-        "--host-tests",
-        dest="host_tests",
-        choices=("auto", "run", "skip"),
-        default="auto",
-        help="tests marked host: 'auto' (default) leaves them out on a real accelerator "
-        "and runs them on the CPU; 'run' runs them everywhere; 'skip' leaves them out "
-        "everywhere",
-    )
-    group.addoption(
-        "--emulate-chip-precision",
-        dest="emulate_chip_precision",
-        action="store_true",
-        default=False,
-        help="multiply float32 at the default precision as a TPU does (one bfloat16 pass): "
-        "finds the float32 comparisons that need matmul_precision, without a TPU",
-    )
+    plugin_options.add_options(parser)
 
 
 def _apply_devices(value: str | None) -> int:
@@ -182,7 +95,7 @@ def pytest_load_initial_conftests(
 @pytest.hookimpl(tryfirst=True)  # before hypothesis's plugin loads --hypothesis-profile
 def pytest_configure(config: pytest.Config) -> None:
     _apply_devices(config.getoption("posttrain_devices"))
-    for line in MARKERS:
+    for line in plugin_options.MARKERS:
         config.addinivalue_line("markers", line)
     session_tuning.load_hypothesis_profile(config)
     config.pluginmanager.register(chip_precision.Pinning(), "posttrain_matmul_precision")

@@ -1,0 +1,102 @@
+"""The command line of the harness's pytest plugin (:mod:`harness.gate.pytest_plugin`): its
+options with their help, and its markers' descriptions (``pytest --markers``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.devices import devices as _devices
+
+MARKERS: tuple[str, ...] = (
+    "devices(n): needs at least n JAX devices; skipped when fewer exist "
+    "(a failure under --strict-skips)",
+    "tpu: needs a real TPU backend",
+    "gpu: needs a real GPU backend",
+    "accelerator: needs a real accelerator backend (TPU or GPU)",
+    "slow: slow test; the gate leaves it out unless --slow",
+    "reference: needs torch and transformers (HF reference implementations)",
+    "aot: compiles for a TPU slice through libtpu (the tpu extra); skipped where libtpu "
+    "is not installed (a failure under --strict-skips)",
+    "contract(name): pins the upstream symbol `name`; reports group results by it",
+    "host: exercises host code only (CLI parsing, reports, git, local processes); left "
+    "out on a real accelerator unless --host-tests run",
+    "matmul_precision(name): runs under jax.default_matmul_precision(name) (float32 "
+    "comparisons pin it: a TPU's default matmul is one bfloat16 pass)",
+    "convention(name): exercises Tunix train-step convention `name` (see --conventions)",
+)
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """The plugin's options, in the group ``posttrain-harness`` (its ``pytest_addoption``)."""
+    group = parser.getgroup("posttrain-harness")
+    group.addoption(
+        "--devices",
+        dest="posttrain_devices",
+        metavar="N|real",
+        default=None,
+        help=f"N fake CPU devices, or 'real' for the real accelerators "
+        f"(default: ${_devices.ENV_VAR} or {_devices.DEFAULT_DEVICES})",
+    )
+    group.addoption(
+        "--strict-skips",
+        dest="strict_skips",
+        action="store_true",
+        default=False,
+        help="fail, instead of skipping, a test whose devices(n) marker asks for more "
+        "devices than exist (the gate sets this)",
+    )
+    group.addoption(
+        "--upstream-deprecations",
+        dest="upstream_deprecations",
+        choices=("error", "record"),
+        default="error",
+        help="'record': a deprecation raised from upstream code is shown, not raised, and "
+        "recorded on the test as the JUnit property upstream_deprecations (the matrix's warn "
+        "cells; harness/gate/deprecations.py); 'error' (default): filterwarnings decides",
+    )
+    _add_chip_options(group)
+    group.addoption(
+        "--conventions",
+        dest="conventions",
+        metavar="NAME,...",
+        default=None,
+        help="keep only the tests marked convention(NAME) for these names, and the "
+        "unmarked ones when 'installed' is among them (default: every test)",
+    )
+    group.addoption(
+        "--contract",
+        dest="contract",
+        metavar="NAME",
+        default=None,
+        help="keep only the tests marked contract(NAME) (a matrix column; bisect runs one)",
+    )
+
+
+def _add_chip_options(group) -> None:
+    """The options of a run on real chips: the backend required, the host tests, the
+    chip's precision emulated on the CPU."""
+    group.addoption(
+        "--require-backend",
+        dest="require_backend",
+        metavar="NAME",
+        default=None,
+        help="fail the session unless JAX's backend is NAME (tox -e tpu: tpu), instead "
+        "of running the suites on whatever came up",
+    )
+    group.addoption(
+        "--host-tests",
+        dest="host_tests",
+        choices=("auto", "run", "skip"),
+        default="auto",
+        help="tests marked host: 'auto' (default) leaves them out on a real accelerator "
+        "and runs them on the CPU; 'run' runs them everywhere; 'skip' leaves them out "
+        "everywhere",
+    )
+    group.addoption(
+        "--emulate-chip-precision",
+        dest="emulate_chip_precision",
+        action="store_true",
+        default=False,
+        help="multiply float32 at the default precision as a TPU does (one bfloat16 pass): "
+        "finds the float32 comparisons that need matmul_precision, without a TPU",
+    )
