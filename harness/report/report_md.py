@@ -62,59 +62,83 @@ def summary(report: dict[str, Any]) -> list[str]:
         + "**\n",
     ]
     out += [f"{line}\n" for line in not_run_lines(report)]
-    broken = report.get("broken", [])
-    out.append(f"### What broke ({len(broken)})\n")
-    out += _listed(
-        [
-            f"- {GLYPHS[b['status']]} **{b['entry']}**"
-            + (f" / `{b['column']}`" if b["column"] else "")
-            + f": {_text(b['message'])}"
-            + (f" (`{b['test']}`)" if b.get("test") else "")
-            for b in broken
-        ]
-    ) or ["Nothing: every cell that ran passes."]
-    previous = report.get("previous")
-    flips = report.get("changed", [])
-    since = f"since the previous report ({previous['generated']})" if previous else ""
-    out.append(f"\n### Changed {since or 'since the previous report'} ({len(flips)})\n")
-    if not previous:
-        out.append("No previous report to compare with.")
-    out += _listed(
-        [
-            f"- {FLIP_MARK} **{f['entry']}** / `{f['column']}`: {LABELS.get(f['from'], f['from'])}"
-            f" → {LABELS.get(f['to'], f['to'])}"
-            for f in flips
-        ]
-    ) or ([] if not previous else ["No cell changed."])
-    found = report.get("deprecations", [])
-    out.append(f"\n### Upstream deprecations ({len(found)})\n")
-    out += _listed(
-        [
-            f"- {_text(d['warning'])} (`{d['where']}`): first in **{d['first_entry']}**, "
-            f"{len(d['entries'])} entries"
-            for d in found
-        ]
-    ) or ["None seen."]
+    out += _broken_lines(report) + _changed_lines(report) + _deprecation_lines(report)
     out.append("\n### Upstream releases\n")
     out += [f"- {line}" for line in _drift.lines(report.get("drift"))]
     sources = [f"- **{r['name']}**: {source_line(r)}" for r in report["entries"] if r.get("source")]
     if sources:
         out.append("\n### Tunix from source\n")
         out += sources
+    return out + _bisect_lines(report)
+
+
+def _broken_lines(report: dict[str, Any]) -> list[str]:
+    """``### What broke``: each failing cell, its message and test."""
+    broken = report.get("broken", [])
+    return [f"### What broke ({len(broken)})\n"] + (
+        _listed(
+            [
+                f"- {GLYPHS[b['status']]} **{b['entry']}**"
+                + (f" / `{b['column']}`" if b["column"] else "")
+                + f": {_text(b['message'])}"
+                + (f" (`{b['test']}`)" if b.get("test") else "")
+                for b in broken
+            ]
+        )
+        or ["Nothing: every cell that ran passes."]
+    )
+
+
+def _changed_lines(report: dict[str, Any]) -> list[str]:
+    """``### Changed since the previous report``: each cell whose verdict flipped."""
+    previous = report.get("previous")
+    flips = report.get("changed", [])
+    since = f"since the previous report ({previous['generated']})" if previous else ""
+    out = [f"\n### Changed {since or 'since the previous report'} ({len(flips)})\n"]
+    if not previous:
+        out.append("No previous report to compare with.")
+    return out + (
+        _listed(
+            [
+                f"- {FLIP_MARK} **{f['entry']}** / `{f['column']}`: "
+                f"{LABELS.get(f['from'], f['from'])} → {LABELS.get(f['to'], f['to'])}"
+                for f in flips
+            ]
+        )
+        or ([] if not previous else ["No cell changed."])
+    )
+
+
+def _deprecation_lines(report: dict[str, Any]) -> list[str]:
+    """``### Upstream deprecations``: each warning, where, and its first entry."""
+    found = report.get("deprecations", [])
+    return [f"\n### Upstream deprecations ({len(found)})\n"] + (
+        _listed(
+            [
+                f"- {_text(d['warning'])} (`{d['where']}`): first in **{d['first_entry']}**, "
+                f"{len(d['entries'])} entries"
+                for d in found
+            ]
+        )
+        or ["None seen."]
+    )
+
+
+def _bisect_lines(report: dict[str, Any]) -> list[str]:
+    """``### Bisect``: the command for each source row's cell, and what it named."""
     suggested = report.get("bisect") or []
-    if suggested:
-        out.append("\n### Bisect: the commit behind a source row's cell\n")
-        out += [
-            f"- **{b['entry']}** / `{b['column']}` ({LABELS[b['status']]}): `{b['command']}`"
-            + (
-                f" → first bad: `{b['named']['sha'][:12]}` {b['named']['subject']}"
-                if b.get("named")
-                else ""
-            )
-            + (f" → not named: {b['why']}" if b.get("why") else "")
-            for b in suggested
-        ]
-    return out
+    if not suggested:
+        return []
+    return ["\n### Bisect: the commit behind a source row's cell\n"] + [
+        f"- **{b['entry']}** / `{b['column']}` ({LABELS[b['status']]}): `{b['command']}`"
+        + (
+            f" → first bad: `{b['named']['sha'][:12]}` {b['named']['subject']}"
+            if b.get("named")
+            else ""
+        )
+        + (f" → not named: {b['why']}" if b.get("why") else "")
+        for b in suggested
+    ]
 
 
 def fits_section(report: dict[str, Any]) -> list[str]:
