@@ -223,6 +223,10 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/measure.py": ["tests/test_plan_chip.py", "tests/test_plan_measure.py"],
     "harness/gate/chip_precision.py": ["tests/test_chip_precision.py"],
     "harness/gate/sizes.py": ["tests/test_code_size.py"],
+    "src/posttrain/models/params.py": [
+        "tests/test_model_host_init.py",
+        "tests/test_loaders.py",
+    ],
     # #58: the pytest plugin's options and marker descriptions, out of pytest_plugin.py
     "harness/gate/plugin_options.py": ["tests/test_harness.py"],
     "harness/gate/session_tuning.py": [
