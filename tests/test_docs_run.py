@@ -136,9 +136,16 @@ def test_each_figure_is_checked_against_its_own_commands_output():
     off = check_figure(figure, page, [_result("posttrain sft", "loss 5.559 -> 3.1")])
     assert not off.ok and "OFF" in off.line() and "3.1" in off.line()
     missing = check_figure(figure, page, [_result("posttrain sft", "nothing")])
-    assert not missing.ok and "not printed" in missing.line()
+    assert missing.ok is False and missing.line() == (
+        r"OFF p.md: loss ([\d.]+) -> ([\d.]+): quoted 5.559 / 2.983, now not printed"
+    )
     gone = check_figure(figure, "no figure here", [same])
-    assert not gone.ok and "no longer quotes" in gone.line()
+    assert gone.ok is False and gone.line() == (
+        r"OFF p.md: loss ([\d.]+) -> ([\d.]+): quoted , now the page no longer quotes it"
+    )
+    line = Figure("p.md", r"posttrain sft$", r"^loss ([\d.]+)$")  # a line of its own, each
+    lines = check_figure(line, "intro\nloss 2.5\nend", [_result("posttrain sft", "a\nloss 2.5\nb")])
+    assert lines.ok and lines.fresh == ("2.5",)
     assert check_figure(figure, page, [other]) is None  # its command did not run
     assert check_figure(figure, page, [_result("posttrain sft", "x", page="q.md")]) is None
 

@@ -94,3 +94,21 @@ def test_ragged_dot_equals_jax_s_on_the_cpu(groups, dtype):
         want = jax.lax.ragged_dot(lhs, rhs, sizes)
     assert got.dtype == want.dtype == dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "dtype, want",
+    [(jnp.float32, jax.lax.Precision.HIGHEST), (jnp.bfloat16, jax.lax.Precision.DEFAULT)],
+    ids=["float32-keeps-highest", "bfloat16-pinned-default"],
+)
+def test_ragged_dot_keeps_a_float32_callers_precision_and_pins_narrower_operands(dtype, want):
+    """Under ``default_matmul_precision("highest")`` the program's product runs at
+    HIGHEST for float32 operands and at DEFAULT for bfloat16 ones (the CPU's values
+    cannot tell: it multiplies float32 exactly either way); one group is a plain dot."""
+    for groups, primitive in (([5], "dot_general"), ([2, 3], "ragged_dot_general")):
+        lhs = jnp.ones((5, 6), dtype)
+        rhs = jnp.ones((len(groups), 6, 3), dtype)
+        with jax.default_matmul_precision("highest"):
+            jaxpr = jax.make_jaxpr(ragged_dot)(lhs, rhs, jnp.asarray(groups, jnp.int32))
+        (product,) = [e for e in jaxpr.eqns if "dot" in e.primitive.name]
+        assert (product.primitive.name, product.params["precision"]) == (primitive, (want, want))

@@ -51,6 +51,8 @@ def test_the_summary_is_the_steps_line_with_the_perplexity_then_the_held_out_lin
     assert result.summary() == steps
     held = dataclasses.replace(result, held_out="held-out answers: 1 of 8 -> 7 of 8")
     assert held.summary() == steps + "\nheld-out answers: 1 of 8 -> 7 of 8"
+    resumed = dataclasses.replace(result, history=[], checkpoint_step=7)
+    assert resumed.summary() == "no steps run (already at step 7)"
 
 
 @pytest.mark.devices(8)

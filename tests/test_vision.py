@@ -308,6 +308,43 @@ def test_vision_config_is_read_only_when_asked_and_refuses_what_it_lacks():
         from_hf_config(dict(config, vision_config=None), vision=True)
 
 
+@pytest.mark.reference
+def test_a_vision_field_left_out_reads_as_transformers_default():
+    """An empty ``vision_config`` reads as transformers' own default tower (every field
+    and the image token ids); kv heads follow the heads when null; each refusal names
+    its field and value in full."""
+    from transformers import Gemma4Config, Gemma4VisionConfig
+
+    from posttrain.conversion import ConversionError
+    from posttrain.families.gemma4_vision import vision_from_hf
+
+    full = Gemma4Config(vision_config=Gemma4VisionConfig().to_dict()).to_dict()
+    assert vision_from_hf({"vision_config": {}}) == vision_from_hf(full)
+    assert vision_from_hf({}) is None and vision_from_hf({"vision_config": None}) is None
+    heads = {"num_attention_heads": 4, "rope_parameters": None}
+    assert vision_from_hf({"vision_config": heads}).num_kv_heads == 4
+    grouped = {"vision_config": {**heads, "num_key_value_heads": 2}}
+    assert vision_from_hf(grouped).num_kv_heads == 2
+    both = {"vision_config": {}, "text_config": {"use_bidirectional_attention": "vision"}}
+    assert vision_from_hf(both).bidirectional
+    refused = [
+        ({"vision_config": "x"}, "vision_config: 'x' is not an object"),
+        (
+            {"vision_config": {"rope_parameters": {"rope_type": "yarn"}}},
+            "vision_config.rope_parameters: rope_type 'yarn': one of default, axial only",
+        ),
+        (
+            {"vision_config": {}, "text_config": {"use_bidirectional_attention": "all"}},
+            "text_config.use_bidirectional_attention: 'all' is not supported (None or "
+            "'vision' only)",
+        ),
+    ]
+    for config, message in refused:
+        with pytest.raises(ConversionError) as error:
+            vision_from_hf(config)
+        assert str(error.value) == f"config.json {message}"
+
+
 @pytest.mark.slow
 def test_a_cached_prefill_with_images_then_decoding_equals_the_full_forward():
     """The prefill writes the image soft tokens into the KV cache: prefill (images in) plus
