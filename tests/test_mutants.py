@@ -101,8 +101,9 @@ def test_each_function_names_a_function_mutmut_mutates():
         assert module in mutants.TARGETS, module
         assert set(names) <= mutants.function_names(module, root), module
     trainer = mutants.function_names("src/posttrain/training/trainer.py", root)
-    assert "xǁSFTTrainerMixinǁ_step_body" in trainer and "x_default_moe_aux_loss_weight" in trainer
-    assert "xǁSFTTrainerMixinǁcreate_train_step_fn" not in trainer  # @override: not mutated
+    step = mutants.function_names("src/posttrain/training/step.py", root)
+    assert "xǁSFTStepǁ_step_body" in step and "x_default_moe_aux_loss_weight" in trainer
+    assert "xǁSFTStepǁcreate_train_step_fn" not in step  # @override: not mutated
     assert mutants.mutant_patterns("src/posttrain/training/loss.py", ["x_token_nll"]) == [
         "posttrain.training.loss.x_token_nll__mutmut_*"
     ]

@@ -163,6 +163,13 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_sft_run.py::test_lora_run_checkpoints_only_the_adapters",
         "tests/test_sft_run.py::test_non_finite_weights_are_never_checkpointed",
     ],
+    # the step (#58: out of trainer.py, whose FUNCTIONS it was), with the trainer's tests
+    "src/posttrain/training/step.py": [
+        "tests/test_sft_objective.py",
+        "contracts/test_sft_conventions.py",
+        "tests/test_sft_run.py::test_lora_run_checkpoints_only_the_adapters",
+        "tests/test_sft_run.py::test_non_finite_weights_are_never_checkpointed",
+    ],
     # the supervised run end to end (#58's split of sft/run.py): the text runs, their
     # refusals and resumes, and one image run (its held-out line and its export)
     "src/posttrain/training/supervised.py": [
@@ -404,13 +411,8 @@ TARGETS: dict[str, list[str]] = {
 # :func:`harness.tools.mutant_sources.undecorate` frees
 # (metrics.py's ``all_finite``, ``@jax.jit``).
 FUNCTIONS: dict[str, tuple[str, ...]] = {
-    # the step (objective, gradients, the update or skip, the logged terms), not the
-    # trainer's Tunix plumbing (saves, placement, closing)
-    "src/posttrain/training/trainer.py": (
-        "xǁSFTTrainerMixinǁ_objective",
-        "xǁSFTTrainerMixinǁ_report",
-        "xǁSFTTrainerMixinǁ_grads",
-        "xǁSFTTrainerMixinǁ_step_body",
-        "x_default_moe_aux_loss_weight",
-    ),
+    # the load-balancing weight the step reads, not the trainer's Tunix plumbing (saves,
+    # placement, closing); the step itself (objective, gradients, the update or skip, the
+    # logged terms) is training/step.py, every function of it
+    "src/posttrain/training/trainer.py": ("x_default_moe_aux_loss_weight",),
 }

@@ -1,0 +1,148 @@
+"""The SFT train step of :class:`posttrain.training.trainer.SFTTrainer`: one body that works
+under every calling convention Tunix has used, exact gradient accumulation and the SFT loss.
+
+The step body is written once (:meth:`SFTStep._step_body`) and wrapped
+into the signature the installed Tunix expects (:mod:`posttrain.training.tunix_compat`):
+
+- ``positional3`` (google-tunix 0.0.2-0.1.5): ``step(model, optimizer, inputs) -> (loss, aux)``;
+- ``bound2`` (0.1.6-0.1.7): same parameters, ``-> (loss, aux, grad_norm)``;
+- ``bound3_update`` (main since 659881fb): ``step(model, optimizer, grad_accumulator,
+  inputs, is_update_step) -> (loss, aux, grad_norm)``.
+
+Parameter names are fixed because ``nnx.jit`` donates by name (``optimizer``,
+``grad_accumulator``). Gradients: ``nnx.split`` the model into the trained
+variables (``nnx.LoRAParam`` when LoRA is on, else ``nnx.Param``) and the rest,
+``jax.value_and_grad`` a pure function that merges them; no NNX transform is
+nested inside Tunix's ``nnx.jit``.
+
+Gradient accumulation is exact: each micro-step differentiates its share of the
+step loss (:func:`posttrain.training.loss.step_objective`, normalised by the step's
+target-token count), so the shares sum to the gradient of one large batch.
+With ``optax.MultiSteps`` (releases; it averages) the share is scaled by the
+accumulation count; with main's ``GradientAccumulator`` every micro-step is
+``add``-ed (also the first: an empty accumulator is never a reason to skip) and
+the optimizer runs only under ``is_update_step``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from typing_extensions import override
+
+from posttrain import _compat
+from posttrain.training import loss as sft_loss
+from posttrain.training import tunix_compat
+
+
+class SFTStep:
+    """The step: :meth:`create_train_step_fn` wraps :meth:`_step_body` in the installed
+    convention's signature. A mixin of :class:`~posttrain.training.trainer.SFTTrainerMixin`,
+    whose ``__init__`` sets what it reads: ``convention``, ``grad_accum_steps``,
+    ``moe_aux_loss_weight``, ``learned`` and ``_wrt`` / ``_frozen`` (the trained variables),
+    and Tunix's ``gen_model_input_fn``. Other trainers (DPO, distillation) override
+    :meth:`_objective`, :meth:`_report` and :attr:`reported_sum`.
+    """
+
+    reported_sum = "nll_sum"  # the term whose per-target-token mean is the reported loss
+
+    def _objective(self, model, inputs):
+        """``(this micro-step's share of the step loss, the forward terms)`` for ``model``
+        (the merged, differentiable model): :func:`posttrain.training.loss.step_objective`,
+        MoE load-balancing term included. Other trainers (DPO) override this and
+        :meth:`_report`; the step around them is shared."""
+        terms = sft_loss.sft_terms(model, **inputs)
+        objective = sft_loss.step_objective(
+            terms,
+            inputs.get("step_target_tokens"),
+            moe_aux_weight=self.moe_aux_loss_weight,
+            grad_accum_steps=self.grad_accum_steps,
+        )
+        return objective, terms
+
+    def _report(self, terms, inputs, grad_norm):
+        """``(reported loss, aux)`` of one micro-step from its forward terms."""
+        tokens = (
+            jnp.sum(inputs["segment_ids"] > 0)
+            if "segment_ids" in inputs
+            else (jnp.asarray(inputs["input_tokens"].size))
+        )
+        aux = {**terms, "grad_norm": grad_norm, "tokens": tokens.astype(jnp.float32)}
+        return terms[self.reported_sum] / jnp.maximum(terms["target_tokens"], 1.0), aux
+
+    def _grads(self, model, inputs):
+        """``(objective, terms, grads)``: :meth:`_objective` and d(objective)/d(trained
+        variables); zero for the ``SFTOptions.frozen`` ones, which are constants of the
+        objective (no backward through them)."""
+        graphdef, trained, frozen, rest = nnx.split(model, self.learned, self._wrt, ...)
+
+        def share(trained_state):
+            # New Variable objects for the frozen part, made in this trace: nnx.merge
+            # reuses a State's Variables (flax 0.12), and an nnx.jit called inside the
+            # objective (Tunix's DPO compute_logps) writes its outputs back into them,
+            # which flax refuses across trace levels (TraceContextError).
+            constants = jax.tree.map(lambda x: x, (frozen, rest))
+            return self._objective(nnx.merge(graphdef, trained_state, *constants), inputs)
+
+        (objective, terms), grads = jax.value_and_grad(share, has_aux=True)(trained)
+        if self._frozen is not None:  # Tunix's optimizer holds every trained-kind variable
+            grads = nnx.merge_state(grads, jax.tree.map(jnp.zeros_like, frozen))
+        return objective, terms, grads
+
+    def _step_body(self, model, optimizer, grad_accumulator, inputs, is_update_step):
+        """One micro-step; returns ``(reported loss, aux, grad_norm)``."""
+        inputs = self.gen_model_input_fn(inputs)
+        _, terms, grads = self._grads(model, inputs)
+        k = self.grad_accum_steps
+        if grad_accumulator is None or k == 1:
+            # MultiSteps (releases) averages k micro-gradients: scale each share by k so
+            # the applied update is their sum. k == 1 on main: update every call.
+            if k > 1:
+                grads = jax.tree.map(lambda g: g * k, grads)
+            # grad_norm is the norm of the applied (accumulated) gradient under every
+            # convention: MultiSteps applies the window's mean at its last micro-step,
+            # and only that micro-step's value is logged (posttrain.training.metrics).
+            window = _compat.multisteps_window_gradient(optimizer.opt_state, grads)
+            grad_norm = _compat.global_norm(grads if window is None else window)
+            optimizer.update(model, grads)
+        else:
+            grad_accumulator.add(jax.tree.map(lambda g: g * k, grads))  # denom += 1
+
+            def apply(model, optimizer, grad_accumulator):
+                total = grad_accumulator.get()  # sum(k * share) / k
+                norm = _compat.global_norm(total).astype(jnp.float32)
+                optimizer.update(model, total)
+                grad_accumulator.reset()
+                return norm
+
+            def skip(model, optimizer, grad_accumulator):
+                return jnp.zeros((), jnp.float32)
+
+            grad_norm = nnx.cond(is_update_step, apply, skip, model, optimizer, grad_accumulator)
+        loss, aux = self._report(terms, inputs, grad_norm)
+        return loss, aux, grad_norm
+
+    @override  # PeftTrainer's, past this mixin in the trainer's MRO
+    def create_train_step_fn(self):
+        """The step in the installed convention's signature (see the module docstring)."""
+        name = self.convention.name
+        body = self._step_body
+        if name == "positional3":
+
+            def train_step(model, optimizer, inputs):
+                loss, aux, _ = body(model, optimizer, None, inputs, None)
+                return loss, aux
+        elif name == "bound2":
+
+            def train_step(model, optimizer, inputs):
+                return body(model, optimizer, None, inputs, None)
+        elif name == "bound3_update":
+
+            def train_step(model, optimizer, grad_accumulator, inputs, is_update_step=True):
+                return body(model, optimizer, grad_accumulator, inputs, is_update_step)
+        else:
+            raise tunix_compat.UnknownConventionError(
+                f"no step for convention {self.convention.describe()}"
+            )
+        return train_step
