@@ -1,8 +1,9 @@
 """Tools: developer tools that no command of the harness imports, and that import no room.
 
 * :mod:`.mutants`: mutation testing (``python -m harness.tools.mutants``);
-  :mod:`.mutant_targets` what it mutates with which tests, :mod:`.mutant_sources` the
-  sources it mutates (jitted functions made reachable).
+  :mod:`.mutant_targets` what it mutates with which tests (the harness's own modules':
+  :mod:`.harness_targets`), :mod:`.mutant_sources` the sources it mutates (jitted
+  functions made reachable).
 * :mod:`.docs_run`: the docs' commands run as written (``python -m
   harness.tools.docs_run``); :mod:`.docs_figures` the figures they quote.
 * :mod:`.op_profile`: where a compiled step's time goes, from a profiler trace (the

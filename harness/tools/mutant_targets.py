@@ -1,10 +1,13 @@
 """What mutation testing mutates, and with which tests: :data:`TARGETS` (module -> its
-test selection) and :data:`FUNCTIONS` (the functions mutated where not all are), read by
+test selection; the harness's own modules' from :mod:`harness.tools.harness_targets`) and
+:data:`FUNCTIONS` (the functions mutated where not all are), read by
 :mod:`harness.tools.mutants` and kept in step with the weekly workflow's mutants jobs
 (``.github/workflows/matrix.yml``, checked by tests/test_mutants.py).
 """
 
 from __future__ import annotations
+
+from harness.tools.harness_targets import HARNESS_TARGETS
 
 # module -> the tests that exercise it (pytest node ids or -k expressions after "-k").
 # tests/test_plan.py without its compiles (seconds, not a minute, per mutant): the logic
@@ -12,12 +15,6 @@ from __future__ import annotations
 _NO_COMPILE = (
     "not small_lora and not record_carries and not abstract_lora and not dpo_compiles "
     "and not grpo_plan and not zeroed_lora_b and not old_policy"
-)
-
-# tests/test_docs_run.py without those that read this checkout's git or docs/
-_OWN_PAGES = (
-    "not every_docs_command and not quick_pages and not every_figure_names "
-    "and not command_line_runs"
 )
 
 TARGETS: dict[str, list[str]] = {
@@ -188,26 +185,6 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/lora/adapters.py": ["tests/test_lora.py", "tests/test_loaders.py"],
     "src/posttrain/training/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py", "tests/test_reward_probe.py"],
-    "harness/matrix/progress.py": ["tests/test_matrix_progress.py"],
-    "harness/tools/op_profile.py": ["tests/test_op_profile.py"],
-    "harness/bisect/bisect.py": ["tests/test_bisect.py"],
-    # runs only in child pytest sessions: mutmut records no test for it (scored "no tests")
-    "harness/gate/deprecation_recorder.py": ["tests/test_verdicts.py"],
-    "harness/matrix/run_cells.py": ["tests/test_matrix.py", "tests/test_matrix_sources.py"],
-    # without the bisections that build environments (a minute per mutant)
-    "harness/bisect/bisect_suggestions.py": ["tests/test_bisect.py", "-k", "suggests"],
-    "harness/bisect/git_history.py": [
-        "tests/test_bisect.py",
-        "-k",
-        "not real_bisection and not matrix_bisect_runs",
-    ],
-    # the gate's command, exit status and summary; the subcommands' bodies (#37's split)
-    "harness/gate/gate.py": ["tests/test_verdicts.py", "tests/test_harness.py"],
-    "harness/subcommands.py": [
-        "tests/test_matrix_progress.py",
-        "tests/test_bisect.py",
-        "tests/test_harness.py",
-    ],
     # the CLI generated from the options, and the checks every run shares
     "src/posttrain/flags.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
     "src/posttrain/training/options.py": [
@@ -228,32 +205,9 @@ TARGETS: dict[str, list[str]] = {
     ],
     # --run-steps: the checks of the chips and a real run of a tiny step on the CPU
     "src/posttrain/plan/measure.py": ["tests/test_plan_chip.py", "tests/test_plan_measure.py"],
-    "harness/gate/chip_precision.py": ["tests/test_chip_precision.py"],
-    "harness/gate/sizes.py": ["tests/test_code_size.py"],
     "src/posttrain/models/params.py": [
         "tests/test_model_host_init.py",
         "tests/test_loaders.py",
-    ],
-    # #58: the pytest plugin's options and marker descriptions, out of pytest_plugin.py
-    "harness/gate/plugin_options.py": ["tests/test_harness.py"],
-    "harness/gate/session_tuning.py": [
-        "tests/test_harness.py",
-        "tests/test_session_tuning.py",
-        "-k",
-        "profile or gc or session_tuning",
-    ],
-    # its own tests, without those that read the weekly workflow (not in mutmut's copy)
-    "harness/tools/mutant_sources.py": [
-        "tests/test_mutants.py",
-        "-k",
-        "undecorate or each_function_names or scratch_copy or patterns",
-    ],
-    "harness/report/report_shape.py": ["tests/test_matrix_inputs.py"],  # #56: a malformed part
-    # #58: the report's files apart from the report (its renderings import it one way only)
-    "harness/report/report_files.py": [
-        "tests/test_matrix.py",
-        "-k",
-        "first_failing or rerun_rows or report_files",
     ],
     "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     "src/posttrain/plan/depth.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
@@ -267,12 +221,6 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
     "src/posttrain/plan/cli.py": ["tests/test_plan.py"],
     "src/posttrain/plan/workflows.py": ["tests/test_plan.py"],
-    # the committed reports/ are not in the scratch copy: their test stays out
-    "harness/report/fits.py": ["tests/test_fits.py", "-k", "not committed_rows"],
-    # the docs run: the gate's tests that need neither the checkout's git nor docs/ (not
-    # in mutmut's copy): the pages' reading, the figures, a repository of their own
-    "harness/tools/docs_run.py": ["tests/test_docs_run.py", "-k", _OWN_PAGES],
-    "harness/tools/docs_figures.py": ["tests/test_docs_run.py", "-k", _OWN_PAGES],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
     # #58: apply_lora's refusals, out of apply.py (each refusal before any trace, the rank
     # over min(d_in, d_out), the vision tower)
@@ -333,13 +281,11 @@ TARGETS: dict[str, list[str]] = {
         "contracts/test_tunix_distill_features.py",
         "tests/test_distill_teacher_dtype.py",
     ],
-    "harness/matrix/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
     "src/posttrain/distill/features.py": ["contracts/test_tunix_distill_features.py"],
     "src/posttrain/models/taps.py": [
         "tests/test_taps.py",
         "contracts/test_tunix_distill_features.py",
     ],
-    "harness/matrix/vision_cell.py": ["tests/test_matrix.py", "-k", "vision"],  # #39
     # the run base and the generated CLI (#37): their targets, first scores to come
     "src/posttrain/cli_options.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
     "src/posttrain/commands/checkpoints.py": [
@@ -401,6 +347,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/training/record.py": ["tests/test_run_checks.py", "tests/test_sft_run.py"],
     "src/posttrain/signals.py": ["tests/test_signals.py"],
     "src/posttrain/training/stops.py": ["tests/test_disk_full.py", "tests/test_signals.py"],
+    **HARNESS_TARGETS,  # the harness's own modules, after the library's
 }
 # module -> the functions mutated, by mutmut's names
 # (:func:`harness.tools.mutant_sources.function_names`); a module
