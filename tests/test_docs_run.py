@@ -110,6 +110,9 @@ def test_commands_are_read_in_order_honouring_the_markers():
         ("77", "78.6", 0.0, False),
         ("77", "77.4", 0.0, True),
         ("6.7e-07", "6.7e-07", 0.0, True),
+        ("91984", "91,984", 0.0, True),  # the fresh value's separators too
+        ("1.0e2", "100.0004", 0.0, False),  # scientific: no rounding to "0e2"'s digits
+        ("2.5", "n/a", 0.0, False),  # a number against text: text, unequal
         ("n te te", "n te te", 0.0, True),
         ("A red circle.", "A red square.", 0.5, False),
     ],
