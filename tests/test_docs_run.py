@@ -213,6 +213,7 @@ def test_the_command_line_runs_a_page_logs_it_and_rechecks_the_log(tmp_path, cap
     assert exit_.value.code == 2 and "docs/nowhere.md" in capsys.readouterr().err
 
 
+PRINTF = "printf 'first\\n%s\\n' " + "y" * 130  # a long command, two lines out, a long one last
 README = f"""The run prints loss 2.50 (figure).
 {SET_UP}
 ```bash
@@ -220,6 +221,7 @@ exit 9
 ```
 ```bash
 echo loss 2.5   # prints the figure
+{PRINTF}
 ```
 <!-- exits 3 -->
 ```bash
@@ -264,34 +266,36 @@ def test_the_command_line_prints_each_command_each_figure_and_a_summary(
     keep, log = tmp_path / "kept" / "copy", tmp_path / "log.json"
     assert docs_run.main(["--page", "README.md", "--keep", str(keep), "--log", str(log)]) == 0
     assert _lines(capsys) == [
-        f"docs_run: 2 commands in {keep}",
+        f"docs_run: 3 commands in {keep}",
         "exit 0, T s: README.md:7: echo loss 2.5   # prints the figure  -> loss 2.5",
-        "exit 3, T s: README.md:11: exit 3  -> ",
+        f"exit 0, T s: README.md:8: {PRINTF[:90]}  -> {'y' * 120}",
+        "exit 3, T s: README.md:12: exit 3  -> ",
         r"ok  README.md: loss ([\d.]+) \(figure\): quoted 2.50, now 2.5",
-        "docs_run: 2 commands (0 failed, T s), 1 figures (0 off), 0 paths left in the checkout",
+        "docs_run: 3 commands (0 failed, T s), 1 figures (0 off), 0 paths left in the checkout",
     ]
     assert (keep / "README.md").read_text() == README
     rows = json.loads(log.read_text())
     assert [(r["command"]["line"], r["status"], r["output"]) for r in rows] == [
         (7, 0, "loss 2.5\n"),
-        (11, 3, ""),
+        (8, 0, "first\n" + "y" * 130 + "\n"),
+        (12, 3, ""),
     ]
     assert docs_run.main([]) == 1  # every page: docs/a.md leaves a file
     out = _lines(capsys)
-    assert out[0].startswith("docs_run: 3 commands in ") and out[-2:] == [
+    assert out[0].startswith("docs_run: 4 commands in ") and out[-2:] == [
         "left in the checkout: ?? left.txt",
-        "docs_run: 3 commands (0 failed, T s), 1 figures (0 off), 1 paths left in the checkout",
+        "docs_run: 4 commands (0 failed, T s), 1 figures (0 off), 1 paths left in the checkout",
     ]
-    assert not pathlib.Path(out[0].removeprefix("docs_run: 3 commands in ")).exists()
+    assert not pathlib.Path(out[0].removeprefix("docs_run: 4 commands in ")).exists()
     (tmp_path / "repo/README.md").write_text(README.replace("exit 3\n```", "exit 4\n```"))
     assert docs_run.main(["--page", "README.md", "--ref", "HEAD"]) == 0  # the committed tree
     capsys.readouterr()
     assert docs_run.main(["--page", "README.md"]) == 1  # the working tree's
-    assert "FAILED exit 4, T s: README.md:11: exit 4  -> " in _lines(capsys)
+    assert "FAILED exit 4, T s: README.md:12: exit 4  -> " in _lines(capsys)
     rows[0]["output"] = "loss 2.6\n"
     log.write_text(json.dumps(rows))
     assert docs_run.main(["--from-log", str(log)]) == 1
     assert _lines(capsys) == [
         r"OFF README.md: loss ([\d.]+) \(figure\): quoted 2.50, now 2.6",
-        "docs_run: 2 commands (0 failed, T s), 1 figures (1 off), 0 paths left in the checkout",
+        "docs_run: 3 commands (0 failed, T s), 1 figures (1 off), 0 paths left in the checkout",
     ]
