@@ -171,6 +171,13 @@ def check_python(s: Session, cmd: Command, argv: list[str]) -> None:
             text = node.value if isinstance(node, ast.Constant) else None
             if isinstance(text, str) and re.fullmatch(_FILE, text):
                 s.make(cmd, text)
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for alias in node.names:
+                    if not _importable(node.module, alias.name):
+                        s.errors.append(
+                            f"{cmd.where()}: python -c: cannot import {alias.name} "
+                            f"from {node.module}"
+                        )
     elif argv[:1] == ["-m"] and len(argv) > 1:
         module = argv[1]
         top, local = module.split(".")[0], ROOT / module.replace(".", "/")
@@ -185,6 +192,15 @@ def check_python(s: Session, cmd: Command, argv: list[str]) -> None:
                 s.make(cmd, arg)  # a generator's outputs
     elif argv and not (ROOT / argv[0]).exists():
         s.errors.append(f"{cmd.where()}: no script {argv[0]}")
+
+
+def _importable(module: str, name: str) -> bool:
+    """Whether ``from module import name`` works here (a submodule or an attribute)."""
+    try:
+        found = importlib.import_module(module)
+    except ImportError:
+        return False
+    return hasattr(found, name) or importlib.util.find_spec(f"{module}.{name}") is not None
 
 
 def check_program(s: Session, cmd: Command, argv: list[str], extras: set[str]) -> None:
@@ -312,6 +328,10 @@ SFT = "uv run --extra train posttrain sft"
         (["```bash", "uv run python -c \"open('a.png', 'w')\"", "```"], "writes a.png outside"),
         (["```", "posttrain sft --steps 3", "```"], "an unlabelled block of commands"),
         (["```bash", "uv run --extra train python -m tests.nowhere", "```"], "no module"),
+        (
+            ["```bash", "uv run python -c 'from posttrain.sft import nowhere'", "```"],
+            "cannot import nowhere from posttrain.sft",
+        ),
         (["```bash", "uv run --extra train python benchmarks/nowhere.py", "```"], "no script"),
         (["- a list item:", "  ```bash", "  posttrain sft", "  ```"], "bare posttrain"),
     ],
@@ -327,6 +347,7 @@ SFT = "uv run --extra train posttrain sft"
         "root",
         "unlabelled",
         "module",
+        "import",
         "script",
         "indented",
     ],
