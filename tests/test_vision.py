@@ -311,8 +311,8 @@ def test_vision_config_is_read_only_when_asked_and_refuses_what_it_lacks():
 @pytest.mark.reference
 def test_a_vision_field_left_out_reads_as_transformers_default():
     """An empty ``vision_config`` reads as transformers' own default tower (every field
-    and the image token ids); kv heads follow the heads when null; each refusal names
-    its field and value in full."""
+    and the image token ids), a field off its default as given; kv heads follow the
+    heads when null; each refusal names its field and value in full."""
     from transformers import Gemma4Config, Gemma4VisionConfig
 
     from posttrain.conversion import ConversionError
@@ -320,6 +320,19 @@ def test_a_vision_field_left_out_reads_as_transformers_default():
 
     full = Gemma4Config(vision_config=Gemma4VisionConfig().to_dict()).to_dict()
     assert vision_from_hf({"vision_config": {}}) == vision_from_hf(full)
+    changed = Gemma4VisionConfig(
+        rope_parameters={"rope_type": "default", "rope_theta": 50.0},
+        rms_norm_eps=1e-5,
+        standardize=True,
+        use_clipped_linears=True,
+    )
+    got = vision_from_hf({"vision_config": changed.to_dict()})
+    assert (got.rope_theta, got.norm_eps, got.standardize, got.clipped_linears) == (
+        50.0,
+        1e-5,
+        True,
+        True,
+    )
     assert vision_from_hf({}) is None and vision_from_hf({"vision_config": None}) is None
     heads = {"num_attention_heads": 4, "rope_parameters": None}
     assert vision_from_hf({"vision_config": heads}).num_kv_heads == 4
