@@ -95,8 +95,50 @@ def test_commands_are_read_in_order_honouring_the_markers():
     quoted = Command("x.md", 1, "python -c \"print('#1 it's')\"  # Tunix's")
     assert quoted.bare() == "python -c \"print('#1 it's')\""
     assert Command("x.md", 1, "echo a#b  # c").bare() == "echo a#b"
+    assert Command("x.md", 1, 'echo "a #b"  # c').bare() == 'echo "a #b"'
+    assert Command("x.md", 1, "echo X  # c").bare() == "echo X"
+    assert Command("x.md", 1, "echo a# b").bare() == "echo a# b"
+    assert Command("x.md", 1, "# only a comment").bare() == ""
     assert found[1].line == 8
     assert docs_run.commands("x.md", PAGE)[0].text == "bash .ci/run"
+
+
+CONSOLE = """<!-- exits 1 -->
+```console
+a line printed before
+$ echo a\\
+b
+$ false || exit 1
+an output line
+$ echo two \\
+c
+```
+
+```bash
+# a comment line
+
+echo three
+```
+  - an item:
+    ```console
+    $ echo indented
+    ```
+"""
+
+
+def test_a_console_block_gives_its_prompted_commands_and_a_bash_block_drops_comments():
+    """Output lines before, between and after a console block's commands are dropped, its
+    continuations joined (with or without a space before the backslash, the next line
+    unprompted); a bash block's comment and blank lines are no commands; an indented
+    console block is read unindented."""
+    found = docs_run.commands("x.md", CONSOLE)
+    assert [(c.line, c.text, c.exits) for c in found] == [
+        (4, "echo a b", 1),
+        (6, "false || exit 1", 1),
+        (8, "echo two c", 1),
+        (15, "echo three", 0),
+        (19, "echo indented", 0),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -172,6 +214,20 @@ def _repository(path):
     (path / "README.md").write_text("changed\n")  # the working tree's, not the index's
     (path / "deleted.md").unlink()
     return path
+
+
+def test_a_copy_that_cannot_be_made_names_the_command_that_failed(tmp_path):
+    """A ref the repository lacks fails in ``git archive``; a destination that is not
+    there fails in ``tar``."""
+    repo = _repository(tmp_path / "src")
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        docs_run.copy_checkout(repo, tmp_path / "copy", ref="no-such-ref")
+    assert failed.value.cmd[:2] == ["git", "archive"]
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    subprocess.run([*git, "commit", "-q", "-m", "x"], cwd=repo, check=True)
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        docs_run.copy_checkout(repo, tmp_path / "missing", ref="HEAD")
+    assert failed.value.cmd[0] == "tar"
 
 
 def test_a_command_that_writes_outside_the_ignored_paths_leaves_the_copy_dirty(tmp_path):

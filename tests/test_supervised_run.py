@@ -8,6 +8,7 @@ import dataclasses
 import pathlib
 import types
 
+import jax
 import pytest
 from flax import nnx
 
@@ -80,3 +81,23 @@ def test_the_parameter_counts_are_every_parameter_and_the_learned_ones():
     learned = nnx.All(nnx.Param, nnx.PathContains("b"))
     trainer = types.SimpleNamespace(model=Two(), learned=learned)
     assert supervised._parameter_counts(trainer) == (26, 10)
+
+
+def test_a_row_holds_at_least_two_tokens():
+    """An input and its target: ``max_target_length=2`` is a run, 1 is refused naming
+    the flag."""
+    SFTConfig(max_target_length=2).check_fields()
+    with pytest.raises(ValueError) as refused:
+        SFTConfig(max_target_length=1).check_fields()
+    assert str(refused.value) == "max_target_length=1 (--max-target-length): expected >= 2"
+
+
+@pytest.mark.host  # the CPU backend's resolution
+def test_replica_parallel_saves_resolve_off_only_for_auto_in_one_cpu_process():
+    """``auto`` is off in one process on the CPU (this one), ``on`` and ``off`` as given."""
+    assert jax.default_backend() == "cpu" and jax.process_count() == 1
+    resolved = {
+        choice: SFTConfig(replica_parallel_saves=choice).resolved_replica_parallel_saves()
+        for choice in ("auto", "on", "off")
+    }
+    assert resolved == {"auto": False, "on": True, "off": False}

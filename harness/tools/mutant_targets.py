@@ -189,6 +189,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/flags.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
     "src/posttrain/training/options.py": [
         "tests/test_run_options.py",
+        "tests/test_supervised_run.py",
         "tests/test_model_option.py",
         "tests/test_sft_run.py::test_cli_bad_input_is_one_line_and_exit_2",
         "tests/test_preference.py::test_the_run_config_names_the_bad_field",
