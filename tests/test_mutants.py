@@ -213,6 +213,10 @@ def test_undecorate_frees_jitted_functions_and_keeps_what_they_compute(tmp_path)
     out = mutants.undecorate(JITTED)
     assert "@nnx.jit" not in out and "@functools.partial" not in out
     assert "@functools.cache\n@jax.jit\ndef mixed" in out and "@property" in out
+    assert (
+        "    @jax.jit\n" not in out
+        and "        return x - 1\n    method = (jax.jit)(method)\n" in out
+    )
     names, original = {}, {}
     exec(compile(out, "undecorated", "exec"), names)
     exec(compile(JITTED, "decorated", "exec"), original)
