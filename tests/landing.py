@@ -146,7 +146,7 @@ def rates(tx, steps: int, micro: int = 1) -> list[float]:
     """The learning rate the optax transformation ``tx`` applies at each optimizer step
     ``0..steps`` (each ``micro`` updates, the last of which applies the step): its
     update of a one-element parameter under a constant unit gradient (Adam's normalised
-    step is then the rate itself; clipping at norm 1 leaves it)."""
+    step is then the rate itself, whatever norm the gradient is clipped to)."""
     import jax.numpy as jnp
 
     params = {"w": jnp.ones((1,))}
@@ -158,6 +158,48 @@ def rates(tx, steps: int, micro: int = 1) -> list[float]:
             update, state = tx.update(grads, state, params)
         out.append(-float(update["w"][0]))
     return out
+
+
+#: the global norms of :func:`check_clipping`'s gradients, in units of the clipping norm:
+#: on both sides of it, so that clipping at any other norm (or none) changes their ratios
+CLIP_NORMS = (0.1, 10.0, 0.5, 4.0, 0.2)
+
+
+def check_clipping(tx, max_grad_norm: float, micro: int = 1) -> None:
+    """Asserts that the optax transformation ``tx`` clips each step's gradient to the
+    global norm ``max_grad_norm`` (``0``: not at all) before its scale-free update (Adam's:
+    one scale of every gradient leaves its updates).
+
+    The gradients (a two-element parameter, one direction, the norms
+    :data:`CLIP_NORMS` x ``max_grad_norm``; each fed ``micro`` times per step) must give
+    the updates of the same gradients clipped here by hand and then shrunk under any
+    norm ``tx`` might clip at: a clip at another norm, or none, changes the ratios of the
+    steps' gradients, and so Adam's updates."""
+    import jax.numpy as jnp
+
+    unit = max_grad_norm or 1.0
+    direction = jnp.asarray([0.6, -0.8])  # norm 1
+    norms = [n * unit for n in CLIP_NORMS]
+    by_hand = [min(n, max_grad_norm) if max_grad_norm else n for n in norms]
+    shrink = 1e-2 * unit / max(by_hand)  # every norm under 1% of the clipping one
+
+    def updates(step_norms):
+        params = {"w": jnp.zeros((2,))}
+        state, out = tx.init(params), []
+        for n in step_norms:
+            for _ in range(micro):
+                update, state = tx.update({"w": n * direction}, state, params)
+            out.append(np.asarray(update["w"], np.float64))
+        return np.stack(out)
+
+    got, want = updates(norms), updates([n * shrink for n in by_hand])
+    scale = float(np.abs(want).max())
+    assert scale > 0, "no update at any step"
+    worst = float(np.abs(got - want).max())
+    assert np.allclose(got, want, rtol=1e-3, atol=1e-3 * scale), (
+        f"the updates are not those of a clip at {max_grad_norm} (off by {worst:.3g} of "
+        f"at most {scale:.3g})"
+    )
 
 
 def shifted_byte_tokenizer(path: pathlib.Path) -> str:

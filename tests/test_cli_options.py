@@ -7,7 +7,8 @@ Changes since: ``--chat-template`` on ``sft``, ``dpo`` and ``grpo`` (#36: the mo
 template drives training; a file or ``chatml`` overrides it); ``--vision`` and
 ``--train-vision-tower`` on ``sft`` and ``--image`` on ``generate`` (#39: vision SFT
 and generation); ``--image-root`` on ``sft`` (#56: the directory a vision JSONL's images
-are confined to)."""
+are confined to); ``--max-grad-norm`` on ``sft``, ``dpo``, ``grpo`` and ``distill`` (#58:
+the gradient clipping that was hard-coded, at its value then: 1.0, none for GRPO)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--data-shards": ("value", None, None, "int", False),
         "--overflow": ("value", "truncate", ("truncate", "reject"), None, False),
         "--learning-rate": ("value", 0.003, None, "float", False),
+        "--max-grad-norm": ("value", 1.0, None, "float", False),
         "--warmup-steps": ("value", 5, None, "int", False),
         "--lora-rank": ("value", 0, None, "int", False),
         "--lora-alpha": ("value", None, None, "float", False),
@@ -118,6 +120,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--steps": ("value", 150, None, "int", False),
         "--grad-accum": ("value", 1, None, "int", False),  # added with GRPO's accumulation
         "--learning-rate": ("value", 0.0005, None, "float", False),
+        "--max-grad-norm": ("value", 0.0, None, "float", False),
         "--lora-rank": ("value", 0, None, "int", False),
         "--lora-alpha": ("value", None, None, "float", False),
         "--algorithm": ("value", "grpo", ("grpo", "dapo", "drgrpo"), None, False),
@@ -155,6 +158,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--label-smoothing": ("value", 0.0, None, "float", False),
         "--lambda-orpo": ("value", 0.1, None, "float", False),
         "--learning-rate": ("value", 0.001, None, "float", False),
+        "--max-grad-norm": ("value", 1.0, None, "float", False),
         "--warmup-steps": ("value", 5, None, "int", False),
         "--lora-rank": ("value", 0, None, "int", False),
         "--lora-alpha": ("value", None, None, "float", False),
@@ -190,6 +194,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--data-shards": ("value", None, None, "int", False),
         "--overflow": ("value", "truncate", ("truncate", "reject"), None, False),
         "--learning-rate": ("value", 0.003, None, "float", False),
+        "--max-grad-norm": ("value", 1.0, None, "float", False),
         "--warmup-steps": ("value", 5, None, "int", False),
         "--lora-rank": ("value", 0, None, "int", False),
         "--lora-alpha": ("value", None, None, "float", False),

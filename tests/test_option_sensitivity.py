@@ -93,16 +93,24 @@ def _recorded_facts(cfg) -> dict:
     return {k: v for k, v in body.items() if k not in fields | {"settings", "segments", "started"}}
 
 
+#: the scale of the optimizer picture's gradient at each step (cycled): its global norm
+#: (0.79 x this) on both sides of every clipping norm a table here gives, so a clip shows
+#: (Adam's update of a constant gradient is the same whatever norm it is clipped to)
+GRADIENT_SCALES = (0.2, 8.0, 1.0, 3.0)
+
+
 def _optimizer_picture(tx, steps: int) -> str:
-    """The optimizer's updates of a fixed parameter under a fixed gradient at every step:
-    its schedule (peak, warm-up, length) and its transformation, as optax applies them."""
+    """The optimizer's updates of a fixed parameter under gradients of one direction and
+    the norms :data:`GRADIENT_SCALES` at every step: its schedule (peak, warm-up, length),
+    its clipping and its transformation, as optax applies them."""
     import jax.numpy as jnp
 
     params = {"w": jnp.linspace(-1.0, 1.0, 5)}
-    grads = {"w": jnp.linspace(0.5, -0.5, 5)}
     state = tx.init(params)
     updates = []
-    for _ in range(steps + 1):
+    for step in range(steps + 1):
+        scale = GRADIENT_SCALES[step % len(GRADIENT_SCALES)]
+        grads = {"w": jnp.linspace(0.5, -0.5, 5) * scale}
         update, state = tx.update(grads, state, params)
         updates.append(np.asarray(update["w"]).round(9).tolist())
     return _digest(updates)
@@ -271,6 +279,7 @@ SFT_VALUES: dict[str, tuple] = {
     "per_device_batch_size": (2, {}),
     "steps": (4, {}),
     "learning_rate": (1e-2, {}),
+    "max_grad_norm": (0.0, {}),  # an explicit zero: no clipping
     "lora_rank": (4, {}),
     "lora_alpha": (3.0, {"lora_rank": 4}),  # alpha scales the adapters only
     "seed": (0, {"seed": 1}),  # an explicit 0 against another base seed
@@ -292,6 +301,7 @@ SFT_VALUES: dict[str, tuple] = {
 }
 DPO_VALUES: dict[str, tuple] = {
     **{k: SFT_VALUES[k] for k in ("model", "tokenizer", "mesh", "steps", "learning_rate")},
+    "max_grad_norm": (0.5, {}),
     "chat_template": SFT_VALUES["chat_template"],
     **{k: SFT_VALUES[k] for k in ("lora_rank", "lora_alpha", "seed", "save_every")},
     **{k: SFT_VALUES[k] for k in ("stop_after", "grad_accum", "warmup_steps")},
@@ -315,6 +325,7 @@ GRPO_VALUES: dict[str, tuple] = {
     "steps": (4, {}),
     "grad_accum": (2, {}),  # Tunix's train micro-batch: 4 of the 8 prompts
     "learning_rate": (1e-3, {}),
+    "max_grad_norm": (0.5, {}),  # GRPO's default: none
     "rollout_mesh": ({"data": 8}, {}),
     "rollout_dtype": ("bfloat16", {"rollout_mesh": {"data": 8}}),
     "num_generations": (3, {}),

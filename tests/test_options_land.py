@@ -195,6 +195,13 @@ def _check_schedule(seen: Seen) -> None:
         assert rates[cfg.steps - 1] > END_FRACTION * peak * 1.0001, rates
 
 
+def _check_clipping(seen: Seen) -> None:
+    """The optimizer clips each step's (accumulated) gradient at ``max_grad_norm``, not at
+    all at 0 (:func:`tests.landing.check_clipping`)."""
+    tx, micro = seen.trainer.optimizer.tx, seen.trainer.grad_accum_steps
+    landing.check_clipping(tx, seen.cfg.max_grad_norm, micro)
+
+
 def _check_lora(seen: Seen) -> None:
     """The model's adapters: the run's rank, alpha (default 2 x rank) and seed; none at
     rank 0."""
@@ -371,6 +378,7 @@ RUN = {
     "per_device_batch_size": Lands("rows of the first micro-batch", _check_batch_rows),
     "steps": Lands("TrainingConfig.max_steps; the schedule's length", _check_max_steps),
     "learning_rate": Lands("the optax transformation's rate at each step", _check_schedule),
+    "max_grad_norm": Lands("the optax transformation's clipping", _check_clipping),
     "lora_rank": Lands("the model's LoRA config", _check_lora),
     "lora_alpha": Lands("the model's LoRA config", _check_lora),
     "seed": Lands(
@@ -563,6 +571,11 @@ def _check_grpo_rate(seen: Seen) -> None:
         _close(rates[step], seen.cfg.learning_rate, f"the actor's rate at step {step}")
 
 
+def _check_grpo_clipping(seen: Seen) -> None:
+    """The actor's optimizer clips at ``max_grad_norm`` (none at GRPO's default 0)."""
+    landing.check_clipping(_rl_training(seen).actor_optimizer, seen.cfg.max_grad_norm)
+
+
 def _check_grpo_seed(seen: Seen) -> None:
     if not seen.cfg.warmup_steps:  # else the actor starts from the warm-up's export
         _check_init_seed(seen)
@@ -690,6 +703,7 @@ GRPO = {
     "steps": Lands("RLTrainingConfig.max_steps", _check_grpo_steps),
     "grad_accum": Lands("RLTrainingConfig's train micro-batch", _check_grpo_micro),
     "learning_rate": Lands("RLTrainingConfig.actor_optimizer's rate", _check_grpo_rate),
+    "max_grad_norm": Lands("RLTrainingConfig.actor_optimizer's clipping", _check_grpo_clipping),
     "lora_rank": Lands("the actor's LoRA config", _check_lora),
     "lora_alpha": Lands("the actor's LoRA config", _check_lora),
     "algorithm": Lands("the learner and its config class", _check_grpo_algorithm),
@@ -955,6 +969,7 @@ SCENARIOS: dict[str, Scenario] = {
             "per_device_batch_size": 2,
             "steps": 6,
             "learning_rate": 2e-2,
+            "max_grad_norm": 0.5,
             "seed": 3,
             "save_every": 2,
             "stop_after": 5,
@@ -987,7 +1002,15 @@ SCENARIOS: dict[str, Scenario] = {
     # the gate's SFT start: the loading options (#59: one never reached the model), the
     # schedule with an explicit zero warm-up and its floor
     "sft-model": Scenario(
-        "sft", {**SMALL_SFT, "remat": "full", "scan_layers": True, "warmup_steps": 0}, gate=True
+        "sft",
+        {
+            **SMALL_SFT,
+            "remat": "full",
+            "scan_layers": True,
+            "warmup_steps": 0,
+            "max_grad_norm": 0.0,
+        },
+        gate=True,
     ),
     # #39, #56: images through TrainingInput.images, the tower trained, read from --image-root
     "vision": Scenario(
@@ -1031,6 +1054,7 @@ SCENARIOS.update(
                 "per_device_batch_size": 2,
                 "steps": 6,
                 "learning_rate": 2e-2,
+                "max_grad_norm": 0.5,
                 "seed": 3,
                 "save_every": 2,
                 "stop_after": 5,
@@ -1052,6 +1076,7 @@ SCENARIOS.update(
                 **SMALL_DPO,
                 "algorithm": "orpo",
                 "lambda_orpo": 0.3,
+                "max_grad_norm": 0.0,
                 "label_smoothing": 0.0,
                 "lora_rank": 4,
                 "lora_alpha": 3.0,
@@ -1097,6 +1122,7 @@ SCENARIOS.update(
                 "steps": 6,
                 "grad_accum": 2,
                 "learning_rate": 2e-3,
+                "max_grad_norm": 0.5,
                 "algorithm": "drgrpo",
                 "beta": 0.0,  # an explicit zero: no KL term, not the algorithm's default
                 "epsilon": 0.3,
@@ -1138,6 +1164,7 @@ SCENARIOS.update(
                 "per_device_batch_size": 2,
                 "steps": 6,
                 "learning_rate": 2e-2,
+                "max_grad_norm": 0.5,
                 "seed": 3,
                 "save_every": 2,
                 "stop_after": 5,
@@ -1162,6 +1189,7 @@ SCENARIOS.update(
                 "student_layers": 2,
                 "strategy": "feature-pooling",
                 "alpha": 0.3,
+                "max_grad_norm": 0.0,
                 "lora_rank": 4,
                 "lora_alpha": 3.0,
                 "replica_parallel_saves": "off",

@@ -5,6 +5,7 @@ and the shared checks name the field and its flag."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 
 import pytest
@@ -95,6 +96,12 @@ def test_the_defaults_are_a_valid_run(cls, tmp_path):
         ("lora_rank", -1, "lora_rank=-1 (--lora-rank): expected >= 0 (0 = full fine-tuning)"),
         ("lora_alpha", 0.0, "lora_alpha=0.0 (--lora-alpha): expected a finite value > 0"),
         ("learning_rate", float("nan"), "(--learning-rate): expected a finite value > 0"),
+        (
+            "max_grad_norm",
+            -1.0,
+            "max_grad_norm=-1.0 (--max-grad-norm): expected a finite value >= 0",
+        ),
+        ("max_grad_norm", float("inf"), "max_grad_norm=inf (--max-grad-norm): expected a finite"),
         ("seed", -1, "seed=-1 (--seed): expected a non-negative integer"),
         ("output", "", "output=''; expected a run directory path"),
     ],
@@ -106,6 +113,32 @@ def test_each_workflow_refuses_a_bad_shared_option_in_one_line(cls, field, value
     with pytest.raises(ValueError) as error:
         cls(**{field: value}).check()
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("cls", WORKFLOWS, ids=lambda c: c.__name__)
+def test_max_grad_norm_is_one_field_that_every_workflow_resumes_only_unchanged(cls, tmp_path):
+    """``--max-grad-norm`` is :class:`RunOptions`' field in every workflow (an explicit 0
+    is accepted: no clipping); a resume with another value is refused naming it, and a
+    ``run.json`` written before the option resumes only at the workflow's default (its
+    clipping then: 1 for ``sft``, ``dpo`` and ``distill``, none for GRPO)."""
+    from posttrain.training import record
+
+    assert "max_grad_norm" in cls.TRAINING_FIELDS
+    (field,) = (f for f in dataclasses.fields(cls) if f.name == "max_grad_norm")
+    assert field.default == (0.0 if cls is GRPORunConfig else 1.0)
+    out = tmp_path / "run"
+    out.mkdir()
+    cls(output=str(out), max_grad_norm=0.0).check_fields()
+    record.record_segment(out, cls(output=str(out)), {}, 0)
+    with pytest.raises(ValueError, match=f"max_grad_norm {field.default} -> 0.5"):
+        record.check_resumable(cls(output=str(out), max_grad_norm=0.5), out)
+    record.check_resumable(cls(output=str(out)), out)
+    body = record.read(out)
+    del body["settings"]["max_grad_norm"]  # a run recorded before the option
+    (out / record.RUN_FILE).write_text(json.dumps(body))
+    record.check_resumable(cls(output=str(out)), out)
+    with pytest.raises(ValueError, match="refusing to resume"):
+        record.check_resumable(cls(output=str(out), max_grad_norm=0.25), out)
 
 
 def test_a_flag_other_than_the_field_name_is_named_in_the_message():

@@ -8,6 +8,7 @@ import pathlib
 
 from posttrain import distributed, sharding
 from posttrain.rl.options import GRPORunConfig
+from posttrain.training.optimizer import clipped
 
 
 def configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_ids):
@@ -22,7 +23,9 @@ def configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_ids):
 
     batch = batch_size(cfg, mesh)
     training = tunix_rl.training_config(
-        actor_optimizer=optax.adamw(cfg.learning_rate, b2=0.99, weight_decay=0.0),
+        actor_optimizer=clipped(
+            optax.adamw(cfg.learning_rate, b2=0.99, weight_decay=0.0), cfg.max_grad_norm
+        ),
         eval_every_n_steps=cfg.steps + 1,
         max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
         mini_batch_size=batch,

@@ -40,6 +40,8 @@ class GRPORunConfig(RunOptions):
         gradients are averaged (Tunix's ``train_micro_batch_size`` = the batch /
         ``grad_accum``); it must divide the batch of prompts.
       learning_rate: AdamW's, constant.
+      max_grad_norm: 0 (no clipping) by default, as before the option: GRPO's AdamW
+        never clipped.
       lora_rank: LoRA when > 0 (the reference is then the actor with adapters off); 0
         trains every weight (the reference is a frozen copy).
       algorithm: ``grpo``, ``dapo`` (google-tunix >= 0.1.4) or ``drgrpo`` (>= 0.1.6).
@@ -91,6 +93,9 @@ class GRPORunConfig(RunOptions):
     num_generations: int = option(8, "completions per prompt", show_default=False)
     steps: int = option(150, "GRPO steps")
     learning_rate: float = option(5e-4, "AdamW's learning rate, constant", show_default=False)
+    max_grad_norm: float = option(
+        0.0, "clip the gradient's global norm to this before each update (0: no clipping)"
+    )
     algorithm: GRPOAlgorithm = option("grpo", "GRPO learner", checked=True)
     beta: float | None = option(None, "KL coefficient (default: Tunix's)")
     epsilon: float = option(0.2, "clipping range", show_default=False)

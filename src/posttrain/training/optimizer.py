@@ -9,9 +9,10 @@ from posttrain import distributed, sharding
 
 
 def adam_schedule(cfg):
-    """``(schedule, optimizer)`` of a run config with ``learning_rate``, ``warmup_steps``
-    and ``steps``: linear warm-up to the peak, cosine to 10% of it; Adam (b2 0.95) after
-    clipping the global norm at 1. ``posttrain sft`` and ``dpo``.
+    """``(schedule, optimizer)`` of a run config with ``learning_rate``, ``warmup_steps``,
+    ``steps`` and ``max_grad_norm``: linear warm-up to the peak, cosine to 10% of it; Adam
+    (b2 0.95) after clipping the global norm (:func:`clipped`). ``posttrain sft``,
+    ``dpo`` and ``distill``.
 
     Adam, not ``optax.adamw(weight_decay=0.0)``: the same updates, except that optax 0.2.6
     (the google-tunix 0.1.6 era's) still adds ``0 * parameter``, which turns a parameter
@@ -26,8 +27,19 @@ def adam_schedule(cfg):
         cfg.steps,
         end_value=cfg.learning_rate * 0.1,
     )
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(schedule, b2=0.95))
-    return schedule, tx
+    return schedule, clipped(optax.adam(schedule, b2=0.95), cfg.max_grad_norm)
+
+
+def clipped(tx, max_grad_norm: float):
+    """``tx`` after clipping the gradient's global norm at ``max_grad_norm`` (the run's
+    ``--max-grad-norm``; every workflow's optimizer goes through here); ``tx`` itself at
+    0, no clipping. Under accumulation the clip sees the step's accumulated gradient
+    (Tunix's ``optax.MultiSteps`` wraps the whole chain)."""
+    import optax
+
+    if max_grad_norm == 0:
+        return tx
+    return optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
 
 
 def peft_training_fields(cfg, out: pathlib.Path, mesh, *, async_saves: bool = True) -> dict:

@@ -2,7 +2,7 @@
 ``DPOTrainingConfig`` extends ``TrainingConfig``):
 
 - :class:`RunOptions`: model, tokenizer, mesh, batch, gradient accumulation, steps,
-  learning rate, LoRA, seed, save cadence, stop, output (every
+  learning rate, gradient clipping, LoRA, seed, save cadence, stop, output (every
   workflow: ``posttrain sft``, ``dpo``, ``grpo`` and ``distill``);
 - :class:`PeftRunOptions`: a dataset file, its shards, the overflow rule, the warm-up of
   the learning-rate schedule and the decoder options (``posttrain sft``, ``dpo`` and
@@ -77,6 +77,7 @@ class RunOptions:
         "grad_accum",
         "steps",
         "learning_rate",
+        "max_grad_norm",
         "lora_rank",
         "lora_alpha",
         "seed",
@@ -98,6 +99,9 @@ class RunOptions:
     grad_accum: int = option(1, "micro-batches per step", show_default=False)
     steps: int = option(60, "optimizer steps")
     learning_rate: float = option(3e-3, "peak learning rate", show_default=False)
+    max_grad_norm: float = option(
+        1.0, "clip the gradient's global norm to this before each update (0: no clipping)"
+    )
     lora_rank: int = option(0, "LoRA rank (0: full fine-tuning)", show_default=False)
     lora_alpha: float | None = option(None, "default 2 x rank")
     seed: int = option(0, "model init, adapter init, data order", show_default=False)
@@ -142,6 +146,8 @@ class RunOptions:
             self.bad("lora_alpha", "a finite value > 0")
         if not finite_positive(self.learning_rate):
             self.bad("learning_rate", "a finite value > 0")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            self.bad("max_grad_norm", "a finite value >= 0 (0: no clipping)")
         if self.seed < 0:
             self.bad("seed", "a non-negative integer")
         if self.chat_template not in (None, "chatml") and not os.path.isfile(self.chat_template):
