@@ -355,3 +355,36 @@ def test_the_command_line_prints_each_command_each_figure_and_a_summary(
         r"OFF README.md: loss ([\d.]+) \(figure\): quoted 2.50, now 2.6",
         "docs_run: 3 commands (0 failed, T s), 1 figures (1 off), 0 paths left in the checkout",
     ]
+
+
+def test_a_command_runs_with_the_set_ups_environment_and_its_output_interleaved(
+    tmp_path, monkeypatch
+):
+    """The pytest and XLA variables are left out, ``uv run`` is told to use this
+    environment without syncing and the copy's code comes first; stderr joins stdout; a
+    command past its timeout is status 124 with what it printed; ``git status`` outside a
+    repository fails."""
+    import os
+    import sys
+
+    monkeypatch.setenv("PYTEST_SOMETHING", "1")
+    monkeypatch.setenv("XLA_FLAGS", "--x")
+    monkeypatch.setenv("KEPT_VARIABLE", "1")
+    env = docs_run.environment(tmp_path)
+    assert "PYTEST_SOMETHING" not in env and "XLA_FLAGS" not in env
+    assert env["KEPT_VARIABLE"] == env["UV_NO_SYNC"] == "1"
+    assert env["UV_PROJECT_ENVIRONMENT"] == sys.prefix
+    assert env["PYTHONPATH"] == f"{tmp_path / 'src'}{os.pathsep}{tmp_path}"
+    both, slow = docs_run.run(
+        tmp_path,
+        [
+            Command("p.md", 1, "echo out; echo err >&2"),
+            Command("p.md", 2, "echo partial; sleep 20"),
+        ],
+        timeout=2,
+    )
+    assert (both.status, both.output) == (0, "out\nerr\n")
+    assert 0 <= both.seconds < 2 and both.seconds == round(both.seconds, 1)
+    assert (slow.status, slow.output) == (124, "partial\n\n(timed out)")
+    with pytest.raises(subprocess.CalledProcessError):
+        docs_run.dirty(tmp_path)
