@@ -93,7 +93,8 @@ def test_padding_never_contributes():
 
 
 def test_step_objective_is_one_large_batch_not_a_mean_of_means():
-    """Micro-batches with different target counts: the shares sum to total NLL / total tokens."""
+    """Micro-batches with different target counts: the mean of their objectives (what
+    Tunix's accumulators average) is total NLL / total tokens."""
     terms = [
         {
             "nll_sum": jnp.float32(30.0),
@@ -107,15 +108,17 @@ def test_step_objective_is_one_large_batch_not_a_mean_of_means():
         },
     ]
     step = jnp.full((4,), 12, jnp.int32)
-    shares = [loss.step_objective(t, step, moe_aux_weight=0.1, grad_accum_steps=2) for t in terms]
-    assert float(sum(shares)) == pytest.approx(34.0 / 12 + 0.1 * (0.5 + 1.5) / 2)
+    each = [loss.step_objective(t, step, moe_aux_weight=0.1, grad_accum_steps=2) for t in terms]
+    mean = float(sum(each)) / 2
+    assert mean == pytest.approx(34.0 / 12 + 0.1 * (0.5 + 1.5) / 2)
     mean_of_means = (30 / 10 + 4 / 2) / 2
-    assert float(sum(shares)) != pytest.approx(mean_of_means + 0.1)
+    assert mean != pytest.approx(mean_of_means + 0.1)
 
 
 def test_step_objective_edges():
-    """Without the step count, a micro-batch's share is NLL / (its targets x k); a single
-    target token divides by 1 (the floor of the denominator only guards 0)."""
+    """Without the step count, a micro-batch's objective is its own NLL / its targets,
+    whatever k; a single target token divides by 1 (the floor of the denominator only
+    guards 0)."""
     terms = {
         "nll_sum": jnp.float32(6.0),
         "target_tokens": jnp.float32(3.0),
@@ -123,7 +126,7 @@ def test_step_objective_edges():
     }
     assert float(
         loss.step_objective(terms, None, moe_aux_weight=0.0, grad_accum_steps=2)
-    ) == pytest.approx(6.0 / (3.0 * 2))
+    ) == pytest.approx(6.0 / 3.0)
     one = jnp.full((4,), 1, jnp.int32)
     assert float(
         loss.step_objective(terms, one, moe_aux_weight=0.0, grad_accum_steps=1)

@@ -13,7 +13,8 @@ optimizer state, one record per optimizer step) and replaces only what it must:
 - The objective is the strategy's own ``compute_loss`` per target position, summed over
   completion tokens and divided by the step's target-token count
   (:mod:`posttrain.distill.loss`): prompt and padding stay out (Tunix's strategy means
-  over every position), and the micro-steps' shares sum to one large batch's loss.
+  over every position), and the micro-steps' objectives average to one large batch's
+  loss (:func:`posttrain.training.loss.step_objective`).
 - The student's MoE load-balancing term enters the objective as in SFT (weight: the
   student config's ``moe.aux_loss_weight``); the teacher's forward returns logits only,
   so its term never does.

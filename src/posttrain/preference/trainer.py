@@ -10,10 +10,10 @@ handled once) and replaces only the objective:
   rejected completions stacked into one ``[2 x pairs, prompt + response]`` batch, the
   reference log-probabilities computed there) and its ``dpo_loss_fn`` computes the DPO
   or ORPO loss; both are the installed release's own.
-- The micro-step's share of the step loss is ``(loss + moe_aux_loss_weight x
-  moe_aux_loss) / grad_accum``: Tunix's losses are means over the micro-batch's pairs
-  and every micro-batch has the same number of pairs, so the shares sum to the loss of
-  one large batch under every convention (:mod:`posttrain.training.trainer`).
+- The micro-step's objective is ``loss + moe_aux_loss_weight x moe_aux_loss``,
+  unscaled: Tunix's losses are means over the micro-batch's pairs and every micro-batch
+  has the same number of pairs, so their mean (what the accumulators average) is the
+  loss of one large batch under every convention (:mod:`posttrain.training.step`).
 - The MoE term: Tunix's loss sees logits only (its forward runs inside its jitted
   ``compute_logps``, which returns log-probabilities alone; a variable written there
   cannot be carried out of it into the gradient's trace: flax's ``TraceContextError``).
@@ -137,8 +137,7 @@ class DPOTrainerMixin(SFTTrainerMixin):
         return total, {**metrics, "loss": total, "moe_aux_loss": moe}
 
     def _objective(self, model, inputs):
-        total, terms = self._preference_loss(model, inputs)
-        return total / self.grad_accum_steps, terms
+        return self._preference_loss(model, inputs)
 
     def _report(self, terms, inputs, grad_norm):
         mask = inputs["train_example"].attention_mask  # [2 x pairs, T, T], causal x real

@@ -18,7 +18,9 @@ Token t is a target when ``input_mask[t]`` is set and token t-1 is in the same
 (non-padding) segment; it is predicted from logits at t-1. The step objective
 is ``sum(NLL over targets of the step) / step_target_tokens + moe_aux_weight *
 mean(moe_aux_loss over micro-batches)``: the loss of one large batch, not a mean
-of per-micro-batch means.
+of per-micro-batch means. Each micro-batch differentiates the term whose mean over
+the step's micro-batches is that (:func:`step_objective`), as Tunix's accumulators
+average the micro-gradients.
 """
 
 from __future__ import annotations
@@ -82,19 +84,23 @@ def sft_terms(model, input_tokens, input_mask, positions=None, segment_ids=None,
 def step_objective(
     terms: dict, step_target_tokens, *, moe_aux_weight: float, grad_accum_steps: int
 ) -> jax.Array:
-    """This micro-batch's share of the step loss; the shares of a step sum to the step loss.
+    """This micro-batch's objective: the mean of a step's micro-batch objectives is the
+    step loss (Tunix's accumulators average the micro-gradients, so theirs is the step's
+    gradient). The one place gradient accumulation's count scales the loss: this
+    micro-batch's NLL sum weighs ``grad_accum_steps`` / ``step_target_tokens``.
 
     ``step_target_tokens`` is the ``[batch]`` field (or None: then this
-    micro-batch's own count x ``grad_accum_steps``, exact only when every
-    micro-batch has the same number of targets).
+    micro-batch's own count stands for the step's / ``grad_accum_steps``, exact only
+    when every micro-batch has the same number of targets). A loss that is already a
+    mean over a micro-batch of fixed size (DPO's) needs no scaling at all.
     """
     if step_target_tokens is None:
-        denom = terms["target_tokens"] * grad_accum_steps
+        loss = terms["nll_sum"] / jnp.maximum(terms["target_tokens"], 1.0)
     else:
         denom = step_target_tokens[0].astype(jnp.float32)
-    loss = terms["nll_sum"] / jnp.maximum(denom, 1.0)
+        loss = terms["nll_sum"] / jnp.maximum(denom, 1.0) * grad_accum_steps
     if moe_aux_weight:
-        loss = loss + moe_aux_weight * terms["moe_aux_loss"] / grad_accum_steps
+        loss = loss + moe_aux_weight * terms["moe_aux_loss"]
     return loss
 
 

@@ -15,13 +15,14 @@ variables (``nnx.LoRAParam`` when LoRA is on, else ``nnx.Param``) and the rest,
 ``jax.value_and_grad`` a pure function that merges them; no NNX transform is
 nested inside Tunix's ``nnx.jit``.
 
-Gradient accumulation is exact: each micro-step differentiates its share of the
-step loss (:func:`posttrain.training.loss.step_objective`, normalised by the step's
-target-token count), so the shares sum to the gradient of one large batch.
-With ``optax.MultiSteps`` (releases; it averages) the share is scaled by the
-accumulation count; with main's ``GradientAccumulator`` every micro-step is
-``add``-ed (also the first: an empty accumulator is never a reason to skip) and
-the optimizer runs only under ``is_update_step``.
+Gradient accumulation is exact: both of Tunix's accumulators average the
+micro-steps' gradients (``optax.MultiSteps`` in releases; main's
+``GradientAccumulator``, every micro-step ``add``-ed, also the first: an empty
+accumulator is never a reason to skip, and the optimizer runs only under
+``is_update_step``), and each micro-step differentiates its objective, whose mean over
+the step's micro-batches is the step loss (:func:`posttrain.training.loss.step_objective`,
+the one place the accumulation count scales anything), so the average is the gradient of
+one large batch. The step hands the gradients over unscaled.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class SFTStep:
     reported_sum = "nll_sum"  # the term whose per-target-token mean is the reported loss
 
     def _objective(self, model, inputs):
-        """``(this micro-step's share of the step loss, the forward terms)`` for ``model``
+        """``(this micro-step's objective, the forward terms)`` for ``model``
         (the merged, differentiable model): :func:`posttrain.training.loss.step_objective`,
         MoE load-balancing term included. Other trainers (DPO) override this and
         :meth:`_report`; the step around them is shared."""
@@ -94,23 +95,20 @@ class SFTStep:
         """One micro-step; returns ``(reported loss, aux, grad_norm)``."""
         inputs = self.gen_model_input_fn(inputs)
         _, terms, grads = self._grads(model, inputs)
-        k = self.grad_accum_steps
-        if grad_accumulator is None or k == 1:
-            # MultiSteps (releases) averages k micro-gradients: scale each share by k so
-            # the applied update is their sum. k == 1 on main: update every call.
-            if k > 1:
-                grads = jax.tree.map(lambda g: g * k, grads)
-            # grad_norm is the norm of the applied (accumulated) gradient under every
-            # convention: MultiSteps applies the window's mean at its last micro-step,
-            # and only that micro-step's value is logged (posttrain.training.metrics).
+        if grad_accumulator is None or self.grad_accum_steps == 1:
+            # MultiSteps (releases) averages the micro-gradients itself; on main without
+            # accumulation: update every call. grad_norm is the norm of the applied
+            # (accumulated) gradient under every convention: MultiSteps applies the
+            # window's mean at its last micro-step, and only that micro-step's value is
+            # logged (posttrain.training.metrics).
             window = _compat.multisteps_window_gradient(optimizer.opt_state, grads)
             grad_norm = _compat.global_norm(grads if window is None else window)
             optimizer.update(model, grads)
         else:
-            grad_accumulator.add(jax.tree.map(lambda g: g * k, grads))  # denom += 1
+            grad_accumulator.add(grads)  # denom += 1
 
             def apply(model, optimizer, grad_accumulator):
-                total = grad_accumulator.get()  # sum(k * share) / k
+                total = grad_accumulator.get()  # their mean: the step's gradient
                 norm = _compat.global_norm(total).astype(jnp.float32)
                 optimizer.update(model, total)
                 grad_accumulator.reset()
