@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import pathlib
 from collections.abc import Callable
 
@@ -142,8 +143,16 @@ def _check_template(seen: Seen) -> None:
         assert "assistant: " in text and "<|im_start|>" not in text, text[:200]
 
 
+def _default_mesh() -> dict[str, int]:
+    """The mesh a run without ``--mesh`` gets: every device on fsdp (8 on the CPU tier,
+    1 on one chip)."""
+    import jax
+
+    return {"fsdp": jax.device_count()}
+
+
 def _mesh(seen: Seen) -> dict[str, int]:
-    return seen.cfg.mesh or {"fsdp": 8}
+    return seen.cfg.mesh or _default_mesh()
 
 
 def _sized(shape) -> dict[str, int]:
@@ -899,7 +908,7 @@ def _check_gen_output(seen: Seen) -> None:
 def _check_gen_mesh(seen: Seen) -> None:
     from posttrain import sharding
 
-    expected = sharding.parse_mesh_spec(seen.cfg.mesh) if seen.cfg.mesh else {"fsdp": 8}
+    expected = sharding.parse_mesh_spec(seen.cfg.mesh) if seen.cfg.mesh else _default_mesh()
     _eq(_sized(landing.leaf_sharding_mesh(_call(seen)[0])), _sized(expected), "the model's mesh")
 
 
@@ -1376,11 +1385,28 @@ def _overrides(s: Scenario) -> dict:
     return {"output": "{run}", **s.overrides}
 
 
+def _devices_needed(s: Scenario) -> int:
+    """The devices the scenario's explicit meshes take (1 when it gives none)."""
+    from posttrain import sharding
+
+    needed = 1
+    for key in ("mesh", "rollout_mesh"):
+        mesh = s.overrides.get(key)
+        if isinstance(mesh, str):
+            mesh = sharding.parse_mesh_spec(mesh)
+        if mesh:
+            needed = max(needed, math.prod(mesh.values()))
+    return needed
+
+
 def _params():
-    return [
-        pytest.param(name, marks=() if s.gate else pytest.mark.slow, id=name)
-        for name, s in SCENARIOS.items()
-    ]
+    params = []
+    for name, s in SCENARIOS.items():
+        marks = [pytest.mark.devices(_devices_needed(s))]
+        if not s.gate:
+            marks.append(pytest.mark.slow)
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
 
 
 @pytest.mark.parametrize("scenario", _params())

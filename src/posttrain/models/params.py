@@ -106,6 +106,11 @@ def init_on_host(cfg: ModelConfig, backend: str | None = None) -> bool:
     accelerator's own init (sharded, never whole on the host). False on the CPU, and when
     the CPU backend is not available (``JAX_PLATFORMS`` without ``cpu``).
 
+    The values are then the CPU's: the ``rbg`` key draws from XLA's RngBitGenerator, whose
+    stream is the backend's own (a v5e gives other values for every parameter), so a
+    small model starts from the same parameters on a chip as on the CPU tier, and a
+    large one from the accelerator's.
+
     Args:
       backend: the backend the model is for (default: JAX's default backend).
     """
@@ -148,8 +153,9 @@ def build_model(
     if not host_init:
         model = _initializer(cfg)(jax.random.key(seed, impl="rbg"))
     else:
-        with jax.default_device(jax.devices("cpu")[0]):
-            model = _initializer(cfg)(jax.random.key(seed, impl="rbg"))
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):  # the key committed to the CPU: the init runs there
+            model = _initializer(cfg)(jax.device_put(jax.random.key(seed, impl="rbg"), cpu))
         if mesh is None:
             nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
     if mesh is not None:
