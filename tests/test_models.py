@@ -39,7 +39,8 @@ SHARDED_ATOL = 1e-5
 # Remat recomputes the forward inside the backward pass, and XLA fuses the
 # recomputation differently: fp32 reassociation, observed <= 2.1e-6 on grads ~0.4.
 REMAT_GRAD_ATOL = 1e-5
-BATCH, SEQ = 8, 16
+# The single-device tests' batch; the sharded ones' splits over any 8-device mesh.
+BATCH, SHARDED_BATCH, SEQ = 2, 8, 16
 # Each mesh costs a sharded compile (~5 s on 2 cores): 2 per family in the `ci`
 # profile (20 examples), 20 under `thorough` (200).
 MESH_EXAMPLES = scaled(2)
@@ -57,16 +58,33 @@ def model_with(cfg, flat: dict[str, np.ndarray]) -> CausalLM:
 
 
 @functools.cache
-def reference_call(name: str) -> tuple[np.ndarray, object]:
-    """Single-device ``(logits, cache)`` on ``[BATCH, SEQ]`` tokens, through ``__call__`` with
-    Tunix's positional convention ``(tokens, positions, cache, attention_mask)``."""
-    cfg = get_config(name)
-    logits, cache = nnx.jit(lambda m, t: m(t, None, None, None))(build_model(cfg), tokens_for(cfg))
-    return np.asarray(logits), cache
+def preset_model(name: str) -> CausalLM:
+    """The preset's single-device model (seed 0); the tests only read it."""
+    return build_model(get_config(name))
 
 
+def _call_and_aux(model: CausalLM, tokens):
+    logits, cache = model(tokens, None, None, None)
+    return logits, cache, model.forward(tokens)[1]["moe_aux_loss"]
+
+
+@functools.cache
+def reference_call(name: str) -> tuple[np.ndarray, object, float]:
+    """Single-device ``(logits, cache, moe_aux_loss)`` on ``[BATCH, SEQ]`` tokens: the first
+    two through ``__call__`` with Tunix's positional convention ``(tokens, positions,
+    cache, attention_mask)``, the aux loss through ``forward``; one program (on a chip
+    each distinct program is seconds of compile)."""
+    model = preset_model(name)
+    logits, cache, aux = nnx.jit(_call_and_aux)(model, tokens_for(model.config))
+    return np.asarray(logits), cache, float(aux)
+
+
+@functools.cache
 def reference_logits(name: str) -> np.ndarray:
-    return reference_call(name)[0]
+    """Single-device logits on ``[SHARDED_BATCH, SEQ]`` tokens (the sharded tests')."""
+    cfg = get_config(name)
+    forward = nnx.jit(lambda m, t: m.forward(t)[0])
+    return np.asarray(forward(preset_model(name), tokens_for(cfg, batch=SHARDED_BATCH)))
 
 
 def sharded_logits(cfg, mesh_shape) -> np.ndarray:
@@ -74,11 +92,13 @@ def sharded_logits(cfg, mesh_shape) -> np.ndarray:
     model = build_model(cfg, mesh)
     with sharding.use_mesh(mesh):
         tokens = jax.device_put(
-            tokens_for(cfg),
+            tokens_for(cfg, batch=SHARDED_BATCH),
             jax.sharding.NamedSharding(
                 mesh,
                 sharding.logical_to_spec(
-                    ("activation_batch", "activation_length"), (BATCH, SEQ), dict(mesh.shape)
+                    ("activation_batch", "activation_length"),
+                    (SHARDED_BATCH, SEQ),
+                    dict(mesh.shape),
                 ),
             ),
         )
@@ -90,7 +110,7 @@ def sharded_logits(cfg, mesh_shape) -> np.ndarray:
 def test_forward_shapes_and_tunix_convention(name):
     """Each tiny preset maps [B, T] tokens to finite [B, T, V] float32 logits via __call__."""
     cfg = get_config(name)
-    logits, cache = reference_call(name)
+    logits, cache, _ = reference_call(name)
     assert logits.shape == (BATCH, SEQ, cfg.vocab_size) and logits.dtype == np.float32
     assert cache is None
     assert np.isfinite(logits).all()
@@ -136,20 +156,16 @@ def test_experts_not_divisible_by_expert_axis():
 
 @pytest.mark.parametrize("name", TINY_PRESETS)
 def test_scan_equals_unscanned(name):
-    """scan_layers=True with the same (stacked) weights gives the unscanned logits."""
+    """scan_layers=True with the same (stacked) weights gives the unscanned logits and
+    load-balancing loss (the unscanned ones: the forward test's program)."""
     cfg = get_config(name)
-    plain = build_model(cfg)
-    flat = flat_params(plain)
+    flat = flat_params(preset_model(name))
     scanned = model_with(cfg.replace(scan_layers=True), stack_layers(flat, cfg))
     assert unstack_layers(flat_params(scanned), cfg).keys() == flat.keys()
-    tokens = tokens_for(cfg, batch=2)
-    forward = nnx.jit(lambda m, t: m.forward(t))
-    want, want_aux = forward(plain, tokens)
-    got, got_aux = forward(scanned, tokens)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
-    np.testing.assert_allclose(
-        float(got_aux["moe_aux_loss"]), float(want_aux["moe_aux_loss"]), rtol=1e-5
-    )
+    got, got_aux = nnx.jit(lambda m, t: m.forward(t))(scanned, tokens_for(cfg))
+    want, _, want_aux = reference_call(name)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    np.testing.assert_allclose(float(got_aux["moe_aux_loss"]), want_aux, rtol=1e-5)
 
 
 def loss_and_grads(model: CausalLM, tokens):
@@ -178,7 +194,7 @@ def test_remat_policies_same_loss_and_grads(name, scan):
     cfg = get_config(name, scan_layers=scan)
     if cfg.moe is not None and not scan:  # the dense expert path; sorted (default) when scanned
         cfg = cfg.replace(moe=dataclasses.replace(cfg.moe, algorithm="dense"))
-    tokens = tokens_for(cfg, batch=2)
+    tokens = tokens_for(cfg)
     # the preset's own parameters (the expert algorithm changes none): its compiled
     # initialiser is the forward tests', not one more
     flat = flat_params(build_model(get_config(name, scan_layers=scan)))
