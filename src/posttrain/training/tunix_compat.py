@@ -20,6 +20,10 @@ Releases: ``positional3`` in google-tunix 0.0.2-0.1.5, ``bound2`` in 0.1.6-0.1.7
 Anything else is :class:`UnknownConventionError` at trainer construction,
 naming what was found.
 
+What Tunix's ``nnx.jit`` of the step donates is read from the same source
+(:func:`donated_by`: ``optimizer`` in every release, ``optimizer, grad_accumulator`` on
+main); :func:`bind_like` binds another jitted step the way Tunix bound its own.
+
 Also here, the other pieces that exist because Tunix releases differ:
 :func:`tunix_base` (which class's convention to read), :func:`checkpoint_saves_optimizer`
 and :class:`OptimizerStateCheckpoints` (the optimizer state google-tunix <= 0.1.5
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import os
 import textwrap
@@ -50,6 +55,7 @@ class Convention:
       call_args: positional argument expressions at the call site in ``train``.
       call_keywords: keyword names at the call site (e.g. ``("is_update_step",)``).
       returns: number of values ``train`` unpacks from the step.
+      donated: the step's arguments Tunix's ``nnx.jit`` donates (:func:`donated_by`).
     """
 
     name: str
@@ -57,6 +63,7 @@ class Convention:
     call_args: tuple[str, ...]
     call_keywords: tuple[str, ...]
     returns: int
+    donated: tuple[str, ...] = ("optimizer",)
 
     @property
     def step_parameters(self) -> tuple[str, ...]:
@@ -99,22 +106,48 @@ def _step_call(train_fn: ast.FunctionDef) -> tuple[ast.Call, int]:
     raise UnknownConventionError("PeftTrainer.train has no `... = train_step(...)` call")
 
 
+def _is_train_step_assign(node: ast.AST) -> bool:
+    """``self._jitted_train_step_fn = <call>``."""
+    if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+        return False
+    target = node.targets[0]
+    return isinstance(target, ast.Attribute) and target.attr == "_jitted_train_step_fn"
+
+
+def _call_name(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def _donated(jit_fn: ast.FunctionDef) -> tuple[str, ...]:
+    """The ``donate_argnames`` of the ``nnx.jit`` assigned to ``_jitted_train_step_fn``.
+
+    Raises:
+      UnknownConventionError: they are not a literal (a string or a tuple of strings).
+    """
+    for node in ast.walk(jit_fn):
+        if _is_train_step_assign(node) and _call_name(node.value) == "jit":
+            for keyword in node.value.keywords:
+                if keyword.arg != "donate_argnames":
+                    continue
+                try:
+                    names = ast.literal_eval(keyword.value)
+                except ValueError:
+                    raise UnknownConventionError(
+                        f"the train step's donate_argnames={ast.unparse(keyword.value)} "
+                        "is not a literal"
+                    ) from None
+                return (names,) if isinstance(names, str) else tuple(names)
+            return ()
+    return ()
+
+
 def _bound_attributes(jit_fn: ast.FunctionDef) -> tuple[str, ...]:
     """``self.<attr>`` arguments bound with the jitted train step (partial / cached_partial)."""
     for node in ast.walk(jit_fn):
-        if not isinstance(node, ast.Assign):
+        if not _is_train_step_assign(node) or _call_name(node.value) == "jit":
             continue
-        target = node.targets[0]
-        if not (isinstance(target, ast.Attribute) and target.attr == "_jitted_train_step_fn"):
-            continue
-        call = node.value
-        if not isinstance(call, ast.Call):
-            continue
-        func = call.func
-        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-        if name in ("jit", "nnx.jit"):
-            continue
-        return tuple(a.attr for a in call.args[1:] if isinstance(a, ast.Attribute))
+        return tuple(a.attr for a in node.value.args[1:] if isinstance(a, ast.Attribute))
     return ()
 
 
@@ -128,11 +161,12 @@ def detect_from_source(train_source: str, jit_source: str) -> Convention:
       UnknownConventionError: the sources have no recognisable step call.
     """
     call, returns = _step_call(_function_ast(train_source))
-    bound = _bound_attributes(_function_ast(jit_source))
+    jit_fn = _function_ast(jit_source)
+    bound = _bound_attributes(jit_fn)
     args = tuple(ast.unparse(a) for a in call.args)
     keywords = tuple(k.arg for k in call.keywords if k.arg)
     name = KNOWN.get((bound, len(args), keywords, returns), "unknown")
-    return Convention(name, bound, args, keywords, returns)
+    return Convention(name, bound, args, keywords, returns, _donated(jit_fn))
 
 
 def detect(trainer_cls: type | None = None) -> Convention:
@@ -155,6 +189,51 @@ def detect(trainer_cls: type | None = None) -> Convention:
             f"convention: {found.describe()}; known: {sorted(KNOWN.values())}"
         )
     return found
+
+
+def donated_by(trainer_cls: type) -> tuple[str, ...]:
+    """The train-step arguments ``trainer_cls``'s own ``jit_train_and_eval_step`` donates
+    (its ``nnx.jit(train_step, donate_argnames=...)``), read from its source: google-tunix
+    0.0.2-0.1.7 ``("optimizer",)``, main ``("optimizer", "grad_accumulator")``. The plan
+    jits a Tunix trainer's step (GRPO's actor) with these.
+
+    Raises:
+      UnknownConventionError: they are not a literal.
+    """
+    return _donated(_function_ast(inspect.getsource(trainer_cls.jit_train_and_eval_step)))
+
+
+def bind_like(built, jitted, bound: tuple):
+    """``jitted`` (an ``nnx.jit`` of the train step) bound as Tunix bound ``built``, its own
+    jitted step from ``jit_train_and_eval_step``: nothing (``positional3``: ``built`` is the
+    ``nnx.jit`` itself), ``functools.partial(jitted, *bound)``, or, under
+    ``cache_nnx_graph``, ``functools.partial(nnx.cached_partial(jitted, *bound))``
+    (google-tunix 0.1.6+ and main; ``train()`` reads ``.func.jitted_fn`` of either, and
+    ``.jitted_fn`` of the unbound one up to 0.1.5).
+
+    Args:
+      built: Tunix's jitted train step.
+      jitted: the step to bind instead.
+      bound: the objects the convention binds (``Convention.bound``: the trainer's model,
+        optimizer[, gradient accumulator]).
+
+    Raises:
+      UnknownConventionError: ``built`` is a partial that binds other objects.
+    """
+    from flax import nnx
+
+    if not isinstance(built, functools.partial):
+        return jitted
+    if not built.args:  # the cached partial hides what it binds: the convention names it
+        return functools.partial(nnx.cached_partial(jitted, *bound))
+    if len(built.args) != len(bound) or any(
+        a is not b for a, b in zip(built.args, bound, strict=True)
+    ):
+        raise UnknownConventionError(
+            f"Tunix bound {len(built.args)} objects to its train step, not the "
+            f"convention's {len(bound)}"
+        )
+    return functools.partial(jitted, *bound)
 
 
 def checkpoint_saves_optimizer(manager_cls: type | None = None) -> bool:
