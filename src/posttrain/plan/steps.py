@@ -1,10 +1,11 @@
 """The programs a plan compiles: the trainer's own step, and generation's prefill + decode.
 
 SFT: the step is :class:`posttrain.training.trainer.SFTTrainer`'s, built by the trainer itself
-(``create_train_step_fn`` under the installed Tunix's calling convention) and jitted as
-Tunix's ``PeftTrainer.jit_train_and_eval_step`` does (``nnx.jit`` donating the optimizer),
-then lowered on the abstract model and optimizer state instead of called. What had to
-change to build the trainer on an abstract model (google-tunix 0.1.7, flax 0.12.8):
+(``create_train_step_fn`` under the installed Tunix's calling convention) and jitted by the
+trainer's own ``jit_train_step`` (``nnx.jit`` donating the model and the optimizer: the
+program ``SFTTrainer.jit_train_and_eval_step`` runs), then lowered on the abstract model
+and optimizer state instead of called. What had to change to build the trainer on an
+abstract model (google-tunix 0.1.7, flax 0.12.8):
 
 - ``nnx.Optimizer`` (inside ``PeftTrainer.__init__``) calls the transformation's
   ``init`` on the model's state; an abstract transformation (:func:`abstract_init`) runs
@@ -154,7 +155,7 @@ def sft_program(
         abstract.place(trainer.model, mesh, rules)
         abstract.place(trainer.optimizer, mesh, rules)
         inputs = sft_inputs(mesh, batch, seq, rules)
-        jitted = nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",))
+        jitted = trainer.jit_train_step()
         trained = nnx.LoRAParam if trainer._lora_enabled else nnx.Param
         kinds = {
             "parameters": abstract.device_bytes(nnx.state(trainer.model)),

@@ -2,10 +2,10 @@
 policy (google-tunix 0.1.7; the same abstract optimizer as SFT's, :mod:`posttrain.plan.steps`).
 
 DPO (``posttrain dpo``: our :class:`~posttrain.preference.trainer.DPOTrainer` over Tunix's):
-  - ``train step``: the trainer's own step (``create_train_step_fn``, ``nnx.jit`` donating
-    the optimizer) on Tunix's prepared ``TrainExample``: the chosen and rejected
-    completions stacked into one ``[2 x pairs, prompt + response]`` batch, its
-    ``[2 x pairs, T, T]`` attention mask and the reference log-probabilities;
+  - ``train step``: the trainer's own step (``jit_train_step``: ``nnx.jit`` donating the
+    policy and the optimizer, as the trainer runs it) on Tunix's prepared ``TrainExample``:
+    the chosen and rejected completions stacked into one ``[2 x pairs, prompt + response]``
+    batch, its ``[2 x pairs, T, T]`` attention mask and the reference log-probabilities;
   - ``reference forward``: Tunix's jitted ``compute_logps`` on the reference, which
     ``DPOTrainer._prepare_inputs`` runs before each step.
 
@@ -15,7 +15,9 @@ with the loss ``GRPOLearner`` installs and our MoE term):
     (``posttrain generate``'s loop, :func:`posttrain.plan.steps.generate_program`; Tunix's
     sampler runs the same model calls through :mod:`posttrain.tunix_sampler`);
   - ``reference forward``: Tunix's jitted ``compute_per_token_logps`` on the reference;
-  - ``train step``: the actor trainer's ``_train_step`` on the learner's ``TrainExample``.
+  - ``train step``: the actor trainer's ``_train_step`` on the learner's ``TrainExample``,
+    jitted donating what Tunix's ``jit_train_and_eval_step`` donates (read from its source:
+    the optimizer; the actor's model is shared with the sampler).
   - ``old-policy forward``, only with ``num_iterations > 1`` (Tunix's
     ``GRPOLearner._generate_and_compute_advantage`` calls
     ``RLCluster.get_old_per_token_logps``: the same ``compute_per_token_logps`` on the
@@ -129,7 +131,7 @@ def dpo_programs(
         )
         kinds = _trained_kinds(trainer, example)
         step = Program(
-            nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",)),
+            trainer.jit_train_step(),
             (trainer.model, trainer.optimizer, example),
             {},
             kinds,
@@ -178,6 +180,7 @@ def grpo_programs(
     from tunix.rl import function_registry
 
     from posttrain.rl import tunix_rl
+    from posttrain.training import tunix_compat
     from posttrain.training.policy import TunixPolicy
 
     if not hasattr(function_registry, "get_policy_loss_fn"):
@@ -195,8 +198,9 @@ def grpo_programs(
         reference, own = _reference(trainer.model)
         example = _grpo_example(mesh, rules, rows, prompt, completion, algo)
         kinds = _trained_kinds(trainer, example)
+        donated = tunix_compat.donated_by(type(trainer))
         step = Program(
-            nnx.jit(trainer.create_train_step_fn(), donate_argnames=("optimizer",)),
+            nnx.jit(trainer.create_train_step_fn(), donate_argnames=donated),
             (trainer.model, trainer.optimizer, example),
             {},
             kinds,

@@ -23,6 +23,32 @@ accumulator is never a reason to skip, and the optimizer runs only under
 the step's micro-batches is the step loss (:func:`posttrain.training.loss.step_objective`,
 the one place the accumulation count scales anything), so the average is the gradient of
 one large batch. The step hands the gradients over unscaled.
+
+Donation (:meth:`SFTStep.jit_train_step`, the one definition the trainer runs and
+``posttrain plan`` compiles): Tunix's ``nnx.jit`` donates the optimizer (and main's
+gradient accumulator) only, so every step wrote the model's parameters to new buffers
+beside the old ones: a second copy of the trained weights (full fine-tuning), or of the
+frozen base, which ``nnx.jit`` returns too (LoRA). The step also donates ``model``
+(:meth:`SFTStep.donated_argnames`); ``nnx.jit`` writes the outputs back into the model's
+``Variable`` objects, so whatever holds the model or its Variables reads the new arrays.
+Only a holder of the old *arrays* would break; none does:
+
+- checkpoints: Tunix's ``CheckpointManager.save`` (and ``OptimizerStateCheckpoints``)
+  take the model after the step; Orbax copies every array to the host before ``save``
+  returns (no ``device_host_byte_limiter`` is set), as it must for the optimizer state,
+  which Tunix always donated; the finiteness check reads ``self.model``'s current state;
+- the eval step, Tunix's ``cached_partial`` and the metrics: the eval step is bound to
+  the model object (``cached_partial``'s clone shares its Variables); the records hold
+  the step's outputs (loss, aux, grad norm), never an input;
+- LoRA's frozen base and DPO's reference: :func:`posttrain.training.policy.reference_of`
+  builds the reference from the policy's own base Variables (flax 0.12 ``nnx.merge``
+  reuses them), so it reads the new arrays; distillation's teacher is its own model;
+- GRPO's actor is Tunix's trainer, not this step: Tunix's sampler shares its model and
+  its donation (the optimizer's) is left as it is.
+
+A module the trainer holds that keeps one of the model's arrays in a Variable of its own
+(:func:`arrays_held_beside`: a reference built by copying Variables but not arrays, as
+``nnx.merge`` did before flax 0.12) would lose it: the model is then not donated.
 """
 
 from __future__ import annotations
@@ -35,6 +61,33 @@ from typing_extensions import override
 from posttrain import _compat
 from posttrain.training import loss as sft_loss
 from posttrain.training import tunix_compat
+
+#: the step's parameter holding the model, which it donates (:meth:`SFTStep.donated_argnames`)
+MODEL = "model"
+
+
+def arrays_held_beside(model, others) -> list[str]:
+    """Paths of ``model``'s arrays that a module in ``others`` holds in a ``Variable`` of its
+    own, which donating ``model`` would delete under it (a Variable shared with ``model``
+    gets the step's new array, as the model does).
+
+    Args:
+      model: the trained model.
+      others: the other modules the trainer keeps (a reference, a teacher).
+    """
+    variables, arrays = set(), {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable):
+            variables.add(id(node))
+            arrays[id(_compat.variable_value(node))] = "/".join(map(str, path))
+    return [
+        arrays[id(_compat.variable_value(node))]
+        for other in others
+        for _, node in nnx.iter_graph(other)
+        if isinstance(node, nnx.Variable)
+        and id(node) not in variables
+        and id(_compat.variable_value(node)) in arrays
+    ]
 
 
 class SFTStep:
@@ -120,6 +173,26 @@ class SFTStep:
             grad_norm = nnx.cond(is_update_step, apply, skip, model, optimizer, grad_accumulator)
         loss, aux = self._report(terms, inputs, grad_norm)
         return loss, aux, grad_norm
+
+    def donated_argnames(self) -> tuple[str, ...]:
+        """The step arguments its jit donates: Tunix's (``Convention.donated``: the
+        optimizer, main's gradient accumulator) and the model (module docstring), unless
+        another module this trainer keeps holds one of the model's arrays
+        (:func:`arrays_held_beside`)."""
+        beside = [
+            value
+            for value in vars(self).values()
+            if isinstance(value, nnx.Module) and value is not self.model
+        ]
+        if arrays_held_beside(self.model, beside):
+            return self.convention.donated
+        return (MODEL, *self.convention.donated)
+
+    def jit_train_step(self):
+        """``nnx.jit`` of :meth:`create_train_step_fn` donating :meth:`donated_argnames`: the
+        program the trainer runs (bound as Tunix binds its own,
+        :func:`posttrain.training.tunix_compat.bind_like`) and ``posttrain plan`` compiles."""
+        return nnx.jit(self.create_train_step_fn(), donate_argnames=self.donated_argnames())
 
     @override  # PeftTrainer's, past this mixin in the trainer's MRO
     def create_train_step_fn(self):

@@ -171,7 +171,9 @@ class SFTTrainerMixin(SFTStep):
 
     @override
     def jit_train_and_eval_step(self, *args, **kwargs):
-        """Tunix's jitted steps, after placing every unplaced state array on the mesh.
+        """Tunix's jitted steps, after placing every unplaced state array on the mesh, the
+        train step jitted by :meth:`~posttrain.training.step.SFTStep.jit_train_step`
+        (donating the model too) and bound as Tunix bound its own.
 
         Optax creates its counters (Adam's ``count``, ``MultiSteps``' ``mini_step``,
         main's accumulator ``denom``) on one device; the first step returns them
@@ -179,11 +181,21 @@ class SFTTrainerMixin(SFTStep):
         again. google-tunix 0.1.5+ places the optimizer state itself
         (``PeftTrainer._shard_optimizer``), but only from the legacy ``with mesh:``
         context, which :meth:`train` does not enter, and older releases not at all.
+
+        Tunix jits the step inline (``nnx.jit(train_step, donate_argnames=("optimizer",
+        ...))``, no hook for what is donated); its jitted step, built on the first call,
+        is replaced once (``skip_jit`` returns Tunix's unjitted step as it is).
         """
         for holder in (self.optimizer, getattr(self, "grad_accumulator", None)):
             if holder is not None:
                 replicate_unplaced(holder, self.mesh)
-        return super().jit_train_and_eval_step(*args, **kwargs)
+        fresh = self._jitted_train_step_fn is None
+        train_step, eval_step = super().jit_train_and_eval_step(*args, **kwargs)
+        if fresh and train_step is self._jitted_train_step_fn:  # jitted just now
+            bound = tuple(getattr(self, name) for name in self.convention.bound)
+            train_step = tunix_compat.bind_like(train_step, self.jit_train_step(), bound)
+            self._jitted_train_step_fn = train_step
+        return train_step, eval_step
 
     # --- inputs and metrics ---------------------------------------------------------------
     @override
