@@ -160,12 +160,21 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_sft_run.py::test_lora_run_checkpoints_only_the_adapters",
         "tests/test_sft_run.py::test_non_finite_weights_are_never_checkpointed",
     ],
-    # the step (#58: out of trainer.py, whose FUNCTIONS it was), with the trainer's tests
+    # the step (#58: out of trainer.py, whose FUNCTIONS it was), with the trainer's tests;
+    # test_donation: what the step donates (#55)
     "src/posttrain/training/step.py": [
         "tests/test_sft_objective.py",
         "contracts/test_sft_conventions.py",
         "tests/test_sft_run.py::test_lora_run_checkpoints_only_the_adapters",
         "tests/test_sft_run.py::test_non_finite_weights_are_never_checkpointed",
+        "tests/test_donation.py",
+    ],
+    # reading Tunix's step convention and donation from its source, binding our jitted step
+    # as Tunix bound its own (#55): the detector's tests, the donation's, every convention
+    "src/posttrain/training/tunix_compat.py": [
+        "tests/test_tunix_compat.py",
+        "tests/test_donation.py",
+        "contracts/test_sft_conventions.py",
     ],
     # the supervised run end to end (#58's split of sft/run.py): the text runs, their
     # refusals and resumes, and one image run (its held-out line and its export)
@@ -363,4 +372,14 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     # placement, closing); the step itself (objective, gradients, the update or skip, the
     # logged terms) is training/step.py, every function of it
     "src/posttrain/training/trainer.py": ("x_default_moe_aux_loss_weight",),
+    # what #55 added or changed (the checkpoint fill-in for old releases has its own tests)
+    "src/posttrain/training/tunix_compat.py": (
+        "x__is_train_step_assign",
+        "x__call_name",
+        "x__donated",
+        "x__bound_attributes",
+        "x_detect_from_source",
+        "x_donated_by",
+        "x_bind_like",
+    ),
 }
