@@ -1336,6 +1336,11 @@ ELSEWHERE: dict[str, dict[str, str]] = {
         "extrapolate",
         "json_path",
         "run_steps",
+    )
+    | _referred(
+        "tests/test_plan_search.py::test_a_policy_stops_at_its_first_batch_that_does_not_fit",
+        "search",
+        "search_max_batch",
     ),
 }
 

@@ -220,6 +220,8 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_loaders.py",
     ],
     "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
+    # #55: the remat x batch search, against fake planners (and one real v5e search)
+    "src/posttrain/plan/search.py": ["tests/test_plan_search.py", "-m", "host"],
     "src/posttrain/plan/depth.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     # #56 7: each bound at its edge, and the CLI's refusals (checked before any compile)
     "src/posttrain/plan/sizes.py": [

@@ -16,6 +16,8 @@ def run(options: PlanOptions) -> int:
     """Runs ``posttrain plan``; returns the exit status (0 fits, 1 does not)."""
     from posttrain.plan import DoesNotFit, plan, report, topology
 
+    if options.search:
+        return run_search(options)
     try:
         result = plan(options)
     except DoesNotFit as e:
@@ -44,4 +46,31 @@ def run(options: PlanOptions) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+def run_search(options: PlanOptions) -> int:
+    """``posttrain plan --search``: the table of candidates and the fastest that fits
+    (:mod:`posttrain.plan.search`); with ``--run-steps`` the fastest is then run on the
+    chip. Returns 0 when one fits, 1 (one line on stderr) when none does."""
+    import dataclasses
+
+    from posttrain.plan import search
+
+    options.check()
+    found = search.search(options)
+    print(search.table(found, search.tokens_per_row(options)))
+    best = search.fastest(found)
+    if best is None:
+        print(f"posttrain plan: {search.advice(found)}", file=sys.stderr)
+        return 1
+    print(search.advice(found))
+    if options.run_steps:
+        chosen = dataclasses.replace(
+            options,
+            search=False,
+            remat=best.remat,
+            per_device_batch_size=best.per_device_batch_size,
+        )
+        return run(chosen)
     return 0

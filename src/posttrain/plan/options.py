@@ -62,6 +62,11 @@ class PlanOptions:
         be the topology's), run it this many times and print the measured peak HBM, step
         time and MFU beside the predicted ones (:mod:`posttrain.plan.measure`); 0: plan
         only.
+      search: plan every rematerialisation policy x per-device batch (1, 2, 4, ... up to
+        ``search_max_batch``) and print the fastest that fits
+        (:mod:`posttrain.plan.search`); ``remat`` and ``per_device_batch_size`` are then
+        the search's, and ``run_steps`` runs the fastest on the chip.
+      search_max_batch: the largest per-device batch ``search`` tries.
 
     Each field is also a flag of ``posttrain plan`` (:mod:`posttrain.flags`); the values
     are checked by :meth:`check`, as every subcommand's options are.
@@ -110,6 +115,12 @@ class PlanOptions:
         "measured beside predicted",
         show_default=False,
     )
+    search: bool = option(
+        False,
+        "plan each remat policy x per-device batch (1, 2, 4, ...) and print the fastest "
+        "that fits (--remat and --per-device-batch-size are the search's)",
+    )
+    search_max_batch: int = option(64, "--search: the largest per-device batch tried")
 
     def check(self) -> None:
         """Refuses values outside their ranges and a JSON path whose directory does not
@@ -136,6 +147,12 @@ class PlanOptions:
         for name in ("per_device_batch_size", "seq", "new_tokens", "grad_accum", "num_iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.search_max_batch < 1:
+            raise ValueError(f"search_max_batch={self.search_max_batch} must be >= 1")
+        if self.search and self.batch is not None:
+            raise ValueError(
+                f"search varies the per-device batch; batch={self.batch} fixes it: drop --batch"
+            )
         if self.run_steps < 0:
             raise ValueError(f"run_steps={self.run_steps} must be >= 0")
         if self.run_steps and self.workflow != "sft":
