@@ -144,9 +144,17 @@ class TemperatureNotSquared(tunix_distill.strategy_class("logit")):
         return self.alpha * kl_scaled / self.temperature**2 + (1 - self.alpha) * ce, metrics
 
 
-def ours(s, t, tokens, mask, segments, *, cls=None, temperature, alpha, top_k):
+@functools.cache
+def jitted_terms(cls=None, *, temperature, alpha, top_k=0):
+    """``distill_terms`` of the strategy with these settings, as one jitted program (as the
+    trainer runs it; on a chip each eager op is a compile of its own)."""
     st = strategy(temperature=temperature, alpha=alpha, distill_top_k=top_k, cls=cls)
-    return float(distill_loss.distill_terms(st, s, t, tokens, mask, segments)["distill_sum"])
+    return jax.jit(functools.partial(distill_loss.distill_terms, st))
+
+
+def ours(s, t, tokens, mask, segments, *, cls=None, temperature, alpha, top_k):
+    terms = jitted_terms(cls, temperature=temperature, alpha=alpha, top_k=top_k)
+    return float(terms(s, t, tokens, mask, segments)["distill_sum"])
 
 
 @pytest.mark.contract("tunix.distillation.strategies.LogitStrategy.compute_loss")
@@ -167,9 +175,9 @@ def test_the_masked_loss_is_the_hand_computed_one(top_k):
         "temperature not squared": ours(
             s, t, tokens, mask, segments, cls=TemperatureNotSquared, **hyper
         ),
-        "labels shifted by one": ours(s, t, jnp.roll(tokens, 1, axis=1), mask, segments, **hyper),
+        "labels shifted by one": ours(s, t, np.roll(tokens, 1, axis=1), mask, segments, **hyper),
         "prompt and padding in": ours(
-            s, t, tokens, jnp.ones_like(mask), jnp.ones_like(segments), **hyper
+            s, t, tokens, np.ones(mask.shape, np.int32), np.ones(segments.shape, np.int32), **hyper
         ),
     }
     for name, value in broken.items():
@@ -211,14 +219,20 @@ def test_the_kl_is_teacher_to_student_on_an_asymmetric_pair(temperature, written
     st = strategy(temperature=temperature, alpha=1.0)
     if not written_out:  # a subclass: its own compute_loss, vmapped per position
         st = strategy(temperature=temperature, alpha=1.0, cls=type("Own", (type(st),), {}))
-    terms = distill_loss.distill_terms(st, s, t, tokens, mask, segments)
+
+    @jax.jit
+    def terms_and_kl(s, t, tokens, mask, segments):
+        terms = distill_loss.distill_terms(st, s, t, tokens, mask, segments)
+        return terms, distill_loss.kl_to_teacher(s[0, 0], t[0, 0])
+
+    terms, kl_to_teacher = terms_and_kl(s, t, tokens, mask, segments)
     got = float(terms["distill_sum"])
     np.testing.assert_allclose(got, temperature**2 * forward, rtol=1e-5)
     assert not np.isclose(got, temperature**2 * reverse, rtol=0.1)
     kl_1 = kl_np(TEACHER_P, STUDENT_Q)
     for name, value in {
         "kl_sum": float(terms["kl_sum"]),
-        "kl_to_teacher": float(distill_loss.kl_to_teacher(s[0, 0], t[0, 0])),
+        "kl_to_teacher": float(kl_to_teacher),
     }.items():
         np.testing.assert_allclose(value, kl_1, rtol=1e-5, err_msg=name)
         assert not np.isclose(value, kl_np(STUDENT_Q, TEACHER_P), rtol=0.1), name
@@ -229,10 +243,16 @@ def test_with_every_position_a_target_it_is_tunix_mean_times_the_count():
     count of positions == our sum when every position is a target."""
     s, t, tokens, _, _ = batch(seed=1)
     st = strategy(temperature=1.5, alpha=0.6, distill_top_k=TOP_K)
-    ones = jnp.ones_like(tokens)
-    got = distill_loss.distill_terms(st, s, t, tokens, ones, ones)
-    labels = jax.nn.one_hot(tokens[:, 1:], s.shape[-1])
-    mean, _ = tunix_distill.loss_and_metrics(st.compute_loss(s[:, :-1], t[:, :-1], labels))
+
+    @jax.jit
+    def ours_and_tunix_mean(s, t, tokens):
+        ones = jnp.ones_like(tokens)
+        got = distill_loss.distill_terms(st, s, t, tokens, ones, ones)
+        labels = jax.nn.one_hot(tokens[:, 1:], s.shape[-1])
+        mean, _ = tunix_distill.loss_and_metrics(st.compute_loss(s[:, :-1], t[:, :-1], labels))
+        return got, mean
+
+    got, mean = ours_and_tunix_mean(s, t, tokens)
     np.testing.assert_allclose(
         float(got["distill_sum"]), float(mean) * got["target_tokens"], rtol=1e-5
     )
@@ -246,7 +266,7 @@ def test_no_gradient_reaches_the_teacher_logits(monkeypatch):
         def f(teacher):
             return distill_loss.distill_terms(st, s, teacher, tokens, mask, segments)["distill_sum"]
 
-        return np.abs(np.asarray(jax.grad(f)(t))).max()
+        return np.abs(np.asarray(jax.jit(jax.grad(f))(t))).max()
 
     assert grad_wrt_teacher() == 0.0
     monkeypatch.setattr(distill_loss, "frozen", lambda x: x)  # broken: not stopped
@@ -448,12 +468,17 @@ def test_the_written_out_logit_loss_is_tunix_s(temperature, alpha, top_k, dtype)
     student = jnp.asarray(rng.normal(0, 3, (7, 40)), dtype)
     teacher = jnp.asarray(rng.normal(0, 3, (7, 40)), dtype)
     tokens = jnp.asarray(rng.integers(0, 40, 7), jnp.int32)
-    f32 = (student.astype(jnp.float32), teacher.astype(jnp.float32))
-    theirs, metrics = distill_loss._vmapped(strategy, *f32, tokens)
-    ours = logit_loss.per_position(student, teacher, tokens, *known)
+
+    @jax.jit  # one program (on a chip each eager op is a compile of its own)
+    def theirs_ours_and_objective(student, teacher, tokens):
+        f32 = (student.astype(jnp.float32), teacher.astype(jnp.float32))
+        theirs, metrics = distill_loss._vmapped(strategy, *f32, tokens)
+        ours = logit_loss.per_position(student, teacher, tokens, *known)
+        return theirs, metrics, ours, distill_loss.per_position(strategy, student, teacher, tokens)
+
+    theirs, metrics, ours, (values, none) = theirs_ours_and_objective(student, teacher, tokens)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     assert logit_loss.agrees(strategy, known, distill_loss._vmapped)
-    values, none = distill_loss.per_position(strategy, student, teacher, tokens)
     np.testing.assert_allclose(values, theirs, rtol=1e-5, atol=1e-6)
     assert none == {} and (metrics or tunix_distill.loss_convention() == "scalar")
     subclass = type("Custom", (type(strategy),), {})
@@ -483,6 +508,11 @@ def test_a_written_out_loss_that_disagrees_is_not_used(monkeypatch):
     student, teacher = (jnp.asarray(rng.normal(0, 3, (5, 32)), jnp.float32) for _ in "st")
     tokens = jnp.asarray(rng.integers(0, 32, 5), jnp.int32)
     assert not logit_loss.agrees(strategy, logit_loss.settings(strategy), distill_loss._vmapped)
-    values, metrics = distill_loss.per_position(strategy, student, teacher, tokens)
-    theirs, _ = distill_loss._vmapped(strategy, student, teacher, tokens)
+
+    @jax.jit
+    def objective_and_theirs(student, teacher, tokens):
+        values, _ = distill_loss.per_position(strategy, student, teacher, tokens)
+        return values, distill_loss._vmapped(strategy, student, teacher, tokens)[0]
+
+    values, theirs = objective_and_theirs(student, teacher, tokens)
     np.testing.assert_array_equal(values, theirs)
