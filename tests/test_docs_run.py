@@ -103,6 +103,48 @@ def test_commands_are_read_in_order_honouring_the_markers():
     assert docs_run.commands("x.md", PAGE)[0].text == "bash .ci/run"
 
 
+def _block(marker: str, between: str = "") -> str:
+    return f"intro\n{marker}\n{between}```bash\nposttrain sft --nonsense\n```\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (_block(NO_RUN, "\n"), f"x.md:2: {NO_RUN} is not on the line directly before"),
+        (_block("<!-- exits 2 -->", "Its output:\n"), "x.md:2: <!-- exits 2 --> is not on"),
+        (f"intro\n```bash\necho a\n```\n{SET_UP}\n", f"x.md:5: {SET_UP} is not on"),
+        ("- item\n  <!-- no-run -->\n\n  ```sh\n  x\n  ```\n", "x.md:2: <!-- no-run --> is"),
+        (_block("<!-- no run -->"), "x.md:2: <!-- no run --> before a fenced block is no marker"),
+        (_block("<!--no-run-->"), "x.md:2: <!--no-run--> before a fenced block is no marker"),
+    ],
+    ids=["blank-line", "text-between", "last-line", "list-item", "misspelt", "unspaced"],
+)
+def test_a_marker_not_directly_before_a_block_is_refused_naming_its_page_and_line(text, says):
+    """A marker applies only to the block opening on the next line: one a blank line or
+    text away, or at the end of the page, is an error naming the page and line (it would
+    otherwise leave the block it meant to run, or another one); a comment right before a
+    block that is no marker (misspelt) is one too."""
+    with pytest.raises(ValueError, match="^" + re.escape(says)):
+        docs_run.commands("x.md", text)
+
+
+def test_marker_lines_inside_blocks_or_inline_and_other_comments_are_no_markers():
+    """A marker written inside a fenced block (an example of a page) or inline in prose is
+    no marker, and an HTML comment away from any block is no error."""
+    text = (
+        f"A block after `{NO_RUN}` is not run.\n<!-- a note to editors -->\n\n"
+        f"```text\n{NO_RUN}\n\n<!-- exits 3 -->\n```\n{NO_RUN}\n```bash\necho skipped\n```\n"
+        "```bash\necho run\n```\n"
+    )
+    assert [c.text for c in docs_run.commands("x.md", text)] == ["echo run"]
+    assert [b[3] for b in docs_run.blocks(text)] == ["", NO_RUN, "```"]
+
+
+def test_every_page_s_markers_sit_directly_before_their_blocks():
+    for page in docs_run.pages(ROOT):
+        docs_run.commands(page, (ROOT / page).read_text(encoding="utf-8"))  # raises if not
+
+
 CONSOLE = """<!-- exits 1 -->
 ```console
 a line printed before
@@ -308,6 +350,20 @@ def _lines(capsys) -> list[str]:
     out = capsys.readouterr().out
     out = re.sub(r"failed, \d+ s\)", "failed, T s)", re.sub(r"\d+\.\d s:", "T s:", out))
     return out.splitlines()
+
+
+def test_the_command_line_refuses_a_page_whose_marker_is_out_of_place(
+    tmp_path, capsys, monkeypatch
+):
+    """A marker a blank line from its block is a usage error naming the page and line,
+    before any command runs (the kept copy has nothing the page's commands write)."""
+    repo = _own_checkout(tmp_path / "repo", monkeypatch)
+    (repo / "docs/a.md").write_text(f"{NO_RUN}\n\n```bash\ntouch left.txt\n```\n")
+    with pytest.raises(SystemExit) as exit_:
+        docs_run.main(["--page", "docs/a.md", "--keep", str(tmp_path / "kept")])
+    assert exit_.value.code == 2
+    assert f"docs/a.md:1: {NO_RUN} is not on the line directly before" in capsys.readouterr().err
+    assert (tmp_path / "kept/docs/a.md").exists() and not (tmp_path / "kept/left.txt").exists()
 
 
 def test_the_command_line_prints_each_command_each_figure_and_a_summary(

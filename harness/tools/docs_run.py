@@ -14,7 +14,9 @@ The copy holds the working tree's tracked files, committed into a new repository
 :data:`SET_UP`) is not rerun: the commands run in the environment it made, the one this
 Python runs in (``uv run`` without syncing, the copy's ``src/`` and root first on the
 path). A block after :data:`NO_RUN` is not run; after ``<!-- exits N -->`` its commands
-must exit N (an error shown on purpose). Pages run in :data:`PAGES` order (the README
+must exit N (an error shown on purpose). A marker sits on the line directly before its
+block's opening fence; one elsewhere is refused (exit 2, naming the page and line) before
+anything runs. Pages run in :data:`PAGES` order (the README
 first) in one copy, so a page may read what the README made.
 """
 
@@ -36,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NO_RUN = "<!-- no-run -->"
 SET_UP = "<!-- set-up -->"
 _EXITS = re.compile(r"<!-- exits (\d+) -->")
+_MARKER = re.compile("|".join((re.escape(NO_RUN), re.escape(SET_UP), _EXITS.pattern)))
+_COMMENT = re.compile(r"<!--.*-->")  # an HTML comment on a line of its own
 _FENCE = re.compile(r"^( *)```(\w*)\n(.*?)^\1```", re.M | re.S)  # in a list item too
 _LABELS = ("bash", "sh", "shell", "console")
 
@@ -68,22 +72,62 @@ class Command:
         return self.text
 
 
-def blocks(text: str):
+def blocks(text: str, page: str = "the page") -> list[tuple[int, str, str, str]]:
     """(line, label, body, marker) of each fenced block of a page; ``marker``: the line
-    before the fence, stripped (a marker such as :data:`NO_RUN`, or anything)."""
+    directly before the fence, stripped (a marker such as :data:`NO_RUN`, or anything).
+
+    A marker applies to the block whose opening fence is on the very next line, so that it
+    never silently applies to another block or to none.
+
+    Raises:
+      ValueError: ``page:line: ...`` for a marker line (:data:`NO_RUN`, :data:`SET_UP`,
+        ``<!-- exits N -->``) that is not directly before a fenced block (a blank line or
+        text between), or an HTML comment directly before one that is no marker (a
+        misspelt marker). Lines inside a fenced block are never markers.
+    """
+    found, spans = [], []
     for match in _FENCE.finditer(text):
-        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        before = text[: match.start()].removesuffix("\n").rsplit("\n", 1)[-1]
         line = text[: match.start()].count("\n") + 2  # the block's first line
+        spans.append((line - 1, line + match.group(0).count("\n") - 1))  # its fences' lines
         indent = len(match.group(1))
         body = "".join(row[indent:] for row in match.group(3).splitlines(keepends=True))
-        yield line, match.group(2), body, before.strip()
+        found.append((line, match.group(2), body, before.strip()))
+    _check_markers(page, text, spans)
+    return found
+
+
+def _check_markers(page: str, text: str, spans: list[tuple[int, int]]) -> None:
+    """Refuses a marker line outside the line before an opening fence, and a comment
+    there that is no marker (``spans``: each block's first and last line, its fences)."""
+    opening = {first for first, _ in spans}
+    fenced = {n for first, last in spans for n in range(first, last + 1)}
+    for number, row in enumerate(text.splitlines(), 1):
+        stripped = row.strip()
+        if number in fenced or not _COMMENT.fullmatch(stripped):
+            continue
+        marker = _MARKER.fullmatch(stripped) is not None
+        if marker and number + 1 not in opening:
+            raise ValueError(
+                f"{page}:{number}: {stripped} is not on the line directly before a fenced "
+                "block (a marker applies to the block that opens on the next line)"
+            )
+        if not marker and number + 1 in opening:
+            raise ValueError(
+                f"{page}:{number}: {stripped} before a fenced block is no marker; expected "
+                f"{NO_RUN}, {SET_UP} or <!-- exits N -->"
+            )
 
 
 def commands(page: str, text: str, skip: tuple[str, ...] = (NO_RUN,)) -> list[Command]:
     """The commands of a page's command blocks (``bash``, or a ``console`` block's ``$``
-    lines), in order, leaving out the blocks after a marker in ``skip``."""
+    lines), in order, leaving out the blocks after a marker in ``skip``.
+
+    Raises:
+      ValueError: a marker out of place (:func:`blocks`), naming the page and line.
+    """
     found: list[Command] = []
-    for line, label, body, marker in blocks(text):
+    for line, label, body, marker in blocks(text, page):
         if label in _LABELS and marker not in skip:
             exits = _EXITS.fullmatch(marker)
             prompt = "$ " if label == "console" else ""
@@ -199,6 +243,37 @@ def _line(result: Result) -> str:
     return f"{mark}exit {result.status}, {result.seconds:.1f} s: {where}  -> {tail[0][:120]}"
 
 
+def _run_copy(args: argparse.Namespace) -> tuple[dict[str, str], list[Result], list[str]]:
+    """The pages' texts, the results of their commands (``args.page``'s, or every page's)
+    run in a new copy, and what they left in it; the copy is removed unless ``--keep``.
+
+    Raises:
+      ValueError: a page's marker out of place (:func:`blocks`), before anything runs.
+    """
+    if args.keep:
+        args.keep.mkdir(parents=True)
+    dest = args.keep or Path(tempfile.mkdtemp(prefix="docs-run-"))
+    try:
+        copy = copy_checkout(ROOT, dest, args.ref)
+        texts = {p: (copy / p).read_text(encoding="utf-8") for p in pages(copy)}
+        cmds = [c for p in args.page or texts for c in commands(p, texts[p], (NO_RUN, SET_UP))]
+        print(f"docs_run: {len(cmds)} commands in {copy}", flush=True)
+        done: list[Result] = []
+
+        def echo(result: Result) -> None:  # the log so far, rewritten after each command
+            print(_line(result), flush=True)
+            done.append(result)
+            if args.log:
+                rows = [dataclasses.asdict(r) for r in done]
+                args.log.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+
+        results = run(copy, cmds, echo=echo)
+        return texts, results, dirty(copy)
+    finally:
+        if not args.keep:
+            shutil.rmtree(dest, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     from harness.tools.docs_figures import FIGURES, check_figures  # the figures' table
 
@@ -220,26 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         ]
         left = []
     else:
-        if args.keep:
-            args.keep.mkdir(parents=True)
-        dest = args.keep or Path(tempfile.mkdtemp(prefix="docs-run-"))
-        copy = copy_checkout(ROOT, dest, args.ref)
-        texts = {p: (copy / p).read_text(encoding="utf-8") for p in pages(copy)}
-        cmds = [c for p in args.page or texts for c in commands(p, texts[p], (NO_RUN, SET_UP))]
-        print(f"docs_run: {len(cmds)} commands in {copy}", flush=True)
-        done: list[Result] = []
-
-        def echo(result: Result) -> None:  # the log so far, rewritten after each command
-            print(_line(result), flush=True)
-            done.append(result)
-            if args.log:
-                rows = [dataclasses.asdict(r) for r in done]
-                args.log.write_text(json.dumps(rows, indent=1), encoding="utf-8")
-
-        results = run(copy, cmds, echo=echo)
-        left = dirty(copy)
-        if not args.keep:
-            shutil.rmtree(copy, ignore_errors=True)
+        try:
+            texts, results, left = _run_copy(args)
+        except ValueError as e:  # a marker out of place: nothing was run
+            parser.error(str(e))
     checks = check_figures(texts, results, FIGURES)
     for check in checks:
         print(check.line())
