@@ -8,6 +8,8 @@ against the teacher's, and add ``(1 - alpha)`` x the cross-entropy."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,12 +107,24 @@ def by_hand(logits, s_feat, t_feat, tokens, mask, segments, *, alpha, kind):
     return total
 
 
+@functools.cache
+def jitted_distill_sum(name, alpha):
+    """The summed objective of ``name``'s strategy as one jitted program (as the trainer
+    runs it; on a chip each eager op is a compile of its own)."""
+    st = strategy(name, alpha)
+
+    @jax.jit
+    def distill_sum(logits, s_feat, t_feat, tokens, mask, segments):
+        student = {"logits": logits, "features": s_feat}
+        return distill_loss.distill_terms(st, student, t_feat, tokens, mask, segments)[
+            "distill_sum"
+        ]
+
+    return distill_sum
+
+
 def ours(name, logits, s_feat, t_feat, tokens, mask, segments, alpha=0.3):
-    student = {"logits": logits, "features": s_feat}
-    terms = distill_loss.distill_terms(
-        strategy(name, alpha), student, t_feat, tokens, mask, segments
-    )
-    return float(terms["distill_sum"])
+    return float(jitted_distill_sum(name, alpha)(logits, s_feat, t_feat, tokens, mask, segments))
 
 
 @pytest.mark.contract("tunix.distillation.strategies feature strategies: compute_loss")
@@ -127,13 +141,13 @@ def test_the_masked_feature_loss_is_the_hand_computed_one(name):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     broken = {
         "the teacher's layers reversed": ours(
-            name, logits, s_feat, t_feat[::-1], tokens, mask, segments
+            name, logits, s_feat, np.asarray(t_feat)[::-1], tokens, mask, segments
         ),
         "features one position late": ours(
-            name, logits, s_feat, jnp.roll(t_feat, 1, axis=2), tokens, mask, segments
+            name, logits, s_feat, np.roll(t_feat, 1, axis=2), tokens, mask, segments
         ),
         "prompt and padding in": ours(
-            name, logits, s_feat, t_feat, tokens, jnp.ones_like(mask), jnp.ones_like(segments)
+            name, logits, s_feat, t_feat, tokens, np.ones_like(mask), np.ones_like(segments)
         ),
     }
     for what, value in broken.items():
@@ -152,7 +166,7 @@ def test_no_gradient_reaches_the_teacher_features(name, monkeypatch):
             terms = distill_loss.distill_terms(s, student, teacher, tokens, mask, segments)
             return terms["distill_sum"]
 
-        return np.abs(np.asarray(jax.grad(f)(t_feat))).max()
+        return np.abs(np.asarray(jax.jit(jax.grad(f))(t_feat))).max()
 
     assert grad_wrt_teacher() == 0.0
     monkeypatch.setattr(distill_loss, "frozen", lambda x: x)  # broken: not stopped
@@ -189,9 +203,11 @@ def test_the_taps_give_each_layers_output_in_layer_order(remat):
 
     config = get_config("llama3-tiny").replace(num_layers=3, layer_types=("full",) * 3, remat=remat)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 264, (2, 7)), jnp.int32)
+    # both references in one program (jitted: eager ops are slow)
+    wants = nnx.jit(by_layer_calls)(build_model(config, seed=3), tokens)
     for tap, index in ((LayerOutput, 0), (AttentionOutput, 1)):
         model = build_model(config, seed=3)
-        want = nnx.jit(by_layer_calls)(model, tokens)[index]  # jitted: eager ops are slow
+        want = wants[index]
         feature_extraction.wrap_model_with_sowed_modules(model, [tap])
         forward = nnx.jit(model_logits)
         for read in (features.stacked, features.student_features):  # a bare student's
