@@ -157,9 +157,21 @@ def test_token_einsum_merges_the_token_dims_and_keeps_the_values(spec, x_shape, 
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
     k = jnp.asarray(rng.standard_normal(k_shape), jnp.float32)
-    np.testing.assert_allclose(token_einsum(spec, x, k), jnp.einsum(spec, x, k), atol=1e-6)
-    ours = jax.grad(lambda x, k: jnp.sum(jnp.sin(token_einsum(spec, x, k))), (0, 1))(x, k)
-    theirs = jax.grad(lambda x, k: jnp.sum(jnp.sin(jnp.einsum(spec, x, k))), (0, 1))(x, k)
+
+    @jax.jit  # one program for both forms (on a chip each eager op is a compile)
+    def values_and_grads(x, k):
+        def grads(einsum):
+            return jax.grad(lambda x, k: jnp.sum(jnp.sin(einsum(spec, x, k))), (0, 1))(x, k)
+
+        return (
+            token_einsum(spec, x, k),
+            jnp.einsum(spec, x, k),
+            grads(token_einsum),
+            grads(jnp.einsum),
+        )
+
+    got, want, ours, theirs = values_and_grads(x, k)
+    np.testing.assert_allclose(got, want, atol=1e-6)
     for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     jaxpr = jax.make_jaxpr(lambda x, k: token_einsum(spec, x, k))(x, k)
@@ -201,14 +213,17 @@ def test_head_projections_multiply_a_matrix_unless_qwix_may_intercept():
         with qwix_pass() if intercepted else contextlib.nullcontext():
             return jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x)))
 
-    matrix, einsum = (
-        jax.grad(objective, (0, 1))(state, x, intercepted) for intercepted in (False, True)
-    )
-    np.testing.assert_allclose(
-        nnx.merge(graphdef, state)(x),
-        jnp.einsum("btd,dnh->btnh", x, projection.kernel[...]) + projection.bias[...],
-        atol=1e-6,
-    )
+    @jax.jit  # one program (on a chip each eager op is a compile)
+    def values_and_grads(state, x):
+        kernel, bias = state["kernel"][...], state["bias"][...]
+        return (
+            nnx.merge(graphdef, state)(x),
+            jnp.einsum("btd,dnh->btnh", x, kernel) + bias,
+            *(jax.grad(objective, (0, 1))(state, x, intercepted) for intercepted in (False, True)),
+        )
+
+    got, want, matrix, einsum = values_and_grads(state, x)
+    np.testing.assert_allclose(got, want, atol=1e-6)
     for a, b in zip(jax.tree.leaves(matrix), jax.tree.leaves(einsum), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
@@ -255,16 +270,20 @@ def test_softmax_attend_equals_the_normalised_softmax(seq, keys, q_dtype, rel, w
         def f(q, k, v, sinks):
             return jnp.sum(form(q, k, v, mask, sinks, h**-0.5) * weights)
 
-        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3) if with_sinks else (0, 1, 2)))
+        return jax.value_and_grad(f, argnums=(0, 1, 2, 3) if with_sinks else (0, 1, 2))
 
-    got, want = (
-        objective(form)(q, k, v, sinks)
-        for form in (attention.softmax_attend, _normalised_attention)
-    )
-    out = attention.softmax_attend(q, k, v, mask, sinks, h**-0.5)
+    @jax.jit  # one program for both forms (on a chip each eager op is a compile)
+    def outputs(q, k, v, sinks):
+        got, want = (
+            objective(form)(q, k, v, sinks)
+            for form in (attention.softmax_attend, _normalised_attention)
+        )
+        return got, want, attention.softmax_attend(q, k, v, mask, sinks, h**-0.5)
+
+    got, want, out = outputs(q, k, v, sinks)
     assert out.dtype == jnp.float32 and out.shape == (b, seq, kv, g, h)
     # no key: the mean of the values (HF's eager attention), or with a sink all weight on it
-    mean = jnp.broadcast_to(v[1].mean(0)[:, None], (kv, g, h))
+    mean = np.broadcast_to(np.asarray(v)[1].mean(0)[:, None], (kv, g, h))
     np.testing.assert_allclose(out[1, 0], 0 * mean if with_sinks else mean, atol=1e-5)
     assert _scaled_error(np.asarray(got[0]), np.asarray(want[0])) <= rel
     for mine, theirs in zip(got[1], want[1], strict=True):
