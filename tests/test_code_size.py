@@ -67,3 +67,50 @@ def test_places_over_their_targets_are_named_largest_first_and_the_rest_not(tmp_
         "size: 1 functions over 60 lines of code (split them): src/posttrain/f.py:long (61)",
     ]
     assert sizes.summary_lines(_tree(tmp_path / "clean", {"harness/a.py": "x = 1\n"})) == []
+
+
+def test_a_docstring_is_the_only_first_statement_left_out():
+    """The docstring's own length comes off (a 2-line one from 7 lines: 5), and a first
+    statement holding a string that is no docstring (an assignment) stays counted."""
+    documented = 'def f():\n    """One\n    two."""\n' + "    a = 1\n" * 3 + "    return a\n"
+    assert sizes.code_lines(ast.parse(documented).body[0]) == 5
+    assigned = 'def g():\n    x = "not a docstring"\n    return x\n'
+    assert sizes.code_lines(ast.parse(assigned).body[0]) == 3
+
+
+def test_functions_of_one_name_keep_the_longest_and_several_sort_largest_first(tmp_path):
+    body = "    x = 1\n"
+    over = sizes.FUNCTION_LINES
+    # ast.walk reaches the nested, shorter `inner` after the long one: it must not replace it
+    nested = (
+        "def inner():\n"
+        + body * (over + 4)
+        + "def outer():\n    def inner():\n        return 1\n    return inner\n"
+    )
+    root = _tree(
+        tmp_path,
+        {
+            "src/posttrain/n.py": nested,
+            "harness/a.py": "def a():\n" + body * (over + 2),
+            "harness/b.py": "def b():\n" + body * (over + 9),
+        },
+    )
+    _, functions = sizes.oversized(root)
+    assert functions == [
+        sizes.Oversize("harness/b.py:b", over + 10),
+        sizes.Oversize("src/posttrain/n.py:inner", over + 5),
+        sizes.Oversize("harness/a.py:a", over + 3),
+    ]
+
+
+def test_the_summary_lists_five_by_default_joined_by_commas(tmp_path):
+    big = "\n" * (sizes.MODULE_LINES + 1)
+    root = _tree(tmp_path, {f"harness/m{i}.py": big for i in range(6)})
+    shown = ", ".join(f"harness/m{i}.py (401)" for i in range(5))
+    assert sizes.summary_lines(root) == [
+        f"size: 6 modules over 400 lines (split them): {shown}, and 1 more"
+    ]
+    assert sizes.summary_lines(root, listed=2) == [
+        "size: 6 modules over 400 lines (split them): harness/m0.py (401), harness/m1.py "
+        "(401), and 4 more"
+    ]
