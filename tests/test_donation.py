@@ -33,6 +33,9 @@ from posttrain.training.trainer import SFTOptions, SFTTrainer  # noqa: E402
 MESH = fitted({"fsdp": 4, "tensor": 2})
 LORA = LoraConfig(rank=4, alpha=8.0)
 BATCH, SEQ = 8, 64
+# what the step returns beside the state (loss, its terms, the gradient norm: float32
+# scalars): 676 bytes on the CPU, one 4 KiB tile on a v5e; the model is 368 KiB and more
+RESULT_BYTES = 64 * 1024
 
 
 class Undonated(SFTTrainer):
@@ -102,7 +105,10 @@ def test_the_compiled_step_writes_the_model_into_its_own_buffers(lora):
         )
         before = unaliased_output_bytes(tunix_only, trainer, mesh)
         after = unaliased_output_bytes(trainer.jit_train_step(), trainer, mesh)
-        assert before - after == device_bytes(trainer.model), (before, after)
+        # exactly the model's bytes on the CPU; a TPU lays small arrays out in whole tiles
+        # (v5e: 582144 for 367936, 4096 left), so padding can only add
+        assert before - after >= device_bytes(trainer.model), (before, after)
+        assert after <= RESULT_BYTES, (before, after)
     finally:
         trainer.abandon()
 
