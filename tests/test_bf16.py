@@ -65,8 +65,10 @@ def test_bf16_model_agrees_with_its_fp32_twin(preset):
         forward_and_nll(model_with_path_values(fp32, rounded_to="bfloat16"))
     )(tokens())
     assert got_logits.dtype == jnp.float32  # the logits are an fp32 island
-    delta = float(jnp.mean(jnp.abs(got_logits - want_logits)) / jnp.std(want_logits))
-    top1 = float(jnp.mean(jnp.argmax(got_logits, -1) == jnp.argmax(want_logits, -1)))
+    # the statistics in NumPy (on a chip each eager op is a compile of its own)
+    got_logits, want_logits = np.asarray(got_logits), np.asarray(want_logits)
+    delta = float(np.mean(np.abs(got_logits - want_logits)) / np.std(want_logits))
+    top1 = float(np.mean(np.argmax(got_logits, -1) == np.argmax(want_logits, -1)))
     assert delta <= MAX_MEAN_DELTA_PER_STD, f"{preset}: mean |delta logit| / std {delta:.3f}"
     assert abs(float(got_nll) - float(want_nll)) <= MAX_NLL_DELTA, (got_nll, want_nll)
     assert top1 >= MIN_TOP1_AGREEMENT, f"{preset}: top-1 agreement {top1:.3f}"
@@ -105,12 +107,17 @@ def test_rope_rotates_in_float32_and_returns_the_activation_dtype():
     from posttrain.layers.rope import apply_rope, rope_tables
 
     rope = get_config("qwen3-tiny").attention["full"].rope
-    positions = jnp.arange(5, dtype=jnp.int32)[None]
-    cos, sin = rope_tables(positions, rope, 8)
-    x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8), jnp.bfloat16)
-    out = apply_rope(x, cos, sin)
+
+    @jax.jit  # one program (on a chip each eager op is a compile of its own)
+    def rotated_and_reference():
+        positions = jnp.arange(5, dtype=jnp.int32)[None]
+        cos, sin = rope_tables(positions, rope, 8)
+        x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8), jnp.bfloat16)
+        return apply_rope(x, cos, sin), apply_rope(x.astype(jnp.float32), cos, sin)
+
+    out, reference = rotated_and_reference()
     assert out.dtype == jnp.bfloat16
-    reference = apply_rope(x.astype(jnp.float32), cos, sin).astype(jnp.bfloat16)
+    reference = reference.astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(reference, np.float32))
 
 
@@ -118,18 +125,26 @@ def test_router_picks_the_fp32_winner_when_bf16_rounding_would_tie():
     """Two experts whose logits differ by 2^-10 (below bf16's 2^-7 step at 1.0): the
     router must rank them as float32 does, whatever the activation dtype."""
     moe = MoEConfig(num_experts=4, top_k=1, moe_d_ff=8)
-    router = Router(8, moe, norm_eps=1e-6, rngs=nnx.Rngs(0))
+    router = nnx.eval_shape(lambda: Router(8, moe, norm_eps=1e-6, rngs=nnx.Rngs(0)))
+    assert [path for path, _ in nnx.to_flat_state(nnx.state(router, nnx.Param))] == [("kernel",)]
     kernel = np.zeros((8, 4), np.float32)
     kernel[0, :] = [1.0, 1.0 + 2.0**-10, 0.5, 0.25]  # logits of x = e_0
-    router.kernel[...] = jnp.asarray(kernel)
-    x = jnp.zeros((3, 8), jnp.bfloat16).at[:, 0].set(1.0)  # [tokens, d_model], bf16 input
-    logits = router(x)
+    router.kernel = nnx.Param(jnp.asarray(kernel))  # its only parameter
+    x = np.zeros((3, 8), jnp.bfloat16)  # [tokens, d_model], bf16 input
+    x[:, 0] = 1.0
+
+    @nnx.jit  # one program (on a chip each eager op is a compile of its own)
+    def logits_and_routes(router, x):
+        logits = router(x)
+        return logits, route(logits, moe).expert_ids, route(logits.astype(jnp.bfloat16), moe)
+
+    logits, expert_ids, bf16_routing = logits_and_routes(router, x)
     assert logits.dtype == jnp.float32
-    assert jnp.asarray(logits, jnp.bfloat16)[0, 0] == jnp.asarray(logits, jnp.bfloat16)[0, 1]
-    routing = route(logits, moe)
-    assert routing.expert_ids[:, 0].tolist() == [1, 1, 1]
+    rounded = np.asarray(logits).astype(jnp.bfloat16)
+    assert rounded[0, 0] == rounded[0, 1]
+    assert expert_ids[:, 0].tolist() == [1, 1, 1]
     # the same logits rounded to bf16 tie, and top_k takes the lower index: expert 0
-    assert int(route(logits.astype(jnp.bfloat16), moe).expert_ids[0, 0]) == 0
+    assert int(bf16_routing.expert_ids[0, 0]) == 0
 
 
 # Experts fixture dims, moe_d_ff distinct from every other size so a matmul that reads
@@ -186,18 +201,27 @@ def test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32(
             EXPERT_D_MODEL, moe, SILU, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype
         )
 
-    low, high = build(jnp.bfloat16, param_dtype), build(jnp.float32, jnp.float32)
+    # built abstractly and filled below (on a chip each eager op is a compile of its own)
+    low = nnx.eval_shape(lambda: build(jnp.bfloat16, param_dtype))
+    high = nnx.eval_shape(lambda: build(jnp.float32, jnp.float32))
     assert param_dtypes(low) == {param_dtype}
-    keys = iter(jax.random.split(jax.random.key(3), 8))
-    values = jax.tree.map(  # biases away from their zero init, bf16-representable
-        lambda v: jax.random.normal(next(keys), v.shape).astype(jnp.bfloat16).astype(v.dtype),
-        nnx.state(low, nnx.Param),
-    )
+    abstract = nnx.state(low, nnx.Param)
+
+    @jax.jit  # one program for every input
+    def inputs():
+        keys = iter(jax.random.split(jax.random.key(3), 8))
+        values = jax.tree.map(  # biases away from their zero init, bf16-representable
+            lambda v: jax.random.normal(next(keys), v.shape).astype(jnp.bfloat16).astype(v.dtype),
+            abstract,
+        )
+        x = jax.random.normal(jax.random.key(4), (EXPERT_TOKENS, EXPERT_D_MODEL), jnp.float32)
+        scores = jax.random.normal(jax.random.key(5), (EXPERT_TOKENS, moe.num_experts))
+        weights, expert_ids = jax.lax.top_k(jax.nn.softmax(scores), moe.top_k)  # [T, R]
+        return values, jax.tree.map(lambda v: v.astype(jnp.float32), values), x, weights, expert_ids
+
+    values, values32, x, weights, expert_ids = inputs()
     nnx.update(low, values)
-    nnx.update(high, jax.tree.map(lambda v: v.astype(jnp.float32), values))
-    x = jax.random.normal(jax.random.key(4), (EXPERT_TOKENS, EXPERT_D_MODEL), jnp.float32)
-    scores = jax.random.normal(jax.random.key(5), (EXPERT_TOKENS, moe.num_experts))
-    weights, expert_ids = jax.lax.top_k(jax.nn.softmax(scores), moe.top_k)  # [T, R]
+    nnx.update(high, values32)
     scale = jnp.asarray([0.5, 1.0, 1.5, 2.0], jnp.float32)  # [E], the router's float32 one
 
     def run(experts):
@@ -212,7 +236,8 @@ def test_experts_multiply_in_bf16_and_return_the_weighted_sum_in_float32(
     assert present <= primitives and not absent & primitives, (algorithm, sorted(primitives))
     got, want = run(low)(x), run(high)(x)
     assert got.dtype == jnp.float32
-    delta = float(jnp.max(jnp.abs(got - want)) / jnp.std(want))
+    got, want = np.asarray(got), np.asarray(want)
+    delta = float(np.max(np.abs(got - want)) / np.std(want))
     assert 0 < delta <= MAX_EXPERT_DELTA_PER_STD, f"{algorithm}: max |delta| / std {delta:.4f}"
 
 
@@ -228,17 +253,22 @@ def test_the_moe_block_hands_its_dtypes_to_the_router_and_both_experts():
     moe = MoEConfig(
         num_experts=num_experts, top_k=2, moe_d_ff=EXPERT_D_FF, shared_expert_d_ff=shared_d_ff
     )
-    block = MoEBlock(
-        d_model,
-        moe,
-        SILU,
-        norm_eps=1e-6,
-        rngs=nnx.Rngs(0),
-        dtype=jnp.bfloat16,
-        param_dtype=jnp.bfloat16,
-    )
+    # built and drawn in one program (on a chip each eager op is a compile of its own)
+    block, x = nnx.jit(
+        lambda: (
+            MoEBlock(
+                d_model,
+                moe,
+                SILU,
+                norm_eps=1e-6,
+                rngs=nnx.Rngs(0),
+                dtype=jnp.bfloat16,
+                param_dtype=jnp.bfloat16,
+            ),
+            jax.random.normal(jax.random.key(6), (2, 16, d_model), jnp.bfloat16),
+        )
+    )()
     assert param_dtypes(block) == {"bfloat16"}
-    x = jax.random.normal(jax.random.key(6), (2, 16, d_model), jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda x: block(x))(x).jaxpr
     routed, shared = reading(jaxpr, EXPERT_D_FF), reading(jaxpr, shared_d_ff)
     assert len(routed) >= 3 and len(shared) >= 3, (routed, shared)
@@ -272,19 +302,24 @@ def test_attention_hands_its_dtypes_to_every_projection_and_keeps_its_float32_is
     cfg = AttentionConfig(
         num_heads=n, num_kv_heads=k, head_dim=h, qk_norm=norms, v_norm=norms, bias=True, sinks=True
     )
-    attention = Attention(
-        d_model,
-        cfg,
-        norm_eps=1e-6,
-        rngs=nnx.Rngs(0),
-        dtype=jnp.bfloat16,
-        param_dtype=jnp.bfloat16,
-    )
+
+    @nnx.jit  # built and drawn in one program (on a chip each eager op is a compile)
+    def build_and_inputs():
+        attention = Attention(
+            d_model,
+            cfg,
+            norm_eps=1e-6,
+            rngs=nnx.Rngs(0),
+            dtype=jnp.bfloat16,
+            param_dtype=jnp.bfloat16,
+        )
+        x = jax.random.normal(jax.random.key(7), (batch, seq, d_model), jnp.bfloat16)
+        positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+        cos, sin = rope_tables(positions, cfg.rope, h)
+        return attention, x, cos, sin, attention_mask(batch, seq, None, None)
+
+    attention, x, cos, sin, mask = build_and_inputs()
     assert param_dtypes(attention) == {"bfloat16"}
-    x = jax.random.normal(jax.random.key(7), (batch, seq, d_model), jnp.bfloat16)
-    positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-    cos, sin = rope_tables(positions, cfg.rope, h)
-    mask = attention_mask(batch, seq, None, None)
     with sharding.use_mesh(sharding.make_mesh(fitted({"fsdp": 4, "tensor": 2}))):
         jaxpr = jax.make_jaxpr(lambda x: attention(x, cos, sin, mask))(x).jaxpr
     constrained = [
