@@ -8,6 +8,7 @@ the MoE load-balancing loss for our own trainer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -88,7 +89,17 @@ class CausalLM(nnx.Module):
         features = features.reshape(batch, -1, features.shape[-1])  # [B, I*L, D]
         return place_image_features(embeds, is_image, features, valid.reshape(batch, -1))
 
-    def _logits(self, hidden: jax.Array) -> jax.Array:
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """The output head: final-normed hidden states ``[batch, seq, d_model]`` (``seq`` any
+        length: a chunk of a sequence too) -> float32 logits ``[batch, seq, vocab]``: ``lm_head``
+        (or the tied embedding's ``attend``) in the compute dtype, cast to float32, Gemma's
+        ``final_logit_softcap`` (``cap * tanh(logits / cap)``), and the :data:`LOGIT_AXES`
+        constraint (vocabulary over ``tensor``). Qwix's LoRA adapters apply to ``lm_head``
+        only while :meth:`forward` runs (Qwix intercepts it): call this through
+        ``forward``'s ``head``, not directly, when they may; and, inside a JAX transform
+        (a scan over chunks), on a copy of the model merged in that trace (Qwix sets an
+        attribute on the adapted module, which Flax refuses across trace levels).
+        """
         if self.lm_head is None:
             logits = self.model.embed_tokens.attend(hidden)
         else:
@@ -107,7 +118,8 @@ class CausalLM(nnx.Module):
         cache: Any = None,
         last_only: bool = False,
         images: ImageBatch | None = None,
-    ) -> tuple[jax.Array, dict[str, Any]]:
+        head: Callable[[jax.Array, CausalLM], Any] | None = None,
+    ) -> tuple[Any, dict[str, Any]]:
         """Logits and auxiliary outputs (LoRA's adapters apply here: Qwix wraps ``forward``).
 
         Args:
@@ -122,11 +134,17 @@ class CausalLM(nnx.Module):
             of the rest of the prompt (with left-padded prompts, every row's last token).
           images: the rows' images (:class:`posttrain.layers.vision.ImageBatch`), placed at
             the image tokens (:meth:`embed_with_images`); ``None`` for text only.
+          head: called as ``head(hidden, self)`` in place of ``self.logits(hidden)``, with
+            the final-normed hidden states ``[batch, seq, d_model]`` (``[batch, 1,
+            d_model]`` with ``last_only``) in the compute dtype; its result replaces the
+            logits. Inside ``forward``, so that a loss projecting the hidden states a chunk
+            at a time (:func:`posttrain.training.chunked_loss.chunked_nll`) still gets
+            Qwix's adapters on a LoRA-targeted ``lm_head``. ``None``: the logits.
 
         Returns:
-          ``(logits [batch, seq, vocab] float32, aux)``: ``aux["moe_aux_loss"]`` a float32
-          scalar, unweighted and summed over layers; with a cache, ``aux["cache"]`` the
-          updated cache.
+          ``(logits [batch, seq, vocab] float32, aux)`` (``head``'s result in place of the
+          logits when given): ``aux["moe_aux_loss"]`` a float32 scalar, unweighted and summed
+          over layers; with a cache, ``aux["cache"]`` the updated cache.
         """
         batch, seq = input_tokens.shape
         if positions is None:
@@ -142,7 +160,8 @@ class CausalLM(nnx.Module):
         else:
             hidden, aux, cache = self.model(input_tokens, positions, attention_mask, cache, **kw)
             out = {"moe_aux_loss": aux, "cache": cache}
-        return self._logits(hidden[:, -1:] if last_only else hidden), out
+        hidden = hidden[:, -1:] if last_only else hidden  # [B, T or 1, D]
+        return (self.logits(hidden) if head is None else head(hidden, self)), out
 
     def __call__(
         self,

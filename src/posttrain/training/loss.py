@@ -25,8 +25,12 @@ average the micro-gradients.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from posttrain.training import chunked_loss
 
 
 def packed_attention_mask(segment_ids: jax.Array) -> jax.Array:
@@ -59,23 +63,54 @@ def token_nll(logits: jax.Array, input_tokens: jax.Array, targets: jax.Array) ->
     return -jnp.sum(jnp.where(targets, picked, 0.0))
 
 
-def sft_terms(model, input_tokens, input_mask, positions=None, segment_ids=None, images=None, **_):
+def sft_terms(
+    model,
+    input_tokens,
+    input_mask,
+    positions=None,
+    segment_ids=None,
+    images=None,
+    *,
+    chunked: bool = True,
+    logit_chunk: int | None = None,
+    **_,
+):
     """Forward pass -> ``{"nll_sum", "target_tokens", "moe_aux_loss"}`` (float32 scalars).
 
     ``model`` is a :class:`posttrain.models.CausalLM` (``forward`` returns the
     MoE aux loss); ``images`` go to it as ``images=`` (None: text only); other keyword
     fields of the batch are ignored.
+
+    ``chunked`` (default): the NLL is taken from the hidden states ``logit_chunk`` positions
+    at a time (:func:`posttrain.training.chunked_loss.chunked_nll`, through ``forward``'s
+    ``head`` so LoRA on ``lm_head`` applies; ``None``: about 256 MiB of float32 logits per
+    device and chunk), never holding the batch's float32 logits ``[batch, seq, vocab]``;
+    equal to :func:`token_nll` of the full logits up to float32 reassociation. ``False``:
+    the full logits and :func:`token_nll`. SFT and vision SFT (this function) and the
+    eval loss chunk; DPO/ORPO (per-sequence log-probabilities), distillation (the teacher's
+    and student's full distributions) and GRPO keep the full logits.
+
+    Raises:
+      ValueError: ``logit_chunk`` is not a positive integer or None.
     """
     if segment_ids is None:
         segment_ids = jnp.ones_like(input_tokens)
     mask = packed_attention_mask(segment_ids)
-    if images is None:  # text-only models' forward has no images keyword to pass
-        logits, aux = model.forward(input_tokens, positions, mask)
-    else:
-        logits, aux = model.forward(input_tokens, positions, mask, images=images)
     targets = target_mask(input_mask, segment_ids)
+    kw = {} if images is None else {"images": images}  # text-only forwards have no images
+    if chunked:
+        head = functools.partial(
+            chunked_loss.chunked_nll,
+            input_tokens=input_tokens,
+            targets=targets,
+            chunk=logit_chunk,
+        )
+        nll, aux = model.forward(input_tokens, positions, mask, head=head, **kw)
+    else:
+        logits, aux = model.forward(input_tokens, positions, mask, **kw)
+        nll = token_nll(logits, input_tokens, targets)
     return {
-        "nll_sum": token_nll(logits, input_tokens, targets),
+        "nll_sum": nll,
         "target_tokens": jnp.sum(targets).astype(jnp.float32),
         "moe_aux_loss": jnp.asarray(aux["moe_aux_loss"], jnp.float32),
     }

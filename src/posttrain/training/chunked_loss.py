@@ -1,0 +1,162 @@
+"""Next-token NLL from the final hidden states, a chunk of positions at a time: the batch's
+float32 logits ``[batch, seq, vocab]`` never exist whole, in the forward or the backward.
+
+Why: at qwen3-0.6b (vocab 151,936), batch 4 x 2048, those logits are a 4.98 GB float32
+temporary, and their gradient another: the largest temporaries of the SFT step (issue #55).
+Chunked, the step holds one chunk's logits (:data:`LOGIT_CHUNK_BYTES` per device by default)
+and the head's weight gradient; the head's matmul runs twice (forward, then again in the
+backward), as rematerialisation would.
+
+How (:func:`chunked_nll`):
+
+1. Position t's label is token t+1, counted where ``targets`` is set (never at the last
+   position); the sequence is padded to ``count`` chunks of ``length`` positions
+   (:func:`chunk_length`) with positions that count nowhere.
+2. Chunk j holds positions j, j + count, j + 2 * count, ... (strided): a sequence sharded over
+   ``tensor_sequence x context`` in contiguous blocks gives every chunk the same number of
+   positions from each block, so no chunk gathers the sequence (``length`` is a multiple of
+   that product).
+3. A ``jax.lax.scan`` over the chunks: the model's head (``CausalLM.logits``: head, float32
+   cast, softcap, the ``LOGIT_AXES`` constraint, so the vocabulary stays sharded over
+   ``tensor``), ``log_softmax`` in float32, the labels' NLL summed where counted.
+4. Backward (``jax.custom_vjp``): a second scan recomputes each chunk's logits and takes its
+   VJP; the gradients of what the head closes over (its weights and adapters, hoisted by
+   ``jax.closure_convert``) are summed in float32 across the chunks and cast to their dtype
+   once. (``jax.checkpoint`` inside a scan would recompute the same way but sum a closed-over
+   weight's gradient in the weight's dtype: bfloat16 for a bfloat16 checkpoint, one more
+   rounding per chunk.)
+
+The result equals :func:`posttrain.training.loss.token_nll` of the full logits up to float32
+reassociation (the sum's order, and the head gradient's per-chunk partial sums).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain import sharding
+
+LOGIT_CHUNK_BYTES = 256 * 2**20
+"""Default size of one chunk's float32 logits on one device (256 MiB): qwen3-0.6b, batch 4 on
+one chip: 108 positions per chunk, 19 chunks of a 2048-token sequence."""
+
+
+def chunk_length(batch: int, seq: int, vocab_size: int, chunk: int | None = None) -> int:
+    """Positions per chunk of a ``[batch, seq]`` batch's logits.
+
+    ``chunk`` (default: as many positions as keep one chunk's float32 logits on one device
+    within :data:`LOGIT_CHUNK_BYTES`, the rows and vocabulary divided by the mesh axes that
+    shard them, under the current :func:`posttrain.sharding.use_mesh`) caps it; the count of
+    chunks that takes is then evened out (``seq`` 2048, chunk 110: 19 chunks of 108, 4 padded
+    positions, not 18 of 110 and a 68), and the length rounded up to a multiple of the mesh
+    axes sharding the sequence (a chunk's ``activation_length`` must divide by them).
+
+    Raises:
+      ValueError: ``chunk`` is not a positive integer.
+    """
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"logit chunk={chunk!r} must be a positive integer (positions) or None")
+    ctx = sharding.current()
+    shape = {} if ctx is None else dict(ctx.mesh.shape)
+    rules = sharding.rules_dict(sharding.DEFAULT_RULES if ctx is None else ctx.rules)
+    rows = -(-batch // sharding.axis_product(shape, rules.get("activation_batch", ())))
+    columns = -(-vocab_size // sharding.axis_product(shape, rules.get("activation_vocab", ())))
+    split = sharding.axis_product(shape, rules.get("activation_length", ()))
+    if chunk is None:
+        chunk = split * max(1, LOGIT_CHUNK_BYTES // (4 * rows * columns))
+    count = -(-seq // min(chunk, seq))
+    length = -(-seq // count)  # evened out: fewer than `count` padded positions
+    return -(-length // split) * split
+
+
+def _chunk_nll_sum(graphdef, state, hidden, labels, counted):
+    """NLL (float32 scalar) of one chunk: ``hidden [B, C, D]``, ``labels [B, C]`` int32,
+    ``counted [B, C]`` bool. The model is merged here, in this trace: Qwix's LoRA einsum sets
+    an attribute on the adapted module, which Flax refuses on one from an outer trace."""
+    logits = nnx.merge(graphdef, state).logits(hidden)  # [B, C, V] float32
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, C, V]
+    picked = jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]  # [B, C]
+    return -jnp.sum(jnp.where(counted, picked, 0.0))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scan_nll(fn, hidden, labels, counted, *consts):
+    """Sum over chunks of ``fn(hidden[j], labels[j], counted[j], *consts)``."""
+
+    def body(total, chunk):
+        return total + fn(*chunk, *consts), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, labels, counted))
+    return total
+
+
+def _scan_nll_fwd(fn, hidden, labels, counted, *consts):
+    # Residuals: the inputs only; no chunk's logits outlive its scan iteration.
+    return _scan_nll(fn, hidden, labels, counted, *consts), (hidden, labels, counted, consts)
+
+
+def _scan_nll_bwd(fn, residuals, g):
+    hidden, labels, counted, consts = residuals
+
+    def body(sums, chunk):
+        h, y, m = chunk
+        _, vjp = jax.vjp(lambda h, *cs: fn(h, y, m, *cs), h, *consts)
+        dh, *dconsts = vjp(g)  # this chunk's logits recomputed, then dropped
+        return [s + d.astype(jnp.float32) for s, d in zip(sums, dconsts, strict=True)], dh
+
+    zeros = [jnp.zeros(c.shape, jnp.float32) for c in consts]
+    sums, dhidden = jax.lax.scan(body, zeros, (hidden, labels, counted))
+    dconsts = [s.astype(c.dtype) for s, c in zip(sums, consts, strict=True)]
+    return (dhidden, None, None, *dconsts)
+
+
+_scan_nll.defvjp(_scan_nll_fwd, _scan_nll_bwd)
+
+
+def chunked_nll(
+    hidden: jax.Array,
+    model,
+    input_tokens: jax.Array,
+    targets: jax.Array,
+    *,
+    chunk: int | None = None,
+) -> jax.Array:
+    """Summed NLL (float32 scalar) of ``input_tokens[:, 1:]`` where ``targets`` is set, from
+    the hidden states, :func:`chunk_length` positions at a time (module docstring).
+
+    A ``head`` for :meth:`posttrain.models.CausalLM.forward` once the keywords are bound
+    (``functools.partial``): called inside ``forward``, so LoRA adapters on ``lm_head`` apply.
+
+    Args:
+      hidden: ``[batch, seq, d_model]`` final-normed hidden states (compute dtype).
+      model: the :class:`~posttrain.models.CausalLM` whose ``logits`` (hidden ``[batch, C,
+        d_model]`` -> float32 ``[batch, C, vocab]``) project each chunk.
+      input_tokens: ``[batch, seq]`` int32.
+      targets: ``[batch, seq-1]`` bool (:func:`posttrain.training.loss.target_mask`).
+      chunk: positions per chunk, at most (:func:`chunk_length`); None: the default.
+
+    Raises:
+      ValueError: ``chunk`` is not a positive integer.
+    """
+    batch, seq, d_model = hidden.shape
+    length = chunk_length(batch, seq, model.config.vocab_size, chunk)
+    count = -(-seq // length)
+    pad = count * length - seq
+    labels = jnp.pad(input_tokens[:, 1:], ((0, 0), (0, 1 + pad)))  # [B, count * C]
+    counted = jnp.pad(targets.astype(bool), ((0, 0), (0, 1 + pad)))  # [B, count * C]
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))  # [B, count * C, D]
+    # chunk j: positions j, j + count, ... (strided: step 2 of the module docstring)
+    hidden = hidden.reshape(batch, length, count, d_model).transpose(2, 0, 1, 3)  # [n, B, C, D]
+    hidden = sharding.constrain(hidden, (None, *sharding.ACTIVATION_AXES))
+    labels = labels.reshape(batch, length, count).transpose(2, 0, 1)  # [n, B, C]
+    counted = counted.reshape(batch, length, count).transpose(2, 0, 1)  # [n, B, C]
+    one = functools.partial(_chunk_nll_sum, *nnx.split(model))
+    with jax.named_scope("chunked_nll"):
+        # the arrays `one` reads from the model (the head's weights, adapters) become
+        # explicit arguments: their gradients are summed over the chunks in float32
+        fn, consts = jax.closure_convert(one, hidden[0], labels[0], counted[0])
+        return _scan_nll(fn, hidden, labels, counted, *consts)

@@ -1,0 +1,219 @@
+"""The chunked NLL (``posttrain.training.chunked_loss``): it equals the full logits' NLL, value
+and gradients, and the compiled step holds far less than the full logits (issue #55)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain import sharding
+from posttrain.lora import LoraConfig, apply_lora
+from posttrain.models import CausalLM, get_config
+from posttrain.training import chunked_loss, loss
+from tests.meshes import fitted
+from tests.path_params import model_with_path_values
+
+pytestmark = pytest.mark.matmul_precision("highest")
+
+SEQ = 17  # prime: no chunk of 2..16 positions divides it, so the tail is padded
+# float32: the same products summed in another order (chunks, the head gradient's partial
+# sums per chunk); observed <= 2e-7 of the value, and on gradients <= 1e-6 of the model's
+# largest gradient entry (the absolute scale: a scalar's gradient, Gemma's layer_scalar,
+# sums terms ~1e5 times larger than itself, and inherits their rounding).
+F32_RTOL = 1e-5
+# bfloat16 (8 significant bits): a chunk's matmuls round where the whole batch's do not, and
+# that difference goes back through every layer; observed <= 0.8% of a leaf's norm.
+BF16_NORM_RTOL = 3e-2
+# the compiled step's temporaries with chunks of 16 positions (vocab 32,768, 2 x 512 tokens:
+# 128 MiB of float32 logits), over the full logits' step (observed 0.12) and over one copy
+# of the full float32 logits (observed 0.39; 1.37 when the chunks' logits are kept for the
+# backward, as autodiff of a scan without the custom VJP or a checkpoint keeps them)
+TEMP_RATIO = 0.5
+
+
+def batch_of(cfg, batch: int = 2, seq: int = SEQ, seed: int = 0) -> dict:
+    """Token rows with about 70% of positions targets, two packed segments in row 0."""
+    rng = np.random.default_rng(seed)
+    segments = np.ones((batch, seq), np.int32)
+    segments[0, seq // 2 :] = 2
+    return {
+        "input_tokens": jnp.asarray(rng.integers(1, cfg.vocab_size, (batch, seq)), jnp.int32),
+        "input_mask": jnp.asarray(rng.random((batch, seq)) < 0.7),
+        "positions": jnp.asarray(np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))),
+        "segment_ids": jnp.asarray(segments),
+    }
+
+
+def nll_and_grads(model, batch, trained=nnx.Param, **options):
+    """Jitted ``(nll_sum, d nll_sum / d trained variables)`` of ``sft_terms(**options)``."""
+    graphdef, params, rest = nnx.split(model, trained, ...)
+
+    @jax.jit
+    def run(params, batch):
+        def nll(params):
+            return loss.sft_terms(nnx.merge(graphdef, params, rest), **batch, **options)["nll_sum"]
+
+        return jax.value_and_grad(nll)(params)
+
+    value, grads = run(params, batch)
+    return float(value), {path: np.asarray(v[...]) for path, v in nnx.to_flat_state(grads)}
+
+
+def assert_same_nll(model, batch, *, chunk, bf16=False, trained=nnx.Param):
+    """Chunked (``logit_chunk=chunk``) and full logits: equal value and gradients."""
+    want, want_grads = nll_and_grads(model, batch, trained, chunked=False)
+    got, got_grads = nll_and_grads(model, batch, trained, logit_chunk=chunk)
+    assert got_grads.keys() == want_grads.keys()
+    if bf16:
+        np.testing.assert_allclose(got, want, rtol=BF16_NORM_RTOL)
+        for path, g in want_grads.items():
+            diff = np.linalg.norm((got_grads[path] - g).astype(np.float64))
+            assert diff <= BF16_NORM_RTOL * np.linalg.norm(g.astype(np.float64)), path
+        return
+    np.testing.assert_allclose(got, want, rtol=F32_RTOL)
+    scale = max(float(np.max(np.abs(g))) for g in want_grads.values())
+    for path, g in want_grads.items():
+        np.testing.assert_allclose(
+            got_grads[path], g, rtol=F32_RTOL, atol=F32_RTOL * scale, err_msg=str(path)
+        )
+
+
+@functools.cache
+def model_of(preset: str, dtype: str = "float32") -> CausalLM:
+    return model_with_path_values(get_config(preset, dtype=dtype, param_dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    ("preset", "chunk"),
+    [
+        ("qwen3-tiny", 1),  # a chunk per position: 17 chunks
+        ("qwen3-tiny", 5),  # 4 chunks of 5: 3 padded positions
+        ("qwen3-tiny", 100),  # more than the sequence: one chunk
+        ("qwen3-tiny", None),  # the default: one chunk at this size
+        ("gemma4-tiny", 5),  # final_logit_softcap, tied
+        ("llama3-tiny", 5),  # an lm_head of its own
+    ],
+    ids=["tied-chunk1", "tied-chunk5", "tied-chunk100", "tied-default", "softcap", "untied"],
+)
+def test_the_chunked_nll_equals_the_full_logits_nll_float32(preset, chunk):
+    """Every chunk size (1, not dividing the length, longer than it, the default), tied and
+    untied heads, with and without the softcap: the same NLL and parameter gradients."""
+    model = model_of(preset)
+    assert_same_nll(model, batch_of(model.config), chunk=chunk)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-tiny", "llama3-tiny"], ids=["tied", "untied"])
+def test_the_chunked_nll_equals_the_full_logits_nll_bfloat16(preset):
+    """A bfloat16 model (compute and parameters): equal within bfloat16's precision, and
+    each gradient keeps its parameter's dtype."""
+    model = model_of(preset, "bfloat16")
+    assert_same_nll(model, batch_of(model.config), chunk=5, bf16=True)
+    _, grads = nll_and_grads(model, batch_of(model.config), logit_chunk=5)
+    assert {str(g.dtype) for g in grads.values()} == {"bfloat16"}
+
+
+@pytest.mark.devices(8)
+def test_lora_on_the_lm_head_applies_inside_the_chunks():
+    """LoRA adapters on ``lm_head`` (B != 0) on a mesh whose ``tensor`` axis shards the
+    vocabulary: the chunked NLL and the adapters' gradients equal the full logits' (the
+    chunks are projected inside ``forward``, where Qwix intercepts)."""
+    cfg = get_config("llama3-tiny")
+    mesh = sharding.make_mesh(fitted({"data": 2, "tensor": 2, "fsdp": 2}))
+    base = sharding.shard_model(model_with_path_values(cfg), mesh)
+    lora = LoraConfig(rank=4, alpha=8.0, target=r"lm_head|.*/self_attn/q_proj")
+    model = apply_lora(base, mesh, lora)
+    rng = np.random.default_rng(1)
+    state = nnx.state(model, nnx.LoRAParam)
+    noisy = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype), state)
+    nnx.update(model, noisy)  # B != 0: the adapters change the logits
+    with sharding.use_mesh(mesh):
+        assert_same_nll(model, batch_of(cfg, batch=4), chunk=5, trained=nnx.LoRAParam)
+        _, grads = nll_and_grads(model, batch_of(cfg, batch=4), nnx.LoRAParam, logit_chunk=5)
+    head = [p for p in grads if p[0] == "lm_head"]
+    assert len(head) == 2 and all(np.abs(grads[p]).max() > 0 for p in head), sorted(grads)
+
+
+@pytest.mark.devices(8)
+def test_a_sequence_sharded_mesh_chunks_in_multiples_of_its_axes():
+    """On a mesh sharding the sequence (context=2) and the vocabulary (tensor=2), a chunk
+    of 3 positions is rounded up to 4 and the NLL and gradients equal the full logits'."""
+    cfg = get_config("qwen3-tiny")
+    mesh = sharding.make_mesh(fitted({"context": 2, "tensor": 2, "fsdp": 2}))
+    model = sharding.shard_model(model_with_path_values(cfg), mesh)
+    with sharding.use_mesh(mesh):
+        assert chunked_loss.chunk_length(2, 16, cfg.vocab_size, 3) == 4
+        assert_same_nll(model, batch_of(cfg, seq=16), chunk=3)
+
+
+@pytest.mark.slow
+def test_images_reach_the_chunked_nll(tmp_path):
+    """Vision SFT's batch (images at the image tokens): chunked equals full logits."""
+    from tests.test_vision_sft import image_batch  # needs tunix (skips without it)
+
+    model = model_with_path_values(get_config("gemma4-vision-tiny"))
+    batch = image_batch(tmp_path)
+    assert_same_nll(model, batch, chunk=37)
+    text_only = {k: v for k, v in batch.items() if k != "images"}
+    assert nll_and_grads(model, text_only, logit_chunk=37)[0] != pytest.approx(
+        nll_and_grads(model, batch, logit_chunk=37)[0]
+    )
+
+
+@pytest.mark.parametrize(
+    ("batch", "seq", "vocab", "chunk", "mesh", "want"),
+    [
+        (4, 2048, 151_936, None, {}, 108),  # 110 fit in 256 MiB: 19 chunks of 108, not 110
+        (4, 2048, 151_936, 2048, {}, 2048),
+        (4, 2048, 151_936, 4096, {}, 2048),  # never more than the sequence
+        (4, 17, 264, 5, {}, 5),
+        (4, 16, 264, 5, {}, 4),  # 4 chunks either way: evened out, no padding
+        (1, 10, 264, 1, {}, 1),
+        (32, 4096, 262_144, None, {}, 8),  # 8.2 positions fit
+        (32, 4096, 262_144, None, {"fsdp": 4}, 32),  # 8 rows per device: 4x as many
+        (4, 4096, 262_144, None, {"tensor": 4}, 256),  # a quarter of the vocabulary
+        (4, 4096, 264, 3, {"context": 2}, 4),  # rounded up to the sequence's 2 shards
+    ],
+)
+def test_chunk_length(batch, seq, vocab, chunk, mesh, want):
+    """Default: the positions whose float32 logits fit in 256 MiB on one device; evened
+    out over the chunks it takes; a multiple of the axes sharding the sequence."""
+    if mesh:
+        devices = jax.devices()[: int(np.prod(list(mesh.values())))]
+        with sharding.use_mesh(sharding.make_mesh(mesh, devices=devices)):
+            assert chunked_loss.chunk_length(batch, seq, vocab, chunk) == want
+    else:
+        assert chunked_loss.chunk_length(batch, seq, vocab, chunk) == want
+
+
+@pytest.mark.parametrize("chunk", [0, -3, 2.5, True, "8"])
+def test_a_chunk_that_is_no_positive_integer_is_refused(chunk):
+    with pytest.raises(ValueError, match=f"logit chunk={chunk!r} must be a positive integer"):
+        chunked_loss.chunk_length(2, 16, 264, chunk)
+
+
+def test_the_compiled_step_holds_far_less_than_the_full_logits():
+    """``memory_analysis`` of the jitted NLL and gradient (vocab 32,768, 2 x 512 tokens):
+    the chunked loss's temporaries are under half the full logits loss's, and under half
+    of one copy of the batch's float32 logits (no chunk's logits kept for the backward)."""
+    cfg = get_config("qwen3-tiny", vocab_size=32_768)
+    model = nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0)))  # never materialised
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    batch = batch_of(cfg, seq=512)
+
+    def temporaries(**options) -> int:
+        def nll(params):
+            return loss.sft_terms(nnx.merge(graphdef, params, rest), **batch, **options)["nll_sum"]
+
+        compiled = jax.jit(jax.value_and_grad(nll)).lower(params).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    full, chunked = temporaries(chunked=False), temporaries(logit_chunk=16)
+    logits = 2 * 512 * cfg.vocab_size * 4  # one copy of the batch's float32 logits
+    assert full >= logits
+    assert chunked < TEMP_RATIO * full, (chunked, full)
+    assert chunked < TEMP_RATIO * logits, (chunked, logits)
