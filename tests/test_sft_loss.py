@@ -19,6 +19,17 @@ def model():
     return build_model(get_config("qwen3_moe-tiny"), seed=3)
 
 
+# Jitted once for the module, the model an argument: a test that runs a program of the same
+# shapes as an earlier one reuses its compile (on a chip each program is seconds).
+terms_of = nnx.jit(lambda m, rows: loss.sft_terms(m, **rows))
+eval_loss_of = nnx.jit(lambda m, rows: loss.eval_loss_fn(m, **rows))
+packed_logits = nnx.jit(
+    lambda m, tokens, positions, segments: m.forward(
+        tokens, positions, loss.packed_attention_mask(segments)
+    )[0]
+)
+
+
 def rows_for(lengths, row, seed=0, packing=True):
     rng = np.random.default_rng(seed)
     examples = [
@@ -45,12 +56,8 @@ def hand_nll(logits, rows):
 def test_nll_matches_a_hand_computed_value():
     _, rows = rows_for([7, 9, 5, 12], 32)
     m = model()
-    terms = jax.jit(lambda r: loss.sft_terms(m, **r))({k: jnp.asarray(v) for k, v in rows.items()})
-    logits, _ = jax.jit(lambda t, p, s: m.forward(t, p, loss.packed_attention_mask(s)))(
-        jnp.asarray(rows["input_tokens"]),
-        jnp.asarray(rows["positions"]),
-        jnp.asarray(rows["segment_ids"]),
-    )
+    terms = terms_of(m, {k: jnp.asarray(v) for k, v in rows.items()})
+    logits = packed_logits(m, rows["input_tokens"], rows["positions"], rows["segment_ids"])
     want, count = hand_nll(logits, rows)
     assert count == int(data.count_targets(rows).sum()) > 0
     assert float(terms["target_tokens"]) == count
@@ -64,9 +71,8 @@ def test_packed_rows_equal_the_conversations_run_alone():
     _, alone = rows_for([6, 11, 8], 16, seed=1, packing=False)
     assert len(packed["input_tokens"]) == 1 and len(alone["input_tokens"]) == 3
     m = model()
-    f = jax.jit(lambda r: loss.sft_terms(m, **r))
-    a = f({k: jnp.asarray(v) for k, v in packed.items()})
-    b = f({k: jnp.asarray(v) for k, v in alone.items()})
+    a = terms_of(m, {k: jnp.asarray(v) for k, v in packed.items()})
+    b = terms_of(m, {k: jnp.asarray(v) for k, v in alone.items()})
     assert float(a["target_tokens"]) == float(b["target_tokens"])
     np.testing.assert_allclose(float(a["nll_sum"]), float(b["nll_sum"]), rtol=2e-5)
 
@@ -150,12 +156,9 @@ def test_eval_loss_is_the_mean_nll_over_targets(targets):
         rows["input_mask"][first[0], first[1] + 1] = targets == "one"
     m = model()
     batch = {k: jnp.asarray(v) for k, v in rows.items()}
-    mean, terms = jax.jit(lambda r: loss.eval_loss_fn(m, **r))(batch)
+    mean, terms = eval_loss_of(m, batch)
     want, count = hand_nll(
-        jax.jit(lambda t, p, s: m.forward(t, p, loss.packed_attention_mask(s)))(
-            batch["input_tokens"], batch["positions"], batch["segment_ids"]
-        )[0],
-        rows,
+        packed_logits(m, batch["input_tokens"], batch["positions"], batch["segment_ids"]), rows
     )
     assert float(terms["target_tokens"]) == count == {"one": 1, "none": 0}.get(targets, count)
     assert count > 1 or targets != "many"
@@ -167,8 +170,7 @@ def test_without_segment_ids_every_token_is_one_segment():
     _, rows = rows_for([30], 32, packing=False)
     m = model()
     batch = {k: jnp.asarray(v) for k, v in rows.items() if k != "segment_ids"}
-    ones = {**batch, "segment_ids": jnp.ones_like(batch["input_tokens"])}
-    f = jax.jit(lambda r: loss.sft_terms(m, **r))
-    a, b = f(batch), f(ones)
+    ones = {**batch, "segment_ids": np.ones_like(rows["input_tokens"])}
+    a, b = terms_of(m, batch), terms_of(m, ones)
     assert float(a["target_tokens"]) == float(b["target_tokens"]) > 0
     assert float(a["nll_sum"]) == pytest.approx(float(b["nll_sum"]), rel=1e-6)
