@@ -237,10 +237,25 @@ def test_each_figure_is_checked_against_its_own_commands_output():
     assert check_figure(figure, page, [_result("posttrain sft", "x", page="q.md")]) is None
 
 
+def test_a_figure_may_come_from_a_command_of_another_page_the_first_to_run():
+    """A figure whose command is also run on another page (the README's run a page
+    repeats) is checked against the first of them to run; a page not named is not
+    read."""
+    figure = Figure("p.md", r"posttrain sft$", r"loss ([\d.]+)", also=("README.md",))
+    readme = _result("posttrain sft", "loss 2.5", page="README.md")
+    page = _result("posttrain sft", "loss 9.9", page="p.md")
+    assert check_figure(figure, "loss 2.5", [readme, page]).fresh == ("2.5",)
+    assert check_figure(figure, "loss 2.5", [page, readme]).fresh == ("9.9",)
+    assert check_figure(figure, "loss 2.5", [_result("posttrain sft", "loss 2.5", "q.md")]) is None
+    own = Figure("p.md", r"posttrain sft$", r"loss ([\d.]+)")
+    assert check_figure(own, "loss 2.5", [readme]) is None
+
+
 def test_every_figure_names_a_command_of_its_page_and_is_quoted_there():
     texts = {p: (ROOT / p).read_text(encoding="utf-8") for p in docs_run.pages(ROOT)}
     for figure in FIGURES:
-        cmds = docs_run.commands(figure.page, texts[figure.page], (NO_RUN, SET_UP))
+        pages = (figure.page, *figure.also)
+        cmds = [c for p in pages for c in docs_run.commands(p, texts[p], (NO_RUN, SET_UP))]
         assert any(re.search(figure.command, c.bare()) for c in cmds), figure
         assert re.search(figure.quoted, texts[figure.page], re.M), figure
 

@@ -3,8 +3,9 @@ command that prints it and the tolerance it is held to (:data:`FIGURES`, read by
 :mod:`harness.tools.docs_run`).
 
 A figure is a regular expression on the page (its groups: the quoted values) and one on
-the output of the first command of that page matching ``command`` (its groups: the fresh
-values; the page's own expression by default). Numbers agree when the fresh one rounds to
+the output of the first command run matching ``command`` (its groups: the fresh values;
+the page's own expression by default), a command of that page or of a page in ``also``
+(the README, whose run a page repeats or reads). Numbers agree when the fresh one rounds to
 the quoted one at the quoted precision, or lies within ``tolerance`` (relative) of it
 (:data:`RUN` for a training run's or a plan's); text agrees when equal. Figures of a
 machine (seconds, tokens/s) are not checked here: the README states once on which machine
@@ -26,6 +27,7 @@ class Figure:
     quoted: str  # a regular expression on the page; its groups are the quoted values
     printed: str | None = None  # one on the command's output (default: ``quoted``)
     tolerance: float = 0.0  # relative, for the numbers
+    also: tuple[str, ...] = ()  # other pages whose command may print it (the README's)
 
     def label(self) -> str:
         return f"{self.page}: {self.quoted[:60]}"
@@ -58,12 +60,14 @@ class Check:
 
 
 def check_figure(figure: Figure, text: str, results) -> Check | None:
-    """One figure against the first matching command's output (``results``:
-    :class:`harness.tools.docs_run.Result`); None when that command was not run."""
+    """One figure against the output of the first command run that matches it, on its page
+    or on one of ``figure.also`` (``results``: :class:`harness.tools.docs_run.Result`, in
+    the order they ran); None when no such command was run."""
+    pages = (figure.page, *figure.also)
     ran = [
         r
         for r in results
-        if r.command.page == figure.page and re.search(figure.command, r.command.bare())
+        if r.command.page in pages and re.search(figure.command, r.command.bare())
     ]
     if not ran:
         return None
@@ -88,10 +92,12 @@ def check_figures(texts: dict[str, str], results, figures) -> list[Check]:
 _F = r"([\d.]+)"
 _S = r"(?s:.*?)"  # across lines
 _SFT = r"posttrain sft$"
+_DISTILL = r"posttrain distill$"
 # Training and plans are deterministic on CPU: a figure moves only when the code, the
 # upstreams or the CPU's rounding do. RUN: 0.2% for another CPU's float rounding; a changed
 # figure (GRPO's eval 0.343 -> 0.342 is 0.3%) is off.
 RUN = 0.002
+
 FIGURES: tuple[Figure, ...] = (
     # README 2: the default SFT run
     Figure(
@@ -132,7 +138,7 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         "README.md",
-        r"posttrain distill$",
+        _DISTILL,
         rf"held-out KL to the teacher falls {_F} -> {_F}",
         rf"held-out KL to the teacher {_F} -> {_F}",
         tolerance=RUN,
@@ -151,6 +157,49 @@ FIGURES: tuple[Figure, ...] = (
         r"posttrain plan --model llama3-70b",
         rf"a v5p chip's {_F} GiB HBM",
         rf"HBM per chip +{_F} GiB",
+    ),
+    # docs/distill.md: the teacher runs/sft's (the page's first command, or the README's
+    # run). The default run's figures are its first run's: the README's after the README
+    # (the page's own then resumes it and trains nothing), else the page's.
+    Figure(
+        "docs/distill.md",
+        _DISTILL,
+        r"^\| `posttrain distill` \(T 1, alpha 0\.5: the defaults\) \| ([\d,]+), ([\d,]+) \| "
+        rf"{_F} -> {_F} \|$",
+        rf": ([\d,]+) params, ([\d,]+) trained;{_S}held-out KL to the teacher {_F} -> {_F}$",
+        tolerance=RUN,
+        also=("README.md",),
+    ),
+    Figure(
+        "docs/distill.md",
+        r"--lora-rank 8 --output runs/distill-lora$",
+        r"^\| LoRA r8, T 2, alpha 0\.5 \(`runs/distill-lora`\) \| ([\d,]+), ([\d,]+) \| "
+        rf"{_F} -> {_F} \|$",
+        rf": ([\d,]+) params, ([\d,]+) trained;{_S}held-out KL to the teacher {_F} -> {_F}$",
+        tolerance=RUN,
+    ),
+    *(
+        Figure(
+            "docs/distill.md",
+            command,
+            rf"^\| {row} \| {_F} \| {_F} -> {_F} \|$",
+            rf"^step 40: loss [\d.]+, (?:kl [\d.]+, )?task {_F},{_S}"
+            rf"held-out KL to the teacher {_F} -> {_F}$",
+            tolerance=RUN,
+            also=("README.md",) if command == _DISTILL else (),
+        )
+        for row, command in (
+            (r"logit \(T 1: the default run, first block\)", _DISTILL),
+            ("feature-pooling", "--strategy feature-pooling "),
+            ("attention-transfer", "--strategy attention-transfer "),
+            ("feature-projection", "--strategy feature-projection "),
+        )
+    ),
+    Figure(
+        "docs/distill.md",
+        "--strategy feature-projection ",
+        r"`\[1, 72\] -> \[2, 72\]`: ([\d,]+) parameters trained with it",
+        r": ([\d,]+) params, [\d,]+ trained;",
     ),
     # docs/generation.md: the benchmark's cache (its speeds are the machine's)
     Figure(
