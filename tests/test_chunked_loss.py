@@ -138,6 +138,47 @@ def test_lora_on_the_lm_head_applies_inside_the_chunks():
     assert len(head) == 2 and all(np.abs(grads[p]).max() > 0 for p in head), sorted(grads)
 
 
+def test_a_frozen_head_gets_no_weight_gradient_computed():
+    """LoRA on the attention only (the bfloat16 head frozen): the backward builds no float32
+    gradient sum of the head's kernel ``[d_model, vocab]``; training the head builds one."""
+    cfg = get_config("llama3-tiny", dtype="bfloat16", param_dtype="bfloat16")
+    mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    base = sharding.shard_model(model_with_path_values(cfg), mesh)
+    model = apply_lora(base, mesh, LoraConfig(rank=4, alpha=8.0, target=r".*/q_proj"))
+    head_sum = f"f32[{cfg.d_model},{cfg.vocab_size}]"
+    batch = batch_of(cfg)
+
+    def program(trained) -> str:
+        graphdef, params, rest = nnx.split(model, trained, ...)
+
+        def nll(params, rest):  # the frozen rest an argument, traced as the step's is
+            merged = nnx.merge(graphdef, params, rest)
+            return loss.sft_terms(merged, **batch, logit_chunk=5)["nll_sum"]
+
+        return str(jax.make_jaxpr(jax.grad(nll))(params, rest))
+
+    assert head_sum not in program(nnx.LoRAParam)
+    assert head_sum in program(nnx.Param)
+
+
+def test_uncounted_costs_are_the_chunks_a_loop_counts_once():
+    """``count - 1`` chunks of each loop: none for one chunk; the head's matmuls' FLOPs
+    (3 with a frozen head, 4 trained) over the devices that split rows and vocabulary."""
+    cfg = get_config("qwen3-0.6b")  # 10 chunks of 205 positions at batch 4 x 2048
+    rules = sharding.DEFAULT_RULES
+    chunk = 2.0 * 4 * 205 * cfg.d_model * cfg.vocab_size
+    flops, moved = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=True)
+    assert flops == 9 * 4 * chunk and moved > 0
+    frozen, less = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=False)
+    assert frozen == 9 * 3 * chunk and less < moved
+    # fsdp=2, tensor=2: 2 rows and half the vocabulary a device, so 3 chunks of 683
+    split = chunked_loss.uncounted_costs(
+        cfg, 4, 2048, {"fsdp": 2, "tensor": 2}, rules, head_trained=True
+    )
+    assert split[0] == 2 * 4 * 2.0 * 2 * 683 * cfg.d_model * (cfg.vocab_size // 2)
+    assert chunked_loss.uncounted_costs(cfg, 4, 128, {}, rules, head_trained=True) == (0, 0)
+
+
 @pytest.mark.devices(8)
 def test_a_sequence_sharded_mesh_chunks_in_multiples_of_its_axes():
     """On a mesh sharding the sequence (context=2) and the vocabulary (tensor=2), a chunk
@@ -167,20 +208,20 @@ def test_images_reach_the_chunked_nll(tmp_path):
 @pytest.mark.parametrize(
     ("batch", "seq", "vocab", "chunk", "mesh", "want"),
     [
-        (4, 2048, 151_936, None, {}, 108),  # 110 fit in 256 MiB: 19 chunks of 108, not 110
+        (4, 2048, 151_936, None, {}, 205),  # 220 fit in 512 MiB: 10 chunks of 205, not 220
         (4, 2048, 151_936, 2048, {}, 2048),
         (4, 2048, 151_936, 4096, {}, 2048),  # never more than the sequence
         (4, 17, 264, 5, {}, 5),
         (4, 16, 264, 5, {}, 4),  # 4 chunks either way: evened out, no padding
         (1, 10, 264, 1, {}, 1),
-        (32, 4096, 262_144, None, {}, 8),  # 8.2 positions fit
-        (32, 4096, 262_144, None, {"fsdp": 4}, 32),  # 8 rows per device: 4x as many
-        (4, 4096, 262_144, None, {"tensor": 4}, 256),  # a quarter of the vocabulary
+        (32, 4096, 262_144, None, {}, 16),  # 16 positions fit
+        (32, 4096, 262_144, None, {"fsdp": 4}, 64),  # 8 rows per device: 4x as many
+        (4, 4096, 262_144, None, {"tensor": 4}, 512),  # a quarter of the vocabulary
         (4, 4096, 264, 3, {"context": 2}, 4),  # rounded up to the sequence's 2 shards
     ],
 )
 def test_chunk_length(batch, seq, vocab, chunk, mesh, want):
-    """Default: the positions whose float32 logits fit in 256 MiB on one device; evened
+    """Default: the positions whose float32 logits fit in 512 MiB on one device; evened
     out over the chunks it takes; a multiple of the axes sharding the sequence."""
     if mesh:
         devices = jax.devices()[: int(np.prod(list(mesh.values())))]

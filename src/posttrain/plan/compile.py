@@ -169,7 +169,7 @@ def _compile(program, mesh, what: str, topo, advice: str) -> Figures:
             figures,
             flops=figures.flops + flops,
             bytes_accessed=figures.bytes_accessed + moved,
-            cost_source="compiled prefill + first decode step, later steps analytic",
+            cost_source=program.cost_source,
         )
     return figures
 

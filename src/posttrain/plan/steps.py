@@ -35,6 +35,7 @@ from posttrain import sharding
 from posttrain.config import choices
 from posttrain.plan import abstract
 from posttrain.plan.options import Optimizer
+from posttrain.training import chunked_loss
 
 #: the optimizers a plan builds (``posttrain sft``'s is AdamW)
 OPTIMIZERS: tuple[str, ...] = choices(Optimizer)
@@ -54,8 +55,10 @@ class Program:
         weights get no gradient): the numerator of MFU.
       resident: bytes one device holds for the workflow outside these arguments
         (:attr:`posttrain.plan.report.Figures.resident`).
-      uncounted: ``(FLOPs, bytes accessed)`` per device the compiled costs leave out: the
-        decode steps after the first, which a while loop's cost counts once.
+      uncounted: ``(FLOPs, bytes accessed)`` per device the compiled costs leave out: what
+        a while loop's cost counts once (the decode steps after the first; the SFT loss's
+        chunks after the first, :func:`posttrain.training.chunked_loss.uncounted_costs`).
+      cost_source: the figures' ``cost_source`` when ``uncounted`` is not zero.
     """
 
     jitted: object
@@ -65,6 +68,7 @@ class Program:
     model_flops: float
     resident: int = 0
     uncounted: tuple[float, float] = (0.0, 0.0)
+    cost_source: str = "compiled prefill + first decode step, later steps analytic"
 
 
 def make_optimizer(name: str, learning_rate: float = 1e-5) -> optax.GradientTransformation:
@@ -166,7 +170,17 @@ def sft_program(
         n = abstract.active_matmul_params(trainer.model)
         per_token = 2 * n * (2 if trainer._lora_enabled else 3)
         flops = per_token * batch * seq
-        return Program(jitted, (trainer.model, trainer.optimizer, inputs), {}, kinds, flops)
+        uncounted = chunked_loss.uncounted_costs(
+            trainer.model.config,
+            batch,
+            seq,
+            dict(mesh.shape),
+            rules,
+            head_trained=not trainer._lora_enabled,
+        )
+        args = (trainer.model, trainer.optimizer, inputs)
+        source = "compiled, the loss's chunks after the first analytic"
+        return Program(jitted, args, {}, kinds, flops, uncounted=uncounted, cost_source=source)
     finally:
         trainer.abandon()
 

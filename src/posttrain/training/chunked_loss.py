@@ -40,20 +40,42 @@ from flax import nnx
 
 from posttrain import sharding
 
-LOGIT_CHUNK_BYTES = 256 * 2**20
-"""Default size of one chunk's float32 logits on one device (256 MiB): qwen3-0.6b, batch 4 on
-one chip: 108 positions per chunk, 19 chunks of a 2048-token sequence."""
+LOGIT_CHUNK_BYTES = 512 * 2**20
+"""Default size of one chunk's float32 logits on one device: 512 MiB, 882 tokens of qwen3-0.6b's
+151,936-entry vocabulary (batch 4 on one chip: 10 chunks of 205 positions of a 2048-token
+row). Fewer tokens a chunk leave its backward bound by memory on a v5e: each chunk reads the
+head's weights three times and its float32 gradient sum twice (14 bytes per weight in
+bfloat16), which 3 matmuls of ~600 tokens take as long to compute (197 TFLOP/s, 819 GB/s)."""
 
 
-def chunk_length(batch: int, seq: int, vocab_size: int, chunk: int | None = None) -> int:
+def _shards(mesh_shape: dict, rules: sharding.Rules) -> tuple[int, int, int]:
+    """``(batch, length, vocab)`` shard counts of the logits under ``rules``."""
+    table = sharding.rules_dict(rules)
+    return tuple(
+        sharding.axis_product(mesh_shape, table.get(name, ()))
+        for name in ("activation_batch", "activation_length", "activation_vocab")
+    )
+
+
+def chunk_length(
+    batch: int,
+    seq: int,
+    vocab_size: int,
+    chunk: int | None = None,
+    *,
+    mesh_shape: dict | None = None,
+    rules: sharding.Rules | None = None,
+) -> int:
     """Positions per chunk of a ``[batch, seq]`` batch's logits.
 
     ``chunk`` (default: as many positions as keep one chunk's float32 logits on one device
     within :data:`LOGIT_CHUNK_BYTES`, the rows and vocabulary divided by the mesh axes that
-    shard them, under the current :func:`posttrain.sharding.use_mesh`) caps it; the count of
-    chunks that takes is then evened out (``seq`` 2048, chunk 110: 19 chunks of 108, 4 padded
-    positions, not 18 of 110 and a 68), and the length rounded up to a multiple of the mesh
-    axes sharding the sequence (a chunk's ``activation_length`` must divide by them).
+    shard them) caps it; the count of chunks that takes is then evened out (``seq`` 2048,
+    chunk 220: 10 chunks of 205, 2 padded positions, not 9 of 220 and a 68), and the length
+    rounded up to a multiple of the mesh axes sharding the sequence (a chunk's
+    ``activation_length`` must divide by them). The mesh and rules: ``mesh_shape`` and
+    ``rules`` when given, else the current :func:`posttrain.sharding.use_mesh`'s (none: one
+    device).
 
     Raises:
       ValueError: ``chunk`` is not a positive integer.
@@ -61,16 +83,44 @@ def chunk_length(batch: int, seq: int, vocab_size: int, chunk: int | None = None
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"logit chunk={chunk!r} must be a positive integer (positions) or None")
     ctx = sharding.current()
-    shape = {} if ctx is None else dict(ctx.mesh.shape)
-    rules = sharding.rules_dict(sharding.DEFAULT_RULES if ctx is None else ctx.rules)
-    rows = -(-batch // sharding.axis_product(shape, rules.get("activation_batch", ())))
-    columns = -(-vocab_size // sharding.axis_product(shape, rules.get("activation_vocab", ())))
-    split = sharding.axis_product(shape, rules.get("activation_length", ()))
+    if mesh_shape is None:
+        mesh_shape = {} if ctx is None else dict(ctx.mesh.shape)
+    if rules is None:
+        rules = sharding.DEFAULT_RULES if ctx is None else ctx.rules
+    rows, split, columns = _shards(mesh_shape, rules)
     if chunk is None:
-        chunk = split * max(1, LOGIT_CHUNK_BYTES // (4 * rows * columns))
+        chunk = split * max(
+            1, LOGIT_CHUNK_BYTES // (4 * -(-batch // rows) * -(-vocab_size // columns))
+        )
     count = -(-seq // min(chunk, seq))
     length = -(-seq // count)  # evened out: fewer than `count` padded positions
     return -(-length // split) * split
+
+
+def uncounted_costs(
+    cfg, batch: int, seq: int, mesh_shape: dict, rules: sharding.Rules, *, head_trained: bool
+) -> tuple[float, float]:
+    """``(FLOPs, bytes accessed)`` per device of the chunked loss that XLA's
+    ``cost_analysis()`` leaves out: it counts a while loop's body once, and the loss runs two
+    loops (forward; backward) of ``count`` chunks, so ``count - 1`` chunks of each.
+
+    A chunk (per device: ``b`` rows, ``c`` positions, ``v`` vocabulary entries, ``D`` =
+    d_model): the head's matmul forward, again in the backward, and the hidden states'
+    gradient, ``2 b c D v`` FLOPs each, with the weights' gradient (``head_trained``) one
+    more; bytes: the head's weights read once a matmul, the float32 gradient sum read and
+    written, and about six passes over the chunk's float32 logits (written and read forward,
+    recomputed, their gradient). Elementwise FLOPs (the softmax's) are left out: under
+    ``4 / D`` of the matmuls'. An estimate, for ``posttrain plan``.
+    """
+    rows, split, columns = _shards(mesh_shape, rules)
+    length = chunk_length(batch, seq, cfg.vocab_size, mesh_shape=mesh_shape, rules=rules)
+    count = -(-seq // length)
+    b, c, v, d = -(-batch // rows), length // split, -(-cfg.vocab_size // columns), cfg.d_model
+    matmuls = 4 if head_trained else 3
+    weight = jnp.dtype(cfg.param_dtype).itemsize
+    flops = matmuls * 2.0 * b * c * d * v
+    moved = (matmuls - 1) * d * v * weight + (8 * d * v if head_trained else 0) + 24 * b * c * v
+    return (count - 1) * flops, (count - 1) * float(moved)
 
 
 def _chunk_nll_sum(graphdef, state, hidden, labels, counted):
@@ -95,26 +145,43 @@ def _scan_nll(fn, hidden, labels, counted, *consts):
 
 
 def _scan_nll_fwd(fn, hidden, labels, counted, *consts):
-    # Residuals: the inputs only; no chunk's logits outlive its scan iteration.
-    return _scan_nll(fn, hidden, labels, counted, *consts), (hidden, labels, counted, consts)
+    # Residuals: the inputs only (no chunk's logits outlive its scan iteration), and which
+    # consts are differentiated (a structure: () where perturbed, None where not): a frozen
+    # head (LoRA elsewhere) gets no weight gradient computed.
+    values = [c.value for c in consts]
+    wanted = tuple(() if c.perturbed else None for c in consts)
+    total = _scan_nll(fn, hidden.value, labels.value, counted.value, *values)
+    return total, (hidden.value, labels.value, counted.value, values, wanted)
 
 
 def _scan_nll_bwd(fn, residuals, g):
-    hidden, labels, counted, consts = residuals
+    hidden, labels, counted, consts, wanted = residuals
+    picked = [i for i, w in enumerate(wanted) if w is not None]
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        return (None, None, None, *[None] * len(consts))
 
     def body(sums, chunk):
         h, y, m = chunk
-        _, vjp = jax.vjp(lambda h, *cs: fn(h, y, m, *cs), h, *consts)
+
+        def one(h, *differentiated):
+            args = list(consts)
+            for i, value in zip(picked, differentiated, strict=True):
+                args[i] = value
+            return fn(h, y, m, *args)
+
+        _, vjp = jax.vjp(one, h, *[consts[i] for i in picked])
         dh, *dconsts = vjp(g)  # this chunk's logits recomputed, then dropped
         return [s + d.astype(jnp.float32) for s, d in zip(sums, dconsts, strict=True)], dh
 
-    zeros = [jnp.zeros(c.shape, jnp.float32) for c in consts]
+    zeros = [jnp.zeros(consts[i].shape, jnp.float32) for i in picked]
     sums, dhidden = jax.lax.scan(body, zeros, (hidden, labels, counted))
-    dconsts = [s.astype(c.dtype) for s, c in zip(sums, consts, strict=True)]
+    dconsts = [None] * len(consts)
+    for i, total in zip(picked, sums, strict=True):
+        dconsts[i] = total.astype(consts[i].dtype)  # one rounding to the weight's dtype
     return (dhidden, None, None, *dconsts)
 
 
-_scan_nll.defvjp(_scan_nll_fwd, _scan_nll_bwd)
+_scan_nll.defvjp(_scan_nll_fwd, _scan_nll_bwd, symbolic_zeros=True)
 
 
 def chunked_nll(

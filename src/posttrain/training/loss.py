@@ -83,7 +83,7 @@ def sft_terms(
 
     ``chunked`` (default): the NLL is taken from the hidden states ``logit_chunk`` positions
     at a time (:func:`posttrain.training.chunked_loss.chunked_nll`, through ``forward``'s
-    ``head`` so LoRA on ``lm_head`` applies; ``None``: about 256 MiB of float32 logits per
+    ``head`` so LoRA on ``lm_head`` applies; ``None``: about 512 MiB of float32 logits per
     device and chunk), never holding the batch's float32 logits ``[batch, seq, vocab]``;
     equal to :func:`token_nll` of the full logits up to float32 reassociation. ``False``:
     the full logits and :func:`token_nll`. SFT and vision SFT (this function) and the
