@@ -150,7 +150,14 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_conversion_parity.py::test_square_expert_kernels_convert_by_value",
         "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
     ],
-    "src/posttrain/training/loss.py": ["tests/test_sft_loss.py", "tests/test_sft_objective.py"],
+    "src/posttrain/training/loss.py": [
+        "tests/test_sft_loss.py",
+        "tests/test_sft_objective.py",
+        "tests/test_chunked_loss.py",
+    ],
+    # equal to the full logits' NLL (chunk sizes, tail, bf16, LoRA on lm_head, meshes), the
+    # compiled step's temporaries, the frozen head, the plan's uncounted costs
+    "src/posttrain/training/chunked_loss.py": ["tests/test_chunked_loss.py"],
     # the LoRA run: in full fine-tuning the frozen part of the step's split is empty, so
     # mutants of its filter and its copy passed the others; the NaN-weights save: the
     # check before saving
