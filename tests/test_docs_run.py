@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from harness.tools import docs_run
-from harness.tools.docs_figures import FIGURES, Figure, agrees, check_figure, check_figures
+from harness.tools.docs_figures import FIGURES, RUN, Figure, agrees, check_figure, check_figures
 from harness.tools.docs_run import NO_RUN, ROOT, SET_UP, Command, Result
 
 pytestmark = pytest.mark.host
@@ -249,6 +249,17 @@ def test_a_figure_may_come_from_a_command_of_another_page_the_first_to_run():
     assert check_figure(figure, "loss 2.5", [_result("posttrain sft", "loss 2.5", "q.md")]) is None
     own = Figure("p.md", r"posttrain sft$", r"loss ([\d.]+)")
     assert check_figure(own, "loss 2.5", [readme]) is None
+
+
+def test_a_table_row_s_figures_read_the_cells_of_their_columns():
+    """A row's cells are counted from its first column: each figure reads its own cell."""
+    from harness.tools.docs_figures import _row
+
+    third, fifth = _row("p.md", "cmd", "a", ((3, r"(\w+)", "x"), (5, r"(\w+) GiB", "y")))
+    row = "| a, the row | b | c | d | 7 GiB |\n| ab | x | y | z | 8 GiB |"
+    assert re.search(third.quoted, row, re.M)[1] == "c"
+    assert re.search(fifth.quoted, row, re.M)[1] == "7"
+    assert (third.page, third.command, third.printed, third.tolerance) == ("p.md", "cmd", "x", RUN)
 
 
 def test_every_figure_names_a_command_of_its_page_and_is_quoted_there():

@@ -8,8 +8,10 @@ the page's own expression by default), a command of that page or of a page in ``
 (the README, whose run a page repeats or reads). Numbers agree when the fresh one rounds to
 the quoted one at the quoted precision, or lies within ``tolerance`` (relative) of it
 (:data:`RUN` for a training run's or a plan's); text agrees when equal. Figures of a
-machine (seconds, tokens/s) are not checked here: the README states once on which machine
-they were measured.
+machine (seconds, tokens/s, ratios of times) are not checked here: the README states once
+on which machine they were measured; a figure measured on a lent chip names its command
+and date on its page instead. docs/scale.md's seed rows are read cell by cell
+(:func:`_row`), its fits section against the committed ``reports/plan-fits.json``.
 """
 
 from __future__ import annotations
@@ -97,6 +99,174 @@ _DISTILL = r"posttrain distill$"
 # upstreams or the CPU's rounding do. RUN: 0.2% for another CPU's float rounding; a changed
 # figure (GRPO's eval 0.343 -> 0.342 is 0.3%) is off.
 RUN = 0.002
+
+_U = r"([\d.]+) ([KMG]iB)"  # a size and its unit
+_E = r"([\d.]+e\+?\d+)"  # FLOPs: 2.35e13 quoted, 2.353e+13 printed
+
+
+def _row(page: str, command: str, label: str, cells, also: tuple[str, ...] = ()) -> tuple:
+    """A table row's figures (``label``: how its first cell starts), each cell
+    ``(column, its pattern, the pattern of the output line that prints it)``, its columns
+    counted from 1; held to :data:`RUN`."""
+    return tuple(
+        Figure(
+            page,
+            command,
+            rf"^\| {label}[^|]*\|(?:[^|]*\|){{{column - 2}}} {cell} \|",
+            printed,
+            tolerance=RUN,
+            also=also,
+        )
+        for column, cell, printed in cells
+    )
+
+
+# docs/scale.md's seed table: the columns a plan's table prints (one program: SFT)
+_PLAN_CELLS = (
+    (3, _U, rf"^  parameters +{_U}$"),
+    (4, _U, rf"^  optimizer state +{_U}$"),
+    (5, _U, rf"^  gradients +{_U}$"),
+    (6, _U, rf"^arguments \(compiled\) +{_U}$"),
+    (7, _U, rf"^temporaries \(compiled\) +{_U}$"),
+    (8, _U, rf"^peak per device +{_U}$"),
+    (9, _U, rf"^headroom +{_U}$"),
+    (12, _E, rf"^FLOPs per device +{_E} "),
+    (13, rf"{_F} ms, (\w+)-bound", rf"^step estimate +{_F} ms \((\w+)-bound"),
+    (14, rf"{_F}%", rf"^MFU \(estimated\) +{_F}%$"),
+)
+_STAGES = rf"{_U} \| {_U} \| {_U}$"  # rollout | reference forward | train step
+_KINDS = ((3, "parameters"), (4, "optimizer state"), (5, "gradients"))
+_GRPO_CELLS = (
+    *((c, _U, rf"^  {kind} +.*\| {_U}$") for c, kind in _KINDS),
+    (6, rf"{_U} \(step\)", rf"^arguments \(compiled\) +.*\| {_U}$"),
+    (7, rf"rollout {_U}, reference {_U}, step {_U}", rf"^temporaries \(compiled\) +{_STAGES}"),
+    (8, rf"rollout {_U}, reference {_U}, step {_U} \([^)]*\)", rf"^peak per device +{_STAGES}"),
+    (8, rf"[^|]*KV cache {_U}\)", rf"^  KV cache +{_U} \|"),
+    (9, rf"{_U} \(step\)", rf"^headroom +{_U} \(train step\)$"),
+    (
+        12,
+        rf"rollout {_E}, reference {_E}, step {_E}",
+        rf"^FLOPs per device +{_E} [^|]*\| {_E} [^|]*\| {_E} ",
+    ),
+    *_PLAN_CELLS[-2:],
+)
+_QWEN = r"--mesh tensor=4,fsdp=2,expert=2 "
+_SCALE_SFT = _QWEN + r"--lora-rank 16 --batch 16 --seq 2048 --json scratch/plan\.json$"
+_SCALE_GRPO = _QWEN + r"--workflow grpo --lora-rank 16 --batch 16 --seq 1024 --new-tokens 1024$"
+_FITS = r"fits\.markdown_lines\(fits\.load\('reports'\)\)"  # the section from the committed file
+_SEEDS = (  # harness.report.fits.SEEDS' names (tools import no report)
+    "qwen3-30b-a3b lora sft",
+    "qwen3-30b-a3b lora grpo",
+    "llama3.1-70b sft remat none",
+    "llama3.1-70b sft remat full",
+    "llama3.1-70b lora sft fsdp=64",
+    "gpt-oss-20b lora sft",
+    "gpt-oss-20b rollout",
+    "llama3.1-70b unsharded on one v5e",
+)
+
+
+def _fits_line(seed: str, peak: str = _U, headroom: str = _U) -> str:
+    """The pattern of seed ``seed``'s line in the fits section: its peak and headroom."""
+    return rf"^\| {re.escape(seed)} \| [^|]+\| [^|]+\| {peak} \| [^|]+\| {headroom} \|"
+
+
+def _refused(seed: str, hbm: str = r"([\d.]+)") -> str:
+    """The pattern of a refused seed's line in the fits section: temporaries > HBM."""
+    return rf"^\| {re.escape(seed)} \|.*RESOURCE_EXHAUSTED: ([\d.]+)G of temporaries > {hbm}G"
+
+
+_SCALE: tuple[Figure, ...] = (
+    *_row("docs/scale.md", _SCALE_SFT, r"Qwen3-30B-A3B SFT LoRA r16", _PLAN_CELLS),
+    *_row("docs/scale.md", _SCALE_GRPO, r"Qwen3-30B-A3B GRPO LoRA r16", _GRPO_CELLS),
+    Figure(
+        "docs/scale.md",
+        _SCALE_GRPO,
+        r"own `lora_b` \(([\d.]+) MiB\); the step holds the reference's zeroed\s+`lora_b` "
+        r"beside it \(([\d.]+) MiB\)",
+        rf"^held outside it +{_F} MiB \| [\d.]+ MiB \| {_F} MiB$",
+        tolerance=RUN,
+    ),
+    # the README's example: its command prints the whole row
+    *_row(
+        "docs/scale.md",
+        r"posttrain plan --model llama3-70b",
+        r"Llama 3\.1 70B full SFT, 64 x 2048, remat full",
+        _PLAN_CELLS,
+        also=("README.md",),
+    ),
+    # the fits section as the committed file has it, line by line
+    *(Figure("docs/scale.md", _FITS, rf"^(\| {re.escape(s)} \| .*)$") for s in _SEEDS),
+    *(
+        Figure(
+            "docs/scale.md",
+            _FITS,
+            rf"^\| {label}[^|]*\|(?:[^|]*\|){{6}} {_U} \| {_U} \|",
+            _fits_line(seed),
+        )
+        for label, seed in (
+            (r"Llama 3\.1 70B full SFT, 64 x 2048, remat full", "llama3.1-70b sft remat full"),
+            (r"Llama 3\.1 70B SFT LoRA r16", "llama3.1-70b lora sft fsdp=64"),
+            (r"GPT-OSS-20B SFT LoRA r16", "gpt-oss-20b lora sft"),
+            (r"GPT-OSS-20B rollout", "gpt-oss-20b rollout"),
+        )
+    ),
+    *(
+        Figure(
+            "docs/scale.md",
+            _FITS,
+            rf"^\| {label}[^|]*\|(?:[^|]*\|){{5}} ([\d.]+) GB \(compiler\) \|",
+            _refused(seed, hbm=r"[\d.]+"),
+        )
+        for label, seed in (
+            (r"Llama 3\.1 70B full SFT, 64 x 2048, remat none", "llama3.1-70b sft remat none"),
+            (r"Llama 3\.1 70B full SFT unsharded", "llama3.1-70b unsharded on one v5e"),
+        )
+    ),
+    Figure(
+        "docs/scale.md",
+        _FITS,
+        r"HLO temporaries \(([\d.]+)G\) exceeds available\s+HBM \(([\d.]+)G\)",
+        _refused("llama3.1-70b sft remat none"),
+    ),
+    Figure(
+        "docs/scale.md",
+        _FITS,
+        r"compiler refuses it\) and peaks at ([\d.]+) GiB with remat full",
+        _fits_line("llama3.1-70b sft remat full", _F + " GiB", r"[\d.]+ GiB"),
+    ),
+    Figure(
+        "docs/scale.md",
+        _FITS,
+        r"remat full fits with\s+([\d.]+) GiB to spare",
+        _fits_line("llama3.1-70b sft remat full", r"[\d.]+ GiB", _F + " GiB"),
+    ),
+)
+
+# docs/benchmarks.md: what its fenced commands print besides the machine's times and ratios
+_MODEL_STEP = r"benchmarks/model_step\.py$"
+_GRAD_DIFF = r"max \|grad diff\| ([\d.]+e-\d+)"  # model_ab.py's new form against the old
+_BENCHMARKS: tuple[Figure, ...] = tuple(
+    Figure("docs/benchmarks.md", command, quoted, printed, tolerance)
+    for command, quoted, printed, tolerance in (
+        (
+            _MODEL_STEP,
+            r"before each run; ([\d,]+)\s+parameters:",
+            r"^qwen3: ([\d,]+) parameters",
+            0,
+        ),
+        (_MODEL_STEP, r"against ([\d.]+) model GFLOP\)", r"\(([\d.]+) model GFLOP;", RUN),
+        (r"--form tokens ", r"difference is ([\d.]+e-\d+)\s+\(tokens\)", _GRAD_DIFF, RUN),
+        (r"--form grouped ", r"differ from the scan's by at most ([\d.]+e-\d+)", _GRAD_DIFF, RUN),
+        (
+            r"distill_step\.py --devices 1 ",
+            r"^(\S+) one layer deep from (\S+) \((\d+) layers\), batch (\d+) x (\d+),",
+            r"^student (\S+) \(1 layers\), teacher (\S+) \((\d+) layers, \w+\), "
+            r"batch (\d+) x (\d+),",
+            0,
+        ),
+    )
+)
 
 FIGURES: tuple[Figure, ...] = (
     # README 2: the default SFT run
@@ -213,4 +383,6 @@ FIGURES: tuple[Figure, ...] = (
         r"forward --mesh tensor=8",
         r"^(posttrain: error: num_kv_heads=\d+ is not divisible by mesh axes tensor=8)$",
     ),
+    *_SCALE,
+    *_BENCHMARKS,
 )
