@@ -56,9 +56,31 @@ def configured_trainer() -> SFTTrainer:
     return trainer_for(0.25)
 
 
-def objective_and_router_grad(trainer):
-    with sharding.use_mesh(trainer.mesh, jax_context=False):
-        objective, terms, grads = jax.jit(trainer._grads)(trainer.model, batch())
+@functools.cache
+def grads_at(weight: float):
+    """The configured trainer's ``_grads`` jitted with its load-balancing weight at
+    ``weight`` (read when traced), the model an argument: one program per weight, which a
+    later test reuses (on a chip each is seconds of compile). A lambda of its own, as a
+    bound method would share JAX's trace cache with the other weights' (equal methods)."""
+    trainer = configured_trainer()
+
+    def grads(model, inputs):
+        trainer.moe_aux_loss_weight = weight
+        try:
+            return trainer._grads(model, inputs)
+        finally:
+            trainer.moe_aux_loss_weight = 0.25
+
+    return jax.jit(grads)
+
+
+def objective_and_grads(model, weight=0.25):
+    with sharding.use_mesh(configured_trainer().mesh, jax_context=False):
+        return grads_at(weight)(model, batch())
+
+
+def objective_and_router_grad(weight=0.25):
+    objective, terms, grads = objective_and_grads(configured_trainer().model, weight)
     router = grads["model"]["layers"][0]["mlp"]["router"]["kernel"]
     return float(objective), jax.device_get(terms), np.asarray(router[...])
 
@@ -76,7 +98,7 @@ def test_the_weight_comes_from_the_model_config():
 
 def test_objective_is_the_nll_share_plus_the_weighted_load_balancing_loss():
     """objective = nll_sum / target_tokens + aux_loss_weight * moe_aux_loss (one micro-step)."""
-    objective, terms, _ = objective_and_router_grad(configured_trainer())
+    objective, terms, _ = objective_and_router_grad()
     nll, targets, aux = (float(terms[k]) for k in ("nll_sum", "target_tokens", "moe_aux_loss"))
     assert targets > 0 and aux > 1.0  # two MoE layers, top-2 of 8: each term near top_k
     assert objective == pytest.approx(nll / targets + 0.25 * aux, rel=1e-6)
@@ -84,16 +106,15 @@ def test_objective_is_the_nll_share_plus_the_weighted_load_balancing_loss():
 
 
 def test_the_router_gradient_follows_the_weight():
-    """The load-balancing term reaches the router: its gradient moves with the weight."""
-    trainer = configured_trainer()
-    try:
-        trainer.moe_aux_loss_weight = 0.0
-        _, _, g0 = objective_and_router_grad(trainer)
-        trainer.moe_aux_loss_weight = 1.0
-        _, _, g1 = objective_and_router_grad(trainer)
-    finally:
-        trainer.moe_aux_loss_weight = 0.25
+    """The load-balancing term reaches the router: its gradient moves with the weight
+    (0.25, the configured one's program, and 1.0)."""
+    _, _, g0 = objective_and_router_grad(0.25)
+    _, _, g1 = objective_and_router_grad(1.0)
     assert np.abs(g1 - g0).max() > 1e-4
+
+
+# one program per input structure, shared by the cases (on a chip each is a compile)
+report = jax.jit(lambda terms, inputs: SFTTrainer._report(SFTTrainer, terms, inputs, 1.5))
 
 
 @pytest.mark.parametrize(
@@ -111,7 +132,6 @@ def test_the_reported_loss_and_token_count(segment_ids, want_tokens, nll_sum, ta
     if segment_ids is not None:
         inputs["segment_ids"] = jnp.asarray(segment_ids, jnp.int32)
     terms = {"nll_sum": jnp.float32(nll_sum), "target_tokens": jnp.float32(target_tokens)}
-    report = jax.jit(lambda terms, inputs: SFTTrainer._report(SFTTrainer, terms, inputs, 1.5))
     loss, aux = report(terms, inputs)
     assert float(loss) == (nll_sum / target_tokens if target_tokens else 0.0)
     assert aux["tokens"].dtype == jnp.float32 and float(aux["tokens"]) == want_tokens
@@ -120,15 +140,19 @@ def test_the_reported_loss_and_token_count(segment_ids, want_tokens, nll_sum, ta
 
 def test_the_logged_grad_norm_is_the_norm_of_the_applied_gradient():
     """One step without accumulation: the step's grad_norm equals the global norm of the
-    gradient of its objective (computed here before the step), and the step applies it
-    (SGD: params move by exactly lr x gradient)."""
+    gradient of its objective (computed here before the step, by the configured trainer's
+    program: the same config and weight), and the step applies it (SGD: params move by
+    exactly lr x gradient)."""
     trainer = trainer_for(0.25)
+    _, _, grads = objective_and_grads(trainer.model)
     with sharding.use_mesh(trainer.mesh, jax_context=False):
-        _, _, grads = jax.jit(trainer._grads)(trainer.model, batch())
         before = jax.tree.map(np.asarray, nnx.state(trainer.model, nnx.Param))
         step = nnx.jit(lambda m, o, x: trainer._step_body(m, o, None, x, None))
         _, aux, grad_norm = step(trainer.model, trainer.optimizer, batch())
-    assert float(grad_norm) == pytest.approx(float(optax.global_norm(grads)), rel=1e-5)
+    # in NumPy (optax.global_norm would be eager ops: a compile each on a chip)
+    squares = [np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)]
+    norm = np.sqrt(sum(squares))
+    assert float(grad_norm) == pytest.approx(norm, rel=1e-5)
     assert float(aux["grad_norm"]) == float(grad_norm) > 0
     after = nnx.state(trainer.model, nnx.Param)
     moved = jax.tree.map(
