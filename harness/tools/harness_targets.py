@@ -34,7 +34,7 @@ HARNESS_TARGETS: dict[str, list[str]] = {
     "harness/gate/chip_precision.py": ["tests/test_chip_precision.py"],
     "harness/gate/sizes.py": ["tests/test_code_size.py"],
     # #58: the pytest plugin's options and marker descriptions, out of pytest_plugin.py
-    "harness/gate/plugin_options.py": ["tests/test_harness.py"],
+    "harness/gate/plugin_options.py": ["tests/test_harness.py", "tests/test_plugin_options.py"],
     "harness/gate/session_tuning.py": [
         "tests/test_harness.py",
         "tests/test_session_tuning.py",
