@@ -17,6 +17,8 @@ from posttrain.models import get_config
 from posttrain.plan import sizes
 from posttrain.plan.options import PlanOptions
 
+pytestmark = pytest.mark.host  # integer bounds on options and a config: no device, no JAX
+
 MAX = 2**31 - 1  # int32
 
 
