@@ -31,6 +31,7 @@ from pathlib import Path
 
 from harness.gate.gate import run_gate
 from harness.matrix import sources
+from harness.report import drift
 from harness.subcommands import (
     LATEST_REPORTS,
     REFERENCE_REPORTS,
@@ -259,8 +260,6 @@ def _report_command(commands) -> None:
 
 
 def _index_option(parser: argparse.ArgumentParser) -> None:
-    from harness.report import drift
-
     parser.add_argument(
         "--index-url",
         default=drift.DEFAULT_INDEX,

@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -165,8 +166,6 @@ def run_bisect(args: argparse.Namespace) -> int:
     """``bisect``: the first bad commit, printed and written to ``bisect.json``. Exit
     status 0 when one commit is named, 1 when skips leave a range, 2 for bad input
     (refs, a contract that does not exist, endpoints that are not what they claim)."""
-    import tempfile
-
     from harness.bisect import bisect, git_history
     from harness.matrix import envs
 

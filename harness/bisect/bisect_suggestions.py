@@ -8,6 +8,8 @@ import shlex
 from collections.abc import Sequence
 from typing import Any
 
+from packaging.version import InvalidVersion, Version
+
 from harness.report.report import RUN_CELLS
 from harness.report.report import cell as report_cell
 from harness.report.report import columns as report_columns
@@ -17,7 +19,6 @@ def suggestions(rows: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     """For each FAIL or warn cell of a source row whose column the newest release row
     passes cleanly (no deprecation): the ``bisect`` command that names the commit.
     ``{"entry", "column", "status", "command"}`` each; the report's summary lists them."""
-    from packaging.version import InvalidVersion, Version
 
     def version(row: dict[str, Any]) -> Version:
         try:

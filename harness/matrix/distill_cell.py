@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.matrix.envs import first_error
+
 DISTILL_RUN: dict[str, Any] = {
     "model": "qwen3-tiny",
     "teacher": "llama3-tiny",
@@ -32,8 +34,6 @@ def run_cell(entry, env, environ: dict[str, str], run) -> dict[str, str]:
     """The cell of ``entry``: ``passed`` with the loss and KL of the first and last step,
     ``skipped`` (n/a) without ``tunix.distillation`` or on an emulated row, else
     ``failed`` with the first error line."""
-    from harness.matrix.envs import first_error
-
     if entry.emulated:
         return {
             "status": "skipped",

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness.devices.devices import configure_devices
 from harness.matrix import distill_cell, vision_cell
 from harness.matrix.entries import REPO, Entry
 from harness.matrix.envs import EnvResult, Runner, first_error
@@ -166,8 +167,6 @@ def emulated_sft(convention: str, output: str) -> None:
     Devices: ``$POSTTRAIN_DEVICES`` (8 unless set; :func:`~harness.matrix.matrix.entry_environ`
     sets 8), so a caller whose JAX already runs on that count (a test, any ``--devices``)
     can call it in-process."""
-    from harness.devices.devices import configure_devices
-
     configure_devices()
     from contracts import tunix_emulation
     from posttrain.sft.run import SFTConfig, run_sft

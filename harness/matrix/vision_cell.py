@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from harness.matrix.envs import first_error
+
 VISION_RUN: dict[str, Any] = {
     "steps": 3,
     "max_target_length": 160,
@@ -43,8 +45,6 @@ def run_cell(entry, env, environ: dict[str, str], run) -> dict[str, str]:
     """The cell of ``entry``: ``passed`` with the first and last step's loss, ``skipped``
     (n/a) without ``TrainingInput.images`` or on an emulated row, else ``failed`` with the
     first error line."""
-    from harness.matrix.envs import first_error
-
     if entry.emulated:
         return {
             "status": "skipped",

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from posttrain import atomic
+
 FITS_NAME = "plan-fits.json"
 VERDICTS = ("fits", "does not fit", "refused")
 """``fits``: the compiler accepted it and its peak is within HBM; ``does not fit``: accepted,
@@ -244,8 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m harness.report.fits [--only NAME ...] [--report-dir reports]``: plans the
     seeds and writes their rows (the others kept); exit 1 when a verdict is not the
     expected."""
-    from posttrain import atomic
-
     p = argparse.ArgumentParser(
         prog="python -m harness.report.fits", description=__doc__.split("\n")[0]
     )

@@ -24,6 +24,7 @@ import re
 from typing import Any
 
 from harness.report import drift as _drift
+from harness.report import fits
 from harness.report.report import (
     LABELS,
     VERSION_COLUMNS,
@@ -206,8 +207,6 @@ def _optional_cards(report: dict[str, Any]) -> list[str]:
     if sources:
         cards.append(_card("Tunix from source", sources))
     if report.get("fits") is not None:
-        from harness.report import fits
-
         lines = fits.markdown_lines(report["fits"])[2:]  # the rows, without the header
         items = [" · ".join(esc(c.strip()) for c in line.strip("|").split("|")) for line in lines]
         cards.append(_card("Fits on TPU slices (posttrain plan)", items))

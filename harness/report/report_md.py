@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from harness.report import drift as _drift
+from harness.report import fits
 from harness.report.report import (
     LABELS,
     VERSION_COLUMNS,
@@ -144,8 +145,6 @@ def _bisect_lines(report: dict[str, Any]) -> list[str]:
 def fits_section(report: dict[str, Any]) -> list[str]:
     """The seed configurations on their TPU slices (:mod:`harness.report.fits`); nothing when the
     report has no plan rows."""
-    from harness.report import fits
-
     if report.get("fits") is None:
         return []
     return [

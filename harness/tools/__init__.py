@@ -8,4 +8,6 @@
   harness.tools.docs_run``); :mod:`.docs_figures` the figures they quote.
 * :mod:`.op_profile`: where a compiled step's time goes, from a profiler trace (the
   benchmarks').
+* :mod:`.local_imports`: every import inside a function listed, by kind, with its reason
+  (``python -m harness.tools.local_imports``, the lint step).
 """

@@ -34,6 +34,8 @@ import tempfile
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
+
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.-]+)\s*=\s*.*?\s([a-z][a-z0-9-]*)\(")
 _CALLS = re.compile(r"calls=%?([\w.-]+)")
@@ -133,8 +135,6 @@ class Profile(NamedTuple):
 def profile(run: Callable[[], object], calls: int) -> Profile:
     """Runs ``run`` (one call of a compiled program, blocking on its result) ``calls``
     times under a JAX profiler trace and reads back the ops it executed."""
-    import jax
-
     with tempfile.TemporaryDirectory() as directory:
         jax.profiler.start_trace(directory)
         try:

@@ -6,12 +6,16 @@ Each entry names the upstream version where the behaviour changed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
+from jax._src import compilation_cache, monitoring
 from jax.sharding import Mesh
 
 
@@ -114,8 +118,6 @@ def scalar_listeners() -> list:
     jax exports no getter; ``jax._src.monitoring.get_scalar_listeners`` is in every
     release we support (0.7.2-0.10.2).
     """
-    from jax._src import monitoring
-
     return list(monitoring.get_scalar_listeners())
 
 
@@ -128,8 +130,6 @@ def unregister_scalar_listener(listener) -> None:
     if unregister is not None:
         unregister(listener)
     else:
-        from jax._src import monitoring
-
         monitoring._scalar_listeners.remove(listener)
 
 
@@ -202,8 +202,6 @@ def global_norm(tree) -> jax.Array:
 
     optax 0.2.8 deprecates ``global_norm`` with a DeprecationWarning.
     """
-    import optax
-
     tree_api = getattr(optax, "tree", None)
     if tree_api is not None and hasattr(tree_api, "norm"):
         return tree_api.norm(tree)
@@ -224,8 +222,6 @@ def multisteps_window_gradient(opt_state, grads):
 
     Reference: ``optax.MultiSteps.update`` (``optax/transforms/_accumulation.py``, 0.2.8).
     """
-    import optax
-
     if not isinstance(opt_state, optax.MultiStepsState):
         return None
 
@@ -265,8 +261,6 @@ def module_dtype(name) -> type:
     Raises:
         TypeError: ``name`` is not a dtype JAX knows.
     """
-    import jax.numpy as jnp
-
     dtype = jnp.dtype(name)
     scalar = getattr(jnp, dtype.name, None)
     if scalar is None:
@@ -350,8 +344,6 @@ def interval_checkpoint_options(save_every: int, **options):
     The policies come from ``checkpoint_managers.save_decision_policy``: 0.11.25 (the
     matrix's older eras) exports ``PreemptionCheckpointingPolicy`` only there.
     """
-    import dataclasses
-
     import orbax.checkpoint as ocp
 
     fields = {f.name for f in dataclasses.fields(ocp.CheckpointManagerOptions)}
@@ -375,8 +367,6 @@ def no_persistent_compilation_cache():
     way in and out (``jax._src.compilation_cache.reset_cache``, jax 0.4.31+), and the next
     compile outside decides again under the restored flag.
     """
-    from jax._src import compilation_cache
-
     was = jax.config.jax_enable_compilation_cache
     compilation_cache.reset_cache()
     jax.config.update("jax_enable_compilation_cache", False)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 import warnings
@@ -282,8 +283,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    import importlib
-
     command = _command(args.command)
     if distributed.launched() and not command.multi_process:
         raise ValueError(

@@ -22,6 +22,8 @@ import os
 import signal
 import threading
 
+import numpy as np
+
 COORDINATOR = "POSTTRAIN_COORDINATOR"
 """``host:port`` of process 0's coordination service."""
 NUM_PROCESSES = "POSTTRAIN_NUM_PROCESSES"
@@ -108,7 +110,6 @@ def host_array(x):
     call this for the same arrays in the same order.
     """
     import jax
-    import numpy as np
 
     if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
         return np.asarray(jax.device_get(x))
@@ -143,8 +144,6 @@ def sum_by_key(counts: dict[int, int], keys: int) -> int:
     """The sum over ``range(keys)`` of each key's count, the counts being spread over the
     processes (a key counted in several processes, which hold the same data, counts
     once): a collective, every process calls it; one process sums its own."""
-    import numpy as np
-
     if process_count() == 1:
         return int(sum(counts.values()))
     from jax.experimental import multihost_utils
@@ -176,7 +175,6 @@ class together:  # noqa: N801 (a context manager, read as a phrase)
     def __exit__(self, kind, error, traceback) -> bool:
         if process_count() == 1:
             return False
-        import numpy as np
         from jax.experimental import multihost_utils
 
         failed = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(

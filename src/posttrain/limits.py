@@ -25,8 +25,13 @@ import json
 import os
 import pathlib
 
+import jax
+
 from posttrain.config import ModelConfig
-from posttrain.conversion.hf_config import DEFAULT_MAX_POSITIONS
+from posttrain.conversion.hf_config import DEFAULT_MAX_POSITIONS, from_hf_config
+from posttrain.conversion.native import NativeMeta, is_native_dir
+from posttrain.layers.kv_cache import cache_bytes
+from posttrain.models import PRESETS, get_config
 
 
 def checkpoint_config(spec: str, flag: str = "--model") -> tuple[ModelConfig, int, str]:
@@ -38,8 +43,6 @@ def checkpoint_config(spec: str, flag: str = "--model") -> tuple[ModelConfig, in
       ValueError: ``spec`` is neither a preset nor a checkpoint directory, or its
         ``config.json`` cannot be read (named).
     """
-    from posttrain.models import PRESETS, get_config
-
     if spec in PRESETS:
         return get_config(spec), DEFAULT_MAX_POSITIONS, _DEFAULT_SOURCE
     if not os.path.isdir(spec):
@@ -47,8 +50,6 @@ def checkpoint_config(spec: str, flag: str = "--model") -> tuple[ModelConfig, in
             f"{flag} {spec!r} is neither a preset ({', '.join(sorted(PRESETS))})"
             " nor a checkpoint directory (HF or native)"
         )
-    from posttrain.conversion.hf_config import from_hf_config
-    from posttrain.conversion.native import NativeMeta, is_native_dir
 
     path = pathlib.Path(spec) / "config.json"
     if is_native_dir(spec):
@@ -77,8 +78,6 @@ def available_memory() -> tuple[int, str] | None:
     None when the backend does not say. CPU (fake devices share the host): the host's
     ``MemAvailable`` times the process count; accelerators: the sum over every device of
     its ``bytes_limit`` less ``bytes_in_use`` (``Device.memory_stats``)."""
-    import jax
-
     devices = jax.devices()
     if devices[0].platform == "cpu":
         host = _host_available()
@@ -110,8 +109,6 @@ def generation_bytes(cfg: ModelConfig, rows: int, prompt: int, cache_size: int) 
     """A lower bound of what generating allocates at once: the KV cache of ``rows`` x
     ``cache_size`` slots and one layer's prefill scores ``[rows, num_heads, prompt,
     cache_size]`` float32."""
-    from posttrain.layers.kv_cache import cache_bytes
-
     heads = max(a.num_heads for a in cfg.attention.values())
     return cache_bytes(cfg, rows, cache_size, cfg.dtype) + 4 * rows * heads * prompt * cache_size
 

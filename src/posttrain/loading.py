@@ -4,9 +4,17 @@ weights go back out through :func:`posttrain.training.export.export_final`."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import tempfile
+
+from posttrain import sharding
+from posttrain.conversion import convert_hf_to_native, load_native
+from posttrain.conversion.directories import temporary_prefix
+from posttrain.conversion.native import is_native_dir
+from posttrain.lora import LoraConfig, apply_lora
+from posttrain.models import PRESETS, build_model, get_config
 
 
 def load_model(spec: str, mesh, *, seed: int = 0, scratch: str | os.PathLike, **overrides):
@@ -24,9 +32,6 @@ def load_model(spec: str, mesh, *, seed: int = 0, scratch: str | os.PathLike, **
       ValueError: ``spec`` is neither a preset nor a directory; the mesh does not divide
         the model; a conversion error (named).
     """
-    from posttrain import sharding
-    from posttrain.models import PRESETS, build_model, get_config
-
     if spec in PRESETS:
         return build_model(get_config(spec, **overrides), mesh, seed=seed), None
     if not os.path.isdir(spec):
@@ -34,9 +39,6 @@ def load_model(spec: str, mesh, *, seed: int = 0, scratch: str | os.PathLike, **
             f"--model {spec!r} is neither a preset ({', '.join(sorted(PRESETS))})"
             " nor a checkpoint directory (HF or native)"
         )
-    from posttrain.conversion import convert_hf_to_native, load_native
-    from posttrain.conversion.directories import temporary_prefix
-    from posttrain.conversion.native import is_native_dir
 
     if is_native_dir(spec):
         model = load_native(spec, **overrides)
@@ -57,8 +59,6 @@ def recorded_tokenizer(model_dir: str | os.PathLike) -> str | None:
     """The ``tokenizer`` setting of the run that exported ``model_dir`` (its parent's
     ``run.json``, as ``posttrain sft``, ``grpo`` and ``dpo`` write it), or None when there
     is no such record or the run used the embedded tokenizer."""
-    import json
-
     run_json = os.path.join(os.path.dirname(os.path.abspath(model_dir)), "run.json")
     if not os.path.isfile(run_json):
         return None
@@ -98,8 +98,6 @@ def load_trainable(
             f"is {model.config.vocab_size}; pass a matching --tokenizer"
         )
     if lora_rank:
-        from posttrain.lora import LoraConfig, apply_lora
-
         config = LoraConfig(rank=lora_rank, alpha=lora_alpha or 2.0 * lora_rank, seed=seed)
         model = apply_lora(model, mesh, config)
     return model

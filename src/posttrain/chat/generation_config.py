@@ -30,6 +30,7 @@ import math
 import os
 import pathlib
 
+from posttrain import atomic
 from posttrain.chat.template import (
     CHATML,
     ChatTemplate,
@@ -275,8 +276,6 @@ def write_generation_config(
     Raises:
       ValueError: no stop id, or one below 0.
     """
-    from posttrain import atomic
-
     if not eos_ids or any(i < 0 for i in eos_ids):
         raise ValueError(f"eos_ids={eos_ids!r}: expected one id >= 0 or more")
     config: dict = {"eos_token_id": eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)}

@@ -36,6 +36,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 
+from posttrain import atomic
 from posttrain.chat import bounds, sandbox
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -359,8 +360,6 @@ def save_template(directory: str | os.PathLike, template: ChatTemplate) -> None:
     ``chat_template.jinja``, and its special tokens in ``tokenizer_config.json`` (merged
     into an existing one, whose own ``chat_template`` is removed so the file is the only
     source). Both writes are atomic."""
-    from posttrain import atomic
-
     directory = pathlib.Path(directory)
     config_path = directory / TOKENIZER_CONFIG
     config = _read_json(config_path) if config_path.is_file() else {}

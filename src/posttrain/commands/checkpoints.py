@@ -4,16 +4,19 @@ checkpoint converted, its logits compared with HF's."""
 from __future__ import annotations
 
 import contextlib
+import pathlib
 import sys
 import time
 
-from posttrain import distributed
+import numpy as np
+
+from posttrain import conversion, distributed
+from posttrain.conversion.directories import sweep_stale_temporaries
 
 
 def forward(args) -> int:
     """``posttrain forward``: a preset built on a mesh, its jitted forward timed."""
     import jax
-    import numpy as np
     from flax import nnx
 
     from posttrain import flags, sharding
@@ -96,8 +99,6 @@ def _timed_forwards(model, mesh, tokens, repeats: int):
 def convert(args) -> int:
     """``posttrain convert``: host files to host files. Across processes rank 0 converts
     and the others wait for it (every process reads the same directories, one writes)."""
-    from posttrain import conversion
-
     distributed.initialize()  # a no-op outside the launcher and POSTTRAIN_DISTRIBUTED
     # A failure in rank 0 reaches the others as OtherProcessFailed (exit 1).
     status = distributed.on_writer(lambda: _convert(args, conversion), "convert")
@@ -108,10 +109,6 @@ def convert(args) -> int:
 
 
 def _convert(args, conversion) -> int:
-    import pathlib
-
-    from posttrain.conversion.directories import sweep_stale_temporaries
-
     parent = pathlib.Path(args.dst).absolute().parent
     swept = sweep_stale_temporaries(parent)  # killed writers' leftovers, whatever the name
     if swept:

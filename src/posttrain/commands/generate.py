@@ -3,14 +3,19 @@ and its KV cache; one prompt streams, several write JSONL."""
 
 from __future__ import annotations
 
-from posttrain import chat, distributed
+import json
+import os
+import pathlib
+import re
+
+from posttrain import atomic, chat, distributed
+from posttrain.commands.generate_image import check_image_model, image_prompt
+from posttrain.commands.generate_inputs import read_prompts
+from posttrain.training.data import chat_prompt
 
 
 def newest_export(run_dir: str = "runs/sft") -> str | None:
     """The ``model-step<N>`` directory with the largest N under ``run_dir`` (``None``: none)."""
-    import pathlib
-    import re
-
     steps = [
         (int(m.group(1)), p)
         for p in pathlib.Path(run_dir).glob("model-step*")
@@ -22,8 +27,6 @@ def newest_export(run_dir: str = "runs/sft") -> str | None:
 def _generation_tokenizer(args, model_spec: str):
     """``--tokenizer``; else the HF directory's ``tokenizer.json``; else the tokenizer the
     ``posttrain sft`` run that exported ``model_spec`` recorded; else the embedded one."""
-    import os
-
     from posttrain.loading import recorded_tokenizer
     from posttrain.tokenizer import load_tokenizer
 
@@ -37,8 +40,6 @@ def _generation_tokenizer(args, model_spec: str):
 def _prompts(args) -> list[dict]:
     """``[{"prompt": text} | {"messages": [...]}]`` from ``--prompt`` and ``--prompts``
     (:func:`posttrain.commands.generate_inputs.read_prompts`)."""
-    from posttrain.commands.generate_inputs import read_prompts
-
     return read_prompts(args.prompt, args.prompts)
 
 
@@ -56,8 +57,6 @@ def generate(args) -> int:
         )
     prompts = _prompts(args)
     if args.image:  # a model without a tower is refused before it is read
-        from posttrain.commands.generate_image import check_image_model
-
         check_image_model(args.image, spec)
     mesh = sharding.make_mesh(
         None
@@ -73,8 +72,6 @@ def generate(args) -> int:
         )
         images = None
         if args.image:  # one prompt about one image (generate_image)
-            from posttrain.commands.generate_image import image_prompt
-
             prompt, images = image_prompt(args.image, prompts, model, tok, formats.template, spec)
             ids = [prompt]
         else:
@@ -126,8 +123,6 @@ def _model_and_tokenizer(args, spec: str, mesh):
 def _prompt_ids(prompt: dict, tok, chat: bool, template=None) -> list[int]:
     """A prompt's token ids: messages (or ``--chat`` text) through the chat template
     (``template``: the checkpoint's; default ChatML), else the text's own tokens."""
-    from posttrain.training.data import chat_prompt
-
     if "messages" in prompt or chat:
         messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
         return chat_prompt(messages, tok, template)
@@ -172,9 +167,6 @@ def _streamer(tok, eos: tuple[int, ...]):
 def _print_or_write(args, prompts: list[dict], out, tok) -> None:
     """One prompt without ``--output``: its text on stdout; else one JSONL record per
     prompt (text, tokens, logprobs, stop reason) to ``--output`` or stdout."""
-    import json
-
-    from posttrain import atomic
 
     def text_of(i: int) -> str:
         row = out.row(i)

@@ -4,6 +4,10 @@ soft tokens placed in the prefill."""
 
 from __future__ import annotations
 
+import numpy as np
+
+from posttrain.training.data import chat_prompt
+
 
 def check_image_model(image: str, spec: str) -> None:
     """Refuses ``--image`` with a model whose config has no vision tower, before the model
@@ -39,10 +43,7 @@ def image_prompt(image: str, prompts: list[dict], model, tok, template, spec: st
       ValueError: not exactly one text prompt, a model without a vision tower, or an
         image that is missing, unreadable or too large (each naming the value).
     """
-    import numpy as np
-
     from posttrain.layers.vision import ImageBatch
-    from posttrain.training.data import chat_prompt
     from posttrain.vision import data as vision_data
     from posttrain.vision import run as vision_run
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+from posttrain.training.data import jsonl_records, validate_messages
+
 
 def check_options(opts) -> None:
     """The options of ``posttrain generate`` that need no model: the sampling numbers
@@ -86,8 +88,6 @@ def read_prompts(texts, path: str | None) -> list[dict]:
         line: not UTF-8, not JSON (or nested too deeply), neither ``{"prompt": text}`` nor
         ``{"messages": [...]}``, an empty or invalid text, bad messages.
     """
-    from posttrain.training.data import jsonl_records, validate_messages
-
     prompts = []
     for number, text in enumerate(texts or (), 1):
         check_text(text, f"--prompt {number}")

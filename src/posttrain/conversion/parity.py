@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import pathlib
 
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from posttrain.conversion.errors import ConversionError
+from posttrain.conversion import vision_parity
+from posttrain.conversion.errors import ConversionError, check_source_dir, read_json_object
+from posttrain.conversion.hf_config import from_hf_config, hf_view, text_config
+from posttrain.conversion.native import NativeMeta, load_native
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +99,6 @@ def hf_logits(
             f"check-logits needs torch and transformers ({error}); "
             "pip install 'posttrain-harness[reference]' torch"
         ) from None
-    import json
 
     torch.set_num_threads(1)
     config = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
@@ -120,8 +125,6 @@ def _forward(model, tokens, positions, padding, images):
 
 @functools.cache
 def _jitted_forward():
-    from flax import nnx
-
     return nnx.jit(_forward)  # one wrapper, so same-config models share its compile cache
 
 
@@ -133,8 +136,6 @@ def native_logits(model, tokens: np.ndarray, mask: np.ndarray, images=None) -> n
     Jitted: one compile (2-6 s for a tiny MoE model on 2 CPU cores) beats eager dispatch,
     which compiles every primitive on first use (11-19 s).
     """
-    import jax.numpy as jnp
-
     keys = mask.astype(bool)[:, None, :]  # [B, 1, S]
     padding = np.broadcast_to(keys, (mask.shape[0], mask.shape[1], mask.shape[1]))  # [B, T, S]
     logits = _jitted_forward()(
@@ -173,11 +174,6 @@ def logits_pair(
     Raises:
       ConversionError: as :func:`check_logits`.
     """
-    from posttrain.conversion import vision_parity
-    from posttrain.conversion.errors import check_source_dir, read_json_object
-    from posttrain.conversion.hf_config import text_config
-    from posttrain.conversion.native import NativeMeta
-
     meta = NativeMeta.read(native_dir)
     check_source_dir(pathlib.Path(hf_dir))
     hf_config = text_config(read_json_object(pathlib.Path(hf_dir) / "config.json"))
@@ -206,11 +202,6 @@ def load_checked(hf_dir: str | os.PathLike, native_dir: str | os.PathLike, dtype
     Raises:
       ConversionError: the configs differ (the message lists the fields).
     """
-    import json
-
-    from posttrain.conversion.hf_config import from_hf_config, hf_view
-    from posttrain.conversion.native import NativeMeta, load_native
-
     meta = NativeMeta.read(native_dir)
     path = pathlib.Path(hf_dir) / "config.json"
     try:

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
+
+from posttrain.layers.vision import ImageBatch, patchify
 
 #: pooled cells (rows, columns) of row r's image: r % 3 picks one (4, 2, 1 soft tokens)
 CELLS = ((2, 2), (1, 2), (1, 1))
@@ -40,8 +43,6 @@ class ParityImages:
     patch_size: int
 
     def _patches(self) -> list[tuple[np.ndarray, np.ndarray] | None]:
-        from posttrain.layers.vision import patchify
-
         return [None if p is None else patchify(p, self.patch_size) for p in self.pictures]
 
     def _padded(self) -> tuple[np.ndarray, np.ndarray]:
@@ -61,10 +62,6 @@ class ParityImages:
     def native(self):
         """The :class:`~posttrain.layers.vision.ImageBatch` of the rows: ``pixels
         [B, 1, P, C]``, ``positions [B, 1, P, 2]``."""
-        import jax.numpy as jnp
-
-        from posttrain.layers.vision import ImageBatch
-
         pixels, positions = self._padded()
         return ImageBatch(jnp.asarray(pixels[:, None]), jnp.asarray(positions[:, None]))
 

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posttrain.distill import tunix_distill
+
 #: the tolerance of :func:`agrees` (float32 sums over a small vocabulary)
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -36,8 +38,6 @@ def settings(strategy) -> tuple[float, float, int] | None:
     """``(temperature, alpha, top_k)`` of Tunix's own ``LogitStrategy`` (not a subclass:
     it may compute otherwise); None for any other strategy or a release whose strategy
     keeps them under other names."""
-    from posttrain.distill import tunix_distill
-
     if type(strategy) is not tunix_distill.strategy_class("logit"):
         return None
     if not (hasattr(strategy, "temperature") and hasattr(strategy, "alpha")):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from posttrain.distill import tunix_distill
+from posttrain.distill import logit_loss, tunix_distill
 from posttrain.training import loss as sft_loss
 
 #: what keeps the teacher's logits out of the gradient (one name, so a test can break it)
@@ -47,8 +47,6 @@ def per_position(strategy, student, teacher, tokens: jax.Array):
     instead, where they were checked equal (:mod:`posttrain.distill.logit_loss`; no
     metrics then: the objective reads none).
     """
-    from posttrain.distill import logit_loss
-
     known = logit_loss.settings(strategy)
     if known is not None and logit_loss.agrees(strategy, known, _vmapped):
         return logit_loss.per_position(student, teacher, tokens, *known), {}
@@ -61,8 +59,6 @@ def check_strategy(strategy) -> None:
     finds it cached. Inside the step's jit trace, JAX releases older than the one main
     pins (the era environments, google-tunix 0.1.1's) handed the check's eager values back
     as tracers (``TracerArrayConversionError``)."""
-    from posttrain.distill import logit_loss
-
     known = logit_loss.settings(strategy)
     if known is not None:
         logit_loss.agrees(strategy, known, _vmapped)

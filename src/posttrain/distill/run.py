@@ -24,7 +24,26 @@ import json
 import os
 import pathlib
 
+from posttrain import distributed, limits, sharding
+from posttrain.conversion.native import NativeMeta, is_native_dir, save_native
+from posttrain.distill import features, tunix_distill
+from posttrain.distill import trainer as distill_trainer
 from posttrain.distill.options import SFT_EXPORT, DistillRunConfig
+from posttrain.distill.trainer import (
+    cast_params,
+    distill_trainer_class,
+    labels_fn,
+    model_logits,
+    shallower,
+)
+from posttrain.loading import load_model
+from posttrain.models import PRESETS, build_model, get_config
+from posttrain.models.params import flat_params
+from posttrain.training import data
+from posttrain.training.default_data import pydoc_conversations
+from posttrain.training.formats import run_tokenizer_and_formats
+from posttrain.training.options import SupervisedRunOptions
+from posttrain.training.supervised import build_rows, run_supervised
 
 __all__ = ["DistillResult", "check_student", "run_distill"]
 
@@ -67,18 +86,6 @@ def run_distill(
       ValueError: a bad option, a strategy or ``distill_top_k`` the release lacks, a
         teacher whose vocabulary is not the student's (one line each).
     """
-    from posttrain import sharding
-    from posttrain.distill import tunix_distill
-    from posttrain.distill.trainer import (
-        cast_params,
-        distill_trainer_class,
-        held_out_kl,
-        labels_fn,
-    )
-    from posttrain.loading import load_model
-    from posttrain.training.formats import run_tokenizer_and_formats
-    from posttrain.training.supervised import build_rows, run_supervised
-
     cfg.check()
     tunix_distill.check_strategy(cfg.strategy, cfg.distill_top_k)
     mesh = sharding.make_mesh(cfg.mesh)
@@ -107,21 +114,19 @@ def run_distill(
         return cls(model, teacher, strategy, tx, training_config, options=options)
 
     def measured(t):
-        built["before"] = held_out_kl(t.model, teacher, held_out, mesh)
+        built["before"] = distill_trainer.held_out_kl(t.model, teacher, held_out, mesh)
         built["trainer"] = t
         if on_built is not None:
             on_built(t)
 
     result = run_supervised(run_cfg, trainer_class=trainer, on_built=measured, log_every=log_every)
-    after = held_out_kl(built["trainer"].model, teacher, held_out, mesh)
+    after = distill_trainer.held_out_kl(built["trainer"].model, teacher, held_out, mesh)
     return DistillResult(result, teacher_spec, built["before"], after)
 
 
 def _teacher_config(cfg: DistillRunConfig):
     """The teacher's ``ModelConfig`` from its files (no weight read), the on-the-fly
     teacher's without ``--teacher``; a missing or unreadable one names ``--teacher``."""
-    from posttrain import limits
-
     if cfg.teacher is None:
         return _default_teacher_config()
     return limits.checkpoint_config(cfg.teacher, "--teacher")[0]
@@ -133,9 +138,6 @@ def check_student(cfg: DistillRunConfig, teacher_config) -> None:
     vocabulary, or ``--strategy`` cannot read the two models
     (:func:`posttrain.distill.features.check_models`; an HF student's layers are checked
     when the trainer is built)."""
-    from posttrain import limits
-    from posttrain.distill import features
-
     if cfg.distill_top_k > teacher_config.vocab_size:
         raise ValueError(
             f"distill_top_k={cfg.distill_top_k} (--distill-top-k): expected at most the "
@@ -155,10 +157,6 @@ def check_student(cfg: DistillRunConfig, teacher_config) -> None:
 def _student_config(cfg: DistillRunConfig):
     """The student's ``ModelConfig`` as the run will build it (a preset cut to
     ``student_layers``, a native directory's, ``--scan`` applied), None for an HF one."""
-    from posttrain.conversion.native import NativeMeta, is_native_dir
-    from posttrain.distill.trainer import shallower
-    from posttrain.models import PRESETS, get_config
-
     if cfg.model in PRESETS:
         config = get_config(cfg.model)
         if cfg.student_layers:
@@ -172,9 +170,6 @@ def _student_config(cfg: DistillRunConfig):
 
 def _strategy(cfg: DistillRunConfig, labels):
     """Tunix's strategy for ``cfg.strategy`` (both forwards :func:`model_logits`)."""
-    from posttrain.distill import features, tunix_distill
-    from posttrain.distill.trainer import model_logits
-
     if cfg.strategy == "logit":
         return tunix_distill.logit_strategy(
             model_logits,
@@ -193,17 +188,12 @@ def _split_data(cfg: DistillRunConfig, where: pathlib.Path) -> tuple[pathlib.Pat
     """``(train, held-out)`` chat JSONL files of ``cfg.data`` (or the embedded set): every
     8th conversation held out. Written by process 0 only when absent (a resumed run keeps
     them); every process returns once they are there."""
-    from posttrain import distributed
-
     train, held = where / "train.jsonl", where / "held_out.jsonl"
     distributed.on_writer(lambda: _write_split(cfg, train, held), "write the data split")
     return train, held
 
 
 def _write_split(cfg: DistillRunConfig, train: pathlib.Path, held: pathlib.Path) -> None:
-    from posttrain.training import data
-    from posttrain.training.default_data import pydoc_conversations
-
     if train.exists() and held.exists():
         return
     conversations = data.read_chat_jsonl(cfg.data) if cfg.data else pydoc_conversations()
@@ -227,9 +217,6 @@ def _student(cfg: DistillRunConfig, where: pathlib.Path) -> str:
     """The student's model spec: a preset cut to ``student_layers`` layers is written once
     as a native directory (seed ``cfg.seed``; by process 0); anything else is
     ``cfg.model``."""
-    from posttrain import distributed
-    from posttrain.models import PRESETS, get_config
-
     if cfg.model not in PRESETS or cfg.student_layers in (0, get_config(cfg.model).num_layers):
         return cfg.model
     distributed.on_writer(lambda: _write_student(cfg, where), "write the student's start")
@@ -237,22 +224,13 @@ def _student(cfg: DistillRunConfig, where: pathlib.Path) -> str:
 
 
 def _write_student(cfg: DistillRunConfig, where: pathlib.Path) -> None:
-    from posttrain.models import build_model, get_config
-
     if not where.exists():
-        from posttrain.conversion.native import save_native
-        from posttrain.distill.trainer import shallower
-        from posttrain.models.params import flat_params
-
         config = shallower(get_config(cfg.model), cfg.student_layers)
         save_native(flat_params(build_model(config, seed=cfg.seed)), config, where)
 
 
 def _default_teacher_config():
     """The config of the default teacher (:func:`_default_teacher`), before it exists."""
-    from posttrain.conversion.native import NativeMeta
-    from posttrain.models import get_config
-
     return (
         NativeMeta.read(SFT_EXPORT).cfg if os.path.isdir(SFT_EXPORT) else get_config(TEACHER_PRESET)
     )
@@ -263,8 +241,6 @@ def _default_teacher(cfg: DistillRunConfig, out: pathlib.Path, train: pathlib.Pa
     run on the training split (``out/teacher``), reused by a rerun."""
     if os.path.isdir(SFT_EXPORT):
         return SFT_EXPORT
-    from posttrain.training.options import SupervisedRunOptions
-    from posttrain.training.supervised import run_supervised
 
     teacher_out = out / "teacher"
     export = teacher_out / f"model-step{cfg.teacher_steps}"

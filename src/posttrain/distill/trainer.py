@@ -23,15 +23,18 @@ optimizer state, one record per optimizer step) and replaces only what it must:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.distill import features, tunix_distill
 from posttrain.distill import loss as distill_loss
+from posttrain.distributed import host_array
 from posttrain.training import loss as sft_loss
 from posttrain.training.metrics import StepMetrics
 from posttrain.training.trainer import SFTOptions, SFTTrainerMixin
@@ -234,8 +237,6 @@ def shallower(config, num_layers: int):
     Raises:
       ValueError: ``num_layers`` is not in 1..``config.num_layers``.
     """
-    import dataclasses
-
     if not 1 <= num_layers <= config.num_layers:
         raise ValueError(f"num_layers {num_layers}: expected 1..{config.num_layers}")
     return dataclasses.replace(
@@ -263,7 +264,6 @@ def held_out_kl(student, teacher, batch: dict, mesh=None) -> float:
     :mod:`posttrain.training.loss`): the figure ``posttrain distill`` reports falling.
     ``mesh``: the models' mesh, on which the batch is placed replicated (needed when it
     spans processes)."""
-    from posttrain.distributed import host_array
 
     @nnx.jit
     def kl(student, teacher, tokens, mask, positions, segments):
@@ -294,8 +294,6 @@ def held_out_kl(student, teacher, batch: dict, mesh=None) -> float:
 def _replicated(host, mesh):
     """``host`` (the same NumPy array in every process) as a global array replicated over
     ``mesh`` (each process fills its own devices)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     host = np.asarray(host)
     sharding = NamedSharding(mesh, PartitionSpec())
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

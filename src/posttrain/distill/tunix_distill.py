@@ -28,6 +28,8 @@ from __future__ import annotations
 import importlib
 import inspect
 
+import jax.numpy as jnp
+
 #: ``--strategy`` names and Tunix's class names.
 STRATEGIES = {
     "logit": "LogitStrategy",
@@ -152,8 +154,6 @@ def loss_and_metrics(result) -> tuple:
 def loss_convention() -> str:
     """``"(loss, metrics)"`` or ``"scalar"``: what ``LogitStrategy.compute_loss`` returns,
     found by running it once on a two-position, two-token example."""
-    import jax.numpy as jnp
-
     strategy = logit_strategy(_identity, _identity, _identity, temperature=1.0, alpha=0.5)
     logits = jnp.zeros((1, 2, 2), jnp.float32)
     result = strategy.compute_loss(

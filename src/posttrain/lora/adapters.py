@@ -31,6 +31,7 @@ from flax import nnx
 from posttrain import _compat, families
 from posttrain.conversion.directories import atomic_directory
 from posttrain.conversion.rows import expand
+from posttrain.distributed import host_array
 from posttrain.lora import layout
 from posttrain.lora.config import LoraConfig, lora_config_of
 from posttrain.models.decoder import stack_layers, unstack_layers
@@ -63,8 +64,6 @@ def _describe(model: nnx.Module) -> dict:
 def adapter_arrays(model) -> dict[str, np.ndarray]:
     """``model``'s LoRA parameters as host arrays by path (gathered across processes: a
     collective, :func:`posttrain.distributed.host_array`)."""
-    from posttrain.distributed import host_array
-
     state = nnx.state(model, nnx.LoRAParam)
     return {
         path_name(p): host_array(_compat.variable_value(v)) for p, v in nnx.to_flat_state(state)

@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from posttrain import _compat, sharding
 from posttrain.config import ModelConfig
+from posttrain.distributed import host_array
 from posttrain.models.causal_lm import CausalLM
 from posttrain.tree import path_name
 
@@ -26,8 +27,6 @@ def flat_params(model: nnx.Module) -> dict[str, np.ndarray]:
     Across processes, parameters sharded over several processes are gathered
     (:func:`posttrain.distributed.host_array`): every process must call this.
     """
-    from posttrain.distributed import host_array
-
     state = nnx.state(model, nnx.Param)
     out = {}
     for path, variable in jax.tree_util.tree_leaves_with_path(

@@ -18,6 +18,7 @@ Output directory (``DPORunConfig.output``), as ``posttrain sft``'s::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -25,9 +26,28 @@ from collections.abc import Sequence
 import numpy as np
 
 from posttrain import atomic, distributed, sharding
+from posttrain.distributed import host_array
+from posttrain.preference import data, tunix_dpo
+from posttrain.preference.default_data import pydoc_pairs
 from posttrain.preference.options import DPORunConfig
+from posttrain.preference.trainer import DPOTrainer
+from posttrain.tokenizer import check_coverage
 from posttrain.training import record as run_record
 from posttrain.training.checks import check_same_run, discard_unstarted
+from posttrain.training.data import sharded_batches
+from posttrain.training.directory import prepare_output
+from posttrain.training.export import export_final
+from posttrain.training.formats import run_tokenizer_and_formats
+from posttrain.training.loading import load_run_model, pad_id_of
+from posttrain.training.optimizer import (
+    adam_schedule,
+    peft_training_fields,
+    single_process_cpu,
+    trainer_options,
+)
+from posttrain.training.policy import TunixPolicy, reference_of
+from posttrain.training.shards import data_shards, recorded_shards
+from posttrain.training.trainer import NonFiniteLossError
 
 __all__ = ["DPORunConfig", "DPOResult", "pair_arrays", "run_dpo"]
 
@@ -92,9 +112,7 @@ class ShardedPairs:
     def batches(self, global_batch: int, grad_accum: int, *, seed: int):
         """This process's part of each global micro-batch, repeating
         (:func:`posttrain.training.data.sharded_batches`)."""
-        from posttrain.training import data
-
-        return data.sharded_batches(self.arrays, self.shards, global_batch, grad_accum, seed=seed)
+        return sharded_batches(self.arrays, self.shards, global_batch, grad_accum, seed=seed)
 
     def whole_batches(self, global_batch: int) -> int:
         """How many global batches a single pass takes: each shard holds at least
@@ -115,10 +133,6 @@ def pair_arrays(
     after the tokenizer's BOS prefix); ``tokenizer_name`` names the tokenizer in a
     coverage error. A process parses, validates and tokenises the pairs of its shards
     only (the others' lines are counted)."""
-    from posttrain.preference import data
-    from posttrain.preference.default_data import pydoc_pairs
-    from posttrain.tokenizer import check_coverage
-    from posttrain.training.loading import pad_id_of
 
     def mine_only(i: int) -> bool:  # the other shards' lines are counted, not parsed
         return i % shards in mine
@@ -164,11 +178,6 @@ def evaluate(
     jitted forward of the policy per batch (Tunix's ``compute_logps``); the reference's
     come from Tunix's preparation. The batches are the first pass of ``pairs``'s
     stream (seed 0): with one shard, its pairs shuffled, the remainder left out."""
-    import itertools
-
-    from posttrain.distributed import host_array
-    from posttrain.preference import tunix_dpo
-
     count = pairs.whole_batches(global_batch)
     n = count * global_batch
     sums = {"preference_accuracy": 0.0, "reward_margin": 0.0, "logp_accuracy": 0.0}
@@ -197,12 +206,6 @@ def run_dpo(cfg: DPORunConfig, *, log_every: int | None = None, on_built=None) -
       ValueError: a bad config, mesh, model, tokenizer or dataset (one line naming it);
         ORPO on a release without it.
     """
-
-    from posttrain.preference import tunix_dpo
-    from posttrain.training.directory import prepare_output
-    from posttrain.training.export import export_final
-    from posttrain.training.formats import run_tokenizer_and_formats
-    from posttrain.training.loading import load_run_model
 
     cfg.check()
     tunix_dpo.check_algorithm(cfg.algorithm)  # before anything is read or written
@@ -259,8 +262,6 @@ def _train(trainer, cfg: DPORunConfig, out, facts: dict, train, held_out, *, wri
     then), records this segment (the writer), trains from the step Tunix restored and
     evaluates again; returns the figures ``(before, after)`` (None without held-out
     pairs). A non-finite loss abandons the run (no final checkpoint, no export)."""
-    from posttrain.training.trainer import NonFiniteLossError
-
     global_batch = facts["global_batch"]
     scale = cfg.beta if cfg.algorithm == "dpo" else cfg.lambda_orpo
 
@@ -297,8 +298,6 @@ def _read_pairs(
       ValueError: bad pairs, or fewer than one optimizer step of them (one global batch
         of held-out pairs).
     """
-    from posttrain.training.shards import data_shards, recorded_shards
-
     shards, mine = data_shards(cfg, mesh, global_batch, recorded_shards(cfg))
     # Bad data fails before the model is built or anything is written. Each process
     # tokenises its shards only, so a bad pair fails in one process: every process
@@ -321,16 +320,6 @@ def _read_pairs(
 def _trainer(cfg: DPORunConfig, model, mesh, out: pathlib.Path, log_every):
     """Our ``DPOTrainer`` of the run ``cfg``: the policy ``model`` and its reference
     (none for ORPO; the policy with adapters off under LoRA, else a frozen copy)."""
-    from posttrain.preference import tunix_dpo
-    from posttrain.preference.trainer import DPOTrainer
-    from posttrain.training.optimizer import (
-        adam_schedule,
-        peft_training_fields,
-        single_process_cpu,
-        trainer_options,
-    )
-    from posttrain.training.policy import TunixPolicy, reference_of
-
     policy = TunixPolicy(model)
     reference = None if cfg.algorithm == "orpo" else reference_of(policy)
     schedule, tx = adam_schedule(cfg)

@@ -31,6 +31,8 @@ import functools
 import importlib
 import inspect
 
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from posttrain.training import tunix_loss
@@ -186,9 +188,6 @@ def rewards_are_scaled() -> bool:
     reference log-probabilities are 0: the chosen reward is then ``-log 2`` raw or
     ``-2 log 2`` scaled.
     """
-    import jax.numpy as jnp
-    import numpy as np
-
     example = train_example(
         input_ids=jnp.zeros((2, 2), jnp.int32),
         positions=jnp.tile(jnp.arange(2, dtype=jnp.int32), (2, 1)),
@@ -227,8 +226,6 @@ class _UniformModel(nnx.Module):
     token has log-probability log(1/2). The probe of :func:`rewards_are_scaled`."""
 
     def __call__(self, input_tokens, positions=None, cache=None, attention_mask=None):
-        import jax.numpy as jnp
-
         batch, seq = input_tokens.shape
         return jnp.zeros((batch, seq, 2), jnp.float32), None
 

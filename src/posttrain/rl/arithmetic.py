@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from posttrain import atomic, chat
+
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -41,8 +43,6 @@ class Problem:
     def prompt_in(self, template=None) -> str:
         """The prompt text in ``template`` (a :class:`posttrain.chat.ChatTemplate`;
         default: the built-in ChatML): the user turn with the generation prompt."""
-        from posttrain import chat
-
         messages = [{"role": "user", "content": self.question}]
         return chat.prompt_text(messages, template or chat.chatml())
 
@@ -54,8 +54,6 @@ def problems() -> list[Problem]:
 
 def write_warmup_jsonl(problems: list[Problem], path: str | os.PathLike, repeats: int) -> None:
     """Chat JSONL (``posttrain sft --data``) of ``problems``, ``repeats`` times each."""
-    from posttrain import atomic
-
     lines = [
         json.dumps(
             {

@@ -4,22 +4,24 @@ contracts of ``contracts/test_tunix_rl.py`` drive)."""
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 
-from posttrain import distributed, sharding
+import jax
+import jax.numpy as jnp
+import optax
+
+from posttrain import _compat, distributed, sharding
+from posttrain.rl import tunix_cluster, tunix_rl
 from posttrain.rl.options import GRPORunConfig
 from posttrain.training.optimizer import clipped
+from posttrain.training.policy import TunixPolicy, reference_of
 
 
 def configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_ids):
     """Tunix's ``(training config, rollout config, algorithm config)`` of the run; the
     rollout stops at any of ``eos_ids``."""
-    import jax.numpy as jnp
-    import optax
     from tunix.sft import metrics_logger
-
-    from posttrain import _compat
-    from posttrain.rl import tunix_rl
 
     batch = batch_size(cfg, mesh)
     training = tunix_rl.training_config(
@@ -77,9 +79,6 @@ def build_learner(cfg: GRPORunConfig, model, tok, meshes, fns):
     Raises:
       ValueError: an algorithm the installed Tunix does not have (one line naming it).
     """
-    from posttrain.rl import tunix_cluster, tunix_rl
-    from posttrain.training.policy import TunixPolicy, reference_of
-
     mesh, rollout_mesh = meshes
     training, rollout, algo = configs(cfg, pathlib.Path(cfg.output), mesh, tok.stop_ids)
     actor, reference = TunixPolicy(model), TunixPolicy(reference_of(model))
@@ -107,12 +106,6 @@ def saves():
     """Orbax writes each replicated array from one replica in one CPU process (its
     replica-parallel slicing is pure overhead there, and on jax 0.7 its eager slices fail
     inside Tunix's ``with mesh:``; :func:`posttrain._compat.single_replica_array_saves`)."""
-    import contextlib
-
-    import jax
-
-    from posttrain import _compat
-
     if jax.default_backend() == "cpu" and jax.process_count() == 1:
         return _compat.single_replica_array_saves()
     return contextlib.nullcontext()

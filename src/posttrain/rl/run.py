@@ -24,14 +24,24 @@ import pathlib
 import sys
 import time
 
+import jax
 import numpy as np
 
 from posttrain import distributed, sharding
-from posttrain.rl import arithmetic, rewards
-from posttrain.rl.build import batch_size
+from posttrain import generate as generation
+from posttrain.generate import SamplingConfig
+from posttrain.loading import load_trainable
+from posttrain.rl import arithmetic, rewards, tunix_cluster, tunix_rl
+from posttrain.rl.build import batch_size, build_learner, saves
 from posttrain.rl.metrics import progress_line, step_record, write_metrics
 from posttrain.rl.options import GRPORunConfig
 from posttrain.training import record as run_record
+from posttrain.training.checks import check_global_batch
+from posttrain.training.export import export_final
+from posttrain.training.formats import run_tokenizer_and_formats
+from posttrain.training.options import SupervisedRunOptions
+from posttrain.training.supervised import run_supervised
+from posttrain.tunix_sampler import TunixTokenizer
 
 __all__ = ["GRPOResult", "GRPORunConfig", "progress_line", "run_grpo", "step_record"]
 
@@ -70,8 +80,6 @@ def evaluate(model, tok, problems, cfg: GRPORunConfig, fns, template=None) -> fl
     evaluations of the same weights agree and two policies see the same random draws.
     Prompts in ``template`` (default: the built-in ChatML); a completion stops at any of
     ``tok.stop_ids`` (the checkpoint's), which its text leaves out."""
-    from posttrain.generate import SamplingConfig, generate
-
     repeated = [p for p in problems for _ in range(cfg.eval_samples)]
     texts = [p.prompt_in(template) for p in repeated]
     prompts = [tok.encode(text) for text in texts]
@@ -82,7 +90,7 @@ def evaluate(model, tok, problems, cfg: GRPORunConfig, fns, template=None) -> fl
         eos_ids=tok.stop_ids,
         pad_id=tok.pad_id(),
     )
-    gen = generate(model, prompts, sampling)
+    gen = generation.generate(model, prompts, sampling)
     completions = [
         tok.decode([t for t in gen.row(i) if t not in tok.stop_ids]) for i in range(len(repeated))
     ]
@@ -95,9 +103,6 @@ def evaluate(model, tok, problems, cfg: GRPORunConfig, fns, template=None) -> fl
 
 def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
     """Runs (or finds) the warm-up SFT; returns the model to start GRPO from."""
-    from posttrain.training.options import SupervisedRunOptions
-    from posttrain.training.supervised import run_supervised
-
     if cfg.warmup_steps == 0:
         return cfg.model
     done = out / "warmup" / f"model-step{cfg.warmup_steps}"
@@ -140,13 +145,6 @@ def run_grpo(cfg: GRPORunConfig, *, log_every: int | None = None, on_built=None)
       ValueError: a bad config, mesh, model or tokenizer, or an algorithm the installed
         Tunix does not have (one line naming it).
     """
-    import jax
-
-    from posttrain.loading import load_trainable
-    from posttrain.training.export import export_final
-    from posttrain.training.formats import run_tokenizer_and_formats
-    from posttrain.tunix_sampler import TunixTokenizer
-
     cfg.check()
     # Across processes, process 0 alone writes metrics, progress, run.json and exports.
     writer = distributed.is_writer()
@@ -209,9 +207,6 @@ def _check_before_work(cfg: GRPORunConfig, out: pathlib.Path):
     Raises:
       ValueError: one line naming the offending option.
     """
-    from posttrain.rl import tunix_rl
-    from posttrain.training.checks import check_global_batch
-
     run_record.check_resumable(cfg, out)
     previous = run_record.read(out)
     tunix_rl.learner_and_config(cfg.algorithm)
@@ -244,8 +239,6 @@ def _meshes(cfg: GRPORunConfig):
     Raises:
       ValueError: ``rollout_dtype`` on a Tunix without it, or with one mesh.
     """
-    from posttrain.rl import tunix_rl
-
     mesh = sharding.make_mesh(cfg.mesh)
     rollout_mesh = mesh if cfg.rollout_mesh is None else sharding.make_mesh(cfg.rollout_mesh)
     if cfg.rollout_dtype and not tunix_rl.rollout_takes_data_type():
@@ -266,8 +259,6 @@ def _surface(cfg: GRPORunConfig, writer: bool, log_every) -> dict:
     """What the installed Tunix RL does (:func:`posttrain.rl.tunix_rl.surface`), printed
     with ``log_every``; warns of a biased ratio at a temperature other than 1 where its
     trainer computes logps at 1."""
-    from posttrain.rl import tunix_rl
-
     found = tunix_rl.surface()
     if writer and cfg.temperature != 1.0 and found["trainer logps at rollout temperature"] == "no":
         print(
@@ -285,9 +276,6 @@ def _train(cfg: GRPORunConfig, model, tok, meshes, task, fns, on_built, writer: 
     """Builds Tunix's cluster and learner over ``model`` and trains from the step it
     restored on ``task``, ``(problems, template)``; returns ``(trained model, step,
     restored step, history, seconds)``."""
-    from posttrain.rl import tunix_cluster
-    from posttrain.rl.build import build_learner, saves
-
     task, template = task
     out = pathlib.Path(cfg.output)
     rewards_seen: dict[int, dict[str, np.ndarray]] = {}
@@ -322,8 +310,6 @@ def _check_accumulation(cfg: GRPORunConfig, mesh) -> None:
     """Raises ValueError (one line) unless ``grad_accum`` divides the step's prompts and
     each micro-batch's completions divide over the mesh's data-parallel shards, or when
     ``grad_accum`` > 1 on a Tunix that would update once per micro-batch."""
-    from posttrain.rl import tunix_rl
-
     if cfg.grad_accum > 1 and not tunix_rl.accumulates_micro_batches():
         raise ValueError(
             f"grad_accum={cfg.grad_accum} (--grad-accum): this google-tunix's GRPO takes an "

@@ -12,15 +12,14 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 from posttrain.rl.tunix_rl import UnknownRLShapeError
+from posttrain.training.policy import has_lora
+from posttrain.training.trainer import replicate_unplaced
 
 
 def _update_filter(rl_cluster):
-    from flax import nnx
-
-    from posttrain.training.policy import has_lora
-
     return (nnx.LoRAParam if has_lora(rl_cluster.actor_trainer.model) else nnx.Param,)
 
 
@@ -52,9 +51,6 @@ def reshard_syncs_on_device(learner) -> None:
     ``RolloutConfig.data_type`` copy's dtype itself, 0.1.2+). No-op when the learner does
     not sync (:func:`syncs_weights`: the rollout shares the actor's parameters).
     """
-    import jax
-    from flax import nnx
-
     if not syncs_weights(learner):
         return
     rl_cluster = learner.rl_cluster
@@ -105,8 +101,6 @@ def sync_rollout(learner) -> None:
     rollout shares the actor's parameters (:func:`syncs_weights`): an update there would
     replace the sampler's live parameters by a snapshot, and the rollout would sample
     from it for the rest of the run (``contracts/test_tunix_rl.py`` checks both)."""
-    from flax import nnx
-
     if not syncs_weights(learner):
         return
     rl_cluster = learner.rl_cluster
@@ -192,7 +186,6 @@ def place_actor_optimizer(cluster, mesh) -> None:
     """
     if jax.process_count() == 1:
         return
-    from posttrain.training.trainer import replicate_unplaced
 
     trainer = cluster.actor_trainer
     replicate_unplaced(trainer.optimizer, mesh)

@@ -32,12 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+from flax import nnx
 
 from posttrain.config import choices
 from posttrain.rl.options import GRPOAlgorithm
@@ -80,8 +85,6 @@ def learner_and_config(algorithm: str) -> tuple[type, type]:
       ValueError: ``algorithm`` is not one of :data:`ALGORITHMS`, or the installed Tunix
         does not have it (the message names the release that added it).
     """
-    import importlib
-
     if algorithm not in _CLASSES:
         raise ValueError(f"algorithm={algorithm!r}: expected one of {', '.join(ALGORITHMS)}")
     learners, configs, since = _CLASSES[algorithm]
@@ -109,9 +112,6 @@ def _register_grpo_helpers() -> None:
     'advantage_estimator'`` (found by the matrix; 0.1.5 moved the estimator into
     ``grpo_learner``). Importing the module registers it; earlier releases call it
     directly, later ones do not have it."""
-    import importlib
-    import importlib.util
-
     name = "tunix.rl.grpo.grpo_helpers"
     if importlib.util.find_spec(name) is not None:
         importlib.import_module(name)
@@ -198,8 +198,6 @@ def accumulates_micro_batches() -> bool:
     (its micro-batch "must be the same as the input batch size"): each micro-batch
     there takes an update of its own. A probe of the release's own config, not its
     version."""
-    import optax
-
     probe = training_config(
         actor_optimizer=optax.sgd(1.0),
         eval_every_n_steps=1,
@@ -313,8 +311,6 @@ def metric_fn(fn: Callable[..., dict]) -> Callable[..., dict]:
 def reward_kwargs_from_algo_config() -> bool:
     """Whether the installed release passes ``algo_config`` fields to reward functions
     whose parameters match them (``tunix.rl.reward_manager``, google-tunix 0.1.6+)."""
-    import importlib.util
-
     return importlib.util.find_spec("tunix.rl.reward_manager") is not None
 
 
@@ -336,7 +332,6 @@ def per_token_logps(
     ``temperature`` divides the logits where the release does so
     (:func:`logps_follow_temperature`), as its trainer does with the rollout's; earlier
     releases ignore it, as their trainers do."""
-    from flax import nnx
     from tunix.rl import common
 
     params = inspect.signature(common.compute_per_token_logps).parameters
@@ -354,8 +349,6 @@ def moe_aux_loss(policy, example) -> jax.Array:
     """The unweighted ``moe_aux_loss`` of ``policy`` (a ``TunixPolicy``) on a Tunix
     ``TrainExample``'s prompt + completion, with the positions and the causal x non-pad
     mask Tunix's logps path builds (``shared/research/tunix-rl.md`` 3.4)."""
-    import jax.numpy as jnp
-
     tokens = jnp.concatenate([example.prompt_ids, example.completion_ids], axis=1)
     real = jnp.concatenate([example.prompt_mask, example.completion_mask], axis=1).astype(bool)
     positions = jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0).astype(jnp.int32)

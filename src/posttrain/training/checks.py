@@ -20,6 +20,10 @@ import os
 import pathlib
 import shutil
 
+import jax
+
+from posttrain.conversion.native import is_native_dir
+from posttrain.lora.adapters import ADAPTER_FILE, CONFIG_FILE
 from posttrain.training.record import METRICS_FILE, RUN_FILE, read
 
 #: What a run writes before its first checkpoint, removed when it never reaches one.
@@ -70,8 +74,6 @@ def check_same_run(cfg, global_batch: int) -> dict:
     Raises:
       ValueError: one line naming the recorded and the new value of what differs.
     """
-    import jax
-
     out = pathlib.Path(cfg.output)
     facts = {"devices": jax.device_count(), "data_sha256": data_digest(cfg.data)}
     recorded = read(out)
@@ -96,8 +98,6 @@ def check_global_batch(out: str | os.PathLike, recorded: dict | None, global_bat
     Raises:
       ValueError: one line naming the recorded and the new batch and device counts.
     """
-    import jax
-
     was = (recorded or {}).get("global_batch")
     if was is not None and was != global_batch:
         devices = recorded.get("devices")
@@ -117,9 +117,6 @@ def check_exports(out: str | os.PathLike) -> None:
     Raises:
       ValueError: naming the directory and what it lacks.
     """
-    from posttrain.conversion.native import is_native_dir
-    from posttrain.lora.adapters import ADAPTER_FILE, CONFIG_FILE
-
     out = pathlib.Path(out)
     if not out.is_dir():
         return

@@ -13,6 +13,11 @@ import re
 
 from posttrain.training.data import Messages
 
+try:
+    from pydoc_data.topics import topics as _TOPICS
+except ImportError:  # some distributions strip it: pydoc_conversations says so when called
+    _TOPICS = None
+
 _SENTENCE_END = re.compile(r"(?<=[.!?:])\s")
 
 
@@ -30,16 +35,14 @@ def pydoc_conversations(max_chars: int = 160, min_chars: int = 60) -> list[Messa
     Raises:
       RuntimeError: this Python was built without ``pydoc_data``.
     """
-    try:
-        from pydoc_data.topics import topics
-    except ImportError as e:  # some distributions strip it
+    if _TOPICS is None:
         raise RuntimeError(
             "the embedded dataset needs CPython's pydoc_data module; pass --data FILE.jsonl instead"
-        ) from e
+        )
     conversations, seen = [], set()
-    for name in sorted(topics):
+    for name in sorted(_TOPICS):
         subject = name.replace("-", " ")
-        paragraphs = [p for p in re.split(r"\n\s*\n", topics[name]) if len(p.strip()) >= min_chars]
+        paragraphs = [p for p in re.split(r"\n\s*\n", _TOPICS[name]) if len(p.strip()) >= min_chars]
         for i, paragraph in enumerate(paragraphs):
             answer = _answer(paragraph, max_chars)
             if answer in seen:  # topics share sections; keep the first

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import pathlib
 
+from posttrain import distributed
+
 
 def check_output_dir(output: str) -> None:
     """Checks, before any work, that ``output`` can be a run directory: a non-empty path
@@ -32,7 +34,6 @@ def check_output_dir(output: str) -> None:
 def prepare_output(output: str) -> pathlib.Path:
     """Creates run directory ``output`` and sweeps what a killed run left: its exports'
     temporaries and its on-the-fly HF conversion beside it."""
-    from posttrain import distributed
     from posttrain.conversion.directories import sweep_stale_temporaries
 
     out = pathlib.Path(output)

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import pathlib
 
+from posttrain import distributed
+from posttrain.conversion.native import save_native
+from posttrain.lora import lora_params, merge_lora, save_adapter
+from posttrain.lora.adapters import adapter_arrays
+from posttrain.models.params import flat_params
+from posttrain.training.checks import check_exports, replace_empty
+
 
 def export_final(model, out: pathlib.Path, step: int, *, formats=None) -> list[pathlib.Path]:
     """A run's final weights: ``out/model-step<step>`` (native safetensors, LoRA merged)
@@ -19,13 +26,6 @@ def export_final(model, out: pathlib.Path, step: int, *, formats=None) -> list[p
     Across processes every process gathers the weights (a collective) and process 0
     writes them; the others wait until it has.
     """
-    from posttrain import distributed
-    from posttrain.conversion.native import save_native
-    from posttrain.lora import lora_params, merge_lora, save_adapter
-    from posttrain.lora.adapters import adapter_arrays
-    from posttrain.models.params import flat_params
-    from posttrain.training.checks import check_exports, replace_empty
-
     writer = distributed.is_writer()
     written = []
     adapter = out / f"adapter-step{step}"

@@ -25,7 +25,10 @@ import os
 import pathlib
 from typing import Any
 
-from posttrain import chat
+from posttrain import atomic, chat
+from posttrain.tokenizer import load_tokenizer
+from posttrain.training import record
+from posttrain.training.loading import run_tokenizer_path
 
 #: run.json keys (a segment's facts) naming the template a run trained in.
 TEMPLATE_KEY, TEMPLATE_SHA_KEY = "chat_template_origin", "chat_template_sha256"
@@ -65,8 +68,6 @@ class RunFormats:
     def write(self, directory: str | os.PathLike) -> None:
         """Writes the formats into an export ``directory`` (module docstring); each file
         atomically."""
-        from posttrain import atomic
-
         directory = pathlib.Path(directory)
         chat.save_template(directory, self.template)
         atomic.write_text(directory / "tokenizer.json", self.tokenizer.to_str())
@@ -124,8 +125,6 @@ def check_unchanged(out: str | os.PathLike, formats: RunFormats) -> None:
     Raises:
       ValueError: one line naming both templates.
     """
-    from posttrain.training import record
-
     recorded = record.read(out)
     if recorded is None:
         return
@@ -147,9 +146,6 @@ def run_tokenizer_and_formats(cfg) -> tuple[Any, RunFormats]:
     Raises:
       ValueError: as :func:`run_formats`, or a tokenizer that cannot be loaded.
     """
-    from posttrain.tokenizer import load_tokenizer
-    from posttrain.training.loading import run_tokenizer_path
-
     path = run_tokenizer_path(cfg, cfg.model if os.path.isdir(cfg.model) else None)
     tok = load_tokenizer(path)
     return tok, run_formats(cfg, tok, path)

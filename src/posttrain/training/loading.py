@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+from posttrain.loading import load_trainable, recorded_tokenizer
+from posttrain.tokenizer import load_tokenizer
+
 
 def run_tokenizer_path(cfg, hf_dir: str | None) -> str | None:
     """Where a run's tokenizer comes from: ``cfg.tokenizer``; else the model directory's
@@ -11,8 +14,6 @@ def run_tokenizer_path(cfg, hf_dir: str | None) -> str | None:
     (``posttrain.loading.recorded_tokenizer``: ``posttrain dpo --model
     runs/sft/model-step60`` continues with the SFT run's); else None, the embedded byte
     tokenizer."""
-    from posttrain.loading import recorded_tokenizer
-
     if cfg.tokenizer is not None or not hf_dir:
         return cfg.tokenizer
     if os.path.isfile(os.path.join(hf_dir, "tokenizer.json")):
@@ -22,8 +23,6 @@ def run_tokenizer_path(cfg, hf_dir: str | None) -> str | None:
 
 def run_tokenizer(cfg, hf_dir: str | None):
     """The tokenizer at :func:`run_tokenizer_path`."""
-    from posttrain.tokenizer import load_tokenizer
-
     return load_tokenizer(run_tokenizer_path(cfg, hf_dir))
 
 
@@ -40,8 +39,6 @@ def load_run_model(cfg, mesh, tok):
     """:func:`posttrain.loading.load_trainable` with a run config's ``model``,
     ``lora_rank``, ``lora_alpha``, ``seed``, ``remat`` and ``scan_layers`` (an HF
     directory is converted beside ``output``); ``posttrain sft`` and ``dpo``."""
-    from posttrain.loading import load_trainable
-
     return load_trainable(
         cfg.model,
         mesh,

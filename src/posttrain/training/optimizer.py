@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pathlib
 
-from posttrain import distributed, sharding
+import jax
+import optax
+
+from posttrain import _compat, distributed, sharding
+from posttrain.training.trainer import SFTOptions
 
 
 def adam_schedule(cfg):
@@ -18,8 +22,6 @@ def adam_schedule(cfg):
     (the google-tunix 0.1.6 era's) still adds ``0 * parameter``, which turns a parameter
     of +-inf into NaN. The vision tower's clip bounds are +-inf until a checkpoint sets
     them (no clamp), and Tunix's optimizer holds them even while the tower is frozen."""
-    import optax
-
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         cfg.learning_rate,
@@ -35,8 +37,6 @@ def clipped(tx, max_grad_norm: float):
     ``--max-grad-norm``; every workflow's optimizer goes through here); ``tx`` itself at
     0, no clipping. Under accumulation the clip sees the step's accumulated gradient
     (Tunix's ``optax.MultiSteps`` wraps the whole chain)."""
-    import optax
-
     if max_grad_norm == 0:
         return tx
     return optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
@@ -47,8 +47,6 @@ def peft_training_fields(cfg, out: pathlib.Path, mesh, *, async_saves: bool = Tr
     ``grad_accum`` and ``save_every``: checkpoints in ``out/checkpoints`` (2 kept),
     TensorBoard in ``out/tensorboard``, batches on the mesh's first batch axis, no eval."""
     from tunix.sft import metrics_logger
-
-    from posttrain import _compat
 
     batch_axes = tuple(sharding.batch_spec(mesh))[:1]
     return dict(
@@ -74,8 +72,6 @@ def peft_training_fields(cfg, out: pathlib.Path, mesh, *, async_saves: bool = Tr
 def single_process_cpu() -> bool:
     """One process on the CPU backend: Orbax saves each replicated array from one replica
     there (nobody to share the writes with; ``posttrain sft``'s ``auto``)."""
-    import jax
-
     return jax.default_backend() == "cpu" and jax.process_count() == 1
 
 
@@ -83,8 +79,6 @@ def trainer_options(mesh, schedule, out: pathlib.Path, log_every, *, single_repl
     """Our trainer options (:class:`posttrain.training.trainer.SFTOptions`) of a
     ``PeftTrainer`` run: its mesh and schedule, ``metrics.jsonl`` written by the writer
     process only, each process's share of every batch (``process_local_batches``)."""
-    from posttrain.training.trainer import SFTOptions
-
     return SFTOptions(
         mesh=mesh,
         learning_rate_fn=schedule,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from posttrain import distributed
+from posttrain import distributed, sharding
 from posttrain.training import record as run_record
 
 if TYPE_CHECKING:
@@ -36,8 +36,6 @@ def data_shards(
         are not whole shards (both numbers named), or ``data_shards`` differs from the
         resumed run's.
     """
-    from posttrain import sharding
-
     start, stop = distributed.local_rows(sharding.batch_sharding(mesh), global_batch)
     if recorded is not None and cfg.data_shards not in (None, recorded):
         raise ValueError(

@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import errno
 import logging
+import os
 import pathlib
 import re
 import sys
@@ -52,7 +53,6 @@ def disk_full_line(error: BaseException, output: str | pathlib.Path) -> str | No
         code = int(match.group(1)) if match else None
     if code not in DISK_FULL_ERRNOS:
         return None
-    import os
 
     text = str(error)
     path = getattr(error, "filename", None) or _matched(_FAILED_WRITING, text)

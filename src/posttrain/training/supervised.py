@@ -23,16 +23,24 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+import jax
 import numpy as np
+from flax import nnx
 
 from posttrain import distributed, limits, sharding
+from posttrain.tokenizer import check_coverage
+from posttrain.training import data
 from posttrain.training import record as run_record
 from posttrain.training.checks import check_same_run, discard_unstarted
+from posttrain.training.default_data import pydoc_conversations
 from posttrain.training.directory import prepare_output
+from posttrain.training.export import export_final
+from posttrain.training.formats import run_tokenizer_and_formats
 from posttrain.training.loading import load_run_model, pad_id_of
 from posttrain.training.optimizer import adam_schedule, peft_training_fields, trainer_options
 from posttrain.training.options import SupervisedRunOptions
 from posttrain.training.shards import data_shards, recorded_shards
+from posttrain.training.trainer import NonFiniteLossError, SFTTrainer
 
 __all__ = ["SFTResult", "build_rows", "run_supervised"]
 
@@ -66,10 +74,6 @@ def build_rows(
     """The dataset as padded / packed rows (``posttrain.training.data.to_rows``) in ``template``
     (default: the built-in ChatML; a data file is also checked in its terms); ``shard``:
     ``(index, count)``, only conversations ``index, index + count, ...`` are tokenised."""
-    from posttrain.tokenizer import check_coverage
-    from posttrain.training import data
-    from posttrain.training.default_data import pydoc_conversations
-
     index, count = shard
     if cfg.data:  # the other shards' lines are counted, not parsed
         conversations = data.read_chat_jsonl(
@@ -115,9 +119,6 @@ def run_supervised(
     Raises:
       ValueError: a bad config, mesh, model, tokenizer or dataset (one line naming it).
     """
-    from posttrain.training.export import export_final
-    from posttrain.training.formats import run_tokenizer_and_formats
-
     cfg, mesh, global_batch, resume_facts = _checked(cfg)
     # Across processes, process 0 alone writes metrics, progress and run.json; every
     # process trains, checkpoints (Orbax's collective saves) and gathers the export.
@@ -234,8 +235,6 @@ def _trainer(
     """``(trainer, whether Orbax's saves are replica-parallel)`` of the run ``cfg``."""
     from tunix.sft import peft_trainer
 
-    from posttrain.training.trainer import SFTTrainer
-
     schedule, tx = adam_schedule(cfg)
     training_config = peft_trainer.TrainingConfig(
         **peft_training_fields(cfg, out, mesh, async_saves=not cfg.sync_saves)
@@ -251,8 +250,6 @@ def _trainer(
 
 def _parameter_counts(trainer) -> tuple[int, int]:
     """``(parameters, trained parameters)`` of the trainer's model."""
-    import jax
-    from flax import nnx
 
     def count(kind) -> int:
         leaves = jax.tree.leaves(nnx.state(trainer.model, kind))
@@ -266,9 +263,6 @@ def _train(
 ) -> None:
     """Records this segment (the writer) and trains from the step Tunix restored; a
     non-finite loss abandons the run (no final checkpoint, no export)."""
-    from posttrain.training import data
-    from posttrain.training.trainer import NonFiniteLossError
-
     restored = trainer.train_steps  # Tunix restored the latest checkpoint, if any
     if write:  # metrics.jsonl keeps each step once: replayed steps re-log
         run_record.begin_segment(out, cfg, facts, restored)

@@ -4,6 +4,8 @@ wraps a Tunix loss (``preference.tunix_dpo``, ``rl.tunix_rl``); no Tunix import.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 
 class UnknownLossShapeError(RuntimeError):
     """A Tunix loss function returned neither ``(loss, aux)``, an array nor ``LossOutput``."""
@@ -50,8 +52,6 @@ def add_to_loss(result, term):
     if isinstance(result, tuple) and len(result) == 2:
         return result[0] + term, result[1]
     if hasattr(result, "primary_loss") and hasattr(result, "replace"):
-        import jax.numpy as jnp
-
         primary = result.primary_loss
         scale = primary.compute_scale()
         shift = jnp.where(scale > 0, term / jnp.where(scale > 0, scale, 1.0), 0.0)

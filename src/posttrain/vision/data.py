@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from posttrain.layers.vision import patchify
-from posttrain.training.data import Messages, jsonl_records, validate_messages
+from posttrain.training.data import Messages, encode_chats, jsonl_records, validate_messages
 
 DEFAULT_MAX_PIXELS = 4096 * 4096  # an image beyond this is refused, not decoded
 
@@ -359,8 +359,6 @@ def encode_vision_chats(
       ValueError: an image cannot be loaded (:func:`load_image`), or the rendered text
         holds another number of image tokens than the conversation has images.
     """
-    from posttrain.training.data import encode_chats
-
     encoded = encode_chats([c.messages for c in conversations], tokenizer, template)
     out = []
     for index, (conversation, example) in enumerate(zip(conversations, encoded, strict=True)):

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from posttrain import sharding
+from posttrain.layers.vision import ImageBatch
+from posttrain.training import loss
 
 #: row keys holding the images; :func:`with_images` turns them into one ImageBatch
 PIXELS, PATCH_POSITIONS = "image_pixels", "image_positions"
@@ -101,8 +108,6 @@ def with_images(batches: Iterable[dict], field: str) -> Iterator[dict]:
     """Each batch with its image rows as one :class:`~posttrain.layers.vision.ImageBatch`
     under ``field`` (Tunix's ``TrainingInput`` images field, :func:`posttrain.sft.
     tunix_compat.image_field`), which the loss passes to the model as ``images=``."""
-    from posttrain.layers.vision import ImageBatch
-
     for batch in batches:
         batch = dict(batch)
         images = ImageBatch(batch.pop(PIXELS), batch.pop(PATCH_POSITIONS))
@@ -111,11 +116,6 @@ def with_images(batches: Iterable[dict], field: str) -> Iterator[dict]:
 
 def _scores(model, tokens, mask, positions, segments, images):
     """Per row: ``(answer NLL sum, answer tokens, all answer tokens argmax-right)``."""
-    import jax
-    import jax.numpy as jnp
-
-    from posttrain.training import loss
-
     logits, _ = model.forward(
         tokens, positions, loss.packed_attention_mask(segments), images=images
     )  # [B, T, V]
@@ -135,12 +135,6 @@ def answer_scores(model, rows: dict[str, np.ndarray], mesh, chunk: int) -> dict[
     answer token is the argmax given the ones before it, teacher-forced: what greedy
     decoding would answer). ``chunk`` rows at a time (a multiple of the data-parallel
     size; the last chunk is filled with padding rows, which have no answer tokens)."""
-    import jax
-    from flax import nnx
-
-    from posttrain import sharding
-    from posttrain.layers.vision import ImageBatch
-
     step = nnx.jit(_scores)
     placement = sharding.batch_sharding(mesh)
     total = len(rows["input_tokens"])

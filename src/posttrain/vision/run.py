@@ -29,9 +29,17 @@ import pathlib
 import tempfile
 from typing import Any
 
+from flax import nnx
+
+from posttrain import atomic, limits
 from posttrain.layers.mlp import CLIP_BOUNDS
+from posttrain.training import tunix_compat
 from posttrain.training.options import VISION_MODEL
 from posttrain.training.supervised import SFTResult, run_supervised
+from posttrain.vision import data as vision_data
+from posttrain.vision import default_data as vision_default_data
+from posttrain.vision.data import ImageProcessing
+from posttrain.vision.rows import answer_scores, fit_example, vision_rows, with_images
 
 EMBEDDED_COUNT = 512  # drawn images of the embedded set
 EMBEDDED_SEED = 0
@@ -44,8 +52,6 @@ def image_processing(model: str, vision):
     """How ``model``'s images are prepared: its directory's ``preprocessor_config.json``
     when it has one (an HF checkpoint, a vision run's export), else the tower's patch and
     pooling sizes with :data:`PRESET_SOFT_TOKENS` soft tokens at most."""
-    from posttrain.vision.data import ImageProcessing
-
     path = os.path.join(model, PROCESSOR_FILE)
     if os.path.isfile(path):
         try:
@@ -84,8 +90,6 @@ def tower_of(model: str):
     Raises:
       ValueError: the model has no vision tower (naming it).
     """
-    from posttrain import limits
-
     vision = limits.checkpoint_config(model)[0].vision
     if vision is None:
         raise ValueError(
@@ -137,8 +141,6 @@ class VisionRun:
 
     def rows(self, cfg, tok, shard: tuple[int, int] = (0, 1), template=None):
         """The training rows of data shard ``(index, count)`` (the supervised run's row builder)."""
-        from posttrain.vision.rows import vision_rows
-
         index, count = shard
         kept = self.examples[index::count]
         if not kept:
@@ -147,14 +149,10 @@ class VisionRun:
 
     def batches(self, batches):
         """The run's batches with their images as Tunix's images field."""
-        from posttrain.vision.rows import with_images
-
         return with_images(batches, self.field)
 
     def score(self, model, mesh, chunk: int) -> dict[str, float] | None:
         """The held-out answer figures of ``model`` (None without a held-out split)."""
-        from posttrain.vision.rows import answer_scores
-
         if self.held_out is None:
             return None
         return answer_scores(model, self.held_out, mesh, chunk)
@@ -165,8 +163,6 @@ class VisionRun:
 
     def write(self, exported: list[pathlib.Path]) -> None:
         """``preprocessor_config.json`` into the model export (atomically)."""
-        from posttrain import atomic
-
         for path in exported:
             if path.name.startswith("model-step"):
                 text = json.dumps(processor_config(self.processing), indent=2) + "\n"
@@ -181,8 +177,6 @@ TOWER_BUFFERS = (*CLIP_BOUNDS, "std_bias", "std_scale")
 def frozen_filter(train_tower: bool):
     """The ``nnx`` filter of what a vision run leaves as loaded: the whole tower, or with
     ``train_tower`` only its buffers (:data:`TOWER_BUFFERS`)."""
-    from flax import nnx
-
     buffers = nnx.All(
         nnx.PathContains("vision_tower"), nnx.Any(*(nnx.PathContains(b) for b in TOWER_BUFFERS))
     )
@@ -199,9 +193,6 @@ def prepare(cfg, tok, template, pad_id: int) -> VisionRun:
         tokenizer no image token; a bad data line or image (naming the file and line);
         a conversation whose image tokens do not fit its row (naming it).
     """
-    from posttrain.training import tunix_compat
-    from posttrain.vision.rows import fit_example, vision_rows
-
     field = tunix_compat.image_field()
     if field is None:
         raise ValueError(
@@ -244,14 +235,13 @@ def _encoded(cfg, tok, template, processing, vision) -> tuple[list, list]:
     """``(training examples, held-out examples)``: ``--data``'s (nothing held out), else
     the embedded set drawn into a temporary directory (every :data:`HELD_OUT_EVERY`-th
     held out)."""
-    from posttrain.vision import default_data as vision_default_data
-    from posttrain.vision.data import encode_vision_chats, read_vision_jsonl
-
     placeholder = placeholder_of(tok, vision)
 
     def encode(path, image_root=None):
-        conversations = read_vision_jsonl(path, placeholder, processing, image_root=image_root)
-        return encode_vision_chats(conversations, tok, template, processing, vision)
+        conversations = vision_data.read_vision_jsonl(
+            path, placeholder, processing, image_root=image_root
+        )
+        return vision_data.encode_vision_chats(conversations, tok, template, processing, vision)
 
     if cfg.data:
         return encode(cfg.data, cfg.image_root), []
