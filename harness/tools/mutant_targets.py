@@ -264,8 +264,10 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_chat.py",
     ],
     # #58: the bounds and the size estimates, out of sandbox.py (test_chat_sandbox: each
-    # estimate at its edge; test_chat_bounds: the runaway templates)
+    # estimate at its edge; test_chat_bounds: the runaway templates; test_chat_estimates:
+    # each estimate called as the sandbox calls it)
     "src/posttrain/chat/bounds.py": [
+        "tests/test_chat_estimates.py",
         "tests/test_chat_bounds.py",
         "tests/test_chat_sandbox.py",
         "tests/test_chat.py",
