@@ -17,11 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.training import tunix_compat
+from posttrain.training import CONVENTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRIES_FILE = REPO / "compat" / "entries.toml"
-CONVENTIONS: tuple[str, ...] = tuple(tunix_compat.KNOWN.values())
 FLAVOURS = ("current", "era", "emulated", "source")
 TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100")
 

@@ -169,8 +169,7 @@ def emulated_sft(convention: str, output: str) -> None:
     can call it in-process."""
     configure_devices()
     from contracts import tunix_emulation
-    from posttrain.sft.run import SFTConfig, run_sft
-    from posttrain.training.trainer import sft_trainer_class
+    from posttrain.sft import SFTConfig, run_sft, sft_trainer_class
 
     reason = tunix_emulation.not_applicable(convention)
     if reason:

@@ -28,7 +28,7 @@ PROBE = (
     "from tunix.sft.peft_trainer import TrainingInput\n"
     "if 'images' not in {f.name for f in dataclasses.fields(TrainingInput)}:\n"
     f"    sys.exit({NO_FIELD})\n"
-    "from posttrain.vision.default_data import write_dataset\n"
+    "from posttrain.vision import write_dataset\n"
     "write_dataset(sys.argv[1], count=8, seed=1)\n"
 )
 """Run in the entry's environment: exits :data:`NO_FIELD` without ``TrainingInput.images``,

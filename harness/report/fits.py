@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain import atomic
+from posttrain.plan import DoesNotFit, PlanOptions, get_topology, plan
 
 FITS_NAME = "plan-fits.json"
 VERDICTS = ("fits", "does not fit", "refused")
@@ -130,13 +131,11 @@ def seed(name: str) -> Seed:
 def row_of(s: Seed, record: dict | None = None, refused: str | None = None) -> dict[str, Any]:
     """The report row of seed ``s`` from its plan's JSON record (``Plan.record()``, what
     ``posttrain plan --json`` writes), or from the compiler's refusal line ``refused``."""
-    from posttrain.plan import topology
-
     row: dict[str, Any] = {
         "name": s.name,
         "topology": s.options["topology"],
         "expected": s.expected,
-        "hbm_bytes": topology.get(s.options["topology"]).hbm_bytes,
+        "hbm_bytes": get_topology(s.options["topology"]).hbm_bytes,
         "measured": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": f"{platform.machine()}, {platform.python_version()}",
     }
@@ -160,8 +159,6 @@ def row_of(s: Seed, record: dict | None = None, refused: str | None = None) -> d
 
 def run(s: Seed) -> dict[str, Any]:
     """Plans seed ``s`` (minutes) and returns its row."""
-    from posttrain.plan import DoesNotFit, PlanOptions, plan
-
     try:
         return row_of(s, plan(PlanOptions(**s.options)).record())
     except DoesNotFit as e:

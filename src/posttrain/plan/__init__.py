@@ -20,8 +20,9 @@ import dataclasses
 from posttrain.plan.compile import DoesNotFit
 from posttrain.plan.options import PlanOptions
 from posttrain.plan.report import Figures, Verdict
+from posttrain.plan.topology import get as get_topology
 
-__all__ = ["DoesNotFit", "PlanOptions", "Plan", "plan"]
+__all__ = ["DoesNotFit", "PlanOptions", "Plan", "get_topology", "plan"]
 
 
 @dataclasses.dataclass(frozen=True)

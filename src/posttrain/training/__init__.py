@@ -15,3 +15,19 @@
 - One supervised run end to end (:mod:`.supervised`): ``posttrain sft``, its ``--vision``
   runs, ``distill`` and GRPO's warm-up.
 """
+
+from __future__ import annotations
+
+#: The public entry points: the names of the Tunix train-step conventions the trainer runs
+#: under (:data:`.tunix_compat.KNOWN`'s, in its order), what the matrix's entries name.
+__all__ = ["CONVENTIONS"]
+
+
+def __getattr__(name: str):
+    """``CONVENTIONS``, read from :mod:`.tunix_compat` when first asked for: every module of
+    this package (``posttrain.cli`` imports :mod:`.options`) runs this file first."""
+    if name == "CONVENTIONS":
+        from posttrain.training.tunix_compat import KNOWN
+
+        return tuple(KNOWN.values())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

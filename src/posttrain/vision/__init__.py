@@ -8,3 +8,10 @@
 - :mod:`.rows`: one conversation per row, images padded per row, the held-out scores;
 - :mod:`.run`: what a vision run adds to the supervised run, and ``run_vision``.
 """
+
+from __future__ import annotations
+
+from posttrain.vision.default_data import write_dataset
+
+#: The public entry points: the embedded set drawn to a directory (the matrix's vision cell).
+__all__ = ["write_dataset"]
