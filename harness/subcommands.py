@@ -99,10 +99,10 @@ def run_matrix(args: argparse.Namespace) -> int:
         previous = _reference_report(args.report_dir)
     named = None
     if args.bisect:
-        from harness.bisect import bisect, bisect_suggestions
+        from harness.bisect import bisect, suggestions
 
         named = bisect.run_suggestions(
-            bisect_suggestions.suggestions(rows),
+            suggestions.suggestions(rows),
             envs.EnvCache(args.cache or envs.DEFAULT_CACHE),
             log=lambda line: print(sources.redact(line), file=sys.stderr, flush=True),
         )
@@ -134,8 +134,8 @@ def _write_report(
 ) -> int:
     """Builds (with drift, the flips against ``previous`` and the entries of ``every``
     it leaves out), writes and prints the report; the exit status of its cells."""
-    from harness.bisect import bisect_suggestions
-    from harness.report import drift, fits, report, report_files, report_md
+    from harness.bisect import suggestions
+    from harness.report import drift, files, fits, markdown, report
 
     built = report.build(
         rows,
@@ -143,11 +143,11 @@ def _write_report(
         previous=previous,
         drift=drift.check(rows, args.index_url),
         not_run=every,
-        bisect=bisect_suggestions.suggestions(rows) if bisected is None else bisected,
+        bisect=suggestions.suggestions(rows) if bisected is None else bisected,
         fits=fits.load(args.report_dir),  # the plans' rows beside the report, if any
     )
-    paths = report_files.write(built, args.report_dir)
-    print(sources.redact(report_md.markdown(built)))
+    paths = files.write(built, args.report_dir)
+    print(sources.redact(markdown.markdown(built)))
     print("report: " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 1 if built["broken"] else 0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness import cli
-from harness.bisect import bisect, bisect_suggestions, git_history
+from harness.bisect import bisect, git_history, suggestions
 from harness.matrix import envs, sources
 from tests.test_matrix_sources import FAKE_PYPROJECT
 
@@ -352,7 +352,7 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
     """A FAIL or warn cell of a source row gets the exact command, where the newest
     current release passes that column cleanly; a column the release also warns or
     fails in is no upstream regression between them, and gets none."""
-    from harness.report import report, report_md
+    from harness.report import markdown, report
 
     def row(name, tunix, contracts, sft, **more):
         return {"name": name, "tunix": tunix, "flavour": more.pop("flavour", "current"),
@@ -381,7 +381,7 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
             source={"spec": "/src/tunix", "resolved": "f" * 40},
         ),  # fmt: skip
     ]
-    found = bisect_suggestions.suggestions(rows)
+    found = suggestions.suggestions(rows)
     base = f"posttrain-harness bisect --source /src/tunix --good v0.1.7 --bad {'f' * 40}"
     assert found[0]["verdict"] == "fail" and found[1]["verdict"] == "warn"
     assert (found[0]["good"], found[0]["bad"], found[0]["source"]) == ("v0.1.7", "f" * 40,
@@ -392,8 +392,8 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
         ("sft", f"{base} --contract sft"),
     ]
     built = report.build(rows, "m", bisect=found)
-    assert f"`{base} --contract sft`" in report_md.markdown(built)
-    assert bisect_suggestions.suggestions(rows[:2]) == []  # no source row
+    assert f"`{base} --contract sft`" in markdown.markdown(built)
+    assert suggestions.suggestions(rows[:2]) == []  # no source row
 
 
 @pytest.mark.slow  # 4 environments
@@ -401,7 +401,7 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
 def test_matrix_bisect_runs_each_suggestion_and_names_the_commit(upstream, tmp_path):
     """matrix --bisect: the suggestion for a source row's failing cell, run, names c5 in
     the report's summary."""
-    from harness.report import report, report_md
+    from harness.report import markdown, report
 
     root, shas, contracts = upstream
     node = f"{contracts}::test_train_step_takes_is_update_step"
@@ -412,10 +412,10 @@ def test_matrix_bisect_runs_each_suggestion_and_names_the_commit(upstream, tmp_p
          "contracts": {"t": _cell("failed", test=node)},
          "source": {"spec": str(root), "resolved": shas["c5 rename is_update_step"]}},
     ]  # fmt: skip
-    found = bisect_suggestions.suggestions(rows)
+    found = suggestions.suggestions(rows)
     named = bisect.run_suggestions(found, envs.EnvCache(tmp_path / "envs"), log=lambda _: None)
     assert named[0]["named"]["sha"] == shas["c5 rename is_update_step"], named
-    text = report_md.markdown(report.build(rows, "m", bisect=named))
+    text = markdown.markdown(report.build(rows, "m", bisect=named))
     assert f"first bad: `{shas['c5 rename is_update_step'][:12]}` c5 rename" in text
 
 

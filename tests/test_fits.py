@@ -12,7 +12,7 @@ import time
 import pytest
 
 from harness.matrix import entries
-from harness.report import fits, report, report_html, report_md
+from harness.report import fits, html, markdown, report
 from posttrain.plan import topology
 
 pytestmark = pytest.mark.host
@@ -79,10 +79,10 @@ def test_the_section_shows_each_seed_once_marks_surprises_and_names_the_missing(
 def test_the_report_carries_the_section_in_markdown_and_html():
     rows = [fits.row_of(fits.seed("gpt-oss-20b lora sft"), _record(31.56))]
     built = report.build([], "m", fits=rows)
-    md = report_md.markdown(built)
+    md = markdown.markdown(built)
     assert "### Fits on TPU slices" in md and "| gpt-oss-20b lora sft | v5p-8 | fits |" in md
-    assert "Fits on TPU slices" in report_html.page(built)
-    assert "Fits on TPU slices" not in report_md.markdown(report.build([], "m"))
+    assert "Fits on TPU slices" in html.page(built)
+    assert "Fits on TPU slices" not in markdown.markdown(report.build([], "m"))
 
 
 @pytest.mark.parametrize(

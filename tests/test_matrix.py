@@ -13,7 +13,7 @@ import pytest
 
 from harness import cli
 from harness.matrix import entries, envs, matrix, run_cells
-from harness.report import report, report_files, report_html, report_md
+from harness.report import files, html, markdown, report
 from posttrain.training import tunix_compat
 
 pytestmark = pytest.mark.host
@@ -131,7 +131,7 @@ def test_an_environment_that_cannot_be_built_is_an_error_row(tmp_path):
     assert not list((tmp_path / "envs").iterdir())  # nothing half-built is kept
     row = matrix.run_entry(entry, env, tmp_path / "reports", "1")
     assert row["error"].startswith("environment build failed") and row["contracts"] == {}
-    text = report_md.markdown(report.build([row], "test"))
+    text = markdown.markdown(report.build([row], "test"))
     assert "| broken 💥 |" in text and "environment build failed" in text
 
 
@@ -217,7 +217,7 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
     assert firsts[("current", "B")]["after_passing"] == "v2"
     assert firsts[("current", "sft")]["error"] == "sft broke"
     assert ("era", "A") not in firsts
-    paths = report_files.write(built, tmp_path)
+    paths = files.write(built, tmp_path)
     md, js, page = (p.read_text() for p in paths)
     assert "first fails in **v3** after passing in v2: boom in v3" in md
     assert "| v3 | - · 0.10.2 · - · - · - | ❌ | 💥 | ❌ |  |  |" in md
@@ -226,13 +226,13 @@ def test_report_names_the_first_failing_entry_after_a_passing_one(tmp_path):
 
 
 def test_the_report_files_are_its_three_renderings_without_credentials(tmp_path):
-    """``report_files.write`` makes a nested directory and writes ``compat-matrix.md``,
+    """``files.write`` makes a nested directory and writes ``compat-matrix.md``,
     ``.json`` (indented by 2) and ``.html``, each exactly its rendering of the report with
     a source URL's credentials hidden."""
     secret = "https://user:token@example.com/tunix.git"
     built = report.build([row("v1", "current", {"A": "passed"})], f"machine {secret}")
     where = tmp_path / "a" / "b"
-    paths = report_files.write(built, where)
+    paths = files.write(built, where)
     assert [p.name for p in paths] == [
         "compat-matrix.md",
         "compat-matrix.json",
@@ -240,14 +240,14 @@ def test_the_report_files_are_its_three_renderings_without_credentials(tmp_path)
     ]
     md, js, page = (p.read_text() for p in paths)
     shown = "https://***@example.com/tunix.git"
-    assert md == report_md.markdown(built).replace(secret, shown)
+    assert md == markdown.markdown(built).replace(secret, shown)
     assert js == json.dumps(built, indent=2).replace(secret, shown) + "\n"
-    assert page == report_html.page(built).replace(secret, shown)
+    assert page == html.page(built).replace(secret, shown)
     assert all(secret not in text and shown in text for text in (md, js, page))
 
 
 def test_update_merges_rerun_rows_into_the_report_in_entry_order(tmp_path):
-    report_files.write(
+    files.write(
         report.build(
             [row("v1", "current", {"A": "passed"}), row("v2", "current", {"A": "failed"})], "m"
         ),

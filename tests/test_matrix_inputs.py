@@ -10,7 +10,7 @@ import pytest
 
 from harness import cli
 from harness.matrix import matrix, sources
-from harness.report import report, report_files
+from harness.report import files, report
 
 pytestmark = pytest.mark.host
 
@@ -111,7 +111,7 @@ def test_the_shape_check_names_what_is_missing_or_mistyped_in_full(part, problem
 
 def test_a_part_without_entries_is_refused(tmp_path, capsys):
     where = tmp_path / "part"
-    report_files.write(report.build([], "m"), where)
+    files.write(report.build([], "m"), where)
     out = tmp_path / "merged"
     assert cli.main(["report", "merge", str(where), "--report-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -13,7 +13,7 @@ import pytest
 
 from harness import cli, subcommands
 from harness.matrix import entries, envs, matrix, progress
-from harness.report import report, report_files, report_html, report_md
+from harness.report import files, html, markdown, report
 from tests.test_matrix_inputs import _row
 
 pytestmark = pytest.mark.host
@@ -140,16 +140,16 @@ def test_the_matrix_reports_each_row_and_phase_in_order(tmp_path):
 def test_a_report_of_some_entries_names_the_others_and_how_to_run_them():
     built = report.build([_row("a")], "m", not_run=["a", "b", "c"])
     assert built["not_run"] == ["b", "c"]
-    md = report_md.markdown(built)
+    md = markdown.markdown(built)
     head = md.split("### What broke")[0]
     assert "Not run here (2 entries): b, c." in head
     assert "`posttrain-harness matrix --all`" in head
-    html = report_html.page(built)
+    page = html.page(built)
     assert (
-        "Not run in this report" in html and "<code>posttrain-harness matrix --all</code>" in html
+        "Not run in this report" in page and "<code>posttrain-harness matrix --all</code>" in page
     )
     whole = report.build([_row("a"), _row("b")], "m", not_run=["a", "b"])
-    assert whole["not_run"] == [] and "Not run" not in report_md.markdown(whole)
+    assert whole["not_run"] == [] and "Not run" not in markdown.markdown(whole)
 
 
 def test_a_users_run_writes_outside_the_committed_report(tmp_path):
@@ -175,7 +175,7 @@ def test_a_users_run_writes_outside_the_committed_report(tmp_path):
 
 def test_a_first_run_is_compared_with_the_committed_reference(tmp_path, monkeypatch):
     reference = tmp_path / "repo" / "reports"
-    report_files.write(report.build([_row("a")], "ref machine"), reference)
+    files.write(report.build([_row("a")], "ref machine"), reference)
     monkeypatch.setattr(entries, "REPO", tmp_path / "repo")
     compared = subcommands._reference_report(tmp_path / "latest")
     assert compared is not None and compared["machine"] == "ref machine"

@@ -1,4 +1,4 @@
-"""The matrix report (harness/report/report.py, report_md.py, report_html.py, drift.py): flips
+"""The matrix report (harness/report/report.py, markdown.py, html.py, drift.py): flips
 since the previous report, the fan-out merge, drift against the package index, the
 Markdown's size, and the HTML as a real browser renders it."""
 
@@ -17,7 +17,7 @@ import pytest
 
 from harness import cli
 from harness.matrix import entries, matrix
-from harness.report import drift, report, report_files, report_html, report_md
+from harness.report import drift, files, html, markdown, report
 
 pytestmark = pytest.mark.host
 
@@ -66,7 +66,7 @@ def test_flip_detection_marks_exactly_the_changed_cells():
         {"entry": "b", "column": "y", "from": "skipped", "to": "not run"},
     ]
     assert after["previous"]["generated"] == before["generated"]
-    page = report_html.page(after)
+    page = html.page(after)
     flipped = [c for c in page.split("<td ")[1:] if " flip" in c.split(">")[0]]
     assert len(flipped) == 4
     assert report.build(after["entries"], "m", previous=after)["changed"] == []
@@ -175,7 +175,7 @@ def test_the_merged_report_equals_one_produced_in_a_single_run(tmp_path, capsys)
     parts = []
     for entry in reversed(loaded):  # any order: the entries file decides
         where = tmp_path / "parts" / entry.name
-        report_files.write(report.build(rows_of([entry], where), "m"), where)
+        files.write(report.build(rows_of([entry], where), "m"), where)
         parts.append(str(where))
     argv = ["report", "merge", *parts, "--report-dir", str(tmp_path / "merged")]
     status = cli.main([*argv, "--entries", str(path), "--index-url", "off"])
@@ -263,13 +263,13 @@ def test_drift_names_each_newer_release_and_survives_an_unreachable_index():
     assert "s3cret" not in json.dumps(gone)
     assert not any(p["newer"] for p in gone["packages"])
     built = report.build(rows, "m", drift=gone)
-    assert "could not be asked" in report_md.markdown(built)
+    assert "could not be asked" in markdown.markdown(built)
 
 
 def test_the_committed_markdown_fits_a_pr_comment():
     committed = json.loads(COMMITTED.read_text())
-    text = report_md.markdown(committed)
-    assert len(text) < report_md.COMMENT_LIMIT, len(text)
+    text = markdown.markdown(committed)
+    assert len(text) < markdown.COMMENT_LIMIT, len(text)
     # the matrix: the first table (the fits section's table follows it)
     all_lines = text.splitlines()
     start = next(i for i, line in enumerate(all_lines) if line.startswith("|"))
@@ -319,7 +319,7 @@ def test_the_committed_html_report_renders_its_grid_colours_and_summary(tmp_path
     cards."""
     committed = json.loads(COMMITTED.read_text())
     page = (REPO / "reports" / "compat-matrix.html").read_text()
-    assert page == report_html.page(committed)  # the committed HTML is the JSON's
+    assert page == html.page(committed)  # the committed HTML is the JSON's
     probed = tmp_path / "probed.html"
     probed.write_text(page.replace("</body>", PROBE + "</body>"))
     browser = [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
@@ -338,7 +338,7 @@ def test_the_committed_html_report_renders_its_grid_colours_and_summary(tmp_path
     assert len(probe["cells"]) == len(committed["entries"]) * len(committed["columns"])
     expected = {
         (status or "none"): "rgb({}, {}, {})".format(*(int(bg[i : i + 2], 16) for i in (1, 3, 5)))
-        for status, (_, bg) in report_html.COLOURS.items()
+        for status, (_, bg) in html.COLOURS.items()
     }
     for c in probe["cells"]:
         assert c["bg"] == expected[c["status"]], c
@@ -357,7 +357,7 @@ def test_the_committed_html_report_renders_its_grid_colours_and_summary(tmp_path
     image = Image.open(shot).convert("RGB")
     assert image.size == (1400, 900)
     colours = {colour for _, colour in image.getcolors(maxcolors=1 << 20)}
-    pass_bg = tuple(int(report_html.COLOURS["passed"][1][i : i + 2], 16) for i in (1, 3, 5))
+    pass_bg = tuple(int(html.COLOURS["passed"][1][i : i + 2], 16) for i in (1, 3, 5))
     assert pass_bg in colours
 
 

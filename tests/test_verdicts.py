@@ -1,5 +1,5 @@
 """The harness's own verdicts in combination (harness/gate/junit.py, matrix.junit_cells,
-report.py, report_md.py, report_html.py): every combination of test outcomes and
+report.py, markdown.py, html.py): every combination of test outcomes and
 upstream deprecations across a cell's tests, and the report's derived facts over random
 grids, against oracles written from the documented rules (docs/matrix.md), not from the
 code. A FAIL shown as warn is the worst bug the harness can have; these make it a test
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from harness.gate import deprecations
 from harness.matrix import matrix
-from harness.report import report, report_html, report_md
+from harness.report import html, markdown, report
 
 pytestmark = pytest.mark.host
 
@@ -141,17 +141,17 @@ def _row(name: str, contracts: dict, flavour: str = "f", error: str | None = Non
 
 def _assert_rendered(built: dict) -> None:
     """Every cell of the Markdown grid and of the HTML grid shows its own status."""
-    md = report_md.markdown(built)
-    page = report_html.page(built)
+    md = markdown.markdown(built)
+    page = html.page(built)
     cols = built["columns"]
     html_rows = re.findall(r'<tr class="[^"]*" data-entry="([^"]*)">(.*?)</tr>', page)
     assert [name for name, _ in html_rows] == [r["name"] for r in built["entries"]]
-    for row, (_, html) in zip(built["entries"], html_rows, strict=True):
+    for row, (_, cells) in zip(built["entries"], html_rows, strict=True):
         want = [(c := report.cell(row, col)) and c["status"] for col in cols]
         line = next(x for x in md.splitlines() if re.match(rf"\| {row['name']}( 💥)? \|", x))
-        glyphs = [g.strip().replace(report_md.FLIP_MARK, "") for g in line.split("|")[3:-1]]
-        assert glyphs == [report_md.GLYPHS[s] for s in want], row["name"]
-        shown = re.findall(r'data-status="([a-z]+)"', html)
+        glyphs = [g.strip().replace(markdown.FLIP_MARK, "") for g in line.split("|")[3:-1]]
+        assert glyphs == [markdown.GLYPHS[s] for s in want], row["name"]
+        shown = re.findall(r'data-status="([a-z]+)"', cells)
         assert shown == [s or "none" for s in want], row["name"]
 
 
@@ -293,7 +293,7 @@ def test_flips_are_exactly_the_cells_whose_status_changed(before, after):
     assert {(f["entry"], f["column"], f["from"], f["to"]) for f in now["changed"]} == want
     assert len(now["changed"]) == len(want)
     assert report.build(after, "m", previous=report.build(after, "m"))["changed"] == []
-    flipped = re.findall(r'class="c s-[a-z]+ flip"', report_html.page(now))
+    flipped = re.findall(r'class="c s-[a-z]+ flip"', html.page(now))
     assert len(flipped) == len(want)
 
 

@@ -17,9 +17,9 @@ them:
 - ``fits``: the seed's scale configurations compiled for their TPU slices by
   ``posttrain plan`` (:mod:`harness.report.fits`), or None when no plan rows exist.
 
-The Markdown (:mod:`harness.report.report_md`) is for a PR comment; the HTML
-(:mod:`harness.report.report_html`) is one self-contained page; both and the JSON are
-written by :func:`harness.report.report_files.write`.
+The Markdown (:mod:`harness.report.markdown`) is for a PR comment; the HTML
+(:mod:`harness.report.html`) is one self-contained page; both and the JSON are
+written by :func:`harness.report.files.write`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.matrix import sources
-from harness.report.report_shape import RUN_CELLS, STATUSES, check_shape
+from harness.report.shape import RUN_CELLS, STATUSES, check_shape
 
 BAD = ("failed", "error")
 REPORT_NAME = "compat-matrix"
@@ -186,7 +186,7 @@ def build(
     the entries of the entries file this report leaves out (the summary names them and
     the command that runs them: :func:`not_run_lines`); ``bisect``: the ``bisect``
     commands that would name the commit behind a source row's FAIL or warn cell
-    (:func:`harness.bisect.bisect_suggestions.suggestions`); ``fits``: the rows of
+    (:func:`harness.bisect.suggestions.suggestions`); ``fits``: the rows of
     :func:`harness.report.fits.load` (None: no plans were run)."""
     cols = columns(rows)
     report: dict[str, Any] = {

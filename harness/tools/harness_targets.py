@@ -20,7 +20,7 @@ HARNESS_TARGETS: dict[str, list[str]] = {
     "harness/gate/deprecation_recorder.py": ["tests/test_verdicts.py"],
     "harness/matrix/run_cells.py": ["tests/test_matrix.py", "tests/test_matrix_sources.py"],
     # without the bisections that build environments (a minute per mutant)
-    "harness/bisect/bisect_suggestions.py": ["tests/test_bisect.py", "-k", "suggests"],
+    "harness/bisect/suggestions.py": ["tests/test_bisect.py", "-k", "suggests"],
     "harness/bisect/git_history.py": [
         "tests/test_bisect.py",
         "-k",
@@ -49,9 +49,9 @@ HARNESS_TARGETS: dict[str, list[str]] = {
         "-k",
         "undecorate or each_function_names or scratch_copy or patterns",
     ],
-    "harness/report/report_shape.py": ["tests/test_matrix_inputs.py"],  # #56: a malformed part
+    "harness/report/shape.py": ["tests/test_matrix_inputs.py"],  # #56: a malformed part
     # #58: the report's files apart from the report (its renderings import it one way only)
-    "harness/report/report_files.py": [
+    "harness/report/files.py": [
         "tests/test_matrix.py",
         "-k",
         "first_failing or rerun_rows or report_files",

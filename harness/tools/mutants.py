@@ -56,7 +56,7 @@ _PYTEST_ARGS = [
     "-m",
     "not slow",
 ]
-# compat/: the harness reads compat/entries.toml (a report merge's tests, #56's report_shape)
+# compat/: the harness reads compat/entries.toml (a report merge's tests, #56's report/shape.py)
 _COPIED = (
     "src",
     "harness",
