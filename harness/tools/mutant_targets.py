@@ -242,13 +242,14 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/workflows.py": ["tests/test_plan.py"],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
     # #58: apply_lora's refusals, out of apply.py (each refusal before any trace, the rank
-    # over min(d_in, d_out), the vision tower)
+    # over min(d_in, d_out), the vision tower); test_lora_checks: each check on its own
     "src/posttrain/lora/checks.py": [
+        "tests/test_lora_checks.py",
         "tests/test_lora.py",
         "tests/test_sft_run.py",
         "tests/test_vision_sft.py",
         "-k",
-        "bad_input or wrongly or refuses_the_tower",
+        "lora_checks or bad_input or wrongly or refuses_the_tower",
     ],
     # a checkpoint's formats: the family tests (transformers' masks and ids, SFT and DPO spans
     # of each format), the unit tests; not greedy generation (a compile per mutant)
