@@ -4,6 +4,7 @@ and gradients, and the compiled step holds far less than the full logits (issue 
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -163,19 +164,34 @@ def test_a_frozen_head_gets_no_weight_gradient_computed():
 
 def test_uncounted_costs_are_the_chunks_a_loop_counts_once():
     """``count - 1`` chunks of each loop: none for one chunk; the head's matmuls' FLOPs
-    (3 with a frozen head, 4 trained) over the devices that split rows and vocabulary."""
-    cfg = get_config("qwen3-0.6b")  # 10 chunks of 205 positions at batch 4 x 2048
+    (3 with a frozen head, 4 trained) and bytes (the weights once a matmul, a trained
+    head's float32 sum read and written, 6 passes over the chunk's float32 logits) over
+    the devices that split rows and vocabulary."""
+    cfg = get_config("qwen3-0.6b")  # bfloat16 weights; 10 chunks of 205 positions here
     rules = sharding.DEFAULT_RULES
-    chunk = 2.0 * 4 * 205 * cfg.d_model * cfg.vocab_size
-    flops, moved = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=True)
-    assert flops == 9 * 4 * chunk and moved > 0
-    frozen, less = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=False)
-    assert frozen == 9 * 3 * chunk and less < moved
+    d, v = cfg.d_model, cfg.vocab_size
+    trained = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=True)
+    assert trained == (
+        9 * 4 * 2.0 * 4 * 205 * d * v,
+        9 * (3 * d * v * 2 + 8 * d * v + 24 * 4 * 205 * v),
+    )
+    frozen = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=False)
+    assert frozen == (9 * 3 * 2.0 * 4 * 205 * d * v, 9 * (2 * d * v * 2 + 24 * 4 * 205 * v))
     # fsdp=2, tensor=2: 2 rows and half the vocabulary a device, so 3 chunks of 683
     split = chunked_loss.uncounted_costs(
         cfg, 4, 2048, {"fsdp": 2, "tensor": 2}, rules, head_trained=True
     )
-    assert split[0] == 2 * 4 * 2.0 * 2 * 683 * cfg.d_model * (cfg.vocab_size // 2)
+    assert split[0] == 2 * 4 * 2.0 * 2 * 683 * d * (v // 2)
+    # 3 rows over 2 devices: 2 rows on one (rounded up), so 5 chunks of 410
+    odd = chunked_loss.uncounted_costs(cfg, 3, 2048, {"fsdp": 2}, rules, head_trained=True)
+    assert odd[0] == 4 * 4 * 2.0 * 2 * 410 * d * v
+    # rules without activation_vocab (replicated) on tensor=2: 2 rows, the whole vocabulary
+    # (the default rules' half would make it 3 chunks of 683)
+    whole = tuple(r for r in rules if r[0] != "activation_vocab")
+    unsplit = chunked_loss.uncounted_costs(
+        cfg, 4, 2048, {"tensor": 2, "fsdp": 2}, whole, head_trained=True
+    )
+    assert unsplit[0] == 4 * 4 * 2.0 * 2 * 410 * d * v  # 5 chunks of 410
     assert chunked_loss.uncounted_costs(cfg, 4, 128, {}, rules, head_trained=True) == (0, 0)
 
 
@@ -214,6 +230,7 @@ def test_images_reach_the_chunked_nll(tmp_path):
         (4, 17, 264, 5, {}, 5),
         (4, 16, 264, 5, {}, 4),  # 4 chunks either way: evened out, no padding
         (1, 10, 264, 1, {}, 1),
+        (1024, 64, 262_144, None, {}, 1),  # not one position fits: one a chunk all the same
         (32, 4096, 262_144, None, {}, 16),  # 16 positions fit
         (32, 4096, 262_144, None, {"fsdp": 4}, 64),  # 8 rows per device: 4x as many
         (4, 4096, 262_144, None, {"tensor": 4}, 512),  # a quarter of the vocabulary
@@ -223,12 +240,19 @@ def test_images_reach_the_chunked_nll(tmp_path):
 def test_chunk_length(batch, seq, vocab, chunk, mesh, want):
     """Default: the positions whose float32 logits fit in 512 MiB on one device; evened
     out over the chunks it takes; a multiple of the axes sharding the sequence."""
-    if mesh:
-        devices = jax.devices()[: int(np.prod(list(mesh.values())))]
-        with sharding.use_mesh(sharding.make_mesh(mesh, devices=devices)):
-            assert chunked_loss.chunk_length(batch, seq, vocab, chunk) == want
-    else:
-        assert chunked_loss.chunk_length(batch, seq, vocab, chunk) == want
+    assert chunked_loss.chunk_length(batch, seq, vocab, chunk, mesh_shape=mesh) == want
+
+
+@pytest.mark.devices(2)
+def test_chunk_length_reads_the_current_meshs_rules():
+    """Under ``use_mesh`` without arguments: its mesh and its rules (here the vocabulary
+    left whole on tensor=2: 128 positions of 262,144 entries, not 256)."""
+    whole = tuple(r for r in sharding.DEFAULT_RULES if r[0] != "activation_vocab")
+    mesh = sharding.make_mesh({"tensor": 2}, devices=jax.devices()[:2])
+    with sharding.use_mesh(mesh, whole):
+        assert chunked_loss.chunk_length(4, 4096, 262_144) == 128
+    with sharding.use_mesh(mesh):
+        assert chunked_loss.chunk_length(4, 4096, 262_144) == 256
 
 
 @pytest.mark.parametrize("chunk", [0, -3, 2.5, True, "8"])
@@ -251,9 +275,13 @@ def test_the_compiled_step_holds_far_less_than_the_full_logits():
             return loss.sft_terms(nnx.merge(graphdef, params, rest), **batch, **options)["nll_sum"]
 
         compiled = jax.jit(jax.value_and_grad(nll)).lower(params).compile()
+        # a profile shows the loss: its ops carry the named scope
+        scoped[bool(re.search(r'op_name="[^"]*chunked_nll', compiled.as_text()))] = options
         return compiled.memory_analysis().temp_size_in_bytes
 
+    scoped = {}
     full, chunked = temporaries(chunked=False), temporaries(logit_chunk=16)
+    assert scoped == {False: {"chunked": False}, True: {"logit_chunk": 16}}
     logits = 2 * 512 * cfg.vocab_size * 4  # one copy of the batch's float32 logits
     assert full >= logits
     assert chunked < TEMP_RATIO * full, (chunked, full)

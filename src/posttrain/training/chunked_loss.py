@@ -22,9 +22,11 @@ How (:func:`chunked_nll`):
 4. Backward (``jax.custom_vjp``): a second scan recomputes each chunk's logits and takes its
    VJP; the gradients of what the head closes over (its weights and adapters, hoisted by
    ``jax.closure_convert``) are summed in float32 across the chunks and cast to their dtype
-   once. (``jax.checkpoint`` inside a scan would recompute the same way but sum a closed-over
+   once; only those being differentiated (a frozen head under LoRA gets none).
+   (``jax.checkpoint`` inside a scan would recompute the same way but sum a closed-over
    weight's gradient in the weight's dtype: bfloat16 for a bfloat16 checkpoint, one more
-   rounding per chunk.)
+   rounding per chunk.) XLA's ``cost_analysis()`` counts each loop's body once:
+   :func:`uncounted_costs` is the rest, for ``posttrain plan``.
 
 The result equals :func:`posttrain.training.loss.token_nll` of the full logits up to float32
 reassociation (the sum's order, and the head gradient's per-chunk partial sums).
@@ -128,8 +130,8 @@ def _chunk_nll_sum(graphdef, state, hidden, labels, counted):
     ``counted [B, C]`` bool. The model is merged here, in this trace: Qwix's LoRA einsum sets
     an attribute on the adapted module, which Flax refuses on one from an outer trace."""
     logits = nnx.merge(graphdef, state).logits(hidden)  # [B, C, V] float32
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, C, V]
-    picked = jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]  # [B, C]
+    logp = jax.nn.log_softmax(logits, axis=-1)  # [B, C, V]
+    picked = jnp.squeeze(jnp.take_along_axis(logp, labels[..., None], axis=-1), -1)  # [B, C]
     return -jnp.sum(jnp.where(counted, picked, 0.0))
 
 
@@ -140,7 +142,7 @@ def _scan_nll(fn, hidden, labels, counted, *consts):
     def body(total, chunk):
         return total + fn(*chunk, *consts), None
 
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (hidden, labels, counted))
+    total, _ = jax.lax.scan(body, jnp.float32(0), (hidden, labels, counted))
     return total
 
 
@@ -156,28 +158,24 @@ def _scan_nll_fwd(fn, hidden, labels, counted, *consts):
 
 def _scan_nll_bwd(fn, residuals, g):
     hidden, labels, counted, consts, wanted = residuals
+    # g: the NLL's cotangent, never a symbolic zero: the NLL is this rule's one output, and
+    # JAX drops the rule when nothing differentiates it (a step of the MoE term alone)
     picked = [i for i, w in enumerate(wanted) if w is not None]
-    if isinstance(g, jax.custom_derivatives.SymbolicZero):
-        return (None, None, None, *[None] * len(consts))
 
     def body(sums, chunk):
         h, y, m = chunk
 
-        def one(h, *differentiated):
-            args = list(consts)
-            for i, value in zip(picked, differentiated, strict=True):
-                args[i] = value
-            return fn(h, y, m, *args)
+        def one(h, differentiated):  # {index in consts: array}
+            return fn(h, y, m, *[differentiated.get(i, c) for i, c in enumerate(consts)])
 
-        _, vjp = jax.vjp(one, h, *[consts[i] for i in picked])
-        dh, *dconsts = vjp(g)  # this chunk's logits recomputed, then dropped
-        return [s + d.astype(jnp.float32) for s, d in zip(sums, dconsts, strict=True)], dh
+        _, vjp = jax.vjp(one, h, {i: consts[i] for i in picked})
+        dh, dconsts = vjp(g)  # this chunk's logits recomputed, then dropped
+        return {i: sums[i] + d for i, d in dconsts.items()}, dh  # float32 + the weight's dtype
 
-    zeros = [jnp.zeros(consts[i].shape, jnp.float32) for i in picked]
+    zeros = {i: jnp.zeros_like(consts[i], jnp.float32) for i in picked}
     sums, dhidden = jax.lax.scan(body, zeros, (hidden, labels, counted))
-    dconsts = [None] * len(consts)
-    for i, total in zip(picked, sums, strict=True):
-        dconsts[i] = total.astype(consts[i].dtype)  # one rounding to the weight's dtype
+    # one rounding to each weight's dtype
+    dconsts = [sums[i].astype(c.dtype) if i in sums else None for i, c in enumerate(consts)]
     return (dhidden, None, None, *dconsts)
 
 
@@ -214,7 +212,7 @@ def chunked_nll(
     count = -(-seq // length)
     pad = count * length - seq
     labels = jnp.pad(input_tokens[:, 1:], ((0, 0), (0, 1 + pad)))  # [B, count * C]
-    counted = jnp.pad(targets.astype(bool), ((0, 0), (0, 1 + pad)))  # [B, count * C]
+    counted = jnp.pad(targets, ((0, 0), (0, 1 + pad)))  # [B, count * C] bool
     hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))  # [B, count * C, D]
     # chunk j: positions j, j + count, ... (strided: step 2 of the module docstring)
     hidden = hidden.reshape(batch, length, count, d_model).transpose(2, 0, 1, 3)  # [n, B, C, D]
