@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain import sharding
-from posttrain.models import build_model, flat_params, get_config
+from posttrain import _compat, sharding
+from posttrain.models import build_model, flat_params, get_config, params
 from posttrain.models.params import HOST_INIT_BYTES, init_on_host
 from tests.meshes import fitted
 
@@ -43,3 +43,76 @@ def test_only_small_models_on_an_accelerator_are_initialised_on_the_host():
     assert not init_on_host(get_config("qwen3-tiny"), backend="cpu")  # the CPU inits itself
     assert not init_on_host(get_config("qwen3-0.6b"), backend="tpu")  # ~1.2 GB: on the chip
     assert HOST_INIT_BYTES == 256 * 2**20
+
+
+def _state_bytes(model) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+
+
+def test_the_host_bound_is_the_models_bytes_inclusive(monkeypatch):
+    """A model of exactly HOST_INIT_BYTES (its built state's bytes, counted here from the
+    arrays) is initialised on the host; one byte less of bound and it is not."""
+    cfg = get_config("qwen3-tiny")
+    with jax.default_device(jax.devices("cpu")[0]):
+        size = _state_bytes(build_model(cfg, host_init=False))
+    monkeypatch.setattr(params, "HOST_INIT_BYTES", size)
+    assert init_on_host(cfg, backend="tpu")
+    monkeypatch.setattr(params, "HOST_INIT_BYTES", size - 1)
+    assert not init_on_host(cfg, backend="tpu")
+
+
+def test_without_a_cpu_backend_the_accelerator_initialises(monkeypatch):
+    """``JAX_PLATFORMS`` without ``cpu``: ``jax.devices('cpu')`` raises, so no host init."""
+    devices = jax.devices
+
+    def no_cpu(backend=None):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu")
+        return devices(backend)
+
+    monkeypatch.setattr(jax, "devices", no_cpu)
+    assert not init_on_host(get_config("qwen3-tiny"), backend="tpu")
+
+
+def test_build_model_asks_init_on_host_only_when_not_told(monkeypatch):
+    asked = []
+    monkeypatch.setattr(params, "init_on_host", lambda cfg: asked.append(cfg) or False)
+    cfg = get_config("qwen3-tiny")
+    build_model(cfg)
+    assert asked == [cfg]
+    build_model(cfg, host_init=False)
+    build_model(cfg, host_init=True)
+    assert asked == [cfg]
+
+
+def test_the_default_seed_is_0_and_the_direct_init_runs_on_the_default_device():
+    """Unplaced, a model built without host init lives on the default device (here one
+    other than the first), and its values are seed 0's, not seed 1's."""
+    cfg = get_config("qwen3-tiny")
+    other = jax.devices()[-1]
+    with jax.default_device(other):
+        model = build_model(cfg, host_init=False)
+    assert {d for x in jax.tree.leaves(nnx.state(model)) for d in x.devices()} == {other}
+    seed0, seed1 = flat_params(build_model(cfg, seed=0)), flat_params(build_model(cfg, seed=1))
+    got = flat_params(model)
+    assert all(np.array_equal(got[k], seed0[k]) for k in got)
+    assert not all(np.array_equal(got[k], seed1[k]) for k in got)
+
+
+def _kv_heads_over(axis: str) -> sharding.Rules:
+    return tuple((n, (axis,) if n == "kv_heads" else a) for n, a in sharding.DEFAULT_RULES)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("host_init", [False, True], ids=["direct", "host"])
+def test_build_model_checks_and_shards_under_the_rules_given(host_init):
+    """kv heads over `data` (not a default rule): data=8 is refused for qwen3-tiny's 4 kv
+    heads before anything is built; data=2 shards k_proj's kv heads over it."""
+    cfg = get_config("qwen3-tiny")
+    with pytest.raises(ValueError, match=r"^num_kv_heads=4 is not divisible by mesh axes data=8$"):
+        build_model(cfg, sharding.make_mesh({"data": 8}), rules=_kv_heads_over("data"))
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+    model = build_model(cfg, mesh, rules=_kv_heads_over("data"), host_init=host_init)
+    kernel = model.model.layers[0].self_attn.k_proj.kernel
+    # [d_model, kv_heads, head_dim]: head_dim whole (the spec's trailing None dropped)
+    assert tuple(_compat.variable_value(kernel).sharding.spec) == ("fsdp", "data")
