@@ -10,6 +10,7 @@ import importlib.util
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -231,6 +232,26 @@ def test_dpo_reference_keeps_no_array_the_step_donates(lora):
         model = apply_lora(model, mesh, LORA)
     policy = TunixPolicy(model)
     assert arrays_held_beside(policy, [reference_of(policy)]) == []
+
+
+def test_arrays_held_beside_names_each_array_by_its_path():
+    """Another module's own Variables over the model's arrays are named by the model's
+    paths ('/'-joined); one sharing the model's Variables holds nothing beside it."""
+
+    class Inner(nnx.Module):
+        def __init__(self):
+            self.kernel = nnx.Param(jnp.ones((2, 3)))
+
+    class Pair(nnx.Module):
+        def __init__(self):
+            self.inner = Inner()
+            self.bias = nnx.Param(jnp.zeros(3))
+
+    model = Pair()
+    graphdef, state = nnx.split(model)
+    copied = nnx.merge(graphdef, jax.tree.map(lambda x: x, state))  # new Variables, same arrays
+    assert sorted(arrays_held_beside(model, [copied])) == ["bias", "inner/kernel"]
+    assert arrays_held_beside(model, [nnx.merge(graphdef, state)]) == []
 
 
 def test_a_module_holding_the_model_arrays_elsewhere_stops_the_donation():
