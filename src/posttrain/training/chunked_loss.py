@@ -130,8 +130,8 @@ def _chunk_nll_sum(graphdef, state, hidden, labels, counted):
     ``counted [B, C]`` bool. The model is merged here, in this trace: Qwix's LoRA einsum sets
     an attribute on the adapted module, which Flax refuses on one from an outer trace."""
     logits = nnx.merge(graphdef, state).logits(hidden)  # [B, C, V] float32
-    logp = jax.nn.log_softmax(logits, axis=-1)  # [B, C, V]
-    picked = jnp.squeeze(jnp.take_along_axis(logp, labels[..., None], axis=-1), -1)  # [B, C]
+    logp = jax.nn.log_softmax(logits)  # [B, C, V] over the vocabulary (the last axis)
+    picked = jnp.squeeze(jnp.take_along_axis(logp, labels[..., None]), -1)  # [B, C]
     return -jnp.sum(jnp.where(counted, picked, 0.0))
 
 
