@@ -298,6 +298,31 @@ def test_a_copy_that_cannot_be_made_names_the_command_that_failed(tmp_path):
     assert failed.value.cmd[0] == "tar"
 
 
+def test_a_copy_is_one_commit_by_docs_run_of_the_tracked_files_at_any_depth(tmp_path, monkeypatch):
+    """A tracked file three directories down is copied; the copy's one commit is
+    docs-run's, "copy"; a directory that is no repository fails in ``git ls-files``, and a
+    repository tracking nothing at the copy's commit (there is nothing to run)."""
+    repo = _repository(tmp_path / "src")
+    (repo / "docs/deep/er").mkdir(parents=True)
+    (repo / "docs/deep/er/c.md").write_text("w\n")
+    subprocess.run(["git", "add", "docs/deep/er/c.md"], cwd=repo, check=True)
+    copy = docs_run.copy_checkout(repo, tmp_path / "copy")
+    assert (copy / "docs/deep/er/c.md").read_text() == "w\n"
+    log = ["git", "log", "--format=%an <%ae>|%s"]
+    out = subprocess.run(log, cwd=copy, capture_output=True, text=True, check=True).stdout
+    assert out == "docs-run <docs-run@localhost>|copy\n"
+    (tmp_path / "plain").mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repository above it
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        docs_run.copy_checkout(tmp_path / "plain", tmp_path / "plain-copy")
+    assert failed.value.cmd == ["git", "ls-files", "-z"]
+    subprocess.run(["git", "init", "-q", str(tmp_path / "empty")], check=True)
+    (tmp_path / "empty-copy").mkdir()
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        docs_run.copy_checkout(tmp_path / "empty", tmp_path / "empty-copy")
+    assert failed.value.cmd[-4:] == ["commit", "-q", "-m", "copy"]
+
+
 def test_a_command_that_writes_outside_the_ignored_paths_leaves_the_copy_dirty(tmp_path):
     """The copy holds the working tree's tracked files; what a command writes under an
     ignored path is fine, anything else is reported; an exit status other than the
@@ -470,3 +495,37 @@ def test_a_command_runs_with_the_set_ups_environment_and_its_output_interleaved(
     assert (slow.status, slow.output) == (124, "partial\n\n(timed out)")
     with pytest.raises(subprocess.CalledProcessError):
         docs_run.dirty(tmp_path)
+
+
+# the command line's options as `--help` lists them: each as invoked, then its help
+HELP = (
+    ("--page PAGE", "run only these pages (README.md first)"),
+    ("--ref REF", "run a commit's tree (default: the working tree's files)"),
+    ("--keep KEEP", "run in this new directory and keep it"),
+    ("--log LOG", "write every command's output here (JSON)"),
+    ("--from-log FROM_LOG", "check the figures of an earlier --log"),
+)
+
+
+def test_the_command_line_s_help_and_its_refusal_of_a_page_that_is_none(
+    tmp_path, capsys, monkeypatch
+):
+    """``--help`` shows the usage as ``python -m harness.tools.docs_run``, the module's
+    docstring and each option's help; ``--page`` of no page is a usage error listing the
+    pages (this checkout's own, in the order they run), before anything runs."""
+    _own_checkout(tmp_path / "repo", monkeypatch)
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit) as exit_:
+        docs_run.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert text.startswith("usage: python -m harness.tools.docs_run [-h] [--page PAGE] ")
+    assert " ".join(docs_run.__doc__.split()) in text
+    assert text.endswith(" ".join(f"{invocation} {words}" for invocation, words in HELP))
+    with pytest.raises(SystemExit) as exit_:
+        docs_run.main(["--page", "README.md", "--page", "docs/nowhere.md"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "python -m harness.tools.docs_run: error: --page 'docs/nowhere.md': not one of "
+        "README.md, docs/a.md"
+    )
