@@ -94,7 +94,7 @@ def test_rows_count_every_data_parallel_device_and_tokens_the_workflows_row():
         BASE, topology="v5e-8", mesh={"data": 2, "fsdp": 2, "tensor": 2}, search_max_batch=1
     )
     assert search.search(options, plan_fn)[0].rows_per_second == pytest.approx(4 / 0.5)
-    assert search.data_parallel(dataclasses.replace(options, mesh=None), None) == 8
+    assert search.data_parallel(dataclasses.replace(options, mesh=None)) == 8
     assert search.tokens_per_row(dataclasses.replace(BASE, workflow="dpo", new_tokens=4)) == 40
     assert search.tokens_per_row(dataclasses.replace(BASE, workflow="grpo", new_tokens=4)) == 20
     assert search.tokens_per_row(dataclasses.replace(BASE, workflow="generate", new_tokens=4)) == 4

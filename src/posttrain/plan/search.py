@@ -70,7 +70,7 @@ def judge_candidate(options: PlanOptions, plan_fn: Callable) -> Candidate:
             options.remat, options.per_device_batch_size, False, 0, 0.0, 0.0, 0.0, str(e)
         )
     verdict = result.verdict
-    rows = options.per_device_batch_size * data_parallel(options, result)
+    rows = options.per_device_batch_size * data_parallel(options)
     fast = verdict.fits and verdict.estimate_seconds > 0
     return Candidate(
         remat=options.remat,
@@ -84,7 +84,7 @@ def judge_candidate(options: PlanOptions, plan_fn: Callable) -> Candidate:
     )
 
 
-def data_parallel(options: PlanOptions, result) -> int:
+def data_parallel(options: PlanOptions) -> int:
     """Devices that hold different rows: data x fsdp of the plan's mesh (every device on
     fsdp when none is given)."""
     from posttrain.plan import topology
