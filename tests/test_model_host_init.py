@@ -93,10 +93,32 @@ def test_the_default_seed_is_0_and_the_direct_init_runs_on_the_default_device():
     with jax.default_device(other):
         model = build_model(cfg, host_init=False)
     assert {d for x in jax.tree.leaves(nnx.state(model)) for d in x.devices()} == {other}
-    seed0, seed1 = flat_params(build_model(cfg, seed=0)), flat_params(build_model(cfg, seed=1))
+    # the references on the same direct path: on an accelerator the default build of a
+    # small model is the host's init, whose values are the CPU's stream, not the chip's
+    seed0, seed1 = (flat_params(build_model(cfg, seed=s, host_init=False)) for s in (0, 1))
     got = flat_params(model)
     assert all(np.array_equal(got[k], seed0[k]) for k in got)
     assert not all(np.array_equal(got[k], seed1[k]) for k in got)
+
+
+def test_the_host_init_runs_inside_an_accelerator_mesh_context():
+    """The CLI builds inside ``sharding.use_mesh`` (JAX's mesh context). The host path's key
+    is committed to the CPU, which a jit refuses under a mesh of other devices ("Received
+    incompatible devices for jitted computation": ``posttrain generate`` on a v5e, where the
+    mesh holds the chip). Here the mesh holds the last device, which is not the host CPU's first."""
+    cpu = jax.devices("cpu")[0]
+    others = [d for d in jax.devices() if d != cpu][-1:]
+    if not others:
+        pytest.skip("needs a device other than the host CPU's first (CPU at --devices 1)")
+    mesh = _compat.make_mesh((1, 1), ("fsdp", "tensor"), others)
+    cfg = get_config("qwen3-tiny")
+    with sharding.use_mesh(mesh):
+        hosted = build_model(cfg, mesh, seed=3, host_init=True)
+    with jax.default_device(cpu):
+        want = flat_params(build_model(cfg, seed=3, host_init=False))
+    got = flat_params(hosted)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    assert {d for x in jax.tree.leaves(nnx.state(hosted)) for d in x.devices()} == set(others)
 
 
 def _kv_heads_over(axis: str) -> sharding.Rules:

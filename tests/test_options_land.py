@@ -28,6 +28,7 @@ import math
 import pathlib
 from collections.abc import Callable
 
+import jax
 import pytest
 
 pytest.importorskip("tunix.sft.peft_trainer", reason="google-tunix is not installed")
@@ -346,7 +347,9 @@ def _check_sync_saves(seen: Seen) -> None:
 
 
 def _check_replica_saves(seen: Seen) -> None:
-    expected = {"on": False, "off": True, "auto": True}[seen.cfg.replica_parallel_saves]  # 1 CPU
+    # auto: single-replica saves on one CPU process only (replica-parallel on an accelerator)
+    one_cpu = jax.default_backend() == "cpu" and jax.process_count() == 1
+    expected = {"on": False, "off": True, "auto": one_cpu}[seen.cfg.replica_parallel_saves]
     _eq(seen.trainer.single_replica_saves, expected, "single-replica saves")
 
 
@@ -1391,7 +1394,8 @@ def _overrides(s: Scenario) -> dict:
 
 
 def _devices_needed(s: Scenario) -> int:
-    """The devices the scenario's explicit meshes take (1 when it gives none)."""
+    """The devices the scenario's explicit meshes take (1 when it gives none), and those
+    whose rows a global batch needs to divide into its data shards."""
     from posttrain import sharding
 
     needed = 1
@@ -1401,6 +1405,9 @@ def _devices_needed(s: Scenario) -> int:
             mesh = sharding.parse_mesh_spec(mesh)
         if mesh:
             needed = max(needed, math.prod(mesh.values()))
+    rows = s.overrides.get("per_device_batch_size") or 1  # the global batch splits in shards
+    for key in ("data_shards", "warmup_data_shards"):
+        needed = max(needed, -(-(s.overrides.get(key) or 1) // rows))
     return needed
 
 

@@ -43,6 +43,22 @@ def set_mesh(mesh: Mesh):
     return mesh if isinstance(mesh, contextlib.AbstractContextManager) else contextlib.nullcontext()
 
 
+def on_one_device(device):
+    """Context manager making ``device`` the only device of JAX's current mesh, if one is set.
+
+    Inside ``jax.set_mesh(mesh)`` a jitted function refuses arguments committed to a device
+    outside ``mesh`` ("incompatible devices for jitted computation"), so a computation
+    moved to the host's CPU under a TPU mesh needs a mesh of that CPU: the current mesh's
+    axis names, each of size 1, on ``device``. No current mesh (or jax < 0.5, without
+    ``jax.sharding.get_abstract_mesh``): nothing to replace.
+    """
+    get_abstract_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    names = tuple(get_abstract_mesh().axis_names) if get_abstract_mesh is not None else ()
+    if not names:
+        return contextlib.nullcontext()
+    return set_mesh(make_mesh((1,) * len(names), names, [device]))
+
+
 def module_list(modules):
     """A list of modules stored as graph data: ``nnx.List`` (flax >= 0.12), else a list."""
     return nnx.List(modules) if hasattr(nnx, "List") else list(modules)

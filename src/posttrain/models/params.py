@@ -153,7 +153,9 @@ def build_model(
         model = _initializer(cfg)(jax.random.key(seed, impl="rbg"))
     else:
         cpu = jax.devices("cpu")[0]
-        with jax.default_device(cpu):  # the key committed to the CPU: the init runs there
+        # The key committed to the CPU: the init runs there, also under an accelerator's
+        # mesh (the CLI builds inside ``sharding.use_mesh``), which then holds the CPU.
+        with jax.default_device(cpu), _compat.on_one_device(cpu):
             model = _initializer(cfg)(jax.device_put(jax.random.key(seed, impl="rbg"), cpu))
         if mesh is None:
             nnx.update(model, jax.device_put(nnx.state(model), jax.devices()[0]))
