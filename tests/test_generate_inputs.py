@@ -175,6 +175,63 @@ def test_a_training_step_larger_than_the_memory_is_refused():
         )
 
 
+def test_a_chunked_loss_step_counts_one_chunk_of_logits():
+    """The SFT loss holds one chunk's float32 logits at a time (``sft_terms``): a step whose
+    whole logits exceed the memory but whose chunk and scores fit is not refused (on a
+    v5e, qwen3-0.6b at 16 x 2048 was refused for logits it never holds)."""
+    cfg = get_config("qwen3-tiny")
+    scores = 4 * 8 * 8 * 1024 * 1024
+    assert limits.training_bytes(cfg, 8, 1024, logit_chunk_bytes=2**20) == 2**20 + scores
+    # at least one position of each row, however small the chunk
+    assert limits.training_bytes(cfg, 8, 1024, logit_chunk_bytes=1) == 4 * 8 * 264 + scores
+    # a chunk larger than the whole logits holds the whole logits
+    whole = 4 * 8 * 1024 * 264
+    assert limits.training_bytes(cfg, 8, 1024, logit_chunk_bytes=2**40) == whole + scores
+    need = 2**20 + scores
+    limits.check_training_length(
+        "qwen3-tiny",
+        1024,
+        8,
+        flag="--max-target-length",
+        memory=(need, "m"),
+        logit_chunk_bytes=2**20,
+    )
+    with pytest.raises(ValueError, match=r"needs at least .* \(one chunk's logits and one layer"):
+        limits.check_training_length(
+            "qwen3-tiny",
+            1024,
+            8,
+            flag="--max-target-length",
+            memory=(need - 1, "m"),
+            logit_chunk_bytes=2**20,
+        )
+
+
+class _Checked(Exception):
+    pass
+
+
+def test_sft_checks_its_step_with_the_loss_s_chunk(tmp_path, monkeypatch):
+    """``posttrain sft`` passes the chunked loss's chunk size to the memory check."""
+    from posttrain.training import chunked_loss, supervised
+
+    seen = []
+    real = limits.check_training_length
+
+    def spy(*args, **kw):
+        seen.append(kw)
+        return real(*args, **kw)
+
+    def stop(*_, **__):
+        raise _Checked
+
+    monkeypatch.setattr(limits, "check_training_length", spy)
+    monkeypatch.setattr(supervised, "check_same_run", stop)
+    with pytest.raises(_Checked):
+        cli.main(["--debug", "sft", "--output", str(tmp_path / "run"), "--model", "qwen3-tiny"])
+    assert [kw["logit_chunk_bytes"] for kw in seen] == [chunked_loss.LOGIT_CHUNK_BYTES]
+
+
 def test_output_paths_accepted_and_refused(tmp_path, monkeypatch):
     """A new or an existing file under a writable directory is accepted; an empty path
     and (emulated with ``os.access``: the tests may run as root) an unwritable directory

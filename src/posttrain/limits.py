@@ -113,12 +113,23 @@ def generation_bytes(cfg: ModelConfig, rows: int, prompt: int, cache_size: int) 
     return cache_bytes(cfg, rows, cache_size, cfg.dtype) + 4 * rows * heads * prompt * cache_size
 
 
-def training_bytes(cfg: ModelConfig, batch: int, length: int) -> int:
+def training_bytes(
+    cfg: ModelConfig, batch: int, length: int, *, logit_chunk_bytes: int | None = None
+) -> int:
     """A lower bound of what one training step allocates at once: the logits ``[batch,
     length, V]`` float32 and one layer's scores ``[batch, num_heads, length, length]``
-    float32."""
+    float32.
+
+    Args:
+      logit_chunk_bytes: the loss takes the logits a chunk of positions at a time
+        (:mod:`posttrain.training.chunked_loss`), each chunk's float32 logits within this
+        size (at least one position of every row): the step holds one chunk, not all.
+    """
     heads = max(a.num_heads for a in cfg.attention.values())
-    return 4 * batch * length * cfg.vocab_size + 4 * batch * heads * length * length
+    logits = 4 * batch * length * cfg.vocab_size
+    if logit_chunk_bytes is not None:
+        logits = min(logits, max(logit_chunk_bytes, 4 * batch * cfg.vocab_size))
+    return logits + 4 * batch * heads * length * length
 
 
 def check_generation(
@@ -162,11 +173,17 @@ def check_generation(
 
 
 def check_training_length(
-    spec: str, length: int, batch: int, *, flag: str, memory: tuple[int, str] | None = None
+    spec: str,
+    length: int,
+    batch: int,
+    *,
+    flag: str,
+    memory: tuple[int, str] | None = None,
+    logit_chunk_bytes: int | None = None,
 ) -> None:
     """Refuses rows of ``length`` tokens (``flag``) longer than the model's positions or
     whose step needs more memory than there is (:func:`training_bytes` of the global
-    ``batch``).
+    ``batch``, with ``logit_chunk_bytes`` when the loss chunks its logits).
 
     Raises:
       ValueError: one line naming the length, the limit and where it comes from.
@@ -177,12 +194,13 @@ def check_training_length(
         raise ValueError(
             f"{name}={length} ({flag}): the model's limit is {positions} positions ({source})"
         )
-    need = training_bytes(cfg, batch, length)
+    need = training_bytes(cfg, batch, length, logit_chunk_bytes=logit_chunk_bytes)
     memory = memory if memory is not None else available_memory()
     if memory is not None and need > memory[0]:
+        logits = "one chunk's logits" if logit_chunk_bytes is not None else "logits"
         raise ValueError(
             f"{name}={length} ({flag}): a step of {batch} rows needs at least {_size(need)} "
-            f"(logits and one layer's attention scores); {memory[1]} is {_size(memory[0])}"
+            f"({logits} and one layer's attention scores); {memory[1]} is {_size(memory[0])}"
         )
 
 

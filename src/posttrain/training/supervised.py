@@ -29,7 +29,7 @@ from flax import nnx
 
 from posttrain import distributed, limits, sharding
 from posttrain.tokenizer import check_coverage
-from posttrain.training import data
+from posttrain.training import chunked_loss, data
 from posttrain.training import record as run_record
 from posttrain.training.checks import check_same_run, discard_unstarted
 from posttrain.training.default_data import pydoc_conversations
@@ -177,7 +177,11 @@ def _checked(cfg: SupervisedRunOptions):
     mesh = sharding.make_mesh(cfg.mesh)
     global_batch = _global_batch(cfg, mesh)
     limits.check_training_length(
-        cfg.model, cfg.max_target_length, global_batch, flag="--max-target-length"
+        cfg.model,
+        cfg.max_target_length,
+        global_batch,
+        flag="--max-target-length",
+        logit_chunk_bytes=chunked_loss.LOGIT_CHUNK_BYTES,  # sft_terms chunks the NLL
     )
     return cfg, mesh, global_batch, check_same_run(cfg, global_batch)
 
