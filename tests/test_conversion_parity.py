@@ -18,6 +18,7 @@ import pytest
 from posttrain import cli, conversion, families
 from posttrain.conversion import parity
 from posttrain.conversion import transforms as tf
+from tests import transcendentals
 from tests.checkpoints import patch_rows
 
 pytestmark = [pytest.mark.reference, pytest.mark.matmul_precision("highest")]
@@ -27,6 +28,16 @@ pytestmark = [pytest.mark.reference, pytest.mark.matmul_precision("highest")]
 # same on every token (no near-ties on this batch). The issue's bounds leave ~20x headroom.
 MAX_KL = 1e-6
 MAX_ABS = 1e-4
+# logits of magnitude ~3 (at most 4 here) through float32 softmax (exp) and activations
+# (tanh, logistic): on a TPU v2-v5e those are within 1,365.5 ulp (tests/transcendentals.py;
+# the Gemma 4 cases measured 1.0e-4 to 1.1e-4 there, 2026-12-06), on the CPU a few
+LOGIT_SCALE = 4.0
+
+
+def max_abs() -> float:
+    """:data:`MAX_ABS`, or the backend's bound of its transcendentals at the logits' scale."""
+    return max(MAX_ABS, transcendentals.bound("exp", "tanh", "logistic") * LOGIT_SCALE)
+
 
 FAMILIES = families.NAMES
 CASES = [(name, layout) for name, f in families.FAMILIES.items() for layout in f.layouts]
@@ -58,7 +69,8 @@ def test_converted_logits_match_transformers(hf_tiny, tmp_path, family, layout):
     result = parity.compare(reference, parity.native_logits(model, tokens, mask), mask)
     assert result.tokens == 36
     assert result.mean_kl <= MAX_KL, result.line()
-    assert result.max_abs <= MAX_ABS, result.line()
+    assert result.max_abs <= max_abs(), result.line()
+    assert np.abs(reference).max() <= LOGIT_SCALE  # the scale max_abs() assumes
     assert result.top1 == 1.0, result.line()
 
     conversion.convert_native_to_hf(tmp_path / "native", tmp_path / "back", layout=summary.layout)
@@ -143,7 +155,7 @@ def test_config_variants_match_transformers(hf_tiny, tmp_path, variant):
     src = saved(hf_tiny, tmp_path, family, "hub", **overrides)
     conversion.convert_hf_to_native(src, tmp_path / "native")
     result = parity.check_logits(src, tmp_path / "native")
-    assert result.ok(MAX_KL, MAX_ABS) and result.top1 == 1.0, result.line()
+    assert result.ok(MAX_KL, max_abs()) and result.top1 == 1.0, result.line()
 
 
 def test_dropping_per_expert_scale_fails_parity(hf_tiny, tmp_path, capsys):
@@ -194,7 +206,7 @@ def test_interleaved_split_on_a_concatenated_checkpoint_fails_parity(
     )
     conversion.convert_hf_to_native(src, tmp_path / "native")
     result = parity.check_logits(src, tmp_path / "native")
-    assert not result.ok(MAX_KL, MAX_ABS), result.line()
+    assert not result.ok(MAX_KL, max_abs()), result.line()
 
 
 def test_check_logits_refuses_a_different_model(hf_tiny, tmp_path, capsys):
@@ -246,7 +258,7 @@ def test_square_expert_kernels_convert_by_value(hf_tiny, tmp_path, family, layou
     meta, _ = conversion.read_native_params(tmp_path / "native")
     assert meta.cfg.moe.moe_d_ff == width and meta.cfg.d_model == 72
     result = parity.check_logits(src, tmp_path / "native")
-    assert result.ok(MAX_KL, MAX_ABS) and result.top1 == 1.0, result.line()
+    assert result.ok(MAX_KL, max_abs()) and result.top1 == 1.0, result.line()
     conversion.convert_native_to_hf(tmp_path / "native", tmp_path / "back", layout=summary.layout)
     source, back = read(src), read(tmp_path / "back")
     assert sorted(source) == sorted(back)

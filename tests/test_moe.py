@@ -25,6 +25,7 @@ from posttrain.layers.moe import (
     num_blocks_bound,
     sort_by_expert,
 )
+from tests import transcendentals
 from tests.jaxprs import equations
 from tests.strategies import moe_cases, scaled
 
@@ -444,7 +445,10 @@ def test_gemma4_routing_matches_hf():
     expected = hf_gemma4(
         x[0].astype(np.float64), r[0].astype(np.float64), params64(block), cfg.top_k, NORM_EPS
     )
-    np.testing.assert_allclose(run(block, x, r)[0][0], expected, rtol=0, atol=ROUTED_ATOL)
+    # float32 softmax (exp) and GELU-tanh experts against float64: on a TPU v2-v5e tanh is
+    # within 1,365.5 ulp (tests/transcendentals.py), so the bound scales with the outputs
+    atol = max(ROUTED_ATOL, transcendentals.bound("exp", "tanh") * np.abs(expected).max())
+    np.testing.assert_allclose(run(block, x, r)[0][0], expected, rtol=0, atol=atol)
 
 
 # --- load-balancing loss -----------------------------------------------------------
