@@ -316,6 +316,9 @@ def make_trainer(*, ga=1, steps=2, student="qwen3-tiny", teacher="llama3-tiny", 
 
 
 @pytest.mark.contract("tunix.distillation.DistillationTrainer.train")
+# the matrix runs it in every row; the gate's real distillation through the same trainer is
+# tests/test_distill_run.py's short run (the held-out KL falls, the teacher bit-identical)
+@pytest.mark.slow
 def test_a_real_run_moves_the_student_not_the_teacher():
     """4 steps of pure distillation (alpha 1: the random teacher's soft targets, not the
     data, are what the student should move to): the held-out KL to the teacher falls;

@@ -254,6 +254,9 @@ def test_the_offered_fp8_base_type_is_e4m3fn():
 
 
 @pytest.mark.contract("qwix QLoRA weight_qtype")
+# the matrix runs it in every row; the gate's QLoRA model is tests/test_lora.py's (every
+# adapted weight quantised, B = 0 logits near the float model's, dequantised near float)
+@pytest.mark.slow
 def test_qwix_qlora_applies_to_our_model():
     """``apply_lora(weight_qtype=...)``: Qwix quantises every adapted base weight of a
     tiny model and adds adapters; the dequantised weights are the float ones and the

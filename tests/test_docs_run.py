@@ -38,6 +38,10 @@ def _assert_ran(results, checks, left):
     assert not left, f"the commands left in the checkout: {left}"
 
 
+# slow tier: the gate runs the quick page through the command line below
+# (test_the_command_line_runs_a_page_logs_it_and_rechecks_the_log: its exits, figures and
+# paths left, in a fresh copy), one subprocess less
+@pytest.mark.slow
 def test_the_quick_pages_run_as_written_in_a_fresh_copy(tmp_path):
     """The quick pages' commands exit as their pages say, print the figures they quote,
     and leave the copy's git status clean."""

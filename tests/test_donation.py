@@ -93,7 +93,13 @@ def unaliased_output_bytes(jitted, trainer, mesh) -> int:
     return memory.output_size_in_bytes - memory.alias_size_in_bytes
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "lora",
+    # the gate compiles the full model's step (every parameter aliased); LoRA's frozen base
+    # donated is test_donating_the_model_changes_no_result[lora]'s (all its arrays deleted)
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["full", "lora"],
+)
 def test_the_compiled_step_writes_the_model_into_its_own_buffers(lora):
     """Against Tunix's donation in the same test, the step's outputs that need new buffers
     shrink by the model's bytes: every parameter, LoRA's frozen base included (nnx.jit
@@ -124,7 +130,13 @@ def train(lora: bool, cls) -> tuple[list[dict], list[np.ndarray], list[bool]]:
     return trainer.history, params, [x.is_deleted() for x in before]
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "lora",
+    # the gate trains the LoRA model (its frozen base donated too); the full model's
+    # donation is the compiled step's above and test_the_plan_compiles_what_the_trainer_runs'
+    [pytest.param(False, marks=pytest.mark.slow), True],
+    ids=["full", "lora"],
+)
 def test_donating_the_model_changes_no_result(lora):
     """Bit for bit the same losses, gradient norms and parameters as Tunix's donation, with
     gradient accumulation; the model's arrays are donated (deleted) only by ours."""
@@ -319,6 +331,12 @@ def train_dpo(lora: bool, undonated: bool):
     return trainer.history, [np.asarray(x) for x in arrays(trainer.model)], deleted, donated
 
 
+# slow tier: DPO's step is SFT's (SFTStep.jit_train_step, the one definition of what is
+# donated), whose bit-for-bit run against Tunix's donation is the gate's above; the gate's
+# real LoRA DPO runs donate the policy and read the reference after every step
+# (contracts/test_tunix_dpo.py), and the reference holds no donated array
+# (test_dpo_reference_keeps_no_array_the_step_donates, both cases)
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_dpo_donates_the_policy_and_its_reference_stays_readable(lora):
     """DPO shares the step: the policy is donated, the reference never (with LoRA it shares

@@ -384,6 +384,9 @@ def test_an_index_that_is_not_http_is_reported_not_raised():
     assert "could not be asked" in found["error"]
 
 
+# slow tier: 3 interpreters (-n 2) in the gate took 6-7 s of its wall and a core from the other
+# worker; the gate runs every one of these tests once, this is the repeat that finds shared state
+@pytest.mark.slow
 def test_the_report_tests_pass_twice_side_by_side(tmp_path):
     """The report's tests (this file and tests/test_verdicts.py) run twice at once, one
     copy per xdist worker (``--dist each``), on one machine: every test passes in both
