@@ -122,6 +122,10 @@ def test_a_search_that_cannot_vary_the_batch_is_refused(changes, message):
         dataclasses.replace(BASE, **changes).check()
 
 
+# slow tier: three libtpu compiles (not in JAX's persistent cache: 11 s of CPU warm or
+# cold); the gate holds the search to hand-made figures (the host tests above) and keeps
+# one real plan compile (tests/test_plan.py's small LoRA SFT step)
+@pytest.mark.slow
 def test_a_real_search_compiles_each_policy_for_a_v5e_and_names_the_fastest(capsys):
     """One real search: qwen3-tiny, unscanned, 16 tokens, batch 1 under each policy, each
     compiled by libtpu for one v5e chip (the tpu extra)."""
