@@ -39,10 +39,11 @@ def _fake_plan(fits_up_to: dict[str, int], seconds, refuse: set = frozenset(), s
 
 @pytest.mark.host
 def test_each_policy_doubles_its_batch_to_the_limit_in_order():
-    options = dataclasses.replace(BASE, search_max_batch=5, remat="full", run_steps=3)
+    options = dataclasses.replace(BASE, search=True, search_max_batch=5, remat="full", run_steps=3)
     got = [(c.remat, c.per_device_batch_size) for c in search.candidates(options)]
     assert got == [(r, b) for r in ("none", "save_dots", "full") for b in (1, 2, 4)]
-    assert all(not c.search and c.run_steps == 0 for c in search.candidates(options))
+    # each candidate is one plain plan: it neither searches again nor runs steps
+    assert all(c.search is False and c.run_steps == 0 for c in search.candidates(options))
 
 
 @pytest.mark.host
@@ -139,3 +140,73 @@ def test_a_real_search_compiles_each_policy_for_a_v5e_and_names_the_fastest(caps
     assert [r[2:].split()[0] for r in rows] == ["none", "save_dots", "full"]
     assert all(r.endswith("fits") for r in rows) and sum(r.startswith("*") for r in rows) == 1
     assert out[-1].startswith("fastest that fits: --remat ")
+
+
+def _one_of_each(options):
+    """none fits one row (0.5 s a row), its two rows do not (2 GiB); save_dots the compiler
+    refuses with a 130-character line; full fits both (1 s a row)."""
+    batch = options.per_device_batch_size
+    if options.remat == "save_dots":
+        raise DoesNotFit("x" * 120 + "0123456789")
+    seconds = {"none": 0.5, "full": 1.0}[options.remat] * batch
+    fits = options.remat == "full" or batch == 1
+    verdict = types.SimpleNamespace(fits=fits, estimate_seconds=seconds, mfu=0.1 * batch)
+    figures = types.SimpleNamespace(peak=batch * 2**30)
+    return types.SimpleNamespace(verdict=verdict, figures=figures)
+
+
+@pytest.mark.host
+def test_each_candidate_holds_its_plans_figures_and_a_refusal_holds_none():
+    found = search.search(dataclasses.replace(BASE, search_max_batch=2), _one_of_each)
+    C = search.Candidate
+    assert found == [
+        C("none", 1, True, 2**30, 0.5, 2.0, 0.1),
+        C("none", 2, False, 2 * 2**30, 0.0, 0.0, 0.2, "peak 2.00 GiB"),
+        C("save_dots", 1, False, 0, 0.0, 0.0, 0.0, "x" * 120 + "0123456789"),
+        C("full", 1, True, 2**30, 1.0, 1.0, 0.1),
+        C("full", 2, True, 2 * 2**30, 2.0, 1.0, 0.2),
+    ]
+
+
+@pytest.mark.host
+def test_the_table_gives_each_fitting_row_in_gib_ms_tokens_and_percent():
+    """Row by row, in hand-computed units: 1 GiB, 500 ms, 2 rows/s x 16 tokens = 32 tokens
+    a second, MFU 10%; a refusal's line its first 120 characters."""
+    found = search.search(dataclasses.replace(BASE, search_max_batch=2), _one_of_each)
+    header, *rows = search.table(found, 16).splitlines()
+    assert header.split() == [
+        *("remat", "batch/dev", "peak", "GiB", "step", "ms", "tokens/s", "MFU", "verdict")
+    ]
+    assert header.startswith("  remat ")  # the mark's column is blank
+    assert rows[0].split() == ["*", "none", "1", "1.00", "500.0", "32", "10.0%", "fits"]
+    assert rows[1].split() == ["none", "2", "does", "not", "fit", "(peak", "2.00", "GiB)"]
+    assert rows[2].split() == ["save_dots", "1", "does", "not", "fit", f"({'x' * 120})"]
+    assert rows[3].split() == ["full", "1", "1.00", "1000.0", "16", "10.0%", "fits"]
+    assert rows[4].split() == ["full", "2", "2.00", "2000.0", "16", "20.0%", "fits"]
+    many = [dataclasses.replace(found[0], rows_per_second=1000.0)]
+    assert search.table(many, 16).splitlines()[1].split()[5] == "16,000"
+    assert search.advice(found) == (
+        "fastest that fits: --remat none --per-device-batch-size 1 "
+        "(500.0 ms a step, MFU 10.0% estimated)"
+    )
+
+
+@pytest.mark.host
+def test_a_fitting_plan_without_an_estimate_has_no_rate():
+    """A verdict whose compiled costs were all zero (estimate 0 s) fits but has no rows a
+    second (no division by zero); the fastest is one that has a rate."""
+    times = {"none": 0.0, "save_dots": 0.5, "full": 1.0}
+    plan_fn = _fake_plan({"none": 1, "save_dots": 1, "full": 1}, lambda r, b: times[r])
+    found = search.search(dataclasses.replace(BASE, search_max_batch=1), plan_fn)
+    assert [(c.fits, c.rows_per_second) for c in found] == [(True, 0.0), (True, 2.0), (True, 1.0)]
+    assert search.fastest(found).remat == "save_dots"
+
+
+@pytest.mark.host
+def test_an_axis_the_mesh_leaves_out_holds_one_device():
+    """``--mesh data=2,tensor=4``: no fsdp axis, so 2 devices hold different rows;
+    ``--mesh tensor=8``: every device holds the same rows."""
+    v5e8 = dataclasses.replace(BASE, topology="v5e-8")
+    assert search.data_parallel(dataclasses.replace(v5e8, mesh={"data": 2, "tensor": 4})) == 2
+    assert search.data_parallel(dataclasses.replace(v5e8, mesh={"tensor": 8})) == 1
+    assert search.data_parallel(dataclasses.replace(v5e8, mesh={"fsdp": 4, "tensor": 2})) == 4
