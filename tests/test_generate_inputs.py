@@ -207,6 +207,20 @@ def test_a_chunked_loss_step_counts_one_chunk_of_logits():
         )
 
 
+def test_the_step_check_s_limits_and_defaults(monkeypatch):
+    """A row of exactly the model's positions is accepted; the whole logits are named when
+    the loss does not chunk; without ``memory`` the backend's available memory is read."""
+    _, positions, _ = limits.checkpoint_config("qwen3-tiny")
+    limits.check_training_length("qwen3-tiny", positions, 1, flag="--seq", memory=(2**60, "m"))
+    with pytest.raises(ValueError, match=rf"^seq={positions + 1} \(--seq\): the model's limit"):
+        limits.check_training_length("qwen3-tiny", positions + 1, 1, flag="--seq")
+    with pytest.raises(ValueError, match=r"needs at least .* \(logits and one layer's attention"):
+        limits.check_training_length("qwen3-tiny", 64, 8, flag="--seq", memory=(1, "m"))
+    monkeypatch.setattr(limits, "available_memory", lambda: (1, "one byte"))
+    with pytest.raises(ValueError, match=r"; one byte is 1 B$"):
+        limits.check_training_length("qwen3-tiny", 64, 8, flag="--seq")
+
+
 class _Checked(Exception):
     pass
 
