@@ -13,6 +13,7 @@ _OWN_PAGES = (
 HARNESS_TARGETS: dict[str, list[str]] = {
     "harness/matrix/progress.py": ["tests/test_matrix_progress.py"],
     "harness/tools/op_profile.py": ["tests/test_op_profile.py"],
+    "harness/tools/divergence.py": ["tests/test_divergence.py"],
     # #58: imports inside functions, each listed (the entry-point tests start interpreters)
     "harness/tools/local_imports.py": ["tests/test_local_imports.py", "-k", "not entry_point"],
     "harness/bisect/bisect.py": ["tests/test_bisect.py"],
