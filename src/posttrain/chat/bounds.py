@@ -107,8 +107,10 @@ def estimate(name: str, receiver, args, kwargs, what: str) -> None:
             refuse_larger(len(receiver) + count * (len(new) - len(old)), what)
     elif name == "join" and isinstance(receiver, str) and args:  # sep.join(items)
         refuse_larger(_joined(args[0], receiver), what)
-    elif name == "expandtabs" and isinstance(receiver, str) and args and isinstance(args[0], int):
-        refuse_larger(receiver.count("\t") * args[0] + len(receiver), what)
+    elif name == "expandtabs" and isinstance(receiver, str):  # tabsize: positional or keyword
+        tabsize = args[0] if args else kwargs.get("tabsize")
+        if isinstance(tabsize, int):
+            refuse_larger(receiver.count("\t") * tabsize + len(receiver), what)
 
 
 def estimate_filter(name: str, args, kwargs) -> None:

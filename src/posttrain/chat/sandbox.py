@@ -95,9 +95,14 @@ def bounded_range(*args: int) -> range:
 
 
 def bounded_lipsum(n: int = 5, html: bool = True, min: int = 20, max: int = 100) -> str:  # noqa: A002
-    """Jinja's ``lipsum``, refused when its words could pass :data:`bounds.MAX_OUTPUT_CHARS`."""
-    if isinstance(n, int) and isinstance(max, int):
-        bounds.refuse_larger(n * builtins.max(min, max, 1) * 16, "lipsum()")  # <= 15 chars a word
+    """Jinja's ``lipsum``, refused when its words could pass :data:`bounds.MAX_OUTPUT_CHARS`.
+    Its counts must be integers: Python 3.11's ``randrange`` takes ``max=100.0`` (with a
+    DeprecationWarning), which would otherwise pass unestimated."""
+    for name, value in (("n", n), ("min", min), ("max", max)):
+        if not isinstance(value, int):
+            raise TypeError(f"lipsum()'s {name}={value!r}; expected an integer")
+    # <= 15 characters and a space a word; a paragraph of no words is still '.' and a break
+    bounds.refuse_larger(n * builtins.max(min, max, 1) * 16, "lipsum()")
     return bounds.checked_size(jinja2.utils.generate_lorem_ipsum(n, html, min, max))
 
 
