@@ -3,6 +3,7 @@ matmuls rounded to bfloat16 (a TPU's default pass); unperturbed, no error anywhe
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ BF16_LOW, BF16_HIGH = 2.0**-12, 2.0**-6
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((8, 24), np.float32)
 W = RNG.standard_normal((24, 5), np.float32)
+OFFSET = RNG.standard_normal((5,), np.float32)  # a constant that call bodies close over
 MASK = np.tril(np.ones((8, 5), bool), 1)  # [8, 5]: a causal-looking mask, never a full row
 
 
@@ -65,6 +67,15 @@ def test_unperturbed_every_error_is_zero_and_the_sides_are_where_asked():
     assert found.rows == ()
     assert (found.device, found.reference) == (f"cpu:{device.id}", f"cpu:{reference.id}")
     assert found.equations > 20  # gelu's and argmax's bodies inlined, equation by equation
+
+
+def test_by_default_the_default_device_against_the_first_cpu(monkeypatch):
+    """Unasked, the compared side is the default backend's first device and the reference
+    the first CPU device (here the CPU devices listed in reverse: the last one)."""
+    listed = jax.devices
+    monkeypatch.setattr(jax, "devices", lambda *kind: listed(*kind)[:: -1 if kind else 1])
+    found = dv.divergence(lambda x: x * 2.0, X)
+    assert (found.device, found.reference) == ("cpu:0", f"cpu:{listed('cpu')[-1].id}")
 
 
 def test_a_rounded_matmul_is_named_and_nothing_downstream():
@@ -128,11 +139,11 @@ CALLS = {
 
 @pytest.mark.parametrize("wrap", CALLS.values(), ids=CALLS.keys())
 def test_a_call_s_body_is_compared_equation_by_equation(wrap):
-    """A matmul inside a jit, remat, custom_jvp or custom_vjp call is named itself, at its
-    own line, not the call."""
+    """A matmul inside a jit, remat, custom_jvp or custom_vjp call (whose body closes over
+    a constant) is named itself, at its own line, not the call."""
 
     def inner(x, w):
-        return jnp.tanh(x @ w)  # inside the call
+        return jnp.tanh(x @ w) + OFFSET  # inside the call
 
     device, reference = sides()
     found = dv.divergence(
@@ -143,9 +154,24 @@ def test_a_call_s_body_is_compared_equation_by_equation(wrap):
         reference_device=reference,
         bf16_matmuls=True,
     )
-    assert [(r.primitive, r.source.split(":")[1]) for r in found.rows] == [
-        ("dot_general", str(line_of("# inside the call")))
-    ]
+    (row,) = found.rows
+    assert (row.primitive, row.source.split(":")[1]) == (
+        "dot_general",
+        str(line_of("# inside the call")),
+    )
+    assert row.output_error == pytest.approx(row.own_error, rel=1e-3)  # rounded in the run too
+
+
+def test_integer_matmuls_are_left_alone():
+    """``bf16_matmuls`` rounds float32 operands only: an int32 matmul (values past
+    bfloat16's 256) stays exact."""
+    device, reference = sides()
+    a = np.arange(12, dtype=np.int32).reshape(3, 4) * 301
+    b = np.arange(20, dtype=np.int32).reshape(4, 5) + 257
+    found = dv.divergence(
+        lambda a, b: a @ b, a, b, device=device, reference_device=reference, bf16_matmuls=True
+    )
+    assert (found.outputs, found.rows) == ((0.0,), ())
 
 
 def test_an_equation_s_input_error_is_its_operands_largest():
@@ -244,15 +270,47 @@ def test_the_report_says_what_was_compared(device, bf16, note):
 
 
 def test_the_command_names_a_case_s_matmuls(capsys):
-    """``--case gemma4-routing --bf16-matmuls``: the router's matmul first, ``--top``
-    rows."""
-    assert dv.main(["--case", "gemma4-routing", "--bf16-matmuls", "--top", "1"]) == 0
+    """``--case gemma4-routing --bf16-matmuls``: says it rounded, names the MoE's
+    matmuls, ``--top`` rows."""
+    assert dv.main(["--case", "gemma4-routing", "--bf16-matmuls", "--top", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     reference = jax.devices("cpu")[0].id
     assert re.fullmatch(rf"gemma4-routing: cpu:0 against cpu:{reference}, \d+ equations", lines[0])
-    assert re.fullmatch(r".*: \d+, the 1 worst \(own, carried in, carried out\):", lines[3])
-    assert lines[4].startswith("  dot_general ") and "posttrain/layers/moe/" in lines[4]
-    assert len(lines) == 5
+    assert lines[1] == "the compared side's float32 matmul operands rounded to bfloat16"
+    assert re.fullmatch(r".*: \d+, the 2 worst \(own, carried in, carried out\):", lines[3])
+    assert len(lines) == 6
+    for line in lines[4:]:
+        assert line.startswith("  dot_general ") and "posttrain/layers/moe/" in line
+
+
+def test_the_command_prints_twelve_rows_unless_told(monkeypatch, capsys):
+    """Without ``--top``, the 12 worst of 13 rounded matmuls."""
+    m = RNG.standard_normal((24, 24), np.float32) / 5
+
+    def case(name):
+        return lambda x: functools.reduce(lambda a, _: a @ m, range(13), x), (X,)
+
+    monkeypatch.setattr(divergence_cases, "case", case)
+    assert dv.main(["--case", "dpo-loss", "--bf16-matmuls"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3].endswith(": 13, the 12 worst (own, carried in, carried out):")
+    assert len(lines) == 4 + 12
+
+
+def test_the_help_says_each_option(capsys):
+    """``--help``: the module's description and each option's help."""
+    with pytest.raises(SystemExit) as exited:
+        dv.main(["--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for words in (
+        "Where a computation's float32 error enters:",
+        "--case CASE dpo-loss, gemma4-routing, forward:PRESET",
+        "--top TOP equations printed (default 12)",
+        "jax.default_matmul_precision while tracing and running (default: highest)",
+        "--bf16-matmuls round the compared side's float32 matmul operands to bfloat16",
+    ):
+        assert words in text
 
 
 def test_the_command_runs_the_dpo_case_at_zero_on_the_cpu(capsys):
@@ -294,12 +352,18 @@ BAD = {
     ),
     "no preset": (["--case", "forward:"], "--case 'forward:': no preset ''; one of llama3-8b, "),
     "top": (["--case", "dpo-loss", "--top", "0"], "--top 0: at least 1"),
+    "no case": (["--top", "3"], "the following arguments are required: --case"),
+    "precision": (
+        ["--case", "dpo-loss", "--matmul-precision", "fast"],
+        "argument --matmul-precision: invalid choice: 'fast'",
+    ),
 }
 
 
 @pytest.mark.parametrize(("argv", "message"), BAD.values(), ids=BAD.keys())
 def test_bad_input_is_one_line_naming_it_and_exit_2(capsys, argv, message):
-    """An unknown case or preset (the choices listed), or a --top below 1: one line, 2."""
+    """An unknown case, preset (the choices listed) or precision, no case, a --top below 1:
+    one line, 2."""
     with pytest.raises(SystemExit) as exited:
         dv.main(argv)
     assert exited.value.code == 2

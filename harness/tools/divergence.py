@@ -156,8 +156,8 @@ def _evaluate(jaxpr, consts, args, values: list, records: list, bf16_matmuls: bo
     env.update(zip(jaxpr.invars, args, strict=True))
     for eqn in jaxpr.eqns:
         operands = [read(var) for var in eqn.invars]
-        body = eqn.params.get(_CALLS.get(eqn.primitive.name, ""))
-        if body is not None:  # its inputs are the call's last operands
+        if eqn.primitive.name in _CALLS:  # its body's inputs are the call's last operands
+            body = eqn.params[_CALLS[eqn.primitive.name]]
             inner, consts = (
                 (body.jaxpr, body.consts) if isinstance(body, core.ClosedJaxpr) else (body, ())
             )
@@ -168,7 +168,7 @@ def _evaluate(jaxpr, consts, args, values: list, records: list, bf16_matmuls: bo
             slots = tuple(range(len(values), len(values) + len(result)))
             values.extend(result)
             inputs = tuple(slot for _, slot in operands)
-            constants = tuple(None if slot is not None else value for value, slot in operands)
+            constants = tuple(value if slot is None else None for value, slot in operands)
             records.append(_Record(eqn, inputs, constants, slots))
             outs = list(zip(result, slots, strict=True))
         env.update(zip(eqn.outvars, outs, strict=True))
@@ -179,38 +179,36 @@ def _where(device) -> str:
     return f"{device.platform}:{device.id}"
 
 
-def _whole(closed, leaves: list, device, records: list, bf16_matmuls: bool):
-    """``(outputs, every value, where it ran)`` of one jitted program on ``device``:
-    ``values[i]`` is ``leaves[i]``, then each equation's outputs in ``records``' order
-    (filled in)."""
+def _side(closed, leaves: list, device, records: list, given=None, bf16_matmuls=False):
+    """One side's two jitted programs on ``device``: the whole run, then each equation
+    alone from ``given`` (the reference side's values; without, this side's own).
 
-    def program(leaves):
+    Returns ``(outputs, values, alone, where it ran)``: ``values[i]`` is ``leaves[i]``,
+    then each equation's outputs in ``records``' order (filled in); ``alone`` each
+    equation's outputs again, flat. Alone, no equation reads another's output, so XLA
+    fuses none with its producer (fused, ``x / 72 + eps`` rounds otherwise than alone).
+    """
+
+    def whole(leaves):
         values = list(leaves)
         records.clear()  # a retrace records anew
         pairs = [(leaf, slot) for slot, leaf in enumerate(leaves)]
         outs = _evaluate(closed.jaxpr, closed.consts, pairs, values, records, bf16_matmuls)
         return [value for value, _ in outs], values
 
-    outs, values = jax.jit(program)(jax.device_put(leaves, device))
-    (ran,) = {d for out in outs for d in out.devices()}
-    return *jax.device_get((outs, values)), _where(ran)
-
-
-def _alone(records: list, given: list, device, bf16_matmuls: bool) -> list:
-    """Each equation's outputs (in order, flat) from ``given``, the values of a whole run:
-    one jitted program on ``device`` in which no equation reads another's output, so XLA
-    fuses none with its producer (fused, ``x / 72 + eps`` rounds otherwise than alone)."""
-
-    def program(given):
+    def each(given):
         outs = []
         for record in records:
-            inputs = zip(record.inputs, record.constants, strict=True)
+            operands = zip(record.inputs, record.constants, strict=True)
             outs += _bind(
-                record.eqn, [c if s is None else given[s] for s, c in inputs], bf16_matmuls
+                record.eqn, [given[s] if c is None else c for s, c in operands], bf16_matmuls
             )
         return outs
 
-    return jax.device_get(jax.jit(program)(jax.device_put(given, device)))
+    outs, values = jax.jit(whole)(jax.device_put(leaves, device))
+    alone = jax.jit(each)(jax.device_put(values if given is None else given, device))
+    (ran,) = {d for out in [*outs, *alone] for d in out.devices()}
+    return *jax.device_get((outs, values, alone)), _where(ran)
 
 
 def divergence(
@@ -236,10 +234,8 @@ def divergence(
     leaves, tree = jax.tree_util.tree_flatten(args)
     closed = jax.make_jaxpr(lambda *xs: fn(*jax.tree_util.tree_unflatten(tree, xs)))(*leaves)
     records: list[_Record] = []
-    want, expected, reference = _whole(closed, leaves, reference_device, records, False)
-    outs, values, ran = _whole(closed, leaves, device, records, bf16_matmuls)
-    alone = _alone(records, expected, reference_device, False)
-    own = _alone(records, expected, device, bf16_matmuls)
+    want, expected, alone, reference = _side(closed, leaves, reference_device, records)
+    outs, values, own, ran = _side(closed, leaves, device, records, expected, bf16_matmuls)
     errors = [relative_error(v, e) for v, e in zip(values, expected, strict=True)]
     rows = []
     pairs = zip(own, alone, strict=True)  # each equation's outputs, in order
