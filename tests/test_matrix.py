@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -279,6 +281,32 @@ def test_first_error_prefers_the_exception_line_over_progress_noise():
         "error: No solution found when resolving dependencies "
         "Because there is no version of google-tunix==0.0.0"
     )
+
+
+def test_a_run_killed_by_a_signal_says_so():
+    """The README's matrix on a loaded machine (2026-12-06) reported a GRPO run as failed with
+    its first progress line: the run had died without an error. A real process killed by
+    SIGKILL names the signal and its last output; one that exits 1 keeps its error line."""
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os, signal; print('Tunix RL: cluster', flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert envs.failure(killed) == (
+        "killed by SIGKILL, no error printed (out of memory?); its last output: Tunix RL: cluster"
+    )
+    silent = subprocess.CompletedProcess([], -999, "", "")
+    assert envs.failure(silent).startswith("killed by signal 999, no error printed")
+    assert envs.failure(silent).endswith("its last output: nothing")
+    failed = subprocess.CompletedProcess([], 1, "", "progress\nValueError: bad row\n")
+    assert envs.failure(failed) == "ValueError: bad row"
 
 
 def test_every_entry_runs_with_one_compile_cache_beside_the_environments(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness.matrix.envs import first_error
+from harness.matrix.envs import failure
 
 DISTILL_RUN: dict[str, Any] = {
     "model": "qwen3-tiny",
@@ -60,5 +60,5 @@ def run_cell(entry, env, environ: dict[str, str], run) -> dict[str, str]:
             "message": f"{len(records)} distill steps, loss {first['loss']:.4f} -> "
             f"{last['loss']:.4f}, kl {first['kl']:.4f} -> {last['kl']:.4f}",
         }
-    why = first_error(done.stderr + done.stdout) if done.returncode else f"metrics: {records}"
+    why = failure(done) if done.returncode else f"metrics: {records}"
     return {"status": "failed", "message": why}

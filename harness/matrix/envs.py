@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -72,6 +73,22 @@ Runner = Callable[[Sequence[str], dict[str, str] | None], subprocess.CompletedPr
 
 def _run(command: Sequence[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(list(command), capture_output=True, text=True, env=env, check=False)
+
+
+def failure(done: subprocess.CompletedProcess) -> str:
+    """Why a finished run failed, in one line: a run killed by a signal says so, with the
+    signal's name (SIGKILL: most often the kernel's out-of-memory killer) and its last line
+    of output, since it printed no error; otherwise :func:`first_error` of its output."""
+    text = done.stderr + done.stdout
+    if done.returncode >= 0:
+        return first_error(text)
+    try:
+        name = signal.Signals(-done.returncode).name
+    except ValueError:
+        name = f"signal {-done.returncode}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    last = lines[-1][:200] if lines else "nothing"
+    return f"killed by {name}, no error printed (out of memory?); its last output: {last}"
 
 
 _EXCEPTION = re.compile(r"^(posttrain: error: |[A-Za-z_][\w.]*(Error|Exception|Exit)\b:?)")

@@ -14,7 +14,7 @@ from typing import Any
 from harness.devices.devices import configure_devices
 from harness.matrix import distill_cell, vision_cell
 from harness.matrix.entries import REPO, Entry
-from harness.matrix.envs import EnvResult, Runner, first_error
+from harness.matrix.envs import EnvResult, Runner, failure, first_error
 
 SFT_RUN: dict[str, Any] = {
     "model": "qwen3-tiny",
@@ -100,7 +100,7 @@ def sft_cell(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner)
             "status": "passed",
             "message": f"{len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}",
         }
-    return {"status": "failed", "message": first_error(done.stderr + done.stdout)}
+    return {"status": "failed", "message": failure(done)}
 
 
 def rl_cell(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) -> dict[str, str]:
@@ -125,7 +125,7 @@ def rl_cell(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner) 
             "status": "passed",
             "message": f"{len(records)} GRPO steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}",
         }
-    why = first_error(done.stderr + done.stdout) if done.returncode else f"metrics: {records}"
+    why = failure(done) if done.returncode else f"metrics: {records}"
     return {"status": "failed", "message": why}
 
 
@@ -152,7 +152,7 @@ def dpo_cell(entry: Entry, env: EnvResult, environ: dict[str, str], run: Runner)
             "message": f"{len(records)} DPO steps, loss {records[0]['loss']:.4f} -> "
             f"{records[-1]['loss']:.4f}, margin {records[-1]['reward_margin']:.4f}",
         }
-    why = first_error(done.stderr + done.stdout) if done.returncode else f"metrics: {records}"
+    why = failure(done) if done.returncode else f"metrics: {records}"
     return {"status": "failed", "message": why}
 
 

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from harness.matrix.envs import first_error
+from harness.matrix.envs import failure, first_error
 
 VISION_RUN: dict[str, Any] = {
     "steps": 3,
@@ -76,5 +76,5 @@ def run_cell(entry, env, environ: dict[str, str], run) -> dict[str, str]:
             "status": "passed",
             "message": f"{len(records)} vision steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}",
         }
-    why = first_error(done.stderr + done.stdout) if done.returncode else f"metrics: {records}"
+    why = failure(done) if done.returncode else f"metrics: {records}"
     return {"status": "failed", "message": why}
