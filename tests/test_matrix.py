@@ -303,7 +303,21 @@ def test_a_run_killed_by_a_signal_says_so():
         "killed by SIGKILL, no error printed (out of memory?); its last output: Tunix RL: cluster"
     )
     silent = subprocess.CompletedProcess([], -999, "", "")
-    assert envs.failure(silent).startswith("killed by signal 999, no error printed")
+    assert envs.failure(silent).startswith("killed by signal 999, no error printed;")
+    # XLA aborting (the GRPO run's deadlocked all-gather under ml-dtypes 0.7.0, 2026-12-06)
+    fatal = (
+        "Tunix RL: cluster\n"
+        "E1206 06:19:55.932614   19554 rendezvous.cc:116] [id=0] This thread has been waiting\n"
+        "F1206 06:20:35.932789   19549 rendezvous.cc:161] [id=2] Termination timeout for "
+        "`all gather` of 40 seconds exceeded.\n"
+        "F1206 06:20:35.932992   19551 rendezvous.cc:161] [id=3] Termination timeout\n"
+        "*** Check failure stack trace: ***\n    @     0x7fdeb1fc8c91  std::__invoke_impl<>()\n"
+    )
+    aborted = subprocess.CompletedProcess([], -signal.SIGABRT, "", fatal)
+    assert envs.failure(aborted) == (
+        "killed by SIGABRT: rendezvous.cc:161] [id=2] Termination timeout for `all gather` "
+        "of 40 seconds exceeded."
+    )
     assert envs.failure(silent).endswith("its last output: nothing")
     failed = subprocess.CompletedProcess([], 1, "", "progress\nValueError: bad row\n")
     assert envs.failure(failed) == "ValueError: bad row"

@@ -75,10 +75,15 @@ def _run(command: Sequence[str], env: dict[str, str] | None = None) -> subproces
     return subprocess.run(list(command), capture_output=True, text=True, env=env, check=False)
 
 
+_FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ (?P<where>\S+\]) (?P<what>.*)")
+
+
 def failure(done: subprocess.CompletedProcess) -> str:
     """Why a finished run failed, in one line: a run killed by a signal says so, with the
-    signal's name (SIGKILL: most often the kernel's out-of-memory killer) and its last line
-    of output, since it printed no error; otherwise :func:`first_error` of its output."""
+    signal's name and what it printed last: XLA's first fatal log line where it aborted
+    (``F1206 ... rendezvous.cc:161] ...``: SIGABRT), else its last line of output (SIGKILL
+    prints nothing: most often the kernel's out-of-memory killer). Otherwise
+    :func:`first_error` of its output."""
     text = done.stderr + done.stdout
     if done.returncode >= 0:
         return first_error(text)
@@ -87,8 +92,12 @@ def failure(done: subprocess.CompletedProcess) -> str:
     except ValueError:
         name = f"signal {-done.returncode}"
     lines = [line.strip() for line in text.splitlines() if line.strip()]
+    fatal = [m for m in map(_FATAL.match, lines) if m]
+    if fatal:
+        return f"killed by {name}: {fatal[0]['where']} {fatal[0]['what']}"[:300]
     last = lines[-1][:200] if lines else "nothing"
-    return f"killed by {name}, no error printed (out of memory?); its last output: {last}"
+    hint = " (out of memory?)" if name == "SIGKILL" else ""
+    return f"killed by {name}, no error printed{hint}; its last output: {last}"
 
 
 _EXCEPTION = re.compile(r"^(posttrain: error: |[A-Za-z_][\w.]*(Error|Exception|Exit)\b:?)")
