@@ -304,7 +304,7 @@ def test_a_run_killed_by_a_signal_says_so():
     )
     silent = subprocess.CompletedProcess([], -999, "", "")
     assert envs.failure(silent).startswith("killed by signal 999, no error printed;")
-    # XLA aborting (the GRPO run's deadlocked all-gather under ml-dtypes 0.7.0, 2026-12-06)
+    # XLA aborting: the GRPO run's all-gather rendezvous timed out on a loaded machine (2026-12-06)
     fatal = (
         "Tunix RL: cluster\n"
         "E1206 06:19:55.932614   19554 rendezvous.cc:116] [id=0] This thread has been waiting\n"
