@@ -9,6 +9,7 @@ import json
 import pathlib
 import re
 import subprocess
+import types
 
 import pytest
 
@@ -130,6 +131,16 @@ def test_a_marker_not_directly_before_a_block_is_refused_naming_its_page_and_lin
     block that is no marker (misspelt) is one too."""
     with pytest.raises(ValueError, match="^" + re.escape(says)):
         docs_run.commands("x.md", text)
+
+
+def test_a_marker_out_of_place_is_one_line_saying_where_markers_apply():
+    """The whole line, and a page left unnamed called "the page"."""
+    with pytest.raises(ValueError) as caught:
+        docs_run.blocks(_block(NO_RUN, "\n"))
+    assert str(caught.value) == (
+        f"the page:2: {NO_RUN} is not on the line directly before a fenced block (a marker "
+        "applies to the block that opens on the next line)"
+    )
 
 
 def test_marker_lines_inside_blocks_or_inline_and_other_comments_are_no_markers():
@@ -466,6 +477,33 @@ def test_the_command_line_prints_each_command_each_figure_and_a_summary(
         r"OFF README.md: loss ([\d.]+) \(figure\): quoted 2.50, now 2.6",
         "docs_run: 3 commands (0 failed, T s), 1 figures (1 off), 0 paths left in the checkout",
     ]
+
+
+def test_a_timed_out_command_keeps_what_it_printed_even_undecodable_or_nothing(tmp_path):
+    """Its bytes decoded with replacement (0xff is U+FFFD), or nothing before the note."""
+    garbled, silent = docs_run.run(
+        tmp_path,
+        [Command("p.md", 1, r"printf 'a\377b'; sleep 20"), Command("p.md", 2, "sleep 20")],
+        timeout=1,
+    )
+    assert (garbled.status, garbled.output) == (124, "a\ufffdb\n(timed out)")
+    assert (silent.status, silent.output) == (124, "\n(timed out)")
+
+
+def test_a_command_s_seconds_are_its_clock_s_to_a_tenth(tmp_path, monkeypatch):
+    """Started at 10.0 s and done at 10.26 s on docs_run's clock: 0.3 s."""
+    clock = iter([10.0, 10.26])
+    monkeypatch.setattr(docs_run, "time", types.SimpleNamespace(monotonic=lambda: next(clock)))
+    (result,) = docs_run.run(tmp_path, [Command("p.md", 1, "true")])
+    assert result.seconds == 0.3
+
+
+def test_a_copy_is_made_without_a_word_from_git(tmp_path, monkeypatch, capfd):
+    """git's own output (here its trace) stays out of docs_run's, which is its lines."""
+    repo = _repository(tmp_path / "src")
+    monkeypatch.setenv("GIT_TRACE", "1")
+    docs_run.copy_checkout(repo, tmp_path / "copy")
+    assert capfd.readouterr() == ("", "")
 
 
 def test_a_command_runs_with_the_set_ups_environment_and_its_output_interleaved(
