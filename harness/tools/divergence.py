@@ -43,7 +43,6 @@ import numpy as np
 from jax.extend import core, source_info_util
 
 from posttrain import flags
-from tests import divergence_cases
 
 FLOOR = float(np.finfo(np.float32).eps)  # 1.19e-7
 """An equation's own error above which it introduces error: two float32 results one
@@ -282,9 +281,18 @@ def report(case: str, found: Divergence, top: int, bf16_matmuls: bool = False) -
     return lines
 
 
+def _cases():
+    """The checkout's ``tests.divergence_cases`` (the tests' own cases): imported when the
+    command runs, so that the harness imports in an environment without the checkout's
+    tests (``.ci/fresh_envs.py``)."""
+    from tests import divergence_cases
+
+    return divergence_cases
+
+
 def _checked(name: str, parser) -> str:
     """``name`` if it is a case, else the parser's one-line error (exit 2)."""
-    cases = divergence_cases
+    cases = _cases()
     preset = name.removeprefix(cases.FORWARD)
     if name in cases.CASES or (name.startswith(cases.FORWARD) and preset in cases.presets()):
         return name
@@ -313,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.top < 1:
         parser.error(f"--top {args.top}: at least 1")
     with jax.default_matmul_precision(args.matmul_precision):
-        fn, inputs = divergence_cases.case(case)
+        fn, inputs = _cases().case(case)
         found = divergence(fn, *inputs, bf16_matmuls=args.bf16_matmuls)
     print("\n".join(report(case, found, args.top, args.bf16_matmuls)))
     return 0
