@@ -122,6 +122,16 @@ def test_lipsum_keeps_jinjas_defaults():
     ]
 
 
+def test_lipsum_with_jinjas_defaults_is_estimated_at_five_times_a_hundred_words(monkeypatch):
+    """lipsum(): 5 x 100 x 16 = 8000 renders at a bound of 8000 (not one word more a
+    paragraph: the defaults as called, not only as declared)."""
+    monkeypatch.setattr(bounds, "MAX_OUTPUT_CHARS", 8000)
+    assert _render("{{ lipsum() }}").count("<p>") == 5
+    assert _refusal("{{ lipsum(5, true, 20, 101) }}") == (
+        "lipsum() would build a value of length 8080, over the bound of 8000 (MAX_OUTPUT_CHARS)"
+    )
+
+
 def test_lipsum_of_empty_paragraphs_is_bounded_by_their_count(small):
     """min=-1, max=0: paragraphs of no words, each still '.' and a break, counted as one
     word each: 62 x 16 = 992 renders (62 dots, 61 breaks), 63 x 16 = 1008 is refused."""
