@@ -73,7 +73,7 @@ def test_by_default_the_default_device_against_the_first_cpu(monkeypatch):
     """Unasked, the compared side is the default backend's first device and the reference
     the first CPU device (here the CPU devices listed in reverse: the last one)."""
     listed = jax.devices
-    monkeypatch.setattr(jax, "devices", lambda *kind: listed(*kind)[:: -1 if kind else 1])
+    monkeypatch.setattr(jax, "devices", lambda kind=None: listed(kind)[:: -1 if kind else 1])
     found = dv.divergence(lambda x: x * 2.0, X)
     assert (found.device, found.reference) == ("cpu:0", f"cpu:{listed('cpu')[-1].id}")
 
@@ -193,6 +193,37 @@ def test_an_equation_s_input_error_is_its_operands_largest():
     assert found.outputs == (second.output_error,)
 
 
+def test_one_rounding_apart_is_not_named():
+    """An own error of exactly float32's epsilon (1 + 2^-23 against 1) names nothing:
+    ``[1 - 2^-23, 2^-23] . [1, 1]`` is 1, rounded to bfloat16 it is 1 + 2^-23."""
+    device, reference = sides()
+    x = np.array([[1 - 2.0**-23, 2.0**-23]], np.float32)
+    found = dv.divergence(
+        jnp.matmul,
+        x,
+        np.ones((2, 1), np.float32),
+        device=device,
+        reference_device=reference,
+        bf16_matmuls=True,
+    )
+    assert (found.outputs, found.rows) == ((dv.FLOOR,), ())
+
+
+def test_an_equation_of_constants_carries_no_error_in():
+    """A matmul of two constants (no operand computed) is named with 0 carried in."""
+    device, reference = sides()
+    found = dv.divergence(
+        lambda x: x + jnp.asarray(X) @ jnp.asarray(W),
+        np.zeros(5, np.float32),
+        device=device,
+        reference_device=reference,
+        bf16_matmuls=True,
+    )
+    (row,) = found.rows
+    assert (row.primitive, row.input_error) == ("dot_general", 0.0)
+    assert row.output_error == pytest.approx(row.own_error, rel=1e-3)
+
+
 F32 = np.float32
 BF16 = jnp.bfloat16  # a NumPy dtype (ml_dtypes): no JAX array at collection
 ERRORS = {
@@ -205,6 +236,7 @@ ERRORS = {
     "nan against a number": ([np.nan, 1.0], [1.0, 1.0], np.inf),
     "infinity against a number": ([np.inf, 1.0], [1.0, 1.0], np.inf),
     "an infinite reference: infinite, not NaN": ([1.0, 3.0], [np.inf, 2.0], np.inf),
+    "only an infinite reference differs": ([1.0, 2.0], [np.inf, 2.0], np.inf),
     "zero reference": ([1e-30], [0.0], float(F32(1e-30)) / np.finfo(np.float64).tiny),
     "empty": ([], [], 0.0),
     "bfloat16": (np.array([3.0], BF16), np.array([2.0], BF16), 0.5),
@@ -283,18 +315,19 @@ def test_the_command_names_a_case_s_matmuls(capsys):
         assert line.startswith("  dot_general ") and "posttrain/layers/moe/" in line
 
 
-def test_the_command_prints_twelve_rows_unless_told(monkeypatch, capsys):
-    """Without ``--top``, the 12 worst of 13 rounded matmuls."""
+@pytest.mark.parametrize(("top", "shown"), [([], 12), (["--top", "1"], 1)], ids=["12", "1"])
+def test_the_command_prints_twelve_rows_unless_told(monkeypatch, capsys, top, shown):
+    """Of 13 rounded matmuls, the 12 worst without ``--top``, or as many as it says (1)."""
     m = RNG.standard_normal((24, 24), np.float32) / 5
 
     def case(name):
         return lambda x: functools.reduce(lambda a, _: a @ m, range(13), x), (X,)
 
     monkeypatch.setattr(divergence_cases, "case", case)
-    assert dv.main(["--case", "dpo-loss", "--bf16-matmuls"]) == 0
+    assert dv.main(["--case", "dpo-loss", "--bf16-matmuls", *top]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[3].endswith(": 13, the 12 worst (own, carried in, carried out):")
-    assert len(lines) == 4 + 12
+    assert lines[3].endswith(f": 13, the {shown} worst (own, carried in, carried out):")
+    assert len(lines) == 4 + shown
 
 
 def test_the_help_says_each_option(capsys):
@@ -303,14 +336,14 @@ def test_the_help_says_each_option(capsys):
         dv.main(["--help"])
     assert exited.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for words in (
-        "Where a computation's float32 error enters:",
-        "--case CASE dpo-loss, gemma4-routing, forward:PRESET",
-        "--top TOP equations printed (default 12)",
-        "jax.default_matmul_precision while tracing and running (default: highest)",
-        "--bf16-matmuls round the compared side's float32 matmul operands to bfloat16",
-    ):
-        assert words in text
+    assert "Where a computation's float32 error enters:" in text
+    assert text.endswith(
+        "--case CASE dpo-loss, gemma4-routing, forward:PRESET "
+        "--top TOP equations printed (default 12) "
+        "--matmul-precision {default,high,highest} "
+        "jax.default_matmul_precision while tracing and running (default: highest) "
+        "--bf16-matmuls round the compared side's float32 matmul operands to bfloat16"
+    )
 
 
 def test_the_command_runs_the_dpo_case_at_zero_on_the_cpu(capsys):

@@ -248,7 +248,7 @@ def divergence(
                     source_info_util.summarize(eqn.source_info),
                     mine,
                     max((errors[s] for s in record.inputs if s is not None), default=0.0),
-                    max((errors[slot] for slot in record.outputs), default=0.0),
+                    max(errors[slot] for slot in record.outputs),  # a row has outputs
                     tuple(tuple(var.aval.shape) for var in eqn.invars),
                 )
             )
