@@ -131,6 +131,47 @@ def test_source_without_a_step_call_is_an_error():
         tunix_compat.detect_from_source("def train(self):\n    pass\n", JIT_UNBOUND)
 
 
+def test_the_convention_carries_what_the_step_donates():
+    """main's jit donates the optimizer and the gradient accumulator: the convention says so
+    (not the release default of the optimizer alone)."""
+    got = tunix_compat.detect_from_source(
+        *sources(
+            "loss, aux, g = train_step(train_example, is_update_step=flag)",
+            "self.model, self.optimizer, self.grad_accumulator",
+            donated='"optimizer", "grad_accumulator"',
+        )
+    )
+    assert (got.name, got.donated) == ("bound3_update", ("optimizer", "grad_accumulator"))
+
+
+def test_a_bare_jit_with_donate_argnames_after_another_keyword_is_read():
+    """``jit(train_step, static_argnames=..., donate_argnames="optimizer")`` (jit imported
+    by name, the donation not the first keyword) then ``partial``: bound2, donating the
+    optimizer."""
+    jit = """
+    def jit_train_and_eval_step(self):
+        self._jitted_train_step_fn = jit(
+            train_step, static_argnames=("config",), donate_argnames="optimizer"
+        )
+        self._jitted_train_step_fn = partial(self._jitted_train_step_fn, self.model, self.optimizer)
+    """
+    train, _ = sources("loss, aux, g = train_step(train_example)", "self.model, self.optimizer")
+    got = tunix_compat.detect_from_source(train, jit)
+    assert (got.name, got.bound, got.donated) == ("bound2", ("model", "optimizer"), ("optimizer",))
+
+
+def test_a_step_jitted_through_a_callee_that_is_no_name_is_an_unknown_shape():
+    """``self._compilers["jit"](train_step, ...)``: no jit is recognised, so nothing is read
+    as bound or donated and the shape is unknown (reported, not an AttributeError)."""
+    jit = """
+    def jit_train_and_eval_step(self):
+        self._jitted_train_step_fn = self._compilers["jit"](train_step, donate_argnames="x")
+    """
+    train, _ = sources("loss, aux, g = train_step(train_example)", "self.model, self.optimizer")
+    got = tunix_compat.detect_from_source(train, jit)
+    assert (got.name, got.bound, got.donated) == ("unknown", (), ())
+
+
 @flax.struct.dataclass
 class _WeightedMetric:
     """Tunix main's ``tunix.sft.utils.WeightedMetric`` (PT@c7d8950f:184), no installable
