@@ -25,6 +25,7 @@ RopeKind = Literal["default", "llama3", "yarn", "proportional"]
 LayerType = Literal["full", "sliding"]
 Activation = Literal["silu", "gelu_tanh", "clamped_swiglu"]
 RematPolicy = Literal["none", "full", "save_dots"]
+AttentionKernel = Literal["xla", "splash", "splash_interpret"]
 
 # The largest num_layers a config may name. The deepest published decoders have about
 # 126 (Llama 3.1 405B); the bound keeps a malformed config (12,000,000,000 layers, found
@@ -194,6 +195,10 @@ class ModelConfig:
       scan_layers: stack layers and run them with ``jax.lax.scan``.
       remat: ``none``, ``full`` (save nothing) or ``save_dots`` (save matmul
         outputs without batch dims, ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``).
+      attention_kernel: ``xla`` (scores materialised, any backend), ``splash`` (JAX's
+        Pallas splash attention, a flash kernel: TPU only, :mod:`posttrain.layers.splash`)
+        or ``splash_interpret`` (the same kernel run by Pallas' interpreter on any
+        backend: tests on a CPU, slow).
       dtype: activation dtype name; param_dtype: parameter dtype name.
       vision: an image encoder and its projection into the embeddings (Gemma 4);
         ``None`` for a text-only model.
@@ -220,6 +225,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     scan_layers: bool = False
     remat: RematPolicy = "none"
+    attention_kernel: AttentionKernel = "xla"
     dtype: str = "float32"
     param_dtype: str = "float32"
     vision: VisionConfig | None = None
@@ -259,6 +265,9 @@ class ModelConfig:
         self.activation_config  # noqa: B018 (validates the activation)
         if self.remat not in choices(RematPolicy):
             _fail(f"remat={self.remat!r} must be one of {', '.join(choices(RematPolicy))}")
+        if self.attention_kernel not in choices(AttentionKernel):
+            kernels = ", ".join(choices(AttentionKernel))
+            _fail(f"attention_kernel={self.attention_kernel!r} must be one of {kernels}")
         if self.final_logit_softcap is not None and self.final_logit_softcap <= 0:
             _fail(f"final_logit_softcap={self.final_logit_softcap} must be > 0 or None")
         if self.scan_layers and self.num_layers % self.layer_period:

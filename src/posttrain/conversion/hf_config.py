@@ -206,21 +206,23 @@ def _from_hf_config(config: Mapping[str, Any], vision: bool) -> ModelConfig:
     return cfg
 
 
-NATIVE_ONLY = ("scan_layers", "remat")
+NATIVE_ONLY = ("scan_layers", "remat", "attention_kernel")
 #: What :func:`to_hf_config` writes as ``max_position_embeddings`` (a native config has
 #: no such field); also the limit :mod:`posttrain.limits` assumes where none is recorded.
 DEFAULT_MAX_POSITIONS = 4096
 
 
 def hf_view(cfg: ModelConfig) -> ModelConfig:
-    """``cfg`` with native-only choices (scan, remat, MoE algorithm, capacity) reset:
-    two configs with the same HF checkpoint have equal views."""
+    """``cfg`` with native-only choices (scan, remat, attention kernel, MoE algorithm,
+    capacity) reset: two configs with the same HF checkpoint have equal views."""
     moe = cfg.moe
     if moe is not None:
         moe = dataclasses.replace(
             moe, algorithm="sorted", block_size=None, capacity_factor=None, fuse_expert_scales=False
         )
-    return cfg.replace(scan_layers=False, remat="none", moe=moe, dtype=cfg.param_dtype)
+    return cfg.replace(
+        scan_layers=False, remat="none", attention_kernel="xla", moe=moe, dtype=cfg.param_dtype
+    )
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from posttrain import sharding
 from posttrain.config import AttentionConfig
-from posttrain.layers import kv_cache
+from posttrain.layers import kv_cache, splash
 from posttrain.layers.mlp import (
     add_clip_bounds,
     clip,
@@ -223,7 +223,9 @@ class Attention(nnx.Module):
           cos, sin: ``[B, T, H]`` float32 RoPE tables of ``x``'s positions
             (:func:`posttrain.layers.rope.rope_tables`).
           mask: ``[B, T, S]`` bool, True where query t may attend key s (causal,
-            sliding window, packing segments and padding already combined).
+            sliding window, packing segments and padding already combined); or a
+            :class:`posttrain.layers.splash.SplashMask` holding it, to attend through
+            splash attention where it can (causal, no cache, sequence not sharded).
           cache: this layer's KV cache (:mod:`posttrain.layers.kv_cache`); ``x``'s keys
             and values are written into it and the queries attend to all S slots.
 
@@ -269,6 +271,10 @@ class Attention(nnx.Module):
         averages all S; such a query's output is padding, never trained on).
         """
         cfg = self.cfg
+        if isinstance(mask, splash.SplashMask):  # ModelConfig.attention_kernel splash
+            if causal and not sharding.sequence_sharded():
+                return self.o_proj(splash.attend(q, k, v, mask, self._sinks(), cfg.logit_scale))
+            mask = mask.mask  # the kernel cannot: the XLA path (splash's docstring)
         batch, seq = q.shape[:2]
         groups = cfg.num_heads // cfg.num_kv_heads
         q = q.reshape(batch, seq, cfg.num_kv_heads, groups, cfg.head_dim)  # [B, T, K, G, H]
@@ -295,11 +301,14 @@ class Attention(nnx.Module):
     def _scores_softmax_out(self, q, k, v, mask):
         """``q`` ``[B, T, K, G, H]`` over float32 ``k``, ``v`` ``[B, S, K, H]`` under ``mask``
         ``[B, T, S]``: float32 ``[B, T, K, G, H]`` (:func:`softmax_attend`)."""
-        cfg = self.cfg
-        sinks = None
-        if self.sinks is not None:
-            sinks = self.sinks[...].astype(jnp.float32).reshape(cfg.num_kv_heads, -1)  # [K, G]
-        return softmax_attend(q, k, v, mask, sinks, cfg.logit_scale)
+        sinks = self._sinks()
+        if sinks is not None:
+            sinks = sinks.reshape(self.cfg.num_kv_heads, -1)  # [K, G]
+        return softmax_attend(q, k, v, mask, sinks, self.cfg.logit_scale)
+
+    def _sinks(self) -> jax.Array | None:
+        """``[N]`` float32 sink logits, or ``None``."""
+        return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
 
 def softmax_attend(

@@ -36,6 +36,7 @@ from posttrain.layers.attention import attention_mask
 from posttrain.layers.embeddings import Embed
 from posttrain.layers.norms import RMSNorm
 from posttrain.layers.rope import rope_tables
+from posttrain.layers.splash import splash_mask
 from posttrain.layers.vision import block_overlay
 from posttrain.models import taps
 from posttrain.models.decoder_layer import DecoderLayer
@@ -172,11 +173,13 @@ class Decoder(nnx.Module):
         for t in sorted(set(self.cfg.layer_types)):
             attn = self.cfg.attention[t]
             cos, sin = rope_tables(positions, attn.rope, attn.head_dim)
-            mask = attention_mask(
-                batch, seq, padding_mask, attn.sliding_window if t == "sliding" else None
-            )
+            window = attn.sliding_window if t == "sliding" else None
+            mask = attention_mask(batch, seq, padding_mask, window)
             if blocks is not None:
                 mask |= block_overlay(blocks, blocks)  # [B, T, T]
+            elif (kernel := self.cfg.attention_kernel) != "xla":  # segment ids before the window
+                causal = attention_mask(batch, seq, padding_mask, None)
+                mask = splash_mask(causal, mask, window, kernel)
             out[t] = (cos, sin, mask)
         return out
 
@@ -275,7 +278,6 @@ class Decoder(nnx.Module):
           padding_mask: ``[B, T, T]`` bool, True where query t may attend key s beyond
             causality (packing segments, padding), or ``None`` (causal only). Each
             layer type adds its own sliding window.
-
           cache: a KV cache (:meth:`init_cache`): ``tokens`` are written at its write
             index, and ``padding_mask`` is then ``[B, T, cache_size]`` over its slots
             (``None``: each token sees every slot up to its own). Never rematerialised.

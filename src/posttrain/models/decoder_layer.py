@@ -24,6 +24,7 @@ from posttrain.layers.attention import Attention
 from posttrain.layers.mlp import MLP
 from posttrain.layers.moe import MoEBlock
 from posttrain.layers.norms import RMSNorm
+from posttrain.layers.splash import check_backend
 from posttrain.models.taps import AttentionOutput, LayerOutput
 
 
@@ -35,6 +36,7 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_type: str, *, rngs: nnx.Rngs):
+        check_backend(cfg.attention_kernel)  # splash off a TPU: refused at build
         dtype, param_dtype = _compat.module_dtypes(cfg)
         self.sandwich = cfg.sandwich_norm
         self.has_dense_and_moe = cfg.dense_mlp_with_moe
