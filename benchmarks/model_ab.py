@@ -27,6 +27,11 @@ Forms (the earlier one kept here as the reference it replaced):
   per expert, a hand-written backward, blocks of A / (8E) rows) against the scan over
   blocks of A / (2E) rows it replaced (:func:`block_scan_sorted`: a ``cond`` per block to
   skip the unused ones, each block's weight slices taken again in the backward).
+* ``splash``: ``attention_kernel`` splash (on a TPU; elsewhere splash_interpret, slow)
+  against xla, float32, no remat: ``JAX_PLATFORMS=tpu python benchmarks/model_ab.py
+  --form splash --batch 4 --seq 2048`` (qwen3-0.6b's shape: ``--d-model 1024
+  --num-layers 28 --num-heads 16 --num-kv-heads 8 --head-dim 128 --d-ff 3072
+  --vocab-size 151936``).
 """
 
 from __future__ import annotations
@@ -126,6 +131,7 @@ FORMS = {
     "heads": [("posttrain.layers.attention", "qwix_may_intercept", lambda module: True)],
     "softmax": [("posttrain.layers.attention", "softmax_attend", normalised_softmax_attention)],
     "grouped": [("posttrain.layers.moe.experts", "Experts._sorted", block_scan_sorted)],
+    "splash": [],  # a config choice, not a patch (main)
 }
 
 
@@ -146,6 +152,10 @@ def main(argv=None) -> int:
 
     args = _args(rest)
     cfg, _ = configs(args)
+    old_cfg = cfg
+    if known.form == "splash":  # the new form is the kernel, the old the XLA path
+        kernel = "splash" if jax.default_backend() == "tpu" else "splash_interpret"
+        cfg, old_cfg = cfg.replace(attention_kernel=kernel), cfg.replace(attention_kernel="xla")
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, args.vocab_size, (args.batch, args.seq)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(args.seq, dtype=jnp.int32), tokens.shape)
@@ -164,7 +174,7 @@ def main(argv=None) -> int:
     for module, attr, old in patches:
         setattr(module, attr, old)
     try:
-        old_step, old_fwd, _ = steps(build_model(cfg, seed=0), tokens, positions, mask)
+        old_step, old_fwd, _ = steps(build_model(old_cfg, seed=0), tokens, positions, mask)
         old_grads = jax.tree.leaves(old_step())  # both traced while the old form is in
         old_fwd()
     finally:

@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/model_step.py [--family qwen3|qwen3_moe] [--repeats 15]
         [--d-model 256 --num-layers 4 --num-heads 8 --num-kv-heads 4 --head-dim 32
-         --d-ff 768 --batch 8 --seq 256] [--hlo DIR]
+         --d-ff 768 --batch 8 --seq 256] [--hlo DIR] [--attention-kernel xla|splash]
 
 One CPU device, float32, no optimizer: forward + cross-entropy + backward (``jax.grad``
 of the mean token loss), and forward only, for our ``CausalLM`` and Tunix's
@@ -33,6 +33,8 @@ import argparse
 import os
 import sys
 
+from posttrain.config import AttentionKernel, choices
+
 
 def _args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -51,6 +53,12 @@ def _args(argv):
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--devices", default="1", help="N fake CPU devices, or real (a TPU)")
     parser.add_argument("--hlo", default=None, help="directory for both steps' HLO text")
+    parser.add_argument(
+        "--attention-kernel",
+        default="xla",
+        choices=choices(AttentionKernel),
+        help="our model's ModelConfig.attention_kernel (splash: a TPU; model_ab.py --form splash)",
+    )
     parser.add_argument(
         "--ops", action="store_true", help="list each step's costliest ops from its profile"
     )
@@ -80,6 +88,7 @@ def configs(args):
         attention={"full": attn},
         norm_eps=1e-6,
         tie_word_embeddings=not moe,
+        attention_kernel=args.attention_kernel,
         **(
             {
                 "moe": MoEConfig(
