@@ -95,8 +95,26 @@ def test_causal_query_blocks_give_one_block_s_logits_and_gradients(name, dtype, 
     assert set(_score_queries(model, tokens, mask)) == {SEQ}
     one_logits, one_grads = _loss_logits_grads(model, tokens, mask, valid)
     assert _scaled_error(logits[valid], one_logits[valid]) <= rel
-    for got, want in zip(grads, one_grads, strict=True):
-        assert _scaled_error(got, want) <= rel
+    # bf16: a gradient of either form is itself up to ~2e-2 of its scale from float32's (a
+    # v5e measured the blocked form's 1.9e-2, one block's 2.1e-2, and 1.02e-2 between them;
+    # this CPU 2.4e-2 each, 8.9e-4 between): the forms differ by at most that much
+    bf16_error = _float32_errors(model, name, tokens, mask, valid, one_grads)
+    for got, want, own in zip(grads, one_grads, bf16_error, strict=True):
+        assert _scaled_error(got, want) <= max(rel, own)
+
+
+def _float32_errors(model, name, tokens, mask, valid, grads) -> list[float]:
+    """Each bf16 gradient's error against the float32 model's with the same parameters
+    (zeros for a float32 model: its forms are held to ``rel`` alone)."""
+    if all(g.dtype == np.float32 for g in jax.tree.leaves(nnx.state(model, nnx.Param))):
+        return [0.0] * len(grads)
+    reference = build_model(get_config(name), seed=0)
+    graph, params, rest = nnx.split(reference, nnx.Param, ...)
+    params = jax.tree.map(
+        lambda ours, theirs: ours.astype(theirs.dtype), nnx.state(model, nnx.Param), params
+    )
+    _, reference_grads = _loss_logits_grads(nnx.merge(graph, params, rest), tokens, mask, valid)
+    return [_scaled_error(g, r) for g, r in zip(grads, reference_grads, strict=True)]
 
 
 def _scaled_error(got, want) -> float:

@@ -113,9 +113,8 @@ def _check_equal(preset, case, dtype, batch=4):
     [
         ("qwen3-tiny", "padding", "float32"),
         ("gpt_oss-tiny", "packed", "float32"),  # sinks, a sliding layer
-        ("gemma4-tiny", "padding", "bfloat16"),  # a sliding layer, scale 1
-    ],
-    ids=["qwen3-padding-fp32", "gpt_oss-packed-fp32", "gemma4-padding-bf16"],
+    ],  # gemma4's bf16 padding (13 s here) and every other case: the slow tier's below
+    ids=["qwen3-padding-fp32", "gpt_oss-packed-fp32"],
 )
 def test_splash_equals_xla(preset, case, dtype):
     """Splash attention's logits and parameter gradients equal the XLA path's."""
