@@ -179,7 +179,7 @@ def test_accumulated_steps_equal_one_large_batch(name):
 
 
 # Defined only where it runs: a skip would rank below pass in the matrix's contract cells.
-if "bound3_update" in BASES and tunix_compat.detect().name != "bound3_update":
+if "bound3_update" in BASES and te.installed_convention() != "bound3_update":
 
     @pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.train")
     @pytest.mark.slow  # an emulated convention's run (gate budget); the matrix runs it
