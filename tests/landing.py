@@ -345,3 +345,26 @@ def leaf_sharding_mesh(model) -> dict[str, int]:
 
 def host(value) -> np.ndarray:
     return np.asarray(value)
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs its equations hold (scan, remat,
+    custom_vjp bodies)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _equations(inner)
+
+
+def forward_primitives(model, seq: int = 128) -> set[str]:
+    """The primitives of ``model``'s forward over one row of ``seq`` tokens (traced, not
+    run): ``pallas_call`` where its attention dispatches to splash."""
+    import jax
+    import jax.numpy as jnp
+
+    tokens = jnp.zeros((1, seq), jnp.int32)
+    positions = jnp.arange(seq)[None]
+    jaxpr = jax.make_jaxpr(lambda t: model(t, positions))(tokens)
+    return {str(e.primitive) for e in _equations(jaxpr.jaxpr)}

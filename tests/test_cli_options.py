@@ -8,7 +8,9 @@ template drives training; a file or ``chatml`` overrides it); ``--vision`` and
 ``--train-vision-tower`` on ``sft`` and ``--image`` on ``generate`` (#39: vision SFT
 and generation); ``--image-root`` on ``sft`` (#56: the directory a vision JSONL's images
 are confined to); ``--max-grad-norm`` on ``sft``, ``dpo``, ``grpo`` and ``distill`` (#58:
-the gradient clipping that was hard-coded, at its value then: 1.0, none for GRPO)."""
+the gradient clipping that was hard-coded, at its value then: 1.0, none for GRPO);
+``--attention-kernel`` on ``sft``, ``dpo``, ``distill`` and ``plan`` (#55: JAX's Pallas
+splash attention on a TPU, ``ModelConfig.attention_kernel``)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--lora-alpha": ("value", None, None, "float", False),
         "--remat": ("value", "none", ("none", "full", "save_dots"), None, False),
         "--scan": ("flag", None, None, None, False),
+        "--attention-kernel": ("value", "xla", ("xla", "splash"), None, False),  # #55
         "--seed": ("value", 0, None, "int", False),
         "--save-every": ("value", 50, None, "int", False),
         "--sync-saves": ("flag", None, None, None, False),
@@ -164,6 +167,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--lora-alpha": ("value", None, None, "float", False),
         "--remat": ("value", "none", ("none", "full", "save_dots"), None, False),
         "--scan": ("flag", None, None, None, False),
+        "--attention-kernel": ("value", "xla", ("xla", "splash"), None, False),  # #55
         "--seed": ("value", 0, None, "int", False),
         "--save-every": ("value", 50, None, "int", False),
         "--stop-after": ("value", None, None, "int", False),
@@ -200,6 +204,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--lora-alpha": ("value", None, None, "float", False),
         "--remat": ("value", "none", ("none", "full", "save_dots"), None, False),
         "--scan": ("flag", None, None, None, False),
+        "--attention-kernel": ("value", "xla", ("xla", "splash"), None, False),  # #55
         "--seed": ("value", 0, None, "int", False),
         "--save-every": ("value", 50, None, "int", False),
         "--sync-saves": ("flag", None, None, None, False),
@@ -219,6 +224,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--lora-rank": ("value", 0, None, "int", False),
         "--qlora": ("value", None, None, None, False),
         "--remat": ("value", "full", ("none", "full", "save_dots"), None, False),
+        "--attention-kernel": ("value", "xla", ("xla", "splash"), None, False),  # #55
         "--per-device-batch-size": ("value", 1, None, "int", False),
         "--batch": ("value", None, None, "int", False),
         "--seq": ("value", 2048, None, "int", False),

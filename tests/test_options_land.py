@@ -94,8 +94,9 @@ def _tokens(seen: Seen) -> set[int]:
 
 
 def _model_config(seen: Seen):
-    """The config the trained model must have: the preset's, with the run's remat and
-    scanning (the student cut to ``student_layers`` for distillation)."""
+    """The config the trained model must have: the preset's, with the run's remat,
+    scanning and attention kernel (the student cut to ``student_layers`` for
+    distillation)."""
     from posttrain.distill.options import DistillRunConfig
     from posttrain.models import get_config
     from posttrain.training.options import PeftRunOptions
@@ -103,7 +104,9 @@ def _model_config(seen: Seen):
     cfg = seen.cfg
     expected = get_config(cfg.model)
     if isinstance(cfg, PeftRunOptions):  # GRPO loads the model as it is
-        expected = expected.replace(remat=cfg.remat, scan_layers=cfg.scan_layers)
+        expected = expected.replace(
+            remat=cfg.remat, scan_layers=cfg.scan_layers, attention_kernel=cfg.attention_kernel
+        )
     if isinstance(cfg, DistillRunConfig) and cfg.student_layers:
         from posttrain.distill.trainer import shallower
 
@@ -325,6 +328,15 @@ def _check_scan(seen: Seen) -> None:
     _eq(seen.model.config.scan_layers, seen.cfg.scan_layers, "the model's scan_layers")
 
 
+def _check_attention_kernel(seen: Seen) -> None:
+    """The model's config carries the kernel, and its attention dispatches on it: its
+    forward holds the Pallas kernel exactly when the kernel is not ``xla``."""
+    kernel = seen.cfg.attention_kernel
+    _eq(seen.model.config.attention_kernel, kernel, "the model's attention_kernel")
+    pallas = "pallas_call" in landing.forward_primitives(seen.model)
+    _eq(pallas, kernel != "xla", "a pallas_call in the model's forward")
+
+
 def _check_row_length(seen: Seen) -> None:
     _eq(seen.batch["input_tokens"].shape[1], seen.cfg.max_target_length, "tokens per row")
 
@@ -409,6 +421,9 @@ PEFT = {
     "warmup_steps": Lands("the optax transformation's rate at each step", _check_schedule),
     "remat": Lands("the model's config", _check_remat),
     "scan_layers": Lands("the model's config", _check_scan),
+    "attention_kernel": Lands(
+        "the model's config; its attention's kernel (a pallas_call)", _check_attention_kernel
+    ),
 }
 SFT = {
     **PEFT,
@@ -990,6 +1005,7 @@ SCENARIOS: dict[str, Scenario] = {
             "grad_accum": 2,
             "warmup_steps": 0,
             "remat": "full",
+            "attention_kernel": "splash_interpret",  # the CLI's splash, interpreted
             "scan_layers": True,
             "max_target_length": 32,
             "packing": False,
@@ -1018,6 +1034,7 @@ SCENARIOS: dict[str, Scenario] = {
         {
             **SMALL_SFT,
             "remat": "full",
+            "attention_kernel": "splash_interpret",  # the CLI's splash, interpreted
             "scan_layers": True,
             "warmup_steps": 0,
             "max_grad_norm": 0.0,
@@ -1075,6 +1092,7 @@ SCENARIOS.update(
                 "grad_accum": 2,
                 "warmup_steps": 0,
                 "remat": "full",
+                "attention_kernel": "splash_interpret",  # the CLI's splash, interpreted
                 "scan_layers": True,
                 "max_prompt_length": 32,
                 "max_response_length": 8,
@@ -1185,6 +1203,7 @@ SCENARIOS.update(
                 "grad_accum": 2,
                 "warmup_steps": 0,
                 "remat": "full",
+                "attention_kernel": "splash_interpret",  # the CLI's splash, interpreted
                 "scan_layers": True,
                 "max_target_length": 32,
                 "packing": False,
@@ -1344,6 +1363,10 @@ ELSEWHERE: dict[str, dict[str, str]] = {
         "tests/test_plan_search.py::test_a_policy_stops_at_its_first_batch_that_does_not_fit",
         "search",
         "search_max_batch",
+    )
+    | _referred(
+        "tests/test_plan.py::test_a_splash_plan_compiles_the_mosaic_kernel_for_a_v5e_deviceless",
+        "attention_kernel",
     ),
 }
 

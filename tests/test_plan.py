@@ -146,13 +146,26 @@ def test_json_record_round_trips(tmp_path):
     [
         ({"workflow": "ppo"}, "workflow='ppo' must be one of sft, dpo, grpo, generate"),
         ({"remat": "some"}, "remat='some' must be one of none, full, save_dots"),
+        (
+            {"attention_kernel": "splash_interpret"},
+            "attention_kernel='splash_interpret' must be one of xla, splash",
+        ),
         ({"seq": 0}, "seq=0 must be >= 1"),
         ({"qlora": "int8"}, "qlora='int8' needs lora_rank >= 1"),
         ({"qlora": "int3", "lora_rank": 4}, "qlora='int3' must be one of"),
         ({"lora_rank": -1}, "lora_rank=-1 must be >= 0"),
         ({"workflow": "generate", "lora_rank": 4}, "generate plans the base model"),
     ],
-    ids=["workflow", "remat", "seq", "qlora-no-rank", "qlora-type", "rank", "generate-lora"],
+    ids=[
+        "workflow",
+        "remat",
+        "kernel",
+        "seq",
+        "qlora-no-rank",
+        "qlora-type",
+        "rank",
+        "generate-lora",
+    ],
 )
 def test_bad_options_are_refused_naming_the_value(changes, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
@@ -365,6 +378,36 @@ def test_remat_full_compiles_fewer_temporaries_than_none():
         for remat in ("full", "none")
     }
     assert temps["full"] < temps["none"] / 1.5, temps
+
+
+@pytest.mark.slow  # 18 s on a loaded 2-core host; the gate keeps one real compile
+@pytest.mark.aot
+def test_a_splash_plan_compiles_the_mosaic_kernel_for_a_v5e_deviceless():
+    """``posttrain plan --attention-kernel splash``: the abstract model is built for the
+    slice's TPUs (this process's backend is the CPU, which :func:`posttrain.layers.splash.
+    check_backend` would refuse), the train step lowers to Mosaic's ``tpu_custom_call``
+    (the Pallas kernel, 512-blocks at 2048 tokens) and libtpu compiles it for a v5e."""
+    from posttrain import sharding
+    from posttrain.plan import plan
+    from posttrain.plan.compile import build_programs
+
+    options = PlanOptions(
+        model="qwen3-tiny",
+        topology="v5e-1",
+        attention_kernel="splash",
+        num_layers=1,
+        batch=1,
+        seq=2048,
+    )
+    _, programs, mesh = build_programs(options, topology.get("v5e-1"))
+    step = programs["train step"]
+    with sharding.use_mesh(mesh, jax_context=False):
+        text = step.jitted.lower(*step.args, **step.kwargs).as_text()
+    assert "tpu_custom_call" in text  # forward, dq, dkv (under remat, the forward again)
+    result = plan(options)
+    assert "remat full, splash attention" in result.what, result.what
+    assert result.verdict.fits and result.figures.flops > 0
+    assert result.record()["options"]["attention_kernel"] == "splash"
 
 
 # --- DPO and GRPO: the programs of one step ---------------------------------------------------

@@ -44,6 +44,9 @@ def test_each_policy_doubles_its_batch_to_the_limit_in_order():
     assert got == [(r, b) for r in ("none", "save_dots", "full") for b in (1, 2, 4)]
     # each candidate is one plain plan: it neither searches again nor runs steps
     assert all(c.search is False and c.run_steps == 0 for c in search.candidates(options))
+    # and keeps what the search does not vary (#55: --attention-kernel splash)
+    splash = dataclasses.replace(options, attention_kernel="splash")
+    assert {c.attention_kernel for c in search.candidates(splash)} == {"splash"}
 
 
 @pytest.mark.host

@@ -205,6 +205,30 @@ def test_splash_off_a_tpu_is_refused_at_build():
     )
 
 
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="the refusal is off a TPU")
+@pytest.mark.parametrize(
+    "argv",
+    [["sft"], ["sft", "--vision"], ["dpo"], ["dpo", "--algorithm", "orpo"], ["distill"]],
+    ids=["sft", "vision-sft", "dpo", "orpo", "distill"],
+)
+def test_the_cli_refuses_splash_off_a_tpu_before_writing(argv, tmp_path, capsys):
+    """``--attention-kernel splash`` on a CPU: one line naming the flag and the backend,
+    exit 2, no output directory (the options' check, before any read or write)."""
+    from posttrain import cli
+
+    out = tmp_path / "run"
+    status = cli.main([*argv, "--attention-kernel", "splash", "--output", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (status, err) == (
+        2,
+        [
+            "posttrain: error: --attention-kernel splash needs a TPU backend, "
+            f"this is {jax.default_backend()!r}"
+        ],
+    )
+    assert not out.exists() and not any(tmp_path.iterdir())
+
+
 def test_an_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match=r"attention_kernel='flash' must be one of xla, splash, "):
         get_config("qwen3-tiny", attention_kernel="flash")

@@ -25,7 +25,9 @@ RopeKind = Literal["default", "llama3", "yarn", "proportional"]
 LayerType = Literal["full", "sliding"]
 Activation = Literal["silu", "gelu_tanh", "clamped_swiglu"]
 RematPolicy = Literal["none", "full", "save_dots"]
-AttentionKernel = Literal["xla", "splash", "splash_interpret"]
+#: the kernels a user picks (``--attention-kernel``); ``splash_interpret`` is for tests
+AttentionKernelChoice = Literal["xla", "splash"]
+AttentionKernel = Literal[AttentionKernelChoice, "splash_interpret"]
 
 # The largest num_layers a config may name. The deepest published decoders have about
 # 126 (Llama 3.1 405B); the bound keeps a malformed config (12,000,000,000 layers, found

@@ -26,7 +26,8 @@ def load_model(spec: str, mesh, *, seed: int = 0, scratch: str | os.PathLike, **
         directory beside ``scratch`` first: a kill that skips the cleanup leaves it where
         the next run sweeps it, ``sweep_stale_temporaries``).
       mesh: the mesh to place the model on.
-      overrides: native-only config fields (``scan_layers``, ``remat``).
+      overrides: native-only config fields (``scan_layers``, ``remat``,
+        ``attention_kernel``).
 
     Raises:
       ValueError: ``spec`` is neither a preset nor a directory; the mesh does not divide

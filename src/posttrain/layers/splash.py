@@ -76,15 +76,30 @@ class SplashMask:
     interpret: bool
 
 
-def check_backend(kernel: str) -> None:
-    """Refuses ``kernel='splash'`` off a TPU (``splash_interpret`` runs anywhere).
+def target_platform() -> str:
+    """The platform the program being built will run on: the devices of the current mesh
+    (:func:`posttrain.sharding.use_mesh`; ``posttrain plan``'s deviceless TPU devices
+    while this process's backend is the CPU), else JAX's default backend."""
+    context = sharding.current()
+    if context is not None:
+        return context.mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
+def check_backend(kernel: str, name: str = "attention_kernel='splash'") -> None:
+    """Refuses ``kernel='splash'`` off a TPU (:func:`target_platform`;
+    ``splash_interpret`` runs anywhere).
+
+    Args:
+      kernel: ``ModelConfig.attention_kernel``.
+      name: how the message names the choice (the CLI: ``--attention-kernel splash``).
 
     Raises:
       ValueError: in one line naming the backend.
     """
-    backend = jax.default_backend()
-    if kernel == "splash" and backend != "tpu":
-        raise ValueError(f"attention_kernel='splash' needs a TPU backend, this is {backend!r}")
+    platform = target_platform()
+    if kernel == "splash" and platform != "tpu":
+        raise ValueError(f"{name} needs a TPU backend, this is {platform!r}")
 
 
 def segment_ids(causal: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -63,7 +63,9 @@ def build_programs(options: PlanOptions, topo) -> tuple[str, dict, object]:
     rules = sharding.DEFAULT_RULES
     cfg.check_mesh(dict(mesh.shape), rules)
     batch = planned_batch(options)
-    model = abstract.abstract_model(cfg)
+    # built for the mesh's platform: splash attention checks it (the slice's TPUs)
+    with sharding.use_mesh(mesh, rules, jax_context=False):
+        model = abstract.abstract_model(cfg)
     if options.lora_rank:
         from posttrain.lora import LoraConfig
         from posttrain.lora.abstract import abstract_lora
@@ -176,7 +178,8 @@ def _compile(program, mesh, what: str, topo, advice: str) -> Figures:
 
 def describe(options: PlanOptions, cfg, mesh, batch: int) -> str:
     """``qwen3_moe-30b-a3b sft lora r16, 48 layers, mesh tensor=4,fsdp=2,expert=2,
-    batch 16 x 2048, remat full, bfloat16 params``."""
+    batch 16 x 2048, remat full, bfloat16 params`` (``remat full, splash attention``
+    with ``--attention-kernel splash``)."""
     axes = ",".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
     tuning = f"lora r{options.lora_rank}" if options.lora_rank else "full"
     if options.qlora:
@@ -194,7 +197,8 @@ def describe(options: PlanOptions, cfg, mesh, batch: int) -> str:
         if options.num_iterations > 1:
             rows += f", {options.num_iterations} iterations"
     accum = f", grad_accum {options.grad_accum}" if options.grad_accum > 1 else ""
+    kernel = "" if cfg.attention_kernel == "xla" else f", {cfg.attention_kernel} attention"
     return (
         f"{options.model} {options.workflow} {tuning}, {cfg.num_layers} layers, mesh {axes}, "
-        f"{rows}{accum}, remat {cfg.remat}, {cfg.param_dtype} params"
+        f"{rows}{accum}, remat {cfg.remat}{kernel}, {cfg.param_dtype} params"
     )

@@ -6,7 +6,7 @@ import dataclasses
 import pathlib
 from typing import Literal
 
-from posttrain.config import ModelConfig, RematPolicy, choices
+from posttrain.config import AttentionKernelChoice, ModelConfig, RematPolicy, choices
 from posttrain.flags import option
 
 Workflow = Literal["sft", "dpo", "grpo", "generate"]
@@ -40,6 +40,8 @@ class PlanOptions:
       lora_rank: LoRA rank; 0 trains every parameter.
       qlora: QLoRA's base-weight type (``int8`` ...), or ``None``; needs ``lora_rank``.
       remat: the decoder's rematerialisation policy.
+      attention_kernel: ``ModelConfig.attention_kernel``: ``splash`` compiles JAX's Pallas
+        splash attention (Mosaic, for the topology's TPUs) where training runs it.
       per_device_batch_size: rows per data-parallel shard; the global batch is this x
         the data-parallel size. Ignored when ``batch`` is given.
       batch: the global batch (rows per micro-step; DPO: pairs, GRPO: completions, i.e.
@@ -88,6 +90,9 @@ class PlanOptions:
     lora_rank: int = option(0, "0: full fine-tuning", show_default=False)
     qlora: str | None = option(None, "QLoRA base-weight type (int8, int4, nf4, float8_e4m3fn)")
     remat: RematPolicy = option("full", "rematerialisation of the decoder layers")
+    attention_kernel: AttentionKernelChoice = option(
+        "xla", "splash: compile JAX's Pallas splash attention (as --attention-kernel trains)"
+    )
     per_device_batch_size: int = option(1, "rows per data-parallel shard")
     batch: int | None = option(None, "global batch (overrides the above)")
     seq: int = option(2048, "tokens per row (generate, dpo, grpo: the prompt)")
@@ -132,6 +137,7 @@ class PlanOptions:
         for name, literal in (
             ("workflow", Workflow),
             ("remat", RematPolicy),
+            ("attention_kernel", AttentionKernelChoice),
             ("optimizer", Optimizer),
             ("dtype", DType),
             ("param_dtype", DType),
@@ -209,12 +215,13 @@ def load_config(spec: str) -> ModelConfig:
 
 def planned_config(options: PlanOptions) -> ModelConfig:
     """The model config a plan compiles: the model's, with the plan's dtypes, remat,
-    scanning and (the fast route) depth."""
+    attention kernel, scanning and (the fast route) depth."""
     from posttrain.plan.abstract import with_depth
 
     cfg = load_config(options.model)
     cfg = cfg.replace(
         remat=options.remat,
+        attention_kernel=options.attention_kernel,
         dtype=options.dtype,
         param_dtype=options.param_dtype,
         scan_layers=options.scan_layers,

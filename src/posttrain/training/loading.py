@@ -37,7 +37,8 @@ def pad_id_of(tok) -> int:
 
 def load_run_model(cfg, mesh, tok):
     """:func:`posttrain.loading.load_trainable` with a run config's ``model``,
-    ``lora_rank``, ``lora_alpha``, ``seed``, ``remat`` and ``scan_layers`` (an HF
+    ``lora_rank``, ``lora_alpha``, ``seed``, ``remat``, ``scan_layers`` and
+    ``attention_kernel`` (an HF
     directory is converted beside ``output``); ``posttrain sft`` and ``dpo``."""
     return load_trainable(
         cfg.model,
@@ -49,4 +50,5 @@ def load_run_model(cfg, mesh, tok):
         scratch=cfg.output,
         remat=cfg.remat,
         scan_layers=cfg.scan_layers,
+        attention_kernel=cfg.attention_kernel,
     )

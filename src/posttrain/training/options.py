@@ -23,7 +23,7 @@ import math
 import os
 from typing import ClassVar, Literal, NoReturn
 
-from posttrain.config import RematPolicy, choices
+from posttrain.config import AttentionKernel, AttentionKernelChoice, RematPolicy, choices
 from posttrain.flags import flag_of, option
 from posttrain.training.directory import check_output_dir
 
@@ -176,6 +176,13 @@ class PeftRunOptions(RunOptions):
     warmup_steps: int = option(5, "linear warm-up steps of the learning rate", show_default=False)
     remat: RematPolicy = option("none", "rematerialisation of the decoder layers")
     scan_layers: bool = option(False, "scan_layers=True", flag="--scan")
+    #: ``splash_interpret`` (Python only, not a flag: the kernel under Pallas' interpreter)
+    #: is accepted for tests
+    attention_kernel: AttentionKernelChoice = option(
+        "xla",
+        "splash: JAX's Pallas splash attention (TPU only) in the causal self-attention of "
+        "training; xla elsewhere",
+    )
 
     def check_fields(self) -> None:
         super().check_fields()
@@ -187,6 +194,12 @@ class PeftRunOptions(RunOptions):
             self.bad("warmup_steps", ">= 0")
         if self.remat not in choices(RematPolicy):
             self.bad("remat", " or ".join(choices(RematPolicy)))
+        if self.attention_kernel not in choices(AttentionKernel):
+            self.bad("attention_kernel", " or ".join(choices(AttentionKernelChoice)))
+        from posttrain.layers.splash import check_backend  # imports JAX
+
+        flag = flag_of(type(self), "attention_kernel")
+        check_backend(self.attention_kernel, f"{flag} {self.attention_kernel}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
