@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -94,9 +95,8 @@ def test_run_steps_refuses_devices_that_are_not_the_topologys():
         measure.chip_devices(other)
 
 
-def test_a_program_runs_its_steps_and_reports_each_until_ready():
-    """run_program makes the abstract arguments concrete on their shardings and times
-    each step to its results; the CPU keeps no memory statistics (0)."""
+def _tiny_step():
+    """``(mesh, Program)``: qwen3-tiny's abstract SFT step on this process's devices."""
     from posttrain import sharding
     from posttrain.models import get_config
     from posttrain.plan import abstract, steps
@@ -105,6 +105,15 @@ def test_a_program_runs_its_steps_and_reports_each_until_ready():
     model = abstract.abstract_model(get_config("qwen3-tiny"))
     batch = sharding.data_parallel_size(mesh)
     program = steps.sft_program(model, mesh, optimizer="adamw", batch=batch, seq=16, grad_accum=1)
+    return mesh, program
+
+
+def test_a_program_runs_its_steps_and_reports_each_until_ready():
+    """run_program makes the abstract arguments concrete on their shardings and times
+    each step to its results; the CPU keeps no memory statistics (0)."""
+    from posttrain import sharding
+
+    mesh, program = _tiny_step()
     with sharding.use_mesh(mesh, sharding.DEFAULT_RULES, jax_context=False):
         measured = measure.run_program(program, 3, jax.devices())
     assert measured.fits and measured.steps == 3
@@ -113,6 +122,70 @@ def test_a_program_runs_its_steps_and_reports_each_until_ready():
     assert trained and all(not isinstance(v, jax.ShapeDtypeStruct) for v in trained)
     with pytest.raises(ValueError, match="run_steps=0 must be >= 1"):
         measure.run_program(program, 0, jax.devices())
+
+
+def test_the_run_reports_the_memory_analysis_of_the_executable_it_ran():
+    """On one backend the executable the steps ran is the program the plan compiled: its
+    memory analysis (the CPU's, of a real executable) is the plan's figures, set beside
+    them in the table, and the record of it loads back as the same Measured."""
+    from posttrain import sharding
+
+    mesh, program = _tiny_step()
+    with sharding.use_mesh(mesh, sharding.DEFAULT_RULES, jax_context=False):
+        compiled = program.jitted.lower(*program.args, **program.kwargs).compile()
+        planned = report.figures_of(compiled, program.kinds, program.model_flops, 0.0)
+        measured = measure.run_program(program, 2, jax.devices())
+    assert set(measured.compiled) == set(report.MEMORY_FIELDS)
+    assert measured.compiled == {name: getattr(planned, name) for name in report.MEMORY_FIELDS}
+    state = sum(v for k, v in program.kinds.items() if k != "gradients")
+    assert measured.compiled["arguments"] == state  # the model, its optimizer, the batch
+    assert measured.compiled["aliased"] > 0  # the model and optimizer donated
+    assert measured.compiled["temporaries"] > 0
+    v5e = topology.get("v5e-1")
+    table = report.against_the_chip(planned, report.judge(planned, v5e), measured, v5e)
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", r) for r in table.splitlines())}
+    for name, value in measured.compiled.items():
+        same = "+0.0%" if value else "-"  # no error of a zero
+        assert rows[f"{name} (chip's compile)"] == [report.gib(value)] * 2 + [same], name
+    written = json.loads(json.dumps(dataclasses.asdict(measured)))
+    assert measure.Measured(**written) == measured
+
+
+@pytest.mark.parametrize(
+    "record", RECORDS, ids=[r["command"].split("--run-steps 5 ")[1] for r in RECORDS]
+)
+def test_a_record_from_before_the_executables_analysis_still_loads(record):
+    """The v5e's records have no ``measured.compiled``: each loads as a Measured with
+    none, and its table has no chip's-compile rows."""
+    measured = measure.Measured(**record["measured"])
+    assert measured.compiled == {}
+    v5e = topology.get(record["topology"])
+    figures = _figures(record)
+    table = report.against_the_chip(figures, report.judge(figures, v5e), measured, v5e)
+    assert "peak per device" in table and "chip's compile" not in table
+
+
+def test_the_chips_compile_is_set_beside_the_plans_figures_with_its_error():
+    """Rows ``<figure> (chip's compile)``: the plan's figure, the executable's, and the
+    plan's error against it (a chip's compile with half the temporaries: +100%)."""
+    record = RECORDS[0]
+    v5e = topology.get(record["topology"])
+    figures = _figures(record)
+    compiled = {name: record[name] for name in report.MEMORY_FIELDS}
+    compiled["temporaries"] //= 2
+    measured = measure.Measured(**{**record["measured"], "compiled": compiled})
+    table = report.against_the_chip(figures, report.judge(figures, v5e), measured, v5e)
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", r) for r in table.splitlines())}
+    half = report.gib(compiled["temporaries"])
+    assert rows["temporaries (chip's compile)"] == [
+        report.gib(figures.temporaries),
+        half,
+        "+100.0%",
+    ]
+    assert rows["arguments (chip's compile)"][2] == "+0.0%"
+    labels = [r.split("  ")[0] for r in table.splitlines()]
+    chip = [f"{name} (chip's compile)" for name in report.MEMORY_FIELDS]
+    assert labels[2:8] == chip + ["HBM per chip"]  # after the peak, in the plan's order
 
 
 class _Chip:
@@ -182,13 +255,24 @@ def test_concrete_leaves_keep_shape_dtype_and_sharding_floats_0_the_rest_1():
 
 
 class _Program:
-    """A program whose ``n``-th call fails with ``error`` (a runtime's refusal)."""
+    """A program whose ``n``-th call fails with ``error`` (a runtime's refusal); its
+    ``jitted`` lowers and compiles to itself, with no memory analysis (``None``)."""
 
     def __init__(self, fail_at: int, error: str):
         self.calls, self.fail_at, self.error = 0, fail_at, error
         self.args, self.kwargs = (), {}
+        self.jitted = self
 
-    def jitted(self):
+    def lower(self):
+        return self
+
+    def compile(self):
+        return self
+
+    def memory_analysis(self):
+        return None
+
+    def __call__(self):
         self.calls += 1
         if self.calls == self.fail_at:
             raise RuntimeError(self.error)

@@ -58,14 +58,44 @@ def test_a_chip_with_no_tpu_kind_is_refused_naming_none(monkeypatch):
     )
 
 
+class _Jitted:
+    """A jitted function as ``run_program`` uses one: not called itself;
+    ``lower(...).compile()`` gives the executable the steps call, whose
+    ``memory_analysis()`` is ``memory`` (None: a backend with none), or fails with
+    ``refusal``."""
+
+    def __init__(self, call, memory=None, refusal: str = ""):
+        self.call, self.memory, self.refusal = call, memory, refusal
+
+    def lower(self, *args, **kwargs):
+        return self
+
+    def compile(self):
+        if self.refusal:
+            raise RuntimeError(self.refusal)
+        return _Executable(self.call, self.memory)
+
+
+class _Executable:
+    def __init__(self, call, memory):
+        self.call, self.memory = call, memory
+
+    def memory_analysis(self):
+        return self.memory
+
+    def __call__(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+
 class _Step:
     """A program that records its keyword arguments and fails at call ``fail_at``."""
 
     def __init__(self, fail_at: int = 0, error: str = "", **kwargs):
         self.calls, self.fail_at, self.error = 0, fail_at, error
         self.args, self.kwargs, self.seen = (), kwargs, []
+        self.jitted = _Jitted(self.step)
 
-    def jitted(self, **kwargs):
+    def step(self, **kwargs):
         self.calls += 1
         self.seen.append(kwargs)
         if self.calls == self.fail_at:
@@ -124,7 +154,7 @@ def test_the_step_time_is_the_median_of_the_steps_after_the_first(monkeypatch, d
     clock = _Clock(durations)
     monkeypatch.setattr(measure.time, "perf_counter", clock)
     program = _Step()
-    program.jitted = lambda: clock.step()
+    program.jitted = _Jitted(clock.step)
     devices = [_Chip(0, stats={"peak_bytes_in_use": 9, "peak_bytes_reserved": 1,
                                "bytes_limit": 16})]  # fmt: skip
     ran = measure.run_program(program, len(durations), devices)
@@ -136,3 +166,30 @@ def test_a_refusal_keeps_the_first_240_characters_of_its_line():
     line = "RESOURCE_EXHAUSTED: " + "x" * 300
     refused = measure.run_program(_Step(2, f"\n  {line}  \nmore"), 3, [])
     assert refused.error == line[:240] and refused.steps == 1
+
+
+class _Memory:
+    """``memory_analysis()``'s fields as XLA names them (a CompiledMemoryStats)."""
+
+    argument_size_in_bytes, output_size_in_bytes, alias_size_in_bytes = 11, 5, 3
+    temp_size_in_bytes, generated_code_size_in_bytes = 7, 2
+
+
+def test_the_run_records_the_memory_analysis_of_the_executable_it_ran():
+    """The steps call the executable ``lower(...).compile()`` gave, and its memory
+    analysis is the run's, under the plan's names; a refused run keeps it too."""
+    step = _Step(3, "RESOURCE_EXHAUSTED: hbm")
+    step.jitted.memory = _Memory()
+    refused = measure.run_program(step, 4, [])
+    assert step.calls == 3 and refused.steps == 2 and not refused.fits
+    want = {"arguments": 11, "outputs": 5, "aliased": 3, "temporaries": 7, "code": 2}
+    assert refused.compiled == want
+    assert measure.run_program(_Step(), 1, []).compiled == {}  # a backend with none
+
+
+def test_a_compile_refused_for_memory_runs_no_step_and_has_no_analysis():
+    step = _Step()
+    step.jitted.refusal = "RESOURCE_EXHAUSTED: program too large\nmore"
+    refused = measure.run_program(step, 2, [])
+    assert step.calls == 0 and refused.steps == 0 and not refused.fits
+    assert refused.compiled == {} and refused.error == "RESOURCE_EXHAUSTED: program too large"

@@ -11,7 +11,11 @@ do not depend on the values), and called ``N`` times. Measured:
   ``bytes_in_use``), the largest over the devices, against the plan's peak;
 - the step time: the median of the steps after the first (the first compiles), each
   timed until its results are ready, against the plan's floor and estimate;
-- the MFU: the step's model FLOPs over ``step time x peak FLOP/s x chips``.
+- the MFU: the step's model FLOPs over ``step time x peak FLOP/s x chips``;
+- the executable's own ``memory_analysis()``: the steps run the program compiled here
+  (``lower`` + ``compile`` on the concrete arguments, timed in the first step), so its
+  arguments, outputs, aliased bytes, temporaries and code, against the plan's, tell a
+  compile that differs from the plan's apart from a runtime holding less than its program.
 
 A program the chip cannot hold fails in the run with ``RESOURCE_EXHAUSTED``; that is a
 measurement too (``fits`` false), the plan's refusal checked against the chip's.
@@ -26,6 +30,8 @@ import time
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from posttrain.plan import report
 
 #: ``Device.device_kind`` of each chip generation, as the TPU runtime names it
 DEVICE_KINDS: dict[str, tuple[str, ...]] = {
@@ -50,6 +56,11 @@ class Measured:
       bytes_limit: the smallest ``bytes_limit`` over the devices: the HBM a program may use.
       fits: whether the steps ran (false: the runtime refused them for lack of memory).
       error: the runtime's first line when it refused them, else ``""``.
+      compiled: the ``memory_analysis()`` of the executable the steps ran, compiled on
+        these devices (:func:`posttrain.plan.report.memory_of`: ``arguments``,
+        ``outputs``, ``aliased``, ``temporaries``, ``code``, bytes a device holds); ``{}``
+        when the compiler refused the program or the backend gives none (and in records
+        written before it was measured).
     """
 
     steps: int
@@ -59,6 +70,7 @@ class Measured:
     bytes_limit: int
     fits: bool = True
     error: str = ""
+    compiled: dict = dataclasses.field(default_factory=dict)
 
 
 def chip_devices(topology) -> list:
@@ -125,8 +137,9 @@ def memory_peak(devices) -> tuple[int, int]:
 
 
 def run_program(program, steps: int, devices) -> Measured:
-    """Runs ``program`` (:class:`posttrain.plan.steps.Program`) ``steps`` times on its
-    concrete arguments; each step timed until its results are ready.
+    """Compiles ``program`` (:class:`posttrain.plan.steps.Program`) on its concrete
+    arguments and runs that executable ``steps`` times; each step timed until its results
+    are ready, the first from before the compile.
 
     Raises:
       ValueError: ``steps`` < 1.
@@ -134,12 +147,17 @@ def run_program(program, steps: int, devices) -> Measured:
     if steps < 1:
         raise ValueError(f"run_steps={steps} must be >= 1")
     args = tuple(_made_concrete(a) for a in program.args)
-    seconds = []
+    seconds, memory = [], {}
     try:
+        start = time.perf_counter()
+        # the steps run this executable: its memory analysis is the program the chips ran
+        executable = program.jitted.lower(*args, **program.kwargs).compile()
+        memory = report.memory_of(executable)
         for _ in range(steps):
-            start = time.perf_counter()
-            jax.block_until_ready(program.jitted(*args, **program.kwargs))
-            seconds.append(time.perf_counter() - start)
+            jax.block_until_ready(executable(*args, **program.kwargs))
+            done = time.perf_counter()
+            seconds.append(done - start)
+            start = done
     except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED when it does not fit
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -153,6 +171,7 @@ def run_program(program, steps: int, devices) -> Measured:
             bytes_limit=limit,
             fits=False,
             error=first[:240],
+            compiled=memory,
         )
     peak, limit = memory_peak(devices)
     steady = seconds[1:] or seconds
@@ -162,6 +181,7 @@ def run_program(program, steps: int, devices) -> Measured:
         first_step_seconds=seconds[0],
         peak_bytes=peak,
         bytes_limit=limit,
+        compiled=memory,
     )
 
 

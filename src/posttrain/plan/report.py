@@ -91,19 +91,33 @@ class Figures:
         return self.arguments + self.outputs - self.aliased + self.temporaries + self.resident
 
 
+#: :class:`Figures`' name of each ``memory_analysis()`` field (XLA's ``CompiledMemoryStats``)
+MEMORY_FIELDS: dict[str, str] = {
+    "arguments": "argument_size_in_bytes",
+    "outputs": "output_size_in_bytes",
+    "aliased": "alias_size_in_bytes",
+    "temporaries": "temp_size_in_bytes",
+    "code": "generated_code_size_in_bytes",
+}
+
+
+def memory_of(compiled) -> dict[str, int]:
+    """A ``jax.stages.Compiled``'s ``memory_analysis()``, bytes one device holds, under
+    :data:`MEMORY_FIELDS`' names; ``{}`` where the backend gives none."""
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return {}
+    return {name: int(getattr(memory, field)) for name, field in MEMORY_FIELDS.items()}
+
+
 def figures_of(
     compiled, kinds: dict, model_flops: float, seconds: float, resident: int = 0
 ) -> Figures:
     """:class:`Figures` of a ``jax.stages.Compiled`` (``resident``: :attr:`Figures.resident`)."""
-    memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     return Figures(
-        arguments=int(memory.argument_size_in_bytes),
-        outputs=int(memory.output_size_in_bytes),
-        aliased=int(memory.alias_size_in_bytes),
-        temporaries=int(memory.temp_size_in_bytes),
-        code=int(memory.generated_code_size_in_bytes),
+        **memory_of(compiled),
         kinds=dict(kinds),
         flops=float(cost.get("flops", 0.0)),
         bytes_accessed=float(cost.get("bytes accessed", 0.0)),
@@ -298,7 +312,9 @@ def write_json(path: str | os.PathLike, records: list[dict]) -> None:
 
 def against_the_chip(figures: Figures, verdict: Verdict, measured, topology: Topology) -> str:
     """The plan's peak, floor, estimate and MFU beside what ``measured``
-    (:class:`posttrain.plan.measure.Measured`) found on the chips, with the errors."""
+    (:class:`posttrain.plan.measure.Measured`) found on the chips, with the errors; and
+    the plan's memory figures beside the ``memory_analysis()`` of the executable the steps
+    ran (rows ``... (chip's compile)``), when ``measured`` has one."""
 
     def error(predicted: float, actual: float) -> str:
         return f"{(predicted - actual) / actual:+.1%}" if actual else "-"
@@ -312,6 +328,14 @@ def against_the_chip(figures: Figures, verdict: Verdict, measured, topology: Top
             error(figures.peak, measured.peak_bytes),
         )
     )
+    # the executable the steps ran, as the chips' compiler sized it: tells a compile that
+    # differs from the plan's apart from a runtime that holds less than its program
+    compiled = measured.compiled
+    for name in MEMORY_FIELDS if compiled else ():
+        predicted, actual = getattr(figures, name), compiled[name]
+        rows.append(
+            (f"{name} (chip's compile)", gib(predicted), gib(actual), error(predicted, actual))
+        )
     rows.append(
         (
             "HBM per chip",
