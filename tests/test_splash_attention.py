@@ -4,9 +4,14 @@ against the XLA path, through whole tiny models, in Pallas' interpret mode on th
 Every case compares the logits of the queries that see a key and the gradients of a loss
 over them (padding queries differ by design: the module docstring). Interpret mode is
 slow: T = 128 (one block of 128, the smallest the kernel takes), 2-layer tiny presets.
+Under a mesh of fake CPU devices the kernel runs per shard (``jax.shard_map``): against
+splash on one device, and no all-gather of q, k or v in the compiled program.
 """
 
 from __future__ import annotations
+
+import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +19,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from posttrain import sharding
 from posttrain.layers import splash
 from posttrain.models import build_model, get_config
+from posttrain.plan import topology
+from posttrain.plan.compile import build_programs
+from posttrain.plan.options import PlanOptions
 
 pytestmark = pytest.mark.matmul_precision("highest")
 
@@ -67,18 +76,27 @@ def _packed_mask(batch: int, seq: int = SEQ) -> tuple[np.ndarray, np.ndarray]:
 MASKS = {"causal": None, "padding": _padding_mask, "packed": _packed_mask}
 
 
-def _logits_grads(cfg, mask, valid, batch):
-    model = build_model(cfg, seed=3)
+def _compiled(cfg, mask, valid, batch, mesh=None, seq=SEQ):
+    """A tiny model's loss and gradient (built on ``mesh`` and compiled under it, if one
+    is given), compiled, and its parameters."""
+    model = build_model(cfg, mesh, seed=3)
     graph, params, rest = nnx.split(model, nnx.Param, ...)
-    tokens = jax.random.randint(jax.random.key(5), (batch, SEQ), 0, cfg.vocab_size)
-    positions = jnp.broadcast_to(jnp.arange(SEQ), tokens.shape)
+    tokens = jax.random.randint(jax.random.key(5), (batch, seq), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(seq), tokens.shape)
 
     def loss(p):
         logits = nnx.merge(graph, p, rest)(tokens, positions, None, mask)[0]
         logits = logits.astype(jnp.float32)
         return jnp.sum(jnp.where(valid[..., None], jax.nn.log_softmax(logits), 0.0)), logits
 
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    with sharding.use_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return step.lower(params).compile(), params
+
+
+def _logits_grads(cfg, mask, valid, batch, mesh=None, seq=SEQ):
+    step, params = _compiled(cfg, mask, valid, batch, mesh, seq)
+    (_, logits), grads = step(params)
     logits = np.where(valid[..., None], np.asarray(logits), 0.0)
     return logits, [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
 
@@ -128,6 +146,89 @@ def test_splash_equals_xla(preset, case, dtype):
 def test_splash_equals_xla_everywhere(preset, case, dtype):
     """Every family with attention variants, every mask kind, both dtypes."""
     _check_equal(preset, case, dtype)
+
+
+def _gathers(hlo: str) -> set[tuple[int, ...]]:
+    """The result shapes of a compiled HLO's all-gathers."""
+    found = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather\(", hlo)
+    return {tuple(int(d) for d in dims.split(",") if d) for dims in found}
+
+
+def _check_sharded(preset, case, axes, batch=4, seq=SEQ, **overrides):
+    """Splash under a mesh of ``axes`` (``jax.shard_map``) against splash on one device:
+    logits and gradients within :data:`FP32_TOL`; no all-gather yields a whole q, k or v
+    (``[B, N, T, H]``, ``[B, K, T, H]``: what XLA does around an unsplit kernel)."""
+    cfg = get_config(preset, attention_kernel="splash_interpret", **overrides)
+    mask, valid = MASKS[case](batch, seq) if MASKS[case] else (None, np.ones((batch, seq), bool))
+    want = _logits_grads(cfg, mask, valid, batch, seq=seq)
+    mesh = sharding.make_mesh(axes)
+    step, params = _compiled(cfg, mask, valid, batch, mesh, seq)
+    (_, logits), grads = step(params)
+    logits = np.where(valid[..., None], np.asarray(logits), 0.0)
+    got = logits, [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
+    grad_scale = max(float(np.max(np.abs(g))) for g in want[1])
+    for (name, w), (_, g) in zip(_leaves(want), _leaves(got), strict=True):
+        bound = FP32_TOL * (float(np.max(np.abs(w))) if name == "logits" else grad_scale)
+        assert float(np.max(np.abs(g - w))) <= bound, f"{preset} {axes} {name}"
+    padded = -(-seq // splash.LANES) * splash.LANES
+    whole = {
+        (batch, n, padded, a.head_dim)
+        for a in cfg.attention.values()
+        for n in (a.num_heads, a.num_kv_heads)
+    }
+    assert not whole & _gathers(step.as_text()), sorted(whole & _gathers(step.as_text()))
+
+
+@pytest.mark.devices(8)
+def test_splash_under_a_mesh_runs_on_each_shard():
+    """fsdp 4 x tensor 2: each device's kernel gets its batch rows and heads, nothing
+    gathers q, k or v around it, and the logits and gradients equal one device's."""
+    _check_sharded(
+        "qwen3-tiny", "padding", {"fsdp": 4, "tensor": 2}, num_layers=1, layer_types=("full",)
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.devices(8)
+@pytest.mark.parametrize(
+    ("preset", "case", "axes", "seq"),
+    [
+        ("gpt_oss-tiny", "packed", {"fsdp": 4, "tensor": 2}, SEQ),  # sinks, sliding
+        ("gemma4-tiny", "padding", {"data": 2, "fsdp": 2, "tensor": 2}, SEQ),  # k_eq_v
+        ("llama3-tiny", "causal", {"fsdp": 2, "tensor": 4}, SEQ),  # one kv head a shard
+        ("gpt_oss-tiny", "padding", {"fsdp": 8}, 100),  # padded to a block
+    ],
+    ids=[
+        "gpt_oss-packed-fsdp4-tp2",
+        "gemma4-padding-dp2-fsdp2-tp2",
+        "llama3-causal-fsdp2-tp4",
+        "gpt_oss-padding-fsdp8-t100",
+    ],
+)
+def test_splash_under_a_mesh_everywhere(preset, case, axes, seq):
+    """Other families, masks and meshes: as :func:`test_splash_under_a_mesh_runs_on_each_shard`."""
+    _check_sharded(preset, case, axes, seq=seq, batch=8 if axes.get("fsdp") == 8 else 4)
+
+
+@pytest.mark.devices(2)
+def test_kv_heads_split_unlike_the_query_heads_are_refused():
+    """Rules that put the kv heads on other mesh axes than the query heads: one line
+    at trace time naming both (a shard's query heads would read others' kv heads)."""
+    rules = tuple(
+        (name, () if name == "activation_kv_heads" else axes)
+        for name, axes in sharding.DEFAULT_RULES
+    )
+    q, k = jnp.zeros((2, SEQ, 8, 10)), jnp.zeros((2, SEQ, 4, 10))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((SEQ, SEQ), bool)), (2, SEQ, SEQ))
+    masks = splash.splash_mask(causal, causal, None, "splash_interpret")
+    mesh = sharding.make_mesh({"tensor": 2}, devices=jax.devices()[:2])
+    with sharding.use_mesh(mesh, rules), pytest.raises(ValueError) as info:
+        jax.eval_shape(lambda q, k: splash.attend(q, k, k, masks, None, 1.0), q, k)
+    assert str(info.value) == (
+        "splash attention splits num_heads=8 over mesh axes 'tensor' but num_kv_heads=4 "
+        "over None; expected the same axes for both (each shard's query heads read only "
+        "its own kv heads)"
+    )
 
 
 def _forward(cfg, mask, seq=SEQ, batch=2):
@@ -232,3 +333,26 @@ def test_the_cli_refuses_splash_off_a_tpu_before_writing(argv, tmp_path, capsys)
 def test_an_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match=r"attention_kernel='flash' must be one of xla, splash, "):
         get_config("qwen3-tiny", attention_kernel="flash")
+
+
+@pytest.mark.slow  # 2.5 s here, lowering only
+@pytest.mark.aot
+def test_a_sharded_splash_step_lowers_for_a_v5e_slice():
+    """Deviceless v5e-8, fsdp 4 x tensor 2: the train step lowers with each Mosaic call
+    inside a ``shard_map`` (without one, jax 0.10.2 refuses to lower: "Mosaic kernels
+    cannot be automatically partitioned")."""
+    options = PlanOptions(
+        model="qwen3-tiny",
+        topology="v5e-8",
+        attention_kernel="splash",
+        mesh={"fsdp": 4, "tensor": 2},
+        num_layers=1,
+        batch=8,
+        seq=2048,
+    )
+    _, programs, mesh = build_programs(options, topology.get("v5e-8"))
+    step = programs["train step"]
+    with sharding.use_mesh(mesh, jax_context=False):
+        text = step.jitted.lower(*step.args, **step.kwargs).as_text()
+    calls = text.count("tpu_custom_call")
+    assert calls and calls == text.count("sdy.manual_computation"), calls

@@ -25,6 +25,17 @@ Used by :class:`posttrain.layers.attention.Attention` when the decoder hands it 
 the kernel cannot: non-causal attention (the vision tower, bidirectional image
 blocks), a KV cache (generation), a sequence sharded over ``context``.
 
+Under a mesh of more than one device (:func:`posttrain.sharding.use_mesh`) the kernel
+runs under ``jax.shard_map`` (:func:`sharded`): XLA's partitioner cannot split the
+Mosaic call (jax 0.10.2 refuses to lower it for a TPU slice; interpreted, it gathers
+q, k and v onto every device around it). Each device runs it on its batch rows and
+query heads (``activation_batch``, ``activation_heads``) with its kv heads
+(``activation_kv_heads``), the whole sequence. That needs each shard's query heads to
+read only its own kv heads: both head axes on the same mesh axes (the default rules; a
+num_kv_heads the ``tensor`` axis does not divide is refused earlier, by the kv heads'
+constraint). Rules that shard them differently are refused at trace time
+(``ValueError``) rather than silently replicating the kv heads.
+
 Reference: ``splash_attention_kernel.py`` / ``splash_attention_mask.py`` of jax 0.10.2
 (``make_splash_mha``: query head h reads kv head h // (N / K), as ``repeat_kv``).
 """
@@ -37,6 +48,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.sharding import PartitionSpec as P
 
 from posttrain import sharding
 
@@ -185,8 +197,7 @@ def attend(
       ``[B, T, N, H]`` in ``q``'s dtype; NaN in the examples whose mask the segment ids
       do not reproduce (``masks.exact`` False).
     """
-    batch, seq, heads, _ = q.shape
-    dtype = q.dtype
+    seq, dtype = q.shape[1], q.dtype
     q = (q.astype(jnp.float32) * scale).astype(dtype)
     q = jnp.swapaxes(q, 1, 2)  # [B, N, T, H]
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
@@ -197,24 +208,84 @@ def attend(
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
         q_seg = jnp.pad(q_seg, [(0, 0), (0, padded - seq)], constant_values=NO_QUERY)
         kv_seg = jnp.pad(kv_seg, [(0, 0), (0, padded - seq)], constant_values=NO_KEY)
-    shape = (padded, padded)
-    if masks.window is None:
-        static = sa.CausalMask(shape)
-    else:
-        static = sa.LocalMask(shape, window_size=(masks.window - 1, 0), offset=0)
-    kernel = sa.make_splash_mha(
-        sa.MultiHeadMask([static] * heads),
-        block_sizes=block_sizes(padded),
-        head_shards=1,
-        q_seq_shards=1,
-        interpret=masks.interpret,
-    )
+    args = (q, k, v, q_seg, kv_seg) + (() if sinks is None else (sinks,))
+    run = functools.partial(call_kernel, window=masks.window, interpret=masks.interpret)
+    context = sharding.current()
+    if context is not None and context.mesh.size > 1:
+        run = sharded(run, context, q.shape, k.shape, sinks is not None)
     with jax.named_scope("attention_splash"):
-        out = jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
-            q, k, v, sa.SegmentIds(q_seg, kv_seg), sinks
-        )  # [B, N, T', H]
+        out = run(*args)  # [B, N, T', H]
     out = jnp.swapaxes(out[:, :, :seq], 1, 2)  # [B, T, N, H]
     out = jnp.where(masks.exact[:, None, None, None], out, jnp.nan)
     return sharding.constrain(
         out, ("activation_batch", "activation_length", "activation_heads", None)
     ).astype(dtype)
+
+
+def call_kernel(q, k, v, q_seg, kv_seg, sinks=None, *, window: int | None, interpret: bool):
+    """Splash attention over the batch (``jax.vmap``), built for ``q``'s heads.
+
+    Args:
+      q: ``[B, N, T, H]`` (T a multiple of :data:`LANES`), already scaled.
+      k, v: ``[B, K, T, H]``, N divisible by K.
+      q_seg, kv_seg: ``[B, T]`` int32 segment ids.
+      sinks: ``[N]`` float32 sink logits, or ``None``.
+      window: :attr:`SplashMask.window`; interpret: :attr:`SplashMask.interpret`.
+
+    Returns:
+      ``[B, N, T, H]`` in ``q``'s dtype.
+    """
+    heads, seq = q.shape[1], q.shape[2]
+    shape = (seq, seq)
+    if window is None:
+        static = sa.CausalMask(shape)
+    else:
+        static = sa.LocalMask(shape, window_size=(window - 1, 0), offset=0)
+    kernel = sa.make_splash_mha(
+        sa.MultiHeadMask([static] * heads),
+        block_sizes=block_sizes(seq),
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=interpret,
+    )
+    segments = sa.SegmentIds(q_seg, kv_seg)
+    return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(q, k, v, segments, sinks)
+
+
+def sharded(run, context: sharding.MeshContext, q_shape, kv_shape, sinks: bool):
+    """``run`` (:func:`call_kernel`'s arguments) under ``jax.shard_map`` on the mesh of
+    ``context``: batch and heads split as the logical axes resolve, the sequence whole.
+
+    Args:
+      run: the kernel call, on the local shards.
+      context: the current mesh and rules (:func:`posttrain.sharding.current`).
+      q_shape: ``(B, N, T, H)``; kv_shape: ``(B, K, T, H)``.
+      sinks: whether ``run`` takes the ``[N]`` sinks.
+
+    Raises:
+      ValueError: the query heads and the kv heads resolve to different mesh axes (a
+        shard's query heads would read other shards' kv heads), or (from
+        :func:`~posttrain.sharding.logical_to_spec`) a dimension does not divide.
+    """
+    mesh_shape = dict(context.mesh.shape)
+
+    def spec(heads: str, shape) -> tuple:
+        axes = ("activation_batch", heads, None, None)
+        resolved = sharding.logical_to_spec(axes, shape, mesh_shape, context.rules)
+        return tuple(resolved) + (None,) * (4 - len(resolved))  # trailing Nones dropped
+
+    q_spec, kv_spec = spec("activation_heads", q_shape), spec("activation_kv_heads", kv_shape)
+    if q_spec[1] != kv_spec[1]:  # the batch resolves alike: same name, first dimension
+        raise ValueError(
+            f"splash attention splits num_heads={q_shape[1]} over mesh axes {q_spec[1]!r} "
+            f"but num_kv_heads={kv_shape[1]} over {kv_spec[1]!r}; expected the same axes "
+            "for both (each shard's query heads read only its own kv heads)"
+        )
+    batch, heads = P(q_spec[0]), P(q_spec[1])
+    in_specs = (P(*q_spec), P(*kv_spec), P(*kv_spec), batch, batch) + ((heads,) if sinks else ())
+    # jax.shard_map(check_vma=): jax >= 0.7, the oldest era of compat/entries.toml (0.7.1).
+    # check_vma=False: splash's pallas_call declares its outputs without the varying mesh
+    # axes the check needs (jax 0.10.2: "manual_axis_type ... must not be None").
+    return jax.shard_map(
+        run, mesh=context.mesh, in_specs=in_specs, out_specs=P(*q_spec), check_vma=False
+    )
