@@ -18,6 +18,7 @@ import pytest
 from harness.devices.devices import (
     BACKEND_OPT_FLAG,
     CODEGEN_SPLIT_FLAG,
+    COLLECTIVE_TIMEOUT_FLAG,
     CORES,
     DEVICE_COUNT_FLAG,
     FUSION_EMITTERS_FLAG,
@@ -25,6 +26,7 @@ from harness.devices.devices import (
     configure_devices,
     forced_device_count,
     suite_env,
+    with_collective_timeout,
 )
 from harness.gate import gate, pytest_plugin, session_tuning
 from posttrain import atomic
@@ -52,13 +54,87 @@ def _subprocess_env(**extra: str) -> dict[str, str]:
 # --- configure_devices --------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("flags", "version", "want"),
+    [
+        ("--a", "0.10.2", f"--a {COLLECTIVE_TIMEOUT_FLAG}=600"),
+        ("", "0.8.0", f"{COLLECTIVE_TIMEOUT_FLAG}=600"),
+        ("", "0.8.0.dev20250801", f"{COLLECTIVE_TIMEOUT_FLAG}=600"),
+        ("", "1.0", f"{COLLECTIVE_TIMEOUT_FLAG}=600"),
+        (f"{COLLECTIVE_TIMEOUT_FLAG}=5 --a", "0.9.1", f"{COLLECTIVE_TIMEOUT_FLAG}=5 --a"),
+        ("--a", "0.7.2", "--a"),
+        (f"--a {COLLECTIVE_TIMEOUT_FLAG}=600", "0.7.1", "--a"),  # inherited by an old env
+        (f"{COLLECTIVE_TIMEOUT_FLAG} --a", None, "--a"),  # no jaxlib: nothing to keep
+        (
+            f"{COLLECTIVE_TIMEOUT_FLAG}_x=1",
+            "0.10.2",
+            f"{COLLECTIVE_TIMEOUT_FLAG}_x=1 {COLLECTIVE_TIMEOUT_FLAG}=600",
+        ),
+    ],
+)
+def test_the_collective_timeout_follows_the_jaxlib_that_knows_it(flags, version, want) -> None:
+    """From jaxlib 0.8.0 the rendezvous timeout is added (a chosen one kept); before, it is
+    removed, as XLA aborts on a flag it does not know."""
+    assert with_collective_timeout(flags, version) == want
+
+
+LATE_DEVICE = """
+import sys, time
+from harness import configure_devices
+configure_devices(8)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+def late(i):  # device 0's thread reaches the all-gather 65 s after the others
+    if int(i[0]) == 0:
+        time.sleep(65)
+    return np.ones((1,), np.float32)
+
+def body(i):
+    y = jax.pure_callback(late, jax.ShapeDtypeStruct((1,), jnp.float32), i)
+    return jax.lax.all_gather(y, "d", tiled=True)
+
+mesh = Mesh(np.array(jax.devices()), ("d",))
+step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P(), check_vma=False))
+print(int(step(jnp.arange(8)).sum()))
+"""
+
+
+@pytest.mark.slow  # 65 s of a sleeping thread
+def test_a_fake_device_65_s_late_to_a_collective_does_not_abort_the_process() -> None:
+    """XLA:CPU's rendezvous aborts a process whose device thread is 60 s late (SIGABRT
+    without configure_devices' timeout, measured): a busy 2-core machine is no hang."""
+    env = {k: v for k, v in _subprocess_env().items() if k not in DEVICE_ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", LATE_DEVICE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "8"
+
+
+def test_the_installed_xla_takes_the_collective_timeout() -> None:
+    """A process on 4 fake devices with configure_devices' flags runs a collective (XLA
+    aborts at start on a flag it does not know: the version gate is right here)."""
+    code = (
+        "from harness import configure_devices; configure_devices(4); import os, jax, "
+        "jax.numpy as jnp; print(os.environ['XLA_FLAGS'].split()[-1]); "
+        "print(int(jax.pmap(lambda x: jax.lax.psum(x, 'd'), 'd')(jnp.ones(4))[0]))"
+    )
+    env = {k: v for k, v in _subprocess_env().items() if k not in DEVICE_ENV}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [f"{COLLECTIVE_TIMEOUT_FLAG}=600", "4"]
+
+
 def test_count_selects_cpu_and_sets_the_flag(clean_env: pytest.MonkeyPatch) -> None:
     """A positive count sets JAX_PLATFORMS=cpu, the XLA flags and POSTTRAIN_DEVICES."""
     assert configure_devices(4) == 4
     assert os.environ["XLA_FLAGS"] == (
         f"{DEVICE_COUNT_FLAG}=4 {BACKEND_OPT_FLAG}=0 {FUSION_EMITTERS_FLAG}=false "
-        f"{CODEGEN_SPLIT_FLAG}={CORES}"
-    )
+        f"{CODEGEN_SPLIT_FLAG}={CORES} {COLLECTIVE_TIMEOUT_FLAG}=600"
+    )  # the installed jaxlib (0.10.2) knows the timeout flag
     assert os.environ["JAX_PLATFORMS"] == "cpu"
     assert os.environ["POSTTRAIN_DEVICES"] == "4"
 
