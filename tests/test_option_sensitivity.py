@@ -291,6 +291,8 @@ SFT_VALUES: dict[str, tuple] = {
     "overflow": ("reject", {}),  # the embedded set has conversations over 64 tokens
     "warmup_steps": (0, {}),  # an explicit zero: no warm-up
     "remat": ("full", {}),
+    # the CLI's splash needs a TPU; Pallas' interpreter runs the same kernel here
+    "attention_kernel": ("splash_interpret", {}),
     "scan_layers": (True, {}),
     "max_target_length": (128, {}),
     "packing": (False, {"max_target_length": 256}),  # rows that hold several conversations
@@ -305,7 +307,7 @@ DPO_VALUES: dict[str, tuple] = {
     "chat_template": SFT_VALUES["chat_template"],
     **{k: SFT_VALUES[k] for k in ("lora_rank", "lora_alpha", "seed", "save_every")},
     **{k: SFT_VALUES[k] for k in ("stop_after", "grad_accum", "warmup_steps")},
-    **{k: SFT_VALUES[k] for k in ("remat", "scan_layers", "data_shards")},
+    **{k: SFT_VALUES[k] for k in ("remat", "attention_kernel", "scan_layers", "data_shards")},
     "per_device_batch_size": (2, {}),
     "data": ("{pairs}", {}),
     "eval_data": ("{pairs}", {}),
