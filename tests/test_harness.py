@@ -18,7 +18,6 @@ import pytest
 from harness.devices.devices import (
     BACKEND_OPT_FLAG,
     CODEGEN_SPLIT_FLAG,
-    COLLECTIVE_TIMEOUT_FLAG,
     CORES,
     DEVICE_COUNT_FLAG,
     FUSION_EMITTERS_FLAG,
@@ -26,10 +25,10 @@ from harness.devices.devices import (
     configure_devices,
     forced_device_count,
     suite_env,
-    with_collective_timeout,
 )
 from harness.gate import gate, pytest_plugin, session_tuning
 from posttrain import atomic
+from posttrain.xla_flags import COLLECTIVE_TIMEOUT_FLAG
 
 pytestmark = pytest.mark.host
 
@@ -52,30 +51,6 @@ def _subprocess_env(**extra: str) -> dict[str, str]:
 
 
 # --- configure_devices --------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("flags", "version", "want"),
-    [
-        ("--a", "0.10.2", f"--a {COLLECTIVE_TIMEOUT_FLAG}=600"),
-        ("", "0.8.0", f"{COLLECTIVE_TIMEOUT_FLAG}=600"),
-        ("", "0.8.0.dev20250801", f"{COLLECTIVE_TIMEOUT_FLAG}=600"),
-        ("", "1.0", f"{COLLECTIVE_TIMEOUT_FLAG}=600"),
-        (f"{COLLECTIVE_TIMEOUT_FLAG}=5 --a", "0.9.1", f"{COLLECTIVE_TIMEOUT_FLAG}=5 --a"),
-        ("--a", "0.7.2", "--a"),
-        (f"--a {COLLECTIVE_TIMEOUT_FLAG}=600", "0.7.1", "--a"),  # inherited by an old env
-        (f"{COLLECTIVE_TIMEOUT_FLAG} --a", None, "--a"),  # no jaxlib: nothing to keep
-        (
-            f"{COLLECTIVE_TIMEOUT_FLAG}_x=1",
-            "0.10.2",
-            f"{COLLECTIVE_TIMEOUT_FLAG}_x=1 {COLLECTIVE_TIMEOUT_FLAG}=600",
-        ),
-    ],
-)
-def test_the_collective_timeout_follows_the_jaxlib_that_knows_it(flags, version, want) -> None:
-    """From jaxlib 0.8.0 the rendezvous timeout is added (a chosen one kept); before, it is
-    removed, as XLA aborts on a flag it does not know."""
-    assert with_collective_timeout(flags, version) == want
 
 
 LATE_DEVICE = """

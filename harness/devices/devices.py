@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from posttrain.xla_flags import jaxlib_version, with_collective_timeout
+
 ENV_VAR = "POSTTRAIN_DEVICES"
 DEFAULT_DEVICES = 8
 REAL = "real"
@@ -46,17 +48,6 @@ BACKEND_OPT_FLAG = "--xla_backend_optimization_level"
 FUSION_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters"
 CODEGEN_SPLIT_FLAG = "--xla_cpu_parallel_codegen_split_count"
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-# XLA:CPU aborts the process when one fake device's thread reaches a collective 60 s after
-# another (a warning at 20 s, then rendezvous.cc's "Termination timeout ... of 40 seconds
-# exceeded"; reproduced with one of 8 devices 70 s late: SIGABRT, and with the flag the
-# step completes): the README's matrix lost a GRPO run to it at load 9-10 on 2 cores
-# (2026-12-06; tests/test_harness.py's slow test is that reproduction). Fake
-# devices are threads of one process, so a late thread is a busy machine, not a hang; a
-# real hang now aborts after 10 minutes. The flag exists from jaxlib 0.8.0 (`strings` of
-# the 0.7.1, 0.7.2, 0.8.0, 0.8.1, 0.9.1, 0.10.1 and 0.10.2 wheels): older ones abort on it.
-COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
-COLLECTIVE_TIMEOUT_SECONDS = 600
-COLLECTIVE_TIMEOUT_SINCE = (0, 8)
 FAST_CPU_COMPILE_FLAGS: tuple[tuple[str, str], ...] = (
     (BACKEND_OPT_FLAG, "0"),
     (FUSION_EMITTERS_FLAG, "false"),
@@ -131,38 +122,6 @@ def with_fast_cpu_compile(xla_flags: str) -> str:
     return " ".join(tokens)
 
 
-def with_collective_timeout(xla_flags: str, jaxlib_version: str | None) -> str:
-    """``xla_flags`` with :data:`COLLECTIVE_TIMEOUT_FLAG` where ``jaxlib_version`` knows it
-    (added at :data:`COLLECTIVE_TIMEOUT_SECONDS` unless already named), and without it
-    where it does not (an older jaxlib, or none installed: XLA would abort on the flag,
-    which a child process in another environment inherits)."""
-    tokens = xla_flags.split()
-    named = [
-        t
-        for t in tokens
-        if t == COLLECTIVE_TIMEOUT_FLAG or t.startswith(COLLECTIVE_TIMEOUT_FLAG + "=")
-    ]
-    if not _knows_collective_timeout(jaxlib_version):
-        return " ".join(t for t in tokens if t not in named)
-    if not named:
-        tokens.append(f"{COLLECTIVE_TIMEOUT_FLAG}={COLLECTIVE_TIMEOUT_SECONDS}")
-    return " ".join(tokens)
-
-
-def _knows_collective_timeout(jaxlib_version: str | None) -> bool:
-    if jaxlib_version is None:
-        return False
-    parts = re.match(r"(\d+)\.(\d+)", jaxlib_version)
-    return parts is not None and (int(parts[1]), int(parts[2])) >= COLLECTIVE_TIMEOUT_SINCE
-
-
-def _jaxlib_version() -> str | None:
-    try:
-        return importlib.metadata.version("jaxlib")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _effective_cpu_device_count(environ: Mapping[str, str]) -> int | None:
     """The fake CPU device count JAX would use; ``JAX_NUM_CPU_DEVICES`` wins over the flag."""
     jax_count = environ.get("JAX_NUM_CPU_DEVICES", "").strip()
@@ -187,8 +146,8 @@ def configure_devices(count: int | str | None = None) -> int:
     already sets it: tests and the matrix on fake devices spend most of their time
     compiling tiny programs, and the flags change how XLA:CPU emits machine code,
     not the HLO program. And where the installed jaxlib knows it, XLA:CPU's collective
-    rendezvous waits :data:`COLLECTIVE_TIMEOUT_SECONDS` instead of 40 s for a late
-    device thread (:func:`with_collective_timeout`).
+    rendezvous lets a late device thread wait 10 minutes instead of aborting the process
+    after 60 s (:mod:`posttrain.xla_flags`).
     Benchmarks do not call this function and keep XLA's defaults.
 
     Args:
@@ -215,7 +174,7 @@ def configure_devices(count: int | str | None = None) -> int:
             "(pytest plugin, or harness.configure_devices before importing jax)"
         )
     flags = with_device_count(os.environ.get("XLA_FLAGS", ""), devices)
-    flags = with_collective_timeout(with_fast_cpu_compile(flags), _jaxlib_version())
+    flags = with_collective_timeout(with_fast_cpu_compile(flags), jaxlib_version())
     os.environ["XLA_FLAGS"] = flags
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if "JAX_NUM_CPU_DEVICES" in os.environ:

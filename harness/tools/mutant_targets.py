@@ -371,6 +371,7 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/training/checks.py": ["tests/test_run_checks.py"],
     "src/posttrain/training/record.py": ["tests/test_run_checks.py", "tests/test_sft_run.py"],
     "src/posttrain/signals.py": ["tests/test_signals.py"],
+    "src/posttrain/xla_flags.py": ["tests/test_xla_flags.py"],
     "src/posttrain/training/stops.py": ["tests/test_disk_full.py", "tests/test_signals.py"],
     **HARNESS_TARGETS,  # the harness's own modules, after the library's
 }

@@ -45,6 +45,7 @@ from posttrain.plan.options import PlanOptions
 from posttrain.preference.options import DPORunConfig
 from posttrain.rl.options import GRPORunConfig
 from posttrain.sft.options import SFTConfig
+from posttrain.xla_flags import jaxlib_version, with_collective_timeout
 
 
 def _set_devices(count: str) -> None:
@@ -63,7 +64,7 @@ def _set_devices(count: str) -> None:
         if not f.startswith("--xla_force_host_platform_device_count")
     ]
     xla_flags.append(f"--xla_force_host_platform_device_count={int(count)}")
-    os.environ["XLA_FLAGS"] = " ".join(xla_flags)
+    os.environ["XLA_FLAGS"] = with_collective_timeout(" ".join(xla_flags), jaxlib_version())
 
 
 @dataclasses.dataclass(frozen=True)
