@@ -27,7 +27,7 @@ pytestmark = pytest.mark.host
         ("", "1.0", f"{COLLECTIVE_TIMEOUT_FLAG}=600"),
         (f"{COLLECTIVE_TIMEOUT_FLAG}=5 --a", "0.9.1", f"{COLLECTIVE_TIMEOUT_FLAG}=5 --a"),
         ("--a", "0.7.2", "--a"),
-        (f"--a {COLLECTIVE_TIMEOUT_FLAG}=600", "0.7.1", "--a"),  # inherited by an old env
+        (f"--a {COLLECTIVE_TIMEOUT_FLAG}=600 --b", "0.7.1", "--a --b"),  # inherited by an old env
         (f"{COLLECTIVE_TIMEOUT_FLAG} --a", None, "--a"),  # no jaxlib: nothing to keep
         (
             f"{COLLECTIVE_TIMEOUT_FLAG}_x=1",
