@@ -306,6 +306,28 @@ def test_splash_off_a_tpu_is_refused_at_build():
     )
 
 
+@pytest.mark.parametrize(
+    ("platform", "kernel", "refused"),
+    [
+        ("tpu", "splash", False),
+        ("cpu", "splash", True),
+        ("gpu", "splash", True),
+        ("cpu", "splash_interpret", False),
+        ("cpu", "xla", False),
+    ],
+)
+def test_only_a_tpu_target_takes_the_kernel(monkeypatch, platform, kernel, refused):
+    """The check by the platform the program targets (a TPU mesh's, the plan's deviceless
+    one included): splash on a TPU passes, anywhere else is refused; the interpreter and
+    XLA pass everywhere."""
+    monkeypatch.setattr(splash, "target_platform", lambda: platform)
+    if refused:
+        with pytest.raises(ValueError, match=f"needs a TPU backend, this is '{platform}'$"):
+            splash.check_backend(kernel)
+    else:
+        splash.check_backend(kernel)
+
+
 @pytest.mark.skipif(jax.default_backend() == "tpu", reason="the refusal is off a TPU")
 @pytest.mark.parametrize(
     "argv",
