@@ -238,6 +238,26 @@ def _forward(cfg, mask, seq=SEQ, batch=2):
     return np.asarray(model(tokens, positions, None, mask)[0])
 
 
+@pytest.mark.devices(8)
+def test_a_sequence_sharded_over_context_falls_back_to_the_xla_path():
+    """The kernel needs whole sequences: with ``context`` = 2 every layer attends through
+    the XLA path over the mask the decoder built (no pallas_call), and the logits equal the
+    XLA model's on the same mesh."""
+    cfg = get_config("qwen3-tiny", num_layers=1, layer_types=("full",))
+    mesh = sharding.make_mesh({"context": 2, "fsdp": 4})
+    tokens = jax.random.randint(jax.random.key(5), (4, SEQ), 0, cfg.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(SEQ), tokens.shape)
+    mask, _ = _padding_mask(4, SEQ)
+    logits = {}
+    for kernel in ("xla", "splash_interpret"):
+        model = build_model(cfg.replace(attention_kernel=kernel), mesh, seed=3)
+        with sharding.use_mesh(mesh):
+            forward = lambda t, m, model=model: model(t, positions, None, m)[0]  # noqa: E731
+            assert "pallas_call" not in str(jax.make_jaxpr(forward)(tokens, mask))
+            logits[kernel] = np.asarray(jax.jit(forward)(tokens, mask))
+    np.testing.assert_allclose(logits["splash_interpret"], logits["xla"], rtol=0, atol=0)
+
+
 def test_a_mask_segment_ids_cannot_express_gives_nan():
     """An example whose mask is no causal x segment mask (a key hidden from one query
     only) gets NaN logits; the other example is unchanged."""
