@@ -181,10 +181,11 @@ def _check_sharded(preset, case, axes, batch=4, seq=SEQ, **overrides):
 
 @pytest.mark.devices(8)
 def test_splash_under_a_mesh_runs_on_each_shard():
-    """fsdp 4 x tensor 2: each device's kernel gets its batch rows and heads, nothing
-    gathers q, k or v around it, and the logits and gradients equal one device's."""
+    """fsdp 4 x tensor 2, with sinks: each device's kernel gets its batch rows and heads
+    (and those heads' sinks), nothing gathers q, k or v around it, and the logits and
+    gradients equal one device's."""
     _check_sharded(
-        "qwen3-tiny", "padding", {"fsdp": 4, "tensor": 2}, num_layers=1, layer_types=("full",)
+        "gpt_oss-tiny", "padding", {"fsdp": 4, "tensor": 2}, num_layers=1, layer_types=("full",)
     )
 
 
