@@ -102,3 +102,31 @@ def test_the_help_page_lists_every_option_once_with_its_help(jax_started, pytest
     end = lines.index("", start)
     page = " ".join(" ".join(lines[start:end]).split())
     assert page == " ".join(f"{invocation} {text}" for invocation, text in HELP)
+
+
+@pytest.mark.parametrize("dest", [d for d in OPTIONS if d != "posttrain_devices"])
+def test_an_option_whose_dest_another_plugin_took_is_refused_not_shared(
+    jax_started, pytester, dest
+):
+    """Each option's dest is pytest's from its flag, so a plugin registered earlier with an
+    option of that dest stops the session (the harness plugin fails to load) instead of the
+    two sharing one value. Skipped on a pytest that checks no dests."""
+    pytester.makepyfile(
+        probe="def pytest_addoption(parser):\n"
+        "    parser.addoption('--probe-a', dest='probe_b')\n    parser.addoption('--probe-b')\n"
+    )
+    pytester.syspathinsert()
+    try:
+        pytester.parseconfig("-p", "probe")
+    except ValueError:
+        pass
+    else:
+        pytest.skip("this pytest lets a derived dest share another option's")
+    pytester.makepyfile(
+        taker=f"def pytest_addoption(parser):\n    parser.addoption('--taker', dest={dest!r})\n"
+    )
+    with pytest.raises(Exception) as refused:
+        pytester.parseconfig("-p", "taker")
+    cause = refused.value.__cause__
+    assert isinstance(cause, ValueError), refused.value
+    assert str(cause).startswith(f"option dest '{dest}' already used by ['--taker']"), cause

@@ -27,27 +27,28 @@ MARKERS: tuple[str, ...] = (
 
 
 def add_options(parser: pytest.Parser) -> None:
-    """The plugin's options, in the group ``posttrain-harness`` (its ``pytest_addoption``)."""
+    """The plugin's options, in the group ``posttrain-harness`` (its ``pytest_addoption``).
+
+    Each dest is the one pytest derives from the flag (``--strict-skips``: ``strict_skips``;
+    pytest 9 then refuses another plugin's option of that dest instead of sharing it), but
+    ``--devices``'s ``posttrain_devices``; unset, an option is argparse's ``None`` (a
+    switch ``False``) unless it names a default."""
     group = parser.getgroup("posttrain-harness")
     group.addoption(
         "--devices",
         dest="posttrain_devices",
         metavar="N|real",
-        default=None,
         help=f"N fake CPU devices, or 'real' for the real accelerators "
         f"(default: ${_devices.ENV_VAR} or {_devices.DEFAULT_DEVICES})",
     )
     group.addoption(
         "--strict-skips",
-        dest="strict_skips",
         action="store_true",
-        default=False,
         help="fail, instead of skipping, a test whose devices(n) marker asks for more "
         "devices than exist (the gate sets this)",
     )
     group.addoption(
         "--upstream-deprecations",
-        dest="upstream_deprecations",
         choices=("error", "record"),
         default="error",
         help="'record': a deprecation raised from upstream code is shown, not raised, and "
@@ -57,17 +58,13 @@ def add_options(parser: pytest.Parser) -> None:
     _add_chip_options(group)
     group.addoption(
         "--conventions",
-        dest="conventions",
         metavar="NAME,...",
-        default=None,
         help="keep only the tests marked convention(NAME) for these names, and the "
         "unmarked ones when 'installed' is among them (default: every test)",
     )
     group.addoption(
         "--contract",
-        dest="contract",
         metavar="NAME",
-        default=None,
         help="keep only the tests marked contract(NAME) (a matrix column; bisect runs one)",
     )
 
@@ -77,15 +74,12 @@ def _add_chip_options(group) -> None:
     chip's precision emulated on the CPU."""
     group.addoption(
         "--require-backend",
-        dest="require_backend",
         metavar="NAME",
-        default=None,
         help="fail the session unless JAX's backend is NAME (tox -e tpu: tpu), instead "
         "of running the suites on whatever came up",
     )
     group.addoption(
         "--host-tests",
-        dest="host_tests",
         choices=("auto", "run", "skip"),
         default="auto",
         help="tests marked host: 'auto' (default) leaves them out on a real accelerator "
@@ -94,9 +88,7 @@ def _add_chip_options(group) -> None:
     )
     group.addoption(
         "--emulate-chip-precision",
-        dest="emulate_chip_precision",
         action="store_true",
-        default=False,
         help="multiply float32 at the default precision as a TPU does (one bfloat16 pass): "
         "finds the float32 comparisons that need matmul_precision, without a TPU",
     )
