@@ -121,6 +121,40 @@ def test_the_host_init_runs_inside_an_accelerator_mesh_context():
     assert {d for x in jax.tree.leaves(nnx.state(hosted)) for d in x.devices()} == set(others)
 
 
+def _placed_on(model) -> set:
+    return {d for x in jax.tree.leaves(nnx.state(model)) for d in x.devices()}
+
+
+@pytest.mark.devices(2)
+def test_the_host_path_inits_on_the_first_cpu_and_places_on_the_backends_first(monkeypatch):
+    """With the CPU's devices in reverse standing in for an accelerator's (the default
+    backend's), the host path initialises on the host's first CPU device and places a model
+    built without a mesh on the accelerator's first device."""
+    cpu = jax.devices("cpu")
+    accelerator = cpu[::-1]
+    devices = jax.devices
+    monkeypatch.setattr(
+        jax, "devices", lambda backend=None: accelerator if backend is None else devices(backend)
+    )
+    initialised_on = []
+    initializer = params._initializer
+
+    def watched(cfg):
+        init = initializer(cfg)
+
+        def run(key):
+            model = init(key)
+            initialised_on.append(_placed_on(model))
+            return model
+
+        return run
+
+    monkeypatch.setattr(params, "_initializer", watched)
+    model = build_model(get_config("qwen3-tiny"), host_init=True)
+    assert initialised_on == [{cpu[0]}]
+    assert _placed_on(model) == {accelerator[0]}
+
+
 def _kv_heads_over(axis: str) -> sharding.Rules:
     return tuple((n, (axis,) if n == "kv_heads" else a) for n, a in sharding.DEFAULT_RULES)
 
