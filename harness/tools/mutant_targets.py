@@ -1,6 +1,6 @@
 """What mutation testing mutates, and with which tests: :data:`TARGETS` (module -> its
-test selection; the harness's own modules' from :mod:`harness.tools.harness_targets`) and
-:data:`FUNCTIONS` (the functions mutated where not all are), read by
+test selection; the harness's own modules' from :mod:`harness.tools.harness_targets`; the
+functions mutated where not all are: :mod:`harness.tools.mutant_functions`), read by
 :mod:`harness.tools.mutants` and kept in step with the weekly workflow's mutants jobs
 (``.github/workflows/matrix.yml``, checked by tests/test_mutants.py).
 """
@@ -374,28 +374,4 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/xla_flags.py": ["tests/test_xla_flags.py"],
     "src/posttrain/training/stops.py": ["tests/test_disk_full.py", "tests/test_signals.py"],
     **HARNESS_TARGETS,  # the harness's own modules, after the library's
-}
-# module -> the functions mutated, by mutmut's names
-# (:func:`harness.tools.mutant_sources.function_names`); a module
-# not listed has every function mutated, and ``--functions`` overrides either.
-# ``xǁClassǁmethod`` names a method, ``x_name`` a module-level function (mutmut's
-# mangling). mutmut 3 leaves decorated functions alone (the step's
-# ``create_train_step_fn`` is ``@override``), except those
-# :func:`harness.tools.mutant_sources.undecorate` frees
-# (metrics.py's ``all_finite``, ``@jax.jit``).
-FUNCTIONS: dict[str, tuple[str, ...]] = {
-    # the load-balancing weight the step reads, not the trainer's Tunix plumbing (saves,
-    # placement, closing); the step itself (objective, gradients, the update or skip, the
-    # logged terms) is training/step.py, every function of it
-    "src/posttrain/training/trainer.py": ("x_default_moe_aux_loss_weight",),
-    # what #55 added or changed (the checkpoint fill-in for old releases has its own tests)
-    "src/posttrain/training/tunix_compat.py": (
-        "x__is_train_step_assign",
-        "x__call_name",
-        "x__donated",
-        "x__bound_attributes",
-        "x_detect_from_source",
-        "x_donated_by",
-        "x_bind_like",
-    ),
 }

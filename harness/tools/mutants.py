@@ -36,13 +36,14 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+from harness.tools.mutant_functions import FUNCTIONS
 from harness.tools.mutant_sources import (  # noqa: F401 (TRANSFORMS: tools read it here)
     TRANSFORMS,
     function_names,
     mutant_patterns,
     undecorate,
 )
-from harness.tools.mutant_targets import FUNCTIONS, TARGETS
+from harness.tools.mutant_targets import TARGETS
 from posttrain import atomic
 
 # the gate's tier, and this module as a plugin (the stats phase's cache clearing)
