@@ -196,10 +196,11 @@ class PeftRunOptions(RunOptions):
             self.bad("remat", " or ".join(choices(RematPolicy)))
         if self.attention_kernel not in choices(AttentionKernel):
             self.bad("attention_kernel", " or ".join(choices(AttentionKernelChoice)))
-        from posttrain.layers.splash import check_backend  # imports JAX
+        if self.attention_kernel == "splash":  # only it asks the backend, which imports JAX
+            from posttrain.layers.splash import check_backend
 
-        flag = flag_of(type(self), "attention_kernel")
-        check_backend(self.attention_kernel, f"{flag} {self.attention_kernel}")
+            flag = flag_of(type(self), "attention_kernel")
+            check_backend(self.attention_kernel, f"{flag} {self.attention_kernel}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
