@@ -17,6 +17,10 @@ import pytest
 from posttrain.plan import PlanOptions, measure, report, topology
 
 RECORDS = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e.json").read_text())
+#: records of the donated, chunked-loss step (8f56218, e7dfbd5 and later): the plan is
+#: outside the bounds below on them, an open gap of issue 54 held here as a strict xfail
+#: (the test must start failing the xfail, and the record move up, once the plan agrees)
+DONATED = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e_donated.json").read_text())
 FIGURE_FIELDS = [f.name for f in dataclasses.fields(report.Figures)]
 # the issue's bounds: the peak within 5% of the chip's, the MFU within 15% of the chip's
 PEAK_ERROR, MFU_ERROR = 0.05, 0.15
@@ -26,8 +30,19 @@ def _figures(record: dict) -> report.Figures:
     return report.Figures(**{k: record[k] for k in FIGURE_FIELDS})
 
 
+def _case(record: dict, marks=()):
+    return pytest.param(record, id=record["command"].split("--run-steps 5 ")[1], marks=marks)
+
+
+GAP = pytest.mark.xfail(
+    strict=True,
+    reason="issue 54: on the donated step the chip holds ~0.8 of the compiled temporaries "
+    "(plan +20% on the peak) and runs slower than the roofline estimate (MFU +55%)",
+)
+
+
 @pytest.mark.parametrize(
-    "record", RECORDS, ids=[r["command"].split("--run-steps 5 ")[1] for r in RECORDS]
+    "record", [_case(r) for r in RECORDS] + [_case(r, GAP) for r in DONATED]
 )
 def test_the_plan_agrees_with_the_steps_a_v5e_ran(record):
     """On each configuration the chip ran: the floor at or below the measured step, the
@@ -42,6 +57,15 @@ def test_the_plan_agrees_with_the_steps_a_v5e_ran(record):
     assert abs(verdict.mfu - mfu) <= MFU_ERROR * mfu, (verdict.mfu, mfu)
     assert abs(figures.peak - measured["peak_bytes"]) <= PEAK_ERROR * measured["peak_bytes"]
     assert v5e.hbm_bytes == measured["bytes_limit"]
+
+
+@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED])
+def test_the_floor_is_at_or_below_every_step_the_chip_ran(record):
+    """The floor holds where the estimate does not: the donated step too (splash attention,
+    remat save_dots), and the chip gave the runtime the v5e table's HBM."""
+    v5e = topology.get(record["topology"])
+    assert report.judge(_figures(record), v5e).floor_seconds <= record["measured"]["step_seconds"]
+    assert record["measured"]["bytes_limit"] == v5e.hbm_bytes
 
 
 def test_the_old_roofline_was_no_floor_on_the_chip():
