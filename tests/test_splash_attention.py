@@ -106,21 +106,42 @@ def _leaves(result):
     return [("logits", logits)] + [(f"grad {i}", g) for i, g in enumerate(grads)]
 
 
+def _host_reference(cfg, mask, valid, batch):
+    """The XLA path in float32 on the host's CPU (exact float32 products and sums), when
+    the tests run on an accelerator; None on the CPU, where ``want`` is already that.
+
+    On a TPU at ``highest`` precision both paths still round (the chip's float32 matmul
+    passes, its exp): the splash gradients there were 2-2.6x FP32_TOL from the chip's XLA
+    ones (lent v5e, 2026-12-06, qwen3 padding and gpt_oss packed). The truth both approximate
+    is the host's; splash on the chip must be as close to it as the chip's XLA path is."""
+    if jax.default_backend() == "cpu":
+        return None
+    with jax.default_device(jax.devices("cpu")[0]):
+        return _logits_grads(cfg, mask, valid, batch)
+
+
 def _check_equal(preset, case, dtype, batch=4):
     cfg = get_config(preset)
     mask, valid = (None, np.ones((batch, SEQ), bool)) if case == "causal" else MASKS[case](batch)
     want = _logits_grads(cfg, mask, valid, batch)
+    host = _host_reference(cfg, mask, valid, batch) if dtype == "float32" else None
     splash_cfg = cfg.replace(attention_kernel="splash_interpret", dtype=dtype)
     got = _logits_grads(splash_cfg, mask, valid, batch)
     xla = (
         _logits_grads(cfg.replace(dtype=dtype), mask, valid, batch) if dtype != "float32" else want
     )
     grad_scale = max(float(np.max(np.abs(g))) for g in want[1])
-    for (name, w), (_, g), (_, x) in zip(_leaves(want), _leaves(got), _leaves(xla), strict=True):
+    hosts = _leaves(host) if host is not None else [(None, None)] * len(_leaves(want))
+    for (name, w), (_, g), (_, x), (_, h) in zip(
+        _leaves(want), _leaves(got), _leaves(xla), hosts, strict=True
+    ):
         scale = max(float(np.max(np.abs(w))), 1e-30)
         err = float(np.max(np.abs(g - w)))
         if dtype == "float32":
             bound = FP32_TOL * (scale if name == "logits" else grad_scale)
+            if h is not None:  # on an accelerator: both against the host's float32
+                err = float(np.max(np.abs(g - h)))
+                bound = max(bound, BF16_FACTOR * float(np.max(np.abs(w - h))))
         else:
             bound = BF16_FACTOR * float(np.max(np.abs(x - w))) + BF16_SLACK * scale
         assert err <= bound, f"{preset} {case} {dtype} {name}: {err:.3g} > {bound:.3g}"
