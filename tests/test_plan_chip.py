@@ -41,9 +41,7 @@ GAP = pytest.mark.xfail(
 )
 
 
-@pytest.mark.parametrize(
-    "record", [_case(r) for r in RECORDS] + [_case(r, GAP) for r in DONATED]
-)
+@pytest.mark.parametrize("record", [_case(r) for r in RECORDS] + [_case(r, GAP) for r in DONATED])
 def test_the_plan_agrees_with_the_steps_a_v5e_ran(record):
     """On each configuration the chip ran: the floor at or below the measured step, the
     estimated MFU within 15% of the measured one, the peak within 5% of the chip's
