@@ -1367,6 +1367,10 @@ ELSEWHERE: dict[str, dict[str, str]] = {
     | _referred(
         "tests/test_plan.py::test_a_splash_plan_compiles_the_mosaic_kernel_for_a_v5e_deviceless",
         "attention_kernel",
+    )
+    | _referred(
+        "tests/test_plan_profile.py::test_the_profile_option_lands_in_the_run_of_the_planned_program",
+        "profile_dir",
     ),
 }
 

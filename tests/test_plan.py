@@ -234,10 +234,13 @@ INT32 = 2**31 - 1
          f"tokens per row: seq={INT32 - 10} + new_tokens=100 = 2147483737; expected at most"),
         (["--seq", "2000000000"], "seq=2000000000 (--seq): the attention scores"),
         (["--batch", "2000000000", "--seq", "2000000"], "the logits [batch=2000000000, "),
+        (["--profile", "prof"], "profile_dir='prof' traces the steps after the first: it "
+         "needs run_steps >= 2, got 0"),
+        (["--profile", "prof", "--run-steps", "1"], "needs run_steps >= 2, got 1"),
     ],
     ids=["dpo-extrapolate", "mesh", "json-directory", "mesh-empty", "rollout-mesh-empty",
          "json-empty", "mesh-twice", "mesh-negative", "mesh-zero", "seq-int32", "batch-int32",
-         "tokens-per-row", "scores-bytes", "logits-bytes"],
+         "tokens-per-row", "scores-bytes", "logits-bytes", "profile-no-run", "profile-one-step"],
 )  # fmt: skip
 def test_cli_refuses_bad_input_with_one_line_before_compiling(flags, message, capsys, no_compile):
     """``posttrain plan`` is a COMMANDS row: its options' errors are one line, exit 2,

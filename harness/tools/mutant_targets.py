@@ -225,9 +225,20 @@ TARGETS: dict[str, list[str]] = {
     ],
     # --run-steps: the checks of the chips and a real run of a tiny step on the CPU
     "src/posttrain/plan/measure.py": ["tests/test_plan_chip.py", "tests/test_plan_measure.py"],
+    "src/posttrain/plan/profile.py": ["tests/test_plan_profile.py"],
     "src/posttrain/models/params.py": [
         "tests/test_model_host_init.py",
         "tests/test_loaders.py",
+    ],
+    # #58's split of decoder.py: each layer type's RoPE tables and mask, with and without
+    # a cache: the sliding-window families against HF, the cached decode (past the window)
+    # against the full forward, splash's mask against the XLA path, images seen both ways
+    "src/posttrain/models/layer_inputs.py": [
+        "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
+        "tests/test_generate.py::test_incremental_decoding_equals_the_full_forward",
+        "tests/test_generate.py::test_a_cached_prefill_longer_than_the_window_then_decoding",
+        "tests/test_splash_attention.py",
+        "tests/test_vision_bidirectional.py",
     ],
     "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     # #55: the remat x batch search, against fake planners (and one real v5e search)

@@ -34,6 +34,12 @@ def run(options: PlanOptions) -> int:
         topo = topology.get(options.topology)
         print(report.against_the_chip(result.figures, result.verdict, measured, topo))
         record["measured"] = dataclasses.asdict(measured)
+        if options.profile_dir is not None and measured.fits:
+            from posttrain.plan import profile
+
+            found = profile.read(options.profile_dir, measured.steps - 1)
+            print(profile.table(found, measured.step_seconds))
+            record["profile"] = profile.record(found)
     if options.json_path is not None:
         report.write_json(options.json_path, [record])
     if not result.verdict.fits:

@@ -23,6 +23,7 @@ measurement too (``fits`` false), the plan's refusal checked against the chip's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.plan import report
+from posttrain.plan import profile, report
 
 #: ``Device.device_kind`` of each chip generation, as the TPU runtime names it
 DEVICE_KINDS: dict[str, tuple[str, ...]] = {
@@ -136,10 +137,11 @@ def memory_peak(devices) -> tuple[int, int]:
     return max(peaks, default=0), min(limits, default=0)
 
 
-def run_program(program, steps: int, devices) -> Measured:
+def run_program(program, steps: int, devices, profile_dir: str | None = None) -> Measured:
     """Compiles ``program`` (:class:`posttrain.plan.steps.Program`) on its concrete
     arguments and runs that executable ``steps`` times; each step timed until its results
-    are ready, the first from before the compile.
+    are ready, the first from before the compile. With ``profile_dir``, the steps after
+    the first run under :func:`posttrain.plan.profile.capture` into it.
 
     Raises:
       ValueError: ``steps`` < 1.
@@ -153,11 +155,14 @@ def run_program(program, steps: int, devices) -> Measured:
         # the steps run this executable: its memory analysis is the program the chips ran
         executable = program.jitted.lower(*args, **program.kwargs).compile()
         memory = report.memory_of(executable)
-        for _ in range(steps):
-            jax.block_until_ready(executable(*args, **program.kwargs))
-            done = time.perf_counter()
-            seconds.append(done - start)
-            start = done
+        with contextlib.ExitStack() as tracing:
+            for index in range(steps):
+                if index == 1 and profile_dir is not None:  # the steps after the compile
+                    tracing.enter_context(profile.capture(profile_dir))
+                jax.block_until_ready(executable(*args, **program.kwargs))
+                done = time.perf_counter()
+                seconds.append(done - start)
+                start = done
     except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED when it does not fit
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -201,4 +206,4 @@ def measure(options) -> Measured:
     _, programs, mesh = build_programs(options, topo)
     program = programs[main_stage(programs)]
     with sharding.use_mesh(mesh, sharding.DEFAULT_RULES, jax_context=False):
-        return run_program(program, options.run_steps, devices)
+        return run_program(program, options.run_steps, devices, options.profile_dir)

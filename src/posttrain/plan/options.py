@@ -120,6 +120,12 @@ class PlanOptions:
         "measured beside predicted",
         show_default=False,
     )
+    profile_dir: str | None = option(
+        None,
+        "with --run-steps N >= 2: trace the steps after the first into this directory and "
+        "print the ops that took the chip's time",
+        flag="--profile",
+    )
     search: bool = option(
         False,
         "plan each remat policy x per-device batch (1, 2, 4, ...) and print the fastest "
@@ -164,6 +170,11 @@ class PlanOptions:
         if self.run_steps and self.workflow != "sft":
             raise ValueError(
                 f"run_steps measures the sft step; workflow={self.workflow!r} is planned only"
+            )
+        if self.profile_dir is not None and self.run_steps < 2:
+            raise ValueError(
+                f"profile_dir={self.profile_dir!r} traces the steps after the first: it needs "
+                f"run_steps >= 2, got {self.run_steps}"
             )
         if self.run_steps and self.extrapolate:
             raise ValueError("run_steps runs the full depth: drop --extrapolate")
