@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import pytest
 
 from posttrain.plan import measure, profile
+from tests.test_plan_chip import _Program
 
 
 def _trace(events: list[dict]) -> dict:
@@ -150,27 +151,6 @@ def test_the_cpus_real_trace_is_written_and_refused_for_having_no_device_ops(tmp
         profile.read(tmp_path, 1)
 
 
-class _Step:
-    """run_program's program: a jitted function whose steps count their calls."""
-
-    def __init__(self):
-        self.calls, self.args, self.kwargs = 0, (), {}
-        self.jitted = self
-
-    def lower(self, *args, **kwargs):
-        return self
-
-    def compile(self):
-        return self
-
-    def memory_analysis(self):
-        return None
-
-    def __call__(self):
-        self.calls += 1
-        return jnp.ones(())
-
-
 @pytest.mark.parametrize("profile_dir", [None, "trace-here"])
 def test_the_trace_covers_the_steps_after_the_first(monkeypatch, profile_dir):
     """--profile: the capture opens after the first step (the compile) and closes after
@@ -184,7 +164,7 @@ def test_the_trace_covers_the_steps_after_the_first(monkeypatch, profile_dir):
         seen.append(("close", log_dir, step.calls))
 
     monkeypatch.setattr(profile, "capture", capture)
-    step = _Step()
+    step = _Program(0, "")  # never fails
     ran = measure.run_program(step, 4, [], profile_dir)
     assert ran.steps == 4 and step.calls == 4
     expected = [("open", profile_dir, 1), ("close", profile_dir, 4)] if profile_dir else []
