@@ -5,7 +5,9 @@ models, 2 for GPT-OSS and the tiny Gemma 4). Unscanned, ``layers.{i}`` holds
 layer i. Scanned, ``blocks.{p}`` holds layers p, p + P, p + 2P ... stacked on a
 leading axis of size L / P (logical axis ``layers``), and one scan step runs one
 period of layers in order. :func:`stack_layers` / :func:`unstack_layers`
-convert between the two parameter layouts.
+convert between the two parameter layouts. What each layer is given beside its
+hidden states (per layer type, RoPE tables and the attention mask: causal, window,
+packing, images, splash, cache slots) is :mod:`posttrain.models.layer_inputs`'s.
 
 Each layer runs through ``nnx.split`` / ``nnx.merge`` around a pure function,
 so remat (``jax.checkpoint``) and scan are plain JAX transforms: no NNX
@@ -32,14 +34,12 @@ from flax import nnx
 from posttrain import _compat, sharding
 from posttrain.config import ModelConfig
 from posttrain.layers import kv_cache
-from posttrain.layers.attention import attention_mask
 from posttrain.layers.embeddings import Embed
 from posttrain.layers.norms import RMSNorm
-from posttrain.layers.rope import rope_tables
-from posttrain.layers.splash import splash_mask
-from posttrain.layers.vision import block_overlay
+from posttrain.layers.splash import check_backend
 from posttrain.models import taps
 from posttrain.models.decoder_layer import DecoderLayer
+from posttrain.models.layer_inputs import cached_layer_inputs, layer_inputs
 
 VISION_PREFIX = "vision_tower."
 """Flat names of ``CausalLM.vision_tower``'s params: its ``layers.{v}`` are never stacked."""
@@ -138,6 +138,7 @@ class Decoder(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        check_backend(cfg.attention_kernel)  # splash off a TPU: refused at build, once
         self.cfg = cfg
         dtype, param_dtype = _compat.module_dtypes(cfg)
         self.embed_tokens = Embed(
@@ -167,21 +168,9 @@ class Decoder(nnx.Module):
         )
 
     def _tables(self, positions, padding_mask, blocks=None):
-        """cos/sin and mask per layer type present (``blocks``: see :meth:`__call__`)."""
-        batch, seq = positions.shape
-        out = {}
-        for t in sorted(set(self.cfg.layer_types)):
-            attn = self.cfg.attention[t]
-            cos, sin = rope_tables(positions, attn.rope, attn.head_dim)
-            window = attn.sliding_window if t == "sliding" else None
-            mask = attention_mask(batch, seq, padding_mask, window)
-            if blocks is not None:
-                mask |= block_overlay(blocks, blocks)  # [B, T, T]
-            elif (kernel := self.cfg.attention_kernel) != "xla":  # segment ids before the window
-                causal = attention_mask(batch, seq, padding_mask, None)
-                mask = splash_mask(causal, mask, window, kernel)
-            out[t] = (cos, sin, mask)
-        return out
+        """cos/sin and mask per layer type present (:func:`layer_inputs`; ``blocks``: see
+        :meth:`__call__`)."""
+        return layer_inputs(self.cfg, positions, padding_mask, blocks)
 
     def _call_unrolled(self, x, tables):
         """The layers as plain module calls (see :func:`unrolled_layers`)."""
@@ -229,22 +218,10 @@ class Decoder(nnx.Module):
         ``blocks`` ``[B, T]`` (:meth:`__call__`) open each image's slots written by this
         call."""
         cfg = self.cfg
-        batch, tokens = positions.shape
         first = next(iter(cache.values()))["end_index"]
         end = first[0] if first.ndim == 1 else first[0, 0]  # scanned: [L/P, B]
         size = next(iter(cache.values()))["k"].shape[-3]
-        if blocks is not None:  # the slots this call writes hold its tokens' blocks
-            slots = (end + jnp.arange(tokens)) % size  # [T]
-            slot_blocks = jnp.full((batch, size), -1, jnp.int32).at[:, slots].set(blocks)
-        tables = {}
-        for t in sorted(set(cfg.layer_types)):
-            attn = cfg.attention[t]
-            cos, sin = rope_tables(positions, attn.rope, attn.head_dim)
-            window = attn.sliding_window if t == "sliding" else None
-            allowed = kv_cache.slot_mask(end % size, tokens, size, mask, batch, window)
-            if blocks is not None:
-                allowed |= block_overlay(blocks, slot_blocks)  # [B, T, S]
-            tables[t] = (cos, sin, allowed)
+        tables = cached_layer_inputs(cfg, positions, mask, blocks, end, size)
         aux = jnp.zeros((), jnp.float32)
         new = {}
         if not cfg.scan_layers:

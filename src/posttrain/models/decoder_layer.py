@@ -24,7 +24,6 @@ from posttrain.layers.attention import Attention
 from posttrain.layers.mlp import MLP
 from posttrain.layers.moe import MoEBlock
 from posttrain.layers.norms import RMSNorm
-from posttrain.layers.splash import check_backend
 from posttrain.models.taps import AttentionOutput, LayerOutput
 
 
@@ -36,7 +35,6 @@ class DecoderLayer(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_type: str, *, rngs: nnx.Rngs):
-        check_backend(cfg.attention_kernel)  # splash off a TPU: refused at build
         dtype, param_dtype = _compat.module_dtypes(cfg)
         self.sandwich = cfg.sandwich_norm
         self.has_dense_and_moe = cfg.dense_mlp_with_moe
@@ -55,7 +53,7 @@ class DecoderLayer(nnx.Module):
             rngs=rngs,
             dtype=dtype,
             param_dtype=param_dtype,
-            # images seen bidirectionally open keys after a query (Decoder._tables)
+            # images seen bidirectionally open keys after a query (models.layer_inputs)
             causal=cfg.vision is None or not cfg.vision.bidirectional,
         )
         self.post_attention_layernorm = norm()
