@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.tools import docs_figures
+
 ROOT = Path(__file__).resolve().parents[2]
 NO_RUN = "<!-- no-run -->"
 SET_UP = "<!-- set-up -->"
@@ -275,8 +277,6 @@ def _run_copy(args: argparse.Namespace) -> tuple[dict[str, str], list[Result], l
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.tools.docs_figures import FIGURES, check_figures  # the figures' table
-
     parser = argparse.ArgumentParser(prog="python -m harness.tools.docs_run", description=__doc__)
     parser.add_argument("--page", action="append", help="run only these pages (README.md first)")
     parser.add_argument("--ref", help="run a commit's tree (default: the working tree's files)")
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             texts, results, left = _run_copy(args)
         except ValueError as e:  # a marker out of place: nothing was run
             parser.error(str(e))
-    checks = check_figures(texts, results, FIGURES)
+    checks = docs_figures.check_figures(texts, results, docs_figures.FIGURES)
     for check in checks:
         print(check.line())
     failed = [r for r in results if r.failed()]

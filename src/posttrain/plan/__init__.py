@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from posttrain.plan import compile as plan_compile
+from posttrain.plan import depth, report, sizes, topology
 from posttrain.plan.compile import DoesNotFit
-from posttrain.plan.options import PlanOptions
+from posttrain.plan.options import PlanOptions, planned_config
 from posttrain.plan.report import Figures, Verdict
 from posttrain.plan.topology import get as get_topology
 
@@ -47,16 +49,12 @@ class Plan:
     stages: dict = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
-        from posttrain.plan import report, topology
-
         topo = topology.get(self.options.topology)
         if len(self.stages) > 1:
             return report.stages_table(self.what, topo, self.stages, self.verdict)
         return report.table(self.what, topo, self.figures, self.verdict)
 
     def record(self) -> dict:
-        from posttrain.plan import report, topology
-
         topo = topology.get(self.options.topology)
         stages = {
             name: {**dataclasses.asdict(f), "peak_bytes": f.peak} for name, f in self.stages.items()
@@ -85,17 +83,13 @@ def plan(options: PlanOptions) -> Plan:
         model the others do not divide (one line).
       DoesNotFit: the compiler itself rejected the program for lack of memory.
     """
-    from posttrain.plan import depth, report, sizes, topology
-    from posttrain.plan.compile import compile_stages, main_stage, planned_batch
-    from posttrain.plan.options import planned_config
-
     options.check()
-    sizes.check(options, planned_config(options), planned_batch(options))
+    sizes.check(options, planned_config(options), plan_compile.planned_batch(options))
     if options.extrapolate:
         what, stages = depth.extrapolated_figures(options)
     else:
-        what, stages = compile_stages(options)
+        what, stages = plan_compile.compile_stages(options)
     if options.scan_layers and not options.extrapolate:
         stages = depth.with_unscanned_costs(options, stages)
     verdict = report.judge_stages(stages, topology.get(options.topology))
-    return Plan(what, options, stages[main_stage(stages)], verdict, stages)
+    return Plan(what, options, stages[plan_compile.main_stage(stages)], verdict, stages)

@@ -7,15 +7,15 @@ one line on stderr when it does not (bad input was refused before: one line, exi
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
+from posttrain.plan import DoesNotFit, plan, report, search, topology
 from posttrain.plan.options import PlanOptions
 
 
 def run(options: PlanOptions) -> int:
     """Runs ``posttrain plan``; returns the exit status (0 fits, 1 does not)."""
-    from posttrain.plan import DoesNotFit, plan, report, topology
-
     if options.search:
         return run_search(options)
     try:
@@ -26,8 +26,6 @@ def run(options: PlanOptions) -> int:
     print(result.table())
     record = result.record()
     if options.run_steps:
-        import dataclasses
-
         from posttrain.plan import measure
 
         measured = measure.measure(options)
@@ -59,10 +57,6 @@ def run_search(options: PlanOptions) -> int:
     """``posttrain plan --search``: the table of candidates and the fastest that fits
     (:mod:`posttrain.plan.search`); with ``--run-steps`` the fastest is then run on the
     chip. Returns 0 when one fits, 1 (one line on stderr) when none does."""
-    import dataclasses
-
-    from posttrain.plan import search
-
     options.check()
     found = search.search(options)
     print(search.table(found, search.tokens_per_row(options)))

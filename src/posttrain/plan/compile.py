@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from posttrain.plan.options import PlanOptions
+from posttrain.plan import report, topology
+from posttrain.plan.options import PlanOptions, check_output, planned_config
 from posttrain.plan.report import Figures
 
 
@@ -35,9 +37,6 @@ def compile_stages(options: PlanOptions) -> tuple[str, dict[str, Figures]]:
       ValueError: a mesh, batch or model the others do not divide (one line).
       DoesNotFit: the compiler refused a program for lack of memory.
     """
-    from posttrain.plan import report, topology
-    from posttrain.plan.options import check_output
-
     check_output(options.json_path)
     topo = topology.get(options.topology)
     what, programs, mesh = build_programs(options, topo)
@@ -55,7 +54,6 @@ def build_programs(options: PlanOptions, topo) -> tuple[str, dict, object]:
     the abstract model."""
     from posttrain import sharding
     from posttrain.plan import abstract, steps, workflows
-    from posttrain.plan.options import planned_config
 
     cfg = planned_config(options)
     devices = plan_devices(options, topo)
@@ -119,7 +117,6 @@ def planned_batch(options: PlanOptions) -> int:
     mesh's data-parallel size (every chip on ``fsdp`` without ``--mesh``), known before
     any device is made."""
     from posttrain import sharding
-    from posttrain.plan import topology
 
     mesh = options.mesh or {"fsdp": topology.get(options.topology).chips}
     return options.batch or options.per_device_batch_size * sharding.data_parallel_size(mesh)
@@ -128,7 +125,7 @@ def planned_batch(options: PlanOptions) -> int:
 def plan_devices(options: PlanOptions, topo) -> list:
     """The devices a plan compiles for: libtpu's deviceless ones, or with ``run_steps`` this
     process's chips, which the program will run on (:mod:`posttrain.plan.measure`)."""
-    from posttrain.plan import measure, topology
+    from posttrain.plan import measure
 
     return measure.chip_devices(topo) if options.run_steps else topology.devices(topo)
 
@@ -140,10 +137,7 @@ def _compile(program, mesh, what: str, topo, advice: str) -> Figures:
       DoesNotFit: the compiler refused it for lack of memory (``what`` names it, and
         ``advice`` what to try).
     """
-    import dataclasses
-
     from posttrain import _compat, sharding
-    from posttrain.plan import report
 
     start = time.perf_counter()
     try:

@@ -32,7 +32,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.plan import profile, report
+from posttrain import sharding
+from posttrain.plan import compile as plan_compile
+from posttrain.plan import profile, report, topology
 
 #: ``Device.device_kind`` of each chip generation, as the TPU runtime names it
 DEVICE_KINDS: dict[str, tuple[str, ...]] = {
@@ -197,13 +199,9 @@ def measure(options) -> Measured:
     Raises:
       ValueError: the devices here are not the topology's (:func:`chip_devices`).
     """
-    from posttrain import sharding
-    from posttrain.plan import topology
-    from posttrain.plan.compile import build_programs, main_stage
-
     topo = topology.get(options.topology)
     devices = chip_devices(topo)
-    _, programs, mesh = build_programs(options, topo)
-    program = programs[main_stage(programs)]
+    _, programs, mesh = plan_compile.build_programs(options, topo)
+    program = programs[plan_compile.main_stage(programs)]
     with sharding.use_mesh(mesh, sharding.DEFAULT_RULES, jax_context=False):
         return run_program(program, options.run_steps, devices, options.profile_dir)

@@ -7,6 +7,7 @@ import pathlib
 from typing import Literal
 
 from posttrain.config import AttentionKernelChoice, ModelConfig, RematPolicy, choices
+from posttrain.conversion.errors import read_json_object
 from posttrain.flags import option
 
 Workflow = Literal["sft", "dpo", "grpo", "generate"]
@@ -165,19 +166,7 @@ class PlanOptions:
             raise ValueError(
                 f"search varies the per-device batch; batch={self.batch} fixes it: drop --batch"
             )
-        if self.run_steps < 0:
-            raise ValueError(f"run_steps={self.run_steps} must be >= 0")
-        if self.run_steps and self.workflow != "sft":
-            raise ValueError(
-                f"run_steps measures the sft step; workflow={self.workflow!r} is planned only"
-            )
-        if self.profile_dir is not None and self.run_steps < 2:
-            raise ValueError(
-                f"profile_dir={self.profile_dir!r} traces the steps after the first: it needs "
-                f"run_steps >= 2, got {self.run_steps}"
-            )
-        if self.run_steps and self.extrapolate:
-            raise ValueError("run_steps runs the full depth: drop --extrapolate")
+        self.check_run_steps()
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank} must be >= 0")
         if self.qlora and not self.lora_rank:
@@ -201,6 +190,28 @@ class PlanOptions:
             raise ValueError(f"num_iterations is GRPO's; workflow={self.workflow!r}")
         check_output(self.json_path)
 
+    def check_run_steps(self) -> None:
+        """Refuses ``run_steps`` (and ``profile_dir``) where they cannot run: negative, on
+        a workflow other than SFT, with ``extrapolate``, a profile without a step after
+        the first.
+
+        Raises:
+          ValueError: one line naming the value and what was expected.
+        """
+        if self.run_steps < 0:
+            raise ValueError(f"run_steps={self.run_steps} must be >= 0")
+        if self.run_steps and self.workflow != "sft":
+            raise ValueError(
+                f"run_steps measures the sft step; workflow={self.workflow!r} is planned only"
+            )
+        if self.profile_dir is not None and self.run_steps < 2:
+            raise ValueError(
+                f"profile_dir={self.profile_dir!r} traces the steps after the first: it needs "
+                f"run_steps >= 2, got {self.run_steps}"
+            )
+        if self.run_steps and self.extrapolate:
+            raise ValueError("run_steps runs the full depth: drop --extrapolate")
+
 
 def load_config(spec: str) -> ModelConfig:
     """The ``ModelConfig`` of a preset name or of an HF directory's ``config.json``.
@@ -208,7 +219,6 @@ def load_config(spec: str) -> ModelConfig:
     Raises:
       ValueError: neither a preset nor a directory with a readable ``config.json``.
     """
-    from posttrain.conversion.errors import read_json_object
     from posttrain.conversion.hf_config import from_hf_config
     from posttrain.models import get_config
     from posttrain.models.presets import PRESETS

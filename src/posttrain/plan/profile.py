@@ -24,6 +24,8 @@ import json
 import pathlib
 from collections import defaultdict
 
+import jax
+
 #: the thread of a device's trace whose events are its HLO ops, one event per op run
 OPS_THREAD = "XLA Ops"
 
@@ -66,8 +68,6 @@ class Summary:
 def capture(log_dir: str | pathlib.Path):
     """Traces what runs inside it into ``log_dir``, the device's ops without the host's
     Python events (module docstring)."""
-    import jax
-
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0
     options.host_tracer_level = 0

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 
+from posttrain import atomic
 from posttrain.plan.topology import GIB, Topology
 
 #: what helps a program that does not fit, in the order worth trying
@@ -305,8 +306,6 @@ def record(what: str, topology: Topology, figures: Figures, verdict: Verdict, **
 
 def write_json(path: str | os.PathLike, records: list[dict]) -> None:
     """Writes ``records`` to ``path`` atomically (a partial file never appears)."""
-    from posttrain import atomic
-
     atomic.write_text(path, json.dumps(records, indent=2, sort_keys=True) + "\n")
 
 

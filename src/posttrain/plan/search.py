@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
+from posttrain.plan import plan, topology
 from posttrain.plan.compile import DoesNotFit
 from posttrain.plan.options import PlanOptions
 
@@ -87,8 +88,6 @@ def judge_candidate(options: PlanOptions, plan_fn: Callable) -> Candidate:
 def data_parallel(options: PlanOptions) -> int:
     """Devices that hold different rows: data x fsdp of the plan's mesh (every device on
     fsdp when none is given)."""
-    from posttrain.plan import topology
-
     mesh = options.mesh or {"fsdp": topology.get(options.topology).chips}
     return mesh.get("data", 1) * mesh.get("fsdp", 1)
 
@@ -104,7 +103,7 @@ def search(options: PlanOptions, plan_fn: Callable | None = None) -> list[Candid
       The candidates planned, in search order.
     """
     if plan_fn is None:
-        from posttrain.plan import plan as plan_fn
+        plan_fn = plan
     seen: list[Candidate] = []
     stopped: set[str] = set()
     for candidate in candidates(options):

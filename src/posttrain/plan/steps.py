@@ -31,8 +31,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from posttrain import sharding
+from posttrain import generate, sharding
 from posttrain.config import choices
+from posttrain.layers import kv_cache
 from posttrain.plan import abstract
 from posttrain.plan.options import Optimizer
 from posttrain.training import chunked_loss
@@ -195,9 +196,6 @@ def generate_program(
     Raises:
       ValueError: ``batch`` does not divide by the data-parallel size.
     """
-    from posttrain import generate
-    from posttrain.layers import kv_cache
-
     dp = sharding.data_parallel_size(mesh, rules)
     if batch % dp:
         raise ValueError(f"batch={batch} must divide by the data-parallel size {dp}")

@@ -15,6 +15,7 @@ own rejection of a program that does not fit is the authority at the boundary).
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 
 GIB = 1 << 30
@@ -219,8 +220,6 @@ def devices(topology: Topology) -> list:
             f"topology {topology.name}: compiling for a GPU without one is not supported "
             "(libtpu compiles for TPUs only); run the workflow on the GPU itself"
         )
-    import importlib.util
-
     if importlib.util.find_spec("libtpu") is None:
         raise ModuleNotFoundError(
             "libtpu is not installed: install the tpu extra "
