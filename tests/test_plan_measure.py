@@ -193,3 +193,36 @@ def test_a_compile_refused_for_memory_runs_no_step_and_has_no_analysis():
     refused = measure.run_program(step, 2, [])
     assert step.calls == 0 and refused.steps == 0 and not refused.fits
     assert refused.compiled == {} and refused.error == "RESOURCE_EXHAUSTED: program too large"
+
+
+@pytest.mark.parametrize(("run_steps", "cache_off"), [(0, True), (2, False)])
+def test_only_a_deviceless_compile_turns_the_compilation_cache_off(
+    monkeypatch, run_steps, cache_off
+):
+    """A deviceless plan compiles with JAX's persistent cache off (libtpu's compile-only
+    client cannot load from it); --run-steps compiles for the chips here, cache allowed:
+    the same plan run again on a chip compiles nothing. (The real qwen3-tiny step on this
+    CPU stands in for the chip's program.)"""
+    import contextlib
+
+    from posttrain import _compat
+    from posttrain.plan import PlanOptions
+    from posttrain.plan import compile as plan_compile
+    from tests.test_plan_chip import _tiny_step
+
+    mesh, program = _tiny_step()
+    entered = []
+
+    @contextlib.contextmanager
+    def no_cache():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(_compat, "no_persistent_compilation_cache", no_cache)
+    monkeypatch.setattr(
+        plan_compile, "build_programs", lambda options, topo: ("tiny", {"step": program}, mesh)
+    )
+    options = PlanOptions(model="qwen3-tiny", topology="v5e-1", run_steps=run_steps)
+    _, stages = plan_compile.compile_stages(options)
+    assert stages["step"].temporaries > 0  # it compiled
+    assert entered == ([True] if cache_off else [])

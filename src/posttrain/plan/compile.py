@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -44,7 +45,12 @@ def compile_stages(options: PlanOptions) -> tuple[str, dict[str, Figures]]:
     advice = report.knobs(options, topo)
     for name, program in programs.items():
         stages[name] = _compile(
-            program, mesh, f"{what}: {name}" if len(programs) > 1 else what, topo, advice
+            program,
+            mesh,
+            f"{what}: {name}" if len(programs) > 1 else what,
+            topo,
+            advice,
+            deviceless=not options.run_steps,
         )
     return what, stages
 
@@ -130,8 +136,13 @@ def plan_devices(options: PlanOptions, topo) -> list:
     return measure.chip_devices(topo) if options.run_steps else topology.devices(topo)
 
 
-def _compile(program, mesh, what: str, topo, advice: str) -> Figures:
+def _compile(program, mesh, what: str, topo, advice: str, *, deviceless: bool = True) -> Figures:
     """One program lowered and compiled for ``topo``'s devices; its figures.
+
+    A deviceless compile runs with JAX's persistent compilation cache off (libtpu's
+    compile-only client cannot load a cached executable); one for this host's chips
+    (``deviceless`` false: ``--run-steps``) uses it where it is on
+    (``JAX_COMPILATION_CACHE_DIR``): the same plan run again on the chip compiles nothing.
 
     Raises:
       DoesNotFit: the compiler refused it for lack of memory (``what`` names it, and
@@ -141,10 +152,9 @@ def _compile(program, mesh, what: str, topo, advice: str) -> Figures:
 
     start = time.perf_counter()
     try:
-        # a deviceless compiler cannot load cached executables: the cache stays out
         with (
             sharding.use_mesh(mesh, sharding.DEFAULT_RULES, jax_context=False),
-            _compat.no_persistent_compilation_cache(),
+            _compat.no_persistent_compilation_cache() if deviceless else contextlib.nullcontext(),
         ):
             compiled = program.jitted.lower(*program.args, **program.kwargs).compile()
     except Exception as e:  # XlaRuntimeError: RESOURCE_EXHAUSTED at compile time
