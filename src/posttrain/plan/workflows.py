@@ -43,13 +43,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from posttrain import sharding
-from posttrain.lora.layout import LORA_B
 from posttrain.plan import abstract
 from posttrain.plan.steps import Program, abstract_init, generate_program, make_optimizer
 from posttrain.preference import tunix_dpo
 from posttrain.rl import tunix_rl
 from posttrain.training import tunix_compat
-from posttrain.training.policy import TunixPolicy, has_lora
 
 #: the steps' Tunix configs: learning rate and loss hyperparameters change no shape
 _PEFT = {"eval_every_n_steps": 10**9, "max_steps": 10**9}
@@ -69,6 +67,8 @@ def _reference(policy) -> tuple[nnx.Module, int]:
     """``(abstract reference, bytes one device holds for it beyond the policy)``: a copy
     of the placed ``policy``; with LoRA its own bytes are the zeroed ``lora_b``
     (:func:`posttrain.training.policy.reference_of`), else all of it."""
+    from posttrain.lora.layout import LORA_B  # Qwix (train extra): DPO and GRPO plans only
+    from posttrain.training.policy import has_lora
 
     reference = nnx.clone(policy)
     if not has_lora(policy):
@@ -107,6 +107,7 @@ def dpo_programs(
       ValueError: ``2 x pairs`` rows do not divide by the data-parallel size.
     """
     from posttrain.preference.trainer import DPOTrainer
+    from posttrain.training.policy import TunixPolicy
     from posttrain.training.trainer import SFTOptions
 
     rows, seq = 2 * pairs, prompt + response
@@ -182,6 +183,8 @@ def grpo_programs(
     """
     from tunix.rl import function_registry
 
+    from posttrain.training.policy import TunixPolicy
+
     if not hasattr(function_registry, "get_policy_loss_fn"):
         raise NotImplementedError("plan builds GRPO's loss as google-tunix 0.1.7 does")
     _check_batch(mesh, rules, rows)
@@ -234,6 +237,7 @@ def _grpo_trainer(model, optimizer: str, algo):
     from tunix.rl import trainer as rl_trainer
     from tunix.sft import peft_trainer
 
+    from posttrain.training.policy import TunixPolicy
     from posttrain.training.trainer import default_moe_aux_loss_weight
 
     loss = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
