@@ -657,3 +657,25 @@ def test_workflow_steps_count_the_trained_parameters_their_moments_and_gradients
         assert programs["train step"].model_flops == (2 if rank else 3) * forward > 0
     with pytest.raises(ValueError, match="batch=6 rows must divide by the data-parallel size 4"):
         plan_compile.build_programs(dataclasses.replace(options, batch=6), topo)
+
+
+def test_the_plan_package_imports_none_of_the_train_extras_packages():
+    """`posttrain plan` plans generate (and its modules import) with the tpu extra alone:
+    importing every module of posttrain.plan loads no package that only the train extra
+    installs (Tunix, Qwix, Orbax, safetensors, tokenizers, jinja2, Pillow); the DPO and
+    GRPO programs import theirs inside their functions."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    import posttrain.plan
+
+    names = [f"posttrain.plan.{m.name}" for m in pkgutil.iter_modules(posttrain.plan.__path__)]
+    train_only = ["tunix", "qwix", "orbax", "safetensors", "tokenizers", "jinja2", "PIL"]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}: importlib.import_module(name)\n"
+        f"print(sorted(m for m in {train_only!r} if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert len(names) >= 12 and out.stdout.strip() == "[]", (names, out.stdout, out.stderr[-500:])
