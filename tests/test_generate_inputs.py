@@ -252,7 +252,7 @@ def test_output_paths_accepted_and_refused(tmp_path, monkeypatch):
     or file are refused, naming them."""
     import os
 
-    from posttrain.commands.generate_inputs import check_output_file
+    from posttrain.atomic import check_output_file
 
     existing = tmp_path / "old.jsonl"
     existing.write_text("x\n")

@@ -1,4 +1,5 @@
-"""Files written whole or not at all: a temporary sibling, then ``os.replace``.
+"""Files written whole or not at all: a temporary sibling, then ``os.replace``; and the
+check that an output path can be written, before the work that ends in writing it.
 
 Standard library only, so the harness (which must not need JAX) writes its reports
 with the same code as ``posttrain``. Directories: :func:`posttrain.conversion.
@@ -50,3 +51,27 @@ def write_text(path: str | os.PathLike, text: str, *, fsync: bool = True) -> Non
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def check_output_file(output: str, flag: str = "--output") -> None:
+    """Checks that ``output`` (the value of ``flag``) can be written: a path that is not a
+    directory, under an existing writable directory.
+
+    Raises:
+      ValueError: naming the path and what is wrong with it.
+    """
+    if not output.strip():
+        raise ValueError(f"{flag} {output!r}: expected a file path")
+    if os.path.isdir(output):
+        raise ValueError(f"{flag} {output!r} is a directory; expected a file path")
+    parent = os.path.dirname(os.path.abspath(output))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        raise ValueError(f"{flag} {output!r}: {parent} is not a directory")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {output!r}: directory {parent} does not exist")
+    if parent.split(os.sep)[1:2] in (["proc"], ["sys"], ["dev"]):
+        raise ValueError(f"{flag} {output!r} is under a kernel file system; expected a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {output!r}: directory {parent} is not writable")
+    if os.path.exists(output) and not os.access(output, os.W_OK):
+        raise ValueError(f"{flag} {output!r} is not writable")

@@ -6,8 +6,7 @@ expected; ``posttrain`` prints it and exits 2.
 
 from __future__ import annotations
 
-import os
-
+from posttrain.atomic import check_output_file
 from posttrain.training.data import jsonl_records, validate_messages
 
 
@@ -32,30 +31,6 @@ def check_options(opts) -> None:
         raise ValueError(f"--cache-size {opts.cache_size}: expected >= 1")
     if opts.output is not None:
         check_output_file(opts.output)
-
-
-def check_output_file(output: str, flag: str = "--output") -> None:
-    """Checks that ``output`` (the value of ``flag``) can be written: a path that is not a
-    directory, under an existing writable directory.
-
-    Raises:
-      ValueError: naming the path and what is wrong with it.
-    """
-    if not output.strip():
-        raise ValueError(f"{flag} {output!r}: expected a file path")
-    if os.path.isdir(output):
-        raise ValueError(f"{flag} {output!r} is a directory; expected a file path")
-    parent = os.path.dirname(os.path.abspath(output))
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        raise ValueError(f"{flag} {output!r}: {parent} is not a directory")
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {output!r}: directory {parent} does not exist")
-    if parent.split(os.sep)[1:2] in (["proc"], ["sys"], ["dev"]):
-        raise ValueError(f"{flag} {output!r} is under a kernel file system; expected a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {output!r}: directory {parent} is not writable")
-    if os.path.exists(output) and not os.access(output, os.W_OK):
-        raise ValueError(f"{flag} {output!r} is not writable")
 
 
 def check_text(text: str, where: str) -> None:

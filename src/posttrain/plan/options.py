@@ -6,6 +6,7 @@ import dataclasses
 import pathlib
 from typing import Literal
 
+from posttrain.atomic import check_output_file
 from posttrain.config import AttentionKernelChoice, ModelConfig, RematPolicy, choices
 from posttrain.conversion.errors import read_json_object
 from posttrain.flags import option
@@ -259,7 +260,5 @@ def check_output(path: str | None) -> None:
     Raises:
       ValueError: naming the path and what is wrong with it.
     """
-    from posttrain.commands.generate_inputs import check_output_file
-
     if path is not None:
         check_output_file(path, flag="--json")
