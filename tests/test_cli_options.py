@@ -239,6 +239,8 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--extrapolate": ("flag", None, None, None, False),
         "--json": ("value", None, None, None, False),
         "--run-steps": ("value", 0, None, "int", False),
+        "--profile": ("value", None, None, None, False),
+        "--probe-headroom": ("flag", None, None, None, False),
         "--search": ("flag", None, None, None, False),
         "--search-max-batch": ("value", 64, None, "int", False),
     },

@@ -1371,6 +1371,7 @@ ELSEWHERE: dict[str, dict[str, str]] = {
     | _referred(
         "tests/test_plan_profile.py::test_the_profile_option_lands_in_the_run_of_the_planned_program",
         "profile_dir",
+        "probe_headroom",
     ),
 }
 

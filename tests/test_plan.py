@@ -237,10 +237,13 @@ INT32 = 2**31 - 1
         (["--profile", "prof"], "profile_dir='prof' traces the steps after the first: it "
          "needs run_steps >= 2, got 0"),
         (["--profile", "prof", "--run-steps", "1"], "needs run_steps >= 2, got 1"),
+        (["--probe-headroom"], "probe_headroom runs the step beside ballast: it needs "
+         "run_steps >= 1, got 0"),
     ],
     ids=["dpo-extrapolate", "mesh", "json-directory", "mesh-empty", "rollout-mesh-empty",
          "json-empty", "mesh-twice", "mesh-negative", "mesh-zero", "seq-int32", "batch-int32",
-         "tokens-per-row", "scores-bytes", "logits-bytes", "profile-no-run", "profile-one-step"],
+         "tokens-per-row", "scores-bytes", "logits-bytes", "profile-no-run", "profile-one-step",
+         "probe-no-run"],
 )  # fmt: skip
 def test_cli_refuses_bad_input_with_one_line_before_compiling(flags, message, capsys, no_compile):
     """``posttrain plan`` is a COMMANDS row: its options' errors are one line, exit 2,

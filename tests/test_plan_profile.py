@@ -171,9 +171,11 @@ def test_the_trace_covers_the_steps_after_the_first(monkeypatch, profile_dir):
     assert seen == expected
 
 
-def test_the_profile_option_lands_in_the_run_of_the_planned_program(monkeypatch):
-    """``PlanOptions.profile_dir`` (``--profile``) reaches ``run_program``, with the steps
-    and the program the plan built (the chips and the compile stood in for: no TPU here)."""
+@pytest.mark.parametrize("probe", [False, True])
+def test_the_profile_option_lands_in_the_run_of_the_planned_program(monkeypatch, probe):
+    """``PlanOptions.profile_dir`` (``--profile``) and ``probe_headroom``
+    (``--probe-headroom``) reach ``run_program``, with the steps and the program the plan
+    built (the chips and the compile stood in for: no TPU here)."""
     from posttrain.plan import compile as plan_compile
     from posttrain.plan.options import PlanOptions
 
@@ -184,7 +186,11 @@ def test_the_profile_option_lands_in_the_run_of_the_planned_program(monkeypatch)
     )
     monkeypatch.setattr(measure, "run_program", lambda *args: seen.append(args) or "measured")
     options = PlanOptions(
-        model="qwen3-tiny", topology="v5e-1", run_steps=3, profile_dir="/tmp/somewhere"
+        model="qwen3-tiny",
+        topology="v5e-1",
+        run_steps=3,
+        profile_dir="/tmp/somewhere",
+        probe_headroom=probe,
     )
     assert measure.measure(options) == "measured"
-    assert seen == [(program, 3, ["chip"], "/tmp/somewhere")]
+    assert seen == [(program, 3, ["chip"], "/tmp/somewhere", probe)]

@@ -226,6 +226,7 @@ TARGETS: dict[str, list[str]] = {
     # --run-steps: the checks of the chips and a real run of a tiny step on the CPU
     "src/posttrain/plan/measure.py": ["tests/test_plan_chip.py", "tests/test_plan_measure.py"],
     "src/posttrain/plan/profile.py": ["tests/test_plan_profile.py"],
+    "src/posttrain/plan/headroom.py": ["tests/test_plan_headroom.py"],
     "src/posttrain/models/params.py": [
         "tests/test_model_host_init.py",
         "tests/test_loaders.py",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import statistics
 import time
 
@@ -34,7 +35,7 @@ from flax import nnx
 
 from posttrain import sharding
 from posttrain.plan import compile as plan_compile
-from posttrain.plan import profile, report, topology
+from posttrain.plan import headroom, profile, report, topology
 
 #: ``Device.device_kind`` of each chip generation, as the TPU runtime names it
 DEVICE_KINDS: dict[str, tuple[str, ...]] = {
@@ -64,6 +65,8 @@ class Measured:
         ``outputs``, ``aliased``, ``temporaries``, ``code``, bytes a device holds); ``{}``
         when the compiler refused the program or the backend gives none (and in records
         written before it was measured).
+      headroom_bytes: the largest ballast per device beside which one more step ran
+        (:func:`posttrain.plan.headroom.probe`, ``--probe-headroom``); -1 when not probed.
     """
 
     steps: int
@@ -74,6 +77,7 @@ class Measured:
     fits: bool = True
     error: str = ""
     compiled: dict = dataclasses.field(default_factory=dict)
+    headroom_bytes: int = -1
 
 
 def chip_devices(topology) -> list:
@@ -139,11 +143,15 @@ def memory_peak(devices) -> tuple[int, int]:
     return max(peaks, default=0), min(limits, default=0)
 
 
-def run_program(program, steps: int, devices, profile_dir: str | None = None) -> Measured:
+def run_program(
+    program, steps: int, devices, profile_dir: str | None = None, probe_headroom: bool = False
+) -> Measured:
     """Compiles ``program`` (:class:`posttrain.plan.steps.Program`) on its concrete
     arguments and runs that executable ``steps`` times; each step timed until its results
     are ready, the first from before the compile. With ``profile_dir``, the steps after
-    the first run under :func:`posttrain.plan.profile.capture` into it.
+    the first run under :func:`posttrain.plan.profile.capture` into it. With
+    ``probe_headroom`` (and a runtime that reports ``bytes_limit``), the steps are then
+    run beside ballast (:func:`probe_headroom_of`).
 
     Raises:
       ValueError: ``steps`` < 1.
@@ -182,6 +190,9 @@ def run_program(program, steps: int, devices, profile_dir: str | None = None) ->
         )
     peak, limit = memory_peak(devices)
     steady = seconds[1:] or seconds
+    probed = -1
+    if probe_headroom and limit > 0:
+        probed = probe_headroom_of(program, executable, devices, limit)
     return Measured(
         steps=steps,
         step_seconds=statistics.median(steady),
@@ -189,7 +200,35 @@ def run_program(program, steps: int, devices, profile_dir: str | None = None) ->
         peak_bytes=peak,
         bytes_limit=limit,
         compiled=memory,
+        headroom_bytes=probed,
     )
+
+
+def ballast(size: int, devices) -> list:
+    """``size`` bytes (int8 zeros) made on each of ``devices``."""
+    return [
+        jax.jit(
+            functools.partial(jnp.zeros, (size,), jnp.int8),
+            out_shardings=jax.sharding.SingleDeviceSharding(device),
+        )()
+        for device in devices
+    ]
+
+
+def probe_headroom_of(program, executable, devices, limit: int) -> int:
+    """:func:`posttrain.plan.headroom.probe` of ``executable``: before each try the
+    program's arguments are made anew (a step refused after dispatch has consumed its
+    donated ones), then the ballast is held on ``devices``, then one step runs."""
+    args: list = []
+
+    def step():
+        jax.block_until_ready(executable(*args, **program.kwargs))
+
+    def hold(size: int):
+        args[:] = [_made_concrete(a) for a in program.args]  # before the ballast
+        return ballast(size, devices)
+
+    return headroom.probe(step, hold, limit)
 
 
 def measure(options) -> Measured:
@@ -204,4 +243,6 @@ def measure(options) -> Measured:
     _, programs, mesh = plan_compile.build_programs(options, topo)
     program = programs[plan_compile.main_stage(programs)]
     with sharding.use_mesh(mesh, sharding.DEFAULT_RULES, jax_context=False):
-        return run_program(program, options.run_steps, devices, options.profile_dir)
+        return run_program(
+            program, options.run_steps, devices, options.profile_dir, options.probe_headroom
+        )

@@ -128,6 +128,11 @@ class PlanOptions:
         "print the ops that took the chip's time",
         flag="--profile",
     )
+    probe_headroom: bool = option(
+        False,
+        "with --run-steps: then run the step beside ballast to find the HBM it really "
+        "leaves free, and print it beside the plan's headroom",
+    )
     search: bool = option(
         False,
         "plan each remat policy x per-device batch (1, 2, 4, ...) and print the fastest "
@@ -192,9 +197,9 @@ class PlanOptions:
         check_output(self.json_path)
 
     def check_run_steps(self) -> None:
-        """Refuses ``run_steps`` (and ``profile_dir``) where they cannot run: negative, on
-        a workflow other than SFT, with ``extrapolate``, a profile without a step after
-        the first.
+        """Refuses ``run_steps`` (and ``profile_dir``, ``probe_headroom``) where they cannot
+        run: negative, on a workflow other than SFT, with ``extrapolate``, a profile
+        without a step after the first, a probe without a step.
 
         Raises:
           ValueError: one line naming the value and what was expected.
@@ -209,6 +214,11 @@ class PlanOptions:
             raise ValueError(
                 f"profile_dir={self.profile_dir!r} traces the steps after the first: it needs "
                 f"run_steps >= 2, got {self.run_steps}"
+            )
+        if self.probe_headroom and self.run_steps < 1:
+            raise ValueError(
+                f"probe_headroom runs the step beside ballast: it needs run_steps >= 1, "
+                f"got {self.run_steps}"
             )
         if self.run_steps and self.extrapolate:
             raise ValueError("run_steps runs the full depth: drop --extrapolate")

@@ -309,22 +309,24 @@ def write_json(path: str | os.PathLike, records: list[dict]) -> None:
     atomic.write_text(path, json.dumps(records, indent=2, sort_keys=True) + "\n")
 
 
+def _error(predicted: float, actual: float) -> str:
+    """The prediction's error against ``actual``, signed (``-`` when ``actual`` is 0)."""
+    return f"{(predicted - actual) / actual:+.1%}" if actual else "-"
+
+
 def against_the_chip(figures: Figures, verdict: Verdict, measured, topology: Topology) -> str:
     """The plan's peak, floor, estimate and MFU beside what ``measured``
-    (:class:`posttrain.plan.measure.Measured`) found on the chips, with the errors; and
-    the plan's memory figures beside the ``memory_analysis()`` of the executable the steps
-    ran (rows ``... (chip's compile)``), when ``measured`` has one."""
-
-    def error(predicted: float, actual: float) -> str:
-        return f"{(predicted - actual) / actual:+.1%}" if actual else "-"
-
+    (:class:`posttrain.plan.measure.Measured`) found on the chips, with the errors; the
+    plan's memory figures beside the ``memory_analysis()`` of the executable the steps
+    ran (rows ``... (chip's compile)``), when ``measured`` has one; the predicted headroom
+    beside the probed one (:mod:`posttrain.plan.headroom`), when it was probed."""
     rows = [("", "predicted", "measured", "error")]
     rows.append(
         (
             "peak per device",
             gib(figures.peak),
             gib(measured.peak_bytes),
-            error(figures.peak, measured.peak_bytes),
+            _error(figures.peak, measured.peak_bytes),
         )
     )
     # the executable the steps ran, as the chips' compiler sized it: tells a compile that
@@ -333,16 +335,26 @@ def against_the_chip(figures: Figures, verdict: Verdict, measured, topology: Top
     for name in MEMORY_FIELDS if compiled else ():
         predicted, actual = getattr(figures, name), compiled[name]
         rows.append(
-            (f"{name} (chip's compile)", gib(predicted), gib(actual), error(predicted, actual))
+            (f"{name} (chip's compile)", gib(predicted), gib(actual), _error(predicted, actual))
         )
     rows.append(
         (
             "HBM per chip",
             gib(topology.hbm_bytes),
             gib(measured.bytes_limit),
-            error(topology.hbm_bytes, measured.bytes_limit),
+            _error(topology.hbm_bytes, measured.bytes_limit),
         )
     )
+    if measured.headroom_bytes >= 0:  # the largest ballast the step ran beside
+        probed = measured.headroom_bytes
+        rows.append(
+            (
+                "headroom (probed)",
+                gib(verdict.headroom),
+                gib(probed),
+                _error(verdict.headroom, probed),
+            )
+        )
     rows.append(
         (
             "verdict",
@@ -352,18 +364,23 @@ def against_the_chip(figures: Figures, verdict: Verdict, measured, topology: Top
         )
     )
     if measured.fits:
-        seconds = measured.step_seconds
-        step = f"{seconds * 1e3:.1f} ms"
-        below = "at or below" if verdict.floor_seconds <= seconds else "ABOVE the step"
-        rows.append(("floor", f"{verdict.floor_seconds * 1e3:.1f} ms", step, below))
-        estimate = verdict.estimate_seconds
-        rows.append(("step", f"{estimate * 1e3:.1f} ms", step, error(estimate, seconds)))
-        mfu = figures.model_flops / (seconds * topology.chip.peak_flops * topology.chips)
-        rows.append(("MFU", f"{verdict.mfu:.1%}", f"{mfu:.1%}", error(verdict.mfu, mfu)))
-        rows.append(
-            ("steps", "", f"{measured.steps} (first {measured.first_step_seconds:.1f} s)", "")
-        )
+        rows.extend(_step_rows(figures, verdict, measured, topology))
     width = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)).rstrip() for r in rows
     )
+
+
+def _step_rows(figures: Figures, verdict: Verdict, measured, topology: Topology) -> list:
+    """:func:`against_the_chip`'s rows of the step's time: floor, estimate, MFU, steps."""
+    seconds = measured.step_seconds
+    step = f"{seconds * 1e3:.1f} ms"
+    below = "at or below" if verdict.floor_seconds <= seconds else "ABOVE the step"
+    estimate = verdict.estimate_seconds
+    mfu = figures.model_flops / (seconds * topology.chip.peak_flops * topology.chips)
+    return [
+        ("floor", f"{verdict.floor_seconds * 1e3:.1f} ms", step, below),
+        ("step", f"{estimate * 1e3:.1f} ms", step, _error(estimate, seconds)),
+        ("MFU", f"{verdict.mfu:.1%}", f"{mfu:.1%}", _error(verdict.mfu, mfu)),
+        ("steps", "", f"{measured.steps} (first {measured.first_step_seconds:.1f} s)", ""),
+    ]
