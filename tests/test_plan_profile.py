@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -124,13 +125,15 @@ def test_a_trace_without_device_ops_and_bad_steps_are_refused():
 
 
 def test_read_takes_the_newest_trace_under_the_directory(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no \\*.trace.json.gz under"):
+    with pytest.raises(
+        FileNotFoundError, match=re.escape(f"no *.trace.json.gz under '{tmp_path}'")
+    ):
         profile.read(tmp_path, 1)
-    older = tmp_path / "plugins" / "profile" / "a" / "host.trace.json.gz"
+    older = tmp_path / "plugins" / "profile" / "b" / "host.trace.json.gz"
     older.parent.mkdir(parents=True)
     with gzip.open(older, "wt") as f:
         json.dump(_trace([]), f)
-    newer = tmp_path / "plugins" / "profile" / "b" / "host.trace.json.gz"
+    newer = tmp_path / "plugins" / "profile" / "a" / "host.trace.json.gz"
     newer.parent.mkdir(parents=True)
     with gzip.open(newer, "wt") as f:
         json.dump(_trace(EVENTS), f)
@@ -194,3 +197,91 @@ def test_the_profile_option_lands_in_the_run_of_the_planned_program(monkeypatch,
     )
     assert measure.measure(options) == "measured"
     assert seen == [(program, 3, ["chip"], "/tmp/somewhere", probe)]
+
+
+def _many(count: int = 45) -> dict:
+    """A two-step trace of ``count`` ops on TPU 0 at step scale: op.NN runs once a step for
+    (NN + 1) ms, the first ten in categories of their own (cat0 ... cat9, op.00 and
+    op.10 both in cat0: a category sums its ops), the rest in none."""
+    events, ts = [], 0.0
+    for _ in range(2):
+        for n in range(count):
+            dur = (n + 1) * 1000.0
+            category = [f"cat{n % 10}"] if n < 10 or n == 10 else []
+            events.append((3, 3, f"op.{n:02d}", ts, dur, *category))
+            ts += dur
+    return _trace(events)
+
+
+def test_the_table_at_step_scale_line_by_line():
+    """Milliseconds a step, shares, runs a step; 15 ops by default; the categories summed
+    (cat0: op.00 and op.10, 1 + 11 ms; none: op.11 ... op.44, 12 + ... + 45 = 969 ms),
+    the largest eight."""
+    found = profile.summary(_many(), steps=2)
+    busy = sum(range(1, 46))  # ms a step: 1035
+    lines = profile.table(found, step_seconds=2.07).splitlines()
+    assert lines[0] == (
+        f"profile of 2 steps on /device:TPU:0: busy {busy:.1f} ms a step of 2070.0 ms "
+        "(50.0%); 45 ops"
+    )
+    assert lines[1].split() == ["op", "category", "ms/step", "share", "runs/step"]
+    assert len(lines) == 2 + 15 + 1
+    assert lines[2].split() == ["op.44", "45.00", f"{45 / busy:.1%}", "1.0"]
+    assert lines[2].startswith("op.44" + " " * 40)  # the name column 44 wide
+    assert lines[-1] == (
+        "by category: (none) 969.0 ms, cat0 12.0 ms, cat9 10.0 ms, cat8 9.0 ms, "
+        "cat7 8.0 ms, cat6 7.0 ms, cat5 6.0 ms, cat4 5.0 ms"
+    )
+
+
+def test_a_name_or_category_longer_than_its_column_is_cut_to_it():
+    long, kind = "fusion." + "x" * 60, "convolution fusion of a very long kind"
+    found = profile.summary(_trace([(3, 3, long, 0.0, 5.0, kind)]), steps=1)
+    row = profile.table(found, step_seconds=1.0).splitlines()[2]
+    assert row.startswith(f"{long[:44]} {kind[:22]} ") and long[:45] not in row
+
+
+def test_an_idle_device_has_no_share():
+    idle = profile.Summary("/device:TPU:0", 1, 0.0, (profile.OpTime("nop", "", 1, 0.0),))
+    assert profile.table(idle, step_seconds=1.0).splitlines()[2].split()[-2] == "0.0%"
+
+
+def test_the_record_keeps_40_ops_by_default():
+    found = profile.summary(_many(), steps=2)
+    written = profile.record(found)
+    assert sorted(written) == ["busy_seconds", "device", "ops", "steps"]
+    assert written["busy_seconds"] == pytest.approx(2 * 1.035)
+    assert len(written["ops"]) == 40 and written["ops"][0]["name"] == "op.44"
+
+
+def test_odd_traces_nameless_metadata_a_host_ops_thread_same_start_nesting():
+    """A process or thread named by no args is nobody's; a host thread called XLA Ops is
+    not a device's (the device is chosen, not the lowest pid); an op and the op nested in
+    it that start together: the outer one is the longer; a trace with no events at all is
+    refused like one without device ops."""
+    trace = _trace(
+        [
+            (3, 3, "while.1", 0.0, 10.0),
+            (3, 3, "fusion.1", 0.0, 4.0),  # starts with its loop
+        ]
+    )
+    trace["traceEvents"] += [
+        # a device of the profiler's own with no ops thread, before TPU 0 (the v5e's trace
+        # had one on the CPU: /device:CUSTOM:Megascale Trace), and an ops thread of a
+        # process nobody named
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:CUSTOM:x"}},
+        {"ph": "M", "pid": 2, "tid": 1, "name": "thread_name", "args": {"name": "Trace"}},
+        {"ph": "M", "pid": 0, "tid": 3, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 1, "name": "process_name"},
+        {"ph": "M", "pid": 1, "tid": 3, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 3, "tid": 8, "name": "thread_name"},
+        {"ph": "X", "pid": 1, "tid": 3, "name": "host.op", "ts": 0.0, "dur": 99.0},
+    ]
+    found = profile.summary(trace, steps=1)
+    assert found.device == "/device:TPU:0"
+    assert [(op.name, round(op.seconds * 1e6, 6)) for op in found.ops] == [
+        ("while.1", 6.0),
+        ("fusion.1", 4.0),
+    ]
+    with pytest.raises(ValueError, match="no device with an 'XLA Ops' thread"):
+        profile.summary({}, 1)
