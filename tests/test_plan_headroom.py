@@ -193,3 +193,19 @@ def test_the_table_sets_the_probed_headroom_beside_the_predicted_one():
     unprobed = dataclasses.replace(measured, headroom_bytes=-1)
     table = report.against_the_chip(figures, verdict, unprobed, v5e)
     assert "headroom (probed)" not in table
+
+
+@pytest.mark.parametrize(
+    ("limit", "resolution", "free", "found"),
+    [(1, 1, 5, 0), (3, 1, 1, 1), (16 * GIB + 1, headroom.RESOLUTION, 3 * GIB + 5, 3 * GIB)],
+    ids=["one-byte-limit", "one-byte-steps", "limit-off-the-grid"],
+)
+def test_every_ballast_is_whole_bytes_and_the_smallest_limits_are_probed(
+    limit, resolution, free, found
+):
+    """Limits and resolutions down to 1 byte are probed (1 byte of limit: only 0 can be
+    held), and each size tried is an int of bytes even where the limit is not a multiple
+    of the resolution."""
+    chip = _Chip(free, limit=limit)
+    assert headroom.probe(chip.step, chip.hold, limit, resolution) == found
+    assert all(type(size) is int for size in chip.tries)

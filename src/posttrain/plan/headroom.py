@@ -57,7 +57,9 @@ def probe(
             f"probe needs limit > 0 and resolution > 0 bytes, got {limit} and {resolution}"
         )
     fits, fails = 0, -(-limit // resolution)  # in units of resolution
-    while fails - fits > 1:
+    for _ in range(fails.bit_length()):  # each try halves the bracket: it ends in time
+        if fails - fits <= 1:
+            break
         middle = (fits + fails) // 2
         if _runs_beside(step, hold, middle * resolution):
             fits = middle
