@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from posttrain.models import build_model, get_config
 from posttrain.plan import topology
 from posttrain.plan.compile import build_programs
 from posttrain.plan.options import PlanOptions
+from tests.jaxprs import equations, sub_jaxprs
 
 pytestmark = pytest.mark.matmul_precision("highest")
 
@@ -233,13 +235,14 @@ def test_splash_under_a_mesh_everywhere(preset, case, axes, seq):
 
 
 @pytest.mark.devices(2)
-def test_kv_heads_split_unlike_the_query_heads_are_refused():
+@pytest.mark.parametrize(
+    ("unsplit", "q_axes", "kv_axes"),
+    [("activation_kv_heads", "'tensor'", "None"), ("activation_heads", "None", "'tensor'")],
+)
+def test_kv_heads_split_unlike_the_query_heads_are_refused(unsplit, q_axes, kv_axes):
     """Rules that put the kv heads on other mesh axes than the query heads: one line
     at trace time naming both (a shard's query heads would read others' kv heads)."""
-    rules = tuple(
-        (name, () if name == "activation_kv_heads" else axes)
-        for name, axes in sharding.DEFAULT_RULES
-    )
+    rules = tuple((name, () if name == unsplit else axes) for name, axes in sharding.DEFAULT_RULES)
     q, k = jnp.zeros((2, SEQ, 8, 10)), jnp.zeros((2, SEQ, 4, 10))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((SEQ, SEQ), bool)), (2, SEQ, SEQ))
     masks = splash.splash_mask(causal, causal, None, "splash_interpret")
@@ -247,10 +250,23 @@ def test_kv_heads_split_unlike_the_query_heads_are_refused():
     with sharding.use_mesh(mesh, rules), pytest.raises(ValueError) as info:
         jax.eval_shape(lambda q, k: splash.attend(q, k, k, masks, None, 1.0), q, k)
     assert str(info.value) == (
-        "splash attention splits num_heads=8 over mesh axes 'tensor' but num_kv_heads=4 "
-        "over None; expected the same axes for both (each shard's query heads read only "
-        "its own kv heads)"
+        f"splash attention splits num_heads=8 over mesh axes {q_axes} but num_kv_heads=4 "
+        f"over {kv_axes}; expected the same axes for both (each shard's query heads read "
+        "only its own kv heads)"
     )
+
+
+@pytest.mark.devices(2)
+def test_splash_without_sinks_under_a_mesh_traces():
+    """No sinks under a mesh (qwen3, llama3; the gate's mesh case has sinks): the
+    ``shard_map`` takes the five arrays only, and the output keeps q's shape. Traced."""
+    q, k = jnp.zeros((2, SEQ, 4, 16)), jnp.zeros((2, SEQ, 2, 16))
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((SEQ, SEQ), bool)), (2, SEQ, SEQ))
+    masks = splash.splash_mask(causal, causal, None, "splash_interpret")
+    mesh = sharding.make_mesh({"tensor": 2}, devices=jax.devices()[:2])
+    with sharding.use_mesh(mesh):
+        out = jax.eval_shape(lambda q, k: splash.attend(q, k, k, masks, None, 1.0), q, k)
+    assert (out.shape, out.dtype) == (q.shape, q.dtype)
 
 
 def _forward(cfg, mask, seq=SEQ, batch=2):
@@ -314,6 +330,52 @@ def test_segment_ids_of_padding_and_packing():
     np.testing.assert_array_equal(implied, mask)
 
 
+def test_segment_ids_are_int32():
+    """The kernel's segment ids are int32 (:class:`~posttrain.layers.splash.SplashMask`'s
+    dtype), not argmax's cast elsewhere (float ids would compare alike but are no contract)."""
+    mask, _ = _packed_mask(2, 16)
+    q, kv = splash.segment_ids(jnp.asarray(mask))
+    assert (q.dtype, kv.dtype) == (jnp.int32, jnp.int32)
+
+
+def _attend_jaxpr(dtype):
+    """splash.attend traced (not run) over B = 1, N = 2, K = 1, H = 16, scale 1/3."""
+    q, k = jnp.zeros((1, SEQ, 2, 16), dtype), jnp.zeros((1, SEQ, 1, 16), dtype)
+    causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))[None]
+    masks = splash.splash_mask(causal, causal, None, "splash_interpret")
+    return jax.make_jaxpr(lambda q, k: splash.attend(q, k, k, masks, None, 1 / 3))(q, k).jaxpr
+
+
+def test_bfloat16_attention_stays_bfloat16():
+    """bfloat16: q is scaled in float32 and rounded back, so the kernel's q, k and v are
+    all bfloat16, and so is the output (a float32 q would make a mixed-precision kernel, a
+    float32 output float32 work after it; the slow tier's bf16 cases see either only
+    through tolerances)."""
+    jaxpr = _attend_jaxpr(jnp.bfloat16)
+    assert [v.aval.dtype for v in jaxpr.outvars] == [jnp.bfloat16]
+    (call,) = [e for e in equations(jaxpr) if e.primitive.name == "pallas_call"]
+    floats = [v.aval for v in call.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+    assert [(a.shape, a.dtype) for a in floats] == [
+        ((2, SEQ, 16), jnp.bfloat16),
+        ((1, SEQ, 16), jnp.bfloat16),
+        ((1, SEQ, 16), jnp.bfloat16),
+    ]
+
+
+def test_the_kernel_runs_under_the_attention_splash_scope():
+    """Profiles and HLO dumps find the kernel under the ``attention_splash`` scope, as the
+    XLA path's stages under theirs (tests/test_models.py)."""
+    scoped = [
+        e
+        for e in equations(_attend_jaxpr(jnp.float32))
+        if "attention_splash" in str(e.source_info.name_stack).split("/")
+    ]
+    inner = {
+        e.primitive.name for top in scoped for sub in sub_jaxprs(top.params) for e in equations(sub)
+    }
+    assert "pallas_call" in inner
+
+
 def _primitives(cfg) -> set[str]:
     model = build_model(cfg, seed=0)
     tokens = jnp.zeros((1, SEQ), jnp.int32)
@@ -368,6 +430,15 @@ def test_only_a_tpu_target_takes_the_kernel(monkeypatch, platform, kernel, refus
             splash.check_backend(kernel)
     else:
         splash.check_backend(kernel)
+
+
+def test_the_target_is_the_current_meshs_platform(monkeypatch):
+    """Under a mesh the target is its devices' platform, not the backend's (the plan's
+    deviceless TPU devices on a CPU host; a mesh of one device included)."""
+    tpu = types.SimpleNamespace(platform="tpu")
+    mesh = types.SimpleNamespace(devices=np.array([tpu], dtype=object))
+    monkeypatch.setattr(sharding, "current", lambda: types.SimpleNamespace(mesh=mesh))
+    assert splash.target_platform() == "tpu"
 
 
 @pytest.mark.skipif(jax.default_backend() == "tpu", reason="the refusal is off a TPU")
