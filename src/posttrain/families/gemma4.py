@@ -32,7 +32,7 @@ from posttrain.conversion import hf_fields
 from posttrain.conversion.rows import DENSE_AND_MOE, LAYER_SCALAR, MOE, SANDWICH, Row
 from posttrain.conversion.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, L, Table
 from posttrain.conversion.transforms import EXPERTS_T, GATE_UP_CONCAT_T, IDENTITY, TRANSPOSE
-from posttrain.families import Family, HFOracle
+from posttrain.families.family import Family, HFOracle
 from posttrain.families.gemma4_vision import (
     VISION_ROWS,
     text_with_vision,

@@ -24,7 +24,7 @@ from posttrain.conversion.transforms import (
     IDENTITY,
     TRANSPOSE,
 )
-from posttrain.families import Family, HFOracle
+from posttrain.families.family import Family, HFOracle
 
 DEFAULT_ROPE_THETA = 150_000.0  # GptOssConfig
 DEFAULT_AUX_LOSS_COEF = 0.001

@@ -20,7 +20,7 @@ from posttrain.conversion.transforms import (
     GATE_UP_CONCAT_T,
     TRANSPOSE,
 )
-from posttrain.families import Family, HFOracle
+from posttrain.families.family import Family, HFOracle
 
 DEFAULT_ROPE_THETA = 1_000_000.0  # MixtralConfig
 DEFAULT_AUX_LOSS_COEF = 0.001

@@ -10,7 +10,7 @@ from __future__ import annotations
 from posttrain.config import AttentionConfig, ModelConfig, RopeConfig
 from posttrain.conversion import hf_fields
 from posttrain.conversion.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, Table
-from posttrain.families import Family, HFOracle
+from posttrain.families.family import Family, HFOracle
 
 DEFAULT_ROPE_THETA = 10_000.0  # Qwen3Config
 DEFAULT_MAX_WINDOW_LAYERS = 28
