@@ -383,7 +383,11 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/limits.py": ["tests/test_generate_inputs.py"],
     "src/posttrain/commands/generate_inputs.py": ["tests/test_generate_inputs.py"],
     # check_output_file moved here from generate_inputs (a cycle plan.options -> commands)
-    "src/posttrain/atomic.py": ["tests/test_generate_inputs.py", "tests/test_atomic_writes.py"],
+    "src/posttrain/atomic.py": [
+        "tests/test_atomic.py",
+        "tests/test_generate_inputs.py",
+        "tests/test_atomic_writes.py",
+    ],
     "src/posttrain/training/checks.py": ["tests/test_run_checks.py"],
     "src/posttrain/training/record.py": ["tests/test_run_checks.py", "tests/test_sft_run.py"],
     "src/posttrain/signals.py": ["tests/test_signals.py"],
