@@ -240,3 +240,16 @@ def test_gemma4_26b_a4b_is_its_released_text_config():
     }
     released = hf_config.from_hf_config(text_config)
     assert hf_config.hf_view(presets.get_config("gemma4-26b-a4b")) == hf_config.hf_view(released)
+
+
+def test_a_family_with_a_multimodal_wrapper_lists_that_layout_last():
+    """``Family.layouts``: the table's layouts, then ``multimodal`` for a family that
+    writes a wrapper (gemma4), and never for one that does not (llama3, qwen3)."""
+    gemma4 = families.get("gemma4")
+    assert gemma4.wrap_hf is not None
+    assert gemma4.layouts == (*gemma4.table.layouts, "multimodal")
+    for name in ("llama3", "qwen3"):
+        family = families.get(name)
+        assert family.wrap_hf is None and family.layouts == family.table.layouts
+        assert "multimodal" not in family.layouts
+    assert families.get("qwen3").tiny == "qwen3-tiny"

@@ -208,11 +208,12 @@ class C:
 
 def test_undecorate_frees_jitted_functions_and_keeps_what_they_compute(tmp_path):
     """mutmut skips decorated functions; in the scratch copy a function decorated only by
-    JAX / NNX transforms is undecorated and rewrapped right after its body (the same
-    object at import), so mutmut mutates it; any other decorator stays."""
+    JAX / NNX transforms (or ``property``) is undecorated and rewrapped right after its
+    body (the same object at import), so mutmut mutates it; any other decorator stays."""
     out = mutants.undecorate(JITTED)
     assert "@nnx.jit" not in out and "@functools.partial" not in out
-    assert "@functools.cache\n@jax.jit\ndef mixed" in out and "@property" in out
+    assert "@functools.cache\n@jax.jit\ndef mixed" in out and "@property" not in out
+    assert "        return 1\n    p = (property)(p)\n" in out
     assert (
         "    @jax.jit\n" not in out
         and "        return x - 1\n    method = (jax.jit)(method)\n" in out
@@ -223,10 +224,16 @@ def test_undecorate_frees_jitted_functions_and_keeps_what_they_compute(tmp_path)
     assert float(names["loop"](2.0, 3)) == float(original["loop"](2.0, 3)) == 6.0
     assert float(names["shifted"](2.0, k=4)) == 6.0
     assert float(names["C"].method(0.0, 3.0)) == 2.0  # self: any array here
+    assert names["C"]().p == original["C"]().p == 1  # still a property
     assert type(names["loop"]) is type(original["loop"])  # still an nnx.jit wrapper
     module = tmp_path / "m.py"
     module.write_text(JITTED)
-    assert mutants.function_names("m.py", tmp_path) == {"x_loop", "x_shifted", "xǁCǁmethod"}
+    assert mutants.function_names("m.py", tmp_path) == {
+        "x_loop",
+        "x_shifted",
+        "xǁCǁmethod",
+        "xǁCǁp",
+    }
 
 
 def _weekly_functions(module: str, root: pathlib.Path) -> set[str]:

@@ -24,9 +24,12 @@ from collections.abc import Sequence
 
 TRANSFORMS = re.compile(
     r"(functools\.)?(partial\()?(jax|nnx)\.(jit|remat|checkpoint|vmap|scan|grad|value_and_grad|custom_vjp)\b"
+    r"|property"
 )
 """Decorators :func:`undecorate` moves below their function (JAX / NNX transforms, bare
-or through ``functools.partial``); a function with any other decorator stays as it is."""
+or through ``functools.partial``; and ``property``, which mutmut 3 does not mutate under
+its decorator: ``tiny = (property)(tiny)`` in the class body is the same attribute); a
+function with any other decorator stays as it is."""
 
 
 def _movable(node: ast.AST) -> bool:
