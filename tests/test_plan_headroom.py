@@ -104,7 +104,7 @@ class _Program:
     the arguments made anew before each try (a refused step consumed its donated ones)."""
 
     def __init__(self, free: int):
-        self.free, self.held, self.remade, self.kwargs = free, 0, 0, {}
+        self.free, self.held, self.remade, self.kwargs = free, 0, 0, {"rng": 7}
         self.args = (self,)
         self.jitted = self
 
@@ -117,7 +117,8 @@ class _Program:
     def memory_analysis(self):
         return None
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        assert args == (self,) and kwargs == {"rng": 7}  # the arguments, made anew
         if self.held > self.free:
             raise RuntimeError("RESOURCE_EXHAUSTED: Error allocating device buffer")
 
@@ -130,10 +131,12 @@ def test_run_program_probes_after_its_steps_and_makes_the_arguments_anew(monkeyp
     order = []
 
     def remade(arg):
+        assert arg is program
         order.append("args")
         return arg
 
     def hold(size, devices):
+        assert devices == ["chip"]
         order.append("ballast")
         program.held = size
         return object()
@@ -141,6 +144,7 @@ def test_run_program_probes_after_its_steps_and_makes_the_arguments_anew(monkeyp
     monkeypatch.setattr(measure, "_made_concrete", remade)
     monkeypatch.setattr(measure, "ballast", hold)
     monkeypatch.setattr(measure, "memory_peak", lambda devices: (11 * GIB, 16 * GIB))
+    # (a one-byte limit is probed too: only 0 fits beside the step)
     ran = measure.run_program(program, 2, ["chip"], probe_headroom=True)
     assert ran.headroom_bytes == 4.875 * GIB  # 78 steps of 64 MiB
     tries = order[1:]  # the first: the timed steps' arguments
@@ -150,9 +154,11 @@ def test_run_program_probes_after_its_steps_and_makes_the_arguments_anew(monkeyp
 def test_no_probe_unless_asked_or_without_a_limit(monkeypatch):
     program = _Program(free=GIB)
     monkeypatch.setattr(measure, "ballast", lambda *a: pytest.fail("probed"))
-    assert measure.run_program(program, 1, []).headroom_bytes == -1
     # a runtime with no statistics (the CPU's: bytes_limit 0) cannot be probed
     assert measure.run_program(program, 1, [], probe_headroom=True).headroom_bytes == -1
+    # a chip's, unasked: no probe
+    monkeypatch.setattr(measure, "memory_peak", lambda devices: (GIB, 16 * GIB))
+    assert measure.run_program(program, 1, ["chip"]).headroom_bytes == -1
 
 
 def test_the_table_sets_the_probed_headroom_beside_the_predicted_one():

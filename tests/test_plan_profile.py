@@ -179,15 +179,27 @@ def test_the_profile_option_lands_in_the_run_of_the_planned_program(monkeypatch,
     """``PlanOptions.profile_dir`` (``--profile``) and ``probe_headroom``
     (``--probe-headroom``) reach ``run_program``, with the steps and the program the plan
     built (the chips and the compile stood in for: no TPU here)."""
+    from posttrain import sharding
     from posttrain.plan import compile as plan_compile
     from posttrain.plan.options import PlanOptions
 
-    program, seen = object(), []
-    monkeypatch.setattr(measure, "chip_devices", lambda topo: ["chip"])
-    monkeypatch.setattr(
-        plan_compile, "build_programs", lambda options, topo: (None, {"train step": program}, None)
-    )
-    monkeypatch.setattr(measure, "run_program", lambda *args: seen.append(args) or "measured")
+    program, seen, mesh = object(), [], sharding.make_mesh()
+
+    def chips(topo):
+        seen.append(("chips", topo.name))
+        return ["chip"]
+
+    def build(given, topo):
+        seen.append(("build", given is options, topo.name))
+        return None, {"train step": program}, mesh
+
+    def run(*args):
+        seen.append(("run", *args, sharding.current().mesh is mesh))
+        return "measured"
+
+    monkeypatch.setattr(measure, "chip_devices", chips)
+    monkeypatch.setattr(plan_compile, "build_programs", build)
+    monkeypatch.setattr(measure, "run_program", run)
     options = PlanOptions(
         model="qwen3-tiny",
         topology="v5e-1",
@@ -196,7 +208,11 @@ def test_the_profile_option_lands_in_the_run_of_the_planned_program(monkeypatch,
         probe_headroom=probe,
     )
     assert measure.measure(options) == "measured"
-    assert seen == [(program, 3, ["chip"], "/tmp/somewhere", probe)]
+    assert seen == [
+        ("chips", "v5e-1"),
+        ("build", True, "v5e-1"),
+        ("run", program, 3, ["chip"], "/tmp/somewhere", probe, True),  # under the mesh
+    ]
 
 
 def _many(count: int = 45) -> dict:

@@ -119,8 +119,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_vision_bidirectional.py",
         "tests/test_rope.py",
     ],
-    # #58: the Family / HFOracle records apart from the registry (its tiny and layouts)
-    "src/posttrain/families/family.py": ["tests/test_families.py"],
+    "src/posttrain/families/family.py": ["tests/test_families.py"],  # #58: apart from the registry
     # the tower's rows and config.json reader/writer: parity and the bit-exact round trip
     "src/posttrain/families/gemma4_vision.py": [
         "tests/test_vision.py",
@@ -226,7 +225,12 @@ TARGETS: dict[str, list[str]] = {
         _NO_COMPILE,
     ],
     # --run-steps: the checks of the chips and a real run of a tiny step on the CPU
-    "src/posttrain/plan/measure.py": ["tests/test_plan_chip.py", "tests/test_plan_measure.py"],
+    "src/posttrain/plan/measure.py": [
+        "tests/test_plan_chip.py",
+        "tests/test_plan_measure.py",
+        "tests/test_plan_headroom.py",
+        "tests/test_plan_profile.py",
+    ],
     "src/posttrain/plan/profile.py": ["tests/test_plan_profile.py"],
     "src/posttrain/plan/headroom.py": ["tests/test_plan_headroom.py"],
     "src/posttrain/models/params.py": [
@@ -382,7 +386,6 @@ TARGETS: dict[str, list[str]] = {
     # reliability of the inputs and faults (#40)
     "src/posttrain/limits.py": ["tests/test_generate_inputs.py"],
     "src/posttrain/commands/generate_inputs.py": ["tests/test_generate_inputs.py"],
-    # check_output_file moved here from generate_inputs (a cycle plan.options -> commands)
     "src/posttrain/atomic.py": [
         "tests/test_atomic.py",
         "tests/test_generate_inputs.py",
