@@ -312,3 +312,65 @@ def test_a_step_the_chip_cannot_hold_is_a_measurement_and_other_errors_are_not()
         measure.run_program(_Program(1, "INTERNAL: something else"), 2, [])
     ran = measure.run_program(_Program(0, ""), 3, [])
     assert ran.fits and ran.steps == 3 and ran.error == "" and ran.peak_bytes == 0
+
+
+def _rows(table: str) -> dict[str, list[str]]:
+    return {c[0]: c[1:] for c in (re.split(r"\s{2,}", r) for r in table.splitlines()[1:])}
+
+
+def test_the_chips_table_sets_each_prediction_beside_its_measurement_with_the_error():
+    """Every row of ``against_the_chip`` computed here from the donated record: the peak
+    and HBM with their signed errors, the verdict, and the step rows (floor at or below,
+    the estimate's and MFU's errors, the step count with the first step's seconds)."""
+    record = DONATED[0]
+    v5e = topology.get(record["topology"])
+    figures, measured = _figures(record), measure.Measured(**record["measured"])
+    verdict = report.judge(figures, v5e)
+    rows = _rows(report.against_the_chip(figures, verdict, measured, v5e))
+    step = measured.step_seconds
+    mfu = figures.model_flops / (step * v5e.chip.peak_flops * v5e.chips)
+
+    def err(a, b):
+        return f"{(a - b) / b:+.1%}"
+
+    assert rows["peak per device"] == [
+        report.gib(figures.peak),
+        report.gib(measured.peak_bytes),
+        err(figures.peak, measured.peak_bytes),
+    ]
+    assert rows["HBM per chip"] == [report.gib(v5e.hbm_bytes)] * 2 + ["+0.0%"]
+    assert rows["verdict"] == ["fits", "ran"]
+    ms = f"{step * 1e3:.1f} ms"
+    assert rows["floor"] == [f"{verdict.floor_seconds * 1e3:.1f} ms", ms, "at or below"]
+    assert rows["step"] == [
+        f"{verdict.estimate_seconds * 1e3:.1f} ms",
+        ms,
+        err(verdict.estimate_seconds, step),
+    ]
+    assert rows["MFU"] == [f"{verdict.mfu:.1%}", f"{mfu:.1%}", err(verdict.mfu, mfu)]
+    assert rows["steps"] == [f"5 (first {measured.first_step_seconds:.1f} s)"]
+    assert "headroom (probed)" not in rows
+
+
+def test_a_step_under_the_floor_and_a_refused_run_say_so():
+    record = DONATED[0]
+    v5e = topology.get(record["topology"])
+    figures = _figures(record)
+    verdict = report.judge(figures, v5e)
+    fast = measure.Measured(**{**record["measured"], "step_seconds": verdict.floor_seconds / 2})
+    assert _rows(report.against_the_chip(figures, verdict, fast, v5e))["floor"][-1] == (
+        "ABOVE the step"
+    )
+    refused = measure.Measured(
+        steps=0,
+        step_seconds=0.0,
+        first_step_seconds=0.0,
+        peak_bytes=0,
+        bytes_limit=v5e.hbm_bytes,
+        fits=False,
+        error="RESOURCE_EXHAUSTED: out of memory " + "x" * 100,
+    )
+    rows = _rows(report.against_the_chip(figures, verdict, refused, v5e))
+    assert rows["verdict"] == ["fits", f"refused ({refused.error[:80]})"]
+    assert rows["peak per device"][-1] == "-"  # no error of a zero
+    assert not {"floor", "step", "MFU", "steps"} & set(rows)
