@@ -221,10 +221,10 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/plan/report.py": [
         "tests/test_plan.py",
         "tests/test_plan_chip.py",
+        "tests/test_plan_headroom.py",
         "-k",
         _NO_COMPILE,
     ],
-    # --run-steps: the checks of the chips and a real run of a tiny step on the CPU
     "src/posttrain/plan/measure.py": [
         "tests/test_plan_chip.py",
         "tests/test_plan_measure.py",
