@@ -374,3 +374,29 @@ def test_a_step_under_the_floor_and_a_refused_run_say_so():
     assert rows["verdict"] == ["fits", f"refused ({refused.error[:80]})"]
     assert rows["peak per device"][-1] == "-"  # no error of a zero
     assert not {"floor", "step", "MFU", "steps"} & set(rows)
+
+
+def test_the_chips_table_edges_header_verdict_floor_slices_and_a_zero_probe():
+    """The header names the columns (its first cell blank); a plan that does not fit says
+    so; a step exactly at the floor is at or below it; the measured MFU divides by every
+    chip of the slice; a probe that found no room still gets its row (0 bytes)."""
+    record = DONATED[0]
+    figures = _figures(record)
+    v5e4 = topology.get("v5e-4")
+    verdict = report.judge(figures, v5e4)
+    at_floor = measure.Measured(
+        **{**record["measured"], "step_seconds": verdict.floor_seconds, "headroom_bytes": 0}
+    )
+    table = report.against_the_chip(figures, verdict, at_floor, v5e4)
+    header = table.splitlines()[0]
+    assert header.startswith(" ") and header.split() == ["predicted", "measured", "error"]
+    rows = _rows(table)
+    assert rows["floor"][-1] == "at or below"
+    mfu = figures.model_flops / (verdict.floor_seconds * v5e4.chip.peak_flops * 4)
+    assert rows["MFU"][1] == f"{mfu:.1%}"
+    assert rows["headroom (probed)"][1] == "0.0 MiB"
+    over = dataclasses.replace(figures, temporaries=20 * 2**30)
+    refused = report.judge(over, v5e4)
+    assert _rows(report.against_the_chip(over, refused, at_floor, v5e4))["verdict"][0] == (
+        "does NOT fit"
+    )
