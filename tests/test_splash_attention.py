@@ -78,10 +78,13 @@ def _packed_mask(batch: int, seq: int = SEQ) -> tuple[np.ndarray, np.ndarray]:
 MASKS = {"causal": None, "padding": _padding_mask, "packed": _packed_mask}
 
 
-def _compiled(cfg, mask, valid, batch, mesh=None, seq=SEQ):
+def _compiled(cfg, mask, valid, batch, mesh=None, seq=SEQ, device=None):
     """A tiny model's loss and gradient (built on ``mesh`` and compiled under it, if one
-    is given), compiled, and its parameters."""
+    is given; its parameters moved onto ``device``, if one is given), compiled, and its
+    parameters."""
     model = build_model(cfg, mesh, seed=3)
+    if device is not None:  # build_model places a small model on jax.devices()[0]
+        nnx.update(model, jax.device_put(nnx.state(model), device))
     graph, params, rest = nnx.split(model, nnx.Param, ...)
     tokens = jax.random.randint(jax.random.key(5), (batch, seq), 0, cfg.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(seq), tokens.shape)
@@ -96,9 +99,12 @@ def _compiled(cfg, mask, valid, batch, mesh=None, seq=SEQ):
         return step.lower(params).compile(), params
 
 
-def _logits_grads(cfg, mask, valid, batch, mesh=None, seq=SEQ):
-    step, params = _compiled(cfg, mask, valid, batch, mesh, seq)
+def _logits_grads(cfg, mask, valid, batch, mesh=None, seq=SEQ, device=None):
+    step, params = _compiled(cfg, mask, valid, batch, mesh, seq, device)
     (_, logits), grads = step(params)
+    if device is not None:
+        ran_on = {d for leaf in [logits, *jax.tree.leaves(grads)] for d in leaf.devices()}
+        assert ran_on == {device}, f"the reference ran on {ran_on}, not on {device}"
     logits = np.where(valid[..., None], np.asarray(logits), 0.0)
     return logits, [np.asarray(g, np.float32) for g in jax.tree.leaves(grads)]
 
@@ -118,8 +124,9 @@ def _host_reference(cfg, mask, valid, batch):
     is the host's; splash on the chip must be as close to it as the chip's XLA path is."""
     if jax.default_backend() == "cpu":
         return None
-    with jax.default_device(jax.devices("cpu")[0]):
-        return _logits_grads(cfg, mask, valid, batch)
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return _logits_grads(cfg, mask, valid, batch, device=cpu)
 
 
 def _check_equal(preset, case, dtype, batch=4):
