@@ -409,3 +409,25 @@ def test_orbax_single_replica_saves_slice_nothing_and_restore_the_same(tmp_path,
         np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(state["w"]))
         assert got["w"].sharding.is_equivalent_to(spec, 2)
     manager.close()
+
+
+@pytest.mark.contract("jax.stages.Compiled.memory_analysis")
+def test_jax_memory_analysis_has_the_fields_the_plan_reads_and_a_live_peak_within_them():
+    """``Compiled.memory_analysis()`` (XLA's CompiledMemoryStats) has every field
+    ``posttrain.plan.report.MEMORY_FIELDS`` reads, and its ``peak_memory_in_bytes`` (the
+    plan's peak, issue 54) counts the arguments: at least them, at most arguments +
+    outputs + temporaries (every buffer live at once)."""
+    from posttrain.plan import report
+
+    def step(x, w):
+        h = jnp.tanh(x @ w)
+        return jnp.sin(h @ w) @ h.T
+
+    x, w = jnp.ones((256, 512)), jnp.ones((512, 512))
+    memory = jax.jit(step).lower(x, w).compile().memory_analysis()
+    figures = report.memory_of(jax.jit(step).lower(x, w).compile())
+    assert set(figures) == set(report.MEMORY_FIELDS)
+    assert figures["live_peak"] == memory.peak_memory_in_bytes
+    assert figures["arguments"] == x.nbytes + w.nbytes
+    everything = figures["arguments"] + figures["outputs"] + figures["temporaries"]
+    assert figures["arguments"] <= figures["live_peak"] <= everything, figures

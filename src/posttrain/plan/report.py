@@ -3,13 +3,18 @@
 Per-device bytes come from the compiler (``Compiled.memory_analysis()``: arguments,
 outputs, aliased outputs, temporaries) and, by kind, from the shardings of the
 abstract arguments (parameters, optimizer state, inputs, KV cache) and of the trained
-parameters (gradients, which live among the temporaries). The peak estimate is XLA's:
-``arguments + outputs - aliased + temporaries`` (what MaxText's ``train_compile.py``
-prints as the total), plus what the workflow keeps on the device outside the program
-(``resident``: DPO's reference while the policy trains, GRPO's optimizer state while it
-samples), against the chip's HBM. A workflow of several programs (DPO: the train step
-and the reference forward; GRPO: the rollout, the reference forward and the train step)
-fits when each of them does (:func:`judge_stages`).
+parameters (gradients, which live among the temporaries). The peak estimate is XLA's
+peak of live buffers (``peak_memory_in_bytes``, its heap simulation of the program:
+arguments included, temporaries only while they live), plus what the workflow keeps on
+the device outside the program (``resident``: DPO's reference while the policy trains,
+GRPO's optimizer state while it samples), against the chip's HBM. Not the sum
+``arguments + outputs - aliased + temporaries`` (MaxText's ``train_compile.py`` total,
+this plan's before issue 54): on a lent v5e that sum was 19-20% above the donated SFT
+step's ``peak_bytes_in_use`` and the headroom a ballast probe found
+(:mod:`posttrain.plan.headroom`), where the live peak was 1.1-1.7% below (docs/scale.md).
+The sum stays the estimate where the compiler reports no live peak (0). A workflow of
+several programs (DPO: the train step and the reference forward; GRPO: the rollout, the
+reference forward and the train step) fits when each of them does (:func:`judge_stages`).
 
 Time (Williams et al. 2009, "Roofline"), per device:
 
@@ -71,6 +76,9 @@ class Figures:
         shallow unscanned compiles they were extrapolated from).
       resident: bytes the workflow holds on the device outside this program's arguments
         (other models, the optimizer state while sampling), computed from shardings.
+      live_peak: ``memory_analysis().peak_memory_in_bytes``, the most bytes the program's
+        live buffers (its arguments among them) hold at once; 0 where the compiler gives
+        none (records from before it was kept).
     """
 
     arguments: int
@@ -85,10 +93,14 @@ class Figures:
     compile_seconds: float
     cost_source: str = "compiled"
     resident: int = 0
+    live_peak: int = 0
 
     @property
     def peak(self) -> int:
-        """Estimated peak bytes: arguments + outputs - aliased + temporaries + resident."""
+        """Estimated peak bytes: the live peak + resident; without a live peak, arguments
+        + outputs - aliased + temporaries + resident (module docstring)."""
+        if self.live_peak > 0:
+            return self.live_peak + self.resident
         return self.arguments + self.outputs - self.aliased + self.temporaries + self.resident
 
 
@@ -99,6 +111,7 @@ MEMORY_FIELDS: dict[str, str] = {
     "aliased": "alias_size_in_bytes",
     "temporaries": "temp_size_in_bytes",
     "code": "generated_code_size_in_bytes",
+    "live_peak": "peak_memory_in_bytes",
 }
 
 
@@ -270,6 +283,7 @@ def stages_table(
         ("arguments (compiled)", per(lambda f: gib(f.arguments))),
         ("temporaries (compiled)", per(lambda f: gib(f.temporaries))),
         ("outputs - aliased", per(lambda f: gib(f.outputs - f.aliased))),
+        ("live buffers at peak", per(lambda f: gib(f.live_peak) if f.live_peak else "-")),
     ]
     if any(f.resident for f in stages.values()):
         rows.append(("held outside it", per(lambda f: gib(f.resident))))
@@ -332,7 +346,7 @@ def against_the_chip(figures: Figures, verdict: Verdict, measured, topology: Top
     # the executable the steps ran, as the chips' compiler sized it: tells a compile that
     # differs from the plan's apart from a runtime that holds less than its program
     compiled = measured.compiled
-    for name in MEMORY_FIELDS if compiled else ():
+    for name in [n for n in MEMORY_FIELDS if n in compiled] if compiled else ():
         predicted, actual = getattr(figures, name), compiled[name]
         rows.append(
             (f"{name} (chip's compile)", gib(predicted), gib(actual), _error(predicted, actual))
