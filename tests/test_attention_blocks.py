@@ -141,6 +141,7 @@ def test_a_model_that_sees_images_bidirectionally_attends_in_one_block(monkeypat
     assert build_model(get_config("llama3-tiny"), seed=0).model.layers[0].self_attn.causal
 
 
+@pytest.mark.slow  # 14 s; the gate keeps a context-sharded forward (test_splash_attention's)
 @pytest.mark.devices(8)
 def test_a_sharded_sequence_keeps_its_queries_and_tokens_whole(monkeypatch):
     """With the sequence split over ``context``, neither form applies (each would reshard

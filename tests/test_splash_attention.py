@@ -318,6 +318,7 @@ def test_a_sequence_sharded_over_context_falls_back_to_the_xla_path():
     np.testing.assert_allclose(logits["splash_interpret"], logits["xla"], rtol=0, atol=0)
 
 
+@pytest.mark.slow  # 14 s of interpret mode; the gate keeps splash against XLA on two masks
 def test_a_mask_segment_ids_cannot_express_gives_nan():
     """An example whose mask is no causal x segment mask (a key hidden from one query
     only) gets NaN logits; the other example is unchanged."""
@@ -330,6 +331,7 @@ def test_a_mask_segment_ids_cannot_express_gives_nan():
     np.testing.assert_allclose(got[0], want[0], rtol=0, atol=FP32_TOL * np.abs(want[0]).max())
 
 
+@pytest.mark.slow  # 18 s of interpret mode; the gate keeps splash against XLA on two masks
 def test_a_sequence_off_the_block_is_padded():
     """T = 100 (not a multiple of 128): padded to a block inside the kernel, same logits."""
     cfg = get_config("gpt_oss-tiny")
