@@ -105,6 +105,17 @@ def test_a_program_exactly_the_size_of_hbm_fits_and_an_empty_one_has_no_mfu():
     assert empty.floor_seconds == pytest.approx(13 * topology.GIB / 2765e9)
 
 
+@pytest.mark.parametrize("live", [1, 7 * topology.GIB], ids=["one-byte", "7GiB"])
+def test_the_peak_is_the_live_peak_plus_what_is_held_outside_else_the_sum(live):
+    """With a live peak (XLA's ``peak_memory_in_bytes``, any positive size) the peak is it
+    plus ``resident``, whatever the temporaries; without one (0, a record from before it
+    was kept), arguments + outputs - aliased + temporaries + resident."""
+    held = 3 * topology.GIB
+    assert _figures(live_peak=live, resident=held).peak == live + held
+    assert _figures(live_peak=live, temporaries=50 * topology.GIB).peak == live
+    assert _figures(resident=held).peak == (16 + 3) * topology.GIB  # 10 + 3 - 2 + 5 + 3
+
+
 def test_verdict_headroom_and_mfu():
     v5p = topology.get("v5p-8")  # 4 chips, 95 GiB each
     figures = _figures()
