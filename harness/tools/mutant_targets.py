@@ -237,15 +237,15 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_model_host_init.py",
         "tests/test_loaders.py",
     ],
-    # #58's split of decoder.py: each layer type's RoPE tables and mask, with and without
-    # a cache: the sliding-window families against HF, the cached decode (past the window)
-    # against the full forward, splash's mask against the XLA path, images seen both ways
+    # #58's decoder split: RoPE tables and masks, cached or not: sliding windows against HF,
+    # cached decodes against the full forward, splash against XLA, images (cached too)
     "src/posttrain/models/layer_inputs.py": [
         "tests/test_conversion_parity.py::test_converted_logits_match_transformers",
         "tests/test_generate.py::test_incremental_decoding_equals_the_full_forward",
         "tests/test_generate.py::test_a_cached_prefill_longer_than_the_window_then_decoding",
         "tests/test_splash_attention.py",
         "tests/test_vision_bidirectional.py",
+        "tests/test_vision_generate.py::test_cached_generation_with_an_image_equals_the_uncached_greedy_loop",
     ],
     "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     # #55: the remat x batch search, against fake planners (and one real v5e search)
