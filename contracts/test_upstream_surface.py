@@ -424,8 +424,8 @@ def test_jax_memory_analysis_has_the_fields_the_plan_reads_and_a_live_peak_withi
         return jnp.sin(h @ w) @ h.T
 
     x, w = jnp.ones((256, 512)), jnp.ones((512, 512))
-    memory = jax.jit(step).lower(x, w).compile().memory_analysis()
-    figures = report.memory_of(jax.jit(step).lower(x, w).compile())
+    compiled = jax.jit(step).lower(x, w).compile()
+    memory, figures = compiled.memory_analysis(), report.memory_of(compiled)
     assert set(figures) == set(report.MEMORY_FIELDS)
     assert figures["live_peak"] == memory.peak_memory_in_bytes
     assert figures["arguments"] == x.nbytes + w.nbytes

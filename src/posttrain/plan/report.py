@@ -346,7 +346,7 @@ def against_the_chip(figures: Figures, verdict: Verdict, measured, topology: Top
     # the executable the steps ran, as the chips' compiler sized it: tells a compile that
     # differs from the plan's apart from a runtime that holds less than its program
     compiled = measured.compiled
-    for name in [n for n in MEMORY_FIELDS if n in compiled] if compiled else ():
+    for name in [n for n in MEMORY_FIELDS if n in compiled]:  # records before a field: none
         predicted, actual = getattr(figures, name), compiled[name]
         rows.append(
             (f"{name} (chip's compile)", gib(predicted), gib(actual), _error(predicted, actual))
