@@ -415,8 +415,8 @@ def test_orbax_single_replica_saves_slice_nothing_and_restore_the_same(tmp_path,
 def test_jax_memory_analysis_has_the_fields_the_plan_reads_and_a_live_peak_within_them():
     """``Compiled.memory_analysis()`` (XLA's CompiledMemoryStats) has every field
     ``posttrain.plan.report.MEMORY_FIELDS`` reads, and its ``peak_memory_in_bytes`` (the
-    plan's peak, issue 54) counts the arguments: at least them, at most arguments +
-    outputs + temporaries (every buffer live at once)."""
+    plan's peak, issue 54) counts the arguments: at least them, and on the CPU at most
+    arguments + outputs + temporaries (every buffer live at once)."""
     from posttrain.plan import report
 
     def step(x, w):
@@ -429,5 +429,10 @@ def test_jax_memory_analysis_has_the_fields_the_plan_reads_and_a_live_peak_withi
     assert set(figures) == set(report.MEMORY_FIELDS)
     assert figures["live_peak"] == memory.peak_memory_in_bytes
     assert figures["arguments"] == x.nbytes + w.nbytes
-    everything = figures["arguments"] + figures["outputs"] + figures["temporaries"]
-    assert figures["arguments"] <= figures["live_peak"] <= everything, figures
+    assert figures["arguments"] <= figures["live_peak"], figures
+    if jax.default_backend() == "cpu":  # XLA:CPU's heap simulation: every buffer at most
+        everything = figures["arguments"] + figures["outputs"] + figures["temporaries"]
+        assert figures["live_peak"] <= everything, figures
+    # On the v5e (the tier, 2026-12-06) this step's peak was 3 MiB beside 1.5 MiB of
+    # arguments, 0.25 MiB of outputs and no temporaries: the TPU's figure is not bounded by
+    # the sum. What it is worth there is checked against the runtime (tests/test_plan_chip.py).

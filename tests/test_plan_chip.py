@@ -185,9 +185,14 @@ def test_the_run_reports_the_memory_analysis_of_the_executable_it_ran():
     assert set(measured.compiled) == set(report.MEMORY_FIELDS)
     assert measured.compiled == {name: getattr(planned, name) for name in report.MEMORY_FIELDS}
     state = sum(v for k, v in program.kinds.items() if k != "gradients")
-    assert measured.compiled["arguments"] == state  # the model, its optimizer, the batch
+    # the model, its optimizer, the batch: to the byte on the CPU; a TPU pads each
+    # array to its tiles (the v5e tier: 1,750,016 bytes for these 1,104,076)
+    if jax.default_backend() == "cpu":
+        assert measured.compiled["arguments"] == state
+        assert measured.compiled["temporaries"] > 0  # a TPU kept this step's at 0 bytes
+    assert measured.compiled["arguments"] >= state
     assert measured.compiled["aliased"] > 0  # the model and optimizer donated
-    assert measured.compiled["temporaries"] > 0
+    assert measured.compiled["live_peak"] >= measured.compiled["arguments"]
     v5e = topology.get("v5e-1")
     table = report.against_the_chip(planned, report.judge(planned, v5e), measured, v5e)
     rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", r) for r in table.splitlines())}

@@ -225,5 +225,6 @@ def test_only_a_deviceless_compile_turns_the_compilation_cache_off(
     )
     options = PlanOptions(model="qwen3-tiny", topology="v5e-1", run_steps=run_steps)
     _, stages = plan_compile.compile_stages(options)
-    assert stages["step"].temporaries > 0  # it compiled
+    # it compiled (a TPU keeps this tiny step's temporaries at 0 bytes: not a witness)
+    assert stages["step"].arguments > 0 and stages["step"].live_peak >= stages["step"].arguments
     assert entered == ([True] if cache_off else [])
