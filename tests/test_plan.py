@@ -123,12 +123,37 @@ def test_verdict_headroom_and_mfu():
     assert figures.peak == 16 * topology.GIB  # 10 + 3 - 2 + 5
     assert verdict.fits and verdict.headroom == (95 - 16) * topology.GIB
     assert verdict.bound == "compute" and verdict.floor_seconds == pytest.approx(0.01)
-    # v5p is uncalibrated (step_scale 1): the estimate is the compiled costs' roofline
+    # v5p is uncalibrated (flop_efficiency and hbm_share 1): the compiled costs' roofline
     assert verdict.estimate_seconds == pytest.approx(0.01)
     # model FLOPs / (estimate x peak x chips) = 4 x 4.59e12 / (0.01 x 459e12 x 4)
     assert verdict.mfu == pytest.approx(1.0)
     over = report.judge(_figures(temporaries=85 * topology.GIB), v5p)
     assert not over.fits and over.headroom == -topology.GIB
+
+
+def test_a_calibrated_chip_runs_flops_at_its_efficiency_and_bytes_at_its_share():
+    """v5e (measured: FLOPs at 0.42 of 197e12, 0.70 of the accessed bytes at 819e9 B/s):
+    the estimate is the larger term, named by ``bound``; the floor keeps every FLOP at
+    peak; the MFU is model FLOPs over the estimate at peak."""
+    v5e = topology.get("v5e-1")
+    compute = report.judge(_figures(flops=197e12 * 0.42, bytes_accessed=819e9), v5e)
+    assert compute.bound == "compute" and compute.estimate_seconds == pytest.approx(1.0)
+    assert compute.floor_seconds == pytest.approx(0.42)
+    assert compute.mfu == pytest.approx(4.59e12 * 4 / 197e12)
+    memory = report.judge(_figures(flops=1e12, bytes_accessed=819e9 * 2), v5e)
+    assert memory.bound == "memory" and memory.estimate_seconds == pytest.approx(1.4)
+    assert "FLOPs at 0.42 of peak, measured on a v5e" in report.calibration(v5e)
+    assert (
+        report.calibration(topology.get("v5p-8")) == "uncalibrated: no chip of this kind measured"
+    )
+
+
+@pytest.mark.parametrize("efficiency", [0.0, -0.1, 1.01])
+def test_a_chip_refuses_an_efficiency_outside_0_to_1(efficiency):
+    with pytest.raises(ValueError, match=f"got flop_efficiency={efficiency}"):
+        dataclasses.replace(topology.CHIPS["v5e"], flop_efficiency=efficiency)
+    with pytest.raises(ValueError, match="every figure must be > 0"):
+        dataclasses.replace(topology.CHIPS["v5e"], hbm_share=0.0)
 
 
 def test_overflow_line_names_the_overflow_and_the_knobs():
@@ -423,7 +448,8 @@ def test_a_splash_plan_compiles_the_mosaic_kernel_for_a_v5e_deviceless():
     assert "tpu_custom_call" in text  # forward, dq, dkv (under remat, the forward again)
     result = plan(options)
     assert "remat full, splash attention" in result.what, result.what
-    assert result.verdict.fits and result.figures.flops > 0
+    assert result.verdict.fits and result.figures.flops > step.uncounted[0] > 0
+    assert "splash's kernels analytic" in result.figures.cost_source
     assert result.record()["options"]["attention_kernel"] == "splash"
 
 

@@ -195,6 +195,17 @@ _SCALE: tuple[Figure, ...] = (
         _PLAN_CELLS,
         also=("README.md",),
     ),
+    # the plan's estimate against the v5e's steps, line by line (tests/plan_chip_table.py)
+    *(
+        Figure("docs/scale.md", r"tests\.plan_chip_table", rf"^(\| {re.escape(o)} \| .*)$")
+        for o in (
+            "--per-device-batch-size 4 --seq 2048 --remat full",
+            "--per-device-batch-size 2 --seq 2048 --remat full",
+            "--lora-rank 16 --per-device-batch-size 4 --seq 2048 --remat full",
+            "--seq 2048 --per-device-batch-size 4 --attention-kernel splash --remat save_dots",
+            "--seq 2048 --per-device-batch-size 4 --remat full",
+        )
+    ),
     # the fits section as the committed file has it, line by line
     *(Figure("docs/scale.md", _FITS, rf"^(\| {re.escape(s)} \| .*)$") for s in _SEEDS),
     *(

@@ -47,9 +47,9 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_conversion_parity.py::test_config_variants_match_transformers",
         "tests/test_config_sensitivity.py",
     ],
-    # splash attention (#55): its equality with the XLA path in interpret mode (the slow
-    # tier's every family, mask and dtype), the NaN on an inexpressible mask, the refusal
+    # splash (#55): equal to XLA interpreted, the NaN mask, the refusal; its costs (#54)
     "src/posttrain/layers/splash.py": ["tests/test_splash_attention.py"],
+    "src/posttrain/layers/splash_costs.py": ["tests/test_splash_costs.py"],
     # the attention's values come from HF parity (every family, the config variants, each
     # quirk switched off), the field perturbations and the cached decode; test_models and
     # test_bf16 only for what parity cannot see (stage scopes, logical axes, sharding

@@ -22,10 +22,10 @@ Time (Williams et al. 2009, "Roofline"), per device:
   runs faster (every FLOP at peak; the state read and written once). Not
   ``cost_analysis()``'s bytes accessed, which counts traffic that stays on the chip: on
   a v5e its roofline read 639.5 ms for a step that ran in 556 ms (issue 54);
-- the estimate, the chip's ``step_scale`` (measured on it,
-  :attr:`~posttrain.plan.topology.Chip.step_scale`) x ``max(FLOPs / peak, bytes accessed
-  / bandwidth)``, and the MFU it implies: the step's model FLOPs
-  (:class:`posttrain.plan.steps.Program`) over ``estimate x peak x chips``.
+- the estimate, ``max(FLOPs / (peak x flop_efficiency), bytes accessed x hbm_share /
+  bandwidth)``, the chip's efficiencies measured (:class:`~posttrain.plan.topology.Chip`),
+  and its MFU: the model FLOPs (:class:`~posttrain.plan.steps.Program`) over ``estimate x
+  peak x chips``.
 """
 
 from __future__ import annotations
@@ -150,11 +150,10 @@ class Verdict:
       headroom: HBM - peak, bytes (negative: the overflow).
       floor_seconds: the step-time floor (no step runs faster).
       mfu: model FLOPs / (estimate x peak FLOP/s x chips).
-      bound: ``compute`` or ``memory``: which term of the compiled costs' roofline is the
-        larger (of a workflow: the slowest program's).
+      bound: ``compute`` or ``memory``: which term of the estimate is the larger (of a
+        workflow: the slowest program's).
       stage: the program with the least headroom (a workflow of several), else ``""``.
-      estimate_seconds: the estimated step time (``step_scale`` x the compiled costs'
-        roofline).
+      estimate_seconds: the estimated step time (module docstring).
     """
 
     fits: bool
@@ -189,8 +188,10 @@ def floor(figures: Figures, topology: Topology) -> float:
 def judge(figures: Figures, topology: Topology) -> Verdict:
     """The :class:`Verdict` of ``figures`` on ``topology``."""
     headroom = topology.hbm_bytes - figures.peak
-    costs, bound = roofline(figures.flops, figures.bytes_accessed, topology)
-    estimate = costs * topology.chip.step_scale
+    chip = topology.chip
+    compute = figures.flops / (chip.peak_flops * chip.flop_efficiency)
+    memory = figures.bytes_accessed * chip.hbm_share / chip.hbm_bandwidth
+    estimate, bound = (compute, "compute") if compute >= memory else (memory, "memory")
     denominator = estimate * topology.chip.peak_flops * topology.chips
     mfu = figures.model_flops / denominator if denominator > 0 else 0.0
     return Verdict(
@@ -241,10 +242,9 @@ def overflow_line(peak: int, topology: Topology, what: str, advice: str = KNOBS)
 
 
 def calibration(topology: Topology) -> str:
-    """Where the step estimate's scale comes from, in a few words."""
-    chip = topology.chip
-    if chip.step_scale_source:
-        return f"x {chip.step_scale:.2f}, measured on a {chip.name}"
+    """Where the step estimate's efficiencies come from, in a few words."""
+    if (chip := topology.chip).calibration_source:
+        return f"FLOPs at {chip.flop_efficiency:.2f} of peak, measured on a {chip.name}"
     return "uncalibrated: no chip of this kind measured"
 
 

@@ -4,8 +4,8 @@ policies and per-device batch sizes, by compiling each candidate for the slice.
 For each policy of :data:`REMATS` the per-device batch doubles from 1 up to
 ``search_max_batch`` and stops at the first that does not fit (a larger batch needs at
 least as much memory). Each candidate is a whole :func:`posttrain.plan.plan`: its peak
-decides whether it fits, its estimate (the compiled costs' roofline x the chip's measured
-``step_scale``, :func:`posttrain.plan.report.judge`) how fast it runs. The fastest is the
+decides whether it fits, its estimate (the compiled costs at the chip's measured
+efficiencies, :func:`posttrain.plan.report.judge`) how fast it runs. The fastest is the
 one with the most rows per second (per-device rows x data-parallel devices / estimate);
 a tie goes to the smaller peak.
 

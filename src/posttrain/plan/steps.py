@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from posttrain import generate, sharding
 from posttrain.config import choices
-from posttrain.layers import kv_cache
+from posttrain.layers import kv_cache, splash_costs
 from posttrain.plan import abstract
 from posttrain.plan.options import Optimizer
 from posttrain.training import chunked_loss
@@ -58,7 +58,9 @@ class Program:
         (:attr:`posttrain.plan.report.Figures.resident`).
       uncounted: ``(FLOPs, bytes accessed)`` per device the compiled costs leave out: what
         a while loop's cost counts once (the decode steps after the first; the SFT loss's
-        chunks after the first, :func:`posttrain.training.chunked_loss.uncounted_costs`).
+        chunks after the first, :func:`posttrain.training.chunked_loss.uncounted_costs`),
+        and custom calls as none (splash attention's kernels,
+        :func:`posttrain.layers.splash_costs.uncounted_costs`).
       cost_source: the figures' ``cost_source`` when ``uncounted`` is not zero.
     """
 
@@ -171,16 +173,16 @@ def sft_program(
         n = abstract.active_matmul_params(trainer.model)
         per_token = 2 * n * (2 if trainer._lora_enabled else 3)
         flops = per_token * batch * seq
-        uncounted = chunked_loss.uncounted_costs(
-            trainer.model.config,
-            batch,
-            seq,
-            dict(mesh.shape),
-            rules,
-            head_trained=not trainer._lora_enabled,
+        cfg, mesh_shape = trainer.model.config, dict(mesh.shape)
+        loss = chunked_loss.uncounted_costs(
+            cfg, batch, seq, mesh_shape, rules, head_trained=not trainer._lora_enabled
         )
+        kernel = splash_costs.uncounted_costs(cfg, batch, seq, mesh_shape, rules, backward=True)
+        uncounted = (loss[0] + kernel[0], loss[1] + kernel[1])
         args = (trainer.model, trainer.optimizer, inputs)
         source = "compiled, the loss's chunks after the first analytic"
+        if kernel[0]:
+            source += ", splash's kernels analytic"
         return Program(jitted, args, {}, kinds, flops, uncounted=uncounted, cost_source=source)
     finally:
         trainer.abandon()

@@ -31,10 +31,11 @@ class Chip:
       peak_flops: peak dense bf16 FLOP/s per chip.
       hbm_bandwidth: HBM bandwidth per chip, bytes/s.
       source: the page the figures are from.
-      step_scale: measured step time over the roofline of the compiled costs
-        (``max(FLOPs / peak, bytes accessed / bandwidth)``) on this chip, by which a plan
-        estimates its step time; 1.0 where no chip was measured.
-      step_scale_source: the measurement behind ``step_scale`` ("" when uncalibrated).
+      flop_efficiency: the fraction of ``peak_flops`` a compiled step's FLOPs run at on
+        this chip, measured; 1.0 where no chip was measured.
+      hbm_share: HBM bytes moved per byte ``cost_analysis()`` counts as accessed (it
+        counts operands a fusion keeps on the chip), measured; 1.0 where none was.
+      calibration_source: the measurement behind both ("" when uncalibrated).
     """
 
     name: str
@@ -42,12 +43,17 @@ class Chip:
     peak_flops: float
     hbm_bandwidth: float
     source: str
-    step_scale: float = 1.0
-    step_scale_source: str = ""
+    flop_efficiency: float = 1.0
+    hbm_share: float = 1.0
+    calibration_source: str = ""
 
     def __post_init__(self) -> None:
-        if min(self.hbm_bytes, self.peak_flops, self.hbm_bandwidth, self.step_scale) <= 0:
-            raise ValueError(f"chip {self.name}: every figure must be > 0")
+        figures = (self.hbm_bytes, self.peak_flops, self.hbm_bandwidth, self.hbm_share)
+        if min(figures) <= 0 or not 0 < self.flop_efficiency <= 1:
+            raise ValueError(
+                f"chip {self.name}: every figure must be > 0 and flop_efficiency in (0, 1], "
+                f"got flop_efficiency={self.flop_efficiency}"
+            )
 
 
 CHIPS: dict[str, Chip] = {
@@ -69,10 +75,13 @@ CHIPS: dict[str, Chip] = {
         peak_flops=197e12,
         hbm_bandwidth=819e9,
         source="https://cloud.google.com/tpu/docs/v5e",
-        step_scale=0.80,
-        step_scale_source=(
-            "posttrain plan --run-steps 5 on a v5e, qwen3-0.6b SFT (docs/scale.md): measured / "
-            "roofline 0.870 (full, 4 x 2048), 0.723 (full, 2 x 2048), 0.728 (LoRA 16, 4 x 2048)"
+        # Fitted (the largest error least) to the five steps `posttrain plan --run-steps` ran
+        # on a lent v5e (tests/plan_chip_v5e*.json, docs/scale.md): each MFU within 5%.
+        flop_efficiency=0.42,
+        hbm_share=0.70,
+        calibration_source=(
+            "posttrain plan --run-steps on a v5e, qwen3-0.6b SFT x 5 (docs/scale.md): FLOPs at "
+            "0.42 of peak, 0.70 of cost_analysis' bytes at HBM bandwidth; MFU within 5% of each"
         ),
     ),
     # "Peak compute per chip (bf16) 459 TFLOPs; HBM2e capacity and bandwidth 95GB, 2765 GBps"

@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from posttrain import sharding
+from posttrain.layers import splash_costs
 from posttrain.plan import abstract
 from posttrain.plan.steps import Program, abstract_init, generate_program, make_optimizer
 from posttrain.preference import tunix_dpo
@@ -134,6 +135,8 @@ def dpo_programs(
             logits_to_keep=response,
         )
         kinds = _trained_kinds(trainer, example)
+        cfg, mesh_shape = model.config, dict(mesh.shape)
+        source = "compiled, splash's kernels analytic"
         step = Program(
             trainer.jit_train_step(),
             (trainer.model, trainer.optimizer, example),
@@ -141,6 +144,10 @@ def dpo_programs(
             kinds,
             _step_flops(policy, trainer._lora_enabled, rows * seq),
             resident=own,
+            uncounted=splash_costs.uncounted_costs(
+                cfg, rows, seq, mesh_shape, rules, backward=True
+            ),
+            cost_source=source,
         )
         ref_args = (example.input_ids, example.positions, example.attention_mask, response)
         ref_kinds = {"parameters": abstract.device_bytes(nnx.state(reference))}
@@ -152,6 +159,10 @@ def dpo_programs(
             ref_kinds,
             2 * abstract.active_matmul_params(policy.model) * rows * seq,
             resident=kinds["parameters"] + kinds["optimizer state"] + own - ref_kinds["parameters"],
+            uncounted=splash_costs.uncounted_costs(
+                cfg, rows, seq, mesh_shape, rules, backward=False
+            ),
+            cost_source=source,
         )
         return {"reference forward": forward, "train step": step}
     finally:
