@@ -68,6 +68,39 @@ def test_an_image_token_sees_the_later_tokens_of_its_image_only_when_bidirection
         assert np.abs(before[row, at[0]] - after[row, at[0]]).max() > 1e-3, row
 
 
+@pytest.mark.parametrize(("end", "size"), [(2, 8), (6, 8)], ids=["inside", "wrapping"])
+@pytest.mark.parametrize("given", [False, True], ids=["no-mask", "a-mask"])
+def test_a_cached_calls_images_see_their_own_slots_in_every_layer_type(end, size, given):
+    """The gate's form of the slow cached-prefill test, on ``cached_layer_inputs`` itself:
+    4 tokens written at slots ``end % size`` on (wrapping past the ring's end: slots 6, 7,
+    0, 1) see what ``slot_mask`` allows (causal, the sliding layer's window of 8, the
+    caller's mask) and, each image token, the slots of its image's tokens in this call,
+    later ones too; in the full and the sliding layers alike. Row 1 has no image: its
+    mask is the plain one."""
+    from posttrain.layers import kv_cache
+    from posttrain.models.layer_inputs import cached_layer_inputs
+
+    cfg = gemma4_tiny()
+    blocks = jnp.asarray([[-1, 0, 0, 1], [-1, -1, -1, -1]], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(end, end + 4), (2, 4))
+    rng = np.random.default_rng(0)
+    mask = jnp.asarray(rng.random((2, 4, size)) < 0.7) if given else None
+    out = cached_layer_inputs(cfg, positions, mask, blocks, jnp.asarray(end), size)
+    assert sorted(out) == ["full", "sliding"]
+    slots = [(end + t) % size for t in range(4)]
+    for layer_type, (_, _, allowed) in out.items():
+        window = cfg.attention[layer_type].sliding_window
+        want = np.array(kv_cache.slot_mask(end % size, 4, size, mask, 2, window))
+        want[0, 1, slots[2]] = want[0, 2, slots[1]] = True  # image 0: tokens 1 and 2
+        want[0, 1, slots[1]] = want[0, 2, slots[2]] = want[0, 3, slots[3]] = True
+        np.testing.assert_array_equal(np.asarray(allowed), want, err_msg=layer_type)
+    plain = cached_layer_inputs(cfg, positions, mask, None, jnp.asarray(end), size)
+    for layer_type, (_, _, allowed) in plain.items():
+        np.testing.assert_array_equal(np.asarray(allowed)[1], np.asarray(out[layer_type][2])[1])
+        if end + 4 <= size:  # no overlay: causal hides token 2's slot from token 1
+            assert not np.asarray(allowed)[0, 1, slots[2]]
+
+
 @pytest.mark.slow
 def test_a_cached_prefill_with_bidirectional_images_equals_the_full_forward():
     """The prefill opens each image's slots to its tokens: prefill (images in) then
