@@ -32,7 +32,7 @@ def _upstream_density(seq: int, window: int | None) -> float:
 
 
 @pytest.mark.parametrize("seq", [1, 128, 300, 1536, 2048, 4096])
-@pytest.mark.parametrize("window", [None, 1, 8, 128, 513, 1024, 5000])
+@pytest.mark.parametrize("window", [None, 1, 2, 8, 128, 130, 513, 1024, 5000])
 def test_the_density_is_the_share_of_blocks_jaxs_mask_makes_visible(seq, window):
     assert splash_costs.block_density(seq, window) == _upstream_density(seq, window)
 
@@ -92,6 +92,30 @@ def test_an_empty_batch_is_refused(batch, seq):
     cfg = get_config("qwen3-tiny", attention_kernel="splash")
     with pytest.raises(ValueError, match=f"batch={batch} and seq={seq} must be >= 1"):
         splash_costs.uncounted_costs(cfg, batch, seq, {}, sharding.DEFAULT_RULES, backward=True)
+
+
+def test_a_sequence_off_the_lanes_is_padded_and_one_token_counts():
+    """300 tokens run as 384 (blocks of 128, 6 of 9 visited); one token as 128."""
+    cfg = get_config("qwen3-tiny", attention_kernel="splash")
+    flops, _ = splash_costs.uncounted_costs(cfg, 1, 300, {}, sharding.DEFAULT_RULES, backward=False)
+    assert flops == 2 * 2 * (2 * 8 * 384**2 * 10) * 6 / 9
+    one, _ = splash_costs.uncounted_costs(cfg, 1, 1, {}, sharding.DEFAULT_RULES, backward=False)
+    assert one == 2 * 2 * (2 * 8 * 128**2 * 10)
+
+
+def test_heads_round_up_per_device_and_rules_without_the_axes_split_nothing():
+    """8 query heads and 4 kv heads over tensor=3: 3 and 2 a device (the last shard
+    padded), so the FLOPs are 3/8 and the bytes (3 q/o, 2 k/v heads) not 3/8; rules
+    naming neither activation axis leave every row and head on each device."""
+    cfg = get_config("qwen3-tiny", attention_kernel="splash")
+    whole = splash_costs.uncounted_costs(cfg, 2, 128, {}, sharding.DEFAULT_RULES, backward=False)
+    three = splash_costs.uncounted_costs(
+        cfg, 2, 128, {"tensor": 3}, sharding.DEFAULT_RULES, backward=False
+    )
+    assert three[0] == whole[0] * 3 / 8
+    assert three[1] == whole[1] * (2 * 3 + 2 * 2) / (2 * 8 + 2 * 4)
+    bare = splash_costs.uncounted_costs(cfg, 2, 128, {"fsdp": 2, "tensor": 2}, (), backward=False)
+    assert bare == whole
 
 
 def test_a_device_counts_its_rows_and_its_query_heads():
