@@ -150,10 +150,11 @@ def test_a_calibrated_chip_runs_flops_at_its_efficiency_and_bytes_at_its_share()
 
 @pytest.mark.parametrize("efficiency", [0.0, -0.1, 1.01])
 def test_a_chip_refuses_an_efficiency_outside_0_to_1(efficiency):
-    with pytest.raises(ValueError, match=f"got flop_efficiency={efficiency}"):
+    with pytest.raises(ValueError, match=rf"v5e: flop_efficiency={efficiency} must be in \(0, 1\]"):
         dataclasses.replace(topology.CHIPS["v5e"], flop_efficiency=efficiency)
-    with pytest.raises(ValueError, match="every figure must be > 0"):
-        dataclasses.replace(topology.CHIPS["v5e"], hbm_share=0.0)
+    for field in ("hbm_bytes", "peak_flops", "hbm_bandwidth", "hbm_share"):
+        with pytest.raises(ValueError, match=f"v5e: {field}=0 must be > 0"):
+            dataclasses.replace(topology.CHIPS["v5e"], **{field: 0})
 
 
 def test_overflow_line_names_the_overflow_and_the_knobs():

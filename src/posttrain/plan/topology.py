@@ -48,11 +48,12 @@ class Chip:
     calibration_source: str = ""
 
     def __post_init__(self) -> None:
-        figures = (self.hbm_bytes, self.peak_flops, self.hbm_bandwidth, self.hbm_share)
-        if min(figures) <= 0 or not 0 < self.flop_efficiency <= 1:
+        for field in ("hbm_bytes", "peak_flops", "hbm_bandwidth", "hbm_share"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"chip {self.name}: {field}={getattr(self, field)} must be > 0")
+        if not 0 < self.flop_efficiency <= 1:
             raise ValueError(
-                f"chip {self.name}: every figure must be > 0 and flop_efficiency in (0, 1], "
-                f"got flop_efficiency={self.flop_efficiency}"
+                f"chip {self.name}: flop_efficiency={self.flop_efficiency} must be in (0, 1]"
             )
 
 
