@@ -143,7 +143,7 @@ def test_a_calibrated_chip_runs_flops_at_its_efficiency_and_bytes_at_its_share()
     memory = report.judge(_figures(flops=1e12, bytes_accessed=819e9 * 2), v5e)
     assert memory.bound == "memory" and memory.estimate_seconds == pytest.approx(1.4)
     # compute-bound, the MFU is the efficiency x model / compiled FLOPs, at any scale
-    tiny = report.judge(_figures(flops=0.5, bytes_accessed=0, model_flops=0.5), v5e)
+    tiny = report.judge(_figures(flops=0.3, bytes_accessed=0, model_flops=0.3), v5e)
     assert tiny.mfu == pytest.approx(0.42)
     assert report.judge(_figures(flops=0, bytes_accessed=0), v5e).mfu == 0.0
     assert "FLOPs at 0.42 of peak, measured on a v5e" in report.calibration(v5e)
