@@ -146,6 +146,8 @@ def test_a_calibrated_chip_runs_flops_at_its_efficiency_and_bytes_at_its_share()
     tiny = report.judge(_figures(flops=0.3, bytes_accessed=0, model_flops=0.3), v5e)
     assert tiny.mfu == pytest.approx(0.42)
     assert report.judge(_figures(flops=0, bytes_accessed=0), v5e).mfu == 0.0
+    with pytest.raises(ValueError, match="must be >= 0"):  # the roofline's own refusal
+        report.judge(_figures(flops=-1.0), v5e)
     assert "FLOPs at 0.42 of peak, measured on a v5e" in report.calibration(v5e)
     assert (
         report.calibration(topology.get("v5p-8")) == "uncalibrated: no chip of this kind measured"

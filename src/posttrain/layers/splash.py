@@ -158,6 +158,11 @@ def splash_mask(causal: jax.Array, mask: jax.Array, window: int | None, kernel: 
     return SplashMask(mask, q, kv, exact, window, kernel == "splash_interpret")
 
 
+def padded_length(seq: int) -> int:
+    """``seq`` rounded up to a multiple of :data:`LANES`: the length the kernel runs on."""
+    return -(-seq // LANES) * LANES
+
+
 def block_sizes(seq: int) -> sa.BlockSizes:
     """The same block (the largest of :data:`BLOCKS` dividing ``seq``) for every pass."""
     block = next(b for b in BLOCKS if seq % b == 0)
@@ -202,7 +207,7 @@ def attend(
     q = jnp.swapaxes(q, 1, 2)  # [B, N, T, H]
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, K, T, H]
     q_seg, kv_seg = masks.q_segment, masks.kv_segment
-    padded = -(-seq // LANES) * LANES
+    padded = padded_length(seq)
     if padded != seq:  # padded queries see no key; padded keys no query sees
         pad = [(0, 0), (0, 0), (0, padded - seq), (0, 0)]
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)

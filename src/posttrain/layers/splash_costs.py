@@ -32,16 +32,18 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from posttrain import sharding
-from posttrain.layers.splash import LANES, block_sizes
+from posttrain.layers.splash import block_sizes, padded_length
 
 #: matmul passes over the visited blocks: forward, the forward again under remat, backward
 FORWARD_PASSES, BACKWARD_PASSES = 2, 7
+#: what a program's ``cost_source`` says when it carries these costs
+COST_SOURCE = "splash's kernels analytic"
 
 
 def block_density(seq: int, window: int | None) -> float:
     """The fraction of ``[T', T']`` score blocks the kernel computes for a causal mask
     (``window``: a local one, each query seeing itself and ``window - 1`` keys before),
-    ``T'`` = ``seq`` padded to :data:`~posttrain.layers.splash.LANES`, in blocks of
+    ``T'`` = :func:`~posttrain.layers.splash.padded_length` of ``seq``, in blocks of
     :func:`~posttrain.layers.splash.block_sizes`. A block is computed where any of its
     (query, key) pairs is visible.
 
@@ -50,7 +52,7 @@ def block_density(seq: int, window: int | None) -> float:
     """
     if seq < 1 or (window is not None and window < 1):
         raise ValueError(f"seq={seq} and window={window} must be >= 1")
-    padded = -(-seq // LANES) * LANES
+    padded = padded_length(seq)
     block = block_sizes(padded).block_q
     count = padded // block
     visited = 0
@@ -82,10 +84,9 @@ def uncounted_costs(
     table = sharding.rules_dict(rules)
     rows = -(-batch // sharding.axis_product(mesh_shape, table.get("activation_batch", ())))
     head_shards = sharding.axis_product(mesh_shape, table.get("activation_heads", ()))
-    padded = -(-seq // LANES) * LANES
-    passes = FORWARD_PASSES
-    if backward:
-        passes += BACKWARD_PASSES + (FORWARD_PASSES if cfg.remat != "none" else 0)
+    padded = padded_length(seq)
+    recomputed = backward and cfg.remat != "none"  # the forward kernel again, under remat
+    passes = FORWARD_PASSES * (2 if recomputed else 1) + (BACKWARD_PASSES if backward else 0)
     itemsize = jnp.dtype(cfg.dtype).itemsize
     flops = moved = 0.0
     for layer_type in cfg.layer_types:
@@ -96,7 +97,7 @@ def uncounted_costs(
         flops += passes * one_pass * block_density(seq, attn.sliding_window)
         operand = rows * padded * attn.head_dim * itemsize  # one head's [B, T', H]
         forward = (2 * heads + 2 * kv_heads) * operand  # q, k, v read; o written
-        moved += forward * (2 if backward and cfg.remat != "none" else 1)
+        moved += forward * (2 if recomputed else 1)
         if backward:  # dq: q, k, v, do read, dq written; dkv: q, k, v, do read, dk, dv written
             moved += (3 * heads + 2 * kv_heads) * operand + (2 * heads + 4 * kv_heads) * operand
     return flops, moved

@@ -188,10 +188,9 @@ def floor(figures: Figures, topology: Topology) -> float:
 def judge(figures: Figures, topology: Topology) -> Verdict:
     """The :class:`Verdict` of ``figures`` on ``topology``."""
     headroom = topology.hbm_bytes - figures.peak
-    chip = topology.chip
-    compute = figures.flops / (chip.peak_flops * chip.flop_efficiency)
-    memory = figures.bytes_accessed * chip.hbm_share / chip.hbm_bandwidth
-    estimate, bound = (compute, "compute") if compute >= memory else (memory, "memory")
+    chip = topology.chip  # the roofline of the FLOPs and bytes at the chip's efficiencies
+    flops, moved = figures.flops / chip.flop_efficiency, figures.bytes_accessed * chip.hbm_share
+    estimate, bound = roofline(flops, moved, topology)
     denominator = estimate * topology.chip.peak_flops * topology.chips
     mfu = figures.model_flops / denominator if denominator > 0 else 0.0
     return Verdict(

@@ -182,7 +182,7 @@ def sft_program(
         args = (trainer.model, trainer.optimizer, inputs)
         source = "compiled, the loss's chunks after the first analytic"
         if kernel[0]:
-            source += ", splash's kernels analytic"
+            source += f", {splash_costs.COST_SOURCE}"
         return Program(jitted, args, {}, kinds, flops, uncounted=uncounted, cost_source=source)
     finally:
         trainer.abandon()

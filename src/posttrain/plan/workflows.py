@@ -97,17 +97,11 @@ def _step_flops(policy, lora: bool, tokens: int) -> float:
     return 2 * abstract.active_matmul_params(policy.model) * (2 if lora else 3) * tokens
 
 
-def _splash(cfg, mesh: Mesh, rules, rows: int, seq: int):
-    """``backward -> Program keywords``: splash's kernels' costs over ``[rows, seq]``
+def _splash(cfg, mesh: Mesh, rules, rows: int, seq: int, *, backward: bool) -> dict:
+    """``Program`` keywords: splash's kernels' costs over ``[rows, seq]``
     (:func:`posttrain.layers.splash_costs.uncounted_costs`) and the cost source saying so."""
-
-    def keywords(backward: bool) -> dict:
-        costs = splash_costs.uncounted_costs(
-            cfg, rows, seq, dict(mesh.shape), rules, backward=backward
-        )
-        return {"uncounted": costs, "cost_source": "compiled, splash's kernels analytic"}
-
-    return keywords
+    costs = splash_costs.uncounted_costs(cfg, rows, seq, dict(mesh.shape), rules, backward=backward)
+    return {"uncounted": costs, "cost_source": f"compiled, {splash_costs.COST_SOURCE}"}
 
 
 def dpo_programs(
@@ -148,7 +142,6 @@ def dpo_programs(
             logits_to_keep=response,
         )
         kinds = _trained_kinds(trainer, example)
-        kernel = _splash(model.config, mesh, rules, rows, seq)
         step = Program(
             trainer.jit_train_step(),
             (trainer.model, trainer.optimizer, example),
@@ -156,7 +149,7 @@ def dpo_programs(
             kinds,
             _step_flops(policy, trainer._lora_enabled, rows * seq),
             resident=own,
-            **kernel(backward=True),
+            **_splash(model.config, mesh, rules, rows, seq, backward=True),
         )
         ref_args = (example.input_ids, example.positions, example.attention_mask, response)
         ref_kinds = {"parameters": abstract.device_bytes(nnx.state(reference))}
@@ -168,7 +161,7 @@ def dpo_programs(
             ref_kinds,
             2 * abstract.active_matmul_params(policy.model) * rows * seq,
             resident=kinds["parameters"] + kinds["optimizer state"] + own - ref_kinds["parameters"],
-            **kernel(backward=False),
+            **_splash(model.config, mesh, rules, rows, seq, backward=False),
         )
         return {"reference forward": forward, "train step": step}
     finally:
