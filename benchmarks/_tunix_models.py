@@ -7,7 +7,9 @@ from __future__ import annotations
 def tunix_qwen3_config(cfg):
     """``tunix.models.qwen3.model.ModelConfig`` with ``cfg``'s shape (a full-attention
     :class:`~posttrain.config.ModelConfig`, e.g. qwen3-tiny's: dense or routed, tied or
-    not; a routed one's experts as ``num_experts`` / ``num_experts_per_tok``)."""
+    not; a routed one's experts as ``num_experts`` / ``num_experts_per_tok``), in ``cfg``'s
+    activation and parameter dtypes (Tunix's default is float32 for both)."""
+    import jax.numpy as jnp
     from tunix.models.qwen3 import model as tunix_qwen3
 
     attn = cfg.attention["full"]
@@ -26,5 +28,7 @@ def tunix_qwen3_config(cfg):
         rope_theta=int(attn.rope.theta),
         norm_eps=cfg.norm_eps,
         use_tied_embedding=cfg.tie_word_embeddings,
+        dtype=jnp.dtype(cfg.dtype),
+        param_dtype=jnp.dtype(cfg.param_dtype),
         **routed,
     )

@@ -4,7 +4,7 @@ own DPOTrainer over Tunix's Qwen3 model of the same size, in the same run.
 Usage::
 
     python benchmarks/dpo.py [--pairs-per-device 1] [--prompt 96] [--response 160] \
-        [--repeats 15]
+        [--repeats 15] [--model qwen3-tiny] [--num-layers N] [--devices 8]
 
 A DPO step is ``DPOTrainer._prepare_inputs`` (stacks chosen and rejected into one
 ``[2 x pairs, prompt + response]`` batch and runs the reference forward) plus the jitted
@@ -13,12 +13,14 @@ cost against an SFT step on the pairs' chosen rows (prompt + response tokens, on
 forward and backward): with a backward at about twice a forward, 2 x (1 + 2) + 2
 (reference) = 8 forwards against 3, i.e. about 2.7x.
 
-All models are qwen3-tiny's shape (2 layers, d_model 72, 8 heads, 4 kv heads, head_dim
-10, d_ff 88, tied embeddings, vocab 264), full fine-tuning with AdamW, on 8 fake CPU
-devices (ours: every device on ``fsdp``; Tunix's: its own ``("fsdp", "tp")`` axes, 8 x
-1), on the embedded preference pairs. Steps take turns, one of each per repeat; the
-first call of each compiles and is excluded. Printed: medians in ms and the ratios
-(target for ours / Tunix's: <= 1.0).
+All models are ``--model``'s shape (default qwen3-tiny: 2 layers, d_model 72, 8 heads, 4 kv
+heads, head_dim 10, d_ff 88, tied embeddings, vocab 264; ``--num-layers`` keeps the first
+N layers, e.g. qwen3-0.6b's 4 for a chip, where two trainers of the 28-layer model with
+their references do not fit one v5e), in its dtypes, full fine-tuning with AdamW, on 8
+fake CPU devices or ``--devices real`` (ours: every device on ``fsdp``; Tunix's: its own
+``("fsdp", "tp")`` axes, N x 1), on the embedded preference pairs. Steps take turns, one
+of each per repeat; the first call of each compiles and is excluded. Printed: medians in
+ms and the ratios (target for ours / Tunix's: <= 1.0).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import sys
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3-tiny", help="a qwen3 preset")
+    parser.add_argument("--num-layers", type=int, default=None, help="its first N layers")
     parser.add_argument("--pairs-per-device", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=96)
     parser.add_argument("--response", type=int, default=160)
@@ -46,7 +50,11 @@ def main(argv=None) -> int:
     from posttrain import sharding
     from posttrain.models import get_config
 
-    cfg = get_config("qwen3-tiny")
+    cfg = get_config(args.model)
+    if args.num_layers is not None:
+        from posttrain.plan.abstract import with_depth
+
+        cfg = with_depth(cfg, args.num_layers)
     mesh = sharding.make_mesh(None)
     pairs = args.pairs_per_device * sharding.data_parallel_size(mesh)
     batch = _pairs(args, pairs)
@@ -67,7 +75,7 @@ def main(argv=None) -> int:
     }
     with sharding.use_mesh(mesh, jax_context=False):
         median = {k: s * 1e3 for k, s in interleaved_medians(runs, args.repeats).items()}
-    _report(args, batch, median, pairs, ours.convention.name)
+    _report(args, cfg, batch, median, pairs, ours.convention.name)
     return 0
 
 
@@ -164,14 +172,15 @@ def _trainers(cfg, mesh):
     return ours, sft, theirs, theirs_mesh
 
 
-def _report(args, batch: dict, median: dict, pairs: int, convention: str) -> None:
+def _report(args, cfg, batch: dict, median: dict, pairs: int, convention: str) -> None:
     import jax
 
     tokens = int(
         2 * batch["prompt_mask"].sum() + batch["chosen_mask"].sum() + batch["rejected_mask"].sum()
     )
     print(
-        f"DPO step, qwen3-tiny shape, {pairs} pairs x (prompt {args.prompt} + response "
+        f"DPO step, {args.model} shape ({cfg.num_layers} layers, {cfg.param_dtype}), {pairs} "
+        f"pairs x (prompt {args.prompt} + response "
         f"{args.response}), full fine-tuning, {jax.device_count()} "
         f"{jax.devices()[0].platform} devices, convention {convention}; medians of {args.repeats}"
     )

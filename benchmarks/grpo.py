@@ -3,13 +3,15 @@ Qwen3 model of the same size, in the same run.
 
 Usage::
 
-    python benchmarks/grpo.py [--steps 6] [--prompts 16] [--generations 8] [--new-tokens 6]
+    python benchmarks/grpo.py [--steps 6] [--prompts 16] [--generations 8] [--new-tokens 6] \
+        [--devices 8]
 
 Both models are qwen3-tiny's shape (2 layers, d_model 72, 8 heads, 4 kv heads,
 head_dim 10, d_ff 88, tied embeddings, vocab 264). Both run under Tunix's `RLCluster`
 and `GRPOLearner` with the vanilla rollout, the same optimizer, prompts (the embedded
-addition task), rewards and batch, on 8 fake CPU devices (our model: every device on
-`fsdp`; Tunix's: its own `("fsdp", "tp")` axes, 8 x 1). The phases are timed by wrapping
+addition task), rewards and batch, on 8 fake CPU devices by default, or with `--devices
+real` on whatever JAX finds (our model: every device on `fsdp`; Tunix's: its own
+`("fsdp", "tp")` axes, N x 1). The phases are timed by wrapping
 the cluster's `generate` (rollout), `get_ref_per_token_logps` (reference) and
 `update_actor` (the update). The first step compiles and is excluded; the figures are
 medians over the other steps.
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -104,9 +105,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=6)
+    parser.add_argument("--devices", default="8", help="N fake CPU devices, or real (a TPU)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    from _timing import fake_devices
+
+    fake_devices(args.devices)
 
     import jax
     import numpy as np
@@ -125,14 +128,15 @@ def main(argv=None) -> int:
         ours = run(TunixPolicy(model), TunixPolicy(reference_of(model)), ours_mesh, args)
 
     theirs_cfg = tunix_qwen3_config(cfg)
-    theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8, 1), ("fsdp", "tp"))
+    theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))
     actor = tunix_qwen3.Qwen3(theirs_cfg, rngs=nnx.Rngs(0))  # RLCluster places it
     reference = tunix_qwen3.Qwen3(theirs_cfg, rngs=nnx.Rngs(0))
     theirs = run(actor, reference, theirs_mesh, args)
 
     print(
         f"GRPO step, qwen3-tiny shape, {args.prompts} prompts x {args.generations} completions, "
-        f"{args.new_tokens} new tokens, 8 fake CPU devices; medians of steps 2-{args.steps}"
+        f"{args.new_tokens} new tokens, {jax.device_count()} {jax.devices()[0].platform} "
+        f"devices; medians of steps 2-{args.steps}"
     )
     print(f"{'phase':<28}{'ours ms':>10}{'Tunix ms':>10}{'ours/Tunix':>12}")
     for name, label in [

@@ -444,7 +444,7 @@ def test_a_splash_plan_compiles_the_mosaic_kernel_for_a_v5e_deviceless():
         model="qwen3-tiny",
         topology="v5e-1",
         attention_kernel="splash",
-        num_layers=1,
+        num_layers=2,  # scanned: the costs come from unscanned 1 and 2 layers (depth.py)
         batch=1,
         seq=2048,
     )
@@ -456,7 +456,10 @@ def test_a_splash_plan_compiles_the_mosaic_kernel_for_a_v5e_deviceless():
     result = plan(options)
     assert "remat full, splash attention" in result.what, result.what
     assert result.verdict.fits and result.figures.flops > step.uncounted[0] > 0
-    assert "splash's kernels analytic" in result.figures.cost_source
+    assert result.figures.cost_source == (
+        "unscanned 1 and 2 layers, extrapolated to 2, the loss's chunks after the first "
+        "analytic, splash's kernels analytic"
+    )
     assert result.record()["options"]["attention_kernel"] == "splash"
 
 
@@ -663,6 +666,33 @@ def test_abstract_lora_matches_apply_lora(qtype):
     planned = layout(abstract_lora(abstract.abstract_model(cfg), mesh, lora))
     assert planned == real
     assert any("lora_a" in str(path[-1]) for path in planned)
+
+
+@pytest.mark.parametrize(
+    ("period", "layers", "shallow", "expected"),
+    [
+        (
+            1,
+            28,
+            "compiled, splash's kernels analytic",
+            "unscanned 1 and 2 layers, extrapolated to 28, splash's kernels analytic",
+        ),
+        (6, 48, "compiled", "unscanned 6 and 12 layers, extrapolated to 48"),
+        (
+            2,
+            30,
+            "compiled prefill + first decode step, later steps analytic",
+            "unscanned 2 and 4 layers, extrapolated to 30, later steps analytic",
+        ),
+    ],
+)
+def test_extrapolated_costs_keep_what_the_shallow_source_adds(period, layers, shallow, expected):
+    """The splash kernels' FLOPs are in the shallow compiles' figures, so the label of the
+    line through them still names them (it did not: a v5e record said only ``unscanned 1
+    and 2 layers``, and tests/test_plan_chip counted the kernels a second time)."""
+    from posttrain.plan.depth import extrapolated_source
+
+    assert extrapolated_source(period, layers, shallow) == expected
 
 
 def test_depth_line_through_two_depths():

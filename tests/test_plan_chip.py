@@ -24,6 +24,9 @@ RECORDS = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e.json").read
 #: peak (``peak_memory_in_bytes``) of the executable the steps ran, its headroom probed and
 #: its profile
 DONATED = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e_donated.json").read_text())
+#: steps of configurations outside the five the v5e's efficiencies were fitted to
+#: (topology.CHIPS), run after the fit: batch 8 x 1024, full and LoRA, XLA and splash
+HELD_OUT = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e_heldout.json").read_text())
 FIGURE_FIELDS = [f.name for f in dataclasses.fields(report.Figures)]
 # the issue's bounds: the peak within 5% of the chip's, the MFU within 15% of the chip's
 PEAK_ERROR, MFU_ERROR = 0.05, 0.15
@@ -52,7 +55,7 @@ def _case(record: dict, marks=()):
     return pytest.param(record, id=re.split(r"--run-steps \d+ ", record["command"])[1], marks=marks)
 
 
-@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED])
+@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED + HELD_OUT])
 def test_the_plans_peak_is_within_5_percent_of_the_chips(record):
     """On each configuration the chip ran, the peak within 5% of the chip's
     peak_bytes_in_use + peak_bytes_reserved, the capacity the runtime's bytes_limit. The
@@ -77,11 +80,12 @@ def test_the_plans_peak_is_within_5_percent_of_what_a_ballast_probe_left(record)
     assert summed - used > PEAK_ERROR * used, (summed, used)
 
 
-@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED])
+@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED + HELD_OUT])
 def test_the_plans_mfu_is_within_15_percent_of_the_chips(record):
     """On each configuration the chip ran: the floor at or below the measured step, the
-    estimated MFU within 15% of the measured one (the v5e's efficiencies were fitted to
-    these five steps, each within 5%: topology.CHIPS)."""
+    estimated MFU within 15% of the measured one. The v5e's efficiencies were fitted to
+    the five steps of RECORDS and DONATED, each within 5% (topology.CHIPS); HELD_OUT's
+    three were run after the fit (+0.6%, -4.1% and -14.7% in MFU)."""
     v5e = topology.get(record["topology"])
     figures, measured = _figures(record), record["measured"]
     verdict = report.judge(figures, v5e)
@@ -91,7 +95,7 @@ def test_the_plans_mfu_is_within_15_percent_of_the_chips(record):
     assert abs(verdict.mfu - mfu) <= MFU_ERROR * mfu, (verdict.mfu, mfu)
 
 
-@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED])
+@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED + HELD_OUT])
 def test_the_floor_is_at_or_below_every_step_the_chip_ran(record):
     """The floor holds where the estimate does not: the donated step too (splash attention,
     remat save_dots), and the chip gave the runtime the v5e table's HBM."""

@@ -204,6 +204,9 @@ _SCALE: tuple[Figure, ...] = (
             "--lora-rank 16 --per-device-batch-size 4 --seq 2048 --remat full",
             "--seq 2048 --per-device-batch-size 4 --attention-kernel splash --remat save_dots",
             "--seq 2048 --per-device-batch-size 4 --remat full",
+            "--per-device-batch-size 8 --seq 1024 --remat full --lora-rank 16",
+            "--per-device-batch-size 8 --seq 1024 --remat full",
+            "--per-device-batch-size 8 --seq 1024 --remat save_dots --attention-kernel splash",
         )
     ),
     # the fits section as the committed file has it, line by line

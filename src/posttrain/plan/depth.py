@@ -49,6 +49,19 @@ def linear(first: tuple[int, float], second: tuple[int, float], layers: int) -> 
     return f1 + (layers - n1) * (f2 - f1) / (n2 - n1)
 
 
+def extrapolated_source(period: int, layers: int, shallow_source: str) -> str:
+    """The ``cost_source`` of costs extrapolated from unscanned compiles of ``period`` and
+    ``2 * period`` layers whose own ``cost_source`` is ``shallow_source``: what that source
+    adds after its first clause (``splash's kernels analytic``, ``later steps analytic``)
+    is still in the figures, so it stays in the label. (Before 2026-12-06 it was dropped:
+    the v5e records of splash steps said only ``unscanned 1 and 2 layers, extrapolated to
+    28`` while their FLOPs held the kernels'.)
+    """
+    _, _, added = shallow_source.partition(", ")
+    base = f"unscanned {period} and {2 * period} layers, extrapolated to {layers}"
+    return f"{base}, {added}" if added else base
+
+
 def _shallow(options: PlanOptions, layers: int, scan: bool) -> dict[str, Figures]:
     shallow = dataclasses.replace(
         options, num_layers=layers, scan_layers=scan, extrapolate=False, json_path=None
@@ -76,7 +89,7 @@ def with_unscanned_costs(options: PlanOptions, stages: dict[str, Figures]) -> di
                 (period, one.bytes_accessed), (2 * period, two.bytes_accessed), layers
             ),
             compile_seconds=figures.compile_seconds + one.compile_seconds + two.compile_seconds,
-            cost_source=f"unscanned {period} and {2 * period} layers, extrapolated to {layers}",
+            cost_source=extrapolated_source(period, layers, one.cost_source),
         )
 
     return {name: full(name) for name in stages}
