@@ -169,39 +169,116 @@ def test_a_frozen_head_gets_no_weight_gradient_computed():
     assert head_sum in program(nnx.Param)
 
 
+@pytest.mark.parametrize(("trained", "want"), [(nnx.Param, 3), (nnx.LoRAParam, 2)])
+def test_the_head_runs_once_a_chunk_and_the_backward_recomputes_nothing(trained, want):
+    """The gradients are taken in the forward's pass over the chunks: the differentiated
+    loss holds the head's matmul once, its hidden states' gradient, and its weights'
+    gradient when the head is trained (3; a frozen head under LoRA, 2), as many as the full
+    logits' loss. Recomputing each chunk's logits in the backward, as the loss did before,
+    made it 4 and 3: the head of qwen3-0.6b is a quarter of its parameters (issue #55)."""
+    cfg = get_config("llama3-tiny")  # an lm_head of its own: no embedding lookup's matmul
+    assert cfg.vocab_size not in (cfg.d_model, SEQ, 2)
+    mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    base = sharding.shard_model(model_with_path_values(cfg), mesh)
+    model = apply_lora(base, mesh, LoraConfig(rank=4, alpha=8.0, target=r".*/q_proj"))
+    batch = batch_of(cfg)
+    graphdef, params, rest = nnx.split(model, trained, ...)
+
+    def matmuls(**options) -> int:
+        def nll(params, rest):
+            merged = nnx.merge(graphdef, params, rest)
+            return loss.sft_terms(merged, **batch, **options)["nll_sum"]
+
+        jaxpr = jax.make_jaxpr(jax.grad(nll))(params, rest).jaxpr
+        return chunked_loss.vocab_matmuls(jaxpr, cfg.vocab_size)
+
+    assert matmuls(logit_chunk=5) == want
+    assert matmuls(chunked=False) == want  # the full logits' loss: as many
+
+
+def test_vocab_matmuls_looks_inside_every_held_jaxpr():
+    """A matmul with a vocabulary-sized operand counts wherever the jaxpr holds it: at the
+    top, in a scan's body, in both branches of a cond (a tuple of jaxprs) and under
+    ``jax.checkpoint`` (a bare ``Jaxpr``, not a closed one); others never."""
+    vocab = 11
+    w = jnp.ones((3, vocab))
+
+    def f(x):
+        y = x @ w  # 1
+        y = jax.lax.cond(x[0, 0] > 0, lambda y: y @ w.T @ w, lambda y: y * 2.0, y)  # 1
+        y = jax.checkpoint(lambda y: (y @ w.T) @ w)(y)  # 1 (its y @ w.T: [2, 11] too)
+        _, z = jax.lax.scan(lambda c, r: (c, r @ w.T), 0.0, y[None])  # 1
+        return z.sum() + (x @ jnp.ones((3, 3))).sum()  # not one: no dimension of 11
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 3))).jaxpr
+    # cond's branch: y @ w.T ([2, 11] x [11, 3]) and then @ w: 2; checkpoint: 2; scan: 1
+    assert chunked_loss.vocab_matmuls(jaxpr, vocab) == 1 + 2 + 2 + 1
+
+
+def test_the_gradients_keep_their_dtypes_and_the_head_sums_in_float32():
+    """A bfloat16 model: the hidden states' gradient comes back in bfloat16, and the head's
+    weight gradient is summed over the chunks in a float32 carry (one rounding to
+    bfloat16 at the end, not one a chunk)."""
+    cfg = get_config("llama3-tiny", dtype="bfloat16", param_dtype="bfloat16")
+    model = model_with_path_values(cfg)
+    batch = batch_of(cfg)
+    hidden = jnp.ones((2, SEQ, cfg.d_model), jnp.bfloat16) * 0.1
+    targets = loss.target_mask(batch["input_mask"], batch["segment_ids"])
+
+    def nll(hidden):
+        return chunked_loss.chunked_nll(hidden, model, batch["input_tokens"], targets, chunk=5)
+
+    _, vjp = jax.vjp(nll, hidden)
+    (dhidden,) = vjp(jnp.float32(1.0))
+    assert dhidden.dtype == jnp.bfloat16 and dhidden.shape == hidden.shape
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def full(params):
+        merged = nnx.merge(graphdef, params, rest)
+        return loss.sft_terms(merged, **batch, logit_chunk=5)["nll_sum"]
+
+    carries = [
+        str(v.aval)
+        for eqn in chunked_loss.equations(jax.make_jaxpr(jax.grad(full))(params).jaxpr)
+        if eqn.primitive.name == "scan"
+        for v in eqn.outvars
+    ]
+    assert f"float32[{cfg.d_model},{cfg.vocab_size}]" in carries, carries
+
+
 def test_uncounted_costs_are_the_chunks_a_loop_counts_once():
-    """``count - 1`` chunks of each loop: none for one chunk; the head's matmuls' FLOPs
-    (3 with a frozen head, 4 trained) and bytes (the weights once a matmul, a trained
-    head's float32 sum read and written, 6 passes over the chunk's float32 logits) over
-    the devices that split rows and vocabulary."""
+    """``count - 1`` chunks of the loop: none for one chunk; the head's matmuls' FLOPs
+    (2 with a frozen head, 3 trained) and bytes (the weights read twice, a trained head's
+    float32 sum read and written, 4 or 5 passes over the chunk's float32 logits) over the
+    devices that split rows and vocabulary."""
     cfg = get_config("qwen3-0.6b")  # bfloat16 weights; 10 chunks of 205 positions here
     rules = sharding.DEFAULT_RULES
     d, v = cfg.d_model, cfg.vocab_size
     trained = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=True)
     assert trained == (
-        9 * 4 * 2.0 * 4 * 205 * d * v,
-        9 * (3 * d * v * 2 + 8 * d * v + 24 * 4 * 205 * v),
+        9 * 3 * 2.0 * 4 * 205 * d * v,
+        9 * (2 * d * v * 2 + 8 * d * v + 20 * 4 * 205 * v),
     )
     frozen = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=False)
-    assert frozen == (9 * 3 * 2.0 * 4 * 205 * d * v, 9 * (2 * d * v * 2 + 24 * 4 * 205 * v))
+    assert frozen == (9 * 2 * 2.0 * 4 * 205 * d * v, 9 * (2 * d * v * 2 + 16 * 4 * 205 * v))
     # fsdp=2, tensor=2: 2 rows and half the vocabulary a device, so 3 chunks of 683
     split = chunked_loss.uncounted_costs(
         cfg, 4, 2048, {"fsdp": 2, "tensor": 2}, rules, head_trained=True
     )
-    assert split[0] == 2 * 4 * 2.0 * 2 * 683 * d * (v // 2)
+    assert split[0] == 2 * 3 * 2.0 * 2 * 683 * d * (v // 2)
     # 3 rows over 2 devices: 2 rows on one (rounded up), so 5 chunks of 410
     odd = chunked_loss.uncounted_costs(cfg, 3, 2048, {"fsdp": 2}, rules, head_trained=True)
-    assert odd[0] == 4 * 4 * 2.0 * 2 * 410 * d * v
+    assert odd[0] == 4 * 3 * 2.0 * 2 * 410 * d * v
     # rules without activation_vocab (replicated) on tensor=2: 2 rows, the whole vocabulary
     # (the default rules' half would make it 3 chunks of 683)
     whole = tuple(r for r in rules if r[0] != "activation_vocab")
     unsplit = chunked_loss.uncounted_costs(
         cfg, 4, 2048, {"tensor": 2, "fsdp": 2}, whole, head_trained=True
     )
-    assert unsplit[0] == 4 * 4 * 2.0 * 2 * 410 * d * v  # 5 chunks of 410
+    assert unsplit[0] == 4 * 3 * 2.0 * 2 * 410 * d * v  # 5 chunks of 410
     # tensor=3 does not divide the vocabulary: 50,646 entries on a device, 4 chunks of 512
     thirds = chunked_loss.uncounted_costs(cfg, 4, 2048, {"tensor": 3}, rules, head_trained=False)
-    assert thirds[0] == 3 * 3 * 2.0 * 4 * 512 * d * 50_646
+    assert thirds[0] == 3 * 2 * 2.0 * 4 * 512 * d * 50_646
     assert chunked_loss.uncounted_costs(cfg, 4, 128, {}, rules, head_trained=True) == (0, 0)
 
 

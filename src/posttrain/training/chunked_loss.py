@@ -4,8 +4,7 @@ float32 logits ``[batch, seq, vocab]`` never exist whole, in the forward or the 
 Why: at qwen3-0.6b (vocab 151,936), batch 4 x 2048, those logits are a 4.98 GB float32
 temporary, and their gradient another: the largest temporaries of the SFT step (issue #55).
 Chunked, the step holds one chunk's logits (:data:`LOGIT_CHUNK_BYTES` per device by default)
-and the head's weight gradient; the head's matmul runs twice (forward, then again in the
-backward), as rematerialisation would.
+and the head's weight gradient, and the head's matmul still runs once a chunk (step 4).
 
 How (:func:`chunked_nll`):
 
@@ -19,14 +18,21 @@ How (:func:`chunked_nll`):
 3. A ``jax.lax.scan`` over the chunks: the model's head (``CausalLM.logits``: head, float32
    cast, softcap, the ``LOGIT_AXES`` constraint, so the vocabulary stays sharded over
    ``tensor``), ``log_softmax`` in float32, the labels' NLL summed where counted.
-4. Backward (``jax.custom_vjp``): a second scan recomputes each chunk's logits and takes its
-   VJP; the gradients of what the head closes over (its weights and adapters, hoisted by
-   ``jax.closure_convert``) are summed in float32 across the chunks and cast to their dtype
-   once; only those being differentiated (a frozen head under LoRA gets none).
-   (``jax.checkpoint`` inside a scan would recompute the same way but sum a closed-over
-   weight's gradient in the weight's dtype: bfloat16 for a bfloat16 checkpoint, one more
-   rounding per chunk.) XLA's ``cost_analysis()`` counts each loop's body once:
-   :func:`uncounted_costs` is the rest, for ``posttrain plan``.
+4. Gradients (``jax.custom_vjp``): when the loss is differentiated, the forward's scan takes
+   each chunk's VJP at cotangent 1 while its logits exist (the NLL is a sum of the chunks'),
+   keeps the chunk's hidden-state gradient, and sums the gradients of what the head closes
+   over (its weights and adapters, hoisted by ``jax.closure_convert``) in float32 across
+   the chunks; only those being differentiated (a frozen head under LoRA gets none). The
+   backward scales them by the NLL's cotangent and casts each to its dtype once. So the
+   head's matmul runs once a chunk: the hidden states' gradient and the weights' are the
+   other two (two with a frozen head), where recomputing each chunk's logits in a backward
+   scan, as this loss did before, ran it twice (four matmuls and three; the head is a
+   quarter of qwen3-0.6b's parameters). Held: one ``[batch, seq, d_model]`` gradient in
+   the compute dtype and, for a trained head, its float32 gradient sum, from the loss to
+   the backward. (``jax.checkpoint`` inside a scan would recompute, and sum a closed-over
+   weight's gradient in the weight's dtype: one more bfloat16 rounding per chunk.) XLA's
+   ``cost_analysis()`` counts a loop's body once: :func:`uncounted_costs` is the rest, for
+   ``posttrain plan``.
 
 The result equals :func:`posttrain.training.loss.token_nll` of the full logits up to float32
 reassociation (the sum's order, and the head gradient's per-chunk partial sums).
@@ -45,9 +51,10 @@ from posttrain import sharding
 LOGIT_CHUNK_BYTES = 512 * 2**20
 """Default size of one chunk's float32 logits on one device: 512 MiB, 882 tokens of qwen3-0.6b's
 151,936-entry vocabulary (batch 4 on one chip: 10 chunks of 205 positions of a 2048-token
-row). Fewer tokens a chunk leave its backward bound by memory on a v5e: each chunk reads the
-head's weights three times and its float32 gradient sum twice (14 bytes per weight in
-bfloat16), which 3 matmuls of ~600 tokens take as long to compute (197 TFLOP/s, 819 GB/s)."""
+row). Fewer tokens a chunk leave its gradients bound by memory on a v5e: each chunk reads the
+head's weights twice and its float32 gradient sum once and writes it once (12 bytes per
+weight in bfloat16), which its 3 matmuls take as long to compute at ~480 tokens (197
+TFLOP/s, 819 GB/s)."""
 
 
 def _shards(mesh_shape: dict, rules: sharding.Rules) -> tuple[int, int, int]:
@@ -103,26 +110,52 @@ def uncounted_costs(
     cfg, batch: int, seq: int, mesh_shape: dict, rules: sharding.Rules, *, head_trained: bool
 ) -> tuple[float, float]:
     """``(FLOPs, bytes accessed)`` per device of the chunked loss that XLA's
-    ``cost_analysis()`` leaves out: it counts a while loop's body once, and the loss runs two
-    loops (forward; backward) of ``count`` chunks, so ``count - 1`` chunks of each.
+    ``cost_analysis()`` leaves out: it counts a while loop's body once, and the loss runs its
+    gradients in one loop of ``count`` chunks (step 4 of the module docstring), so ``count -
+    1`` chunks.
 
     A chunk (per device: ``b`` rows, ``c`` positions, ``v`` vocabulary entries, ``D`` =
-    d_model): the head's matmul forward, again in the backward, and the hidden states'
-    gradient, ``2 b c D v`` FLOPs each, with the weights' gradient (``head_trained``) one
-    more; bytes: the head's weights read once a matmul, the float32 gradient sum read and
-    written, and about six passes over the chunk's float32 logits (written and read forward,
-    recomputed, their gradient). Elementwise FLOPs (the softmax's) are left out: under
-    ``4 / D`` of the matmuls'. An estimate, for ``posttrain plan``.
+    d_model): the head's matmul and the hidden states' gradient, ``2 b c D v`` FLOPs each,
+    with the weights' gradient (``head_trained``) one more; bytes: the head's weights read
+    by the first two, a trained head's float32 gradient sum read and written, and passes
+    over the chunk's float32 logits (written, read by the softmax, the softmax's gradient
+    written and read by each gradient matmul: 4, 5 with a trained head). Elementwise FLOPs
+    (the softmax's) are left out: under ``4 / D`` of the matmuls'. An estimate, for
+    ``posttrain plan``.
     """
     rows, split, columns = _shards(mesh_shape, rules)
     length = chunk_length(batch, seq, cfg.vocab_size, mesh_shape=mesh_shape, rules=rules)
     count = -(-seq // length)
     b, c, v, d = -(-batch // rows), length // split, -(-cfg.vocab_size // columns), cfg.d_model
-    matmuls = 4 if head_trained else 3
+    matmuls = 3 if head_trained else 2
     weight = jnp.dtype(cfg.param_dtype).itemsize
     flops = matmuls * 2.0 * b * c * d * v
-    moved = (matmuls - 1) * d * v * weight + (8 * d * v if head_trained else 0) + 24 * b * c * v
+    moved = 2 * d * v * weight + (8 * d * v if head_trained else 0) + 4 * (matmuls + 2) * b * c * v
     return (count - 1) * flops, (count - 1) * float(moved)
+
+
+def equations(jaxpr: jax.extend.core.Jaxpr):
+    """Every equation of ``jaxpr`` and, depth first, of the jaxprs its equations hold (a
+    scan's body, a cond's branches, a custom VJP's rules, a checkpoint's bare jaxpr)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if hasattr(sub, "eqns"):  # a Jaxpr, or a ClosedJaxpr (its jaxpr's)
+                    yield from equations(sub)
+
+
+def vocab_matmuls(jaxpr: jax.extend.core.Jaxpr, vocab_size: int) -> int:
+    """How many ``dot_general``s with a ``vocab_size``-sized operand or result ``jaxpr``
+    holds (:func:`equations`), each counted once: the head's matmuls of a traced loss
+    (``jax.make_jaxpr(...).jaxpr``). The differentiated chunked NLL holds 3 (2 with a frozen
+    head), the full logits' loss the same; recomputing the logits in the backward would add
+    one."""
+    return sum(
+        any(vocab_size in v.aval.shape for v in (*eqn.invars, *eqn.outvars))
+        for eqn in equations(jaxpr)
+        if eqn.primitive.name == "dot_general"
+    )
 
 
 def _chunk_nll_sum(graphdef, state, hidden, labels, counted):
@@ -147,35 +180,42 @@ def _scan_nll(fn, hidden, labels, counted, *consts):
 
 
 def _scan_nll_fwd(fn, hidden, labels, counted, *consts):
-    # Residuals: the inputs only (no chunk's logits outlive its scan iteration), and which
-    # consts are differentiated (a structure: () where perturbed, None where not): a frozen
-    # head (LoRA elsewhere) gets no weight gradient computed.
+    # The gradients are taken here, in the forward's one pass over the chunks: each chunk's
+    # VJP at cotangent 1 while its logits exist (the NLL is a sum, so d total / d chunk = 1),
+    # its hidden states' gradient kept and the differentiated consts' summed in float32. The
+    # backward then only scales them by the NLL's cotangent: the head's matmul runs once a
+    # chunk, not again in the backward. A const not perturbed (a frozen head under LoRA)
+    # gets no gradient computed. Residuals: those gradients, and a scalar of each summed
+    # const's dtype; no chunk's logits outlive its scan iteration.
     values = [c.value for c in consts]
-    wanted = tuple(() if c.perturbed else None for c in consts)
-    total = _scan_nll(fn, hidden.value, labels.value, counted.value, *values)
-    return total, (hidden.value, labels.value, counted.value, values, wanted)
+    picked = [i for i, c in enumerate(consts) if c.perturbed]
 
-
-def _scan_nll_bwd(fn, residuals, g):
-    hidden, labels, counted, consts, wanted = residuals
-    # g: the NLL's cotangent, never a symbolic zero: the NLL is this rule's one output, and
-    # JAX drops the rule when nothing differentiates it (a step of the MoE term alone)
-    picked = [i for i, w in enumerate(wanted) if w is not None]
-
-    def body(sums, chunk):
+    def body(carry, chunk):
+        total, sums = carry
         h, y, m = chunk
 
         def one(h, differentiated):  # {index in consts: array}
-            return fn(h, y, m, *[differentiated.get(i, c) for i, c in enumerate(consts)])
+            return fn(h, y, m, *[differentiated.get(i, c) for i, c in enumerate(values)])
 
-        _, vjp = jax.vjp(one, h, {i: consts[i] for i in picked})
-        dh, dconsts = vjp(g)  # this chunk's logits recomputed, then dropped
-        return {i: sums[i] + d for i, d in dconsts.items()}, dh  # float32 + the weight's dtype
+        nll, vjp = jax.vjp(one, h, {i: values[i] for i in picked})
+        dh, dconsts = vjp(jnp.ones_like(nll))
+        sums = {i: sums[i] + d for i, d in dconsts.items()}  # float32 + the weight's dtype
+        return (total + nll, sums), dh
 
-    zeros = {i: jnp.zeros_like(consts[i], jnp.float32) for i in picked}
-    sums, dhidden = jax.lax.scan(body, zeros, (hidden, labels, counted))
-    # one rounding to each weight's dtype
-    dconsts = [sums[i].astype(c.dtype) if i in sums else None for i, c in enumerate(consts)]
+    zeros = {i: jnp.zeros_like(values[i], jnp.float32) for i in picked}
+    xs = (hidden.value, labels.value, counted.value)
+    (total, sums), dhidden = jax.lax.scan(body, (jnp.float32(0), zeros), xs)
+    like = [jnp.zeros((), v.dtype) if i in sums else None for i, v in enumerate(values)]
+    return total, (dhidden, sums, like)
+
+
+def _scan_nll_bwd(fn, residuals, g):
+    dhidden, sums, like = residuals
+    # g: the NLL's cotangent (float32 scalar), never a symbolic zero: the NLL is this rule's
+    # one output, and JAX drops the rule when nothing differentiates it (a step of the MoE
+    # term alone). One rounding to each gradient's dtype.
+    dhidden = (g * dhidden).astype(dhidden.dtype)
+    dconsts = [None if z is None else (g * sums[i]).astype(z.dtype) for i, z in enumerate(like)]
     return (dhidden, None, None, *dconsts)
 
 
