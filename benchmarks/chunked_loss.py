@@ -39,30 +39,12 @@ def main(argv=None) -> int:
     fake_devices(args.devices)
 
     import jax
-    import numpy as np
     from _timing import first_and_medians
     from flax import nnx
 
-    from posttrain import sharding
-    from posttrain.lora import LoraConfig, apply_lora
-    from posttrain.models import build_model, get_config
     from posttrain.training import chunked_loss, loss
 
-    cfg = get_config("qwen3-tiny", vocab_size=args.vocab_size, tie_word_embeddings=False)
-    mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
-    model = build_model(cfg, mesh, seed=0)
-    trained = nnx.Param
-    if args.lora:
-        model = apply_lora(model, mesh, LoraConfig(rank=8, alpha=16.0, target=r".*/q_proj"))
-        trained = nnx.LoRAParam
-    rng = np.random.default_rng(0)
-    shape = (args.batch, args.seq)
-    batch = {
-        "input_tokens": rng.integers(1, cfg.vocab_size, shape).astype(np.int32),
-        "input_mask": np.ones(shape, bool),
-        "positions": np.broadcast_to(np.arange(args.seq, dtype=np.int32), shape).copy(),
-        "segment_ids": np.ones(shape, np.int32),
-    }
+    cfg, model, trained, batch = _model_and_batch(args)
     graphdef, params, rest = nnx.split(model, trained, ...)
 
     def step_of(**options):
@@ -92,6 +74,36 @@ def main(argv=None) -> int:
         )
     print(f"  ratio chunked / full logits: {median['chunked'] / median['full']:.3f}")
     return 0
+
+
+def _model_and_batch(args):
+    """``(config, model, the trained variables' filter, a batch)``: qwen3-tiny's layers under
+    an untied ``--vocab-size`` head (LoRA on ``q_proj`` with ``--lora``), and random token
+    rows with every position a target."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from posttrain import sharding
+    from posttrain.lora import LoraConfig, apply_lora
+    from posttrain.models import build_model, get_config
+
+    cfg = get_config("qwen3-tiny", vocab_size=args.vocab_size, tie_word_embeddings=False)
+    mesh = sharding.make_mesh({"fsdp": 1}, devices=jax.devices()[:1])
+    model = build_model(cfg, mesh, seed=0)
+    trained = nnx.Param
+    if args.lora:
+        model = apply_lora(model, mesh, LoraConfig(rank=8, alpha=16.0, target=r".*/q_proj"))
+        trained = nnx.LoRAParam
+    rng = np.random.default_rng(0)
+    shape = (args.batch, args.seq)
+    batch = {
+        "input_tokens": rng.integers(1, cfg.vocab_size, shape).astype(np.int32),
+        "input_mask": np.ones(shape, bool),
+        "positions": np.broadcast_to(np.arange(args.seq, dtype=np.int32), shape).copy(),
+        "segment_ids": np.ones(shape, np.int32),
+    }
+    return cfg, model, trained, batch
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ import types
 import pytest
 
 from harness.tools import docs_run
-from harness.tools.docs_figures import FIGURES, RUN, Figure, agrees, check_figure, check_figures
+from harness.tools.docs_figures import FIGURES, RUN
 from harness.tools.docs_run import NO_RUN, ROOT, SET_UP, Command, Result
+from harness.tools.figure_checks import Figure, agrees, check_figure, check_figures
 
 pytestmark = pytest.mark.host
 

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.tools import docs_figures
+from harness.tools import docs_figures, figure_checks
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_RUN = "<!-- no-run -->"
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             texts, results, left = _run_copy(args)
         except ValueError as e:  # a marker out of place: nothing was run
             parser.error(str(e))
-    checks = docs_figures.check_figures(texts, results, docs_figures.FIGURES)
+    checks = figure_checks.check_figures(texts, results, docs_figures.FIGURES)
     for check in checks:
         print(check.line())
     failed = [r for r in results if r.failed()]

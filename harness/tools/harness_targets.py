@@ -63,6 +63,7 @@ HARNESS_TARGETS: dict[str, list[str]] = {
     # in mutmut's copy): the pages' reading, the figures, a repository of their own
     "harness/tools/docs_run.py": ["tests/test_docs_run.py", "-k", _OWN_PAGES],
     "harness/tools/docs_figures.py": ["tests/test_docs_run.py", "-k", _OWN_PAGES],
+    "harness/tools/figure_checks.py": ["tests/test_docs_run.py", "-k", _OWN_PAGES],
     "harness/matrix/distill_cell.py": ["tests/test_matrix.py", "-k", "distill"],
     "harness/matrix/vision_cell.py": ["tests/test_matrix.py", "-k", "vision"],  # #39
 }
