@@ -52,10 +52,10 @@ def main(argv=None) -> int:
             merged = nnx.merge(graphdef, params, rest)
             return loss.sft_terms(merged, **batch, **options)["nll_sum"]
 
-        step = jax.jit(jax.value_and_grad(nll))
-        matmuls = chunked_loss.vocab_matmuls(
-            jax.make_jaxpr(jax.value_and_grad(nll))(params, rest, batch).jaxpr, cfg.vocab_size
-        )
+        grad = jax.value_and_grad(nll)
+        step = jax.jit(grad)
+        jaxpr = jax.make_jaxpr(grad)(params, rest, batch).jaxpr
+        matmuls = chunked_loss.vocab_matmuls(jaxpr, cfg.vocab_size)
         return (lambda: jax.block_until_ready(step(params, rest, batch))), matmuls
 
     chunked, chunked_matmuls = step_of(logit_chunk=args.chunk)

@@ -203,15 +203,14 @@ def test_vocab_matmuls_looks_inside_every_held_jaxpr():
     vocab = 11
     w = jnp.ones((3, vocab))
 
-    def f(x):
+    def f(x):  # x [2, 3]; every product below but the last has an operand of 11
         y = x @ w  # 1
-        y = jax.lax.cond(x[0, 0] > 0, lambda y: y @ w.T @ w, lambda y: y * 2.0, y)  # 1
-        y = jax.checkpoint(lambda y: (y @ w.T) @ w)(y)  # 1 (its y @ w.T: [2, 11] too)
+        y = jax.lax.cond(x[0, 0] > 0, lambda y: y @ w.T @ w, lambda y: y * 2.0, y)  # 2
+        y = jax.checkpoint(lambda y: (y @ w.T) @ w)(y)  # 2
         _, z = jax.lax.scan(lambda c, r: (c, r @ w.T), 0.0, y[None])  # 1
-        return z.sum() + (x @ jnp.ones((3, 3))).sum()  # not one: no dimension of 11
+        return z.sum() + (x @ jnp.ones((3, 3))).sum()  # 0: no dimension of 11
 
     jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 3))).jaxpr
-    # cond's branch: y @ w.T ([2, 11] x [11, 3]) and then @ w: 2; checkpoint: 2; scan: 1
     assert chunked_loss.vocab_matmuls(jaxpr, vocab) == 1 + 2 + 2 + 1
 
 
