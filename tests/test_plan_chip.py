@@ -319,6 +319,35 @@ def test_concrete_leaves_keep_shape_dtype_and_sharding_floats_0_the_rest_1():
         assert (np.asarray(leaf) == value).all(), name
 
 
+def test_concrete_makes_every_placed_leaf_in_one_compiled_program():
+    """One program for the leaves with a sharding, one for those without; not one a leaf
+    (a model of unstacked layers had hundreds of compiles, each far dearer on a TPU host)."""
+    from jax._src import monitoring
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from posttrain import sharding
+
+    rows = NamedSharding(sharding.make_mesh(), PartitionSpec(("data", "fsdp")))
+    placed = {
+        f"w{i}": jax.ShapeDtypeStruct((8, i + 1), jnp.float32, sharding=rows) for i in range(6)
+    }
+    loose = {f"n{i}": jax.ShapeDtypeStruct((i + 2,), jnp.int32) for i in range(3)}
+    compiles = []
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kwargs.get("fun_name"))
+
+    monitoring.register_event_duration_secs_listener(count)
+    try:
+        got = measure.concrete({**placed, **loose, "kept": None})
+    finally:
+        monitoring.unregister_event_duration_listener(count)
+    assert len(compiles) == 2, compiles
+    assert got["kept"] is None and all(got[k].sharding == rows for k in placed)
+    assert all((np.asarray(got[k]) == 1).all() and got[k].shape == loose[k].shape for k in loose)
+
+
 class _Program:
     """A program whose ``n``-th call fails with ``error`` (a runtime's refusal); its
     ``jitted`` lowers and compiles to itself, with no memory analysis (``None``)."""
