@@ -13,8 +13,9 @@ addition task), rewards and batch, on 8 fake CPU devices by default, or with `--
 real` on whatever JAX finds (our model: every device on `fsdp`; Tunix's: its own
 `("fsdp", "tp")` axes, N x 1). The phases are timed by wrapping
 the cluster's `generate` (rollout), `get_ref_per_token_logps` (reference) and
-`update_actor` (the update). The first step compiles and is excluded; the figures are
-medians over the other steps.
+`update_actor` (the update, until the actor's weights are written: it returns nothing
+to wait on, and on a TPU its steps would otherwise run on into the next phase). The first
+step compiles and is excluded; the figures are medians over the other steps.
 
 Printed: per phase, ms per step for each model and ours / Tunix's (target <= 1.0 for
 the whole step), and rollout tokens/s.
@@ -37,8 +38,11 @@ def _timed(cluster, name: str, log: dict) -> None:
         started = time.perf_counter()
         out = inner(*args, **kwargs)
         import jax
+        from flax import nnx
 
         jax.block_until_ready(jax.tree.leaves(getattr(out, "tokens", out)))
+        if name == "update_actor":  # returns nothing: wait for the updated weights
+            jax.block_until_ready(nnx.state(cluster.actor_trainer.model))
         log.setdefault(name, []).append(time.perf_counter() - started)
         if name == "generate":
             log.setdefault("tokens", []).append(sum(len(t) for t in out.tokens))

@@ -151,7 +151,11 @@ def _matrix_command(commands) -> None:
     )
     matrix.add_argument("--all", action="store_true", help="every entry")
     matrix.add_argument(
-        "--jobs", "-j", default="2", type=_jobs, help="pytest-xdist workers per entry"
+        "--jobs",
+        "-j",
+        default="2",
+        type=_jobs,
+        help="pytest-xdist workers per entry; its run cells side by side (0, 1: one at a time)",
     )
     matrix.add_argument("--rebuild", action="store_true", help="rebuild the environments")
     matrix.add_argument(

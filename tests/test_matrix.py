@@ -348,6 +348,48 @@ def test_every_entry_runs_with_one_compile_cache_beside_the_environments(tmp_pat
     assert not any("PYTHONDONTWRITEBYTECODE" in e for e in seen)
 
 
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_rows_run_cells_go_side_by_side_as_many_as_jobs_longest_first(
+    tmp_path, monkeypatch, jobs
+):
+    """After the contracts, the run cells start in START_ORDER and run ``--jobs`` at a
+    time; each row cell still gets its own result, and its phase its own wall time."""
+    import threading
+    import time
+
+    assert sorted(run_cells.START_ORDER) == sorted(run_cells.CELLS)
+    lock = threading.Lock()
+    started, running, most = [], [0], [0]
+
+    def cell(name):
+        def run(entry, env, environ, runner):
+            with lock:
+                started.append(name)
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.2)
+            with lock:
+                running[0] -= 1
+            return {"status": "passed", "message": name}
+
+        return run
+
+    monkeypatch.setattr(run_cells, "CELLS", {n: cell(n) for n in run_cells.CELLS})
+    path = tmp_path / "envs" / "e-0123"
+    (path / "bin").mkdir(parents=True)
+    entry = entries.Entry(name="e", tunix="0.1.7", flavour="current", convention="bound2")
+    env = envs.EnvResult(path=path, built=False, seconds=0.0)
+    fake_run = lambda command, env=None: subprocess.CompletedProcess(command, 0, "{}\n", "")  # noqa: E731
+    row = matrix.run_entry(entry, env, tmp_path / "reports", jobs, run=fake_run)
+    first = int(jobs)  # those start at once, in either order
+    assert sorted(started[:first]) == sorted(run_cells.START_ORDER[:first]), started
+    assert started[first:] == list(run_cells.START_ORDER[first:]) or jobs != "1"
+    assert most[0] == int(jobs)
+    assert all(row[n] == {"status": "passed", "message": n} for n in run_cells.CELLS)
+    assert all(row["phase_seconds"][f"{n} run"] >= 0.2 for n in run_cells.CELLS)
+    assert run_cells.workers("0") == 1 and run_cells.workers("3") == 3
+
+
 def test_a_missing_entries_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="does not exist; expected a TOML file"):
         entries.load_entries(tmp_path / "nope.toml")

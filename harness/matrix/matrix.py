@@ -37,8 +37,10 @@ passing one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +176,9 @@ def run_entry(
       ``sft``, ``rl``, ``dpo``: ``{"status": "passed" | "failed" | "skipped", "message"}`` or
         ``None`` (not run); ``skipped``: n/a there, the message says why;
       ``seconds``: wall time of the contracts and the runs;
-      ``phase_seconds``: phase -> its wall time (versions, contracts, sft run, rl run,
-        dpo run);
+      ``phase_seconds``: phase -> its wall time (versions, contracts, then each run
+        cell's, ``sft run`` ... ``vision run``; the runs go side by side, ``jobs`` at a
+        time (:func:`run_side_by_side`), so their times overlap);
       ``error`` (only when the entry could not run): why, in one line.
     """
     row: dict[str, Any] = {
@@ -224,10 +227,33 @@ def run_entry(
         row["contracts"] = junit_cells(junit)
     if not row["contracts"]:
         row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
-    for cell, runs in run_cells.CELLS.items():
-        row[cell] = timed(f"{cell} run", lambda runs=runs: runs(entry, env, environ, run))
+    row.update(run_side_by_side(entry, env, environ, run, run_cells.workers(jobs), timed))
     row["seconds"] = round(time.monotonic() - start, 1)
     return row
+
+
+def run_side_by_side(
+    entry: Entry,
+    env: EnvResult,
+    environ: dict[str, str],
+    run: Runner,
+    workers: int,
+    timed: Callable[[str, Callable[[], Any]], Any],
+) -> dict[str, Any]:
+    """Every run cell of ``entry`` (:data:`run_cells.CELLS`), ``workers`` at a time in the
+    order of :data:`run_cells.START_ORDER`; cell -> its result. Each goes through
+    ``timed`` (its phase and wall time; side by side, those overlap)."""
+    order = sorted(run_cells.CELLS, key=run_cells.START_ORDER.index)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {
+            cell: pool.submit(
+                timed,
+                f"{cell} run",
+                functools.partial(run_cells.CELLS[cell], entry, env, environ, run),
+            )
+            for cell in order
+        }
+        return {cell: futures[cell].result() for cell in run_cells.CELLS}
 
 
 def entry_environ(entry: Entry, env: EnvResult) -> dict[str, str]:
