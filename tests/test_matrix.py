@@ -387,6 +387,9 @@ def test_a_rows_run_cells_go_side_by_side_as_many_as_jobs_longest_first(
     assert most[0] == int(jobs)
     assert all(row[n] == {"status": "passed", "message": n} for n in run_cells.CELLS)
     assert all(row["phase_seconds"][f"{n} run"] >= 0.2 for n in run_cells.CELLS)
+    assert list(row["phase_seconds"])[-len(run_cells.CELLS) :] == [
+        f"{n} run" for n in run_cells.CELLS
+    ]
     assert run_cells.workers("0") == 1 and run_cells.workers("3") == 3
 
 

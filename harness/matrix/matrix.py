@@ -228,6 +228,8 @@ def run_entry(
     if not row["contracts"]:
         row["error"] = f"contracts did not run: {first_error(done.stdout + done.stderr)}"
     row.update(run_side_by_side(entry, env, environ, run, run_cells.workers(jobs), timed))
+    for cell in run_cells.CELLS:  # the report's column order, not the order they ended in
+        timings[f"{cell} run"] = timings.pop(f"{cell} run")
     row["seconds"] = round(time.monotonic() - start, 1)
     return row
 
