@@ -393,6 +393,13 @@ def test_a_rows_run_cells_go_side_by_side_as_many_as_jobs_longest_first(
     assert run_cells.workers("0") == 1 and run_cells.workers("3") == 3
 
 
+def test_auto_jobs_run_as_many_cells_as_cpus_and_one_where_the_count_is_unknown(monkeypatch):
+    monkeypatch.setattr(run_cells.os, "cpu_count", lambda: 6)
+    assert run_cells.workers("auto") == 6
+    monkeypatch.setattr(run_cells.os, "cpu_count", lambda: None)
+    assert run_cells.workers("auto") == 1
+
+
 def test_a_missing_entries_file_is_named(tmp_path):
     with pytest.raises(ValueError, match="does not exist; expected a TOML file"):
         entries.load_entries(tmp_path / "nope.toml")

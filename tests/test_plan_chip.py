@@ -346,6 +346,8 @@ def test_concrete_makes_every_placed_leaf_in_one_compiled_program():
     assert len(compiles) == 2, compiles
     assert got["kept"] is None and all(got[k].sharding == rows for k in placed)
     assert all((np.asarray(got[k]) == 1).all() and got[k].shape == loose[k].shape for k in loose)
+    alone = measure.concrete(loose)  # no placed leaf at all: the loose ones are still made
+    assert all((np.asarray(alone[k]) == 1).all() for k in loose)
 
 
 class _Program:
