@@ -205,7 +205,8 @@ cores (2026-12-06, tunix-0.1.7's row, one at a time): vision 33.0 s, rl 20.2, di
 def workers(jobs: str) -> int:
     """How many run cells of a row run at once: the matrix's ``--jobs`` (``auto``: the
     CPU count; 0 or 1: one at a time). Each cell is one process that mostly compiles on
-    one core, so on 2 cores two side by side take about half the wall time."""
+    one core: on 2 cores, from empty caches, tunix-0.1.7's five took 102 s one after
+    another and 63-69 s two at a time (2026-12-06, three runs)."""
     if jobs == "auto":
         return os.cpu_count() or 1
     return max(1, int(jobs))
