@@ -151,11 +151,7 @@ def _matrix_command(commands) -> None:
     )
     matrix.add_argument("--all", action="store_true", help="every entry")
     matrix.add_argument(
-        "--jobs",
-        "-j",
-        default="2",
-        type=_jobs,
-        help="pytest-xdist workers per entry; its run cells side by side (0, 1: one at a time)",
+        "--jobs", "-j", default="2", type=_jobs, help="xdist workers per entry, run cells at once"
     )
     matrix.add_argument("--rebuild", action="store_true", help="rebuild the environments")
     matrix.add_argument(

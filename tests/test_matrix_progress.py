@@ -126,11 +126,12 @@ def test_the_matrix_reports_each_row_and_phase_in_order(tmp_path):
         ("phase", "environment"),
         ("phase", "versions"),
         ("phase", "contracts"),
-        ("phase", "sft run"),
-        ("phase", "rl run"),
-        ("phase", "dpo run"),
-        ("phase", "distill run"),
+        # one at a time (jobs "1"), the run cells start longest first (START_ORDER)
         ("phase", "vision run"),
+        ("phase", "rl run"),
+        ("phase", "distill run"),
+        ("phase", "dpo run"),
+        ("phase", "sft run"),
     ]
     lines = shown.console.file.getvalue().splitlines()
     assert lines[0] == "[1/1] r: environment r"
