@@ -31,15 +31,15 @@ import time
 
 
 def _timed(cluster, name: str, log: dict) -> None:
+    import jax
+    from flax import nnx
+
     inner = getattr(cluster, name)
 
     @functools.wraps(inner)
     def call(*args, **kwargs):
         started = time.perf_counter()
         out = inner(*args, **kwargs)
-        import jax
-        from flax import nnx
-
         jax.block_until_ready(jax.tree.leaves(getattr(out, "tokens", out)))
         if name == "update_actor":  # returns nothing: wait for the updated weights
             jax.block_until_ready(nnx.state(cluster.actor_trainer.model))

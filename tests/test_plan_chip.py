@@ -322,7 +322,7 @@ def test_concrete_leaves_keep_shape_dtype_and_sharding_floats_0_the_rest_1():
 def test_concrete_makes_every_placed_leaf_in_one_compiled_program():
     """One program for the leaves with a sharding, one for those without; not one a leaf
     (a model of unstacked layers had hundreds of compiles, each far dearer on a TPU host)."""
-    from jax._src import monitoring
+    from jax import monitoring
     from jax.sharding import NamedSharding, PartitionSpec
 
     from posttrain import sharding
