@@ -21,7 +21,6 @@ from harness.devices.devices import (
     CORES,
     DEVICE_COUNT_FLAG,
     FUSION_EMITTERS_FLAG,
-    compile_cache_env,
     configure_devices,
     forced_device_count,
     suite_env,
@@ -837,42 +836,6 @@ def test_suite_env_caches_bytecode_and_compiles(monkeypatch, tmp_path) -> None:
     assert env["POSTTRAIN_SOMETHING"] == "kept"
     assert env["JAX_COMPILATION_CACHE_DIR"] == str((tmp_path / "cache").resolve())
     assert os.environ["PYTHONDONTWRITEBYTECODE"] == "1"  # this process is left alone
-
-
-def test_gate_compile_cache_env(tmp_path):
-    """The gate points JAX's persistent compilation cache at a kept directory, or nowhere."""
-    assert compile_cache_env("off") == {}
-    env = compile_cache_env(str(tmp_path / "cache"))
-    assert env["JAX_COMPILATION_CACHE_DIR"] == str((tmp_path / "cache").resolve())
-    assert (tmp_path / "cache").is_dir()
-    assert float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]) > 0
-    assert int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]) > 0  # bounded: it is kept per user
-
-
-def test_cache_entries_without_access_time_do_not_break_jax_writes(tmp_path: Path) -> None:
-    """An entry written without JAX's size limit (no ``-atime`` file) made every later
-    write under the limit warn FileNotFoundError, failing the matrix's tests under -W error."""
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "jit_old-0123-cache").write_bytes(b"old")
-    (cache / "jit_kept-4567-cache").write_bytes(b"kept")
-    (cache / "jit_kept-4567-atime").write_bytes((7).to_bytes(8, "little"))
-    env = compile_cache_env(str(cache))
-    assert int.from_bytes((cache / "jit_old-0123-atime").read_bytes(), "little") == (
-        (cache / "jit_old-0123-cache").stat().st_mtime_ns
-    )
-    assert (cache / "jit_kept-4567-atime").read_bytes() == (7).to_bytes(8, "little")
-    code = "import jax, jax.numpy as jnp; jax.jit(lambda x: x * 3 + 1)(jnp.ones(4))"
-    run = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code],
-        env=_subprocess_env(**{**env, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    new = {p.name for p in cache.iterdir()} - {"jit_old-0123-cache", "jit_old-0123-atime"}
-    assert any(n.startswith("jit__lambda") and n.endswith("-cache") for n in new), sorted(new)
 
 
 def test_gate_default_compile_cache_is_per_user_not_per_checkout(monkeypatch, tmp_path):

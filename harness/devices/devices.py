@@ -19,9 +19,9 @@ import os
 import re
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from harness.devices import compile_cache
 from posttrain.xla_flags import jaxlib_version, with_collective_timeout
 
 ENV_VAR = "POSTTRAIN_DEVICES"
@@ -212,35 +212,10 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def compile_cache_env(cache: str) -> dict[str, str]:
-    """Environment for the pytest run: JAX's persistent compilation cache in ``cache``.
-
-    Every compile of at least 10 ms is stored (XLA:CPU compiles dominate the gate
-    and the matrix), so a second run reuses them; JAX keys entries by program,
-    backend and version, so one directory may serve several JAX versions. The
-    eager ops' small programs count: with 0.2 s the warm gate took 155 s, with
-    10 ms 128 s (2026-12-04, the same checkout and machine).
-    Entries beyond 2 GiB are evicted least recently used first; entries written
-    without that limit get their access-time files first
-    (:func:`add_missing_access_times`). ``off``: nothing is set.
-    """
-    if cache == "off":
-        return {}
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    add_missing_access_times(Path(cache))
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(Path(cache).resolve()),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.01",
-        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-        # Least recently used entries go beyond 2 GiB (one gate writes ~25 MB).
-        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2 * 1024**3),
-    }
-
-
-def suite_env(compile_cache: str) -> dict[str, str]:
+def suite_env(cache_dir: str) -> dict[str, str]:
     """The environment of a pytest run of the suites (the gate's, a matrix entry's):
-    this process's, JAX's persistent compilation cache (:func:`compile_cache_env`) and
-    bytecode caching on.
+    this process's, JAX's persistent compilation cache in ``cache_dir``
+    (:func:`harness.devices.compile_cache.env`) and bytecode caching on.
 
     ``PYTHONDONTWRITEBYTECODE`` is dropped: with it, pytest cannot keep the modules its
     assertion rewriting makes (test modules, and every package of a pytest plugin:
@@ -248,32 +223,6 @@ def suite_env(compile_cache: str) -> dict[str, str]:
     test) rewrote them from source again: a pytest process on two trivial tests took
     4.2 s instead of 2.2 s. The caches are ``__pycache__`` folders (gitignored).
     """
-    env = {**os.environ, **compile_cache_env(compile_cache)}
+    env = {**os.environ, **compile_cache.env(cache_dir)}
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     return env
-
-
-def add_missing_access_times(cache: Path) -> list[Path]:
-    """Writes the access-time file JAX's size-limited cache expects beside each entry.
-
-    With ``JAX_COMPILATION_CACHE_MAX_SIZE`` set, JAX (``jax._src.lru_cache``) keeps
-    ``<key>-atime`` (8 bytes, little-endian nanoseconds) beside each ``<key>-cache``
-    and reads every one of them before each write; an entry written by a run
-    without the limit has none, and every later write then fails with a
-    ``FileNotFoundError`` warning (an error under ``-W error``: the matrix's
-    tunix-0.1.7 environment had 26 such entries). Each missing file gets the
-    entry's modification time.
-
-    Returns:
-        The access-time files written.
-    """
-    written = []
-    for entry in cache.glob("*-cache"):
-        atime = entry.with_name(entry.name.removesuffix("-cache") + "-atime")
-        if not atime.exists():
-            try:
-                atime.write_bytes(entry.stat().st_mtime_ns.to_bytes(8, "little"))
-            except OSError:  # a concurrent eviction removed the entry
-                continue
-            written.append(atime)
-    return written
