@@ -23,7 +23,8 @@ How (:func:`chunked_nll`):
    keeps the chunk's hidden-state gradient, and sums the gradients of what the head closes
    over (its weights and adapters, hoisted by ``jax.closure_convert``) in float32 across
    the chunks; only those being differentiated (a frozen head under LoRA gets none). The
-   backward scales them by the NLL's cotangent and casts each to its dtype once. So the
+   backward scales them by the NLL's cotangent and casts each to its dtype (the head's
+   once; the hidden-state gradient, already in its dtype, a second time). So the
    head's matmul runs once a chunk: the hidden states' gradient and the weights' are the
    other two (two with a frozen head), where recomputing each chunk's logits in a backward
    scan, as this loss did before, ran it twice (four matmuls and three; the head is a
@@ -213,7 +214,9 @@ def _scan_nll_bwd(fn, residuals, g):
     dhidden, sums, like = residuals
     # g: the NLL's cotangent (float32 scalar), never a symbolic zero: the NLL is this rule's
     # one output, and JAX drops the rule when nothing differentiates it (a step of the MoE
-    # term alone). One rounding to each gradient's dtype.
+    # term alone). The head's gradients: one rounding, from their float32 sums. The hidden
+    # states' gradient was taken at cotangent 1 in its own dtype and is rounded again after
+    # the scaling: two roundings for a bfloat16 model (one when the backward recomputed).
     dhidden = (g * dhidden).astype(dhidden.dtype)
     dconsts = [None if z is None else (g * sums[i]).astype(z.dtype) for i, z in enumerate(like)]
     return (dhidden, None, None, *dconsts)
