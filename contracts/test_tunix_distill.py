@@ -462,9 +462,13 @@ def test_the_written_out_logit_loss_is_tunix_s(temperature, alpha, top_k, dtype)
     from posttrain.distill import logit_loss
 
     strategy = tunix_distill.logit_strategy(
-        _identity, _identity, _identity, temperature=temperature, alpha=alpha,
+        _identity,
+        _identity,
+        _identity,
+        temperature=temperature,
+        alpha=alpha,
         distill_top_k=top_k,
-    )  # fmt: skip
+    )
     known = logit_loss.settings(strategy)
     assert known == (temperature, alpha, top_k)
     rng = np.random.default_rng(3)

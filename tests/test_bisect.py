@@ -25,8 +25,11 @@ pytestmark = pytest.mark.host
 def git(*args: str, cwd: Path) -> str:
     done = subprocess.run(
         ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-        cwd=cwd, capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return done.stdout.strip()
 
 
@@ -90,9 +93,13 @@ def _run(upstream, tmp_path, contract: str, good: str, bad: str, verdict: str = 
     cache = tmp_path.parent / "bisect-envs"  # shared by this module's tests: one build a tree
     lines: list[str] = []
     stepper = bisect.Stepper(
-        root, bisect.Target("node", f"{contracts}::{contract}"), verdict=verdict,
-        cache=envs.EnvCache(cache), work=tmp_path, log=lines.append,
-    )  # fmt: skip
+        root,
+        bisect.Target("node", f"{contracts}::{contract}"),
+        verdict=verdict,
+        cache=envs.EnvCache(cache),
+        work=tmp_path,
+        log=lines.append,
+    )
     target = bisect.Target("node", str(contracts))
     return bisect.bisect(root, shas[good], shas[bad], target, stepper, verdict=verdict), lines
 
@@ -103,8 +110,13 @@ def test_a_real_bisection_skips_the_uninstallable_commit_and_names_the_break(ups
     """The short run (4 environments): c2 good, c5 bad; c3 cannot be built, so it is a
     skip, never bad; c4 passes; c5 is named."""
     root, shas, _ = upstream
-    result, lines = _run(upstream, tmp_path, "test_train_step_takes_is_update_step", "c2 docs",
-                         "c5 rename is_update_step")  # fmt: skip
+    result, lines = _run(
+        upstream,
+        tmp_path,
+        "test_train_step_takes_is_update_step",
+        "c2 docs",
+        "c5 rename is_update_step",
+    )
     assert [(s["subject"], s["verdict"]) for s in result["steps"]] == [
         ("c2 docs", "good"),
         ("c5 rename is_update_step", "bad"),
@@ -122,25 +134,42 @@ def test_bisect_names_the_breaking_commit_and_skips_the_uninstallable_one(upstre
     subject and the file it touched; the steps stay within the endpoints + log2(N) +
     skips; the warn verdict names c7, the commit that added the deprecation."""
     root, shas, _ = upstream
-    result, lines = _run(upstream, tmp_path, "test_train_step_takes_is_update_step", "c1 base",
-                         "c6 tidy")  # fmt: skip
+    result, lines = _run(
+        upstream, tmp_path, "test_train_step_takes_is_update_step", "c1 base", "c6 tidy"
+    )
     assert result["first_bad"]["sha"] == shas["c5 rename is_update_step"], lines
     assert result["first_bad"]["subject"] == "c5 rename is_update_step"
     assert result["first_bad"]["files"] == ["tunix/__init__.py"]
     verdicts = {s["subject"]: s["verdict"] for s in result["steps"]}
-    assert verdicts == {"c1 base": "good", "c6 tidy": "bad", "c3 broken build": "skip",
-                        "c2 docs": "good", "c4 more docs": "good",
-                        "c5 rename is_update_step": "bad"}, lines  # fmt: skip
+    assert verdicts == {
+        "c1 base": "good",
+        "c6 tidy": "bad",
+        "c3 broken build": "skip",
+        "c2 docs": "good",
+        "c4 more docs": "good",
+        "c5 rename is_update_step": "bad",
+    }, lines
     assert len(result["steps"]) <= 2 + 3 + 1  # endpoints, log2(5) rounded up, one skip
     assert len(lines) == len(result["steps"])
     assert all(line.startswith("bisect: step ") for line in lines), lines
-    warned, lines = _run(upstream, tmp_path, "test_helper_is_quiet", "c5 rename is_update_step",
-                         "c7 deprecate helper", verdict="warn")  # fmt: skip
+    warned, lines = _run(
+        upstream,
+        tmp_path,
+        "test_helper_is_quiet",
+        "c5 rename is_update_step",
+        "c7 deprecate helper",
+        verdict="warn",
+    )
     assert warned["first_bad"]["sha"] == shas["c7 deprecate helper"], lines
     # the same range with the fail verdict: the deprecation alone is no failure
     with pytest.raises(ValueError, match="--bad .* is in fact good"):
-        _run(upstream, tmp_path, "test_helper_is_quiet", "c5 rename is_update_step",
-             "c7 deprecate helper")  # fmt: skip
+        _run(
+            upstream,
+            tmp_path,
+            "test_helper_is_quiet",
+            "c5 rename is_update_step",
+            "c7 deprecate helper",
+        )
 
 
 class FakeStepper:
@@ -156,26 +185,60 @@ class FakeStepper:
 @pytest.mark.parametrize(
     ("verdicts", "found"),
     [
-        ({"c2 docs": "good", "c3 broken build": "skip", "c4 more docs": "good",
-          "c5 rename is_update_step": "bad"}, ["c5 rename is_update_step"]),
-        ({"c2 docs": "bad", "c3 broken build": "bad", "c4 more docs": "bad",
-          "c5 rename is_update_step": "bad"}, ["c2 docs"]),
-        ({"c2 docs": "good", "c3 broken build": "good", "c4 more docs": "good",
-          "c5 rename is_update_step": "good"}, ["c6 tidy"]),
+        (
+            {
+                "c2 docs": "good",
+                "c3 broken build": "skip",
+                "c4 more docs": "good",
+                "c5 rename is_update_step": "bad",
+            },
+            ["c5 rename is_update_step"],
+        ),
+        (
+            {
+                "c2 docs": "bad",
+                "c3 broken build": "bad",
+                "c4 more docs": "bad",
+                "c5 rename is_update_step": "bad",
+            },
+            ["c2 docs"],
+        ),
+        (
+            {
+                "c2 docs": "good",
+                "c3 broken build": "good",
+                "c4 more docs": "good",
+                "c5 rename is_update_step": "good",
+            },
+            ["c6 tidy"],
+        ),
         # a skip right before the first bad commit: the range is named, not a guess
-        ({"c2 docs": "good", "c3 broken build": "good", "c4 more docs": "skip",
-          "c5 rename is_update_step": "bad"}, ["c4 more docs", "c5 rename is_update_step"]),
-        ({"c2 docs": "skip", "c3 broken build": "skip", "c4 more docs": "skip",
-          "c5 rename is_update_step": "skip"},
-         ["c2 docs", "c3 broken build", "c4 more docs", "c5 rename is_update_step", "c6 tidy"]),
+        (
+            {
+                "c2 docs": "good",
+                "c3 broken build": "good",
+                "c4 more docs": "skip",
+                "c5 rename is_update_step": "bad",
+            },
+            ["c4 more docs", "c5 rename is_update_step"],
+        ),
+        (
+            {
+                "c2 docs": "skip",
+                "c3 broken build": "skip",
+                "c4 more docs": "skip",
+                "c5 rename is_update_step": "skip",
+            },
+            ["c2 docs", "c3 broken build", "c4 more docs", "c5 rename is_update_step", "c6 tidy"],
+        ),
     ],
-)  # fmt: skip
-def test_the_search_names_the_first_bad_commit_or_the_range_skips_leave(upstream, verdicts,
-                                                                        found):  # fmt: skip
+)
+def test_the_search_names_the_first_bad_commit_or_the_range_skips_leave(upstream, verdicts, found):
     root, shas, contracts = upstream
     fake = FakeStepper({"c1 base": "good", "c6 tidy": "bad", **verdicts})
-    result = bisect.bisect(root, shas["c1 base"], shas["c6 tidy"],
-                           bisect.Target("node", str(contracts)), fake)  # fmt: skip
+    result = bisect.bisect(
+        root, shas["c1 base"], shas["c6 tidy"], bisect.Target("node", str(contracts)), fake
+    )
     assert [c["subject"] for c in result["candidates"]] == found
     assert (result["first_bad"] is not None) == (len(found) == 1)
 
@@ -184,11 +247,21 @@ def test_a_good_ref_that_is_bad_and_a_bad_ref_that_is_good_are_refused(upstream)
     root, shas, contracts = upstream
     target = bisect.Target("node", str(contracts))
     with pytest.raises(ValueError, match=r"^--good [0-9a-f]{12} is in fact bad: fake$"):
-        bisect.bisect(root, shas["c1 base"], shas["c6 tidy"], target,
-                      FakeStepper({"c1 base": "bad", "c6 tidy": "bad"}))  # fmt: skip
+        bisect.bisect(
+            root,
+            shas["c1 base"],
+            shas["c6 tidy"],
+            target,
+            FakeStepper({"c1 base": "bad", "c6 tidy": "bad"}),
+        )
     with pytest.raises(ValueError, match=r"^--bad [0-9a-f]{12} is in fact good: fake$"):
-        bisect.bisect(root, shas["c1 base"], shas["c6 tidy"], target,
-                      FakeStepper({"c1 base": "good", "c6 tidy": "good"}))  # fmt: skip
+        bisect.bisect(
+            root,
+            shas["c1 base"],
+            shas["c6 tidy"],
+            target,
+            FakeStepper({"c1 base": "good", "c6 tidy": "good"}),
+        )
 
 
 @pytest.mark.parametrize(
@@ -206,15 +279,21 @@ def test_a_good_ref_that_is_bad_and_a_bad_ref_that_is_good_are_refused(upstream)
 )
 def test_bad_input_is_one_line_and_exit_2(upstream, tmp_path, capsys, argv, words):
     root, shas, _ = upstream
-    defaults = {"--contract": "tunix.sft.peft_trainer.PeftTrainer._train_step",
-                "--source": str(root), "--good": "HEAD~2", "--bad": "HEAD"}  # fmt: skip
+    defaults = {
+        "--contract": "tunix.sft.peft_trainer.PeftTrainer._train_step",
+        "--source": str(root),
+        "--good": "HEAD~2",
+        "--bad": "HEAD",
+    }
     given = dict(zip(argv[::2], argv[1::2], strict=True))
     if given.get("--source") == "NOTGIT":
         given["--source"] = str(tmp_path)
     merged = [x for k, v in {**defaults, **given}.items() for x in (k, v)]
     out = tmp_path / "reports"
-    assert cli.main(["bisect", *merged, "--report-dir", str(out), "--cache",
-                     str(tmp_path / "envs")]) == 2  # fmt: skip
+    assert (
+        cli.main(["bisect", *merged, "--report-dir", str(out), "--cache", str(tmp_path / "envs")])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
     assert not out.exists() and not (tmp_path / "envs").exists()
@@ -234,8 +313,21 @@ def test_good_and_bad_naming_one_commit_are_refused_before_any_build(
         raise AssertionError("an environment was built before the refusal")
 
     monkeypatch.setattr(envs.EnvCache, "ensure", ensure)
-    argv = ["bisect", "--contract", "sft", "--source", str(root), "--good", good, "--bad", bad,
-            "--report-dir", str(tmp_path / "r"), "--cache", str(tmp_path / "envs")]  # fmt: skip
+    argv = [
+        "bisect",
+        "--contract",
+        "sft",
+        "--source",
+        str(root),
+        "--good",
+        good,
+        "--bad",
+        bad,
+        "--report-dir",
+        str(tmp_path / "r"),
+        "--cache",
+        str(tmp_path / "envs"),
+    ]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"--good {good!r} and --bad {bad!r} are the same commit" in err[0]
@@ -271,12 +363,30 @@ def test_sigterm_during_an_environment_build_is_one_line_143_and_leaves_nothing(
     temp, cache = tmp_path / "tmp", tmp_path / "envs"
     temp.mkdir()
     process = subprocess.Popen(
-        [sys.executable, "-c", SIGTERM_DURING_BUILD, "bisect", "--contract", "sft", "--source",
-         str(root), "--good", "HEAD~2", "--bad", "HEAD", "--report-dir", str(tmp_path / "r"),
-         "--cache", str(cache)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "TMPDIR": str(temp)}, cwd=Path(cli.__file__).parent.parent,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            SIGTERM_DURING_BUILD,
+            "bisect",
+            "--contract",
+            "sft",
+            "--source",
+            str(root),
+            "--good",
+            "HEAD~2",
+            "--bad",
+            "HEAD",
+            "--report-dir",
+            str(tmp_path / "r"),
+            "--cache",
+            str(cache),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(temp)},
+        cwd=Path(cli.__file__).parent.parent,
+    )
     assert process.stdout.readline() == "building\n"
     time.sleep(0.5)  # the build's process started: the signal comes while it runs
     process.send_signal(signal.SIGTERM)
@@ -304,9 +414,19 @@ def test_a_ref_that_looks_like_an_option_is_refused_and_never_reaches_git(
     out = tmp_path / "written"
     value = value.format(out=out)
     refs = {"--good": "HEAD~2", "--bad": "HEAD", flag: value}
-    argv = ["bisect", "--contract", "sft", "--source", str(root), f"--good={refs['--good']}",
-            f"--bad={refs['--bad']}", "--report-dir", str(tmp_path / "r"),
-            "--cache", str(tmp_path / "envs")]  # fmt: skip
+    argv = [
+        "bisect",
+        "--contract",
+        "sft",
+        "--source",
+        str(root),
+        f"--good={refs['--good']}",
+        f"--bad={refs['--bad']}",
+        "--report-dir",
+        str(tmp_path / "r"),
+        "--cache",
+        str(tmp_path / "envs"),
+    ]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{flag} {value!r}: no such commit" in err[0], err
@@ -332,8 +452,13 @@ def test_git_calls_put_end_of_options_before_user_values(upstream, monkeypatch):
 
 def test_the_result_is_written_and_summarised(tmp_path):
     commit = {"sha": "a" * 40, "date": "2026-11-30T10:00:00+00:00", "subject": "rename it"}
-    result = {"verdict": "fail", "commits": 9, "steps": [{}] * 5, "candidates": [commit],
-              "first_bad": {**commit, "files": ["tunix/sft/peft_trainer.py"]}}  # fmt: skip
+    result = {
+        "verdict": "fail",
+        "commits": 9,
+        "steps": [{}] * 5,
+        "candidates": [commit],
+        "first_bad": {**commit, "files": ["tunix/sft/peft_trainer.py"]},
+    }
     path = bisect.write(result, tmp_path)
     assert json.loads(path.read_text()) == result
     assert bisect.summary(result) == [
@@ -355,19 +480,24 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
     from harness.report import markdown, report
 
     def row(name, tunix, contracts, sft, **more):
-        return {"name": name, "tunix": tunix, "flavour": more.pop("flavour", "current"),
-                "convention": "bound2", "contracts": contracts, "sft": sft, **more}  # fmt: skip
+        return {
+            "name": name,
+            "tunix": tunix,
+            "flavour": more.pop("flavour", "current"),
+            "convention": "bound2",
+            "contracts": contracts,
+            "sft": sft,
+            **more,
+        }
 
     rows = [
-        row(
-            "tunix-0.1.5", "0.1.5", {"c": _cell("failed"), "d": _cell("passed")}, _cell("passed")
-        ),  # fmt: skip
+        row("tunix-0.1.5", "0.1.5", {"c": _cell("failed"), "d": _cell("passed")}, _cell("passed")),
         row(
             "tunix-0.1.7",
             "0.1.7",
             {"c": _cell("passed"), "d": _cell("passed", warnings=["w"]), "e": _cell("passed")},
             _cell("passed"),
-        ),  # fmt: skip
+        ),
         row(
             "tunix-main",
             "main",
@@ -379,13 +509,16 @@ def test_the_report_suggests_bisecting_a_source_rows_break_that_the_newest_relea
             _cell("failed"),
             flavour="source",
             source={"spec": "/src/tunix", "resolved": "f" * 40},
-        ),  # fmt: skip
+        ),
     ]
     found = suggestions.suggestions(rows)
     base = f"posttrain-harness bisect --source /src/tunix --good v0.1.7 --bad {'f' * 40}"
     assert found[0]["verdict"] == "fail" and found[1]["verdict"] == "warn"
-    assert (found[0]["good"], found[0]["bad"], found[0]["source"]) == ("v0.1.7", "f" * 40,
-                                                                      "/src/tunix")  # fmt: skip
+    assert (found[0]["good"], found[0]["bad"], found[0]["source"]) == (
+        "v0.1.7",
+        "f" * 40,
+        "/src/tunix",
+    )
     assert [(f["column"], f["command"]) for f in found] == [
         ("c", f"{base} --contract contracts/test_x.py::test_c"),
         ("e", f"{base} --contract e --verdict warn"),
@@ -406,12 +539,22 @@ def test_matrix_bisect_runs_each_suggestion_and_names_the_commit(upstream, tmp_p
     root, shas, contracts = upstream
     node = f"{contracts}::test_train_step_takes_is_update_step"
     rows = [
-        {"name": "tunix-0.1.7", "tunix": "0.1.7", "flavour": "current", "convention": "bound2",
-         "contracts": {"t": _cell("passed")}},
-        {"name": "tunix-main", "tunix": "main", "flavour": "source", "convention": "bound2",
-         "contracts": {"t": _cell("failed", test=node)},
-         "source": {"spec": str(root), "resolved": shas["c5 rename is_update_step"]}},
-    ]  # fmt: skip
+        {
+            "name": "tunix-0.1.7",
+            "tunix": "0.1.7",
+            "flavour": "current",
+            "convention": "bound2",
+            "contracts": {"t": _cell("passed")},
+        },
+        {
+            "name": "tunix-main",
+            "tunix": "main",
+            "flavour": "source",
+            "convention": "bound2",
+            "contracts": {"t": _cell("failed", test=node)},
+            "source": {"spec": str(root), "resolved": shas["c5 rename is_update_step"]},
+        },
+    ]
     found = suggestions.suggestions(rows)
     named = bisect.run_suggestions(found, envs.EnvCache(tmp_path / "envs"), log=lambda _: None)
     assert named[0]["named"]["sha"] == shas["c5 rename is_update_step"], named
@@ -511,13 +654,24 @@ def test_bisect_and_matrix_bisect_clone_under_the_cache_they_are_given(tmp_path,
 
     monkeypatch.setattr(bisect, "local_checkout", checkout)
     monkeypatch.setattr(git_history, "local_checkout", checkout)
-    item = {"contract": "sft", "source": "https://h/x", "good": "a", "bad": "b",
-            "verdict": "fail"}  # fmt: skip
+    item = {"contract": "sft", "source": "https://h/x", "good": "a", "bad": "b", "verdict": "fail"}
     (done,) = bisect.run_suggestions([item], envs.EnvCache(tmp_path / "cache"))
     assert done["why"] == "stop"
-    argv = ["bisect", "--contract", "sft", "--source", "https://h/x", "--good", "a",
-            "--bad", "b", "--cache", str(tmp_path / "cache"),
-            "--report-dir", str(tmp_path / "r")]  # fmt: skip
+    argv = [
+        "bisect",
+        "--contract",
+        "sft",
+        "--source",
+        "https://h/x",
+        "--good",
+        "a",
+        "--bad",
+        "b",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--report-dir",
+        str(tmp_path / "r"),
+    ]
     assert cli.main(argv) == 2
     assert seen == [tmp_path / "cache", tmp_path / "cache"]
 
@@ -569,8 +723,12 @@ def odd_upstream(tmp_path_factory) -> tuple[Path, dict[str, str]]:
         def at(*args, env=dated):
             return subprocess.run(
                 ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                cwd=root, capture_output=True, text=True, check=True, env=env,
-            ).stdout.strip()  # fmt: skip
+                cwd=root,
+                capture_output=True,
+                text=True,
+                check=True,
+                env=env,
+            ).stdout.strip()
 
         if not shas:
             at("init", "-q", "-b", "main")
@@ -629,8 +787,9 @@ def tree_runner(command, environ):
 def odd_bisect(odd_upstream, tmp_path, contract: str, good: str, bad: str):
     root, shas = odd_upstream
     target = bisect.Target("node", f"/fake/test_fake.py::{contract}")
-    stepper = bisect.Stepper(root, target, cache=TreeCache(), work=tmp_path,
-                             runner=tree_runner, log=lambda _: None)  # fmt: skip
+    stepper = bisect.Stepper(
+        root, target, cache=TreeCache(), work=tmp_path, runner=tree_runner, log=lambda _: None
+    )
     return bisect.bisect(root, shas[good], shas[bad], target, stepper)
 
 
@@ -640,20 +799,29 @@ def test_the_walk_is_first_parent_history(odd_upstream):
     root, shas = odd_upstream
     _, _, between = git_history.commits_between(root, shas["c1 base"], shas["c5 helper returns 2"])
     assert [c.subject for c in between] == [
-        "c2 docs", "c3 readme", "Merge pull request #1", "c4 helper raises",
+        "c2 docs",
+        "c3 readme",
+        "Merge pull request #1",
+        "c4 helper raises",
         "c5 helper returns 2",
-    ]  # fmt: skip
+    ]
 
 
 def test_a_break_brought_in_by_a_merge_names_the_merge(odd_upstream, tmp_path):
     """The rename lands on main with the merge: bisect names the merge (with p1 as what
     it brought in), and no step classifies a commit off the first-parent line."""
     root, shas = odd_upstream
-    result = odd_bisect(odd_upstream, tmp_path, "test_train_step_takes_is_update_step",
-                        "c1 base", "c5 helper returns 2")  # fmt: skip
+    result = odd_bisect(
+        odd_upstream,
+        tmp_path,
+        "test_train_step_takes_is_update_step",
+        "c1 base",
+        "c5 helper returns 2",
+    )
     assert result["first_bad"]["subject"] == "Merge pull request #1", result["steps"]
-    assert result["first_bad"]["merged"] == [f"{shas['p1 rename is_update_step']} "
-                                             "p1 rename is_update_step"]  # fmt: skip
+    assert result["first_bad"]["merged"] == [
+        f"{shas['p1 rename is_update_step']} p1 rename is_update_step"
+    ]
     assert result["commits"] == 5
     assert all(not s["subject"].startswith("p1") for s in result["steps"]), result["steps"]
 
@@ -663,8 +831,9 @@ def test_a_target_that_errors_is_bad_not_good_nor_skipped(odd_upstream, tmp_path
     the first bad commit is c4, classified bad with the error's message; from c4 on as
     ``--bad``, the erroring endpoint is accepted as bad."""
     root, shas = odd_upstream
-    result = odd_bisect(odd_upstream, tmp_path, "test_helper_is_one", "c1 base",
-                        "c5 helper returns 2")  # fmt: skip
+    result = odd_bisect(
+        odd_upstream, tmp_path, "test_helper_is_one", "c1 base", "c5 helper returns 2"
+    )
     assert result["first_bad"] is not None, result["candidates"]
     assert result["first_bad"]["subject"] == "c4 helper raises", result["steps"]
     (step,) = [s for s in result["steps"] if s["subject"] == "c4 helper raises"]

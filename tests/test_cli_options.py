@@ -304,18 +304,30 @@ def test_each_subcommand_prints_its_help(command, capsys, monkeypatch):
 @pytest.mark.parametrize(
     ("program", "argv", "words"),
     [
-        ("posttrain", ["plan", "--model", "x", "--topology", "v5e-1", "--seq", "1e12"],
-         "argument --seq: invalid int value: '1e12'"),
-        ("posttrain", ["plan", "--model", "x", "--topology", "v5e-1", "--nope"],
-         "unrecognized arguments: --nope"),
+        (
+            "posttrain",
+            ["plan", "--model", "x", "--topology", "v5e-1", "--seq", "1e12"],
+            "argument --seq: invalid int value: '1e12'",
+        ),
+        (
+            "posttrain",
+            ["plan", "--model", "x", "--topology", "v5e-1", "--nope"],
+            "unrecognized arguments: --nope",
+        ),
         ("posttrain", ["plan", "--topology", "v5e-1"], "required: --model"),
         ("posttrain", ["nope"], "invalid choice: 'nope'"),
         ("posttrain-harness", ["bisect", "--contract", "sft"], "required: --source"),
         ("posttrain-harness", ["gate", "--jobs", "x"], "argument --jobs"),
     ],
-    ids=["bad-int", "unknown-flag", "missing-flag", "unknown-command", "harness-missing",
-         "harness-bad-value"],
-)  # fmt: skip
+    ids=[
+        "bad-int",
+        "unknown-flag",
+        "missing-flag",
+        "unknown-command",
+        "harness-missing",
+        "harness-bad-value",
+    ],
+)
 def test_a_usage_error_is_one_line_naming_the_option_and_pointing_to_help(
     program, argv, words, capsys, monkeypatch
 ):

@@ -146,10 +146,23 @@ def test_each_seed_is_a_valid_plan():
 
 # the row's fields, as the module docstring lists them
 ROW_FIELDS = {
-    "name", "what", "topology", "verdict", "expected", "peak_bytes", "hbm_bytes", "headroom",
-    "stage", "compile_seconds", "floor_seconds", "estimate_seconds", "mfu", "line", "measured",
+    "name",
+    "what",
+    "topology",
+    "verdict",
+    "expected",
+    "peak_bytes",
+    "hbm_bytes",
+    "headroom",
+    "stage",
+    "compile_seconds",
+    "floor_seconds",
+    "estimate_seconds",
+    "mfu",
+    "line",
+    "measured",
     "machine",
-}  # fmt: skip
+}
 # a refusal as the plan words it (the compiler's line has parentheses of its own)
 REFUSAL = (
     "llama3-70b sft full, 80 layers, mesh fsdp=64, batch 64 x 2048, remat none, bfloat16 "

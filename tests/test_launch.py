@@ -533,10 +533,24 @@ def _alive(pid: int) -> bool:
 def _launched_ranks(n: int) -> tuple[subprocess.Popen, list[int]]:
     """A launcher process of ``n`` waiting ranks, and their pids once each is ready."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "harness.cli", "launch", "-n", str(n), "--grace", "30", "--",
-         "python", "-c", RANK_WAITS],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "launch",
+            "-n",
+            str(n),
+            "--grace",
+            "30",
+            "--",
+            "python",
+            "-c",
+            RANK_WAITS,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pids = []
     while len(pids) < n:
         line = proc.stdout.readline()
@@ -588,7 +602,9 @@ def test_a_module_planted_in_the_working_directory_is_never_imported(tmp_path):
     launcher = Path(sys.executable).parent / "posttrain-harness"  # the installed command
     done = subprocess.run(
         [str(launcher), "launch", "-n", "1", "--", "posttrain", "--help"],
-        cwd=tmp_path, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert not marker.exists()

@@ -115,8 +115,9 @@ def test_a_part_without_entries_is_refused(tmp_path, capsys):
     out = tmp_path / "merged"
     assert cli.main(["report", "merge", str(where), "--report-dir", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"posttrain-harness report merge: {where}: its report holds no entries; "
-                   "nothing to merge"]  # fmt: skip
+    assert err == [
+        f"posttrain-harness report merge: {where}: its report holds no entries; nothing to merge"
+    ]
     assert not out.exists()
 
 

@@ -159,8 +159,16 @@ def test_functions_reach_the_run_and_the_defaults_stay(monkeypatch, tmp_path):
 
     def run(module, root, work, max_children, functions=()):
         calls[module] = tuple(functions)
-        return {"module": module, "killed": 1, "survived": 0, "timeout": 0, "no_tests": 0,
-                "total": 1, "score": 1.0, "survivors": []}  # fmt: skip
+        return {
+            "module": module,
+            "killed": 1,
+            "survived": 0,
+            "timeout": 0,
+            "no_tests": 0,
+            "total": 1,
+            "score": 1.0,
+            "survivors": [],
+        }
 
     monkeypatch.setattr(mutants, "run_module", run)
     monkeypatch.setattr(mutants, "missing_prerequisite", lambda: None)

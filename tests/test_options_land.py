@@ -407,7 +407,7 @@ RUN = {
     "lora_alpha": Lands("the model's LoRA config", _check_lora),
     "seed": Lands(
         "the preset's init, the adapters' seed", lambda s: (_check_init_seed(s), _check_lora(s))
-    ),  # fmt: skip
+    ),
     "save_every": Lands("TrainingConfig.checkpointing_options", _check_save_every),
     "stop_after": Lands("TrainingConfig.max_steps", _check_max_steps),
     "output": Lands("TrainingConfig.checkpoint_root_directory", _check_output),
@@ -430,7 +430,7 @@ SFT = {
     "seed": Lands(
         "the preset's init, the adapters, the data order",
         lambda s: (_check_init_seed(s), _check_lora(s), _check_first_batch_order(s)),
-    ),  # fmt: skip
+    ),
     "max_target_length": Lands("the first batch's row length", _check_row_length),
     "packing": Lands("the first batch's segments", _check_packing),
     "sync_saves": Lands("TrainingConfig.checkpointing_options", _check_sync_saves),
@@ -1024,7 +1024,7 @@ SCENARIOS: dict[str, Scenario] = {
             "seed": 0,
             "warmup_steps": 2,
             "replica_parallel_saves": "off",
-        },  # fmt: skip
+        },
     ),
     "sft-defaults": Scenario("sft", {}),
     # the gate's SFT start: the loading options (#59: one never reached the model), the
@@ -1052,7 +1052,7 @@ SCENARIOS: dict[str, Scenario] = {
             "train_vision_tower": True,
             "max_target_length": 128,
         },
-    ),  # fmt: skip
+    ),
     "vision-frozen": Scenario(
         "sft",
         {
@@ -1063,7 +1063,7 @@ SCENARIOS: dict[str, Scenario] = {
             "max_target_length": 128,
             "lora_rank": 2,
         },
-    ),  # fmt: skip
+    ),
     "vision-confined": Scenario(
         "sft", {"vision": True, "data": "{vision}"}, refused="image_root"
     ),  # the images are outside the data's directory: refused without --image-root
@@ -1112,7 +1112,7 @@ SCENARIOS.update(
                 "lora_alpha": 3.0,
                 "data": "{pairs}",
             },
-        ),  # fmt: skip
+        ),
         "dpo-defaults": Scenario("dpo", {}),
         # the gate's DPO start: the loss's hyperparameters (#59: an explicit zero dropped,
         # a smoothing never passed)
@@ -1225,12 +1225,12 @@ SCENARIOS.update(
                 "lora_alpha": 3.0,
                 "replica_parallel_saves": "off",
             },
-        ),  # fmt: skip
+        ),
         "distill-reject": Scenario(
             "distill",
             {"teacher": "qwen3-tiny", "max_target_length": 64, "overflow": "reject"},
             refused="overflow",
-        ),  # fmt: skip
+        ),
         # the teacher trained on the fly (seconds): the slow tier
         "distill-teacher": Scenario(
             "distill", {"steps": 3, "max_target_length": 64, "teacher_steps": 2}
@@ -1258,7 +1258,7 @@ SCENARIOS.update(
                 "cache_size": 64,
                 "mesh": "data=2,fsdp=2,tensor=2",
             },
-        ),  # fmt: skip
+        ),
         "generate-sampled": Scenario(
             "generate",
             {
@@ -1269,7 +1269,7 @@ SCENARIOS.update(
                 "max_new_tokens": 2,
                 "output": "{out}",
             },
-        ),  # fmt: skip
+        ),
         "generate-image": Scenario(
             "generate",
             {"model": "gemma4-vision-tiny", "image": "{picture}", "prompt": ("what?",)},

@@ -32,10 +32,27 @@ def test_test_modules_that_use_uv_collect_and_skip_without_it(tmp_path):
     assert shutil.which("uv", path=env["PATH"]) is None
     uv_tests = "an_environment_that_cannot_be_built or a_source_entry_builds_its_environment"
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "-m", "slow or not slow", "-k", uv_tests, *users],
-        cwd=ROOT, env=env, capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-m",
+            "slow or not slow",
+            "-k",
+            uv_tests,
+            *users,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     skips = re.findall(r"SKIPPED \[1\] (\S+): (.*)", done.stdout)
     assert len(skips) == 2, done.stdout[-2000:]

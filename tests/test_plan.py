@@ -273,21 +273,42 @@ INT32 = 2**31 - 1
         (["--mesh", "fsdp=0,tensor=4"], "mesh axis fsdp=0: expected a size >= 1"),
         (["--seq", "1000000000000"], f"seq=1000000000000 (--seq): expected at most {INT32}"),
         (["--batch", str(2**40)], f"batch=1099511627776 (--batch): expected at most {INT32}"),
-        (["--workflow", "generate", "--seq", str(INT32 - 10), "--new-tokens", "100"],
-         f"tokens per row: seq={INT32 - 10} + new_tokens=100 = 2147483737; expected at most"),
+        (
+            ["--workflow", "generate", "--seq", str(INT32 - 10), "--new-tokens", "100"],
+            f"tokens per row: seq={INT32 - 10} + new_tokens=100 = 2147483737; expected at most",
+        ),
         (["--seq", "2000000000"], "seq=2000000000 (--seq): the attention scores"),
         (["--batch", "2000000000", "--seq", "2000000"], "the logits [batch=2000000000, "),
-        (["--profile", "prof"], "profile_dir='prof' traces the steps after the first: it "
-         "needs run_steps >= 2, got 0"),
+        (
+            ["--profile", "prof"],
+            "profile_dir='prof' traces the steps after the first: it needs run_steps >= 2, got 0",
+        ),
         (["--profile", "prof", "--run-steps", "1"], "needs run_steps >= 2, got 1"),
-        (["--probe-headroom"], "probe_headroom runs the step beside ballast: it needs "
-         "run_steps >= 1, got 0"),
+        (
+            ["--probe-headroom"],
+            "probe_headroom runs the step beside ballast: it needs run_steps >= 1, got 0",
+        ),
     ],
-    ids=["dpo-extrapolate", "mesh", "json-directory", "mesh-empty", "rollout-mesh-empty",
-         "json-empty", "mesh-twice", "mesh-negative", "mesh-zero", "seq-int32", "batch-int32",
-         "tokens-per-row", "scores-bytes", "logits-bytes", "profile-no-run", "profile-one-step",
-         "probe-no-run"],
-)  # fmt: skip
+    ids=[
+        "dpo-extrapolate",
+        "mesh",
+        "json-directory",
+        "mesh-empty",
+        "rollout-mesh-empty",
+        "json-empty",
+        "mesh-twice",
+        "mesh-negative",
+        "mesh-zero",
+        "seq-int32",
+        "batch-int32",
+        "tokens-per-row",
+        "scores-bytes",
+        "logits-bytes",
+        "profile-no-run",
+        "profile-one-step",
+        "probe-no-run",
+    ],
+)
 def test_cli_refuses_bad_input_with_one_line_before_compiling(flags, message, capsys, no_compile):
     """``posttrain plan`` is a COMMANDS row: its options' errors are one line, exit 2,
     before any program is built (#56 7-9: sizes past what int32 indices and XLA's int64
@@ -301,15 +322,21 @@ def test_cli_refuses_bad_input_with_one_line_before_compiling(flags, message, ca
     ("change", "message"),
     [
         (lambda text: text[: len(text) // 2], "config.json: not valid JSON"),
-        (lambda text: text.replace('"vocab_size": 151936', '"vocab_size": 1000000000000'),
-         f"vocab_size=1000000000000: expected at most {INT32}"),
-        (lambda text: text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": NaN'),
-         "norm_eps=nan: expected a finite number > 0"),
-        (lambda text: text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 0'),
-         "norm_eps=0: expected a finite number > 0"),
+        (
+            lambda text: text.replace('"vocab_size": 151936', '"vocab_size": 1000000000000'),
+            f"vocab_size=1000000000000: expected at most {INT32}",
+        ),
+        (
+            lambda text: text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": NaN'),
+            "norm_eps=nan: expected a finite number > 0",
+        ),
+        (
+            lambda text: text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 0'),
+            "norm_eps=0: expected a finite number > 0",
+        ),
     ],
     ids=["truncated", "vocab-1e12", "eps-nan", "eps-zero"],
-)  # fmt: skip
+)
 def test_cli_refuses_a_bad_config_json_naming_it(tmp_path, capsys, no_compile, change, message):
     """A truncated ``config.json`` is named; a vocabulary past int32 token ids and a NaN
     or zero ``rms_norm_eps`` are refused with their value (#56 7-9)."""
@@ -333,8 +360,11 @@ def test_cli_refuses_a_json_path_it_cannot_write_before_compiling(
     80 s, naming a temporary file; #56 10). (An unwritable directory is the same check,
     ``os.access``, which root passes.)"""
     (tmp_path / "file").write_text("")
-    path = {"directory": tmp_path, "kernel-fs": "/proc/plan.json",
-            "under-a-file": tmp_path / "file" / "plan.json"}[where]  # fmt: skip
+    path = {
+        "directory": tmp_path,
+        "kernel-fs": "/proc/plan.json",
+        "under-a-file": tmp_path / "file" / "plan.json",
+    }[where]
     status, err = _plan_cli(capsys, "--json", str(path))
     assert status == 2 and len(err) == 1, err
     assert err[0].startswith(f"posttrain: error: --json '{path}"), err
@@ -557,9 +587,15 @@ def test_grpo_runs_the_old_policy_forward_only_above_one_iteration():
     default = PlanOptions.__dataclass_fields__["num_iterations"].default
     assert tunix_rl.algo_config("grpo", num_generations=2).num_iterations == default == 1
     options = PlanOptions(
-        model="qwen3-tiny", topology="v5p-8", workflow="grpo", lora_rank=4, num_layers=1,
-        batch=8, seq=32, new_tokens=16,
-    )  # fmt: skip
+        model="qwen3-tiny",
+        topology="v5p-8",
+        workflow="grpo",
+        lora_rank=4,
+        num_layers=1,
+        batch=8,
+        seq=32,
+        new_tokens=16,
+    )
     topo = topology.get("v5p-8")
     _, one, _ = plan_compile.build_programs(options, topo)
     _, two, _ = plan_compile.build_programs(dataclasses.replace(options, num_iterations=2), topo)
@@ -717,9 +753,15 @@ def test_workflow_steps_count_the_trained_parameters_their_moments_and_gradients
     topo = topology.get("v5p-8")
     for workflow in ("dpo", "grpo"):
         options = PlanOptions(
-            model="qwen3-tiny", topology="v5p-8", workflow=workflow, lora_rank=rank,
-            num_layers=1, batch=8, seq=32, new_tokens=16,
-        )  # fmt: skip
+            model="qwen3-tiny",
+            topology="v5p-8",
+            workflow=workflow,
+            lora_rank=rank,
+            num_layers=1,
+            batch=8,
+            seq=32,
+            new_tokens=16,
+        )
         _, programs, _ = plan_compile.build_programs(options, topo)
         kinds = programs["train step"].kinds
         if rank:

@@ -155,8 +155,9 @@ def test_the_step_time_is_the_median_of_the_steps_after_the_first(monkeypatch, d
     monkeypatch.setattr(measure.time, "perf_counter", clock)
     program = _Step()
     program.jitted = _Jitted(clock.step)
-    devices = [_Chip(0, stats={"peak_bytes_in_use": 9, "peak_bytes_reserved": 1,
-                               "bytes_limit": 16})]  # fmt: skip
+    devices = [
+        _Chip(0, stats={"peak_bytes_in_use": 9, "peak_bytes_reserved": 1, "bytes_limit": 16})
+    ]
     ran = measure.run_program(program, len(durations), devices)
     assert (ran.step_seconds, ran.first_step_seconds) == (median, 5.0)
     assert (ran.peak_bytes, ran.bytes_limit, ran.fits) == (10, 16, True)

@@ -90,9 +90,13 @@ def test_the_global_batch_counts_the_data_parallel_devices_only(mesh, per_device
     from posttrain.plan import compile as plan_compile
 
     options = PlanOptions(
-        model="qwen3-tiny", topology="v5p-8", mesh=mesh, per_device_batch_size=per_device,
-        seq=32, num_layers=1,
-    )  # fmt: skip
+        model="qwen3-tiny",
+        topology="v5p-8",
+        mesh=mesh,
+        per_device_batch_size=per_device,
+        seq=32,
+        num_layers=1,
+    )
     what, programs, _ = plan_compile.build_programs(options, topology.get("v5p-8"))
     assert f"batch {rows} x 32" in what
     assert programs["train step"].kinds["inputs"] == per_device * 32 * 4 * 4 + per_device * 4
@@ -101,9 +105,17 @@ def test_the_global_batch_counts_the_data_parallel_devices_only(mesh, per_device
 
 def _figures(peak_gib: int) -> report.Figures:
     return report.Figures(
-        arguments=peak_gib * topology.GIB, outputs=0, aliased=0, temporaries=0, code=0,
-        kinds={}, flops=1e12, bytes_accessed=1e9, model_flops=1e12, compile_seconds=0.0,
-    )  # fmt: skip
+        arguments=peak_gib * topology.GIB,
+        outputs=0,
+        aliased=0,
+        temporaries=0,
+        code=0,
+        kinds={},
+        flops=1e12,
+        bytes_accessed=1e9,
+        model_flops=1e12,
+        compile_seconds=0.0,
+    )
 
 
 def test_a_workflows_verdict_is_its_heaviest_program_not_its_main_one(monkeypatch):
@@ -116,9 +128,14 @@ def test_a_workflows_verdict_is_its_heaviest_program_not_its_main_one(monkeypatc
     stages = {"rollout": _figures(100), "train step": _figures(20)}
     monkeypatch.setattr(plan_compile, "compile_stages", lambda options: ("grpo", dict(stages)))
     options = PlanOptions(
-        model="qwen3-tiny", topology="v5p-8", workflow="grpo", batch=8, seq=32,
-        new_tokens=16, scan_layers=False,
-    )  # fmt: skip
+        model="qwen3-tiny",
+        topology="v5p-8",
+        workflow="grpo",
+        batch=8,
+        seq=32,
+        new_tokens=16,
+        scan_layers=False,
+    )
     planned = plan_module.plan(options)
     hbm = topology.get("v5p-8").hbm_bytes
     assert hbm == 95 * topology.GIB

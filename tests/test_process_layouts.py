@@ -174,9 +174,13 @@ def _check_layout(layout, monkeypatch) -> None:
             {s: len(r["input_tokens"]) for s, r in mine.items()}, shards
         )
         stream = data.sharded_batches(
-            mine, shards, global_batch, GRAD_ACCUM, seed=5,
+            mine,
+            shards,
+            global_batch,
+            GRAD_ACCUM,
+            seed=5,
             step_total=lambda counts: distributed.sum_by_key(counts, shards),
-        )  # fmt: skip
+        )
         return n_rows, list(itertools.islice(stream, MICRO_BATCHES))
 
     got = collectives.run(run)

@@ -145,8 +145,11 @@ def test_vision_logits_match_transformers(converted, tmp_path):
     # logits far beyond the bound
     assert np.abs(reference - hf_logits(hf, images(seed=1))).max() > 100 * MAX_ABS
     params = flat_params(model)
-    opened = {k: np.full_like(v, np.inf if "max" in k else -np.inf) for k, v in params.items()
-              if k.endswith(CLIP_BOUNDS)}  # fmt: skip
+    opened = {
+        k: np.full_like(v, np.inf if "max" in k else -np.inf)
+        for k, v in params.items()
+        if k.endswith(CLIP_BOUNDS)
+    }
     assert len(opened) == 7 * 4 * VISION.num_layers
     unclipped = np.asarray(forward(load_flat_params(model, {**params, **opened}), *args))
     assert np.abs(unclipped - reference).max() > 100 * MAX_ABS
@@ -433,11 +436,21 @@ VISION_PERTURBATIONS = {
     "bidirectional": True,  # an image's tokens see its later ones (test_vision_bidirectional)
 }
 VISION_SHAPES = {  # fields that change the tower's parameters (or its pixel input)
-    "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "d_ff", "patch_size",
-    "position_embedding_size", "standardize", "clipped_linears",
-}  # fmt: skip
-VISION_DATA = {"boi_token_id": "the template's tokens around an image (expand_image_tokens)",
-               "eoi_token_id": "as boi_token_id"}  # fmt: skip
+    "d_model",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "d_ff",
+    "patch_size",
+    "position_embedding_size",
+    "standardize",
+    "clipped_linears",
+}
+VISION_DATA = {
+    "boi_token_id": "the template's tokens around an image (expand_image_tokens)",
+    "eoi_token_id": "as boi_token_id",
+}
 
 
 def test_every_vision_field_is_perturbed_shaped_or_the_data_s():

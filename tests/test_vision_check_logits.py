@@ -131,8 +131,10 @@ def test_check_logits_with_images_in_bf16_stays_within_the_bf16_bounds(converted
         return -float(picked[both].mean())
 
     (delta, top1), (hf_delta, hf_top1) = off(got), off(theirs)
-    print(f"bf16 with images: mean |delta| / std {delta:.3f} (HF bf16 {hf_delta:.3f}), top-1 "
-          f"{top1:.3f} ({hf_top1:.3f}), NLL delta {abs(nll(got) - nll(want)):.4f}")  # fmt: skip
+    print(
+        f"bf16 with images: mean |delta| / std {delta:.3f} (HF bf16 {hf_delta:.3f}), top-1 "
+        f"{top1:.3f} ({hf_top1:.3f}), NLL delta {abs(nll(got) - nll(want)):.4f}"
+    )
     assert 0 < delta <= 1.5 * hf_delta, (delta, hf_delta)
     assert top1 >= hf_top1 - 0.1, (top1, hf_top1)
     assert abs(nll(got) - nll(want)) <= MAX_NLL_DELTA
