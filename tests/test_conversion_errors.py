@@ -12,8 +12,8 @@ import pytest
 
 from posttrain import cli, conversion
 from posttrain.conversion import ConversionError, to_hf_config
-from posttrain.conversion import transforms as tf
 from posttrain.families.gemma4_vision import vision_from_hf
+from posttrain.hf_schema import transforms as tf
 from posttrain.models import get_config
 from tests.checkpoints import hf_checkpoint, patch_rows, read_dir, write_hf_dir
 

@@ -17,7 +17,7 @@ import pytest
 
 from posttrain import cli, conversion, families
 from posttrain.conversion import parity
-from posttrain.conversion import transforms as tf
+from posttrain.hf_schema import transforms as tf
 from tests import transcendentals
 from tests.checkpoints import patch_rows
 

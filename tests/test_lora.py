@@ -32,8 +32,8 @@ from flax import nnx
 from hypothesis import given, settings
 
 from posttrain import _compat, families, sharding
-from posttrain.conversion.rows import expand
-from posttrain.conversion.transforms import REGISTRY
+from posttrain.hf_schema.rows import expand
+from posttrain.hf_schema.transforms import REGISTRY
 from posttrain.lora import (
     LoraConfig,
     apply_lora,

@@ -16,7 +16,7 @@ import pytest
 
 from posttrain.layers import splash_costs
 from posttrain.models.presets import get_config
-from posttrain.plan import PlanOptions, measure, report, topology
+from posttrain.plan import PlanOptions, chips, measure, report, topology
 from posttrain.sharding import DEFAULT_RULES
 
 RECORDS = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e.json").read_text())
@@ -146,13 +146,13 @@ def test_run_steps_refuses_devices_that_are_not_the_topologys():
     backend = jax.default_backend()
     if backend != "tpu":
         with pytest.raises(ValueError, match=f"JAX's backend here is '{backend}', not a TPU v5e-1"):
-            measure.chip_devices(topology.get("v5e-1"))
+            chips.chip_devices(topology.get("v5e-1"))
         return
     count = jax.device_count()
     other = next(t for t in topology.TOPOLOGIES.values() if t.libtpu_name and t.chips != count)
     message = f"topology {other.name} has {other.chips} chips, this process sees {count} TPU"
     with pytest.raises(ValueError, match=message):
-        measure.chip_devices(other)
+        chips.chip_devices(other)
 
 
 def _tiny_step():
@@ -287,14 +287,14 @@ def test_run_steps_runs_only_on_the_topologys_own_chips(monkeypatch, backend, fo
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     monkeypatch.setattr(jax, "devices", lambda: found)
     with pytest.raises(ValueError, match=message):
-        measure.chip_devices(topology.get("v5e-4"))
+        chips.chip_devices(topology.get("v5e-4"))
 
 
 def test_the_topologys_chips_come_back_in_id_order(monkeypatch):
-    chips = [_Chip(i, "TPU v5e" if i % 2 else "TPU v5 lite") for i in (3, 1, 0, 2)]
+    found = [_Chip(i, "TPU v5e" if i % 2 else "TPU v5 lite") for i in (3, 1, 0, 2)]
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    monkeypatch.setattr(jax, "devices", lambda: chips)
-    assert [d.id for d in measure.chip_devices(topology.get("v5e-4"))] == [0, 1, 2, 3]
+    monkeypatch.setattr(jax, "devices", lambda: found)
+    assert [d.id for d in chips.chip_devices(topology.get("v5e-4"))] == [0, 1, 2, 3]
 
 
 def test_concrete_leaves_keep_shape_dtype_and_sharding_floats_0_the_rest_1():

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from posttrain.plan import measure, topology
+from posttrain.plan import chips, measure, topology
 
 
 class _Chip:
@@ -31,14 +31,14 @@ def test_a_one_chip_slice_runs_on_its_one_chip(monkeypatch):
     """v5e-1: the one device is the slice (its kind read from the first device)."""
     chip = _Chip(0, "TPU v5e")
     _on_tpu(monkeypatch, [chip])
-    assert measure.chip_devices(topology.get("v5e-1")) == [chip]
+    assert chips.chip_devices(topology.get("v5e-1")) == [chip]
 
 
 def test_the_first_chip_in_id_order_names_the_generation(monkeypatch):
     """Chips of two kinds: the kind of the lowest id is the one judged and named."""
     _on_tpu(monkeypatch, [_Chip(1, "TPU v5 lite"), _Chip(0, "TPU v4")])
     with pytest.raises(ValueError) as error:
-        measure.chip_devices(
+        chips.chip_devices(
             topology.Topology(
                 name="v5e-2", chip=topology.CHIPS["v5e"], chips=2, libtpu_name="v5e:1x2"
             )
@@ -52,7 +52,7 @@ def test_a_chip_with_no_tpu_kind_is_refused_naming_none(monkeypatch):
     """An H200 plan on a TPU host: no device kind matches, the message says so."""
     _on_tpu(monkeypatch, [_Chip(0)])
     with pytest.raises(ValueError) as error:
-        measure.chip_devices(topology.get("h200"))
+        chips.chip_devices(topology.get("h200"))
     assert str(error.value) == (
         "--run-steps: the devices here are 'TPU v5 lite', not h200 (unknown kind)"
     )

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from posttrain.plan import chips as chips_module
 from posttrain.plan import measure, profile
 from tests.test_plan_chip import _Program
 
@@ -205,7 +206,7 @@ def test_the_profile_option_lands_in_the_run_of_the_planned_program(monkeypatch,
         seen.append(("run", *args, sharding.current().mesh is mesh))
         return "measured"
 
-    monkeypatch.setattr(measure, "chip_devices", chips)
+    monkeypatch.setattr(chips_module, "chip_devices", chips)
     monkeypatch.setattr(plan_compile, "build_programs", build)
     monkeypatch.setattr(measure, "run_program", run)
     options = PlanOptions(

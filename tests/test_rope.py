@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posttrain.config import RopeConfig
-from posttrain.conversion.hf_fields import rope_config, rope_dict
+from posttrain.hf_schema.hf_fields import rope_config, rope_dict
 from posttrain.layers.rope import inverse_frequencies
 from tests.strategies import scaled
 

@@ -1,5 +1,6 @@
 """What mutation testing mutates, and with which tests: :data:`TARGETS` (module -> its
-test selection; the harness's own modules' from :mod:`harness.tools.harness_targets`; the
+test selection; the harness's own modules' from :mod:`harness.tools.harness_targets`, the
+plan's from :mod:`harness.tools.plan_targets`; the
 functions mutated where not all are: :mod:`harness.tools.mutant_functions`), read by
 :mod:`harness.tools.mutants` and kept in step with the weekly workflow's mutants jobs
 (``.github/workflows/matrix.yml``, checked by tests/test_mutants.py).
@@ -8,15 +9,9 @@ functions mutated where not all are: :mod:`harness.tools.mutant_functions`), rea
 from __future__ import annotations
 
 from harness.tools.harness_targets import HARNESS_TARGETS
+from harness.tools.plan_targets import PLAN_TARGETS
 
 # module -> the tests that exercise it (pytest node ids or -k expressions after "-k").
-# tests/test_plan.py without its compiles (seconds, not a minute, per mutant): the logic
-# modules' own tests are the table, roofline, verdict, options and depth-line ones
-_NO_COMPILE = (
-    "not small_lora and not record_carries and not abstract_lora and not dpo_compiles "
-    "and not grpo_plan and not zeroed_lora_b and not old_policy"
-)
-
 TARGETS: dict[str, list[str]] = {
     "src/posttrain/layers/moe/router.py": [
         "tests/test_moe.py",
@@ -148,7 +143,7 @@ TARGETS: dict[str, list[str]] = {
     # parity runs themselves are slow-tier, which mutation runs leave out)
     "src/posttrain/conversion/vision_parity.py": ["tests/test_vision_check_logits.py"],
     "src/posttrain/conversion/directories.py": ["tests/test_atomic_writes.py"],
-    "src/posttrain/conversion/transforms.py": [
+    "src/posttrain/hf_schema/transforms.py": [
         "tests/test_conversion_roundtrip.py",
         "tests/test_conversion_errors.py",
         "tests/test_conversion_parity.py::test_square_expert_kernels_convert_by_value",
@@ -216,23 +211,7 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_rl.py::test_the_run_config_names_the_bad_field",
     ],
     "src/posttrain/training/tunix_loss.py": ["tests/test_tunix_compat.py"],
-    # the plan's logic and one real compile (libtpu: the tpu extra); not the seeds' (minutes)
-    "src/posttrain/plan/topology.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
-    "src/posttrain/plan/report.py": [
-        "tests/test_plan.py",
-        "tests/test_plan_chip.py",
-        "tests/test_plan_headroom.py",
-        "-k",
-        _NO_COMPILE,
-    ],
-    "src/posttrain/plan/measure.py": [
-        "tests/test_plan_chip.py",
-        "tests/test_plan_measure.py",
-        "tests/test_plan_headroom.py",
-        "tests/test_plan_profile.py",
-    ],
-    "src/posttrain/plan/profile.py": ["tests/test_plan_profile.py"],
-    "src/posttrain/plan/headroom.py": ["tests/test_plan_headroom.py"],
+    **PLAN_TARGETS,  # posttrain.plan's modules
     "src/posttrain/models/params.py": [
         "tests/test_model_host_init.py",
         "tests/test_loaders.py",
@@ -247,20 +226,6 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_vision_bidirectional.py",
         "tests/test_vision_generate.py::test_cached_generation_with_an_image_equals_the_uncached_greedy_loop",
     ],
-    "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
-    # #55: the remat x batch search, against fake planners (and one real v5e search)
-    "src/posttrain/plan/search.py": ["tests/test_plan_search.py", "-m", "host"],
-    "src/posttrain/plan/depth.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
-    # #56 7: each bound at its edge, and the CLI's refusals (checked before any compile)
-    "src/posttrain/plan/sizes.py": [
-        "tests/test_plan_sizes.py",
-        "tests/test_plan.py::test_cli_refuses_bad_input_with_one_line_before_compiling",
-    ],
-    "src/posttrain/plan/abstract.py": ["tests/test_plan.py"],
-    "src/posttrain/plan/steps.py": ["tests/test_plan.py"],
-    "src/posttrain/plan/compile.py": ["tests/test_plan.py"],
-    "src/posttrain/plan/cli.py": ["tests/test_plan.py"],
-    "src/posttrain/plan/workflows.py": ["tests/test_plan.py"],
     "src/posttrain/lora/abstract.py": ["tests/test_plan.py", "-k", "abstract_lora"],
     # #58: apply_lora's refusals, out of apply.py (each refusal before any trace, the rank
     # over min(d_in, d_out), the vision tower); test_lora_checks: each check on its own

@@ -1,11 +1,8 @@
 """HF <-> native checkpoint conversion: declarative tables, one engine, streaming I/O.
 
-* :mod:`.transforms`: the closed registry of tensor transforms, each with its inverse.
-* :mod:`.rows`: table rows, their conditions, expansion for a config.
-* :mod:`.table`: the :class:`~.table.Table` type and the rows families share; each
-  family's table lives in its module (:mod:`posttrain.families`).
-* :mod:`.hf_config`: ``from_hf_config`` / ``to_hf_config`` (the fields every family has);
-  :mod:`.hf_fields` the readers and writers the families' hooks share.
+* :mod:`posttrain.hf_schema`: the transforms, rows, tables and HF config fields that
+  each family (:mod:`posttrain.families`) declares its layout in.
+* :mod:`.hf_config`: ``from_hf_config`` / ``to_hf_config`` (the fields every family has).
 * :mod:`.plan`: plans from headers only (every key proven used exactly once);
   :mod:`.engine` the streaming run; :mod:`.safetensors_io` the reader, writer and
   atomic directories.
@@ -18,8 +15,8 @@ Importing this package imports neither torch nor transformers.
 import importlib
 
 # Public name -> defining module. Resolved on first access (PEP 562), so importing one
-# submodule (the families import ``.table``, ``.rows`` and ``.transforms``) does not
-# import the engine, which imports the models, which read the families.
+# submodule (``errors``, say) does not import the engine, which imports the models, which
+# read the families.
 _EXPORTS = {
     "ConversionError": "errors",
     "NativeMeta": "native",

@@ -1,4 +1,5 @@
-"""The one exception type of the conversion package, and the checks of its inputs."""
+"""The checks of the conversion package's inputs; its one exception type,
+:class:`ConversionError`, is :mod:`posttrain.hf_schema`'s (the rows and transforms raise it too)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,9 @@ import json
 import pathlib
 from typing import Any
 
+from posttrain.hf_schema.errors import ConversionError
 
-class ConversionError(ValueError):
-    """A checkpoint or config cannot be converted.
-
-    The message is one line naming the tensor, file or config field and what
-    was expected (the CLI prints it and exits with status 2).
-    """
+__all__ = ["ConversionError", "check_source_dir", "read_json_object"]
 
 
 def check_source_dir(directory: pathlib.Path) -> None:

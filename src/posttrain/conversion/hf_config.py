@@ -4,9 +4,10 @@
 ``num_key_value_heads`` -> ``num_kv_heads``, ``rms_norm_eps`` -> ``norm_eps`` and so on
 are read here; what differs between families (experts, sliding layers, RoPE defaults,
 Gemma 4's per-layer-type attention) is read by the family's ``from_hf`` hook
-(:mod:`posttrain.families`) with the shared readers of :mod:`.hf_fields`. A feature
-the native model does not have is rejected with a one-line :class:`ConversionError`
-naming the field; a field of the wrong JSON type, before any arithmetic on it.
+(:mod:`posttrain.families`) with the shared readers of
+:mod:`posttrain.hf_schema.hf_fields`. A feature the native model does not have is rejected
+with a one-line :class:`ConversionError` naming the field; a field of the wrong JSON type,
+before any arithmetic on it.
 
 Reference: the ``configuration_*.py`` files of transformers 5.12.1 (defaults are theirs).
 """
@@ -20,7 +21,7 @@ from typing import Any
 from posttrain import families
 from posttrain.config import MAX_NUM_LAYERS, ModelConfig
 from posttrain.conversion.errors import ConversionError
-from posttrain.conversion.hf_fields import HF_LAYER_TYPES, fail, reject
+from posttrain.hf_schema.hf_fields import HF_LAYER_TYPES, fail, reject
 
 _DTYPES = ("float32", "bfloat16", "float16")
 

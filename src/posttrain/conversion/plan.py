@@ -20,8 +20,8 @@ from posttrain.conversion.hf_config import (
     from_hf_config,
 )
 from posttrain.conversion.native import NativeMeta, abstract_params, scanned_name
-from posttrain.conversion.rows import Entry, expand
-from posttrain.conversion.table import Table
+from posttrain.hf_schema.rows import Entry, expand
+from posttrain.hf_schema.table import Table
 
 CANONICAL = "model."
 FLOAT_CODES = ("F64", "F32", "F16", "BF16")  # safetensors dtype codes a weight may have

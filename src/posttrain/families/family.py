@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from posttrain.config import ModelConfig, VisionConfig
-from posttrain.conversion.table import Table
+from posttrain.hf_schema.table import Table
 
 FromHF = Callable[[Mapping[str, Any], dict[str, Any], dict[str, Any], "int | None"], ModelConfig]
 """``(text config, base fields, attention fields, max_position_embeddings) -> ModelConfig``:

@@ -28,10 +28,6 @@ skipped otherwise: ``VISION_ROWS`` (:mod:`posttrain.families.gemma4_vision`).
 from __future__ import annotations
 
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
-from posttrain.conversion import hf_fields
-from posttrain.conversion.rows import DENSE_AND_MOE, LAYER_SCALAR, MOE, SANDWICH, Row
-from posttrain.conversion.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, L, Table
-from posttrain.conversion.transforms import EXPERTS_T, GATE_UP_CONCAT_T, IDENTITY, TRANSPOSE
 from posttrain.families.family import Family, HFOracle
 from posttrain.families.gemma4_vision import (
     VISION_ROWS,
@@ -40,6 +36,10 @@ from posttrain.families.gemma4_vision import (
     vision_tiny,
     vision_to_hf,
 )
+from posttrain.hf_schema import hf_fields
+from posttrain.hf_schema.rows import DENSE_AND_MOE, LAYER_SCALAR, MOE, SANDWICH, Row
+from posttrain.hf_schema.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, L, Table
+from posttrain.hf_schema.transforms import EXPERTS_T, GATE_UP_CONCAT_T, IDENTITY, TRANSPOSE
 
 WRAPPER_ARCHITECTURE, WRAPPER_MODEL_TYPE = "Gemma4ForConditionalGeneration", "gemma4"
 DEFAULT_ROPE_THETA = 10_000.0

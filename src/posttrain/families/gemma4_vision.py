@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from posttrain.config import VisionConfig
-from posttrain.conversion import hf_fields
-from posttrain.conversion.rows import CLIPPED, STANDARDIZE, VISION, Row
-from posttrain.conversion.transforms import HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE
+from posttrain.hf_schema import hf_fields
+from posttrain.hf_schema.rows import CLIPPED, STANDARDIZE, VISION, Row
+from posttrain.hf_schema.transforms import HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE
 from posttrain.layers.mlp import CLIP_BOUNDS
 
 HF_TOWER, TOWER = "model.vision_tower.", "vision_tower."

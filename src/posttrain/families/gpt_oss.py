@@ -15,16 +15,16 @@ layout (no transformers conversion mapping). MXFP4 checkpoints (``*_blocks`` /
 from __future__ import annotations
 
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
-from posttrain.conversion import hf_fields
-from posttrain.conversion.rows import Row
-from posttrain.conversion.table import ATTENTION_ROWS, GLOBAL_ROWS, L, Table
-from posttrain.conversion.transforms import (
+from posttrain.families.family import Family, HFOracle
+from posttrain.hf_schema import hf_fields
+from posttrain.hf_schema.rows import Row
+from posttrain.hf_schema.table import ATTENTION_ROWS, GLOBAL_ROWS, L, Table
+from posttrain.hf_schema.transforms import (
     GATE_UP_INTERLEAVED,
     GATE_UP_INTERLEAVED_BIAS,
     IDENTITY,
     TRANSPOSE,
 )
-from posttrain.families.family import Family, HFOracle
 
 DEFAULT_ROPE_THETA = 150_000.0  # GptOssConfig
 DEFAULT_AUX_LOSS_COEF = 0.001

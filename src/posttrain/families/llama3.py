@@ -6,9 +6,9 @@ Conversion: nothing fused; optional attention and MLP biases.
 from __future__ import annotations
 
 from posttrain.config import AttentionConfig, ModelConfig, RopeConfig
-from posttrain.conversion import hf_fields
-from posttrain.conversion.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, Table
 from posttrain.families.family import Family, HFOracle
+from posttrain.hf_schema import hf_fields
+from posttrain.hf_schema.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, Table
 
 DEFAULT_ROPE_THETA = 10_000.0  # LlamaConfig
 

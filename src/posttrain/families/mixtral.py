@@ -11,16 +11,16 @@ Reference: transformers ``conversion_mapping.py`` "mixtral".
 from __future__ import annotations
 
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
-from posttrain.conversion import hf_fields
-from posttrain.conversion.rows import FUSED, HUB, Row
-from posttrain.conversion.table import ATTENTION_ROWS, GLOBAL_ROWS, L, Table
-from posttrain.conversion.transforms import (
+from posttrain.families.family import Family, HFOracle
+from posttrain.hf_schema import hf_fields
+from posttrain.hf_schema.rows import FUSED, HUB, Row
+from posttrain.hf_schema.table import ATTENTION_ROWS, GLOBAL_ROWS, L, Table
+from posttrain.hf_schema.transforms import (
     EXPERTS_STACK_T,
     EXPERTS_T,
     GATE_UP_CONCAT_T,
     TRANSPOSE,
 )
-from posttrain.families.family import Family, HFOracle
 
 DEFAULT_ROPE_THETA = 1_000_000.0  # MixtralConfig
 DEFAULT_AUX_LOSS_COEF = 0.001

@@ -8,9 +8,9 @@ layers: with ``use_sliding_window``, layers from ``max_window_layers`` on slide
 from __future__ import annotations
 
 from posttrain.config import AttentionConfig, ModelConfig, RopeConfig
-from posttrain.conversion import hf_fields
-from posttrain.conversion.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, Table
 from posttrain.families.family import Family, HFOracle
+from posttrain.hf_schema import hf_fields
+from posttrain.hf_schema.table import ATTENTION_ROWS, DENSE_MLP_ROWS, GLOBAL_ROWS, Table
 
 DEFAULT_ROPE_THETA = 10_000.0  # Qwen3Config
 DEFAULT_MAX_WINDOW_LAYERS = 28

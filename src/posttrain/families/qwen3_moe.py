@@ -12,16 +12,16 @@ transformers ``conversion_mapping.py`` "qwen2_moe" (reused by qwen3_moe).
 from __future__ import annotations
 
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
-from posttrain.conversion import hf_fields
-from posttrain.conversion.rows import FUSED, HUB, Row
-from posttrain.conversion.table import ATTENTION_ROWS, GLOBAL_ROWS, L, Table
-from posttrain.conversion.transforms import (
+from posttrain.families.family import Family, HFOracle
+from posttrain.hf_schema import hf_fields
+from posttrain.hf_schema.rows import FUSED, HUB, Row
+from posttrain.hf_schema.table import ATTENTION_ROWS, GLOBAL_ROWS, L, Table
+from posttrain.hf_schema.transforms import (
     EXPERTS_STACK_T,
     EXPERTS_T,
     GATE_UP_CONCAT_T,
     TRANSPOSE,
 )
-from posttrain.families.family import Family, HFOracle
 
 DEFAULT_ROPE_THETA = 10_000.0  # Qwen3MoeConfig
 DEFAULT_AUX_LOSS_COEF = 0.001

@@ -30,8 +30,8 @@ from flax import nnx
 
 from posttrain import _compat, families
 from posttrain.conversion.directories import atomic_directory
-from posttrain.conversion.rows import expand
 from posttrain.distributed import host_array
+from posttrain.hf_schema.rows import expand
 from posttrain.lora import layout
 from posttrain.lora.config import LoraConfig, lora_config_of
 from posttrain.models.decoder import stack_layers, unstack_layers

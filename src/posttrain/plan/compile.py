@@ -130,10 +130,10 @@ def planned_batch(options: PlanOptions) -> int:
 
 def plan_devices(options: PlanOptions, topo) -> list:
     """The devices a plan compiles for: libtpu's deviceless ones, or with ``run_steps`` this
-    process's chips, which the program will run on (:mod:`posttrain.plan.measure`)."""
-    from posttrain.plan import measure
+    process's chips, which the program will run on (:mod:`posttrain.plan.chips`)."""
+    from posttrain.plan import chips
 
-    return measure.chip_devices(topo) if options.run_steps else topology.devices(topo)
+    return chips.chip_devices(topo) if options.run_steps else topology.devices(topo)
 
 
 def _compile(program, mesh, what: str, topo, advice: str, *, deviceless: bool = True) -> Figures:

@@ -34,16 +34,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import sharding
+from posttrain.plan import chips, headroom, profile, report, topology
 from posttrain.plan import compile as plan_compile
-from posttrain.plan import headroom, profile, report, topology
-
-#: ``Device.device_kind`` of each chip generation, as the TPU runtime names it
-DEVICE_KINDS: dict[str, tuple[str, ...]] = {
-    "v4": ("TPU v4",),
-    "v5e": ("TPU v5 lite", "TPU v5e"),
-    "v5p": ("TPU v5", "TPU v5p"),
-    "v6e": ("TPU v6 lite", "TPU v6e"),
-}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,35 +70,6 @@ class Measured:
     error: str = ""
     compiled: dict = dataclasses.field(default_factory=dict)
     headroom_bytes: int = -1
-
-
-def chip_devices(topology) -> list:
-    """This process's devices, when they are ``topology``'s chips; in device-id order.
-
-    Raises:
-      ValueError: the backend is not a TPU, the device count differs from the slice's
-        chips, or the chips are of another generation (one line naming both).
-    """
-    backend = jax.default_backend()
-    if backend != "tpu":
-        raise ValueError(
-            f"--run-steps runs the plan on its chips: JAX's backend here is {backend!r}, "
-            f"not a TPU {topology.name}"
-        )
-    devices = sorted(jax.devices(), key=lambda d: d.id)
-    if len(devices) != topology.chips:
-        raise ValueError(
-            f"--run-steps: topology {topology.name} has {topology.chips} chips, this "
-            f"process sees {len(devices)} TPU devices"
-        )
-    kind = devices[0].device_kind
-    expected = DEVICE_KINDS.get(topology.chip.name, ())
-    if not any(kind.lower() == e.lower() for e in expected):
-        raise ValueError(
-            f"--run-steps: the devices here are {kind!r}, not {topology.chip.name} "
-            f"({' or '.join(map(repr, expected)) or 'unknown kind'})"
-        )
-    return devices
 
 
 def concrete(tree):
@@ -251,10 +214,11 @@ def measure(options) -> Measured:
     ``options.run_steps`` times (:func:`run_program`).
 
     Raises:
-      ValueError: the devices here are not the topology's (:func:`chip_devices`).
+      ValueError: the devices here are not the topology's
+        (:func:`posttrain.plan.chips.chip_devices`).
     """
     topo = topology.get(options.topology)
-    devices = chip_devices(topo)
+    devices = chips.chip_devices(topo)
     _, programs, mesh = plan_compile.build_programs(options, topo)
     program = programs[plan_compile.main_stage(programs)]
     with sharding.use_mesh(mesh, sharding.DEFAULT_RULES, jax_context=False):

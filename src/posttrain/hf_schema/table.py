@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from posttrain.conversion.rows import (
+from posttrain.hf_schema.rows import (
     ATTN_BIAS,
     DENSE_MLP,
     MLP_BIAS,
@@ -19,7 +19,7 @@ from posttrain.conversion.rows import (
     V_PROJ,
     Row,
 )
-from posttrain.conversion.transforms import HEAD_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE
+from posttrain.hf_schema.transforms import HEAD_BIAS, HEADS_IN, HEADS_OUT, IDENTITY, TRANSPOSE
 
 L = "model.layers.{i}."
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from posttrain.conversion.errors import ConversionError
+from posttrain.hf_schema.errors import ConversionError
 
 Shape = tuple[int, ...]
 

@@ -1,7 +1,7 @@
 """Table rows, their conditions, and expanding a table for one model config.
 
 A :class:`Row` pairs native parameter path templates with an HF key template
-and a :class:`~posttrain.conversion.transforms.Transform`, plus an optional
+and a :class:`~posttrain.hf_schema.transforms.Transform`, plus an optional
 condition. ``{i}`` in a template is the layer index (the row then expands once
 per layer), ``{v}`` a vision tower layer's (once per ``cfg.vision.num_layers``),
 ``{j}`` the expert index (per-expert transforms expand it to
@@ -16,8 +16,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from posttrain.config import AttentionConfig, ModelConfig
-from posttrain.conversion.errors import ConversionError
-from posttrain.conversion.transforms import Transform
+from posttrain.hf_schema.errors import ConversionError
+from posttrain.hf_schema.transforms import Transform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ class Row:
     Attributes:
       native: native path template(s), one per native tensor of the transform.
       hf: HF key template (without the checkpoint's prefix).
-      transform: from :data:`posttrain.conversion.transforms.REGISTRY`.
+      transform: from :data:`posttrain.hf_schema.transforms.REGISTRY`.
       when: the row applies only where this holds.
     """
 

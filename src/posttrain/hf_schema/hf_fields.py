@@ -1,9 +1,9 @@
 """Readers and writers of HF ``config.json`` fields that several families share.
 
 The families (:mod:`posttrain.families`) build their ``from_hf`` / ``to_hf`` hooks
-from these; :mod:`.hf_config` holds the part every family has. RoPE is read from
-``rope_parameters`` (transformers >= 5) or from the older top-level ``rope_theta`` +
-``rope_scaling``.
+from these; :mod:`posttrain.conversion.hf_config` holds the part every family has. RoPE
+is read from ``rope_parameters`` (transformers >= 5) or from the older top-level
+``rope_theta`` + ``rope_scaling``.
 
 Reference: the ``configuration_*.py`` and ``modeling_rope_utils.py`` files of
 transformers 5.12.1 (defaults are theirs).
@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from posttrain.config import AttentionConfig, ModelConfig, MoEConfig, RopeConfig
-from posttrain.conversion.errors import ConversionError
+from posttrain.hf_schema.errors import ConversionError
 
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}  # HF -> native
 HF_LAYER_TYPES = {native: hf for hf, native in LAYER_TYPES.items()}
@@ -200,7 +200,8 @@ def decoder_config(
 
 
 def decoder_fields(cfg: ModelConfig) -> dict[str, Any]:
-    """The HF fields of a Llama-like decoder that :mod:`.hf_config` does not write."""
+    """The HF fields of a Llama-like decoder that :mod:`posttrain.conversion.hf_config`
+    does not write."""
     moe = cfg.moe
     out: dict[str, Any] = {
         "rope_parameters": rope_dict(cfg.attention[min(cfg.layer_types)].rope),
