@@ -30,4 +30,6 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     ),
     # the host init and the model build (#54's), not the parameter-count helpers
     "src/posttrain/models/params.py": ("x_init_on_host", "x_build_model"),
+    # #58: the Qwen-style sliding-window fields, shared instead of copied per family
+    "src/posttrain/hf_schema/hf_fields.py": ("x_max_window_layers", "x_max_window_fields"),
 }

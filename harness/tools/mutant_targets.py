@@ -143,6 +143,7 @@ TARGETS: dict[str, list[str]] = {
     # parity runs themselves are slow-tier, which mutation runs leave out)
     "src/posttrain/conversion/vision_parity.py": ["tests/test_vision_check_logits.py"],
     "src/posttrain/conversion/directories.py": ["tests/test_atomic_writes.py"],
+    "src/posttrain/hf_schema/hf_fields.py": ["tests/test_hf_window_fields.py"],
     "src/posttrain/hf_schema/transforms.py": [
         "tests/test_conversion_roundtrip.py",
         "tests/test_conversion_errors.py",
@@ -201,7 +202,11 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/training/policy.py": ["tests/test_rl.py", "contracts/test_tunix_rl.py"],
     "src/posttrain/rl/rewards.py": ["tests/test_rl.py", "tests/test_reward_probe.py"],
     # the CLI generated from the options, and the checks every run shares
-    "src/posttrain/flags.py": ["tests/test_cli_options.py", "tests/test_run_options.py"],
+    "src/posttrain/flags.py": [
+        "tests/test_cli_options.py",
+        "tests/test_run_options.py",
+        "tests/test_options_docs.py",
+    ],
     "src/posttrain/training/options.py": [
         "tests/test_run_options.py",
         "tests/test_supervised_run.py",

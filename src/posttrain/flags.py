@@ -121,6 +121,32 @@ def flag_of(cls, name: str) -> str:
     return _flag_name(field, hint)
 
 
+def _shown_default(field: dataclasses.Field, hint) -> str:
+    """A field's default as the options tables of the docs show it."""
+    if hint is bool:  # a switch: given or not
+        return "-"
+    if field.default is _MISSING or field.default is None or field.default == ():
+        return "-"
+    return str(field.default)
+
+
+def markdown_rows(cls, since=None) -> list[str]:
+    """The docs' table rows of ``cls``'s flags, ``| `--flag` | default | help |`` each, in
+    field order; ``since``: a base class whose fields are left out (a workflow's own).
+
+    The docs' shared options table is these rows (``tests/test_options_docs.py`` compares
+    them), so a field's flag, default and help are written once, here in the field.
+    """
+    inherited = {f.name for f, _ in _fields(since)} if since is not None else set()
+    rows = []
+    for field, hint in _fields(cls):
+        if field.name in inherited or field.metadata["positional"]:
+            continue
+        what = field.metadata["help"].replace("|", "\\|")  # a pipe would end the cell
+        rows.append(f"| `{_flag_name(field, hint)}` | {_shown_default(field, hint)} | {what} |")
+    return rows
+
+
 def add_options(parser: argparse.ArgumentParser, cls) -> None:
     """Adds one argument per field of dataclass ``cls`` (see the module docstring)."""
     for field, hint in _fields(cls):

@@ -63,27 +63,14 @@ def qwen3_tiny() -> ModelConfig:
 
 def from_hf(c, base, attn, max_pos) -> ModelConfig:
     rope = hf_fields.decoder_rope(c, DEFAULT_ROPE_THETA, max_pos)
-    window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
-    start = c.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)
-    default = [
-        "sliding_attention" if window is not None and i >= start else "full_attention"
-        for i in range(c["num_hidden_layers"])
-    ]
-    types = hf_fields.layer_types(c, default)
-    window = window if "sliding" in types else None
+    types, window = hf_fields.max_window_layers(c, DEFAULT_MAX_WINDOW_LAYERS)
     return hf_fields.decoder_config(
         c, base, attn, rope=rope, layer_types=types, window=window, qk_norm=True
     )
 
 
 def to_hf(cfg: ModelConfig) -> dict:
-    window = hf_fields.sliding_window(cfg)
-    return {
-        **hf_fields.decoder_fields(cfg),
-        "use_sliding_window": window is not None,
-        "max_window_layers": 0,
-        "sliding_window": window,
-    }
+    return {**hf_fields.decoder_fields(cfg), **hf_fields.max_window_fields(cfg)}
 
 
 FAMILY = Family(

@@ -157,6 +157,34 @@ def layer_types(c: Mapping[str, Any], default: Sequence[str]) -> tuple[str, ...]
     return tuple(LAYER_TYPES[t] for t in hf_types)
 
 
+def max_window_layers(
+    c: Mapping[str, Any], default_start: int
+) -> tuple[tuple[str, ...], int | None]:
+    """``(layer types, window)`` of a Qwen2/Qwen3 config: with ``use_sliding_window``,
+    layers from ``max_window_layers`` (``default_start``: the config class's default) on
+    slide (HF ``Qwen2Config`` / ``Qwen3Config.__post_init__``), unless ``layer_types``
+    says otherwise; the window is ``None`` when no layer slides."""
+    window = c.get("sliding_window") if c.get("use_sliding_window", False) else None
+    start = c.get("max_window_layers", default_start)
+    default = [
+        "sliding_attention" if window is not None and i >= start else "full_attention"
+        for i in range(c["num_hidden_layers"])
+    ]
+    types = layer_types(c, default)
+    return types, window if "sliding" in types else None
+
+
+def max_window_fields(cfg: ModelConfig) -> dict[str, Any]:
+    """The Qwen2/Qwen3 sliding-window fields of ``cfg`` (inverse of
+    :func:`max_window_layers`; ``layer_types``, written too, says which layers slide)."""
+    window = sliding_window(cfg)
+    return {
+        "use_sliding_window": window is not None,
+        "max_window_layers": 0,
+        "sliding_window": window,
+    }
+
+
 def sliding_window(cfg: ModelConfig) -> int | None:
     """The window of ``cfg``'s sliding layers (``None`` when no layer slides)."""
     return next((a.sliding_window for a in cfg.attention.values() if a.sliding_window), None)
