@@ -363,8 +363,12 @@ def forward_primitives(model, seq: int = 128) -> set[str]:
     run): ``pallas_call`` where its attention dispatches to splash."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     tokens = jnp.zeros((1, seq), jnp.int32)
     positions = jnp.arange(seq)[None]
-    jaxpr = jax.make_jaxpr(lambda t: model(t, positions))(tokens)
+    # the model rebuilt inside the trace: a distill student's taps sow into their modules,
+    # which NNX refuses from a trace other than the module's own
+    graphdef, state = nnx.split(model)
+    jaxpr = jax.make_jaxpr(lambda s, t: nnx.merge(graphdef, s)(t, positions))(state, tokens)
     return {str(e.primitive) for e in _equations(jaxpr.jaxpr)}
