@@ -394,7 +394,7 @@ def test_a_short_grpo_run_trains_the_policy_and_keeps_the_reference():
 def _one_update(tmp_path, grad_accum: int) -> dict:
     """The actor's parameters after one GRPO update over 2 prompts x G completions,
     through the cluster and learner ``posttrain grpo`` builds (``rl.build.build_learner``)
-    for ``grad_accum`` micro-batches, SGD instead of its AdamW (Adam's per-parameter
+    for ``grad_accum`` micro-batches, SGD instead of its Adam (Adam's per-parameter
     scaling would hide a gradient scaled by the accumulation)."""
     from posttrain.rl import build
     from posttrain.rl.options import GRPORunConfig
@@ -419,7 +419,7 @@ def _one_update(tmp_path, grad_accum: int) -> dict:
 
     with pytest.MonkeyPatch.context() as patch:
         # the run's learning rate (5e-4) x 1000: a step large enough to measure
-        patch.setattr(optax, "adamw", lambda lr, **kwargs: optax.sgd(lr * 1000))
+        patch.setattr(optax, "adam", lambda lr, **kwargs: optax.sgd(lr * 1000))
         cluster, learner, _ = build.build_learner(cfg, model, tok, (mesh, mesh), [length])
     training, _, _ = build.configs(cfg, pathlib.Path(cfg.output), mesh, tok.stop_ids)
     steps = training.get_with_default("gradient_accumulation_steps", None)

@@ -592,7 +592,7 @@ def _check_grpo_steps(seen: Seen) -> None:
 
 
 def _check_grpo_rate(seen: Seen) -> None:
-    """AdamW at the run's rate, constant to the last step (its end value)."""
+    """Adam at the run's rate, constant to the last step (its end value)."""
     rates = landing.rates(_rl_training(seen).actor_optimizer, seen.cfg.steps)
     for step in (0, seen.cfg.steps):
         _close(rates[step], seen.cfg.learning_rate, f"the actor's rate at step {step}")

@@ -9,12 +9,11 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from posttrain import _compat, distributed, sharding
 from posttrain.rl import tunix_cluster, tunix_rl
 from posttrain.rl.options import GRPORunConfig
-from posttrain.training.optimizer import clipped
+from posttrain.training.optimizer import run_adam
 from posttrain.training.policy import TunixPolicy, reference_of
 
 
@@ -25,9 +24,7 @@ def configs(cfg: GRPORunConfig, out: pathlib.Path, mesh, eos_ids):
 
     batch = batch_size(cfg, mesh)
     training = tunix_rl.training_config(
-        actor_optimizer=clipped(
-            optax.adamw(cfg.learning_rate, b2=0.99, weight_decay=0.0), cfg.max_grad_norm
-        ),
+        actor_optimizer=run_adam(cfg, cfg.learning_rate, b2=0.99),
         eval_every_n_steps=cfg.steps + 1,
         max_steps=min(cfg.steps, cfg.stop_after or cfg.steps),
         mini_batch_size=batch,

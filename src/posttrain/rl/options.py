@@ -39,8 +39,9 @@ class GRPORunConfig(RunOptions):
         batch, and its completions are trained in this many micro-batches whose
         gradients are averaged (Tunix's ``train_micro_batch_size`` = the batch /
         ``grad_accum``); it must divide the batch of prompts.
-      learning_rate: AdamW's, constant.
-      max_grad_norm: 0 (no clipping) by default, as before the option: GRPO's AdamW
+      learning_rate: Adam's (b2 0.99; :func:`posttrain.training.optimizer.run_adam`),
+        constant.
+      max_grad_norm: 0 (no clipping) by default, as before the option: GRPO's optimizer
         never clipped.
       lora_rank: LoRA when > 0 (the reference is then the actor with adapters off); 0
         trains every weight (the reference is a frozen copy).
@@ -92,7 +93,7 @@ class GRPORunConfig(RunOptions):
     per_device_batch_size: int = option(2, "prompts per data-parallel shard")
     num_generations: int = option(8, "completions per prompt", show_default=False)
     steps: int = option(150, "GRPO steps")
-    learning_rate: float = option(5e-4, "AdamW's learning rate, constant", show_default=False)
+    learning_rate: float = option(5e-4, "Adam's learning rate, constant", show_default=False)
     max_grad_norm: float = option(
         0.0, "clip the gradient's global norm to this before each update (0: no clipping)"
     )

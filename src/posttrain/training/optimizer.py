@@ -14,14 +14,8 @@ from posttrain.training.trainer import SFTOptions
 
 def adam_schedule(cfg):
     """``(schedule, optimizer)`` of a run config with ``learning_rate``, ``warmup_steps``,
-    ``steps`` and ``max_grad_norm``: linear warm-up to the peak, cosine to 10% of it; Adam
-    (b2 0.95) after clipping the global norm (:func:`clipped`). ``posttrain sft``,
-    ``dpo`` and ``distill``.
-
-    Adam, not ``optax.adamw(weight_decay=0.0)``: the same updates, except that optax 0.2.6
-    (the google-tunix 0.1.6 era's) still adds ``0 * parameter``, which turns a parameter
-    of +-inf into NaN. The vision tower's clip bounds are +-inf until a checkpoint sets
-    them (no clamp), and Tunix's optimizer holds them even while the tower is frozen."""
+    ``steps`` and ``max_grad_norm``: linear warm-up to the peak, cosine to 10% of it, under
+    :func:`run_adam` with b2 0.95. ``posttrain sft``, ``dpo`` and ``distill``."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         cfg.learning_rate,
@@ -29,7 +23,21 @@ def adam_schedule(cfg):
         cfg.steps,
         end_value=cfg.learning_rate * 0.1,
     )
-    return schedule, clipped(optax.adam(schedule, b2=0.95), cfg.max_grad_norm)
+    return schedule, run_adam(cfg, schedule, b2=0.95)
+
+
+def run_adam(cfg, learning_rate, *, b2: float):
+    """The optimizer of every workflow: Adam at ``learning_rate`` (a float, or a schedule
+    of the step) with ``b2``, after clipping the gradient's global norm at
+    ``cfg.max_grad_norm`` (:func:`clipped`). SFT, DPO and distill: b2 0.95 over
+    :func:`adam_schedule`; GRPO's actor: b2 0.99 at a constant rate. A new optimizer
+    option of the runs is read here, once.
+
+    Adam, not ``optax.adamw(weight_decay=0.0)``: the same updates, except that optax 0.2.6
+    (the google-tunix 0.1.6 era's) still adds ``0 * parameter``, which turns a parameter
+    of +-inf into NaN. The vision tower's clip bounds are +-inf until a checkpoint sets
+    them (no clamp), and Tunix's optimizer holds them even while the tower is frozen."""
+    return clipped(optax.adam(learning_rate, b2=b2), cfg.max_grad_norm)
 
 
 def clipped(tx, max_grad_norm: float):
