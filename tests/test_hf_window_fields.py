@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from posttrain.conversion import from_hf_config, to_hf_config
 from posttrain.hf_schema import hf_fields
 from posttrain.models import get_config
 
@@ -38,8 +39,10 @@ def _config(**fields):
         (dict(use_sliding_window=False, sliding_window=6, max_window_layers=0), (FULL,) * 4, None),
         # no max_window_layers: the config class's default start (here 3)
         (dict(use_sliding_window=True, sliding_window=5), (FULL, FULL, FULL, SLIDING), 5),
+        # no use_sliding_window: off, as HF's default (a window alone does not slide)
+        (dict(sliding_window=6, max_window_layers=0), (FULL,) * 4, None),
     ],
-    ids=["from-2", "from-0", "past-the-end", "switched-off", "default-start"],
+    ids=["from-2", "from-0", "past-the-end", "switched-off", "default-start", "switch-absent"],
 )
 def test_the_window_starts_at_max_window_layers_without_layer_types(fields, types, window):
     got_types, got_window = hf_fields.max_window_layers(_config(**fields), 3)
@@ -63,3 +66,18 @@ def test_the_fields_written_read_back_to_the_same_layers():
     assert written == {"use_sliding_window": False, "max_window_layers": 0, "sliding_window": None}
     config = _config(**written)
     assert hf_fields.max_window_layers(config, 3) == ((FULL,) * 4, None)
+
+
+def test_a_sliding_model_writes_its_window_and_reads_back_the_same():
+    """qwen3-tiny with its second layer sliding (read from the fields alone, no
+    ``layer_types``): written, the window is on; read again, the same layers slide."""
+    fields = to_hf_config(get_config("qwen3-tiny"))
+    del fields["layer_types"]
+    fields.update(use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    cfg = from_hf_config(fields)
+    assert cfg.layer_types == (FULL, SLIDING)
+    written = hf_fields.max_window_fields(cfg)
+    assert written == {"use_sliding_window": True, "max_window_layers": 0, "sliding_window": 6}
+    again = from_hf_config(to_hf_config(cfg))
+    assert again.layer_types == (FULL, SLIDING)
+    assert hf_fields.sliding_window(again) == 6
