@@ -221,6 +221,19 @@ def test_a_figure_agrees_when_rounded_or_within_its_tolerance(quoted, fresh, tol
     assert agrees(quoted, fresh, tolerance) is ok
 
 
+@pytest.mark.parametrize(
+    ("quoted", "fresh", "ok"),
+    [
+        ("1e-8", "8.85e-09", True),  # below the bound, however far
+        ("1e-8", "1e-08", True),  # at it
+        ("1e-8", "1.01e-08", False),  # above it, within any tolerance's reach
+        ("1e-7", "n/a", False),
+    ],
+)
+def test_a_bound_figure_agrees_at_or_below_its_bound_only(quoted, fresh, ok):
+    assert agrees(quoted, fresh, 0.5, bound=True) is ok
+
+
 def _result(text: str, output: str, page: str = "p.md", status: int = 0) -> Result:
     return Result(Command(page, 1, text), status, 1.0, output)
 

@@ -199,8 +199,6 @@ _BENCHMARKS: tuple[Figure, ...] = tuple(
             0,
         ),
         (_MODEL_STEP, r"against ([\d.]+) model GFLOP\)", r"\(([\d.]+) model GFLOP;", RUN),
-        (r"--form tokens ", r"difference is ([\d.]+e-\d+)\s+\(tokens\)", _GRAD_DIFF, RUN),
-        (r"--form grouped ", r"differ from the scan's by at most ([\d.]+e-\d+)", _GRAD_DIFF, RUN),
         (
             r"distill_step\.py --devices 1 ",
             r"^(\S+) one layer deep from (\S+) \((\d+) layers\), batch (\d+) x (\d+),",
@@ -209,6 +207,24 @@ _BENCHMARKS: tuple[Figure, ...] = tuple(
             0,
         ),
     )
+)
+# float32 rounding residues of model_ab.py's forms: bounds, not values (3.73e-9 on one
+# machine, 8.85e-9 on another with the same code)
+_GRAD_BOUNDS: tuple[Figure, ...] = (
+    Figure(
+        "docs/benchmarks.md",
+        r"--form tokens ",
+        r"difference is at most ([\d.]+e-\d+)\s+\(tokens;",
+        _GRAD_DIFF,
+        bound=True,
+    ),
+    Figure(
+        "docs/benchmarks.md",
+        r"--form grouped ",
+        r"differ from the scan's by at most ([\d.]+e-\d+)",
+        _GRAD_DIFF,
+        bound=True,
+    ),
 )
 
 FIGURES: tuple[Figure, ...] = (
@@ -328,4 +344,5 @@ FIGURES: tuple[Figure, ...] = (
     ),
     *_SCALE,
     *_BENCHMARKS,
+    *_GRAD_BOUNDS,
 )

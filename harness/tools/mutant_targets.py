@@ -205,7 +205,9 @@ TARGETS: dict[str, list[str]] = {
     "src/posttrain/flags.py": [
         "tests/test_cli_options.py",
         "tests/test_run_options.py",
-        "tests/test_options_docs.py",
+        # the rows themselves (the tests that compare docs/ with them read files that the
+        # mutation copy does not hold)
+        "tests/test_options_docs.py::test_a_row_is_the_flag_its_default_and_its_help",
     ],
     "src/posttrain/training/options.py": [
         "tests/test_run_options.py",
