@@ -238,6 +238,16 @@ def _result(text: str, output: str, page: str = "p.md", status: int = 0) -> Resu
     return Result(Command(page, 1, text), status, 1.0, output)
 
 
+def test_a_bound_figure_is_checked_as_a_bound_against_its_command():
+    """``Figure.bound`` reaches the check: 8.85e-9 printed under a quoted bound of 1e-8
+    agrees; the same figure read as a value (0.2% tolerance) is off."""
+    page = "the largest difference is at most 1e-8 here"
+    ran = [_result("python benchmarks/model_ab.py --form tokens", "max |grad diff| 8.85e-09")]
+    fields = ("p.md", r"--form tokens", r"at most ([\d.]+e-\d+)", r"diff\| ([\d.]+e-\d+)")
+    assert check_figure(Figure(*fields, tolerance=0.002, bound=True), page, ran).ok
+    assert not check_figure(Figure(*fields, tolerance=0.002), page, ran).ok
+
+
 def test_each_figure_is_checked_against_its_own_commands_output():
     figure = Figure("p.md", r"posttrain sft$", r"loss ([\d.]+) -> ([\d.]+)", tolerance=0.01)
     page = "text: loss 5.559 -> 2.983 here"
