@@ -4,19 +4,19 @@ classes, and every flag of every subcommand is named on one of its pages."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pathlib
 import re
 
 import pytest
 
-from posttrain import cli, flags
+from posttrain import flags
 from posttrain.distill.options import DistillRunConfig
 from posttrain.flags import option
 from posttrain.plan.options import PlanOptions
 from posttrain.sft.options import SFTConfig
 from posttrain.training.options import PeftRunOptions, RunOptions, SupervisedRunOptions
+from tests.test_cli_options import _subparsers
 
 pytestmark = pytest.mark.host
 
@@ -92,24 +92,18 @@ def test_the_generated_tables_are_the_fields(page, heading):
     )
 
 
-def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = cli.build_parser()
-    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices
-
-
-def test_every_subcommand_has_a_page():
-    assert set(PAGES) == set(_subcommands())
+def test_every_subcommand_has_a_page(monkeypatch):
+    assert set(PAGES) == set(_subparsers(monkeypatch))
 
 
 @pytest.mark.parametrize("command", list(PAGES))
-def test_every_flag_is_on_its_pages(command):
+def test_every_flag_is_on_its_pages(command, monkeypatch):
     """Each flag of ``posttrain COMMAND`` is named outside a command block on one of its
     pages or on docs/runs.md."""
     text = "\n".join(prose(page) for page in (*PAGES[command], "runs.md"))
     flags_ = [
         name
-        for action in _subcommands()[command]._actions
+        for action in _subparsers(monkeypatch)[command]._actions
         for name in action.option_strings
         if name.startswith("--") and name != "--help"
     ]

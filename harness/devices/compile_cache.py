@@ -76,7 +76,7 @@ def prune(cache: Path, max_bytes: int = MAX_BYTES) -> list[Path]:
     if max_bytes < 0:
         raise ValueError(f"max_bytes={max_bytes}: expected >= 0")
     entries = []
-    for entry in sorted(cache.glob(f"*{_ENTRY}")):
+    for entry in cache.glob(f"*{_ENTRY}"):  # ordered below, by last use
         try:
             entries.append((last_use_ns(entry), entry.stat().st_size, entry))
         except FileNotFoundError:

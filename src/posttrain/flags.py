@@ -134,8 +134,8 @@ def markdown_rows(cls, since=None) -> list[str]:
     """The docs' table rows of ``cls``'s flags, ``| `--flag` | default | help |`` each, in
     field order; ``since``: a base class whose fields are left out (a workflow's own).
 
-    The docs' shared options table is these rows (``tests/test_options_docs.py`` compares
-    them), so a field's flag, default and help are written once, here in the field.
+    The docs' options tables are these rows (``tests/test_options_docs.py`` compares
+    them), so a field's flag, default and help are written once, in the field.
     """
     inherited = {f.name for f, _ in _fields(since)} if since is not None else set()
     rows = []
