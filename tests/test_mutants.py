@@ -31,6 +31,17 @@ def test_the_section_is_toml_that_mutates_one_module_with_its_tests():
     assert config["pytest_add_cli_args"][-2:] == ["-m", "not slow"]
 
 
+def test_a_mutant_of_a_quick_selection_has_a_cold_workers_cpu_time():
+    """mutmut kills a mutant's worker after ``(estimate + timeout_constant) x
+    timeout_multiplier x 2`` CPU seconds. A worker comes from a fork server that has
+    imported nothing, so it imports JAX and compiles before its first test: with mutmut's
+    default constant (1 s) a selection estimated at 0.1 s had 33 CPU seconds and its
+    mutants timed out under load. The section's constant gives it at least 150."""
+    config = tomllib.loads(mutants._section("a/b.py", ["tests/x.py"], 1))["tool"]["mutmut"]
+    multiplier = config.get("timeout_multiplier", 15.0)  # mutmut 3.8's default
+    assert (0.1 + config["timeout_constant"]) * multiplier * 2 >= 150
+
+
 def test_mutmuts_copy_holds_what_building_this_checkout_reads():
     """The bisect and matrix tests build an environment of this checkout inside mutmut's
     copy: pyproject's readme must be copied too (without it every harness/bisect/bisect.py run

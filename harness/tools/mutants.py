@@ -14,7 +14,9 @@ names (``mutmut show NAME`` in that module's scratch directory prints each diff)
 Each selection is sized so one module's run fits in about 20 minutes on 2 cores; the
 attention's 413 mutants run as two shards (``--functions``) in the weekly workflow.
 Workers are forked from a fork server that has imported nothing (``forkserver_warmup =
-none``): JAX is not fork-safe once its backend has started.
+none``): JAX is not fork-safe once its backend has started. So each worker imports JAX
+and compiles before its first test, and mutmut's CPU-time limit on it gets
+:data:`TIMEOUT_CONSTANT_S` beyond the tests' estimate (``timeout_constant``).
 
 Jitted functions: :mod:`harness.tools.mutant_sources` (how their mutants are reached).
 
@@ -93,6 +95,10 @@ def missing_prerequisite() -> str | None:
     return None
 
 
+# CPU seconds a mutant's worker gets beyond its tests' estimate (before mutmut's x 30)
+TIMEOUT_CONSTANT_S = 5.0
+
+
 def _section(module: str, selection: list[str], max_children: int) -> str:
     def toml_list(items):
         return "[" + ", ".join(json.dumps(i) for i in items) + "]"
@@ -111,6 +117,10 @@ def _section(module: str, selection: list[str], max_children: int) -> str:
         'process_isolation = "forkserver"\n'
         'forkserver_warmup = "none"\n'
         f"max_children = {max_children}\n"
+        # mutmut's CPU-time limit is (estimate + constant) x 15 x 2: a worker forked from a
+        # fork server that has imported nothing imports JAX and compiles first, which the
+        # default constant (1 s) did not cover for quick selections (timeouts under load)
+        f"timeout_constant = {TIMEOUT_CONSTANT_S}\n"
         f"also_copy = {toml_list(copied)}\n"
     )
 
