@@ -19,6 +19,15 @@ Importing this package imports no JAX and changes no global state.
 
 from __future__ import annotations
 
-from harness.devices.devices import configure_devices
-
 __all__ = ["configure_devices"]
+
+
+def __getattr__(name: str):
+    """``harness.configure_devices``, imported when first asked for: importing ``harness``
+    leaves its rooms unimported, so ``python -m harness.devices.compile_cache`` runs a
+    module that no package import ran first (runpy warns then)."""
+    if name == "configure_devices":
+        from harness.devices.devices import configure_devices
+
+        return configure_devices
+    raise AttributeError(f"module 'harness' has no attribute {name!r}")

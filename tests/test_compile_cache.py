@@ -111,6 +111,22 @@ def test_the_command_prunes_a_directory_and_refuses_a_negative_size(
     assert kept.exists()
 
 
+def test_tox_runs_the_command_with_warnings_as_errors(tmp_path: Path) -> None:
+    """``tox -e tpu`` runs ``python -m harness.devices.compile_cache`` (its commands_pre).
+    The v5e's run of it warned that runpy found the module already imported by its
+    package's import (``harness`` imported its device source, which imports this): with
+    warnings as errors that is a failed run."""
+    _entry(tmp_path, "jit_a-01", 100, T0 + 1)
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-m", "harness.devices.compile_cache", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == f"compile cache {tmp_path}: removed 0 least recently used entries\n"
+
+
 def test_a_run_writes_its_compiles_without_jaxs_limit(tmp_path: Path, monkeypatch) -> None:
     """JAX's limit is off where the run lands (its config, and no ``-atime`` file beside a
     new entry), also when the caller's shell set one; an entry written under the limit
