@@ -682,8 +682,12 @@ def _check_warmup(seen: Seen) -> None:
     if not n:
         assert not _warmup_dir(seen).exists(), "a warm-up at --warmup-steps 0"
         return
-    _eq((record.read(_warmup_dir(seen)) or {})["settings"]["steps"], n, "the warm-up's steps")
+    settings = (record.read(_warmup_dir(seen)) or {})["settings"]
+    _eq(settings["steps"], n, "the warm-up's steps")
     assert (_warmup_dir(seen) / f"model-step{n}").is_dir(), "no warm-up export"
+    # a recipe of its own (docs/rl.md): posttrain sft's, whatever GRPO's optimizer options
+    for name, value in (("learning_rate", 3e-3), ("max_grad_norm", 1.0), ("lora_rank", 0)):
+        _eq(settings[name], value, f"the warm-up's {name}")
 
 
 def _check_warmup_shards(seen: Seen) -> None:
@@ -1171,8 +1175,19 @@ SCENARIOS.update(
         ),
         # stops at the evaluation before training (our generate's first call)
         "grpo-eval": Scenario("grpo", {**SMALL_GRPO, "eval_samples": 3}, only="eval_samples"),
-        # the warm-up SFT trains (seconds): the slow tier
-        "grpo-warmup": Scenario("grpo", {**SMALL_GRPO, "warmup_steps": 1, "warmup_data_shards": 2}),
+        # the warm-up SFT trains (seconds): the slow tier. GRPO's optimizer options differ
+        # from the warm-up's own recipe (_check_warmup)
+        "grpo-warmup": Scenario(
+            "grpo",
+            {
+                **SMALL_GRPO,
+                "warmup_steps": 1,
+                "warmup_data_shards": 2,
+                "learning_rate": 1e-3,
+                "max_grad_norm": 0.25,
+                "lora_rank": 2,
+            },
+        ),
     }
 )
 

@@ -18,6 +18,7 @@ OPTIONS = {
     "upstream_deprecations": ("error", ["--upstream-deprecations", "record"], "record"),
     "require_backend": (None, ["--require-backend", "tpu"], "tpu"),
     "host_tests": ("auto", ["--host-tests", "skip"], "skip"),
+    "compile_report": (None, ["--compile-report", "r.jsonl"], "r.jsonl"),
     "emulate_chip_precision": (False, ["--emulate-chip-precision"], True),
     "conventions": (None, ["--conventions", "partial,main"], "partial,main"),
     "contract": (None, ["--contract", "tunix.sft.PeftTrainer"], "tunix.sft.PeftTrainer"),
@@ -51,6 +52,12 @@ HELP = (
         "--host-tests={auto,run,skip}",
         "tests marked host: 'auto' (default) leaves them out on a real accelerator and "
         "runs them on the CPU; 'run' runs them everywhere; 'skip' leaves them out everywhere",
+    ),
+    (
+        "--compile-report=PATH",
+        "write a JSON line per test to PATH as it ends: its wall, JAX tracing, lowering and "
+        "XLA compile seconds, programs and persistent-cache hits, with the totals at the end "
+        "(one process: not with -n; harness/gate/compile_report.py)",
     ),
     (
         "--emulate-chip-precision",

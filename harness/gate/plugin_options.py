@@ -87,6 +87,13 @@ def _add_chip_options(group) -> None:
         "everywhere",
     )
     group.addoption(
+        "--compile-report",
+        metavar="PATH",
+        help="write a JSON line per test to PATH as it ends: its wall, JAX tracing, lowering "
+        "and XLA compile seconds, programs and persistent-cache hits, with the totals at "
+        "the end (one process: not with -n; harness/gate/compile_report.py)",
+    )
+    group.addoption(
         "--emulate-chip-precision",
         action="store_true",
         help="multiply float32 at the default precision as a TPU does (one bfloat16 pass): "

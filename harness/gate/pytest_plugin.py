@@ -32,6 +32,9 @@ Real devices (``--devices real``): a backend that does not come up fails the ses
 backend, and hypothesis loads the ``chip`` profile (each compile costs a chip far more
 than the CPU: the properties are explored on the CPU, sampled on the chip).
 
+``--compile-report PATH``: per test, its tracing, lowering and XLA compile seconds, as JSON
+lines (:mod:`harness.gate.compile_report`; one process, not with ``-n``).
+
 ``--upstream-deprecations record`` (the matrix): a deprecation raised from upstream
 code is recorded on its test instead of raised (:mod:`harness.gate.deprecations`).
 
@@ -50,7 +53,13 @@ from typing import Any
 import pytest
 
 from harness.devices import devices as _devices
-from harness.gate import chip_precision, deprecation_recorder, plugin_options, session_tuning
+from harness.gate import (
+    chip_precision,
+    compile_report,
+    deprecation_recorder,
+    plugin_options,
+    session_tuning,
+)
 from harness.gate.session_tuning import (  # noqa: F401 (re-exported: tests and tools read them here)
     GC_ENV_VAR,
     GC_GEN2_THRESHOLD,
@@ -103,10 +112,31 @@ def pytest_configure(config: pytest.Config) -> None:
         import jax  # noqa: F401 (the device source is set: JAX may start)
 
         config.add_cleanup(chip_precision.emulate())
+    _register_compile_report(config)
     if config.getoption("upstream_deprecations") == "record":
         config.pluginmanager.register(
             deprecation_recorder.Recorder(), "posttrain_upstream_deprecations"
         )
+
+
+def _register_compile_report(config: pytest.Config) -> None:
+    """``--compile-report PATH``: :class:`~harness.gate.compile_report.CompileReport`, in a
+    run of one process (xdist's workers would each truncate PATH, and its controller runs
+    no test)."""
+    path = config.getoption("compile_report")
+    if path is None:
+        return
+    if hasattr(config, "workerinput") or config.getoption("numprocesses", default=None):
+        raise pytest.UsageError(
+            f"--compile-report {path}: needs a run of one process, without -n (xdist)"
+        )
+    try:
+        report = compile_report.CompileReport(path)
+    except OSError as error:
+        raise pytest.UsageError(
+            f"--compile-report {path}: cannot be written ({error.strerror})"
+        ) from None
+    config.pluginmanager.register(report, "posttrain_compile_report")
 
 
 _gc_tuned = False

@@ -37,6 +37,8 @@ HARNESS_TARGETS: dict[str, list[str]] = {
     "harness/gate/chip_precision.py": ["tests/test_chip_precision.py"],
     # the suites' compilation cache: pruned before a run, JAX's own size limit off
     "harness/devices/compile_cache.py": ["tests/test_compile_cache.py"],
+    # --compile-report: a line per test of JAX's trace, lower and compile figures
+    "harness/gate/compile_report.py": ["tests/test_compile_report.py"],
     "harness/gate/sizes.py": ["tests/test_code_size.py"],
     # #58: the pytest plugin's options and marker descriptions, out of pytest_plugin.py
     "harness/gate/plugin_options.py": ["tests/test_harness.py", "tests/test_plugin_options.py"],

@@ -51,7 +51,10 @@ class GRPORunConfig(RunOptions):
       temperature: rollout sampling temperature (> 0).
       max_prompt_length, max_new_tokens: rollout lengths (the KV cache holds both).
       reward: reward functions, built-in names or ``module:function``; summed.
-      warmup_steps: SFT steps on the task before GRPO (0: none).
+      warmup_steps: SFT steps on the task before GRPO (0: none), a recipe of its own:
+        ``posttrain sft``'s defaults (full fine-tuning, peak learning rate 3e-3, clipping
+        at 1.0) on 64-token rows; ``learning_rate``, ``max_grad_norm`` and ``lora_rank``
+        here are the GRPO steps'.
       warmup_data_shards: the warm-up SFT's ``data_shards``
         (:attr:`posttrain.training.options.SupervisedRunOptions.data_shards`; None: one per process
         slice of its batch). The same value gives the same warm-up on any number of
@@ -108,7 +111,12 @@ class GRPORunConfig(RunOptions):
         "built-in name (exact_answer, answer_format) or module:function; repeatable "
         "(default: exact_answer and answer_format)",
     )
-    warmup_steps: int = option(100, "SFT steps first (0: none)", show_default=False)
+    warmup_steps: int = option(
+        100,
+        "SFT steps first (0: none), full fine-tuning at posttrain sft's learning rate and "
+        "clipping, whatever GRPO's --learning-rate, --max-grad-norm and --lora-rank",
+        show_default=False,
+    )
     warmup_data_shards: int | None = option(
         None, "the warm-up SFT's --data-shards (default: one per process slice of the batch)"
     )

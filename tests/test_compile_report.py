@@ -1,0 +1,187 @@
+"""``pytest --compile-report PATH`` (:mod:`harness.gate.compile_report`): a line per test
+with JAX's tracing, lowering and compile figures, written as each test ends, its
+listeners back after Tunix clears them, the persistent cache's hits counted, and the
+runs it refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.gate import compile_report
+
+pytestmark = pytest.mark.host
+
+# Four inner tests: none of JAX; a jitted program, which counts JAX's compile events
+# itself (the second test: the report's listeners are registered at each test's start,
+# once); one that sees the first two lines written and clears every JAX listener (as
+# Tunix's MetricsLogger.close() does); and a program after that.
+HEADER = """
+import json, os, pathlib
+import jax, jax.numpy as jnp
+"""
+NO_JAX = """
+def test_runs_no_jax():
+    assert sum(range(4)) == 6
+"""
+COMPILES = """
+def test_compiles():
+    seen = []
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+    jax.monitoring.register_event_duration_secs_listener(count)
+    x = jnp.arange(6.0)  # an eager program
+    jax.jit(lambda v: jnp.sin(v) * 3 + 1)(x).block_until_ready()
+    jax.monitoring.unregister_event_duration_listener(count)
+    pathlib.Path(os.environ["SEEN"]).write_text(json.dumps([len(seen), sum(seen)]))
+"""
+AFTER_A_CLEAR = """
+def test_clears_the_listeners():
+    lines = pathlib.Path(os.environ["REPORT"]).read_text().splitlines()
+    names = [json.loads(line)["test"].split("::")[1] for line in lines]
+    assert names == ["test_runs_no_jax", "test_compiles"]
+    jax.monitoring.clear_event_listeners()
+
+def test_compiles_after_the_clear():
+    jax.jit(lambda v: jnp.cos(v) - 2)(jnp.ones(7)).block_until_ready()
+"""
+
+
+def _lines(path) -> dict[str, dict]:
+    """The report's lines by test name."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return {line["test"].split("::")[1]: line for line in lines}
+
+
+def test_each_test_gets_its_line_as_it_ends(jax_started, pytester, monkeypatch):
+    report = pytester.path / "report.jsonl"
+    report.write_text("a line of an earlier run\n")  # truncated when the run starts
+    monkeypatch.setenv("REPORT", str(report))
+    monkeypatch.setenv("SEEN", str(pytester.path / "seen.json"))
+    pytester.makepyfile(HEADER + NO_JAX + COMPILES + AFTER_A_CLEAR)
+    result = pytester.runpytest("--compile-report", str(report), "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)
+    lines = _lines(report)
+    assert list(lines) == [
+        "test_runs_no_jax",
+        "test_compiles",
+        "test_clears_the_listeners",
+        "test_compiles_after_the_clear",
+    ]
+    for line in lines.values():
+        assert set(line) == {"test", *compile_report.FIELDS}
+        assert line["wall_s"] > 0
+    none, compiled, _, after = lines.values()
+    # the jitted lambda: traced, lowered and compiled in this test, with the eager ops
+    programs, seconds = json.loads((pytester.path / "seen.json").read_text())
+    assert compiled["programs"] == programs >= 2 and compiled["cache_hits"] == 0
+    assert compiled["compile_s"] == pytest.approx(seconds, abs=1e-4)
+    assert compiled["trace_s"] > 0 and compiled["lower_s"] > 0 and compiled["compile_s"] > 0
+    assert compiled["wall_s"] >= compiled["compile_s"] + compiled["lower_s"]
+    assert none == {
+        "test": none["test"],
+        "wall_s": none["wall_s"],
+        **dict.fromkeys(("trace_s", "lower_s", "compile_s", "programs", "cache_hits"), 0),
+    }
+    assert after["programs"] >= 1 and after["compile_s"] > 0  # listened again
+    total = sum(line["programs"] for line in lines.values())
+    result.stdout.fnmatch_lines(
+        [
+            f"posttrain-harness: compile report {report}: 4 tests, * ({total} programs, 0 from "
+            "the cache), tracing * s, lowering * s"
+        ]
+    )
+
+
+def test_the_persistent_caches_hits_are_counted(pytester, tmp_path, monkeypatch):
+    """Two processes, one cache: the second run reads the jitted program from the cache."""
+    monkeypatch.setenv("SEEN", str(tmp_path / "seen.json"))
+    pytester.makepyfile(HEADER + COMPILES)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    runs = []
+    for name in ("cold.jsonl", "warm.jsonl"):
+        pytester.runpytest_subprocess(
+            "--compile-report", str(tmp_path / name), "-p", "no:cacheprovider"
+        ).assert_outcomes(passed=1)
+        runs.append(_lines(tmp_path / name)["test_compiles"])
+    cold, warm = runs
+    assert cold["cache_hits"] == 0 and cold["programs"] >= 2
+    assert warm["cache_hits"] == warm["programs"] == cold["programs"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-n", "2"], "needs a run of one process, without -n (xdist)"),
+        ([], "cannot be written (No such file or directory)"),
+    ],
+    ids=["xdist", "unwritable"],
+)
+def test_a_run_it_cannot_report_is_refused(jax_started, pytester, args, message):
+    path = pytester.path / "absent" / "r.jsonl" if not args else pytester.path / "r.jsonl"
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest("--compile-report", str(path), *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --compile-report {path}: {message}"])
+    assert not path.exists()
+
+
+def test_the_summary_totals_every_line_written(tmp_path):
+    report = compile_report.CompileReport(tmp_path / "r.jsonl")
+    # counts accumulate as floats (from _zero's 0.0), as in a run
+    figures = dict(
+        wall_s=2.0, trace_s=0.25, lower_s=0.5, compile_s=1.0, programs=3.0, cache_hits=1.0
+    )
+    report.write("a.py::x", figures)
+    report.write("a.py::y", {**figures, "programs": 2.0, "cache_hits": 0.0, "compile_s": 0.123456})
+    assert report.summary() == (
+        f"posttrain-harness: compile report {tmp_path / 'r.jsonl'}: 2 tests, 4.0 s; XLA "
+        "compiles 1.1 s (5 programs, 1 from the cache), tracing 0.5 s, lowering 1.0 s"
+    )
+    report.close()
+    # as written: seconds to 0.1 ms, counts as integers
+    lines = (tmp_path / "r.jsonl").read_text().splitlines()
+    assert lines[1] == (
+        '{"test": "a.py::y", "wall_s": 2.0, "trace_s": 0.25, "lower_s": 0.5, '
+        '"compile_s": 0.1235, "programs": 2, "cache_hits": 0}'
+    )
+
+
+def test_the_listeners_count_their_events_only(tmp_path):
+    report = compile_report.CompileReport(tmp_path / "r.jsonl")
+    for _ in range(2):
+        report.on_duration(compile_report.COMPILE_EVENT, 0.5)
+        report.on_event(compile_report.CACHE_HIT_EVENT)
+    report.on_duration(compile_report.TRACE_EVENT, 0.25)
+    report.on_duration(compile_report.LOWER_EVENT, 0.125)
+    report.on_duration("/jax/some/other_duration", 9.0)
+    report.on_event("/jax/compilation_cache/cache_misses")
+    report.close()
+    assert report._test == {
+        **dict.fromkeys(compile_report.FIELDS, 0.0),
+        "trace_s": 0.25,
+        "lower_s": 0.125,
+        "compile_s": 1.0,
+        "programs": 2,
+        "cache_hits": 2,
+    }
+
+
+def test_listening_registers_each_listener_once_and_closing_removes_them(tmp_path, jax_started):
+    from jax._src import monitoring
+
+    report = compile_report.CompileReport(tmp_path / "r.jsonl")
+    try:
+        for _ in range(2):
+            report.listen()
+            assert monitoring.get_event_duration_listeners().count(report.on_duration) == 1
+            assert monitoring.get_event_listeners().count(report.on_event) == 1
+    finally:
+        report.close()
+    assert report.on_duration not in monitoring.get_event_duration_listeners()
+    assert report.on_event not in monitoring.get_event_listeners()
+    assert report._out.closed
