@@ -677,6 +677,7 @@ def _check_warmup(seen: Seen) -> None:
     """``warmup_steps`` SFT steps first, the actor starting from their export; none at 0
     (the actor is the preset's init)."""
     from posttrain.training import record
+    from posttrain.training.options import SupervisedRunOptions
 
     n = seen.cfg.warmup_steps
     if not n:
@@ -685,9 +686,11 @@ def _check_warmup(seen: Seen) -> None:
     settings = (record.read(_warmup_dir(seen)) or {})["settings"]
     _eq(settings["steps"], n, "the warm-up's steps")
     assert (_warmup_dir(seen) / f"model-step{n}").is_dir(), "no warm-up export"
-    # a recipe of its own (docs/rl.md): posttrain sft's, whatever GRPO's optimizer options
-    for name, value in (("learning_rate", 3e-3), ("max_grad_norm", 1.0), ("lora_rank", 0)):
-        _eq(settings[name], value, f"the warm-up's {name}")
+    # a recipe of its own (docs/rl.md): posttrain sft's defaults, whatever GRPO's options
+    defaults = {f.name: f.default for f in dataclasses.fields(SupervisedRunOptions)}
+    assert (defaults["learning_rate"], defaults["max_grad_norm"]) == (3e-3, 1.0)  # docs/rl.md
+    for name in ("learning_rate", "max_grad_norm", "lora_rank"):
+        _eq(settings[name], defaults[name], f"the warm-up's {name}")
 
 
 def _check_warmup_shards(seen: Seen) -> None:

@@ -35,7 +35,8 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 _SECONDS = {TRACE_EVENT: "trace_s", LOWER_EVENT: "lower_s", COMPILE_EVENT: "compile_s"}
-FIELDS = ("wall_s", "trace_s", "lower_s", "compile_s", "programs", "cache_hits")
+COUNTS = ("programs", "cache_hits")
+FIELDS = ("wall_s", "trace_s", "lower_s", "compile_s", *COUNTS)
 
 
 class CompileReport:
@@ -95,7 +96,7 @@ class CompileReport:
         line = {"test": test}
         for field in FIELDS:
             value = figures[field]
-            line[field] = int(value) if field in ("programs", "cache_hits") else round(value, 4)
+            line[field] = int(value) if field in COUNTS else round(value, 4)
             self.totals[field] += value
         self.tests += 1
         self._out.write(json.dumps(line) + "\n")

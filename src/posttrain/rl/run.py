@@ -119,8 +119,7 @@ def _warmup(cfg: GRPORunConfig, out: pathlib.Path, problems, log_every) -> str:
         chat_template=cfg.chat_template,
         mesh=cfg.mesh,
         steps=cfg.warmup_steps,
-        max_target_length=64,
-        learning_rate=3e-3,
+        max_target_length=64,  # the rest posttrain sft's defaults (docs/rl.md)
         seed=cfg.seed,
         data_shards=cfg.warmup_data_shards,
         save_every=cfg.warmup_steps,
