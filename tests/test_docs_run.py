@@ -533,7 +533,9 @@ def test_a_copy_is_made_without_a_word_from_git(tmp_path, monkeypatch, capfd):
 def test_a_command_runs_with_the_set_ups_environment_and_its_output_interleaved(
     tmp_path, monkeypatch
 ):
-    """The pytest and XLA variables are left out, ``uv run`` is told to use this
+    """The pytest and XLA variables and the harness's device count are left out (the
+    commands get the devices a new user's shell gets: `pytest --devices 1` once ran
+    docs/sharding.md's 8-device mesh on 1), ``uv run`` is told to use this
     environment without syncing and the copy's code comes first; stderr joins stdout; a
     command past its timeout is status 124 with what it printed; ``git status`` outside a
     repository fails."""
@@ -542,9 +544,11 @@ def test_a_command_runs_with_the_set_ups_environment_and_its_output_interleaved(
 
     monkeypatch.setenv("PYTEST_SOMETHING", "1")
     monkeypatch.setenv("XLA_FLAGS", "--x")
+    monkeypatch.setenv("POSTTRAIN_DEVICES", "1")
     monkeypatch.setenv("KEPT_VARIABLE", "1")
     env = docs_run.environment(tmp_path)
     assert "PYTEST_SOMETHING" not in env and "XLA_FLAGS" not in env
+    assert "POSTTRAIN_DEVICES" not in env
     assert env["KEPT_VARIABLE"] == env["UV_NO_SYNC"] == "1"
     assert env["UV_PROJECT_ENVIRONMENT"] == sys.prefix
     assert env["PYTHONPATH"] == f"{tmp_path / 'src'}{os.pathsep}{tmp_path}"

@@ -190,8 +190,14 @@ def copy_checkout(root: Path, dest: Path, ref: str | None = None) -> Path:
 
 def environment(copy: Path) -> dict[str, str]:
     """The set-up's environment for a command in ``copy``: ``uv run`` uses this Python's
-    environment without syncing it; the copy's own code comes first on the path."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XLA_"))}
+    environment without syncing it; the copy's own code comes first on the path. The
+    pytest and XLA variables and the harness's device count (``POSTTRAIN_DEVICES``) are
+    left out: a command gets the devices a new user's shell gets."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PYTEST_", "XLA_")) and k != "POSTTRAIN_DEVICES"
+    }
     env.update(
         UV_NO_SYNC="1",
         UV_PROJECT_ENVIRONMENT=sys.prefix,
