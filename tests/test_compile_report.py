@@ -187,3 +187,121 @@ def test_listening_registers_each_listener_once_and_closing_removes_them(tmp_pat
     assert report.on_duration not in monitoring.get_event_duration_listeners()
     assert report.on_event not in monitoring.get_event_listeners()
     assert report._out.closed
+
+
+def _report(tmp_path, lines) -> tuple[compile_report.CompileReport, object]:
+    """A report file holding ``lines`` ``(test, wall, compile, trace, lower, programs,
+    hits)``, written by the plugin object itself."""
+    path = tmp_path / "report.jsonl"
+    report = compile_report.CompileReport(path)
+    names = ("wall_s", "compile_s", "trace_s", "lower_s", "programs", "cache_hits")
+    for test, *figures in lines:
+        report.write(test, dict(zip(names, figures, strict=True)))
+    report._out.close()
+    return report, path
+
+
+LINES = [
+    ("tests/a.py::t1", 1.0, 0.5, 0.2, 0.1, 2, 1),
+    ("tests/b.py::t2", 5.0, 4.0, 0.5, 0.2, 3, 0),
+    ("tests/a.py::t3", 3.0, 1.0, 0.0, 0.0, 1, 0),
+]
+HEAD = "  wall_s compile_s trace+lower_s programs  hits"
+
+
+def test_a_report_reads_back_as_its_totals_its_files_and_its_tests(tmp_path):
+    """The reader's totals are the plugin's; files sum their tests' lines and come by
+    wall time, most first (b.py's 5 s before a.py's 1 + 3 s); ``top`` limits both lists."""
+    report, path = _report(tmp_path, LINES)
+    rows = compile_report.read(path)
+    assert [row["test"] for row in rows] == ["tests/a.py::t1", "tests/b.py::t2", "tests/a.py::t3"]
+    files = compile_report.by_file(rows)
+    assert list(files) == ["tests/b.py", "tests/a.py"]
+    assert files["tests/a.py"] == {
+        "wall_s": 4.0, "trace_s": 0.2, "lower_s": 0.1, "compile_s": 1.5,
+        "programs": 3, "cache_hits": 1, "tests": 2,
+    }  # fmt: skip
+    totals = f"{path}: 3 tests, 9.0 s; XLA compiles 5.5 s (6 programs, 1 from the cache), "
+    totals += "tracing 0.7 s, lowering 0.3 s"
+    assert report.summary() == f"posttrain-harness: compile report {totals}"
+    assert compile_report.summarise(path, rows, top=1).splitlines() == [
+        totals,
+        "files by wall time (1 of 2):",
+        f"{HEAD} tests  file",
+        "     5.0       4.0           0.7        3     0     1  tests/b.py",
+        "tests by wall time (1 of 3):",
+        f"{HEAD}  test",
+        "     5.0       4.0           0.7        3     0  tests/b.py::t2",
+    ]
+    shown = compile_report.summarise(path, rows, top=3).splitlines()
+    assert shown[1] == "files by wall time (2 of 2):" and shown[5] == "tests by wall time (3 of 3):"
+    assert [line.split()[-1] for line in shown[3:5]] == ["tests/b.py", "tests/a.py"]
+    assert [line.split()[-1] for line in shown[7:]] == [
+        "tests/b.py::t2", "tests/a.py::t3", "tests/a.py::t1",
+    ]  # fmt: skip
+    assert shown[4] == "     4.0       1.5           0.3        3     1     2  tests/a.py"
+
+
+def test_the_command_line_prints_the_summary_and_keeps_a_lines_other_keys(tmp_path, capsys):
+    """A key the plugin does not write (the chip's report adds ``command``) is kept and
+    does not stop the reading; ``--top`` reaches :func:`summarise`."""
+    _, path = _report(tmp_path, LINES)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({"command": 2, **row}) + "\n" for row in rows))
+    assert [row["command"] for row in compile_report.read(path)] == [2, 2, 2]
+    assert compile_report.main([str(path), "--top", "2"]) == 0
+    want = compile_report.summarise(path, compile_report.read(path), top=2)
+    assert capsys.readouterr().out == want + "\n"
+    assert "(2 of 3)" in want
+
+
+@pytest.mark.parametrize(
+    ("text", "args", "says"),
+    [
+        (None, [], "nowhere.jsonl: cannot be read (No such file or directory)"),
+        ('{"test": "t"}\nnot json\n', [], ":1: expected a JSON object with test and wall_s"),
+        (None, ["--top", "0"], "--top 0: expected >= 1"),
+    ],
+    ids=["missing", "a-line-without-fields", "top-zero"],
+)
+def test_a_report_it_cannot_read_is_one_line_and_exit_2(tmp_path, capsys, text, args, says):
+    path = tmp_path / "nowhere.jsonl"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        compile_report.main([str(path), *args])
+    assert exit_.value.code == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert says in line
+
+
+@pytest.mark.parametrize(
+    ("bad", "number"),
+    [
+        ("not json", 2),
+        ('["a list"]', 2),
+        (
+            '{"test": 3, "wall_s": 1, "trace_s": 0, "lower_s": 0, "compile_s": 0, "programs": 0, '
+            '"cache_hits": 0}',
+            2,
+        ),
+        (
+            '{"test": "t", "wall_s": true, "trace_s": 0, "lower_s": 0, "compile_s": 0, '
+            '"programs": 0, "cache_hits": 0}',
+            2,
+        ),
+        (
+            '{"test": "t", "wall_s": "1", "trace_s": 0, "lower_s": 0, "compile_s": 0, '
+            '"programs": 0, "cache_hits": 0}',
+            2,
+        ),
+    ],
+    ids=["not-json", "not-an-object", "test-not-text", "a-bool", "a-string"],
+)
+def test_a_line_that_is_no_report_line_is_refused_naming_it(tmp_path, bad, number):
+    good = json.dumps({"test": "t", **dict.fromkeys(compile_report.FIELDS, 0)})
+    path = tmp_path / "r.jsonl"
+    path.write_text(f"{good}\n{bad}\n{good}\n")
+    with pytest.raises(ValueError, match=f"r.jsonl:{number}: expected a JSON object") as error:
+        compile_report.read(path)
+    assert repr(bad[:80]) in str(error.value)

@@ -12,19 +12,25 @@ lent chip, keeps the line of every test that finished)::
   of them served by the persistent compilation cache;
 - ``wall_s``: the test's setup, call and teardown.
 
-At the end the terminal summary gives the totals and the path. The figures are JAX's own
-events (``jax.monitoring``; jax 0.10.2 ``jax/_src/dispatch.py``: ``JAXPR_TRACE_EVENT``,
-``JAXPR_TO_MLIR_MODULE_EVENT``, ``BACKEND_COMPILE_EVENT`` around
-``compiler.compile_or_get_cached``; ``jax/_src/compiler.py``: the event
-``/jax/compilation_cache/cache_hits``). Tunix's ``MetricsLogger.close()`` clears every JAX
-listener (``jax.monitoring.clear_event_listeners``), so the listeners are registered again
-before each test where they are gone.
+At the end the terminal summary gives the totals and the path. ``python -m
+harness.gate.compile_report PATH [--top N]`` reads a report back: its totals, then the
+``N`` files and the ``N`` tests that took the most wall time (:func:`summarise`).
+
+The figures are JAX's own events (``jax.monitoring``; jax 0.10.2
+``jax/_src/dispatch.py``: ``JAXPR_TRACE_EVENT``, ``JAXPR_TO_MLIR_MODULE_EVENT``,
+``BACKEND_COMPILE_EVENT`` around ``compiler.compile_or_get_cached``;
+``jax/_src/compiler.py``: the event ``/jax/compilation_cache/cache_hits``). Tunix's
+``MetricsLogger.close()`` clears every JAX listener
+(``jax.monitoring.clear_event_listeners``), so the listeners are registered again before
+each test where they are gone.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
+import sys
 import time
 
 import pytest
@@ -56,7 +62,7 @@ class CompileReport:
 
     @staticmethod
     def _zero() -> dict[str, float]:
-        return dict.fromkeys(FIELDS, 0.0)
+        return _zero_sums()
 
     def on_duration(self, event: str, duration: float, **_kwargs) -> None:
         """A ``jax.monitoring`` duration listener."""
@@ -104,12 +110,8 @@ class CompileReport:
 
     def summary(self) -> str:
         """The terminal's line: the totals over every test written."""
-        t = self.totals
-        return (
-            f"posttrain-harness: compile report {self.path}: {self.tests} tests, "
-            f"{t['wall_s']:.1f} s; XLA compiles {t['compile_s']:.1f} s "
-            f"({int(t['programs'])} programs, {int(t['cache_hits'])} from the cache), "
-            f"tracing {t['trace_s']:.1f} s, lowering {t['lower_s']:.1f} s"
+        return "posttrain-harness: compile report " + totals_line(
+            self.path, self.tests, self.totals
         )
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
@@ -128,3 +130,114 @@ class CompileReport:
         if self.on_event in internal.get_event_listeners():
             monitoring.unregister_event_listener(self.on_event)
         self._out.close()
+
+
+def totals_line(path, tests: int, totals: dict[str, float]) -> str:
+    """``PATH: N tests, W s; XLA compiles C s (P programs, H from the cache), tracing T s,
+    lowering L s``."""
+    t = totals
+    return (
+        f"{path}: {tests} tests, {t['wall_s']:.1f} s; XLA compiles {t['compile_s']:.1f} s "
+        f"({int(t['programs'])} programs, {int(t['cache_hits'])} from the cache), "
+        f"tracing {t['trace_s']:.1f} s, lowering {t['lower_s']:.1f} s"
+    )
+
+
+def read(path: str | pathlib.Path) -> list[dict]:
+    """A report's lines (other keys, such as a ``command`` a caller added, are kept).
+
+    Raises:
+      OSError: the file cannot be read.
+      ValueError: a line is not a JSON object with ``test`` and every field of
+        :data:`FIELDS` as numbers, naming the file and line.
+    """
+    rows = []
+    text = pathlib.Path(path).read_text(encoding="utf-8")
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        ok = isinstance(row, dict) and isinstance(row.get("test"), str)
+        if not ok or not all(_is_number(row.get(field)) for field in FIELDS):
+            raise ValueError(
+                f"{path}:{number}: expected a JSON object with test and "
+                f"{', '.join(FIELDS)} (a --compile-report line), got {line[:80]!r}"
+            )
+        rows.append(row)
+    return rows
+
+
+def _zero_sums() -> dict[str, float]:
+    return dict.fromkeys(FIELDS, 0.0)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def by_file(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Each test file's sums of :data:`FIELDS` and its ``tests``, by the test id's path
+    (before ``::``), the file with the most wall time first."""
+    files: dict[str, dict[str, float]] = {}
+    for row in rows:
+        sums = files.setdefault(row["test"].split("::")[0], {**_zero_sums(), "tests": 0})
+        for field in FIELDS:
+            sums[field] += row[field]
+        sums["tests"] += 1
+    return dict(sorted(files.items(), key=lambda item: -item[1]["wall_s"]))
+
+
+def summarise(path, rows: list[dict], top: int) -> str:
+    """The totals line, then the ``top`` files and the ``top`` tests by wall time:
+    wall, XLA compile and tracing + lowering seconds, programs and cache hits."""
+    totals = _zero_sums()
+    for row in rows:
+        for field in FIELDS:
+            totals[field] += row[field]
+    files = by_file(rows)
+    head = f"{'wall_s':>8} {'compile_s':>9} {'trace+lower_s':>13} {'programs':>8} {'hits':>5}"
+    out = [totals_line(path, len(rows), totals)]
+    out.append(f"files by wall time ({min(top, len(files))} of {len(files)}):")
+    out.append(f"{head} {'tests':>5}  file")
+    for name, sums in list(files.items())[:top]:
+        out.append(f"{_figures(sums)} {int(sums['tests']):>5}  {name}")
+    tests = sorted(rows, key=lambda row: -row["wall_s"])[:top]
+    out.append(f"tests by wall time ({len(tests)} of {len(rows)}):")
+    out.append(f"{head}  test")
+    out.extend(f"{_figures(row)}  {row['test']}" for row in tests)
+    return "\n".join(out)
+
+
+def _figures(sums) -> str:
+    traced = sums["trace_s"] + sums["lower_s"]
+    return (
+        f"{sums['wall_s']:>8.1f} {sums['compile_s']:>9.1f} {traced:>13.1f} "
+        f"{int(sums['programs']):>8} {int(sums['cache_hits']):>5}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m harness.gate.compile_report PATH [--top N]``: prints :func:`summarise`;
+    a report it cannot read is a usage error (exit 2, one line)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.gate.compile_report",
+        description="Where a --compile-report run's time went: totals, files and tests.",
+    )
+    parser.add_argument("path", help="a file written by pytest --compile-report")
+    parser.add_argument("--top", type=int, default=10, help="files and tests shown (default: 10)")
+    args = parser.parse_args(argv)
+    if args.top < 1:
+        parser.error(f"--top {args.top}: expected >= 1")
+    try:
+        rows = read(args.path)
+    except OSError as error:
+        parser.error(f"{args.path}: cannot be read ({error.strerror})")
+    except ValueError as error:
+        parser.error(str(error))
+    print(summarise(args.path, rows, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -342,6 +342,13 @@ FIGURES: tuple[Figure, ...] = (
         r"forward --mesh tensor=8",
         r"^(posttrain: error: num_kv_heads=\d+ is not divisible by mesh axes tensor=8)$",
     ),
+    # docs/testing.md: the chip's committed compile report, read back
+    Figure(
+        "docs/testing.md",
+        r"harness\.gate\.compile_report reports/compile-tpu-v5e\.jsonl",
+        r"reports/compile-tpu-v5e\.jsonl: (\d+) tests, ([\d.]+) s; XLA compiles ([\d.]+) s"
+        r"\s+\((\d+) programs, (\d+) from the cache\)",
+    ),
     *_SCALE,
     *_BENCHMARKS,
     *_GRAD_BOUNDS,
