@@ -259,7 +259,12 @@ def test_the_command_line_prints_the_summary_and_keeps_a_lines_other_keys(tmp_pa
     ("text", "args", "says"),
     [
         (None, [], "nowhere.jsonl: cannot be read (No such file or directory)"),
-        ('{"test": "t"}\nnot json\n', [], ":1: expected a JSON object with test and wall_s"),
+        (
+            '{"test": "t"}\nnot json\n',
+            [],
+            ":1: expected a JSON object with test and wall_s, trace_s, lower_s, compile_s, "
+            'programs, cache_hits (a --compile-report line), got \'{"test": "t"}\'',
+        ),
         (None, ["--top", "0"], "--top 0: expected >= 1"),
     ],
     ids=["missing", "a-line-without-fields", "top-zero"],
@@ -272,7 +277,7 @@ def test_a_report_it_cannot_read_is_one_line_and_exit_2(tmp_path, capsys, text, 
         compile_report.main([str(path), *args])
     assert exit_.value.code == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert says in line
+    assert line.startswith("python -m harness.gate.compile_report: error: ") and says in line
 
 
 @pytest.mark.parametrize(
@@ -305,3 +310,21 @@ def test_a_line_that_is_no_report_line_is_refused_naming_it(tmp_path, bad, numbe
     with pytest.raises(ValueError, match=f"r.jsonl:{number}: expected a JSON object") as error:
         compile_report.read(path)
     assert repr(bad[:80]) in str(error.value)
+
+
+def test_the_command_lines_help_its_default_top_and_its_smallest(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exit_:
+        compile_report.main(["--help"])
+    assert exit_.value.code == 0
+    help_ = capsys.readouterr().out
+    assert help_.startswith("usage: python -m harness.gate.compile_report [-h] [--top TOP] path\n")
+    assert "Where a --compile-report run's time went: totals, files and tests." in help_
+    assert "a file written by pytest --compile-report" in help_
+    assert "files and tests shown (default: 10)" in help_
+    _, path = _report(tmp_path, [(f"tests/f{i}.py::t", i, 0, 0, 0, 0, 0) for i in range(12)])
+    assert compile_report.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "files by wall time (10 of 12):" in out and "tests by wall time (10 of 12):" in out
+    assert compile_report.main([str(path), "--top", "1"]) == 0
+    assert "files by wall time (1 of 12):" in capsys.readouterr().out
