@@ -218,9 +218,14 @@ def test_a_report_reads_back_as_its_totals_its_files_and_its_tests(tmp_path):
     files = compile_report.by_file(rows)
     assert list(files) == ["tests/b.py", "tests/a.py"]
     assert files["tests/a.py"] == {
-        "wall_s": 4.0, "trace_s": 0.2, "lower_s": 0.1, "compile_s": 1.5,
-        "programs": 3, "cache_hits": 1, "tests": 2,
-    }  # fmt: skip
+        "wall_s": 4.0,
+        "trace_s": 0.2,
+        "lower_s": 0.1,
+        "compile_s": 1.5,
+        "programs": 3,
+        "cache_hits": 1,
+        "tests": 2,
+    }
     totals = f"{path}: 3 tests, 9.0 s; XLA compiles 5.5 s (6 programs, 1 from the cache), "
     totals += "tracing 0.7 s, lowering 0.3 s"
     assert report.summary() == f"posttrain-harness: compile report {totals}"
@@ -237,8 +242,10 @@ def test_a_report_reads_back_as_its_totals_its_files_and_its_tests(tmp_path):
     assert shown[1] == "files by wall time (2 of 2):" and shown[5] == "tests by wall time (3 of 3):"
     assert [line.split()[-1] for line in shown[3:5]] == ["tests/b.py", "tests/a.py"]
     assert [line.split()[-1] for line in shown[7:]] == [
-        "tests/b.py::t2", "tests/a.py::t3", "tests/a.py::t1",
-    ]  # fmt: skip
+        "tests/b.py::t2",
+        "tests/a.py::t3",
+        "tests/a.py::t1",
+    ]
     assert shown[4] == "     4.0       1.5           0.3        3     1     2  tests/a.py"
 
 
