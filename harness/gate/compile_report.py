@@ -56,13 +56,9 @@ class CompileReport:
     def __init__(self, path: str | pathlib.Path) -> None:
         self.path = pathlib.Path(path)
         self._out = self.path.open("w", encoding="utf-8")
-        self._test = self._zero()
-        self.totals = self._zero()
+        self._test = _zero_sums()
+        self.totals = _zero_sums()
         self.tests = 0
-
-    @staticmethod
-    def _zero() -> dict[str, float]:
-        return _zero_sums()
 
     def on_duration(self, event: str, duration: float, **_kwargs) -> None:
         """A ``jax.monitoring`` duration listener."""
@@ -91,7 +87,7 @@ class CompileReport:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
         self.listen()
-        self._test = self._zero()
+        self._test = _zero_sums()
         start = time.perf_counter()
         yield
         self._test["wall_s"] = time.perf_counter() - start
