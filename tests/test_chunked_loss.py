@@ -250,31 +250,31 @@ def test_uncounted_costs_are_the_chunks_a_loop_counts_once():
     (2 with a frozen head, 3 trained) and bytes (the weights read twice, a trained head's
     float32 sum read and written, 4 or 5 passes over the chunk's float32 logits) over the
     devices that split rows and vocabulary."""
-    cfg = get_config("qwen3-0.6b")  # bfloat16 weights; 10 chunks of 205 positions here
+    cfg = get_config("qwen3-0.6b")  # bfloat16 weights; 8 chunks of 256 positions here
     rules = sharding.DEFAULT_RULES
     d, v = cfg.d_model, cfg.vocab_size
     trained = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=True)
     assert trained == (
-        9 * 3 * 2.0 * 4 * 205 * d * v,
-        9 * (2 * d * v * 2 + 8 * d * v + 20 * 4 * 205 * v),
+        7 * 3 * 2.0 * 4 * 256 * d * v,
+        7 * (2 * d * v * 2 + 8 * d * v + 20 * 4 * 256 * v),
     )
     frozen = chunked_loss.uncounted_costs(cfg, 4, 2048, {}, rules, head_trained=False)
-    assert frozen == (9 * 2 * 2.0 * 4 * 205 * d * v, 9 * (2 * d * v * 2 + 16 * 4 * 205 * v))
-    # fsdp=2, tensor=2: 2 rows and half the vocabulary a device, so 3 chunks of 683
+    assert frozen == (7 * 2 * 2.0 * 4 * 256 * d * v, 7 * (2 * d * v * 2 + 16 * 4 * 256 * v))
+    # fsdp=2, tensor=2: 2 rows and half the vocabulary a device, so 3 chunks of 683 -> 768
     split = chunked_loss.uncounted_costs(
         cfg, 4, 2048, {"fsdp": 2, "tensor": 2}, rules, head_trained=True
     )
-    assert split[0] == 2 * 3 * 2.0 * 2 * 683 * d * (v // 2)
-    # 3 rows over 2 devices: 2 rows on one (rounded up), so 5 chunks of 410
+    assert split[0] == 2 * 3 * 2.0 * 2 * 768 * d * (v // 2)
+    # 3 rows over 2 devices: 2 rows on one (rounded up), so 5 chunks of 410 -> 4 of 512
     odd = chunked_loss.uncounted_costs(cfg, 3, 2048, {"fsdp": 2}, rules, head_trained=True)
-    assert odd[0] == 4 * 3 * 2.0 * 2 * 410 * d * v
+    assert odd[0] == 3 * 3 * 2.0 * 2 * 512 * d * v
     # rules without activation_vocab (replicated) on tensor=2: 2 rows, the whole vocabulary
-    # (the default rules' half would make it 3 chunks of 683)
+    # (the default rules' half would make it 3 chunks of 768)
     whole = tuple(r for r in rules if r[0] != "activation_vocab")
     unsplit = chunked_loss.uncounted_costs(
         cfg, 4, 2048, {"tensor": 2, "fsdp": 2}, whole, head_trained=True
     )
-    assert unsplit[0] == 4 * 3 * 2.0 * 2 * 410 * d * v  # 5 chunks of 410
+    assert unsplit[0] == 3 * 3 * 2.0 * 2 * 512 * d * v  # 4 chunks of 512
     # tensor=3 does not divide the vocabulary: 50,646 entries on a device, 4 chunks of 512
     thirds = chunked_loss.uncounted_costs(cfg, 4, 2048, {"tensor": 3}, rules, head_trained=False)
     assert thirds[0] == 3 * 2 * 2.0 * 4 * 512 * d * 50_646
@@ -310,7 +310,13 @@ def test_images_reach_the_chunked_nll(tmp_path):
 @pytest.mark.parametrize(
     ("batch", "seq", "vocab", "chunk", "mesh", "want"),
     [
-        (4, 2048, 151_936, None, {}, 205),  # 220 fit in 512 MiB: 10 chunks of 205, not 220
+        (4, 2048, 151_936, None, {}, 256),  # 220 fit in 512 MiB: 10 of 205 -> 8 of 256 (TILE)
+        (4, 1024, 151_936, None, {}, 256),  # 5 of 205 -> 4 of 256 (the v5e's 83 s compile)
+        (4, 4096, 223_696, None, {}, 128),  # 150 fit: 28 of 147 -> the nearest tile, 128
+        (4, 4096, 151_936, None, {"context": 3}, 384),  # 660 fit: 7 of 588 -> 11 of lcm(128, 3)
+        (4, 2048, 151_936, None, {"fsdp": 2, "tensor": 2}, 768),  # 3 of 683: 3 of 768, not 4 of 640
+        (4, 127, 151_936, None, {}, 127),  # one chunk: the whole sequence, not a tile
+        (4, 300, 264, None, {}, 300),  # one chunk of 300, not rounded to 384
         (4, 2048, 151_936, 2048, {}, 2048),
         (4, 2048, 151_936, 4096, {}, 2048),  # never more than the sequence
         (4, 17, 264, 5, {}, 5),
@@ -326,7 +332,9 @@ def test_images_reach_the_chunked_nll(tmp_path):
 )
 def test_chunk_length(batch, seq, vocab, chunk, mesh, want):
     """Default: the positions whose float32 logits fit in 512 MiB on one device; evened
-    out over the chunks it takes; a multiple of the axes sharding the sequence."""
+    out over the chunks it takes; a multiple of the axes sharding the sequence; from 128
+    positions up, the multiple of 128 and of those axes below or above it that pads least,
+    else the nearer."""
     got = chunked_loss.chunk_length(batch, seq, vocab, chunk, mesh_shape=mesh)
     assert got == want and type(got) is int  # a reshape's dimension
 
@@ -375,3 +383,26 @@ def test_the_compiled_step_holds_far_less_than_the_full_logits():
     assert full >= logits
     assert chunked < TEMP_RATIO * full, (chunked, full)
     assert chunked < TEMP_RATIO * logits, (chunked, logits)
+
+
+@pytest.mark.parametrize(
+    ("options", "logits"),
+    [({}, "[2,16,"), ({"chunked": False}, "[2,16,"), ({"logit_chunk": 4}, "[2,4,")],
+)
+def test_a_trainers_loss_options_reach_its_objective(options, logits):
+    """``SFTStep.loss_options`` (``benchmarks/sft_step.py --logit-chunk``) reach
+    ``sft_terms``: the objective's jaxpr has the chunked loss's scan unless they ask for
+    the full logits, and its float32 logits are a chunk's (4 positions) when they set one."""
+    from posttrain.training.step import SFTStep
+
+    cfg = get_config("qwen3-tiny")
+    model = model_with_path_values(cfg)
+    fields = {"loss_options": options, "moe_aux_loss_weight": 0.0, "grad_accum_steps": 1}
+    step = type("Step", (SFTStep,), fields)()
+    jaxpr = jax.make_jaxpr(lambda b: step._objective(model, b)[0])(batch_of(cfg, seq=16))
+    eqns = list(chunked_loss.equations(jaxpr.jaxpr))
+    assert any(e.primitive.name == "scan" for e in eqns) == options.get("chunked", True)
+    shapes = {str(v.aval) for e in eqns for v in e.outvars}
+    assert f"float32{logits}{cfg.vocab_size}]" in shapes, sorted(shapes)
+    if logits == "[2,4,":
+        assert f"float32[2,16,{cfg.vocab_size}]" not in shapes

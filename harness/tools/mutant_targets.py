@@ -175,6 +175,8 @@ TARGETS: dict[str, list[str]] = {
         "tests/test_sft_run.py::test_lora_run_checkpoints_only_the_adapters",
         "tests/test_sft_run.py::test_non_finite_weights_are_never_checkpointed",
         "tests/test_donation.py",
+        # SFTStep.loss_options reaching sft_terms (the loss's form, #55)
+        "tests/test_chunked_loss.py::test_a_trainers_loss_options_reach_its_objective",
     ],
     # reading Tunix's step convention and donation from its source, binding our jitted step
     # as Tunix bound its own (#55): the detector's tests, the donation's, every convention

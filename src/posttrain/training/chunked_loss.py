@@ -42,6 +42,7 @@ reassociation (the sum's order, and the head gradient's per-chunk partial sums).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +50,20 @@ from flax import nnx
 
 from posttrain import sharding
 
+TILE = 128
+"""A default chunk's length is a multiple of this many positions (when its budget is at
+least that many, :func:`chunk_length`): a chunk of 205 positions (4 x 1024 tokens of qwen3-0.6b
+under :data:`LOGIT_CHUNK_BYTES`, 5 chunks) made a v5e compile the full fine-tuning step in
+83 s against 13-16 s for chunks of 256, 512 or 1024 and for the full logits, and ran it
+7.5% slower than the full logits (256: 2.7%; docs/benchmarks.md)."""
+
 LOGIT_CHUNK_BYTES = 512 * 2**20
 """Default size of one chunk's float32 logits on one device: 512 MiB, 882 tokens of qwen3-0.6b's
-151,936-entry vocabulary (batch 4 on one chip: 10 chunks of 205 positions of a 2048-token
-row). Fewer tokens a chunk leave its gradients bound by memory on a v5e: each chunk reads the
-head's weights twice and its float32 gradient sum once and writes it once (12 bytes per
-weight in bfloat16), which its 3 matmuls take as long to compute at ~480 tokens (197
-TFLOP/s, 819 GB/s)."""
+151,936-entry vocabulary (batch 4 on one chip: 220 positions of a row, so 8 chunks of 256
+positions of a 2048-token row, :data:`TILE`). Fewer tokens a chunk leave its gradients
+bound by memory on a v5e: each chunk reads the head's weights twice and its float32
+gradient sum once and writes it once (12 bytes per weight in bfloat16), which its 3
+matmuls take as long to compute at ~480 tokens (197 TFLOP/s, 819 GB/s)."""
 
 
 def _shards(mesh_shape: dict, rules: sharding.Rules) -> tuple[int, int, int]:
@@ -78,14 +86,16 @@ def chunk_length(
 ) -> int:
     """Positions per chunk of a ``[batch, seq]`` batch's logits.
 
-    ``chunk`` (default: as many positions as keep one chunk's float32 logits on one device
-    within :data:`LOGIT_CHUNK_BYTES`, the rows and vocabulary divided by the mesh axes that
-    shard them) caps it; the count of chunks that takes is then evened out (``seq`` 2048,
-    chunk 220: 10 chunks of 205, 2 padded positions, not 9 of 220 and a 68), and the length
-    rounded up to a multiple of the mesh axes sharding the sequence (a chunk's
-    ``activation_length`` must divide by them). The mesh and rules: ``mesh_shape`` and
-    ``rules`` when given, else the current :func:`posttrain.sharding.use_mesh`'s (none: one
-    device).
+    ``chunk`` caps it; the count of chunks that takes is then evened out (``seq`` 16, chunk
+    5: 4 chunks of 4, not 3 of 5 and a 1), and the length rounded up to a multiple of the
+    mesh axes sharding the sequence (a chunk's ``activation_length`` must divide by them).
+    The default: as many positions as keep one chunk's float32 logits on one device within
+    :data:`LOGIT_CHUNK_BYTES` (the rows and vocabulary divided by the mesh axes that shard
+    them), evened out the same way, then, from :data:`TILE` positions up, the multiple of
+    ``TILE`` and of those axes just below or above it whose chunks pad the sequence least,
+    else the nearer (``seq`` 2048, 220 positions fit: 8 chunks of 256, not 10 of 205; 683:
+    3 of 768, not 4 of 640). The mesh and rules: ``mesh_shape`` and ``rules`` when
+    given, else the current :func:`posttrain.sharding.use_mesh`'s (none: one device).
 
     Raises:
       ValueError: ``chunk`` is not a positive integer.
@@ -98,13 +108,20 @@ def chunk_length(
     if rules is None:
         rules = sharding.DEFAULT_RULES if ctx is None else ctx.rules
     rows, split, columns = _shards(mesh_shape, rules)
-    if chunk is None:
+    default = chunk is None
+    if default:
         chunk = split * max(
             1, LOGIT_CHUNK_BYTES // (4 * -(-batch // rows) * -(-vocab_size // columns))
         )
     count = -(-seq // min(chunk, seq))
     length = -(-seq // count)  # evened out: fewer than `count` padded positions
-    return -(-length // split) * split
+    length = -(-length // split) * split
+    quantum = math.lcm(TILE, split)
+    if default and quantum <= length < seq:
+        below = length // quantum * quantum
+        # the tile multiple next to it that pads the sequence least, then the nearer one
+        length = min((below, below + quantum), key=lambda n: (-(-seq // n) * n, abs(n - length)))
+    return length
 
 
 def uncounted_costs(

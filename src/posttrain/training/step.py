@@ -53,6 +53,9 @@ A module the trainer holds that keeps one of the model's arrays in a Variable of
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -100,13 +103,17 @@ class SFTStep:
     """
 
     reported_sum = "nll_sum"  # the term whose per-target-token mean is the reported loss
+    loss_options: Mapping[str, object] = MappingProxyType({})
+    """Keywords of :func:`posttrain.training.loss.sft_terms` in the SFT objective: the
+    loss's form (``chunked``, ``logit_chunk``) for a subclass to choose
+    (``benchmarks/sft_step.py --logit-chunk``); none: the default (chunked)."""
 
     def _objective(self, model, inputs):
         """``(this micro-step's objective, the forward terms)`` for ``model``
         (the merged, differentiable model): :func:`posttrain.training.loss.step_objective`,
         MoE load-balancing term included. Other trainers (DPO) override this and
         :meth:`_report`; the step around them is shared."""
-        terms = sft_loss.sft_terms(model, **inputs)
+        terms = sft_loss.sft_terms(model, **inputs, **self.loss_options)
         objective = sft_loss.step_objective(
             terms,
             inputs.get("step_target_tokens"),
