@@ -65,10 +65,11 @@ def _turns(args, mesh, batch, student_cfg, teacher) -> dict:
     )
     config = tunix_distill.config_class()(eval_every_n_steps=10**9, max_steps=10**9)
     options = SFTOptions(mesh=mesh)
-    student = build_model(student_cfg, mesh, seed=0)
+    # host_init: a TPU compiles a large model's initialiser for minutes; the CPU's is quick
+    student = build_model(student_cfg, mesh, seed=0, host_init=True)
     sft = SFTTrainer(student, optax.adamw(1e-4), config, options=options)
     distill = distill_trainer_class()(
-        build_model(student_cfg, mesh, seed=0),
+        build_model(student_cfg, mesh, seed=0, host_init=True),
         teacher,
         strategy,
         optax.adamw(1e-4),
@@ -126,7 +127,9 @@ def main(argv=None) -> int:
     student_cfg = get_config(args.student)
     if args.student_layers:
         student_cfg = shallower(student_cfg, args.student_layers)
-    teacher = cast_params(build_model(get_config(args.teacher), mesh, seed=1), args.teacher_dtype)
+    teacher = cast_params(
+        build_model(get_config(args.teacher), mesh, seed=1, host_init=True), args.teacher_dtype
+    )
     with sharding.use_mesh(mesh):
         turns = _turns(args, mesh, batch, student_cfg, teacher)
         blocking = {n: lambda t=t: jax.block_until_ready(t()) for n, t in turns.items()}

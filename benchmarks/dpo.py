@@ -145,13 +145,14 @@ def _trainers(cfg, mesh):
         )
 
     with sharding.use_mesh(mesh):
-        policy = TunixPolicy(build_model(cfg, mesh, seed=0))
+        # host_init: a TPU compiles a large model's initialiser for minutes; the CPU's is quick
+        policy = TunixPolicy(build_model(cfg, mesh, seed=0, host_init=True))
         options = SFTOptions(mesh=mesh)
         ours = DPOTrainer(
             policy, reference_of(policy), optax.adamw(1e-4), dpo_config(), options=options
         )
         sft = SFTTrainer(
-            build_model(cfg, mesh, seed=0),
+            build_model(cfg, mesh, seed=0, host_init=True),
             optax.adamw(1e-4),
             peft_trainer.TrainingConfig(**peft),
             options=options,
