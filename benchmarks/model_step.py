@@ -5,8 +5,10 @@ Usage::
     python benchmarks/model_step.py [--family qwen3|qwen3_moe] [--repeats 15]
         [--d-model 256 --num-layers 4 --num-heads 8 --num-kv-heads 4 --head-dim 32
          --d-ff 768 --batch 8 --seq 256] [--hlo DIR] [--attention-kernel xla|splash]
+        [--dtype float32|bfloat16]
 
-One CPU device, float32, no optimizer: forward + cross-entropy + backward (``jax.grad``
+One CPU device, float32 (``--dtype bfloat16``: both models' parameters and activations, as
+qwen3-0.6b trains), no optimizer: forward + cross-entropy + backward (``jax.grad``
 of the mean token loss), and forward only, for our ``CausalLM`` and Tunix's
 ``tunix.models.qwen3`` model built with equal dimensions (the parameter counts are
 asserted equal). Both are called with Tunix's convention (tokens, positions, no cache, a
@@ -62,6 +64,12 @@ def _args(argv):
     parser.add_argument(
         "--ops", action="store_true", help="list each step's costliest ops from its profile"
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="both models' parameter and activation dtype",
+    )
     return parser.parse_args(argv)
 
 
@@ -89,6 +97,8 @@ def configs(args):
         norm_eps=1e-6,
         tie_word_embeddings=not moe,
         attention_kernel=args.attention_kernel,
+        dtype=args.dtype,
+        param_dtype=args.dtype,
         **(
             {
                 "moe": MoEConfig(
@@ -176,7 +186,8 @@ def _report(args, times: dict, n: int, flops: float, params: int) -> None:
     mm_rate = 2 * n**3 / times["matmul"]
     device = jax.devices()[0].device_kind
     print(
-        f"{args.family}: {params:,} parameters, batch {args.batch} x {args.seq}, 1 {device}, fp32"
+        f"{args.family}: {params:,} parameters, batch {args.batch} x {args.seq}, 1 {device}, "
+        f"{args.dtype}"
     )
     for label, a, b in (("step (fwd+bwd)", "ours", "tunix"), ("forward", "ours_fwd", "tunix_fwd")):
         ms_a, ms_b = times[a] * 1e3, times[b] * 1e3
@@ -247,7 +258,7 @@ def main(argv=None) -> int:
     theirs_step, theirs_fwd, theirs_exe = steps(theirs, tokens, positions, mask)
     flops = model_flops(ours_cfg, args.batch, args.seq)
     n = max(64, int(round((flops / 2) ** (1 / 3) / 64)) * 64)  # an n^3 matmul of ~ the step's FLOPs
-    a = jnp.asarray(rng.standard_normal((n, n)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((n, n)), args.dtype)  # the models' dtype
     matmul = jax.jit(lambda x: x @ x)
     times = _interleaved(
         {
