@@ -4,6 +4,7 @@ and gradients, and the compiled step holds far less than the full logits (issue 
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import jax
@@ -11,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given
+from hypothesis import strategies as st
 
 from posttrain import sharding
 from posttrain.lora import LoraConfig, apply_lora
@@ -337,6 +340,24 @@ def test_chunk_length(batch, seq, vocab, chunk, mesh, want):
     else the nearer."""
     got = chunked_loss.chunk_length(batch, seq, vocab, chunk, mesh_shape=mesh)
     assert got == want and type(got) is int  # a reshape's dimension
+
+
+@given(
+    batch=st.integers(1, 64),
+    seq=st.integers(1, 16_384),
+    vocab=st.integers(1_000, 300_000),
+    context=st.sampled_from([1, 2, 3, 4, 8]),
+)
+def test_a_default_chunk_is_tiled_and_pads_less_than_a_chunk(batch, seq, vocab, context):
+    """Any default chunk: a multiple of the axes sharding the sequence; from 128 positions
+    up, either the whole sequence or a multiple of 128 and of those axes; its padding under
+    one chunk."""
+    length = chunked_loss.chunk_length(batch, seq, vocab, mesh_shape={"context": context})
+    count = -(-seq // length)
+    assert length % context == 0
+    if math.lcm(128, context) <= length < seq:
+        assert length % math.lcm(128, context) == 0
+    assert count * length - seq < length
 
 
 @pytest.mark.devices(2)
