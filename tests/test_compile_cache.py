@@ -13,6 +13,7 @@ import pytest
 
 from harness.devices import compile_cache
 from harness.devices.devices import suite_env
+from tests.cli_help import help_text
 
 pytestmark = pytest.mark.host
 
@@ -93,10 +94,7 @@ def test_the_command_prunes_a_directory_and_refuses_a_negative_size(
     assert compile_cache.main([str(tmp_path), "--max-bytes", "0"]) == 0  # empties it
     assert capsys.readouterr().out.endswith(": removed 1 least recently used entries\n")
     kept = _entry(tmp_path, "jit_b-02", 100, T0 + 2)
-    with pytest.raises(SystemExit) as exit_:
-        compile_cache.main(["--help"])
-    assert exit_.value.code == 0
-    help_ = capsys.readouterr().out
+    help_ = help_text(compile_cache.main, capsys)
     assert help_.startswith("usage: python -m harness.devices.compile_cache [-h]")
     assert "Prune JAX's persistent compilation cache to a size, least recently used first." in help_
     assert "default: 2147483648" in help_

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from harness.gate import compile_report
+from tests.cli_help import help_text
 
 pytestmark = pytest.mark.host
 
@@ -321,10 +322,7 @@ def test_a_line_that_is_no_report_line_is_refused_naming_it(tmp_path, bad, numbe
 
 def test_the_command_lines_help_its_default_top_and_its_smallest(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    with pytest.raises(SystemExit) as exit_:
-        compile_report.main(["--help"])
-    assert exit_.value.code == 0
-    help_ = capsys.readouterr().out
+    help_ = help_text(compile_report.main, capsys)
     assert help_.startswith("usage: python -m harness.gate.compile_report [-h] [--top TOP] path\n")
     assert "Where a --compile-report run's time went: totals, files and tests." in help_
     assert "a file written by pytest --compile-report" in help_

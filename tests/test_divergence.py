@@ -15,6 +15,7 @@ import pytest
 from harness.gate import chip_precision
 from harness.tools import divergence as dv
 from tests import divergence_cases
+from tests.cli_help import help_text
 
 # CPU against CPU by design: on a chip the command itself is the check (docs/testing.md)
 pytestmark = pytest.mark.host
@@ -332,10 +333,7 @@ def test_the_command_prints_twelve_rows_unless_told(monkeypatch, capsys, top, sh
 
 def test_the_help_says_each_option(capsys):
     """``--help``: the module's description and each option's help."""
-    with pytest.raises(SystemExit) as exited:
-        dv.main(["--help"])
-    assert exited.value.code == 0
-    text = " ".join(capsys.readouterr().out.split())
+    text = " ".join(help_text(dv.main, capsys).split())
     assert "Where a computation's float32 error enters:" in text
     assert text.endswith(
         "--case CASE dpo-loss, gemma4-routing, forward:PRESET "

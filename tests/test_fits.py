@@ -14,6 +14,7 @@ import pytest
 from harness.matrix import entries
 from harness.report import fits, html, markdown, report
 from posttrain.plan import topology
+from tests.cli_help import help_text
 
 pytestmark = pytest.mark.host
 
@@ -281,10 +282,7 @@ def test_main_without_only_plans_every_seed_into_reports(tmp_path, monkeypatch, 
     assert [r["name"] for r in fits.load(tmp_path / "reports")] == calls
     assert fits.main(["--only", calls[0], "--report-dir", "weekly/fits"]) == 0
     assert [r["name"] for r in fits.load(tmp_path / "weekly" / "fits")] == calls[:1]
-    with pytest.raises(SystemExit) as e:
-        fits.main(["--help"])
-    assert e.value.code == 0
-    out = capsys.readouterr().out
+    out = help_text(fits.main, capsys)
     assert "usage: python -m harness.report.fits" in out and "a seed name (repeatable)" in out
     # the docstring's first line only
     assert 'The matrix report\'s "fits" section' in out and "Row (JSON object)" not in out
