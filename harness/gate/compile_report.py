@@ -168,6 +168,12 @@ def _zero_sums() -> dict[str, float]:
     return dict.fromkeys(FIELDS, 0.0)
 
 
+def _add(sums: dict[str, float], row: dict) -> None:
+    """``row``'s :data:`FIELDS` added into ``sums``."""
+    for field in FIELDS:
+        sums[field] += row[field]
+
+
 def _is_number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
@@ -178,8 +184,7 @@ def by_file(rows: list[dict]) -> dict[str, dict[str, float]]:
     files: dict[str, dict[str, float]] = {}
     for row in rows:
         sums = files.setdefault(row["test"].split("::")[0], {**_zero_sums(), "tests": 0})
-        for field in FIELDS:
-            sums[field] += row[field]
+        _add(sums, row)
         sums["tests"] += 1
     return dict(sorted(files.items(), key=lambda item: -item[1]["wall_s"]))
 
@@ -189,8 +194,7 @@ def summarise(path, rows: list[dict], top: int) -> str:
     wall, XLA compile and tracing + lowering seconds, programs and cache hits."""
     totals = _zero_sums()
     for row in rows:
-        for field in FIELDS:
-            totals[field] += row[field]
+        _add(totals, row)
     files = by_file(rows)
     head = f"{'wall_s':>8} {'compile_s':>9} {'trace+lower_s':>13} {'programs':>8} {'hits':>5}"
     out = [totals_line(path, len(rows), totals)]
