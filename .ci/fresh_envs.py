@@ -4,7 +4,7 @@ The README's first command runs `uv run posttrain-harness matrix`: an environmen
 only the base dependencies. A development environment (every extra and group) hides an
 import that only an extra or a transitive dependency provides; this does not.
 
-For each set (base alone, then base + each extra): a new `uv venv`, `uv pip install
+For each set (base alone, and base + each extra; the sets side by side): a new `uv venv`, `uv pip install
 .[extra]`, then in it
   1. the set's entry points (the commands below) must exit 0;
   2. every module of `posttrain` and `harness` is imported: it must import, or fail with
@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,7 +146,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="fresh-envs-") as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
-        problems = [p for extra in args.extras for p in check(extra, where, uv)]
+        # One thread per set: each waits on its own uv and interpreters, so the sets'
+        # installs and import probes share the cores instead of taking turns.
+        with ThreadPoolExecutor(max_workers=max(1, len(args.extras))) as pool:
+            found_by_set = pool.map(lambda extra: check(extra, where, uv), args.extras)
+            problems = [p for found in found_by_set for p in found]
     for line in problems:
         print(f"fresh-envs: {line}", file=sys.stderr)
     print(
