@@ -4,8 +4,8 @@ The README's first command runs `uv run posttrain-harness matrix`: an environmen
 only the base dependencies. A development environment (every extra and group) hides an
 import that only an extra or a transitive dependency provides; this does not.
 
-For each set (base alone, and base + each extra; the sets side by side): a new `uv venv`, `uv pip install
-.[extra]`, then in it
+For each set (base alone, and base + each extra; the sets side by side): a new `uv venv`,
+`uv pip install .[extra]`, then in it
   1. the set's entry points (the commands below) must exit 0;
   2. every module of `posttrain` and `harness` is imported: it must import, or fail with
      ModuleNotFoundError for a module that a *declared* extra provides (the module then
