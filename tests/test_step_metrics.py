@@ -29,20 +29,24 @@ def _timed(state: jax.Array) -> float:
 
 
 def test_step_time_is_measured_when_the_results_are_ready(tmp_path):
-    """Steps dispatched back to back: every logged step time but the first is at least
-    most of one step's device time (dispatch alone takes ~0.03 ms of it)."""
+    """Steps dispatched back to back: the logged step times (all but the first) are, at
+    their median, most of one step's device time (dispatch alone takes ~0.03 ms of it).
+
+    The median, not each: a host thread that sees one step's results late (a loaded
+    machine's scheduler) sees the next step's soon after, and that one interval is short
+    (0.9 ms against a 65 ms step once, in a gate beside other runs)."""
     metrics = StepMetrics(1, metrics_path=tmp_path / "metrics.jsonl")
     state = jnp.full((512, 512), 1e-3, jnp.float32)
     jax.block_until_ready(slow_step(state))  # compiled before the timed steps
     step_seconds = min(_timed(state) for _ in range(2))
-    for step in range(1, 5):
+    for step in range(1, 8):
         state, aux = slow_step(state)  # returns at dispatch
         metrics.add(aux, step)
     metrics.flush()
     times = [r["step_time_s"] for r in metrics.history]
     assert times[0] is None
     # a quarter: room for a loaded machine; timed at dispatch, they read ~1e-3 of it
-    assert min(times[1:]) >= 0.25 * step_seconds, (times, step_seconds)
+    assert np.median(times[1:]) >= 0.25 * step_seconds, (times, step_seconds)
     np.testing.assert_allclose(
         [r["tokens_per_s"] for r in metrics.history[1:]], [1 / t for t in times[1:]]
     )
