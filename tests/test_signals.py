@@ -114,7 +114,9 @@ LONG_C_CALL = textwrap.dedent(
     import sys
     from posttrain import signals
 
-    with signals.interrupts(immediate=sys.argv[1] == "immediate"):
+    mode = sys.argv[1]
+    grace = {"grace": 1.0}.get(mode, signals.GRACE_S)
+    with signals.interrupts(immediate=mode == "immediate", grace=grace):
         print("running", flush=True)
         # a minute in C, like generate's decode loop in XLA: no Python handler runs
         hashlib.pbkdf2_hmac("sha256", b"x", b"y", 50_000_000)
@@ -122,14 +124,13 @@ LONG_C_CALL = textwrap.dedent(
 )
 
 
-def test_immediate_exits_at_once_on_sigterm_inside_a_long_c_call(tmp_path):
-    """With ``immediate`` (``posttrain generate``) the process is gone within seconds of
-    SIGTERM although the main thread is inside a long C call (generate: XLA's decode
-    loop), with the one line and 143; without, it would wait for the call to end."""
+def _sigterm_inside_a_long_c_call(tmp_path, mode: str) -> tuple[int, str, float]:
+    """Runs :data:`LONG_C_CALL` in ``mode``, sends SIGTERM once it runs; ``(exit status,
+    stderr, seconds from the signal to the exit)``."""
     script = tmp_path / "long.py"
     script.write_text(LONG_C_CALL)
     with subprocess.Popen(
-        [sys.executable, str(script), "immediate"],
+        [sys.executable, str(script), mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=ENV,
@@ -145,9 +146,27 @@ def test_immediate_exits_at_once_on_sigterm_inside_a_long_c_call(tmp_path):
         finally:
             proc.kill()
             proc.wait()
-        err = proc.stderr.read()
+        return status, proc.stderr.read(), waited
+
+
+def test_immediate_exits_at_once_on_sigterm_inside_a_long_c_call(tmp_path):
+    """With ``immediate`` (``posttrain generate``) the process is gone within seconds of
+    SIGTERM although the main thread is inside a long C call (generate: XLA's decode
+    loop), with the one line and 143; without, it would wait for the call to end."""
+    status, err, waited = _sigterm_inside_a_long_c_call(tmp_path, "immediate")
     assert (status, err) == (143, "posttrain: interrupted (SIGTERM)\n")
     assert waited < 5, waited
+
+
+def test_a_command_that_does_not_unwind_ends_after_the_grace_with_its_status(tmp_path):
+    """Without ``immediate`` (the training commands) a main thread stuck in native code
+    (the long C call here; a collective that deadlocked on fake CPU devices in the
+    matrix's GRPO run) cannot run the handler: the watchdog ends the process ``grace``
+    seconds after SIGTERM, with one line that says no clean-up ran, and 143."""
+    status, err, waited = _sigterm_inside_a_long_c_call(tmp_path, "grace")
+    line = "posttrain: interrupted (SIGTERM; no clean-up: still running 1 s after it)\n"
+    assert (status, err) == (143, line)
+    assert 1 <= waited < 6, waited
 
 
 @pytest.mark.devices(8)

@@ -15,7 +15,11 @@ once the main thread unwound. With ``immediate=True`` a watchdog thread, woken b
 signal's byte on the wakeup fd (:func:`signal.set_wakeup_fd`, written from the C-level
 handler at once), prints the line and ends the process with ``os._exit``: for commands
 that write only through atomic renames (a temporary left behind is swept by the next
-writer, :mod:`posttrain.atomic`).
+writer, :mod:`posttrain.atomic`). Without it (the training commands, which unwind to
+abandon Orbax's saves) the same watchdog waits :data:`GRACE_S` for the main thread to
+unwind, then ends the process with the line and the same status: a main thread blocked
+in native code that never returns (a collective that deadlocked on fake CPU devices, seen
+in the matrix's GRPO run) no longer ignores SIGTERM until SIGKILL.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from collections.abc import Iterator
 #: The exit status of each signal (128 + its number, as a shell reports it).
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
+#: Seconds an interrupted command (not ``immediate``) has to unwind before the watchdog
+#: ends the process without its clean-up.
+GRACE_S = 30.0
+
 
 def quiet() -> None:
     """Silences what reports the abandoned work of an interrupted command: the ``absl``
@@ -38,17 +46,20 @@ def quiet() -> None:
     threading.excepthook = lambda args: None
 
 
-def line(name: str, prog: str = "posttrain") -> str:
-    """The one line an interrupted command prints (``prog``: ``posttrain-harness``)."""
-    return f"{prog}: interrupted ({name})"
+def line(name: str, prog: str = "posttrain", detail: str = "") -> str:
+    """The one line an interrupted command prints (``prog``: ``posttrain-harness``;
+    ``detail``: after the signal's name, inside the parentheses)."""
+    return f"{prog}: interrupted ({name}{detail})"
 
 
 @contextlib.contextmanager
-def interrupts(*, immediate: bool = False) -> Iterator[None]:
+def interrupts(*, immediate: bool = False, grace: float = GRACE_S) -> Iterator[None]:
     """SIGINT / SIGTERM raise ``KeyboardInterrupt(name)`` in the main thread after
-    :func:`quiet`; with ``immediate`` a watchdog exits the process at once instead (see
-    the module docstring). Outside the main thread: nothing changes. A SIGINT the parent
-    made the process ignore (a shell's background job) stays ignored."""
+    :func:`quiet`; with ``immediate`` a watchdog exits the process at once instead, and
+    without it the watchdog exits ``grace`` seconds after the signal if the main thread
+    has not left this context by then (see the module docstring). Outside the main
+    thread: nothing changes. A SIGINT the parent made the process ignore (a shell's
+    background job) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -60,33 +71,38 @@ def interrupts(*, immediate: bool = False) -> Iterator[None]:
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt)}
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
-    stop = _watchdog(set(previous)) if immediate else None
+    stop = _watchdog(set(previous), 0.0 if immediate else grace)
     try:
         yield
     finally:
-        if stop is not None:
-            stop()
+        stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
-def _watchdog(signums: set[int]):
-    """Starts the thread that exits at the first of ``signums``; returns its stop."""
+def _watchdog(signums: set[int], delay: float):
+    """Starts the thread that exits ``delay`` seconds after the first of ``signums``
+    unless its stop was called by then; returns its stop."""
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     old = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    stopped = threading.Event()
 
     def watch() -> None:
         while data := os.read(read_end, 1):
             if data[0] in signums:
+                if delay and stopped.wait(delay):
+                    return  # the main thread unwound in time
                 name = signal.Signals(data[0]).name
-                os.write(2, (line(name) + "\n").encode())
+                late = f"; no clean-up: still running {delay:g} s after it" if delay else ""
+                os.write(2, (line(name, detail=late) + "\n").encode())
                 os._exit(EXIT_CODES[name])
 
     thread = threading.Thread(target=watch, name="posttrain-interrupt", daemon=True)
     thread.start()
 
     def stop() -> None:
+        stopped.set()
         signal.set_wakeup_fd(old)
         os.close(write_end)  # the watcher reads EOF and returns
         thread.join()
