@@ -19,7 +19,14 @@ from posttrain import signals
 
 pytestmark = pytest.mark.host
 
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of a subprocess test, read when it starts (a mutation run sets its
+    mutant's variable after collection), importing the `posttrain` this process imported
+    (a mutation run's copy too)."""
+    here = os.path.dirname(os.path.dirname(signals.__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
 
 
 @pytest.fixture
@@ -124,6 +131,29 @@ LONG_C_CALL = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize(
+    ("immediate", "detail"),
+    [(True, ""), (False, "; no clean-up: still running 0.3 s after it")],
+)
+def test_the_watchdog_exits_while_the_main_thread_is_in_a_c_call(
+    restored_quiet, monkeypatch, capfd, immediate, detail
+):
+    """In this process, ``os._exit`` recorded instead: SIGTERM while the main thread is
+    in a C call (no Python handler runs until it returns); the watchdog prints the line
+    and exits with 143 at once (``immediate``) or after the grace (0.3 s here), then the
+    handler raises when the call returns."""
+    import hashlib
+
+    exits = []
+    monkeypatch.setattr(signals.os, "_exit", exits.append)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    grace = signals.interrupts(immediate=immediate, grace=0.3)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"), grace:
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 3_000_000)  # about 2 s in C
+    assert exits == [143]
+    assert capfd.readouterr().err == f"posttrain: interrupted (SIGTERM{detail})\n"
+
+
 def _sigterm_inside_a_long_c_call(tmp_path, mode: str) -> tuple[int, str, float]:
     """Runs :data:`LONG_C_CALL` in ``mode``, sends SIGTERM once it runs; ``(exit status,
     stderr, seconds from the signal to the exit)``."""
@@ -133,7 +163,7 @@ def _sigterm_inside_a_long_c_call(tmp_path, mode: str) -> tuple[int, str, float]
         [sys.executable, str(script), mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=ENV,
+        env=subprocess_env(),
         text=True,
     ) as proc:
         try:
