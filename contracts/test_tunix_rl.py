@@ -463,3 +463,48 @@ def test_an_accumulated_grpo_update_equals_one_large_batch(tmp_path):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
     with pytest.raises(ValueError, match=r"^grad_accum=2 \(--grad-accum\): .* per micro-batch"):
         run._check_accumulation(GRPORunConfig(per_device_batch_size=2, grad_accum=2), mesh)
+
+
+@pytest.mark.contract("tunix.rl GRPO run over our policy")
+@pytest.mark.devices(8)
+def test_the_actors_optimizer_is_ours_to_place_and_tunix_never_constrains_it_eagerly(
+    tmp_path, monkeypatch
+):
+    """One process on 8 fake devices: when the learner is built, every array of the
+    actor's optimizer state is on a named sharding over the 8 devices, and the release's
+    ``PeftTrainer._shard_optimizer`` (an eager ``jax.lax.with_sharding_constraint`` of the
+    whole state, which ``jit_train_and_eval_step`` calls under the RL cluster's ``with
+    mesh:``; 0.1.5+) is a no-op (``tunix_cluster.place_actor_optimizer``). Dispatched leaf
+    by leaf, its all-gathers in flight together once left XLA:CPU's executor with no
+    thread for the last device (the README's matrix hung in its GRPO cell, 2026-12-07),
+    and the train step compiled twice (once after). Pinned: the release reaches that
+    constraint only through the attribute we replace."""
+    from jax.sharding import NamedSharding
+
+    from posttrain.rl.options import GRPORunConfig
+    from tests import landing
+
+    cfg = GRPORunConfig(
+        steps=2,
+        warmup_steps=0,
+        per_device_batch_size=1,
+        num_generations=2,
+        max_new_tokens=3,
+        eval_samples=0,
+        output=str(tmp_path / "run"),
+    )
+    seen = landing.capture("grpo", cfg, monkeypatch)
+    assert seen.error is None, seen.error
+    trainer = seen.learner.rl_cluster.actor_trainer
+    if hasattr(type(trainer), "_shard_optimizer"):
+        source = inspect.getsource(type(trainer).jit_train_and_eval_step)
+        assert "self._shard_optimizer(" in source
+    leaves = jax.tree.leaves(nnx.state(trainer.optimizer))
+    assert leaves
+    for leaf in leaves:
+        assert isinstance(leaf.sharding, NamedSharding), leaf.sharding
+        assert leaf.sharding.mesh.devices.size == 8
+    eager = []
+    monkeypatch.setattr(jax.lax, "with_sharding_constraint", lambda x, s: eager.append(s) or x)
+    trainer._shard_optimizer(leaves[0].sharding.mesh)
+    assert eager == []

@@ -435,32 +435,3 @@ def test_a_steps_record_takes_its_rollout_figures_from_the_step_before():
     second = step_record(2, records[2], {}, tap)
     assert (first["completions/mean_length"], first["loss"], first["kl"]) == (3.0, 0.5, 0.1)
     assert (second["completions/mean_length"], second["loss"]) == (5.0, 0.4)
-
-
-@pytest.mark.devices(8)
-def test_the_actors_optimizer_is_on_the_mesh_and_tunix_never_constrains_it_eagerly(
-    tmp_path, monkeypatch
-):
-    """One process on 8 fake devices: when the learner is built, every array of the
-    actor's optimizer state is on a named sharding over the 8 devices, and Tunix's
-    ``PeftTrainer._shard_optimizer`` (an eager ``jax.lax.with_sharding_constraint`` of the
-    whole state, run from ``jit_train_and_eval_step`` under the RL cluster's ``with mesh:``)
-    is a no-op. Dispatched leaf by leaf, its all-gathers in flight together once left
-    XLA:CPU's executor with no thread for the last device (the README's matrix hung in its
-    GRPO cell, 2026-12-07), and the train step compiled twice (once after)."""
-    from jax.sharding import NamedSharding
-
-    from tests import landing
-
-    seen = landing.capture("grpo", _tiny(tmp_path), monkeypatch)
-    assert seen.error is None, seen.error
-    trainer = seen.learner.rl_cluster.actor_trainer
-    leaves = jax.tree.leaves(nnx.state(trainer.optimizer))
-    assert leaves
-    for leaf in leaves:
-        assert isinstance(leaf.sharding, NamedSharding), leaf.sharding
-        assert leaf.sharding.mesh.devices.size == 8
-    eager = []
-    monkeypatch.setattr(jax.lax, "with_sharding_constraint", lambda x, s: eager.append(s) or x)
-    trainer._shard_optimizer(leaves[0].sharding.mesh)
-    assert eager == []
