@@ -103,7 +103,7 @@ def test_convert_names_the_temporaries_it_swept(tmp_path, capsys):
 
 WRITER = textwrap.dedent(
     """
-    import signal, sys, time
+    import signal, time
     from posttrain import cli
 
     # Python leaves SIGINT ignored when it starts ignored, as in a job a script started
@@ -117,7 +117,7 @@ WRITER = textwrap.dedent(
         print("writing", flush=True)
         time.sleep(60)
     sio.CheckpointWriter.write = slow
-    sys.exit(cli.main(sys.argv[1:]))
+    cli.run()  # the posttrain script
     """
 )
 

@@ -21,7 +21,7 @@ import textwrap
 
 import pytest
 
-from posttrain import cli
+from posttrain import cli, signals
 from posttrain.training import stops
 
 pytestmark = pytest.mark.host
@@ -128,7 +128,8 @@ def test_enospc_inside_a_run_is_a_disk_full_error_and_sweeps_at_exit(
     tmp_path, monkeypatch, restored_hooks
 ):
     registered = []
-    monkeypatch.setattr(stops.atexit, "register", lambda *a: registered.append(a))
+    monkeypatch.setattr(signals.atexit, "register", lambda *a: registered.append(a))
+    monkeypatch.setattr(signals, "_AT_EXIT", [])
     with pytest.raises(stops.DiskFullError) as error, stops.clean_stop(str(tmp_path)):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
     assert str(error.value).startswith(

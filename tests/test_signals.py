@@ -90,10 +90,14 @@ def test_an_interrupted_training_command_sweeps_unfinished_checkpoints_at_exit(
     from posttrain.training import checks, stops
 
     registered = []
-    monkeypatch.setattr(stops.atexit, "register", lambda *a: registered.append(a))
+    monkeypatch.setattr(signals.atexit, "register", lambda *a: registered.append(a))
+    monkeypatch.setattr(signals, "_AT_EXIT", [])
     with pytest.raises(KeyboardInterrupt), stops.clean_stop(str(tmp_path)):
         raise KeyboardInterrupt("SIGTERM")
-    assert registered == [(checks.sweep_partial_checkpoints, tmp_path / "checkpoints")]
+    sweep = (checks.sweep_partial_checkpoints, tmp_path / "checkpoints")
+    assert registered == [sweep]
+    pending = signals._AT_EXIT  # leave() runs it too
+    assert pending == [(sweep[0], sweep[1:])]
     root = tmp_path / "checkpoints"
     for name in ("3", "4.orbax-checkpoint-tmp", "5.orbax-checkpoint-tmp-1712", "actor/2"):
         (root / name / "model_params").mkdir(parents=True)
@@ -212,3 +216,136 @@ def test_only_generate_exits_immediately(monkeypatch, capsys, command, immediate
     monkeypatch.setattr(signals, "interrupts", lambda **kw: seen.append(kw) or real())
     cli.main([command, "--seed", "-1"])  # refused before any work
     assert seen == [{"immediate": immediate}]
+
+
+ABANDONED_COMPILE = textwrap.dedent(
+    """
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+
+    from posttrain import signals
+
+    def chain(x):
+        for i in range(300):
+            x = jnp.tanh(x @ x + i) * jnp.sin(x)
+        return x.sum()
+
+    lowered = jax.jit(jax.grad(chain)).trace(jnp.ones((64, 64))).lower()
+    try:
+        with signals.interrupts():
+            print("compiling", flush=True)
+            lowered.compile()  # over 40 s of XLA:CPU compile here
+    except KeyboardInterrupt as interrupt:
+        name, status = signals.exit_status(interrupt)
+        print(signals.line(name), file=sys.stderr)
+        if sys.argv[1] == "leave":
+            signals.leave(status)
+        sys.exit(status)
+    """
+)
+
+
+def test_an_interrupted_compile_does_not_hold_the_exit(tmp_path):
+    """SIGTERM during an XLA compile: JAX's wait returns with the interrupt while XLA's
+    threads go on compiling; :func:`signals.leave` (the ``posttrain`` script's way out)
+    ends the process within seconds with the one line and 143. Through the interpreter's
+    shutdown (``sys.exit``, the script's ``exit``) the exit waited for the rest of the
+    compile (more than the 40 s this test waits, on this CPU), and a v5e crashed when it
+    finished."""
+    script = tmp_path / "compile.py"
+    script.write_text(ABANDONED_COMPILE)
+    with subprocess.Popen(
+        [sys.executable, str(script), "leave"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=subprocess_env(),
+        text=True,
+    ) as proc:
+        try:
+            assert proc.stdout.readline() == "compiling\n"
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            status = proc.wait(timeout=40)
+            waited = time.monotonic() - start
+        finally:
+            proc.kill()
+            proc.wait()
+        err = proc.stderr.read()
+    assert (status, err) == (143, "posttrain: interrupted (SIGTERM)\n")
+    assert waited < 10, waited
+
+
+def test_leave_waits_for_the_threads_runs_the_exit_handlers_and_exits(monkeypatch, capfd):
+    """``leave``: the threads first, as the shutdown stops them (threading's exit callbacks,
+    which end the idle workers of the thread pools, then a join of the other non-daemon
+    threads: Orbax's), then the :func:`signals.at_exit` handlers newest first, one that
+    raises reported in one line without stopping the rest, then ``os._exit(status)``."""
+    events = []
+    wake = threading.Event()
+    # the real callbacks would end this process's thread pools for the tests after
+    monkeypatch.setattr(
+        threading, "_threading_atexits", [lambda: (events.append("woken"), wake.set())]
+    )
+    monkeypatch.setattr(signals, "_AT_EXIT", [])
+    monkeypatch.setattr(signals.atexit, "register", lambda *a: None)
+    monkeypatch.setattr(signals.atexit, "unregister", lambda f: events.append(("unregister", f)))
+    monkeypatch.setattr(signals.os, "_exit", lambda status: events.append(("exit", status)))
+    worker = threading.Thread(target=lambda: (wake.wait(), events.append("thread")))
+    worker.start()
+
+    def fails():
+        raise OSError("no such file")
+
+    signals.at_exit(events.append, "first")
+    signals.at_exit(fails)
+    signals.at_exit(events.append, "last")
+    signals.leave(143)
+    assert events == [
+        "woken",
+        "thread",
+        ("unregister", events.append),
+        "last",
+        ("unregister", fails),
+        ("unregister", events.append),
+        "first",
+        ("exit", 143),
+    ]
+    assert capfd.readouterr().err == "posttrain: at exit: OSError: no such file\n"
+    assert signals._AT_EXIT == []
+
+
+def test_leave_waits_for_a_stuck_thread_no_longer_than_the_grace(monkeypatch):
+    """A thread that never ends (a stuck save) holds the exit ``grace`` seconds at most."""
+    monkeypatch.setattr(threading, "_threading_atexits", [])
+    monkeypatch.setattr(signals, "_AT_EXIT", [])
+    exits = []
+    monkeypatch.setattr(signals.os, "_exit", exits.append)
+    stop = threading.Event()
+    stuck = threading.Thread(target=stop.wait)
+    stuck.start()
+    try:
+        start = time.monotonic()
+        signals.leave(130, grace=0.3)
+        waited = time.monotonic() - start
+    finally:
+        stop.set()
+        stuck.join()
+    assert exits == [130]
+    assert 0.3 <= waited < 2, waited
+
+
+@pytest.mark.parametrize(("status", "left"), [(143, [143]), (130, [130]), (0, []), (2, [])])
+def test_the_console_script_leaves_only_after_an_interrupt(monkeypatch, status, left):
+    """``posttrain`` (``cli.run``): an interrupt's status ends through ``leave``; any other
+    is ``sys.exit``'s."""
+    from posttrain import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "main", lambda: status)
+    monkeypatch.setattr(signals, "leave", seen.append)
+    with pytest.raises(SystemExit) as exit_:
+        cli.run()
+    assert (seen, exit_.value.code) == (left, status)

@@ -32,6 +32,7 @@ import importlib
 import os
 import sys
 import warnings
+from typing import NoReturn
 
 from posttrain import distributed, flags, signals
 from posttrain.cli_options import (
@@ -281,6 +282,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def run() -> NoReturn:
+    """The ``posttrain`` console script: :func:`main` on the command line. An interrupted
+    command (status 130 or 143, which :func:`main` returns for nothing else) ends through
+    :func:`signals.leave`, without the interpreter's shutdown, which waits for (on a TPU:
+    crashed on) an XLA compile the interrupt abandoned."""
+    status = main()
+    if status in signals.EXIT_CODES.values():
+        signals.leave(status)
+    sys.exit(status)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -20,16 +20,28 @@ abandon Orbax's saves) the same watchdog waits :data:`GRACE_S` for the main thre
 unwind, then ends the process with the line and the same status: a main thread blocked
 in native code that never returns (a collective that deadlocked on fake CPU devices, seen
 in the matrix's GRPO run) no longer ignores SIGTERM until SIGKILL.
+
+An interrupt can abandon an XLA compile: JAX's wait for it returns on the signal, the
+compile goes on in XLA's threads, and the interpreter's shutdown then waited for the rest
+of it (on this CPU; ``tests/test_signals.py``) or, on a v5e, crashed in ifrt's
+``PjRtLoadedExecutable::Create`` when it finished (SIGSEGV instead of 143). So the
+``posttrain`` console script ends an interrupted command through :func:`leave`, which
+skips the shutdown: it waits for the other Python threads (Orbax's) as the shutdown would,
+up to :data:`GRACE_S`, runs the exit handlers registered through :func:`at_exit` (the
+checkpoint sweep), and calls ``os._exit``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 #: The exit status of each signal (128 + its number, as a shell reports it).
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
@@ -109,6 +121,53 @@ def _watchdog(signums: set[int], delay: float):
         os.close(read_end)
 
     return stop
+
+
+_AT_EXIT: list[tuple[Callable[..., object], tuple]] = []
+
+
+def at_exit(function: Callable[..., object], *args) -> None:
+    """Registers ``function(*args)`` with :mod:`atexit`, and for :func:`leave`, which
+    runs it instead when an interrupted command ends its process."""
+    atexit.register(function, *args)
+    _AT_EXIT.append((function, args))
+
+
+def leave(status: int, grace: float = GRACE_S) -> NoReturn:
+    """Ends the process of an interrupted command with ``status`` without the interpreter's
+    shutdown (see the module docstring): stops the other non-daemon threads as the shutdown
+    would (:func:`_stop_threads`), waiting ``grace`` seconds at most, runs the
+    :func:`at_exit` handlers (newest first; one that raises prints one line, the others
+    still run), flushes stdout and stderr, ``os._exit``."""
+    stopper = threading.Thread(target=_stop_threads, name="posttrain-leave", daemon=True)
+    stopper.start()
+    stopper.join(grace)
+    while _AT_EXIT:
+        function, args = _AT_EXIT.pop()
+        atexit.unregister(function)
+        try:
+            function(*args)
+        except Exception as error:  # as atexit would: report it, run the rest
+            print(f"posttrain: at exit: {type(error).__name__}: {error}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken pipe: nothing to flush
+            stream.flush()
+    os._exit(status)
+
+
+def _stop_threads() -> None:
+    """What the interpreter's shutdown does before its exit handlers (CPython's
+    ``threading._shutdown``): the callbacks of ``threading._register_atexit`` (the one of
+    ``concurrent.futures``, which wakes the idle workers of every thread pool, Orbax's, to
+    end), then a join of every other non-daemon thread. Without the callbacks, the idle
+    workers of Orbax's pools never end (30 s, the whole grace, measured for an interrupted
+    ``posttrain sft`` here)."""
+    for callback in list(threading._threading_atexits):  # CPython's, as its shutdown runs them
+        callback()
+    others = (threading.current_thread(), threading.main_thread())
+    for thread in threading.enumerate():
+        if thread not in others and not thread.daemon:
+            thread.join()
 
 
 def exit_status(interrupt: KeyboardInterrupt) -> tuple[str, int]:

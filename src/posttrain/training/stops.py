@@ -20,7 +20,6 @@ device [os_error_code='28']``); a full disk in our own writes (metrics, the expo
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import logging
@@ -30,6 +29,8 @@ import re
 import sys
 import threading
 from collections.abc import Iterator
+
+from posttrain import signals
 
 #: The errors of a write that found no room: no space, over quota, over a size limit.
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -122,7 +123,7 @@ def clean_stop(output: str) -> Iterator[None]:
         # the filter stays: Orbax's threads report the failure again until exit
         from posttrain.training.checks import sweep_partial_checkpoints
 
-        atexit.register(sweep_partial_checkpoints, pathlib.Path(output) / "checkpoints")
+        signals.at_exit(sweep_partial_checkpoints, pathlib.Path(output) / "checkpoints")
         line = disk_full_line(error, output) if isinstance(error, Exception) else None
         if line is not None:
             raise DiskFullError(line) from None
