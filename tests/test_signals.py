@@ -295,6 +295,12 @@ def test_leave_waits_for_the_threads_runs_the_exit_handlers_and_exits(monkeypatc
     monkeypatch.setattr(signals.os, "_exit", lambda status: events.append(("exit", status)))
     worker = threading.Thread(target=lambda: (wake.wait(), events.append("thread")))
     worker.start()
+    forever = threading.Event()  # a daemon thread (tqdm's monitor) is never waited for
+    threading.Thread(target=forever.wait, daemon=True).start()
+
+    class ClosedPipe:  # stdout gone: nothing to flush, no error
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
 
     def fails():
         raise OSError("no such file")
@@ -302,7 +308,13 @@ def test_leave_waits_for_the_threads_runs_the_exit_handlers_and_exits(monkeypatc
     signals.at_exit(events.append, "first")
     signals.at_exit(fails)
     signals.at_exit(events.append, "last")
-    signals.leave(143)
+    monkeypatch.setattr(signals.sys, "stdout", ClosedPipe())
+    start = time.monotonic()
+    try:
+        signals.leave(143, grace=5)
+    finally:
+        forever.set()
+    assert time.monotonic() - start < 2  # neither the daemon thread nor this one waited for
     assert events == [
         "woken",
         "thread",
