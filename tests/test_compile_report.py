@@ -133,6 +133,93 @@ def test_a_run_it_cannot_report_is_refused(jax_started, pytester, args, message)
     assert not path.exists()
 
 
+STOPPED = """
+import os
+
+def test_first():
+    pass
+
+def test_stopped():
+    if os.environ["STOP"] == "1":
+        raise KeyboardInterrupt  # a time limit's SIGINT, inside this test
+
+def test_last():
+    pass
+"""
+
+
+def test_a_stopped_run_resumes_where_it_stopped(jax_started, pytester, monkeypatch):
+    """A run stopped inside a test keeps the lines of the tests before it and none for
+    that test; ``--resume`` deselects the tests the report holds, runs the rest from the
+    stopped one on, and appends their lines."""
+    report = pytester.path / "report.jsonl"
+    pytester.makepyfile(STOPPED)
+    monkeypatch.setenv("STOP", "1")  # a process of its own: the interrupt would end this one's
+    result = pytester.runpytest_subprocess(
+        "--compile-report", str(report), "-p", "no:cacheprovider"
+    )
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    assert list(_lines(report)) == ["test_first"]
+    monkeypatch.setenv("STOP", "0")
+    again = ["--compile-report", str(report), "--resume", "-p", "no:cacheprovider", "-v"]
+    result = pytester.runpytest(*again)
+    result.assert_outcomes(passed=2, deselected=1)
+    assert list(_lines(report)) == ["test_first", "test_stopped", "test_last"]
+    result.stdout.fnmatch_lines(
+        [
+            f"posttrain-harness: compile report {report}: 2 tests, *",
+            f"posttrain-harness: resumed {report}: 1 tests it held deselected, this run's "
+            "lines appended",
+        ]
+    )
+    result = pytester.runpytest(*again)  # all finished: nothing left to run
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    result.assert_outcomes(deselected=3)
+
+
+def test_resuming_a_report_not_written_yet_runs_everything(jax_started, pytester, monkeypatch):
+    report = pytester.path / "report.jsonl"
+    pytester.makepyfile(STOPPED)
+    monkeypatch.setenv("STOP", "0")
+    result = pytester.runpytest("--compile-report", str(report), "--resume")
+    result.assert_outcomes(passed=3)
+    assert list(_lines(report)) == ["test_first", "test_stopped", "test_last"]
+    result.stdout.fnmatch_lines([f"posttrain-harness: resumed {report}: 0 tests it held *"])
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "--resume: needs --compile-report PATH, the run to continue"),
+        ("not a line\n", "--compile-report {path} --resume: {path}:1: expected a JSON object"),
+    ],
+    ids=["no-report", "not-a-report"],
+)
+def test_a_resume_it_cannot_do_is_refused(jax_started, pytester, content, message):
+    path = pytester.path / "r.jsonl"
+    pytester.makepyfile("def test_x():\n    pass\n")
+    if content is None:
+        result = pytester.runpytest("--resume")
+    else:
+        path.write_text(content)
+        result = pytester.runpytest("--compile-report", str(path), "--resume")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {message.format(path=path)}*"])
+    assert content is None or path.read_text() == content  # left as it was
+
+
+def test_a_report_starts_empty_unless_it_resumes(tmp_path):
+    path = tmp_path / "r.jsonl"
+    line = json.dumps({"test": "t.py::test_a", **dict.fromkeys(compile_report.FIELDS, 0)})
+    path.write_text(line + "\n")
+    resumed = compile_report.CompileReport(path, resume=True)
+    assert resumed.finished == {"t.py::test_a"}
+    resumed.close()
+    assert path.read_text() == line + "\n"
+    compile_report.CompileReport(path).close()
+    assert path.read_text() == ""
+
+
 def test_the_summary_totals_every_line_written(tmp_path):
     report = compile_report.CompileReport(tmp_path / "r.jsonl")
     # counts accumulate as floats (from _zero's 0.0), as in a run

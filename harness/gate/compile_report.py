@@ -1,7 +1,7 @@
 """Where a test run's time goes in JAX: ``pytest --compile-report PATH``.
 
 Per test, one JSON line, written as the test ends (a run cut off by a time limit, as on a
-lent chip, keeps the line of every test that finished)::
+lent chip, keeps the line of every test that finished, and none for the test it stopped)::
 
     {"test": NODEID, "wall_s": s, "trace_s": s, "lower_s": s, "compile_s": s,
      "programs": n, "cache_hits": n}
@@ -12,7 +12,9 @@ lent chip, keeps the line of every test that finished)::
   of them served by the persistent compilation cache;
 - ``wall_s``: the test's setup, call and teardown.
 
-At the end the terminal summary gives the totals and the path. ``python -m
+At the end the terminal summary gives the totals and the path. ``--resume`` continues the
+run a report records: the tests it holds a line for are deselected, and the new lines
+are appended (a tier longer than the time a chip is lent for, in several commands). ``python -m
 harness.gate.compile_report PATH [--top N]`` reads a report back: its totals, then the
 ``N`` files and the ``N`` tests that took the most wall time (:func:`summarise`).
 
@@ -47,15 +49,23 @@ FIELDS = ("wall_s", "trace_s", "lower_s", "compile_s", *COUNTS)
 
 class CompileReport:
     """The pytest plugin object of ``--compile-report PATH`` (registered by
-    :mod:`harness.gate.pytest_plugin`); the file is truncated when the run starts.
+    :mod:`harness.gate.pytest_plugin`); the file is truncated when the run starts, or with
+    ``resume`` read (its tests are deselected: :attr:`finished`) and appended to.
 
     Raises:
       OSError: PATH cannot be written (at the start, before any test runs).
+      ValueError: ``resume`` and PATH holds a line that is no report line (:func:`read`).
     """
 
-    def __init__(self, path: str | pathlib.Path) -> None:
+    def __init__(self, path: str | pathlib.Path, *, resume: bool = False) -> None:
         self.path = pathlib.Path(path)
-        self._out = self.path.open("w", encoding="utf-8")
+        #: the tests of the run being resumed (an absent PATH: none)
+        self.finished = (
+            {row["test"] for row in read(self.path)} if resume and self.path.exists() else set()
+        )
+        self.resumed = resume
+        self._deselected = 0
+        self._out = self.path.open("a" if resume else "w", encoding="utf-8")
         self._test = _zero_sums()
         self.totals = _zero_sums()
         self.tests = 0
@@ -84,12 +94,25 @@ class CompileReport:
         if self.on_event not in internal.get_event_listeners():
             monitoring.register_event_listener(self.on_event)
 
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list) -> None:
+        """``resume``: the tests the report already holds leave the run."""
+        if not self.finished:
+            return
+        done = [item for item in items if item.nodeid in self.finished]
+        if done:
+            items[:] = [item for item in items if item.nodeid not in self.finished]
+            config.hook.pytest_deselected(items=done)
+        self._deselected = len(done)
+
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
         self.listen()
         self._test = _zero_sums()
         start = time.perf_counter()
-        yield
+        outcome = yield
+        if outcome.excinfo is not None:  # stopped inside (Ctrl-C, a time limit): not finished
+            return
         self._test["wall_s"] = time.perf_counter() - start
         self.write(item.nodeid, self._test)
 
@@ -112,6 +135,11 @@ class CompileReport:
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         terminalreporter.write_line(self.summary())
+        if self.resumed:
+            terminalreporter.write_line(
+                f"posttrain-harness: resumed {self.path}: {self._deselected} tests it held "
+                "deselected, this run's lines appended"
+            )
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.close()

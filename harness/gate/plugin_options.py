@@ -94,6 +94,12 @@ def _add_chip_options(group) -> None:
         "the end (one process: not with -n; harness/gate/compile_report.py)",
     )
     group.addoption(
+        "--resume",
+        action="store_true",
+        help="with --compile-report PATH: continue the run PATH records (a run stopped by a "
+        "time limit): deselect the tests it holds a line for and append to it",
+    )
+    group.addoption(
         "--emulate-chip-precision",
         action="store_true",
         help="multiply float32 at the default precision as a TPU does (one bfloat16 pass): "

@@ -120,22 +120,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _register_compile_report(config: pytest.Config) -> None:
-    """``--compile-report PATH``: :class:`~harness.gate.compile_report.CompileReport`, in a
-    run of one process (xdist's workers would each truncate PATH, and its controller runs
-    no test)."""
+    """``--compile-report PATH [--resume]``: :class:`~harness.gate.compile_report.CompileReport`,
+    in a run of one process (xdist's workers would each truncate PATH, and its controller
+    runs no test)."""
     path = config.getoption("compile_report")
+    resume = config.getoption("resume")
     if path is None:
+        if resume:
+            raise pytest.UsageError("--resume: needs --compile-report PATH, the run to continue")
         return
     if hasattr(config, "workerinput") or config.getoption("numprocesses", default=None):
         raise pytest.UsageError(
             f"--compile-report {path}: needs a run of one process, without -n (xdist)"
         )
     try:
-        report = compile_report.CompileReport(path)
+        report = compile_report.CompileReport(path, resume=resume)
     except OSError as error:
         raise pytest.UsageError(
             f"--compile-report {path}: cannot be written ({error.strerror})"
         ) from None
+    except ValueError as error:  # --resume on a file that is no report
+        raise pytest.UsageError(f"--compile-report {path} --resume: {error}") from None
     config.pluginmanager.register(report, "posttrain_compile_report")
 
 
