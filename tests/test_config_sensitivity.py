@@ -208,7 +208,10 @@ def outputs(cfg: ModelConfig, model=None) -> tuple[np.ndarray, float]:
     from it by :func:`model_with_path_values`) on the fixture."""
     model = model_with_path_values(cfg) if model is None else model
     ids = tokens() % cfg.vocab_size
-    logits, aux = jax.jit(lambda t: model.forward(t))(ids)
+    # eager: every case's forward is a program of its own under jit (56 programs, 37 s of
+    # compiles on a v5e, reports/compile-tpu-v5e.jsonl); op by op, the cases share the
+    # small programs of their operations (all tiny presets: d_model 72, 264 tokens)
+    logits, aux = model.forward(ids)
     targets = jnp.ones((BATCH, SEQ - 1), bool)
     nll = token_nll(logits, ids, targets) / targets.sum()
     weight = 0.0 if cfg.moe is None else cfg.moe.aux_loss_weight
