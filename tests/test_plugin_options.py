@@ -19,6 +19,7 @@ OPTIONS = {
     "require_backend": (None, ["--require-backend", "tpu"], "tpu"),
     "host_tests": ("auto", ["--host-tests", "skip"], "skip"),
     "compile_report": (None, ["--compile-report", "r.jsonl"], "r.jsonl"),
+    "resume": (False, ["--resume"], True),
     "emulate_chip_precision": (False, ["--emulate-chip-precision"], True),
     "conventions": (None, ["--conventions", "partial,main"], "partial,main"),
     "contract": (None, ["--contract", "tunix.sft.PeftTrainer"], "tunix.sft.PeftTrainer"),
@@ -58,6 +59,11 @@ HELP = (
         "write a JSON line per test to PATH as it ends: its wall, JAX tracing, lowering and "
         "XLA compile seconds, programs and persistent-cache hits, with the totals at the end "
         "(one process: not with -n; harness/gate/compile_report.py)",
+    ),
+    (
+        "--resume",
+        "with --compile-report PATH: continue the run PATH records (a run stopped by a time "
+        "limit): deselect the tests it holds a line for and append to it",
     ),
     (
         "--emulate-chip-precision",
