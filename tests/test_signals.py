@@ -162,8 +162,17 @@ def test_the_watchdog_exits_while_the_main_thread_is_in_a_c_call(
 def _sigterm_inside_a_long_c_call(tmp_path, mode: str) -> tuple[int, str, float]:
     """Runs :data:`LONG_C_CALL` in ``mode``, sends SIGTERM once it runs; ``(exit status,
     stderr, seconds from the signal to the exit)``."""
-    script = tmp_path / "long.py"
-    script.write_text(LONG_C_CALL)
+    return _sigterm_once_it_prints(tmp_path, LONG_C_CALL, mode, "running", timeout=20)
+
+
+def _sigterm_once_it_prints(
+    tmp_path, source: str, mode: str, ready: str, timeout: float
+) -> tuple[int, str, float]:
+    """Runs the script ``source`` with the argument ``mode``, sends SIGTERM 0.5 s after it
+    prints the line ``ready``, waits ``timeout`` seconds at most; ``(exit status, stderr,
+    seconds from the signal to the exit)``."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
     with subprocess.Popen(
         [sys.executable, str(script), mode],
         stdout=subprocess.PIPE,
@@ -172,11 +181,11 @@ def _sigterm_inside_a_long_c_call(tmp_path, mode: str) -> tuple[int, str, float]
         text=True,
     ) as proc:
         try:
-            assert proc.stdout.readline() == "running\n"
+            assert proc.stdout.readline() == f"{ready}\n"
             time.sleep(0.5)
             proc.send_signal(signal.SIGTERM)
             start = time.monotonic()
-            status = proc.wait(timeout=20)
+            status = proc.wait(timeout=timeout)
             waited = time.monotonic() - start
         finally:
             proc.kill()
@@ -254,26 +263,9 @@ def test_an_interrupted_compile_does_not_hold_the_exit(tmp_path):
     shutdown (``sys.exit``, the script's ``exit``) the exit waited for the rest of the
     compile (more than the 40 s this test waits, on this CPU), and a v5e crashed when it
     finished."""
-    script = tmp_path / "compile.py"
-    script.write_text(ABANDONED_COMPILE)
-    with subprocess.Popen(
-        [sys.executable, str(script), "leave"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=subprocess_env(),
-        text=True,
-    ) as proc:
-        try:
-            assert proc.stdout.readline() == "compiling\n"
-            time.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
-            start = time.monotonic()
-            status = proc.wait(timeout=40)
-            waited = time.monotonic() - start
-        finally:
-            proc.kill()
-            proc.wait()
-        err = proc.stderr.read()
+    status, err, waited = _sigterm_once_it_prints(
+        tmp_path, ABANDONED_COMPILE, "leave", "compiling", timeout=40
+    )
     assert (status, err) == (143, "posttrain: interrupted (SIGTERM)\n")
     assert waited < 10, waited
 
