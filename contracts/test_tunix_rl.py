@@ -481,19 +481,10 @@ def test_the_actors_optimizer_is_ours_to_place_and_tunix_never_constrains_it_eag
     constraint only through the attribute we replace."""
     from jax.sharding import NamedSharding
 
-    from posttrain.rl.options import GRPORunConfig
     from tests import landing
+    from tests.grpo_runs import tiny
 
-    cfg = GRPORunConfig(
-        steps=2,
-        warmup_steps=0,
-        per_device_batch_size=1,
-        num_generations=2,
-        max_new_tokens=3,
-        eval_samples=0,
-        output=str(tmp_path / "run"),
-    )
-    seen = landing.capture("grpo", cfg, monkeypatch)
+    seen = landing.capture("grpo", tiny(tmp_path), monkeypatch)
     assert seen.error is None, seen.error
     trainer = seen.learner.rl_cluster.actor_trainer
     if hasattr(type(trainer), "_shard_optimizer"):

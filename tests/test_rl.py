@@ -17,6 +17,7 @@ from posttrain.models import build_model, get_config
 from posttrain.rl import arithmetic, rewards
 from posttrain.rl.run import GRPORunConfig
 from posttrain.training.policy import ConfigView, TunixPolicy, has_lora, reference_of
+from tests.grpo_runs import tiny
 
 TOKENS = jnp.asarray([[5, 9, 2, 7, 1, 3]], jnp.int32)
 #: A default step's prompts: --per-device-batch-size's 2 x the data-parallel shards of the
@@ -189,7 +190,7 @@ def test_a_bfloat16_rollout_on_the_actors_own_mesh_is_refused_before_any_work(tm
     actor mesh) would be silently ignored."""
     from posttrain.rl.run import run_grpo
 
-    cfg = _tiny(tmp_path, rollout_mesh={"fsdp": jax.device_count()}, rollout_dtype="bfloat16")
+    cfg = tiny(tmp_path, rollout_mesh={"fsdp": jax.device_count()}, rollout_dtype="bfloat16")
     with pytest.raises(ValueError, match="rollout_dtype='bfloat16' .*the actor's, whose"):
         run_grpo(cfg)
     assert not (tmp_path / "run").exists()
@@ -242,21 +243,6 @@ def test_the_cli_exits_2_with_one_line_and_writes_nothing(argv, words, tmp_path,
     assert not out.exists()
 
 
-def _tiny(tmp_path, **overrides) -> GRPORunConfig:
-    """A 2-step run of the embedded task without warm-up, 1 prompt per shard x 2
-    completions of at most 3 tokens, no evaluation; ``overrides`` change any field."""
-    fields = dict(
-        steps=2,
-        warmup_steps=0,
-        per_device_batch_size=1,
-        num_generations=2,
-        max_new_tokens=3,
-        eval_samples=0,
-        output=str(tmp_path / "run"),
-    )
-    return GRPORunConfig(**{**fields, **overrides})
-
-
 @pytest.mark.slow  # the gate's real GRPO run is the contract's (one device, 2 steps)
 def test_a_short_grpo_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_path):
     """The embedded run in miniature on 8 fake devices (no warm-up): stop after step 1,
@@ -266,7 +252,7 @@ def test_a_short_grpo_run_writes_its_outputs_and_resumes_where_it_stopped(tmp_pa
 
     out = tmp_path / "run"
     # the evaluation compiles our sampler: the split-mesh run does it
-    cfg = _tiny(tmp_path, save_every=1, stop_after=1)
+    cfg = tiny(tmp_path, save_every=1, stop_after=1)
     first = run_grpo(cfg)
     assert first.step == 1 and [r["step"] for r in first.history] == [1]
     second = run_grpo(dataclasses.replace(cfg, stop_after=None))
@@ -294,7 +280,7 @@ def test_a_split_rollout_mesh_gets_the_trainers_weights_after_every_sync(tmp_pat
     def keep(learner, policies):
         built["learner"] = learner
 
-    cfg = _tiny(tmp_path, mesh={"fsdp": 4, "tensor": 2}, rollout_mesh={"data": 8}, eval_samples=1)
+    cfg = tiny(tmp_path, mesh={"fsdp": 4, "tensor": 2}, rollout_mesh={"data": 8}, eval_samples=1)
     result = run_grpo(cfg, on_built=keep)
     assert result.step == 2 and result.eval_before is not None and result.eval_after is not None
     cluster = built["learner"].rl_cluster
@@ -316,7 +302,7 @@ def test_a_bfloat16_rollout_copy_gets_the_trainers_weights_cast_at_every_sync(tm
     from posttrain.rl.run import run_grpo
 
     built = {}
-    cfg = _tiny(
+    cfg = tiny(
         tmp_path,
         mesh={"fsdp": 4, "tensor": 2},
         rollout_mesh={"data": 8},
@@ -355,7 +341,7 @@ def test_reference_logps_on_a_split_mesh_equal_a_direct_computation(tmp_path):
 
         learner._generate_and_compute_advantage = capture
 
-    cfg = _tiny(
+    cfg = tiny(
         tmp_path, mesh={"fsdp": 4, "tensor": 2}, rollout_mesh={"data": 8}, lora_rank=4, beta=0.04
     )
     run_grpo(cfg, on_built=keep)
@@ -392,7 +378,7 @@ def test_an_moe_policy_trains_end_to_end_with_its_load_balancing_term(tmp_path):
     def keep(learner, policies):  # before the first step
         built.update(learner=learner, initial=flat_params(policies[0].model))
 
-    cfg = _tiny(tmp_path, model="qwen3_moe-tiny", mesh={"fsdp": 2, "expert": 4}, lora_rank=0)
+    cfg = tiny(tmp_path, model="qwen3_moe-tiny", mesh={"fsdp": 2, "expert": 4}, lora_rank=0)
     result = run_grpo(cfg, on_built=keep)
     assert result.step == 2 and all(np.isfinite(r["loss"]) for r in result.history)
     cluster = built["learner"].rl_cluster
@@ -410,7 +396,7 @@ def test_dapo_and_drgrpo_runs_train_through_their_learners(algorithm, tmp_path):
     """Two real steps through DAPOLearner / DrGRPOLearner (the project's Tunix has both)."""
     from posttrain.rl.run import run_grpo
 
-    cfg = _tiny(tmp_path, algorithm=algorithm)
+    cfg = tiny(tmp_path, algorithm=algorithm)
     result = run_grpo(cfg)
     assert result.step == 2 and [r["step"] for r in result.history] == [1, 2]
     run = json.loads((tmp_path / "run" / "run.json").read_text())
