@@ -88,6 +88,7 @@ def test_step_parameters_are_the_names_tunix_donates(name):
 @pytest.mark.contract("tunix.sft.peft_trainer.PeftTrainer.train")
 # the emulated conventions' real runs in the slow tier (gate budget); the matrix runs them
 @pytest.mark.parametrize("name", by_convention(BASES, emulated_slow=True))
+@pytest.mark.wiring
 def test_steps_run_and_params_change_only_on_update_steps(name):
     # GA 2 over 12-row micro-batches: the step program of accumulated() below, so the
     # gate's persistent compilation cache compiles it once for both tests.
@@ -161,6 +162,8 @@ def logged(trainer) -> dict[str, list[float]]:
 @pytest.mark.parametrize(
     "name", by_convention(BASES, emulated_slow=True, in_gate=("bound3_update",))
 )
+# on a chip: the installed release's accumulation
+@pytest.mark.chip_sample("installed")
 def test_accumulated_steps_equal_one_large_batch(name):
     """k micro-steps == one step on the concatenated batch, from the first micro-step on:
     the same params, the same logged loss and the same logged grad_norm (the norm of the

@@ -80,6 +80,8 @@ def _score_queries(model, tokens, mask) -> list[int]:
     ],
     ids=["qwen3-tiny-float32-1e-05", "gpt_oss-tiny-float32-1e-05", "qwen3-tiny-bfloat16-0.01"],
 )
+# on a chip: the dtype users train in (float32 on the CPU)
+@pytest.mark.chip_sample("qwen3-tiny-bfloat16-0.01")
 def test_causal_query_blocks_give_one_block_s_logits_and_gradients(name, dtype, rel, monkeypatch):
     """With padding on either side, a sliding window and sinks: the blocked attention's
     logits (at every query that sees a key) and parameter gradients equal one block's,

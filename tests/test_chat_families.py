@@ -171,6 +171,7 @@ def test_stop_ids_are_the_generation_configs(tmp_path, family):
 
 @pytest.mark.reference
 @pytest.mark.parametrize("family", cf.NAMES)
+@pytest.mark.host
 def test_ids_and_assistant_masks_equal_transformers(family):
     """Every test conversation: our ids and assistant mask equal transformers'
     ``apply_chat_template(return_assistant_tokens_mask=True)`` on the same tokenizer and

@@ -21,6 +21,9 @@ from posttrain.sft.run import SFTConfig, run_sft  # noqa: E402
 from posttrain.tokenizer import load_tokenizer  # noqa: E402
 from tests import chat_formats  # noqa: E402
 
+# the templates, their refusals and exports: host code around runs a chip runs elsewhere
+pytestmark = pytest.mark.wiring
+
 LLAMA3 = chat_formats.FAMILIES["llama3"]
 
 

@@ -106,6 +106,8 @@ def model_of(preset: str, dtype: str = "float32") -> CausalLM:
     ],
     ids=["tied-chunk1", "tied-chunk5", "tied-chunk100", "tied-default", "softcap", "untied"],
 )
+# on a chip: a tied and an untied head
+@pytest.mark.chip_sample("tied-default", "untied")
 def test_the_chunked_nll_equals_the_full_logits_nll_float32(preset, chunk):
     """Every chunk size (1, not dividing the length, longer than it, the default), tied and
     untied heads, with and without the softcap: the same NLL and parameter gradients."""

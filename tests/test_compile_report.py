@@ -350,6 +350,22 @@ def test_the_command_line_prints_the_summary_and_keeps_a_lines_other_keys(tmp_pa
     assert "(2 of 3)" in want
 
 
+def test_tests_limits_the_summary_to_the_node_ids_a_collection_printed(tmp_path, capsys):
+    """``--tests FILE``: the lines of the node ids FILE names (``--collect-only -q``'s
+    count line and blank lines ignored), one of them without a line counted as none."""
+    _, path = _report(tmp_path, LINES)
+    chosen = tmp_path / "chosen.txt"
+    chosen.write_text(
+        "tests/b.py::t2\ntests/a.py::t3\ntests/c.py::t4\n\n3 tests collected in 0.1s\n"
+    )
+    assert compile_report.main([str(path), "--tests", str(chosen)]) == 0
+    first, *rest = capsys.readouterr().out.splitlines()
+    assert first == f"--tests {chosen}: 2 of its 3 tests have a line here (1 none)"
+    rows = [row for row in compile_report.read(path) if row["test"] != "tests/a.py::t1"]
+    assert "\n".join(rest) == compile_report.summarise(path, rows, top=10)
+    assert rest[0].startswith(f"{path}: 2 tests, 8.0 s;")
+
+
 @pytest.mark.parametrize(
     ("text", "args", "says"),
     [
@@ -361,13 +377,26 @@ def test_the_command_line_prints_the_summary_and_keeps_a_lines_other_keys(tmp_pa
             'programs, cache_hits (a --compile-report line), got \'{"test": "t"}\'',
         ),
         (None, ["--top", "0"], "--top 0: expected >= 1"),
+        ("", ["--tests", "nowhere.txt"], "nowhere.txt: cannot be read (No such file or directory)"),
+        ("", ["--tests", "LATIN1"], "LATIN1: not UTF-8 text (expected node ids)"),
+        ("", ["--tests", "EMPTY"], "names no test (expected node ids, one a line)"),
     ],
-    ids=["missing", "a-line-without-fields", "top-zero"],
+    ids=[
+        "missing",
+        "a-line-without-fields",
+        "top-zero",
+        "tests-missing",
+        "tests-latin1",
+        "tests-none",
+    ],
 )
 def test_a_report_it_cannot_read_is_one_line_and_exit_2(tmp_path, capsys, text, args, says):
     path = tmp_path / "nowhere.jsonl"
     if text is not None:
         path.write_text(text)
+    (tmp_path / "EMPTY").write_text("2 tests collected\n")
+    (tmp_path / "LATIN1").write_bytes("tests/é.py::t\n".encode("latin-1"))
+    args = [str(tmp_path / a) if a in ("nowhere.txt", "EMPTY", "LATIN1") else a for a in args]
     with pytest.raises(SystemExit) as exit_:
         compile_report.main([str(path), *args])
     assert exit_.value.code == 2
@@ -410,7 +439,9 @@ def test_a_line_that_is_no_report_line_is_refused_naming_it(tmp_path, bad, numbe
 def test_the_command_lines_help_its_default_top_and_its_smallest(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     help_ = help_text(compile_report.main, capsys)
-    assert help_.startswith("usage: python -m harness.gate.compile_report [-h] [--top TOP] path\n")
+    assert help_.startswith(
+        "usage: python -m harness.gate.compile_report [-h] [--top TOP] [--tests FILE] path\n"
+    )
     assert "Where a --compile-report run's time went: totals, files and tests." in help_
     assert "a file written by pytest --compile-report" in help_
     assert "files and tests shown (default: 10)" in help_

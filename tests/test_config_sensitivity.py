@@ -229,6 +229,7 @@ def base_outputs(preset: str):
 
 
 @pytest.mark.parametrize("field", sorted(PERTURBATIONS), ids=lambda f: f"{f[0]}.{f[1]}")
+@pytest.mark.wiring
 def test_perturbing_the_field_changes_the_logits_or_the_objective(field):
     preset, change = PERTURBATIONS[field]
     base = get_config(preset)

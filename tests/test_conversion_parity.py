@@ -54,6 +54,8 @@ def read(directory, stem="model"):
 
 
 @pytest.mark.parametrize(("family", "layout"), CASES, ids=[f"{f}-{lay}" for f, lay in CASES])
+# on a chip: each family's forward once (a hub layout differs in what the converter reads)
+@pytest.mark.chip_sample("gemma4-fused", "gemma4-multimodal", "gpt_oss-fused", "llama3-fused", "mixtral-fused", "qwen3-fused", "qwen3_moe-fused")
 def test_converted_logits_match_transformers(hf_tiny, tmp_path, family, layout):
     """HF -> native logits match transformers (KL <= 1e-6, |delta| <= 1e-4, padded batch), and
     native -> HF writes the source's tensors bit for bit in a directory transformers loads."""
@@ -148,6 +150,8 @@ VARIANTS = {  # config features the default tiny models leave off
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+# on a chip: a value projection, YaRN, Llama 3's bands and a sliding window
+@pytest.mark.chip_sample("gemma4-separate-v", "gpt_oss-yarn-point", "llama3-rope-bands", "qwen3-sliding")
 def test_config_variants_match_transformers(hf_tiny, tmp_path, variant):
     """Optional features (biases, tying, sliding windows, no renormalisation, separate v,
     dense Gemma 4) convert and match transformers."""
@@ -250,6 +254,8 @@ SQUARE_CASES = [
 
 
 @pytest.mark.parametrize(("family", "layout", "width"), SQUARE_CASES)
+# the transposes are the converter's (host) work: one on a chip
+@pytest.mark.chip_sample("gpt_oss-hub-d_model")
 def test_square_expert_kernels_convert_by_value(hf_tiny, tmp_path, family, layout, width):
     """Square expert kernels: converted logits still match transformers by value, and the
     round trip writes the source tensors back bit for bit."""

@@ -112,6 +112,7 @@ def test_the_embedded_run_with_its_teacher_trained_on_the_fly(tmp_path, capsys, 
         "-".join(a.strip("-{}") for a in value[:2]) if isinstance(value, list) else ""
     ),
 )
+@pytest.mark.wiring
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     from posttrain.conversion.native import save_native
     from posttrain.models import build_model, get_config

@@ -172,6 +172,8 @@ def window_model():
 
 
 @pytest.mark.parametrize("masked", [None, "causal", "all"])
+# the masks are the host's inputs: one on a chip
+@pytest.mark.chip_sample("None")
 def test_a_cached_prefill_longer_than_the_window_then_decoding(masked):
     """gpt_oss-tiny (sliding window 8): a 12-token prefill, then 4 one-token steps, give
     the full forward's logits, with the caller's causal mask over the slots, without one
@@ -609,6 +611,7 @@ def test_cli_without_a_model_or_an_export_says_to_run_sft_first(tmp_path, monkey
     )
 
 
+@pytest.mark.wiring
 def test_cli_uses_the_newest_export_and_writes_one_record_per_prompt(tmp_path, monkeypatch, capsys):
     """Without --model the newest runs/sft/model-step<N> is used; several prompts give JSONL
     whose tokens equal the API's greedy tokens on that model."""
@@ -649,6 +652,7 @@ def test_cli_uses_the_newest_export_and_writes_one_record_per_prompt(tmp_path, m
         assert record["text"] == tok.decode(want.row(i), skip_special_tokens=True)
 
 
+@pytest.mark.wiring
 def test_cli_streams_one_prompt_to_stdout(tmp_path, monkeypatch, capsys):
     from posttrain.tokenizer import byte_tokenizer
 

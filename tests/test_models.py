@@ -167,6 +167,8 @@ def test_experts_not_divisible_by_expert_axis():
 
 
 @pytest.mark.parametrize("name", TINY_PRESETS)
+# on a chip: a layer-type pattern and the routed MoE in the scanned body
+@pytest.mark.chip_sample("gemma4-tiny", "qwen3_moe-tiny")
 def test_scan_equals_unscanned(name):
     """scan_layers=True with the same (stacked) weights gives the unscanned logits and
     load-balancing loss (the unscanned ones: the forward test's program)."""

@@ -274,6 +274,8 @@ ROUTED_GRAD_RTOL_BF16 = 6e-2
         ("silu", True, 4, "bfloat16"),  # single blocks, unused blocks at the end
     ],
 )
+# on a chip: both dtypes
+@pytest.mark.chip_sample("clamped_swiglu-True-2-float32", "silu-True-4-bfloat16")
 def test_every_algorithm_has_the_dense_gradients(activation, expert_bias, block_size, dtype):
     """The gradient of a weighted sum of the block's output with respect to every
     parameter and the input is the same under ``sorted`` and ``ragged`` as under

@@ -1468,6 +1468,7 @@ def _params():
 
 
 @pytest.mark.parametrize("scenario", _params())
+@pytest.mark.wiring
 def test_each_option_lands_where_it_acts(scenario, tmp_path, monkeypatch):
     """Every row of the scenario's workflow holds on what the run built: the value of
     each field reached its object."""

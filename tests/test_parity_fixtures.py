@@ -137,6 +137,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("name", CASES)
+@pytest.mark.wiring
 def test_switching_the_quirk_off_fails_parity(converted, tmp_path, name):
     quirk = QUIRKS[name]
     src, meta, params = converted(quirk.family)

@@ -198,6 +198,7 @@ def test_a_compile_refused_for_memory_runs_no_step_and_has_no_analysis():
 
 
 @pytest.mark.parametrize(("run_steps", "cache_off"), [(0, True), (2, False)])
+@pytest.mark.wiring
 def test_only_a_deviceless_compile_turns_the_compilation_cache_off(
     monkeypatch, run_steps, cache_off
 ):

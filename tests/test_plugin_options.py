@@ -18,6 +18,7 @@ OPTIONS = {
     "upstream_deprecations": ("error", ["--upstream-deprecations", "record"], "record"),
     "require_backend": (None, ["--require-backend", "tpu"], "tpu"),
     "host_tests": ("auto", ["--host-tests", "skip"], "skip"),
+    "chip_variants": ("auto", ["--chip-variants", "all"], "all"),
     "compile_report": (None, ["--compile-report", "r.jsonl"], "r.jsonl"),
     "resume": (False, ["--resume"], True),
     "emulate_chip_precision": (False, ["--emulate-chip-precision"], True),
@@ -51,8 +52,15 @@ HELP = (
     ),
     (
         "--host-tests={auto,run,skip}",
-        "tests marked host: 'auto' (default) leaves them out on a real accelerator and "
-        "runs them on the CPU; 'run' runs them everywhere; 'skip' leaves them out everywhere",
+        "tests marked host or wiring: 'auto' (default) leaves them out on a real "
+        "accelerator and runs them on the CPU; 'run' runs them everywhere; 'skip' leaves "
+        "them out everywhere",
+    ),
+    (
+        "--chip-variants={auto,all,sampled}",
+        "tests marked chip_sample(id, ...): 'auto' (default) runs only the named variants "
+        "on a real accelerator and every variant on the CPU; 'all' every variant "
+        "everywhere; 'sampled' the named ones everywhere",
     ),
     (
         "--compile-report=PATH",
@@ -97,8 +105,8 @@ def test_each_option_has_its_default_and_gives_its_value(jax_started, pytester):
 
 @pytest.mark.parametrize(
     "option, value",
-    [("--upstream-deprecations", "warn"), ("--host-tests", "always")],
-    ids=["deprecations", "host-tests"],
+    [("--upstream-deprecations", "warn"), ("--host-tests", "always"), ("--chip-variants", "some")],
+    ids=["deprecations", "host-tests", "chip-variants"],
 )
 def test_an_option_of_choices_refuses_another_value(jax_started, pytester, option, value):
     result = pytester.runpytest(option, value)

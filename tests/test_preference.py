@@ -169,6 +169,7 @@ def test_batched_encoding_equals_encoding_each_pair(monkeypatch):
             assert arrays[f"{name}_mask"][row].sum() == len(ids)
 
 
+@pytest.mark.host
 def test_pairs_split_into_interleaved_shards_and_one_shard_is_the_unsharded_order():
     """Pair i goes to shard i mod N; each process tokenises only its shards; a global
     micro-batch takes B/N pairs of each shard, in shard order (each shard shuffled on its

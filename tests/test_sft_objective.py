@@ -85,6 +85,7 @@ def objective_and_router_grad(weight=0.25):
     return float(objective), jax.device_get(terms), np.asarray(router[...])
 
 
+@pytest.mark.wiring
 def test_the_weight_comes_from_the_model_config():
     import types
 
@@ -105,6 +106,7 @@ def test_objective_is_the_nll_share_plus_the_weighted_load_balancing_loss():
     assert objective - nll / targets == pytest.approx(0.25 * aux, rel=1e-5)
 
 
+@pytest.mark.wiring
 def test_the_router_gradient_follows_the_weight():
     """The load-balancing term reaches the router: its gradient moves with the weight
     (0.25, the configured one's program, and 1.0)."""

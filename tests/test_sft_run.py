@@ -143,6 +143,7 @@ def test_resume_repeats_the_uninterrupted_losses_and_runs_are_deterministic(
     assert [s["stop_after"] for s in run["segments"]] == [2, None]
 
 
+@pytest.mark.wiring
 def test_lora_run_checkpoints_only_the_adapters(tmp_path):
     """The gate's LoRA run through run_sft (the 2-process SFT test, which checks the same,
     is in the slow tier)."""
@@ -210,6 +211,7 @@ def test_lora_run_checkpoints_only_the_adapters(tmp_path):
         ),
     ],
 )
+@pytest.mark.wiring
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
@@ -269,6 +271,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert file.read_text() == "not a directory\n"
 
 
+@pytest.mark.wiring
 def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path, capsys):
     """A diverging run (learning rate 1e30) stops with one line naming the step, exit 2;
     metrics.jsonl holds only the finite steps, in strict JSON; nothing is exported, and
@@ -297,6 +300,7 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step(tmp_path, capsys):
     assert not list(out.glob("model-step*"))
 
 
+@pytest.mark.wiring
 def test_sft_accepts_a_native_checkpoint_directory(tmp_path, capsys):
     """--model may name a native directory (as `posttrain convert --to native` writes);
     a killed run's temporaries are swept by the next run."""

@@ -232,6 +232,7 @@ def _two_steps(tmp_path, model: str, **options):
     return result
 
 
+@pytest.mark.wiring
 def test_a_short_vision_run_trains_the_projector_and_leaves_the_tower(tmp_path):
     """Two real steps of ``posttrain sft --vision`` on 8 drawings: finite losses, the
     projector (and the text model) moved, every tower tensor bit for bit as loaded, and

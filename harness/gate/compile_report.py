@@ -246,14 +246,21 @@ def _figures(sums) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.gate.compile_report PATH [--top N]``: prints :func:`summarise`;
-    a report it cannot read is a usage error (exit 2, one line)."""
+    """``python -m harness.gate.compile_report PATH [--top N] [--tests FILE]``: prints
+    :func:`summarise` (of the tests FILE names only, with how many of them have a line);
+    a report or FILE it cannot read is a usage error (exit 2, one line)."""
     parser = argparse.ArgumentParser(
         prog="python -m harness.gate.compile_report",
         description="Where a --compile-report run's time went: totals, files and tests.",
     )
     parser.add_argument("path", help="a file written by pytest --compile-report")
     parser.add_argument("--top", type=int, default=10, help="files and tests shown (default: 10)")
+    parser.add_argument(
+        "--tests",
+        metavar="FILE",
+        help="only the lines of the tests FILE names (the node ids `pytest --collect-only "
+        "-q` prints; its other lines are ignored): what that selection cost in this run",
+    )
     args = parser.parse_args(argv)
     if args.top < 1:
         parser.error(f"--top {args.top}: expected >= 1")
@@ -263,8 +270,28 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.path}: cannot be read ({error.strerror})")
     except ValueError as error:
         parser.error(str(error))
+    if args.tests is not None:
+        try:
+            chosen = node_ids(pathlib.Path(args.tests).read_text(encoding="utf-8"))
+        except OSError as error:
+            parser.error(f"--tests {args.tests}: cannot be read ({error.strerror})")
+        except UnicodeDecodeError:
+            parser.error(f"--tests {args.tests}: not UTF-8 text (expected node ids)")
+        if not chosen:
+            parser.error(f"--tests {args.tests}: names no test (expected node ids, one a line)")
+        rows = [row for row in rows if row["test"] in chosen]
+        print(
+            f"--tests {args.tests}: {len(rows)} of its {len(chosen)} tests have a line here "
+            f"({len(chosen) - len(rows)} none)"
+        )
     print(summarise(args.path, rows, args.top))
     return 0
+
+
+def node_ids(text: str) -> set[str]:
+    """The node ids in ``text``: its lines holding ``::``, stripped (``pytest
+    --collect-only -q``'s other lines, blank or a count, hold none)."""
+    return {line.strip() for line in text.splitlines() if "::" in line}
 
 
 if __name__ == "__main__":

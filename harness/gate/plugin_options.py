@@ -20,6 +20,11 @@ MARKERS: tuple[str, ...] = (
     "contract(name): pins the upstream symbol `name`; reports group results by it",
     "host: exercises host code only (CLI parsing, reports, git, local processes); left "
     "out on a real accelerator unless --host-tests run",
+    "wiring: checks that a value reaches where it acts (a config field, an option, a "
+    "fixture's quirk, a refusal), which no chip's arithmetic changes; left out on a real "
+    "accelerator unless --host-tests run",
+    "chip_sample(id, ...): a real accelerator runs only the variants with these ids (the "
+    "CPU every one) unless --chip-variants all",
     "matmul_precision(name): runs under jax.default_matmul_precision(name) (float32 "
     "comparisons pin it: a TPU's default matmul is one bfloat16 pass)",
     "convention(name): exercises Tunix train-step convention `name` (see --conventions)",
@@ -82,9 +87,17 @@ def _add_chip_options(group) -> None:
         "--host-tests",
         choices=("auto", "run", "skip"),
         default="auto",
-        help="tests marked host: 'auto' (default) leaves them out on a real accelerator "
-        "and runs them on the CPU; 'run' runs them everywhere; 'skip' leaves them out "
-        "everywhere",
+        help="tests marked host or wiring: 'auto' (default) leaves them out on a real "
+        "accelerator and runs them on the CPU; 'run' runs them everywhere; 'skip' leaves "
+        "them out everywhere",
+    )
+    group.addoption(
+        "--chip-variants",
+        choices=("auto", "all", "sampled"),
+        default="auto",
+        help="tests marked chip_sample(id, ...): 'auto' (default) runs only the named "
+        "variants on a real accelerator and every variant on the CPU; 'all' every variant "
+        "everywhere; 'sampled' the named ones everywhere",
     )
     group.addoption(
         "--compile-report",

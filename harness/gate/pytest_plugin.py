@@ -17,6 +17,9 @@ Markers:
     host: exercises host code only (CLI parsing, reports, git, local processes); left
         out, and counted, on a real accelerator (``--devices real`` on a TPU or GPU),
         whose tier is for what the chip computes (``--host-tests run`` keeps them).
+    wiring: a value reaching where it acts, which no chip's arithmetic changes; left out
+        there as host is. chip_sample(id, ...): a real accelerator runs only the named
+        variants (``--chip-variants all`` runs every one). :mod:`harness.gate.chip_tier`.
     matmul_precision(name): the test (and its fixtures) run under
         ``jax.default_matmul_precision(name)``; ``--emulate-chip-precision`` finds the
         comparisons that need it (:mod:`harness.gate.chip_precision`).
@@ -55,6 +58,7 @@ import pytest
 from harness.devices import devices as _devices
 from harness.gate import (
     chip_precision,
+    chip_tier,
     compile_report,
     deprecation_recorder,
     plugin_options,
@@ -75,11 +79,6 @@ BACKEND_MARKERS: dict[str, tuple[str, ...]] = {
     "accelerator": ("tpu", "gpu"),
 }
 REFERENCE_MODULES: tuple[str, ...] = ("torch", "transformers")
-ACCELERATOR_BACKENDS: tuple[str, ...] = ("tpu", "gpu")
-HOST_REASON = (
-    "host code only (CLI parsing, reports, git, local processes): the CPU tier runs it; "
-    "--host-tests run keeps it here"
-)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -239,36 +238,36 @@ def _marker_int(marker: pytest.Mark) -> int:
     return args[0]
 
 
-def leaves_out_host_tests(config: pytest.Config, backend: str) -> bool:
-    """Whether tests marked ``host`` are left out: ``--host-tests``, and for ``auto``
-    whether ``backend`` is a real accelerator."""
-    choice = config.getoption("host_tests")
-    return choice == "skip" or (choice == "auto" and backend in ACCELERATOR_BACKENDS)
+leaves_out_host_tests = chip_tier.leaves_out_host_tests  # (re-exported: tests read it here)
+
+_LEFT_OUT = pytest.StashKey[dict[str, int]]()
 
 
-_HOST_LEFT_OUT = pytest.StashKey[int]()
-
-
-def _drop_host_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not leaves_out_host_tests(config, environment_facts()["backend"]):
-        return
-    dropped = [item for item in items if item.get_closest_marker("host") is not None]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if item.get_closest_marker("host") is None]
-    config.stash[_HOST_LEFT_OUT] = len(dropped)
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A module whose ``chip_sample`` marker names no variant of its test fails to collect
+    (:func:`harness.gate.chip_tier.unknown_samples`), on every backend."""
+    report = yield
+    # a module's or class's own items: every variant, before a node id or -k narrows them
+    # (the session's report holds only the ones a node id named)
+    if report.passed and isinstance(collector, (pytest.Module, pytest.Class)):
+        problem = chip_tier.unknown_samples(report.result)
+        if problem is not None:
+            return pytest.CollectReport(report.nodeid, "failed", problem, [])
+    return report
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    if _HOST_LEFT_OUT in config.stash:
-        terminalreporter.write_line(
-            f"posttrain-harness: left out {config.stash[_HOST_LEFT_OUT]} tests marked host on "
-            f"{environment_facts()['backend']}: {HOST_REASON}"
-        )
+    if _LEFT_OUT in config.stash:
+        backend = environment_facts()["backend"]
+        for line in chip_tier.summary_lines(config.stash[_LEFT_OUT], backend):
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _drop_host_tests(config, items)
+    left_out = chip_tier.select(config, items, environment_facts()["backend"])
+    if left_out:
+        config.stash[_LEFT_OUT] = left_out
     chosen = config.getoption("conventions")
     contract = config.getoption("contract")
     if chosen is None and contract is None:
