@@ -80,9 +80,9 @@ def test_each_marker_leaves_its_tests_out_and_counts_them(
     ("marked", "message"),
     [
         (
-            '@pytest.mark.chip_sample("b", "e")\n@pytest.mark.parametrize("v", ["a", "b"])\n'
+            '@pytest.mark.chip_sample("b", "f", "e")\n@pytest.mark.parametrize("v", ["a", "b"])\n'
             "def test_v(v):\n    pass\n",
-            "*::test_v: chip_sample names e; its variants are a, b",
+            "*::test_v: chip_sample names e, f; its variants are a, b",
         ),
         (
             '@pytest.mark.chip_sample("a")\ndef test_v():\n    pass\n',
@@ -99,15 +99,25 @@ def test_each_marker_leaves_its_tests_out_and_counts_them(
             "*::test_v: chip_sample takes the ids of the variants the chip runs, got ('a',) "
             "{'only': True}",
         ),
+        (
+            '@pytest.mark.chip_sample("a", 3)\n@pytest.mark.parametrize("v", ["a"])\n'
+            "def test_v(v):\n    pass\n",
+            "*::test_v: chip_sample takes the ids of the variants the chip runs, got ('a', 3) {}",
+        ),
     ],
-    ids=["unknown-id", "no-variants", "no-ids", "keywords"],
+    ids=["unknown-id", "no-variants", "no-ids", "keywords", "not-text"],
 )
 def test_a_marker_naming_no_variant_fails_collection_on_every_backend(
     jax_started, pytester: pytest.Pytester, marked, message
 ) -> None:
     """On this CPU too (where every variant runs), so the gate catches a renamed variant
     before a chip runs none of its test."""
-    pytester.makepyfile("import pytest\n\n" + marked + "\n\ndef test_other():\n    pass\n")
+    # after a class and an unmarked test: the check reads the whole module
+    first = (
+        "class TestFirst:\n    def test_in_a_class(self):\n        pass\n\n\n"
+        "def test_first():\n    pass\n\n\n"
+    )
+    pytester.makepyfile("import pytest\n\n" + first + marked + "\n\ndef test_other():\n    pass\n")
     result = pytester.runpytest("-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(
@@ -138,3 +148,33 @@ def test_a_node_id_of_one_variant_still_knows_every_variant(
 def test_auto_leaves_out_on_accelerators_only(backend, option, value, decides) -> None:
     config = types.SimpleNamespace(getoption=lambda name: {option: value}[name])
     assert decides(config, backend) is (backend != "cpu")
+
+
+def test_a_tier_that_leaves_out_none_says_so_for_host_only(jax_started, pytester) -> None:
+    """Leaving out on, nothing marked: one line, ``left out 0 tests marked host``, and
+    none for wiring or chip_sample."""
+    pytester.makepyfile("def test_a():\n    pass\n")
+    result = pytester.runpytest(
+        "--host-tests", "skip", "--chip-variants", "sampled", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*left out 0 tests marked host on *"])
+    result.stdout.no_fnmatch_line("*marked wiring*")
+    result.stdout.no_fnmatch_line("*marked chip_sample*")
+
+
+@pytest.mark.parametrize("backend", ["tpu", "cpu"])
+def test_select_on_a_chip_leaves_out_each_kind_and_on_the_cpu_none(
+    jax_started, pytester, backend
+) -> None:
+    """:func:`chip_tier.select` with the options' defaults (auto), given the backend: on a
+    TPU the host and wiring tests and the unnamed variants go, counted per marker."""
+    items = pytester.getitems(TESTS)
+    config = items[0].config
+    kept = list(items)
+    counts = chip_tier.select(config, kept, backend)
+    if backend == "tpu":
+        assert counts == {"host": 1, "wiring": 1, "chip_sample": 2}
+        assert [i.name for i in kept] == ["test_variants[b]", "test_variants[c]", "test_computes"]
+    else:
+        assert counts == {} and kept == items

@@ -12,16 +12,23 @@ from harness.gate import compile_report
 
 pytestmark = pytest.mark.host
 
-REPORT = pathlib.Path(__file__).parents[1] / "reports/compile-tpu-v5e.jsonl"
+REPORTS = pathlib.Path(__file__).parents[1] / "reports"
 
 
-def test_the_chips_committed_report_reads_whole():
-    """``reports/compile-tpu-v5e.jsonl`` (docs/testing.md) is a report: every line reads,
-    each names its command, and its files' sums are its totals."""
-    path = REPORT
+@pytest.mark.parametrize(
+    ("name", "commands", "tests"),
+    [("compile-tpu-v5e.jsonl", {1, 2, 3}, 912), ("compile-tpu-v5e-sampled.jsonl", {1, 2}, 599)],
+    ids=["whole-tier", "chips-selection"],
+)
+def test_the_chips_committed_report_reads_whole(name, commands, tests):
+    """The chip's committed reports (docs/testing.md: the whole tier at XLA's defaults, and
+    the chip's selection) are reports: every line reads, each names its command, and the
+    files' sums are the totals."""
+    path = REPORTS / name
     rows = compile_report.read(path)
-    assert len(rows) == len(path.read_text().splitlines()) > 800
-    assert {row["command"] for row in rows} == {1, 2, 3}
+    assert len(rows) == len(path.read_text().splitlines()) == tests
+    assert len({row["test"] for row in rows}) == tests  # each test once
+    assert {row["command"] for row in rows} == commands
     files = compile_report.by_file(rows)
     assert sum(sums["tests"] for sums in files.values()) == len(rows)
     assert sum(sums["programs"] for sums in files.values()) == sum(r["programs"] for r in rows)

@@ -86,7 +86,7 @@ def unknown_samples(collected: Iterable[object]) -> str | None:
         marker = item.get_closest_marker("chip_sample")
         if marker is None:
             continue
-        test = f"{item.parent.nodeid if item.parent else ''}::{item.originalname}"
+        test = item.nodeid.partition("[")[0]  # the function's node id, without the variant
         try:
             named[test] = sampled_ids(marker, test)
         except ValueError as error:

@@ -345,9 +345,27 @@ FIGURES: tuple[Figure, ...] = (
     # docs/testing.md: the chip's committed compile report, read back
     Figure(
         "docs/testing.md",
-        r"harness\.gate\.compile_report reports/compile-tpu-v5e\.jsonl",
+        r"harness\.gate\.compile_report reports/compile-tpu-v5e\.jsonl --top",
         r"reports/compile-tpu-v5e\.jsonl: (\d+) tests, ([\d.]+) s; XLA compiles ([\d.]+) s"
         r"\s+\((\d+) programs, (\d+) from the cache\)",
+    ),
+    # ... the chip's selection (collected here) priced from it, and the selection's own run
+    Figure(
+        "docs/testing.md",
+        r"compile-tpu-v5e\.jsonl --tests /tmp/chip-tier\.txt",
+        r"--tests /tmp/chip-tier\.txt: (\d+) of its (\d+) tests have a line here \((\d+)\s+none\)",
+    ),
+    Figure(
+        "docs/testing.md",
+        r"compile-tpu-v5e\.jsonl --tests /tmp/chip-tier\.txt",
+        r"`reports/compile-tpu-v5e\.jsonl: (\d+) tests, ([\d.]+) s; XLA compiles ([\d.]+) s`",
+        printed=r"reports/compile-tpu-v5e\.jsonl: (\d+) tests, ([\d.]+) s; XLA compiles ([\d.]+) s",
+    ),
+    Figure(
+        "docs/testing.md",
+        r"compile_report reports/compile-tpu-v5e-sampled\.jsonl",
+        r"reports/compile-tpu-v5e-sampled\.jsonl: (\d+) tests, ([\d.]+) s; XLA compiles"
+        r"\s+([\d.]+) s\s+\((\d+) programs, (\d+) from the cache\)",
     ),
     *_SCALE,
     *_BENCHMARKS,

@@ -40,6 +40,8 @@ HARNESS_TARGETS: dict[str, list[str]] = {
     # --compile-report: a line per test of JAX's trace, lower and compile figures
     "harness/gate/compile_report.py": ["tests/test_compile_report.py"],
     "harness/gate/sizes.py": ["tests/test_code_size.py"],
+    # what a chip's tier leaves out: the wiring and chip_sample markers beside host
+    "harness/gate/chip_tier.py": ["tests/test_chip_tier.py", "tests/test_harness.py"],
     # #58: the pytest plugin's options and marker descriptions, out of pytest_plugin.py
     "harness/gate/plugin_options.py": ["tests/test_harness.py", "tests/test_plugin_options.py"],
     "harness/gate/session_tuning.py": [
