@@ -55,7 +55,15 @@ def read(directory, stem="model"):
 
 @pytest.mark.parametrize(("family", "layout"), CASES, ids=[f"{f}-{lay}" for f, lay in CASES])
 # on a chip: each family's forward once (a hub layout differs in what the converter reads)
-@pytest.mark.chip_sample("gemma4-fused", "gemma4-multimodal", "gpt_oss-fused", "llama3-fused", "mixtral-fused", "qwen3-fused", "qwen3_moe-fused")
+@pytest.mark.chip_sample(
+    "gemma4-fused",
+    "gemma4-multimodal",
+    "gpt_oss-fused",
+    "llama3-fused",
+    "mixtral-fused",
+    "qwen3-fused",
+    "qwen3_moe-fused",
+)
 def test_converted_logits_match_transformers(hf_tiny, tmp_path, family, layout):
     """HF -> native logits match transformers (KL <= 1e-6, |delta| <= 1e-4, padded batch), and
     native -> HF writes the source's tensors bit for bit in a directory transformers loads."""
@@ -151,7 +159,9 @@ VARIANTS = {  # config features the default tiny models leave off
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 # on a chip: a value projection, YaRN, Llama 3's bands and a sliding window
-@pytest.mark.chip_sample("gemma4-separate-v", "gpt_oss-yarn-point", "llama3-rope-bands", "qwen3-sliding")
+@pytest.mark.chip_sample(
+    "gemma4-separate-v", "gpt_oss-yarn-point", "llama3-rope-bands", "qwen3-sliding"
+)
 def test_config_variants_match_transformers(hf_tiny, tmp_path, variant):
     """Optional features (biases, tying, sliding windows, no renormalisation, separate v,
     dense Gemma 4) convert and match transformers."""
