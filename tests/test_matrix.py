@@ -690,3 +690,101 @@ def test_every_run_cell_is_a_report_column_in_order():
     """A cell added to :data:`harness.matrix.run_cells.CELLS` is a report column (and a bisect
     target) in the same order, and no column lacks its runner."""
     assert tuple(run_cells.CELLS) == report.RUN_CELLS
+
+
+# a command that starts a grandchild (its pid written to argv[1]) and waits on it
+_TREE = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    "open(sys.argv[1], 'w').write(str(child.pid))\n"
+    "print('started', flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie nobody reaped has ended too)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+def _wait_for(path: Path) -> int:
+    import time
+
+    for _ in range(200):
+        if path.is_file() and path.read_text():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never written")
+
+
+def test_a_command_past_its_limit_is_killed_with_what_it_started(tmp_path, monkeypatch):
+    """A hung cell ends its row, not the matrix: past ``COMMAND_TIMEOUT_S`` the command's
+    whole process group dies (the grandchild too), the status is 124 and its cell says
+    ``TimeoutError: ...`` (no 'out of memory?' guess)."""
+    monkeypatch.setattr(envs, "COMMAND_TIMEOUT_S", 1.5)
+    pid_file = tmp_path / "grandchild"
+    done = envs._run([sys.executable, "-c", _TREE, str(pid_file)])
+    assert done.returncode == envs.TIMED_OUT == 124
+    assert done.stdout == "started\n"
+    assert _gone(_wait_for(pid_file))
+    assert (
+        envs.failure(done)
+        == f"TimeoutError: {Path(sys.executable).name} ran past the matrix's 1.5 s limit on one "
+        "command; killed with what it started"
+    )
+    quick = envs._run([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"])
+    assert (quick.returncode, quick.stdout) == (3, "out\n")  # under the limit: as before
+
+
+def test_an_interrupted_wait_kills_the_commands_group_and_re_raises(tmp_path, monkeypatch):
+    """Its own session hears no Ctrl-C: the matrix kills the group itself before the
+    interrupt goes on."""
+    pid_file = tmp_path / "grandchild"
+    waits = []
+    real = subprocess.Popen.communicate
+
+    def interrupted(self, *args, **kwargs):
+        if not waits:
+            waits.append(_wait_for(pid_file))
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        envs._run([sys.executable, "-c", _TREE, str(pid_file)])
+    assert waits and _gone(waits[0])
+
+
+def test_an_interrupt_of_the_side_by_side_cells_kills_every_cells_group(tmp_path, monkeypatch):
+    """Ctrl-C reaches the main thread, waiting on the pool, not the cells' commands (each
+    in a session of its own): it kills every running group, so the pool's threads end
+    instead of waiting out their commands."""
+    import concurrent.futures
+    import time
+
+    files = {cell: tmp_path / cell for cell in ("a", "b")}
+
+    def cell(name):
+        return lambda entry, env, environ, run: run(
+            [sys.executable, "-c", _TREE, str(files[name])], None
+        )
+
+    monkeypatch.setattr(run_cells, "CELLS", {name: cell(name) for name in files})
+    monkeypatch.setattr(run_cells, "START_ORDER", list(files))
+    grandchildren = []
+
+    def interrupted(self, timeout=None):
+        grandchildren.extend(_wait_for(path) for path in files.values())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", interrupted)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        matrix.run_side_by_side(None, None, {}, envs._run, 2, lambda name, work: work())
+    assert time.monotonic() - start < 30  # not the commands' 120 s
+    assert len(grandchildren) == 2 and all(_gone(pid) for pid in grandchildren)
+    assert not envs._RUNNING

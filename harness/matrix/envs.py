@@ -9,6 +9,7 @@ when uv is missing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -18,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -71,8 +73,75 @@ class EnvResult:
 Runner = Callable[[Sequence[str], dict[str, str] | None], subprocess.CompletedProcess]
 
 
+#: the longest one matrix command (an environment's build, an entry's contracts, a run
+#: cell) may run, in seconds: past it the command and everything it started are killed
+#: and its cell reads ``TimeoutError: ...`` (a hung release ends its row, not the matrix).
+#: The README's whole matrix takes about 3 minutes here; a cold environment build
+#: downloads for a few.
+COMMAND_TIMEOUT_S = 1800.0
+#: the exit status a command past :data:`COMMAND_TIMEOUT_S` is given (timeout(1)'s)
+TIMED_OUT = 124
+
+
 def _run(command: Sequence[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(list(command), capture_output=True, text=True, env=env, check=False)
+    """``command``'s output and exit status; past :data:`COMMAND_TIMEOUT_S` its process
+    group is killed (it runs in a session of its own: pytest's xdist workers and the
+    cells' ``posttrain`` processes go with it) and the status is :data:`TIMED_OUT`, the
+    output ending in a ``TimeoutError`` line that :func:`failure` reports. Interrupted
+    while it waits (Ctrl-C, which a session of its own does not hear), it kills the group
+    before it re-raises."""
+    limit = COMMAND_TIMEOUT_S
+    with _start(command, env) as process:
+        try:
+            out, err = process.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            out, err = process.communicate()
+            err += (
+                f"\nTimeoutError: {Path(command[0]).name} ran past the matrix's {limit:g} s "
+                "limit on one command; killed with what it started\n"
+            )
+            return subprocess.CompletedProcess(list(command), TIMED_OUT, out, err)
+        except BaseException:  # Ctrl-C, a SIGTERM's exit: its own session hears neither
+            _kill_group(process.pid)
+            raise
+        finally:
+            with _LOCK:
+                _RUNNING.discard(process.pid)
+    return subprocess.CompletedProcess(list(command), process.returncode, out, err)
+
+
+_RUNNING: set[int] = set()  # the process groups of the commands running now
+_LOCK = threading.Lock()
+
+
+def _start(command: Sequence[str], env: dict[str, str] | None) -> subprocess.Popen:
+    with _LOCK:
+        process = subprocess.Popen(
+            list(command),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        _RUNNING.add(process.pid)
+    return process
+
+
+def kill_running() -> None:
+    """Kills the process group of every command :func:`_run` is waiting on, in any
+    thread: what an interrupt of the thread that waits for them must do (the run cells go
+    side by side in a pool; Ctrl-C reaches only the main thread)."""
+    with _LOCK:
+        groups = list(_RUNNING)
+    for pid in groups:
+        _kill_group(pid)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it ended in between
+        os.killpg(pid, signal.SIGKILL)
 
 
 _FATAL = re.compile(r"^F\d{4} [\d:.]+\s+\d+ (?P<where>\S+\]) (?P<what>.*)")

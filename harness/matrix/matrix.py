@@ -48,7 +48,15 @@ from harness.devices.devices import suite_env
 from harness.gate import deprecations, junit
 from harness.matrix import run_cells, sources
 from harness.matrix.entries import REPO, Entry
-from harness.matrix.envs import EnvCache, EnvResult, Runner, _run, first_error, versions
+from harness.matrix.envs import (
+    EnvCache,
+    EnvResult,
+    Runner,
+    _run,
+    first_error,
+    kill_running,
+    versions,
+)
 from harness.matrix.progress import Progress
 
 
@@ -255,7 +263,11 @@ def run_side_by_side(
             )
             for cell in order
         }
-        return {cell: futures[cell].result() for cell in run_cells.CELLS}
+        try:
+            return {cell: futures[cell].result() for cell in run_cells.CELLS}
+        except BaseException:  # Ctrl-C here: the pool's threads wait on their commands
+            kill_running()
+            raise
 
 
 def entry_environ(entry: Entry, env: EnvResult) -> dict[str, str]:
