@@ -162,8 +162,6 @@ def logged(trainer) -> dict[str, list[float]]:
 @pytest.mark.parametrize(
     "name", by_convention(BASES, emulated_slow=True, in_gate=("bound3_update",))
 )
-# on a chip: the installed release's accumulation
-@pytest.mark.chip_sample("installed")
 def test_accumulated_steps_equal_one_large_batch(name):
     """k micro-steps == one step on the concatenated batch, from the first micro-step on:
     the same params, the same logged loss and the same logged grad_norm (the norm of the
