@@ -330,12 +330,6 @@ def test_host_tests_are_left_out_and_counted(
         result.stdout.no_fnmatch_line("*tests marked host*")
 
 
-@pytest.mark.parametrize("backend", ["tpu", "gpu", "cpu"])
-def test_auto_leaves_host_tests_out_on_accelerators_only(backend) -> None:
-    config = types.SimpleNamespace(getoption=lambda name: "auto")
-    assert pytest_plugin.leaves_out_host_tests(config, backend) is (backend != "cpu")
-
-
 def test_a_backend_other_than_the_required_one_fails_the_session(
     jax_started, pytester: pytest.Pytester
 ) -> None:

@@ -238,8 +238,6 @@ def _marker_int(marker: pytest.Mark) -> int:
     return args[0]
 
 
-leaves_out_host_tests = chip_tier.leaves_out_host_tests  # (re-exported: tests read it here)
-
 _LEFT_OUT = pytest.StashKey[dict[str, int]]()
 
 
