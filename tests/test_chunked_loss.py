@@ -317,6 +317,16 @@ def test_images_reach_the_chunked_nll(tmp_path):
     [
         (4, 2048, 151_936, None, {}, 256),  # 220 fit in 512 MiB: 10 of 205 -> 8 of 256 (TILE)
         (4, 1024, 151_936, None, {}, 256),  # 5 of 205 -> 4 of 256 (the v5e's 83 s compile)
+        # 110 fit: 10 of 103 -> 8 of 128 (103 rows of a bf16 tile of 16 made the chunk's
+        # [8, 103, vocab] -> [824, vocab] a copy: 14.4 ms of a v5e's 405 ms step)
+        (8, 1024, 151_936, None, {}, 128),
+        (16, 1024, 151_936, None, {}, 64),  # 55 fit: 19 of 54 -> 16 of 64, a multiple of 16
+        (16, 1000, 151_936, None, {}, 48),  # 55 fit: 21 of 48 (1008) pad less than 16 of 64
+        (4, 100, 479_349, None, {}, 64),  # 70 fit: 2 of 50 -> 2 of 64 (48: 3, padding more)
+        (4, 127, 479_349, None, {}, 127),  # 2 of 64 pad 1; the tile, 128, is the sequence
+        (4, 100, 838_860, None, {}, 32),  # 40 fit: 3 of 34 -> 4 of 32; never one of 100 (2.5x)
+        # 330 fit: 4 of 258 -> 4 of 288, lcm(16, 3); 3 of 384 pad as much, farther
+        (8, 1024, 151_936, None, {"context": 3}, 288),
         (4, 4096, 223_696, None, {}, 128),  # 150 fit: 28 of 147 -> the nearest tile, 128
         (4, 4096, 151_936, None, {"context": 3}, 384),  # 660 fit: 7 of 588 -> 11 of lcm(128, 3)
         (4, 2048, 151_936, None, {"fsdp": 2, "tensor": 2}, 768),  # 3 of 683: 3 of 768, not 4 of 640
@@ -335,15 +345,18 @@ def test_images_reach_the_chunked_nll(tmp_path):
         (4, 2048, 151_936, None, {"tensor": 3}, 512),  # 50,646 entries a device, rounded up
     ],
 )
+@pytest.mark.host  # arithmetic on shapes: no program
 def test_chunk_length(batch, seq, vocab, chunk, mesh, want):
     """Default: the positions whose float32 logits fit in 512 MiB on one device; evened
-    out over the chunks it takes; a multiple of the axes sharding the sequence; from 128
+    out over the chunks it takes; a multiple of the axes sharding the sequence; from 64
     positions up, the multiple of 128 and of those axes below or above it that pads least,
-    else the nearer."""
+    else the nearer; under 128, from 16 up, the same among the multiples of 16 and, from
+    64, 128 itself; one past the sequence is the sequence."""
     got = chunked_loss.chunk_length(batch, seq, vocab, chunk, mesh_shape=mesh)
     assert got == want and type(got) is int  # a reshape's dimension
 
 
+@pytest.mark.host
 @given(
     batch=st.integers(1, 64),
     seq=st.integers(1, 16_384),
@@ -352,13 +365,16 @@ def test_chunk_length(batch, seq, vocab, chunk, mesh, want):
 )
 def test_a_default_chunk_is_tiled_and_pads_less_than_a_chunk(batch, seq, vocab, context):
     """Any default chunk: a multiple of the axes sharding the sequence; from 128 positions
-    up, either the whole sequence or a multiple of 128 and of those axes; its padding under
-    one chunk."""
+    up, either the whole sequence or a multiple of 128 and of those axes; from 16 up, of 16
+    and those axes; never longer than the sequence; its padding under one chunk."""
     length = chunked_loss.chunk_length(batch, seq, vocab, mesh_shape={"context": context})
     count = -(-seq // length)
     assert length % context == 0
+    assert length <= -(-seq // context) * context  # the sequence, rounded up to its shards
     if math.lcm(128, context) <= length < seq:
         assert length % math.lcm(128, context) == 0
+    if math.lcm(16, context) <= length < seq:
+        assert length % math.lcm(16, context) == 0 or length == math.lcm(128, context)
     assert count * length - seq < length
 
 
@@ -374,6 +390,7 @@ def test_chunk_length_reads_the_current_meshs_rules():
         assert chunked_loss.chunk_length(4, 4096, 262_144) == 256
 
 
+@pytest.mark.host
 @pytest.mark.parametrize("chunk", [0, -3, 2.5, True, "8"])
 def test_a_chunk_that_is_no_positive_integer_is_refused(chunk):
     with pytest.raises(ValueError, match=f"logit chunk={chunk!r} must be a positive integer"):

@@ -52,10 +52,18 @@ from posttrain import sharding
 
 TILE = 128
 """A default chunk's length is a multiple of this many positions (when its budget is at
-least that many, :func:`chunk_length`): a chunk of 205 positions (4 x 1024 tokens of qwen3-0.6b
-under :data:`LOGIT_CHUNK_BYTES`, 5 chunks) made a v5e compile the full fine-tuning step in
-83 s against 13-16 s for chunks of 256, 512 or 1024 and for the full logits, and ran it
-7.5% slower than the full logits (256: 2.7%; docs/benchmarks.md)."""
+least that many, or half and the tile pads less, :func:`chunk_length`): a chunk of 205 positions (4 x 1024 tokens of
+qwen3-0.6b under :data:`LOGIT_CHUNK_BYTES`, 5 chunks) made a v5e compile the full
+fine-tuning step in 83 s against 13-16 s for chunks of 256, 512 or 1024 and for the full
+logits, and ran it 7.5% slower than the full logits (256: 2.7%; docs/benchmarks.md)."""
+
+SUBLANES = 16
+"""Under a :data:`TILE`, a default chunk's length is a multiple of this many positions
+(when its budget is at least that many) or the tile: the rows of a TPU's bfloat16 tile (8 x 128, two
+rows packed), so that a chunk's ``[rows, length, vocab]`` logits and their gradient reshape
+to ``[rows * length, vocab]`` without a copy. Chunks of 103 positions (8 x 1024 tokens of
+qwen3-0.6b, 10 chunks) spent 14.4 ms of a v5e's 405 ms full fine-tuning step in that
+copy (`reshape` of ``bf16[8,103,151936]``, the chip's profile; docs/benchmarks.md)."""
 
 LOGIT_CHUNK_BYTES = 512 * 2**20
 """Default size of one chunk's float32 logits on one device: 512 MiB, 882 tokens of qwen3-0.6b's
@@ -94,8 +102,12 @@ def chunk_length(
     them), evened out the same way, then, from :data:`TILE` positions up, the multiple of
     ``TILE`` and of those axes just below or above it whose chunks pad the sequence least,
     else the nearer (``seq`` 2048, 220 positions fit: 8 chunks of 256, not 10 of 205; 683:
-    3 of 768, not 4 of 640). The mesh and rules: ``mesh_shape`` and ``rules`` when
-    given, else the current :func:`posttrain.sharding.use_mesh`'s (none: one device).
+    3 of 768, not 4 of 640); under a ``TILE``, from :data:`SUBLANES` up, the same among
+    the multiples of ``SUBLANES`` and, from half a ``TILE``, the ``TILE`` itself (``seq``
+    1024, 110 positions: 8 of 128, not 10 of 103; 55: 16 of 64, not 19 of 54); one past
+    the sequence is the sequence (one chunk). The
+    mesh and rules: ``mesh_shape`` and ``rules`` when given, else the current
+    :func:`posttrain.sharding.use_mesh`'s (none: one device).
 
     Raises:
       ValueError: ``chunk`` is not a positive integer.
@@ -116,12 +128,19 @@ def chunk_length(
     count = -(-seq // min(chunk, seq))
     length = -(-seq // count)  # evened out: fewer than `count` padded positions
     length = -(-length // split) * split
-    quantum = math.lcm(TILE, split)
-    if default and quantum <= length < seq:
-        below = length // quantum * quantum
-        # the tile multiple next to it that pads the sequence least, then the nearer one
-        length = min((below, below + quantum), key=lambda n: (-(-seq // n) * n, abs(n - length)))
-    return length
+    if not default or length >= seq:
+        return length
+    tile = math.lcm(TILE, split)
+    quantum = tile if length >= tile else math.lcm(SUBLANES, split)
+    if length < quantum:
+        return length  # fewer positions than a tile's rows fit: the budget decides
+    below = length // quantum * quantum
+    candidates = [below, below + quantum]
+    if quantum < tile and 2 * length >= tile:
+        candidates.append(tile)  # at most twice the budget
+    # the one that pads the sequence least, then the nearer; one past the sequence is the
+    # sequence (one chunk, unpadded)
+    return min({min(n, seq) for n in candidates}, key=lambda n: (-(-seq // n) * n, abs(n - length)))
 
 
 def uncounted_costs(
