@@ -324,6 +324,9 @@ def test_images_reach_the_chunked_nll(tmp_path):
         (16, 1000, 151_936, None, {}, 48),  # 55 fit: 21 of 48 (1008) pad less than 16 of 64
         (4, 100, 479_349, None, {}, 64),  # 70 fit: 2 of 50 -> 2 of 64 (48: 3, padding more)
         (4, 127, 479_349, None, {}, 127),  # 2 of 64 pad 1; the tile, 128, is the sequence
+        # 35 a device on context=2: 2 of 64 -> the tile as the sequence, rounded up to
+        # its 2 shards: 126, not 125
+        (4, 125, 958_698, None, {"context": 2}, 126),
         (4, 100, 838_860, None, {}, 32),  # 40 fit: 3 of 34 -> 4 of 32; never one of 100 (2.5x)
         # 330 fit: 4 of 258 -> 4 of 288, lcm(16, 3); 3 of 384 pad as much, farther
         (8, 1024, 151_936, None, {"context": 3}, 288),

@@ -52,18 +52,20 @@ from posttrain import sharding
 
 TILE = 128
 """A default chunk's length is a multiple of this many positions (when its budget is at
-least that many, or half and the tile pads less, :func:`chunk_length`): a chunk of 205 positions (4 x 1024 tokens of
-qwen3-0.6b under :data:`LOGIT_CHUNK_BYTES`, 5 chunks) made a v5e compile the full
-fine-tuning step in 83 s against 13-16 s for chunks of 256, 512 or 1024 and for the full
-logits, and ran it 7.5% slower than the full logits (256: 2.7%; docs/benchmarks.md)."""
+least that many, or half and the tile pads less, :func:`chunk_length`): a chunk of 205
+positions (4 x 1024 tokens of qwen3-0.6b under :data:`LOGIT_CHUNK_BYTES`, 5 chunks) made
+a v5e compile the full fine-tuning step in 83 s against 13-16 s for chunks of 256, 512 or
+1024 and for the full logits, and ran it 7.5% slower than the full logits (256: 2.7%;
+docs/benchmarks.md)."""
 
 SUBLANES = 16
 """Under a :data:`TILE`, a default chunk's length is a multiple of this many positions
-(when its budget is at least that many) or the tile: the rows of a TPU's bfloat16 tile (8 x 128, two
-rows packed), so that a chunk's ``[rows, length, vocab]`` logits and their gradient reshape
-to ``[rows * length, vocab]`` without a copy. Chunks of 103 positions (8 x 1024 tokens of
-qwen3-0.6b, 10 chunks) spent 14.4 ms of a v5e's 405 ms full fine-tuning step in that
-copy (`reshape` of ``bf16[8,103,151936]``, the chip's profile; docs/benchmarks.md)."""
+(when its budget is at least that many) or the tile: the rows of a TPU's bfloat16 tile
+(8 x 128, two rows packed), so that a chunk's ``[rows, length, vocab]`` logits and their
+gradient reshape to ``[rows * length, vocab]`` without a copy. Chunks of 103 positions
+(8 x 1024 tokens of qwen3-0.6b, 10 chunks) spent 14.4 ms of a v5e's 405 ms full
+fine-tuning step in that copy (`reshape` of ``bf16[8,103,151936]``, the chip's profile;
+docs/benchmarks.md)."""
 
 LOGIT_CHUNK_BYTES = 512 * 2**20
 """Default size of one chunk's float32 logits on one device: 512 MiB, 882 tokens of qwen3-0.6b's
@@ -105,8 +107,8 @@ def chunk_length(
     3 of 768, not 4 of 640); under a ``TILE``, from :data:`SUBLANES` up, the same among
     the multiples of ``SUBLANES`` and, from half a ``TILE``, the ``TILE`` itself (``seq``
     1024, 110 positions: 8 of 128, not 10 of 103; 55: 16 of 64, not 19 of 54); one past
-    the sequence is the sequence (one chunk). The
-    mesh and rules: ``mesh_shape`` and ``rules`` when given, else the current
+    the sequence is the sequence rounded up to those axes (one chunk). The mesh and rules:
+    ``mesh_shape`` and ``rules`` when given, else the current
     :func:`posttrain.sharding.use_mesh`'s (none: one device).
 
     Raises:
@@ -139,8 +141,11 @@ def chunk_length(
     if quantum < tile and 2 * length >= tile:
         candidates.append(tile)  # at most twice the budget
     # the one that pads the sequence least, then the nearer; one past the sequence is the
-    # sequence (one chunk, unpadded)
-    return min({min(n, seq) for n in candidates}, key=lambda n: (-(-seq // n) * n, abs(n - length)))
+    # sequence rounded up to its shards (one chunk)
+    whole = -(-seq // split) * split
+    return min(
+        {min(n, whole) for n in candidates}, key=lambda n: (-(-seq // n) * n, abs(n - length))
+    )
 
 
 def uncounted_costs(
