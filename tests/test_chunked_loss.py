@@ -331,6 +331,7 @@ def test_images_reach_the_chunked_nll(tmp_path):
         # 330 fit: 4 of 258 -> 4 of 288, lcm(16, 3); 3 of 384 pad as much, farther
         (8, 1024, 151_936, None, {"context": 3}, 288),
         (4, 4096, 223_696, None, {}, 128),  # 150 fit: 28 of 147 -> the nearest tile, 128
+        (4, 4096, 134_217, None, {}, 256),  # 250 fit: 17 of 241 -> 16 of 256; 128 pads as little
         (4, 4096, 151_936, None, {"context": 3}, 384),  # 660 fit: 7 of 588 -> 11 of lcm(128, 3)
         (4, 2048, 151_936, None, {"fsdp": 2, "tensor": 2}, 768),  # 3 of 683: 3 of 768, not 4 of 640
         (4, 127, 151_936, None, {}, 127),  # one chunk: the whole sequence, not a tile
