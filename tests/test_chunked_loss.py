@@ -404,7 +404,7 @@ def test_a_chunk_that_is_no_positive_integer_is_refused(chunk):
 @pytest.mark.aot
 def test_on_a_tpu_a_chunk_of_whole_bf16_tiles_reshapes_its_logits_without_a_copy():
     """Why a default chunk is a multiple of ``SUBLANES``: the chunked loss's value and
-    gradient compiled for a v5e (libtpu, deviceless; bfloat16, 8 x 256, vocab 8,192): with
+    gradient compiled for a v5e (libtpu, deviceless; bfloat16, 8 x 256, vocab 2,048): with
     chunks of 37 positions the compiled program copies each chunk's ``[8, 37, vocab]``
     logits into ``[296, vocab]`` (37 rows are no whole number of a bfloat16 tile's 16; on
     the chip, at qwen3-0.6b's 8 x 1024 and 103 positions, 14.4 ms of a 405 ms step), with
@@ -415,7 +415,7 @@ def test_on_a_tpu_a_chunk_of_whole_bf16_tiles_reshapes_its_logits_without_a_copy
     device = topology.devices(topology.get("v5e-1"))[0]
     on_chip = jax.sharding.SingleDeviceSharding(device)
     base = get_config("qwen3-tiny")
-    cfg = base.replace(vocab_size=8192, dtype="bfloat16", param_dtype="bfloat16")
+    cfg = base.replace(vocab_size=2048, dtype="bfloat16", param_dtype="bfloat16")
     graphdef, params, rest = nnx.split(
         nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...
     )
