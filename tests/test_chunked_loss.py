@@ -402,6 +402,7 @@ def test_a_chunk_that_is_no_positive_integer_is_refused(chunk):
 
 
 @pytest.mark.aot
+@pytest.mark.host  # a deviceless compile on the host: no chip runs it
 def test_on_a_tpu_a_chunk_of_whole_bf16_tiles_reshapes_its_logits_without_a_copy():
     """Why a default chunk is a multiple of ``SUBLANES``: the chunked loss's value and
     gradient compiled for a v5e (libtpu, deviceless; bfloat16, 8 x 256, vocab 2,048): with
