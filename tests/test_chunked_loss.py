@@ -352,7 +352,7 @@ def test_images_reach_the_chunked_nll(tmp_path):
 @pytest.mark.host  # arithmetic on shapes: no program
 def test_chunk_length(batch, seq, vocab, chunk, mesh, want):
     """Default: the positions whose float32 logits fit in 512 MiB on one device; evened
-    out over the chunks it takes; a multiple of the axes sharding the sequence; from 64
+    out over the chunks it takes; a multiple of the axes sharding the sequence; from 128
     positions up, the multiple of 128 and of those axes below or above it that pads least,
     else the nearer; under 128, from 16 up, the same among the multiples of 16 and, from
     64, 128 itself; one past the sequence is the sequence."""
