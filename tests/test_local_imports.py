@@ -102,6 +102,17 @@ def test_optional_packages_are_the_extras_groups_and_deptry_ignores_never_a_base
     assert optional["transformers"] == "reference" and optional["torch"] == "DEP001"
     assert "jax" not in optional and "numpy" not in optional  # jax[tpu] is an extra of a base one
     assert set(ALLOW["optional"]) <= set(optional)
+    assert optional["pytest"] == optional["_pytest"] == "test"  # deptry's map: a list
+
+
+def test_a_distribution_deptry_maps_to_several_modules_declares_each():
+    """deptry's ``package_module_name_map`` takes a module or a list of them."""
+    pyproject = {
+        "project": {"dependencies": ["numpy", "Pillow>=10"], "optional-dependencies": {}},
+        "dependency-groups": {"test": ["pytest>=8"], "x": ["numpy"]},
+        "tool": {"deptry": {"package_module_name_map": {"pytest": ["pytest", "_pytest"]}}},
+    }
+    assert local_imports.optional_packages(pyproject) == {"pytest": "test", "_pytest": "test"}
 
 
 def _loaded_by(entry: str) -> set[str]:

@@ -115,17 +115,20 @@ def optional_packages(pyproject: dict) -> dict[str, str]:
     optional extra or a dependency group (deptry's name map applied); a package deptry's
     ``DEP001`` or ``DEP004`` ignores (torch: by hand; pytest's own modules) -> that rule."""
     deptry = pyproject["tool"]["deptry"]
-    renames = deptry["package_module_name_map"]
+    renames = deptry.get("package_module_name_map", {})
 
-    def module(requirement: str) -> str:
+    def modules(requirement: str) -> list[str]:
+        """The import names of ``requirement``'s distribution: deptry's map gives one or a
+        list (pytest: ``pytest`` and ``_pytest``)."""
         dist = re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0]
-        return renames.get(dist, dist.lower().replace("-", "_"))
+        names = renames.get(dist, dist.lower().replace("-", "_"))
+        return [names] if isinstance(names, str) else list(names)
 
-    base = {module(r) for r in pyproject["project"]["dependencies"]}  # jax[tpu] stays base
+    base = {m for r in pyproject["project"]["dependencies"] for m in modules(r)}  # jax[tpu]: base
     found = {}
     groups = {**pyproject["project"]["optional-dependencies"], **pyproject["dependency-groups"]}
     for group, requirements in groups.items():
-        for name in map(module, requirements):
+        for name in (m for r in requirements for m in modules(r)):
             if name not in base:
                 found.setdefault(name, group)
     for rule in ("DEP001", "DEP004"):
