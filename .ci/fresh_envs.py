@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -71,6 +70,9 @@ print(json.dumps(out))
 
 def provided_by_extras() -> dict[str, str]:
     """Top-level import name -> the extra (or 'test' group) that declares it."""
+    sys.path.insert(0, str(ROOT))  # stdlib only: this runs before any environment exists
+    from harness.tools.local_imports import distribution_modules
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     renames = project["tool"]["deptry"]["package_module_name_map"]
     found: dict[str, str] = {}
@@ -78,10 +80,8 @@ def provided_by_extras() -> dict[str, str]:
     groups["test"] = project["dependency-groups"]["test"]
     for extra, requirements in groups.items():
         for requirement in requirements:
-            dist = re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0]
-            module = renames.get(dist, dist.lower().replace("-", "_"))
-            found.setdefault(module, extra)
-    found.setdefault("_pytest", "test")
+            for module in distribution_modules(requirement, renames):  # pytest: and _pytest
+                found.setdefault(module, extra)
     found.setdefault("torch", "reference")  # installed beside the reference extra by hand
     return found
 

@@ -110,6 +110,15 @@ def sites(root: Path = ROOT) -> list[Site]:
     return found
 
 
+def distribution_modules(requirement: str, renames: dict) -> list[str]:
+    """The import names of ``requirement``'s distribution (``jax[tpu]>=0.4`` -> ``jax``):
+    deptry's ``package_module_name_map`` (``renames``) gives one or a list (pytest:
+    ``pytest`` and ``_pytest``); else the distribution's name, lower-cased, ``-`` as ``_``."""
+    dist = re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0]
+    names = renames.get(dist, dist.lower().replace("-", "_"))
+    return [names] if isinstance(names, str) else list(names)
+
+
 def optional_packages(pyproject: dict) -> dict[str, str]:
     """Import name -> where pyproject declares it outside the base dependencies: an
     optional extra or a dependency group (deptry's name map applied); a package deptry's
@@ -117,18 +126,14 @@ def optional_packages(pyproject: dict) -> dict[str, str]:
     deptry = pyproject["tool"]["deptry"]
     renames = deptry.get("package_module_name_map", {})
 
-    def modules(requirement: str) -> list[str]:
-        """The import names of ``requirement``'s distribution: deptry's map gives one or a
-        list (pytest: ``pytest`` and ``_pytest``)."""
-        dist = re.split(r"[\[<>=!~; ]", requirement, maxsplit=1)[0]
-        names = renames.get(dist, dist.lower().replace("-", "_"))
-        return [names] if isinstance(names, str) else list(names)
+    def modules(requirements: list[str]) -> list[str]:
+        return [m for r in requirements for m in distribution_modules(r, renames)]
 
-    base = {m for r in pyproject["project"]["dependencies"] for m in modules(r)}  # jax[tpu]: base
+    base = set(modules(pyproject["project"]["dependencies"]))  # jax[tpu] stays base
     found = {}
     groups = {**pyproject["project"]["optional-dependencies"], **pyproject["dependency-groups"]}
     for group, requirements in groups.items():
-        for name in (m for r in requirements for m in modules(r)):
+        for name in modules(requirements):
             if name not in base:
                 found.setdefault(name, group)
     for rule in ("DEP001", "DEP004"):
