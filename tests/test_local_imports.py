@@ -109,10 +109,26 @@ def test_a_distribution_deptry_maps_to_several_modules_declares_each():
     """deptry's ``package_module_name_map`` takes a module or a list of them."""
     pyproject = {
         "project": {"dependencies": ["numpy", "Pillow>=10"], "optional-dependencies": {}},
-        "dependency-groups": {"test": ["pytest>=8"], "x": ["numpy"]},
+        "dependency-groups": {"test": ["pytest>=8", "pytest-xdist[psutil]>=3.5", "Flax"]},
         "tool": {"deptry": {"package_module_name_map": {"pytest": ["pytest", "_pytest"]}}},
     }
-    assert local_imports.optional_packages(pyproject) == {"pytest": "test", "_pytest": "test"}
+    assert local_imports.optional_packages(pyproject) == {
+        "pytest": "test",
+        "_pytest": "test",
+        "pytest_xdist": "test",
+        "flax": "test",
+    }
+    # no map at all: each distribution its own module; deptry's ignores name the rule
+    pyproject["dependency-groups"]["x"] = ["numpy", "orbax-checkpoint"]  # numpy: a base one
+    pyproject["tool"]["deptry"] = {"per_rule_ignores": {"DEP001": ["torch"], "DEP004": ["a"]}}
+    assert local_imports.optional_packages(pyproject) == {
+        "pytest": "test",
+        "pytest_xdist": "test",
+        "flax": "test",
+        "orbax_checkpoint": "x",
+        "torch": "DEP001",
+        "a": "DEP004",
+    }
 
 
 def _loaded_by(entry: str) -> set[str]:
