@@ -22,6 +22,7 @@ import pytest
 
 from harness.cli import main as harness_main
 from harness.devices import launch
+from tests.processes import alive, gone_within
 
 pytestmark = pytest.mark.host
 
@@ -522,14 +523,6 @@ RANK_WAITS = (
 """A rank that joins the runtime (JAX's preemption notifier then holds SIGTERM) and waits."""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _launched_ranks(n: int) -> tuple[subprocess.Popen, list[int]]:
     """A launcher process of ``n`` waiting ranks, and their pids once each is ready."""
     proc = subprocess.Popen(
@@ -560,15 +553,6 @@ def _launched_ranks(n: int) -> tuple[subprocess.Popen, list[int]]:
     return proc, pids
 
 
-def _gone_within(pids: list[int], seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_ranks_die_with_their_launcher_promptly(sig):
     """A stopped launcher leaves no rank behind: on SIGTERM it stops them and exits 143
@@ -583,7 +567,7 @@ def test_ranks_die_with_their_launcher_promptly(sig):
         if sig == signal.SIGTERM:
             assert time.monotonic() - started < 5
             assert "stopped by SIGTERM; ranks stopped" in proc.stderr.read()
-        assert _gone_within(pids, 5), [p for p in pids if _alive(p)]
+        assert gone_within(pids, 5), [p for p in pids if alive(p)]
     finally:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):

@@ -17,6 +17,7 @@ from harness import cli
 from harness.matrix import entries, envs, matrix, run_cells
 from harness.report import files, html, markdown, report
 from posttrain.training import tunix_compat
+from tests.processes import gone_within
 
 pytestmark = pytest.mark.host
 
@@ -702,25 +703,6 @@ _TREE = (
 )
 
 
-def _gone(pid: int, within: float = 10.0) -> bool:
-    """Whether ``pid`` ends within ``within`` seconds (a zombie nobody reaped has ended
-    too): SIGKILL is delivered at once, but the exit can take a moment on a loaded
-    machine (the gate's, with xdist's other worker busy)."""
-    import time
-
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state == "Z":
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-
-
 def _wait_for(path: Path) -> int:
     import time
 
@@ -742,7 +724,7 @@ def test_a_command_past_its_limit_is_killed_with_what_it_started(tmp_path, monke
     done = envs._run([sys.executable, "-c", _TREE, str(pid_file)])
     assert done.returncode == envs.TIMED_OUT == 124
     assert done.stdout == "started\n"
-    assert _gone(_wait_for(pid_file))
+    assert gone_within([_wait_for(pid_file)], 10)
     assert (
         envs.failure(done)
         == f"TimeoutError: {Path(sys.executable).name} ran past the matrix's 4 s limit on one "
@@ -768,7 +750,7 @@ def test_an_interrupted_wait_kills_the_commands_group_and_re_raises(tmp_path, mo
     monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         envs._run([sys.executable, "-c", _TREE, str(pid_file)])
-    assert waits and _gone(waits[0])
+    assert waits and gone_within(waits, 10)
 
 
 def test_an_interrupt_of_the_side_by_side_cells_kills_every_cells_group(tmp_path, monkeypatch):
@@ -798,5 +780,5 @@ def test_an_interrupt_of_the_side_by_side_cells_kills_every_cells_group(tmp_path
     with pytest.raises(KeyboardInterrupt):
         matrix.run_side_by_side(None, None, {}, envs._run, 2, lambda name, work: work())
     assert time.monotonic() - start < 30  # not the commands' 120 s
-    assert len(grandchildren) == 2 and all(_gone(pid) for pid in grandchildren)
+    assert len(grandchildren) == 2 and gone_within(grandchildren, 10)
     assert not envs._RUNNING
