@@ -47,7 +47,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--warmup-steps": ("value", 5, None, "int", False),
         "--lora-rank": ("value", 0, None, "int", False),
         "--lora-alpha": ("value", None, None, "float", False),
-        "--remat": ("value", "none", ("none", "full", "save_dots", "save_attention"), None, False),
+        "--remat": ("value", "none", ("none", "full", "save_dots"), None, False),
         "--scan": ("flag", None, None, None, False),
         "--attention-kernel": ("value", "xla", ("xla", "splash"), None, False),  # #55
         "--seed": ("value", 0, None, "int", False),
@@ -67,7 +67,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--per-device-batch-size": ("value", 1, None, "int", False),
         "--seq": ("value", 64, None, "int", False),
         "--scan": ("flag", None, None, None, False),
-        "--remat": ("value", "none", ("none", "full", "save_dots", "save_attention"), None, False),
+        "--remat": ("value", "none", ("none", "full", "save_dots"), None, False),
         "--repeats": ("value", 5, None, "int", False),
         "--seed": ("value", 0, None, "int", False),
     },
@@ -165,7 +165,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--warmup-steps": ("value", 5, None, "int", False),
         "--lora-rank": ("value", 0, None, "int", False),
         "--lora-alpha": ("value", None, None, "float", False),
-        "--remat": ("value", "none", ("none", "full", "save_dots", "save_attention"), None, False),
+        "--remat": ("value", "none", ("none", "full", "save_dots"), None, False),
         "--scan": ("flag", None, None, None, False),
         "--attention-kernel": ("value", "xla", ("xla", "splash"), None, False),  # #55
         "--seed": ("value", 0, None, "int", False),
@@ -202,7 +202,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--warmup-steps": ("value", 5, None, "int", False),
         "--lora-rank": ("value", 0, None, "int", False),
         "--lora-alpha": ("value", None, None, "float", False),
-        "--remat": ("value", "none", ("none", "full", "save_dots", "save_attention"), None, False),
+        "--remat": ("value", "none", ("none", "full", "save_dots"), None, False),
         "--scan": ("flag", None, None, None, False),
         "--attention-kernel": ("value", "xla", ("xla", "splash"), None, False),  # #55
         "--seed": ("value", 0, None, "int", False),
@@ -223,7 +223,7 @@ EXPECTED: dict[str, dict[str, tuple]] = {
         "--workflow": ("value", "sft", ("sft", "dpo", "grpo", "generate"), None, False),
         "--lora-rank": ("value", 0, None, "int", False),
         "--qlora": ("value", None, None, None, False),
-        "--remat": ("value", "full", ("none", "full", "save_dots", "save_attention"), None, False),
+        "--remat": ("value", "full", ("none", "full", "save_dots"), None, False),
         "--attention-kernel": ("value", "xla", ("xla", "splash"), None, False),  # #55
         "--per-device-batch-size": ("value", 1, None, "int", False),
         "--batch": ("value", None, None, "int", False),

@@ -188,7 +188,7 @@ def test_json_record_round_trips(tmp_path):
     "changes, message",
     [
         ({"workflow": "ppo"}, "workflow='ppo' must be one of sft, dpo, grpo, generate"),
-        ({"remat": "some"}, "remat='some' must be one of none, full, save_dots, save_attention"),
+        ({"remat": "some"}, "remat='some' must be one of none, full, save_dots"),
         (
             {"attention_kernel": "splash_interpret"},
             "attention_kernel='splash_interpret' must be one of xla, splash",

@@ -41,8 +41,7 @@ def _fake_plan(fits_up_to: dict[str, int], seconds, refuse: set = frozenset(), s
 def test_each_policy_doubles_its_batch_to_the_limit_in_order():
     options = dataclasses.replace(BASE, search=True, search_max_batch=5, remat="full", run_steps=3)
     got = [(c.remat, c.per_device_batch_size) for c in search.candidates(options)]
-    policies = ("none", "save_dots", "save_attention", "full")
-    assert got == [(r, b) for r in policies for b in (1, 2, 4)]
+    assert got == [(r, b) for r in ("none", "save_dots", "full") for b in (1, 2, 4)]
     # each candidate is one plain plan: it neither searches again nor runs steps
     assert all(c.search is False and c.run_steps == 0 for c in search.candidates(options))
     # and keeps what the search does not vary (#55: --attention-kernel splash)
@@ -54,7 +53,7 @@ def test_each_policy_doubles_its_batch_to_the_limit_in_order():
 def test_a_policy_stops_at_its_first_batch_that_does_not_fit():
     seen = []
     plan_fn = _fake_plan(
-        {"none": 2, "save_dots": 8, "save_attention": 2, "full": 64},
+        {"none": 2, "save_dots": 8, "full": 64},
         lambda remat, batch: batch * 0.01,
         refuse={("save_dots", 4)},
         seen=seen,
@@ -67,31 +66,23 @@ def test_a_policy_stops_at_its_first_batch_that_does_not_fit():
         ("save_dots", 1),
         ("save_dots", 2),
         ("save_dots", 4),
-        ("save_attention", 1),
-        ("save_attention", 2),
-        ("save_attention", 4),
         ("full", 1),
         ("full", 2),
         ("full", 4),
         ("full", 8),
     ]
     refused = [c for c in found if not c.fits]
-    assert [(c.remat, c.per_device_batch_size) for c in refused] == [
-        ("none", 4),
-        ("save_dots", 4),
-        ("save_attention", 4),
-    ]
+    assert [(c.remat, c.per_device_batch_size) for c in refused] == [("none", 4), ("save_dots", 4)]
     assert "out of memory" in refused[1].refusal and refused[1].peak_bytes == 0
     assert refused[0].refusal == "peak 4.00 GiB" and refused[0].rows_per_second == 0.0
 
 
 @pytest.mark.host
 def test_the_fastest_has_the_most_rows_a_second_and_a_tie_the_smaller_peak():
-    # none: 200 rows/s at any batch; full: 222/s; save_attention 238/s; save_dots: 250/s
-    # at every batch 1-8, a tie that the smallest peak (batch 1) wins
-    times = {"none": 0.005, "save_dots": 0.004, "save_attention": 0.0042, "full": 0.0045}
-    fits = {"none": 2, "save_dots": 8, "save_attention": 8, "full": 4}
-    plan_fn = _fake_plan(fits, lambda r, b: times[r] * b)
+    # none: 200 rows/s at any batch; full: 222/s; save_dots: 250/s at every batch 1-8,
+    # a tie that the smallest peak (batch 1) wins
+    times = {"none": 0.005, "save_dots": 0.004, "full": 0.0045}
+    plan_fn = _fake_plan({"none": 2, "save_dots": 8, "full": 4}, lambda r, b: times[r] * b)
     found = search.search(dataclasses.replace(BASE, search_max_batch=8), plan_fn)
     best = search.fastest(found)
     assert (best.remat, best.per_device_batch_size) == ("save_dots", 1)  # 250/s, 1 GiB
@@ -102,9 +93,7 @@ def test_the_fastest_has_the_most_rows_a_second_and_a_tie_the_smaller_peak():
 
 @pytest.mark.host
 def test_rows_count_every_data_parallel_device_and_tokens_the_workflows_row():
-    plan_fn = _fake_plan(
-        {"none": 1, "save_dots": 1, "save_attention": 1, "full": 1}, lambda r, b: 0.5
-    )
+    plan_fn = _fake_plan({"none": 1, "save_dots": 1, "full": 1}, lambda r, b: 0.5)
     options = dataclasses.replace(
         BASE, topology="v5e-8", mesh={"data": 2, "fsdp": 2, "tensor": 2}, search_max_batch=1
     )
@@ -118,11 +107,9 @@ def test_rows_count_every_data_parallel_device_and_tokens_the_workflows_row():
 
 @pytest.mark.host
 def test_nothing_fitting_has_no_fastest_and_says_what_to_try():
-    plan_fn = _fake_plan(
-        {"none": 0, "save_dots": 0, "save_attention": 0, "full": 0}, lambda r, b: 1.0
-    )
+    plan_fn = _fake_plan({"none": 0, "save_dots": 0, "full": 0}, lambda r, b: 1.0)
     found = search.search(dataclasses.replace(BASE, search_max_batch=4), plan_fn)
-    assert len(found) == 4 and search.fastest(found) is None
+    assert len(found) == 3 and search.fastest(found) is None
     assert search.advice(found).startswith("no searched setting fits")
 
 
@@ -152,22 +139,18 @@ def test_a_real_search_compiles_each_policy_for_a_v5e_and_names_the_fastest(caps
     options = dataclasses.replace(BASE, search=True, search_max_batch=1, scan_layers=False)
     assert cli.run(options) == 0
     out = capsys.readouterr().out.splitlines()
-    policies = ["none", "save_dots", "save_attention", "full"]
-    rows = [line for line in out if line[2:].split()[:1] in [[p] for p in policies]]
-    assert [r[2:].split()[0] for r in rows] == policies
+    rows = [line for line in out if line[2:].split()[:1] in (["none"], ["save_dots"], ["full"])]
+    assert [r[2:].split()[0] for r in rows] == ["none", "save_dots", "full"]
     assert all(r.endswith("fits") for r in rows) and sum(r.startswith("*") for r in rows) == 1
     assert out[-1].startswith("fastest that fits: --remat ")
 
 
 def _one_of_each(options):
     """none fits one row (0.5 s a row), its two rows do not (2 GiB); save_dots the compiler
-    refuses with a 130-character line, save_attention with a short one; full fits both
-    (1 s a row)."""
+    refuses with a 130-character line; full fits both (1 s a row)."""
     batch = options.per_device_batch_size
     if options.remat == "save_dots":
         raise DoesNotFit("x" * 120 + "0123456789")
-    if options.remat == "save_attention":
-        raise DoesNotFit("temporaries 9G")
     seconds = {"none": 0.5, "full": 1.0}[options.remat] * batch
     fits = options.remat == "full" or batch == 1
     verdict = types.SimpleNamespace(fits=fits, estimate_seconds=seconds, mfu=0.1 * batch)
@@ -183,7 +166,6 @@ def test_each_candidate_holds_its_plans_figures_and_a_refusal_holds_none():
         C("none", 1, True, 2**30, 0.5, 2.0, 0.1),
         C("none", 2, False, 2 * 2**30, 0.0, 0.0, 0.2, "peak 2.00 GiB"),
         C("save_dots", 1, False, 0, 0.0, 0.0, 0.0, "x" * 120 + "0123456789"),
-        C("save_attention", 1, False, 0, 0.0, 0.0, 0.0, "temporaries 9G"),
         C("full", 1, True, 2**30, 1.0, 1.0, 0.1),
         C("full", 2, True, 2 * 2**30, 2.0, 1.0, 0.2),
     ]
@@ -202,9 +184,8 @@ def test_the_table_gives_each_fitting_row_in_gib_ms_tokens_and_percent():
     assert rows[0].split() == ["*", "none", "1", "1.00", "500.0", "32", "10.0%", "fits"]
     assert rows[1].split() == ["none", "2", "does", "not", "fit", "(peak", "2.00", "GiB)"]
     assert rows[2].split() == ["save_dots", "1", "does", "not", "fit", f"({'x' * 120})"]
-    assert rows[3].split() == ["save_attention", "1", "does", "not", "fit", "(temporaries", "9G)"]
-    assert rows[4].split() == ["full", "1", "1.00", "1000.0", "16", "10.0%", "fits"]
-    assert rows[5].split() == ["full", "2", "2.00", "2000.0", "16", "20.0%", "fits"]
+    assert rows[3].split() == ["full", "1", "1.00", "1000.0", "16", "10.0%", "fits"]
+    assert rows[4].split() == ["full", "2", "2.00", "2000.0", "16", "20.0%", "fits"]
     many = [dataclasses.replace(found[0], rows_per_second=1000.0)]
     assert search.table(many, 16).splitlines()[1].split()[5] == "16,000"
     assert search.advice(found) == (
@@ -217,17 +198,10 @@ def test_the_table_gives_each_fitting_row_in_gib_ms_tokens_and_percent():
 def test_a_fitting_plan_without_an_estimate_has_no_rate():
     """A verdict whose compiled costs were all zero (estimate 0 s) fits but has no rows a
     second (no division by zero); the fastest is one that has a rate."""
-    times = {"none": 0.0, "save_dots": 0.5, "save_attention": 0.8, "full": 1.0}
-    plan_fn = _fake_plan(
-        {"none": 1, "save_dots": 1, "save_attention": 1, "full": 1}, lambda r, b: times[r]
-    )
+    times = {"none": 0.0, "save_dots": 0.5, "full": 1.0}
+    plan_fn = _fake_plan({"none": 1, "save_dots": 1, "full": 1}, lambda r, b: times[r])
     found = search.search(dataclasses.replace(BASE, search_max_batch=1), plan_fn)
-    assert [(c.fits, c.rows_per_second) for c in found] == [
-        (True, 0.0),
-        (True, 2.0),
-        (True, 1.25),
-        (True, 1.0),
-    ]
+    assert [(c.fits, c.rows_per_second) for c in found] == [(True, 0.0), (True, 2.0), (True, 1.0)]
     assert search.fastest(found).remat == "save_dots"
 
 

@@ -24,7 +24,7 @@ from posttrain.vision_config import VisionConfig as VisionConfig  # ModelConfig.
 RopeKind = Literal["default", "llama3", "yarn", "proportional"]
 LayerType = Literal["full", "sliding"]
 Activation = Literal["silu", "gelu_tanh", "clamped_swiglu"]
-RematPolicy = Literal["none", "full", "save_dots", "save_attention"]
+RematPolicy = Literal["none", "full", "save_dots"]
 #: the kernels a user picks (``--attention-kernel``); ``splash_interpret`` is for tests
 AttentionKernelChoice = Literal["xla", "splash"]
 AttentionKernel = Literal[AttentionKernelChoice, "splash_interpret"]
@@ -195,10 +195,8 @@ class ModelConfig:
       final_logit_softcap: c in c * tanh(logits / c); ``None`` for none.
       tie_word_embeddings: logits use the embedding table transposed.
       scan_layers: stack layers and run them with ``jax.lax.scan``.
-      remat: ``none``, ``full`` (save nothing), ``save_dots`` (save matmul
-        outputs without batch dims, ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``)
-        or ``save_attention`` (save the attention's query/key/value projections, its
-        output and splash's residuals; :mod:`posttrain.layers.remat`).
+      remat: ``none``, ``full`` (save nothing) or ``save_dots`` (save matmul
+        outputs without batch dims, ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``).
       attention_kernel: ``xla`` (scores materialised, any backend), ``splash`` (JAX's
         Pallas splash attention, a flash kernel: TPU only, :mod:`posttrain.layers.splash`)
         or ``splash_interpret`` (the same kernel run by Pallas' interpreter on any

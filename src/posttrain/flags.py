@@ -9,7 +9,7 @@ field                               flag
 ==================================  =================================================
 ``steps: int = option(60, ...)``    ``--steps N`` (type int, default 60)
 ``lora_alpha: float | None``        ``--lora-alpha X`` (type float, default None)
-``remat: RematPolicy``              ``--remat {none,full,save_dots,save_attention}``
+``remat: RematPolicy``              ``--remat {none,full,save_dots}``
 ``x: Literal[...]``, ``checked``    ``--x {a,b}`` as metavar; ``check()`` rejects others
                                     with its one-line message (argparse's is two lines)
 ``sync_saves: bool = False``        ``--sync-saves`` (store_true)

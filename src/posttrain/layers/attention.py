@@ -13,7 +13,7 @@ from flax import nnx
 
 from posttrain import sharding
 from posttrain.config import AttentionConfig
-from posttrain.layers import kv_cache, remat, splash
+from posttrain.layers import kv_cache, splash
 from posttrain.layers.mlp import (
     add_clip_bounds,
     clip,
@@ -237,10 +237,9 @@ class Attention(nnx.Module):
         """
         cfg = self.cfg
         with jax.named_scope("attention_qkv"):
-            # named for remat's save_attention (its backward needs no projection again)
-            q = remat.name(self.q_proj(x), remat.PROJECTIONS)  # [B, T, N, H]
-            k = remat.name(self.k_proj(x), remat.PROJECTIONS)  # [B, T, K, H]
-            v = k if self.v_proj is None else remat.name(self.v_proj(x), remat.PROJECTIONS)
+            q = self.q_proj(x)  # [B, T, N, H]
+            k = self.k_proj(x)  # [B, T, K, H]
+            v = k if self.v_proj is None else self.v_proj(x)  # [B, T, K, H]
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             if cfg.v_norm:
@@ -274,8 +273,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         if isinstance(mask, splash.SplashMask):  # ModelConfig.attention_kernel splash
             if causal and not sharding.sequence_sharded():
-                out = splash.attend(q, k, v, mask, self._sinks(), cfg.logit_scale)
-                return self.o_proj(remat.name(out, remat.OUTPUT))  # [B, T, N, H]
+                return self.o_proj(splash.attend(q, k, v, mask, self._sinks(), cfg.logit_scale))
             mask = mask.mask  # the kernel cannot: the XLA path (splash's docstring)
         batch, seq = q.shape[:2]
         groups = cfg.num_heads // cfg.num_kv_heads
@@ -298,7 +296,7 @@ class Attention(nnx.Module):
             out = sharding.constrain(
                 out, ("activation_batch", "activation_length", "activation_heads", None)
             )  # [B, T, N, H]
-            return self.o_proj(remat.name(out, remat.OUTPUT))
+            return self.o_proj(out)
 
     def _scores_softmax_out(self, q, k, v, mask):
         """``q`` ``[B, T, K, G, H]`` over float32 ``k``, ``v`` ``[B, S, K, H]`` under ``mask``

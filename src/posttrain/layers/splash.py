@@ -51,7 +51,6 @@ from jax.experimental.pallas.ops.tpu import splash_attention as sa
 from jax.sharding import PartitionSpec as P
 
 from posttrain import sharding
-from posttrain.layers import remat
 
 #: Splash's blocks: the kernel needs multiples of 128 (the TPU's lanes) on the
 #: sequence axes, interpreted or not (segment ids tile by 128). The largest that
@@ -220,7 +219,7 @@ def attend(
     if context is not None and context.mesh.size > 1:
         run = sharded(run, context, q.shape, k.shape, sinks is not None)
     with jax.named_scope("attention_splash"):
-        out = remat.keep_residuals(run)(*args)  # [B, N, T', H]; remat save_attention keeps
+        out = run(*args)  # [B, N, T', H]
     out = jnp.swapaxes(out[:, :, :seq], 1, 2)  # [B, T, N, H]
     out = jnp.where(masks.exact[:, None, None, None], out, jnp.nan)
     return sharding.constrain(

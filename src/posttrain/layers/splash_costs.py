@@ -14,8 +14,7 @@ FLOPs (:func:`block_density`; the kernel skips the blocks its static mask hides)
 - forward (``splash_mha_fwd``): ``q k^T`` and ``p v``: 2;
 - again in the backward pass under remat (``full`` and ``save_dots``: the kernel's
   output is not a dot, so the policy recomputes it; the v5e's profile showed the forward
-  kernel twice a layer; ``save_attention`` keeps its residuals,
-  :mod:`posttrain.layers.remat`): 2;
+  kernel twice a layer): 2;
 - backward: the ``dq`` kernel (``q k^T`` again, ``do v^T``, ``ds k``): 3, and the ``dkv``
   kernel (``q k^T``, ``do v^T``, ``p^T do``, ``ds^T q``): 4.
 
@@ -86,8 +85,7 @@ def uncounted_costs(
     rows = -(-batch // sharding.axis_product(mesh_shape, table.get("activation_batch", ())))
     head_shards = sharding.axis_product(mesh_shape, table.get("activation_heads", ()))
     padded = padded_length(seq)
-    # the forward kernel again under a remat that does not keep its residuals
-    recomputed = backward and cfg.remat not in ("none", "save_attention")
+    recomputed = backward and cfg.remat != "none"  # the forward kernel again, under remat
     passes = FORWARD_PASSES * (2 if recomputed else 1) + (BACKWARD_PASSES if backward else 0)
     itemsize = jnp.dtype(cfg.dtype).itemsize
     flops = moved = 0.0

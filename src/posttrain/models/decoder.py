@@ -33,7 +33,7 @@ from flax import nnx
 
 from posttrain import _compat, sharding
 from posttrain.config import ModelConfig
-from posttrain.layers import kv_cache, remat
+from posttrain.layers import kv_cache
 from posttrain.layers.embeddings import Embed
 from posttrain.layers.norms import RMSNorm
 from posttrain.layers.splash import check_backend
@@ -107,7 +107,11 @@ def _restack(block: DecoderLayer, layer: DecoderLayer, count: int) -> DecoderLay
     return nnx.merge(nnx.graphdef(layer), nnx.from_flat_state(flat))
 
 
-REMAT_POLICIES = remat.POLICIES
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _stacked_layers(cfg: ModelConfig, layer_type: str, count: int, rngs: nnx.Rngs) -> DecoderLayer:

@@ -23,7 +23,7 @@ from posttrain.plan.compile import DoesNotFit
 from posttrain.plan.options import PlanOptions
 
 #: the policies searched, least recomputation first
-REMATS = ("none", "save_dots", "save_attention", "full")
+REMATS = ("none", "save_dots", "full")
 
 
 @dataclasses.dataclass(frozen=True)
