@@ -32,3 +32,26 @@ def tunix_qwen3_config(cfg):
         param_dtype=jnp.dtype(cfg.param_dtype),
         **routed,
     )
+
+
+def tunix_qwen3(cfg, **overrides):
+    """``(Tunix's own Qwen3 in cfg's shape, its mesh)``: built by Tunix (seed 0), each
+    parameter placed by Tunix's own sharding annotations on an ``(fsdp, tp)`` mesh of every
+    device (``fsdp`` all of them). ``overrides``: more ``ModelConfig`` fields (e.g.
+    ``remat_config``, ``use_flash_attention``)."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from tunix.models.qwen3 import model as tunix_qwen3_model
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))
+    config = dataclasses.replace(tunix_qwen3_config(cfg), **overrides)
+    model = tunix_qwen3_model.Qwen3(config, rngs=nnx.Rngs(0))
+    state = nnx.state(model)
+    specs = nnx.get_partition_spec(state)  # from Tunix's sharding annotations
+    place = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    nnx.update(model, jax.tree.map(place, state, specs))
+    return model, mesh

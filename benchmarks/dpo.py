@@ -116,13 +116,8 @@ def _sft_rows(batch: dict, seq: int) -> dict:
 def _trainers(cfg, mesh):
     """``(our DPOTrainer, our SFTTrainer, Tunix's DPOTrainer over its Qwen3, Tunix's
     mesh)``, full fine-tuning with AdamW."""
-    import jax
-    import numpy as np
     import optax
-    from _tunix_models import tunix_qwen3_config
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from tunix.models.qwen3 import model as tunix_qwen3
+    from _tunix_models import tunix_qwen3
     from tunix.sft import peft_trainer
 
     from posttrain import sharding
@@ -157,18 +152,9 @@ def _trainers(cfg, mesh):
             peft_trainer.TrainingConfig(**peft),
             options=options,
         )
-    theirs_mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))
-
-    def tunix_model():
-        model = tunix_qwen3.Qwen3(tunix_qwen3_config(cfg), rngs=nnx.Rngs(0))
-        state = nnx.state(model)
-        specs = nnx.get_partition_spec(state)  # from Tunix's sharding annotations
-        place = lambda x, s: jax.device_put(x, NamedSharding(theirs_mesh, s))  # noqa: E731
-        nnx.update(model, jax.tree.map(place, state, specs))
-        return model
-
+    (their_policy, theirs_mesh), (their_reference, _) = tunix_qwen3(cfg), tunix_qwen3(cfg)
     theirs = tunix_dpo.trainer_class()(
-        tunix_model(), tunix_model(), optax.adamw(1e-4), dpo_config()
+        their_policy, their_reference, optax.adamw(1e-4), dpo_config()
     )
     return ours, sft, theirs, theirs_mesh
 

@@ -4,7 +4,8 @@ Usage::
 
     python benchmarks/sft_step.py --model qwen3-tiny --per-device-batch-size 1 \
         --seq 256 --repeats 30 [--devices 8] [--lora-rank 0] [--grad-accum 1] \
-        [--scan] [--remat none|full|save_dots] [--logit-chunk default,full,512]
+        [--scan] [--remat none|full|save_dots] [--logit-chunk default,full,512] \
+        [--attention-kernel xla|splash] [--baseline our-model|tunix-qwen3]
 
 Both trainers are built on the installed google-tunix (same optimizer, same
 Tunix ``jit_train_and_eval_step``: jit with donation, bound with
@@ -17,6 +18,14 @@ other load slows both alike; the figure is the ratio of medians. Then tokens/s o
 SFTTrainer on the same batch. ``--logit-chunk`` lists forms of our loss
 (``SFTStep.loss_options``: the chunked NLL's default, the full logits, or N positions a
 chunk), each built in turn and timed against the same PeftTrainer.
+
+``--baseline``: PeftTrainer's model. ``our-model`` (default) is ours, the same model:
+the two trainers alone are compared. ``tunix-qwen3`` is Tunix's own Qwen3 in the
+preset's shape, what a Tunix user trains: built and sharded by Tunix (seed 0), its
+``remat_config`` the match of ``--remat`` (``full``: ``DECODER``, the whole layer
+recomputed; ``none``: ``NONE``), its own splash attention (``use_flash_attention``)
+under ``--attention-kernel splash``, and under ``--lora-rank`` Qwix's LoRA on the same
+projections as ours (q/k/v/o and gate/up/down), applied as Tunix's examples do.
 """
 
 from __future__ import annotations
@@ -42,13 +51,43 @@ def _args(argv):
         "--remat", default="none", choices=("none", "full", "save_dots"), help="ModelConfig.remat"
     )
     parser.add_argument(
+        "--attention-kernel",
+        default="xla",
+        choices=("xla", "splash"),
+        help="ModelConfig.attention_kernel (and Tunix's use_flash_attention)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default="our-model",
+        choices=("our-model", "tunix-qwen3"),
+        help="PeftTrainer's model: ours (the trainers alone) or Tunix's own Qwen3",
+    )
+    parser.add_argument(
         "--logit-chunk",
         type=_forms,
         default="default",
         help="our loss's forms, each against PeftTrainer: default (chunked), full (the "
         "whole batch's logits) or N positions a chunk; comma-separated, e.g. default,full,512",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.baseline == "tunix-qwen3" and args.remat not in TUNIX_REMAT:
+        parser.error(f"--remat {args.remat}: Tunix's Qwen3 has none; expected none or full")
+    return args
+
+
+#: --remat -> Tunix's Qwen3 RematConfig name (full: the whole decoder layer, as ours)
+TUNIX_REMAT = {"none": "NONE", "full": "DECODER"}
+
+
+def _config(args):
+    from posttrain.models import get_config
+
+    return get_config(
+        args.model,
+        scan_layers=args.scan,
+        remat=args.remat,
+        attention_kernel=args.attention_kernel,
+    )
 
 
 def _batches(args, batch_size: int):
@@ -71,25 +110,64 @@ def _batches(args, batch_size: int):
 
 
 def _trainer(cls, args, mesh, **kwargs):
-    """``cls`` (our SFTTrainer or Tunix's PeftTrainer) over a fresh model (LoRA if asked)."""
+    """``(cls over a fresh model (LoRA if asked), the mesh its step runs under)``: ``cls``
+    our SFTTrainer or Tunix's PeftTrainer; the mesh ``None`` but for Tunix's Qwen3, whose
+    splash attention reads the mesh of a ``with mesh:`` block."""
     import optax
     from tunix.sft import peft_trainer
 
-    from posttrain.models import build_model, get_config
+    from posttrain.models import build_model
 
-    model = build_model(
-        get_config(args.model, scan_layers=args.scan, remat=args.remat), mesh, seed=0
-    )
-    if args.lora_rank:
-        from posttrain.lora import LoraConfig, apply_lora
+    if cls is peft_trainer.PeftTrainer and args.baseline == "tunix-qwen3":
+        model, own_mesh = _tunix_model(args)  # with Qwix's LoRA under --lora-rank
+    else:
+        own_mesh = None
+        model = build_model(_config(args), mesh, seed=0)
+        if args.lora_rank:
+            from posttrain.lora import LoraConfig, apply_lora
 
-        model = apply_lora(model, mesh, LoraConfig(rank=args.lora_rank, alpha=args.lora_rank))
+            lora = LoraConfig(rank=args.lora_rank, alpha=args.lora_rank)
+            model = apply_lora(model, mesh, lora)
     config = peft_trainer.TrainingConfig(
         eval_every_n_steps=10**9,
         max_steps=10**9,
         gradient_accumulation_steps=args.grad_accum if args.grad_accum > 1 else None,
     )
-    return cls(model, optax.adamw(1e-4), config, **kwargs)
+    return cls(model, optax.adamw(1e-4), config, **kwargs), own_mesh
+
+
+def _tunix_model(args):
+    """``(Tunix's own Qwen3 in args.model's shape, its mesh)``
+    (``benchmarks/_tunix_models.py``), with Qwix's LoRA under ``--lora-rank`` (rank =
+    alpha, ours), as Tunix's examples apply it."""
+    import jax
+    from _tunix_models import tunix_qwen3
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from tunix.models.qwen3 import model as tunix_qwen3_model
+
+    model, mesh = tunix_qwen3(
+        _config(args),
+        remat_config=tunix_qwen3_model.RematConfig[TUNIX_REMAT[args.remat]],
+        use_flash_attention=args.attention_kernel == "splash",
+    )
+    if not args.lora_rank:
+        return model, mesh
+    import qwix
+
+    from posttrain import _compat
+
+    provider = qwix.LoraProvider(
+        module_path=".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)",
+        rank=args.lora_rank,
+        alpha=float(args.lora_rank),
+    )
+    rngs = {"rngs": nnx.Rngs(0)} if _compat.qwix_takes_rngs(qwix.apply_lora_to_model) else {}
+    model = qwix.apply_lora_to_model(model, provider, **model.get_model_input(), **rngs)
+    state = nnx.state(model)  # the adapters placed by their annotations, as the weights
+    place = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    nnx.update(model, jax.tree.map(place, state, nnx.get_partition_spec(state)))
+    return model, mesh
 
 
 def _forms(text: str) -> list[tuple[str, dict]]:
@@ -110,7 +188,9 @@ def _forms(text: str) -> list[tuple[str, dict]]:
     return forms
 
 
-def _time_form(args, mesh, keywords, batches, theirs_step) -> tuple[dict, dict, object]:
+def _time_form(
+    args, mesh, keywords, batches, theirs_step, theirs_placed
+) -> tuple[dict, dict, object]:
     """``(first-call seconds, median seconds, our trainer)`` of our SFTTrainer with the loss
     form ``keywords`` (``SFTStep.loss_options``) beside Tunix's already built step."""
     import jax
@@ -119,8 +199,10 @@ def _time_form(args, mesh, keywords, batches, theirs_step) -> tuple[dict, dict, 
     from posttrain.training.trainer import SFTOptions, SFTTrainer
 
     cls = type("SFTTrainer", (SFTTrainer,), {"loss_options": keywords})
-    ours = _trainer(cls, args, mesh, options=SFTOptions(mesh=mesh))
+    ours, _ = _trainer(cls, args, mesh, options=SFTOptions(mesh=mesh))
     placed = {name: ours._prepare_inputs(batch) for name, batch in batches.items()}
+    if "PeftTrainer" in theirs_placed:  # Tunix's Qwen3: its batch on its own mesh
+        placed["PeftTrainer"] = theirs_placed["PeftTrainer"]
     steps = {"SFTTrainer": ours.jit_train_and_eval_step(False, True)[0], "PeftTrainer": theirs_step}
     runs = {n: lambda s=s, n=n: jax.block_until_ready(s(placed[n])) for n, s in steps.items()}
     compile_s, median = first_and_medians(runs, args.repeats)
@@ -136,6 +218,7 @@ def main(argv=None) -> int:
     import gc
 
     import jax
+    from jax.sharding import NamedSharding, PartitionSpec
     from tunix.sft import peft_trainer
 
     from posttrain import sharding
@@ -146,11 +229,26 @@ def main(argv=None) -> int:
     batches = {"SFTTrainer": ours_batch, "PeftTrainer": tunix_batch}
     tokens = int((ours_batch["segment_ids"] > 0).sum())
     with sharding.use_mesh(mesh):
-        theirs = _trainer(peft_trainer.PeftTrainer, args, mesh)
+        theirs, their_mesh = _trainer(peft_trainer.PeftTrainer, args, mesh)
         theirs_step = theirs.jit_train_and_eval_step(False, True)[0]
+        theirs_placed = {}
+        if their_mesh is not None and args.attention_kernel == "splash":
+            # Tunix's splash path reads the mesh of a `with mesh:` block (its
+            # pxla.thread_resources): traced under its own mesh, fed on it. Without splash
+            # it runs as benchmarks/dpo.py runs Tunix's DPOTrainer, outside any block.
+            rows = NamedSharding(their_mesh, PartitionSpec("fsdp"))
+            on_theirs = {k: jax.device_put(v, rows) for k, v in tunix_batch.items()}
+            theirs_placed["PeftTrainer"] = theirs._prepare_inputs(on_theirs)
+
+            def theirs_step(batch, step=theirs_step):
+                with their_mesh:
+                    return step(batch)
+
         # each loss form in turn, our trainer built for it, beside the same Tunix step
         for i, (form, keywords) in enumerate(args.logit_chunk):
-            compile_s, median, ours = _time_form(args, mesh, keywords, batches, theirs_step)
+            compile_s, median, ours = _time_form(
+                args, mesh, keywords, batches, theirs_step, theirs_placed
+            )
             if i == 0:
                 print(
                     f"model {args.model}, mesh "
@@ -158,6 +256,7 @@ def main(argv=None) -> int:
                     f"batch {batch_size} x {args.seq}, lora_rank {args.lora_rank}, "
                     f"grad_accum {args.grad_accum}, scan {args.scan}, remat {args.remat}, "
                     f"convention {ours.convention.name}, "
+                    f"attention {args.attention_kernel}, PeftTrainer over {args.baseline}, "
                     f"{jax.device_count()} {jax.devices()[0].platform} devices"
                 )
             print(f" our loss: {form} (--logit-chunk)")
