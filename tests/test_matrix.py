@@ -721,7 +721,7 @@ def test_a_command_past_its_limit_is_killed_with_what_it_started(tmp_path, monke
     # gate's, xdist's other worker busy, killed it before the grandchild existed)
     monkeypatch.setattr(envs, "COMMAND_TIMEOUT_S", 4.0)
     pid_file = tmp_path / "grandchild"
-    done = envs._run([sys.executable, "-c", _TREE, str(pid_file)])
+    done = envs.run_command([sys.executable, "-c", _TREE, str(pid_file)])
     assert done.returncode == envs.TIMED_OUT == 124
     assert done.stdout == "started\n"
     assert gone_within([_wait_for(pid_file)], 10)
@@ -730,7 +730,7 @@ def test_a_command_past_its_limit_is_killed_with_what_it_started(tmp_path, monke
         == f"TimeoutError: {Path(sys.executable).name} ran past the matrix's 4 s limit on one "
         "command; killed with what it started"
     )
-    quick = envs._run([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"])
+    quick = envs.run_command([sys.executable, "-c", "import sys; print('out'); sys.exit(3)"])
     assert (quick.returncode, quick.stdout) == (3, "out\n")  # under the limit: as before
 
 
@@ -749,7 +749,7 @@ def test_an_interrupted_wait_kills_the_commands_group_and_re_raises(tmp_path, mo
 
     monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        envs._run([sys.executable, "-c", _TREE, str(pid_file)])
+        envs.run_command([sys.executable, "-c", _TREE, str(pid_file)])
     assert waits and gone_within(waits, 10)
 
 
@@ -778,7 +778,7 @@ def test_an_interrupt_of_the_side_by_side_cells_kills_every_cells_group(tmp_path
     monkeypatch.setattr(concurrent.futures.Future, "result", interrupted)
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        matrix.run_side_by_side(None, None, {}, envs._run, 2, lambda name, work: work())
+        matrix.run_side_by_side(None, None, {}, envs.run_command, 2, lambda name, work: work())
     assert time.monotonic() - start < 30  # not the commands' 120 s
     assert len(grandchildren) == 2 and gone_within(grandchildren, 10)
     assert not envs._RUNNING

@@ -42,7 +42,7 @@ from harness.bisect.git_history import (
 )
 from harness.matrix import matrix, run_cells, sources
 from harness.matrix.entries import CONVENTIONS, REPO, TEST_TOOLS, Entry
-from harness.matrix.envs import EnvCache, EnvResult, Runner, _run, first_error
+from harness.matrix.envs import EnvCache, EnvResult, Runner, first_error, run_command
 from harness.report.report import RUN_CELLS, STATUSES
 from posttrain import atomic
 
@@ -163,7 +163,7 @@ class Stepper:
         verdict: Literal["fail", "warn"] = "fail",
         cache: EnvCache,
         work: Path,
-        runner: Runner = _run,
+        runner: Runner = run_command,
         log: Callable[[str], None] = print,
     ) -> None:
         self.repo, self.target, self.package, self.verdict = repo, target, package, verdict

@@ -83,7 +83,9 @@ COMMAND_TIMEOUT_S = 1800.0
 TIMED_OUT = 124
 
 
-def _run(command: Sequence[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_command(
+    command: Sequence[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """``command``'s output and exit status; past :data:`COMMAND_TIMEOUT_S` its process
     group is killed (it runs in a session of its own: pytest's xdist workers and the
     cells' ``posttrain`` processes go with it) and the status is :data:`TIMED_OUT`, the
@@ -130,7 +132,7 @@ def _start(command: Sequence[str], env: dict[str, str] | None) -> subprocess.Pop
 
 
 def kill_running() -> None:
-    """Kills the process group of every command :func:`_run` is waiting on, in any
+    """Kills the process group of every command :func:`run_command` is waiting on, in any
     thread: what an interrupt of the thread that waits for them must do (the run cells go
     side by side in a pool; Ctrl-C reaches only the main thread)."""
     with _LOCK:
@@ -198,7 +200,7 @@ def first_error(text: str) -> str:
 class EnvCache:
     """Environments keyed by :func:`env_key` under ``root``."""
 
-    def __init__(self, root: Path = DEFAULT_CACHE, run: Runner = _run) -> None:
+    def __init__(self, root: Path = DEFAULT_CACHE, run: Runner = run_command) -> None:
         self.root = Path(root)
         self.run = run
 
@@ -284,7 +286,7 @@ class EnvCache:
         return None
 
 
-def versions(python: Path, run: Runner = _run) -> dict[str, str]:
+def versions(python: Path, run: Runner = run_command) -> dict[str, str]:
     """Installed versions of the report's distributions in the env."""
     code = (
         "import importlib.metadata as m, json\n"

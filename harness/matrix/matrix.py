@@ -52,9 +52,9 @@ from harness.matrix.envs import (
     EnvCache,
     EnvResult,
     Runner,
-    _run,
     first_error,
     kill_running,
+    run_command,
     versions,
 )
 from harness.matrix.progress import Progress
@@ -140,7 +140,9 @@ def run(
             f"{'env error: ' + env.error if env.error else 'running contracts and ' + cells}"
             f" ({'built' if env.built else 'cached'} in {env.seconds:.0f} s)"
         )
-        row = run_entry(entry, env, report_dir, jobs, run=runner or _run, phase=progress.phase)
+        row = run_entry(
+            entry, env, report_dir, jobs, run=runner or run_command, phase=progress.phase
+        )
         rows.append(row)
         cells = [*row["contracts"].values(), *(row[c] for c in run_cells.CELLS if row.get(c))]
         bad = [c for c in cells if c["status"] in ("failed", "error")]
@@ -167,7 +169,7 @@ def run_entry(
     env: EnvResult,
     report_dir: Path,
     jobs: str,
-    run: Runner = _run,
+    run: Runner = run_command,
     phase: Callable[[str], None] = lambda _: None,
 ) -> dict[str, Any]:
     """Contracts and the SFT run of one entry in its env; the report row. ``phase`` hears
