@@ -44,14 +44,22 @@ def tunix_qwen3(cfg, **overrides):
     import jax
     import numpy as np
     from flax import nnx
-    from jax.sharding import NamedSharding
     from tunix.models.qwen3 import model as tunix_qwen3_model
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))
     config = dataclasses.replace(tunix_qwen3_config(cfg), **overrides)
     model = tunix_qwen3_model.Qwen3(config, rngs=nnx.Rngs(0))
-    state = nnx.state(model)
-    specs = nnx.get_partition_spec(state)  # from Tunix's sharding annotations
-    place = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
-    nnx.update(model, jax.tree.map(place, state, specs))
+    place_by_annotations(model, mesh)
     return model, mesh
+
+
+def place_by_annotations(model, mesh) -> None:
+    """Places each of ``model``'s variables on ``mesh`` as its own sharding annotations say
+    (``nnx.get_partition_spec``: Tunix's axis names, Qwix's adapters' too), in place."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    state = nnx.state(model)
+    place = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
+    nnx.update(model, jax.tree.map(place, state, nnx.get_partition_spec(state)))

@@ -72,6 +72,8 @@ def _args(argv):
     args = parser.parse_args(argv)
     if args.baseline == "tunix-qwen3" and args.remat not in TUNIX_REMAT:
         parser.error(f"--remat {args.remat}: Tunix's Qwen3 has none; expected none or full")
+    if args.baseline == "tunix-qwen3" and not args.model.startswith("qwen3"):
+        parser.error(f"--model {args.model}: Tunix's Qwen3 takes a qwen3 or qwen3_moe preset")
     return args
 
 
@@ -140,10 +142,8 @@ def _tunix_model(args):
     """``(Tunix's own Qwen3 in args.model's shape, its mesh)``
     (``benchmarks/_tunix_models.py``), with Qwix's LoRA under ``--lora-rank`` (rank =
     alpha, ours), as Tunix's examples apply it."""
-    import jax
-    from _tunix_models import tunix_qwen3
+    from _tunix_models import place_by_annotations, tunix_qwen3
     from flax import nnx
-    from jax.sharding import NamedSharding
     from tunix.models.qwen3 import model as tunix_qwen3_model
 
     model, mesh = tunix_qwen3(
@@ -164,9 +164,7 @@ def _tunix_model(args):
     )
     rngs = {"rngs": nnx.Rngs(0)} if _compat.qwix_takes_rngs(qwix.apply_lora_to_model) else {}
     model = qwix.apply_lora_to_model(model, provider, **model.get_model_input(), **rngs)
-    state = nnx.state(model)  # the adapters placed by their annotations, as the weights
-    place = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))  # noqa: E731
-    nnx.update(model, jax.tree.map(place, state, nnx.get_partition_spec(state)))
+    place_by_annotations(model, mesh)  # the adapters placed as the weights are
     return model, mesh
 
 
