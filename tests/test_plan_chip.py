@@ -27,6 +27,19 @@ DONATED = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e_donated.jso
 #: steps of configurations outside the five the v5e's efficiencies were fitted to
 #: (topology.CHIPS), run after the fit: batch 8 x 1024, full and LoRA, XLA and splash
 HELD_OUT = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e_heldout.json").read_text())
+#: full SFT of qwen3-0.6b at 4 and 8 x 1024 after the chunk-length fix (8 chunks of 128 at 8 x
+#: 1024), as `posttrain sft` ran them on a v5e (the kit's memprobe: median step of 2-6, in
+#: use + reserved), beside the plan of the same settings compiled deviceless (docs/scale.md)
+SFT = json.loads((pathlib.Path(__file__).parent / "plan_chip_v5e_sft.json").read_text())
+#: SFT's records whose step ran faster than the plan's calibration says: fitted to the
+#: programs before the chunk-length fix, it puts their MFU 16-26% low (the best two
+#: parameters for all thirteen records still miss one by 19%: docs/scale.md). Strict: a
+#: calibration that meets them turns these into failures to remove.
+MFU_BELOW_THE_CHIPS = {
+    "--remat full --per-device-batch-size 8 --attention-kernel splash": "-26.4%",
+    "--remat full --per-device-batch-size 8": "-16.5%",
+    "--remat full --per-device-batch-size 16 --attention-kernel splash": "-22.1%",
+}
 FIGURE_FIELDS = [f.name for f in dataclasses.fields(report.Figures)]
 # the issue's bounds: the peak within 5% of the chip's, the MFU within 15% of the chip's
 PEAK_ERROR, MFU_ERROR = 0.05, 0.15
@@ -51,11 +64,23 @@ def _figures(record: dict) -> report.Figures:
     return figures
 
 
+def _id(record: dict) -> str:
+    """The record's options after the topology (and ``--run-steps N``)."""
+    parts = re.split(r"--run-steps \d+ ", record["command"])
+    return parts[1] if len(parts) > 1 else record["command"].split("--lora-rank 0 ")[1]
+
+
 def _case(record: dict, marks=()):
-    return pytest.param(record, id=re.split(r"--run-steps \d+ ", record["command"])[1], marks=marks)
+    return pytest.param(record, id=_id(record), marks=marks)
 
 
-@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED + HELD_OUT])
+def _mfu_case(record: dict):
+    off = MFU_BELOW_THE_CHIPS.get(_id(record)) if record in SFT else None
+    reason = f"the plan's MFU {off} off the chip's (MFU_BELOW_THE_CHIPS)"
+    return _case(record, marks=[pytest.mark.xfail(strict=True, reason=reason)] if off else [])
+
+
+@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED + HELD_OUT + SFT])
 def test_the_plans_peak_is_within_5_percent_of_the_chips(record):
     """On each configuration the chip ran, the peak within 5% of the chip's
     peak_bytes_in_use + peak_bytes_reserved, the capacity the runtime's bytes_limit. The
@@ -80,7 +105,7 @@ def test_the_plans_peak_is_within_5_percent_of_what_a_ballast_probe_left(record)
     assert summed - used > PEAK_ERROR * used, (summed, used)
 
 
-@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED + HELD_OUT])
+@pytest.mark.parametrize("record", [_mfu_case(r) for r in RECORDS + DONATED + HELD_OUT + SFT])
 def test_the_plans_mfu_is_within_15_percent_of_the_chips(record):
     """On each configuration the chip ran: the floor at or below the measured step, the
     estimated MFU within 15% of the measured one. The v5e's efficiencies were fitted to
@@ -95,7 +120,7 @@ def test_the_plans_mfu_is_within_15_percent_of_the_chips(record):
     assert abs(verdict.mfu - mfu) <= MFU_ERROR * mfu, (verdict.mfu, mfu)
 
 
-@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED + HELD_OUT])
+@pytest.mark.parametrize("record", [_case(r) for r in RECORDS + DONATED + HELD_OUT + SFT])
 def test_the_floor_is_at_or_below_every_step_the_chip_ran(record):
     """The floor holds where the estimate does not: the donated step too (splash attention,
     remat save_dots), and the chip gave the runtime the v5e table's HBM."""
