@@ -207,6 +207,27 @@ def _time_form(
     return compile_s, median, ours
 
 
+def _on_own_mesh(args, theirs, theirs_step, their_mesh, tunix_batch) -> tuple:
+    """``(Tunix's step, {"PeftTrainer": its placed batch} or {})``: Tunix's Qwen3 with its
+    own splash traced under its own mesh and fed on it; otherwise the step as it is."""
+    if their_mesh is None or args.attention_kernel != "splash":
+        # without splash Tunix's Qwen3 runs as benchmarks/dpo.py runs Tunix's DPOTrainer,
+        # outside any mesh block
+        return theirs_step, {}
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    # Tunix's splash path reads the mesh of a `with mesh:` block (pxla.thread_resources)
+    rows = NamedSharding(their_mesh, PartitionSpec("fsdp"))
+    on_theirs = {k: jax.device_put(v, rows) for k, v in tunix_batch.items()}
+
+    def step(batch, step=theirs_step):
+        with their_mesh:
+            return step(batch)
+
+    return step, {"PeftTrainer": theirs._prepare_inputs(on_theirs)}
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     from _timing import fake_devices
@@ -216,7 +237,6 @@ def main(argv=None) -> int:
     import gc
 
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec
     from tunix.sft import peft_trainer
 
     from posttrain import sharding
@@ -228,20 +248,8 @@ def main(argv=None) -> int:
     tokens = int((ours_batch["segment_ids"] > 0).sum())
     with sharding.use_mesh(mesh):
         theirs, their_mesh = _trainer(peft_trainer.PeftTrainer, args, mesh)
-        theirs_step = theirs.jit_train_and_eval_step(False, True)[0]
-        theirs_placed = {}
-        if their_mesh is not None and args.attention_kernel == "splash":
-            # Tunix's splash path reads the mesh of a `with mesh:` block (its
-            # pxla.thread_resources): traced under its own mesh, fed on it. Without splash
-            # it runs as benchmarks/dpo.py runs Tunix's DPOTrainer, outside any block.
-            rows = NamedSharding(their_mesh, PartitionSpec("fsdp"))
-            on_theirs = {k: jax.device_put(v, rows) for k, v in tunix_batch.items()}
-            theirs_placed["PeftTrainer"] = theirs._prepare_inputs(on_theirs)
-
-            def theirs_step(batch, step=theirs_step):
-                with their_mesh:
-                    return step(batch)
-
+        step = theirs.jit_train_and_eval_step(False, True)[0]
+        theirs_step, theirs_placed = _on_own_mesh(args, theirs, step, their_mesh, tunix_batch)
         # each loss form in turn, our trainer built for it, beside the same Tunix step
         for i, (form, keywords) in enumerate(args.logit_chunk):
             compile_s, median, ours = _time_form(
