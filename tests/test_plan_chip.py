@@ -75,7 +75,7 @@ def _case(record: dict, marks=()):
 
 
 def _mfu_case(record: dict):
-    off = MFU_BELOW_THE_CHIPS.get(_id(record)) if record in SFT else None
+    off = MFU_BELOW_THE_CHIPS.get(_id(record))
     reason = f"the plan's MFU {off} off the chip's (MFU_BELOW_THE_CHIPS)"
     return _case(record, marks=[pytest.mark.xfail(strict=True, reason=reason)] if off else [])
 

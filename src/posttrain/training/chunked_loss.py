@@ -133,12 +133,13 @@ def chunk_length(
     if not default or length >= seq:
         return length
     tile = math.lcm(TILE, split)
-    quantum = tile if length >= tile else math.lcm(SUBLANES, split)
+    under_a_tile = length < tile
+    quantum = math.lcm(SUBLANES, split) if under_a_tile else tile
     if length < quantum:
         return length  # fewer positions than a tile's rows fit: the budget decides
     below = length // quantum * quantum
     candidates = [below, below + quantum]
-    if quantum < tile and 2 * length >= tile:
+    if under_a_tile and 2 * length >= tile:
         candidates.append(tile)  # at most twice the budget
     # the one that pads the sequence least, then the nearer; one past the sequence is the
     # sequence rounded up to its shards (one chunk)
