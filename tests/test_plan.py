@@ -99,10 +99,12 @@ def test_a_program_exactly_the_size_of_hbm_fits_and_an_empty_one_has_no_mfu():
     v5p = topology.get("v5p-8")
     exact = report.judge(_figures(temporaries=84 * topology.GIB), v5p)  # 10 + 3 - 2 + 84
     assert exact.fits and exact.headroom == 0
-    empty = report.judge(_figures(flops=0.0, bytes_accessed=0.0), v5p)
-    assert empty.estimate_seconds == 0.0 and empty.mfu == 0.0
-    # nothing computed, but the state is still read and written once: 10 + 3 GiB
+    empty = report.judge(_figures(flops=0.0, bytes_accessed=0.0, model_flops=0.0), v5p)
+    assert empty.mfu == 0.0
+    # nothing computed, but the state is still read and written once: 10 + 3 GiB; no
+    # estimate is under the floor
     assert empty.floor_seconds == pytest.approx(13 * topology.GIB / 2765e9)
+    assert empty.estimate_seconds == empty.floor_seconds
 
 
 @pytest.mark.parametrize("live", [1, 7 * topology.GIB], ids=["one-byte", "7GiB"])
@@ -131,27 +133,69 @@ def test_verdict_headroom_and_mfu():
     assert not over.fits and over.headroom == -topology.GIB
 
 
-def test_a_calibrated_chip_runs_flops_at_its_efficiency_and_bytes_at_its_share():
-    """v5e (measured: FLOPs at 0.42 of 197e12, 0.70 of the accessed bytes at 819e9 B/s):
-    the estimate is the larger term, named by ``bound``; the floor keeps every FLOP at
-    peak; the MFU is model FLOPs over the estimate at peak."""
+def test_a_calibrated_chip_runs_model_flops_at_its_efficiency_and_bytes_at_its_share():
+    """v5e (measured: the model's FLOPs, attention's included, at 0.395 of 197e12; 0.64 of
+    the accessed bytes at 819e9 B/s): the estimate is the larger term, named by ``bound``,
+    and never under the floor, which keeps every compiled FLOP at peak; the MFU is model
+    FLOPs over the estimate at peak. The compiled FLOPs (a remat's recomputed forward
+    among them) set only the floor."""
     v5e = topology.get("v5e-1")
-    compute = report.judge(_figures(flops=197e12 * 0.42, bytes_accessed=819e9), v5e)
+    second = 197e12 * 0.395  # model FLOPs the v5e runs in a second
+    compute = report.judge(_figures(flops=1e12, bytes_accessed=819e9, model_flops=second), v5e)
     assert compute.bound == "compute" and compute.estimate_seconds == pytest.approx(1.0)
-    assert compute.floor_seconds == pytest.approx(0.42)
-    assert compute.mfu == pytest.approx(4.59e12 * 4 / 197e12)
-    memory = report.judge(_figures(flops=1e12, bytes_accessed=819e9 * 2), v5e)
-    assert memory.bound == "memory" and memory.estimate_seconds == pytest.approx(1.4)
-    # compute-bound, the MFU is the efficiency x model / compiled FLOPs, at any scale
-    tiny = report.judge(_figures(flops=0.3, bytes_accessed=0, model_flops=0.3), v5e)
-    assert tiny.mfu == pytest.approx(0.42)
-    assert report.judge(_figures(flops=0, bytes_accessed=0), v5e).mfu == 0.0
+    assert compute.floor_seconds == pytest.approx(13 * topology.GIB / 819e9)  # the state
+    assert compute.mfu == pytest.approx(0.395)
+    halves = _figures(
+        flops=1e12, bytes_accessed=819e9, model_flops=second / 2, attention_flops=second / 2
+    )
+    split = report.judge(halves, v5e)  # attention's FLOPs take their time, not the MFU's
+    assert split.estimate_seconds == pytest.approx(1.0) and split.mfu == pytest.approx(0.1975)
+    recomputed = report.judge(
+        _figures(flops=197e12 * 0.9, bytes_accessed=819e9, model_flops=second), v5e
+    )
+    assert recomputed.estimate_seconds == pytest.approx(1.0)  # 0.9 s of FLOPs at peak
+    floored = report.judge(
+        _figures(flops=197e12 * 2, bytes_accessed=819e9, model_flops=second), v5e
+    )
+    assert floored.estimate_seconds == pytest.approx(2.0) == floored.floor_seconds
+    memory = report.judge(_figures(flops=1e12, bytes_accessed=819e9 * 2, model_flops=1e12), v5e)
+    assert memory.bound == "memory" and memory.estimate_seconds == pytest.approx(1.28)
+    assert report.judge(_figures(flops=0, bytes_accessed=0, model_flops=0), v5e).mfu == 0.0
+    # at any scale: 0.3 FLOPs and no bytes (an estimate far under a second's FLOPs)
+    stateless = dict(arguments=0, outputs=0, bytes_accessed=0)
+    tiny = report.judge(_figures(flops=0.3, model_flops=0.3, **stateless), v5e)
+    assert tiny.mfu == pytest.approx(0.395) and tiny.bound == "compute"
+    nothing = report.judge(_figures(flops=0, model_flops=0, **stateless), v5e)
+    assert nothing.estimate_seconds == 0.0 and nothing.mfu == 0.0  # no division by zero
     with pytest.raises(ValueError, match="must be >= 0"):  # the roofline's own refusal
         report.judge(_figures(flops=-1.0), v5e)
-    assert "FLOPs at 0.42 of peak, measured on a v5e" in report.calibration(v5e)
+    assert "model FLOPs at 0.395 of peak, measured on a v5e" in report.calibration(v5e)
     assert (
         report.calibration(topology.get("v5p-8")) == "uncalibrated: no chip of this kind measured"
     )
+
+
+def test_attention_flops_count_each_layers_keys_forward_and_backward():
+    """PaLM's ``12 L H Q T`` a token for a train step (``4`` forward), ``T`` the keys a
+    query attends: all of a full layer's, at most the window of a sliding one."""
+    from posttrain.models.presets import get_config
+    from posttrain.plan.abstract import attention_flops
+
+    qwen = get_config("qwen3-0.6b")  # 28 full layers, 16 heads of 128
+    assert attention_flops(qwen, 8, 1024, backward=True) == 12 * 28 * 16 * 128 * 1024 * 8 * 1024
+    assert attention_flops(qwen, 2, 512, backward=False) == 4 * 28 * 16 * 128 * 512 * 2 * 512
+    gpt = get_config("gpt_oss-tiny")  # a sliding layer (window 8) and a full one
+    sliding, full = (gpt.attention[t] for t in ("sliding", "full"))
+    assert sliding.sliding_window == 8
+    per_key = 4 * sliding.num_heads * sliding.head_dim  # both types have the same heads here
+    assert per_key == 4 * full.num_heads * full.head_dim
+    assert attention_flops(gpt, 3, 32, backward=False) == per_key * (8 + 32) * 3 * 32
+    assert attention_flops(gpt, 3, 5, backward=False) == per_key * (5 + 5) * 3 * 5
+    assert attention_flops(qwen, 1, 1, backward=False) == 4 * 28 * 16 * 128  # the edge: one token
+    with pytest.raises(ValueError, match="rows=0 and seq=16 must be >= 1"):
+        attention_flops(qwen, 0, 16, backward=True)
+    with pytest.raises(ValueError, match="rows=1 and seq=0 must be >= 1"):
+        attention_flops(qwen, 1, 0, backward=True)
 
 
 @pytest.mark.parametrize("efficiency", [0.0, -0.1, 1.01])
@@ -387,9 +431,10 @@ def test_a_workflow_fits_only_when_each_program_does():
     assert verdict.floor_seconds == pytest.approx(0.02)
     swapped = report.judge_stages({"rollout": train, "train step": rollout}, v5p)
     assert swapped.stage == "train step"  # the tightest, whatever the names' order
-    idle = _figures(flops=0.0, bytes_accessed=0.0)
+    idle = _figures(flops=0.0, bytes_accessed=0.0, model_flops=0.0)
     nothing = report.judge_stages({"a": idle, "b": idle}, v5p)
-    assert nothing.estimate_seconds == 0.0 and nothing.mfu == 0.0 and nothing.fits
+    assert nothing.mfu == 0.0 and nothing.fits
+    assert nothing.estimate_seconds == pytest.approx(2 * 13 * topology.GIB / 2765e9)  # floors
     alone = report.judge_stages({"train step": train}, v5p)
     assert alone == report.judge(train, v5p)  # one program: the single-program verdict
     held = _figures(resident=80 * topology.GIB)  # another model held beside it
@@ -436,6 +481,9 @@ def test_the_record_carries_the_options_and_the_figures(small_plan):
     rec = small_plan.record()
     assert rec["options"] == dataclasses.asdict(small_plan.options)
     assert rec["arguments"] == small_plan.figures.arguments and rec["chips"] == 4
+    # attention's FLOPs reach the record: 1 layer, 16 heads of 128, 4 rows x 64 tokens,
+    # 64 keys each, 4 FLOPs a (key, head dim) pair forward and 8 backward
+    assert rec["attention_flops"] == 12 * 16 * 128 * 64 * (4 * 64)
     assert "peak per device" in small_plan.table()
 
 
@@ -606,6 +654,7 @@ def test_grpo_runs_the_old_policy_forward_only_above_one_iteration():
     assert two["train step"].kinds["inputs"] == one["train step"].kinds["inputs"] + logps
     old, ref = two["old-policy forward"], two["reference forward"]
     assert old.model_flops == ref.model_flops and old.kinds["inputs"] == ref.kinds["inputs"]
+    assert old.attention_flops == ref.attention_flops > 0
 
 
 @pytest.mark.slow
@@ -774,6 +823,10 @@ def test_workflow_steps_count_the_trained_parameters_their_moments_and_gradients
         # model FLOPs on the same tokens: 6 N (4 N with LoRA) against the forward's 2 N
         forward = programs["reference forward"].model_flops
         assert programs["train step"].model_flops == (2 if rank else 3) * forward > 0
+        # attention's own: forward and backward (3x) with LoRA too (its activations'
+        # gradients go through every attention matmul)
+        attention = programs["reference forward"].attention_flops
+        assert programs["train step"].attention_flops == 3 * attention > 0
     with pytest.raises(ValueError, match="batch=6 rows must divide by the data-parallel size 4"):
         plan_compile.build_programs(dataclasses.replace(options, batch=6), topo)
 

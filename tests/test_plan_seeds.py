@@ -134,4 +134,7 @@ def test_extrapolated_depth_against_the_full_compile():
     assert fast.arguments == pytest.approx(full.arguments, rel=0.01)
     assert fast.outputs == pytest.approx(full.outputs, rel=0.01)
     assert fast.flops == pytest.approx(full.flops, rel=0.01)
+    # the model's and attention's FLOPs: linear in depth, so the line is exact
+    assert fast.model_flops == pytest.approx(full.model_flops, rel=1e-9)
+    assert fast.attention_flops == pytest.approx(full.attention_flops, rel=1e-9) > 0
     assert fast.temporaries < full.temporaries  # what the line misses: say so, not hide it

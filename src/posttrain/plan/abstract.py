@@ -91,3 +91,30 @@ def active_matmul_params(model: CausalLM) -> float:
             n *= cfg.moe.top_k / cfg.moe.num_experts
         total += n
     return total
+
+
+def attention_flops(cfg: ModelConfig, rows: int, seq: int, *, backward: bool) -> float:
+    """Attention's own matmul FLOPs over ``[rows, seq]`` tokens (whole slice): per layer
+    and token, ``q k^T`` and ``p v`` over the keys it attends, ``4 x num_heads x head_dim x
+    keys`` forward and twice that backward, with ``keys`` = ``seq`` (a full layer; the
+    causal mask's unseen half counted, as PaLM's ``12 L H Q T`` counts it: Chowdhery et
+    al. 2022, appendix B) or ``min(seq, sliding_window)`` (a local layer). The term
+    :func:`active_matmul_params`' ``6 N`` leaves out; the plan's step estimate runs both
+    at the chip's rate (:func:`posttrain.plan.report.judge`).
+
+    Args:
+      cfg: the model (its ``layer_types`` and each type's ``attention``).
+      rows, seq: the step's rows and tokens per row.
+      backward: a train step (forward and backward, 3x); else a forward.
+
+    Raises:
+      ValueError: ``rows`` or ``seq`` < 1.
+    """
+    if rows < 1 or seq < 1:
+        raise ValueError(f"rows={rows} and seq={seq} must be >= 1")
+    per_token = 0.0
+    for layer_type in cfg.layer_types:
+        attn = cfg.attention[layer_type]
+        keys = seq if attn.sliding_window is None else min(seq, attn.sliding_window)
+        per_token += 4.0 * attn.num_heads * attn.head_dim * keys
+    return per_token * (3 if backward else 1) * rows * seq

@@ -167,7 +167,12 @@ def _compile(program, mesh, what: str, topo, advice: str, *, deviceless: bool = 
         ) from None
     seconds = time.perf_counter() - start
     figures = report.figures_of(
-        compiled, program.kinds, program.model_flops, seconds, program.resident
+        compiled,
+        program.kinds,
+        program.model_flops,
+        seconds,
+        program.resident,
+        program.attention_flops,
     )
     flops, moved = program.uncounted
     if flops or moved:

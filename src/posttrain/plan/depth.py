@@ -120,6 +120,7 @@ def extrapolated_figures(options: PlanOptions) -> tuple[str, dict[str, Figures]]
             **{f: line(getattr(a, f), getattr(b, f)) for f in _MEMORY_FIELDS},
             kinds={k: line(a.kinds[k], b.kinds[k]) for k in a.kinds},
             model_flops=float(line(a.model_flops, b.model_flops)),
+            attention_flops=float(line(a.attention_flops, b.attention_flops)),
             compile_seconds=a.compile_seconds + b.compile_seconds,
         )
 

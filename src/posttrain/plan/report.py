@@ -22,10 +22,16 @@ Time (Williams et al. 2009, "Roofline"), per device:
   runs faster (every FLOP at peak; the state read and written once). Not
   ``cost_analysis()``'s bytes accessed, which counts traffic that stays on the chip: on
   a v5e its roofline read 639.5 ms for a step that ran in 556 ms (issue 54);
-- the estimate, ``max(FLOPs / (peak x flop_efficiency), bytes accessed x hbm_share /
-  bandwidth)``, the chip's efficiencies measured (:class:`~posttrain.plan.topology.Chip`),
-  and its MFU: the model FLOPs (:class:`~posttrain.plan.steps.Program`) over ``estimate x
-  peak x chips``.
+- the estimate, ``max((model + attention FLOPs) / (peak x flop_efficiency), bytes
+  accessed x hbm_share / bandwidth, the floor)``, the chip's efficiencies measured
+  (:class:`~posttrain.plan.topology.Chip`), and its MFU: the model FLOPs
+  (:class:`~posttrain.plan.steps.Program`) over ``estimate x peak x chips``. The model's
+  FLOPs (``6 N`` a token, and attention's ``12 L H Q T``: PaLM's count, Chowdhery et al.
+  2022, appendix B), not the compiled ones: a rematerialised step's recomputed forward is
+  in the compiled FLOPs, and on the v5e it cost far less than its share of them (remat
+  full ran 47% more FLOPs than none at about the same time a token). At the compiled
+  FLOPs the best two efficiencies missed one of thirteen chip steps by 18.5% (a fit
+  leaving each out: 40%); at the model's, 14.8% (19.3%), docs/scale.md.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ class Figures:
         ``gradients``, ``inputs``, ``KV cache``).
       flops, bytes_accessed: ``cost_analysis()`` per device.
       model_flops: the step's model FLOPs, whole slice.
+      attention_flops: attention's own matmul FLOPs, whole slice
+        (:func:`posttrain.plan.abstract.attention_flops`; 0 in records from before it).
       compile_seconds: ``lower`` + ``compile`` wall time (every compile the figures
         needed).
       cost_source: where ``flops`` and ``bytes_accessed`` come from (``compiled``, or the
@@ -91,6 +99,7 @@ class Figures:
     bytes_accessed: float
     model_flops: float
     compile_seconds: float
+    attention_flops: float = 0.0
     cost_source: str = "compiled"
     resident: int = 0
     live_peak: int = 0
@@ -125,9 +134,15 @@ def memory_of(compiled) -> dict[str, int]:
 
 
 def figures_of(
-    compiled, kinds: dict, model_flops: float, seconds: float, resident: int = 0
+    compiled,
+    kinds: dict,
+    model_flops: float,
+    seconds: float,
+    resident: int = 0,
+    attention_flops: float = 0.0,
 ) -> Figures:
-    """:class:`Figures` of a ``jax.stages.Compiled`` (``resident``: :attr:`Figures.resident`)."""
+    """:class:`Figures` of a ``jax.stages.Compiled`` (``resident``: :attr:`Figures.resident`;
+    ``attention_flops``: :attr:`Figures.attention_flops`)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list | tuple) else cost
     return Figures(
@@ -138,6 +153,7 @@ def figures_of(
         model_flops=float(model_flops),
         compile_seconds=float(seconds),
         resident=int(resident),
+        attention_flops=float(attention_flops),
     )
 
 
@@ -188,9 +204,11 @@ def floor(figures: Figures, topology: Topology) -> float:
 def judge(figures: Figures, topology: Topology) -> Verdict:
     """The :class:`Verdict` of ``figures`` on ``topology``."""
     headroom = topology.hbm_bytes - figures.peak
-    chip = topology.chip  # the roofline of the FLOPs and bytes at the chip's efficiencies
-    flops, moved = figures.flops / chip.flop_efficiency, figures.bytes_accessed * chip.hbm_share
-    estimate, bound = roofline(flops, moved, topology)
+    chip = topology.chip  # the model's FLOPs and the bytes, at the chip's measured rates
+    work = (figures.model_flops + figures.attention_flops) / topology.chips
+    moved = figures.bytes_accessed * chip.hbm_share
+    estimate, bound = roofline(work / chip.flop_efficiency, moved, topology)
+    estimate = max(estimate, floor(figures, topology))
     denominator = estimate * topology.chip.peak_flops * topology.chips
     mfu = figures.model_flops / denominator if denominator > 0 else 0.0
     return Verdict(
@@ -243,7 +261,7 @@ def overflow_line(peak: int, topology: Topology, what: str, advice: str = KNOBS)
 def calibration(topology: Topology) -> str:
     """Where the step estimate's efficiencies come from, in a few words."""
     if (chip := topology.chip).calibration_source:
-        return f"FLOPs at {chip.flop_efficiency:.2f} of peak, measured on a {chip.name}"
+        return f"model FLOPs at {chip.flop_efficiency:g} of peak, measured on a {chip.name}"
     return "uncalibrated: no chip of this kind measured"
 
 

@@ -54,6 +54,9 @@ class Program:
       model_flops: the step's model FLOPs over the whole slice (``2 N`` per token
         forward, ``4 N`` more backward for full fine-tuning, ``2 N`` for LoRA, whose
         weights get no gradient): the numerator of MFU.
+      attention_flops: attention's own matmul FLOPs over the whole slice
+        (:func:`posttrain.plan.abstract.attention_flops`), which ``model_flops`` leaves
+        out; the step estimate counts both.
       resident: bytes one device holds for the workflow outside these arguments
         (:attr:`posttrain.plan.report.Figures.resident`).
       uncounted: ``(FLOPs, bytes accessed)`` per device the compiled costs leave out: what
@@ -69,6 +72,7 @@ class Program:
     kwargs: dict
     kinds: dict
     model_flops: float
+    attention_flops: float = 0.0
     resident: int = 0
     uncounted: tuple[float, float] = (0.0, 0.0)
     cost_source: str = "compiled prefill + first decode step, later steps analytic"
@@ -183,7 +187,16 @@ def sft_program(
         source = "compiled, the loss's chunks after the first analytic"
         if kernel[0]:
             source += f", {splash_costs.COST_SOURCE}"
-        return Program(jitted, args, {}, kinds, flops, uncounted=uncounted, cost_source=source)
+        return Program(
+            jitted,
+            args,
+            {},
+            kinds,
+            flops,
+            abstract.attention_flops(cfg, batch, seq, backward=True),
+            uncounted=uncounted,
+            cost_source=source,
+        )
     finally:
         trainer.abandon()
 
@@ -231,6 +244,7 @@ def generate_program(
         {"cfg": cfg, "cache_size": cache_size},
         kinds,
         2 * n * batch * cache_size,
+        abstract.attention_flops(model.config, batch, cache_size, backward=False),
         uncounted=uncounted,
     )
 

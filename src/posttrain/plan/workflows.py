@@ -148,6 +148,7 @@ def dpo_programs(
             {},
             kinds,
             _step_flops(policy, trainer._lora_enabled, rows * seq),
+            abstract.attention_flops(model.config, rows, seq, backward=True),
             resident=own,
             **_splash(model.config, mesh, rules, rows, seq, backward=True),
         )
@@ -160,6 +161,7 @@ def dpo_programs(
             {},
             ref_kinds,
             2 * abstract.active_matmul_params(policy.model) * rows * seq,
+            abstract.attention_flops(model.config, rows, seq, backward=False),
             resident=kinds["parameters"] + kinds["optimizer state"] + own - ref_kinds["parameters"],
             **_splash(model.config, mesh, rules, rows, seq, backward=False),
         )
@@ -217,6 +219,7 @@ def grpo_programs(
             {},
             kinds,
             _step_flops(trainer.model, trainer._lora_enabled, rows * (prompt + completion)),
+            abstract.attention_flops(model.config, rows, prompt + completion, backward=True),
         )
         sampled = trainer.model.model if rollout_mesh is mesh else nnx.clone(trainer.model.model)
         rollout = generate_program(
@@ -294,13 +297,14 @@ def _logps_program(policy, mesh: Mesh, rules, example) -> Program:
 
     graphdef, state = nnx.split(policy)
     ids = (example.prompt_ids, example.completion_ids)
-    tokens = ids[0].shape[0] * (ids[0].shape[1] + ids[1].shape[1])
+    rows, seq = ids[0].shape[0], ids[0].shape[1] + ids[1].shape[1]
     return Program(
         common.compute_per_token_logps,
         (graphdef, state, *ids),
         {"pad_id": 0, "eos_id": 1, "stop_gradient": True, "return_logits": False},
         {"parameters": abstract.device_bytes(state), "inputs": abstract.device_bytes(ids)},
-        2 * abstract.active_matmul_params(policy.model) * tokens,
+        2 * abstract.active_matmul_params(policy.model) * rows * seq,
+        abstract.attention_flops(policy.model.config, rows, seq, backward=False),
     )
 
 
