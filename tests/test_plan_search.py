@@ -42,8 +42,11 @@ def test_each_policy_doubles_its_batch_to_the_limit_in_order():
     options = dataclasses.replace(BASE, search=True, search_max_batch=5, remat="full", run_steps=3)
     got = [(c.remat, c.per_device_batch_size) for c in search.candidates(options)]
     assert got == [(r, b) for r in ("none", "save_dots", "full") for b in (1, 2, 4)]
-    # each candidate is one plain plan: it neither searches again nor runs steps
-    assert all(c.search is False and c.run_steps == 0 for c in search.candidates(options))
+    # each candidate is one plain plan: it does not search again, and runs steps (on the
+    # chips, where it also compiles) only when the search does
+    assert all(c.search is False and c.run_steps == 3 for c in search.candidates(options))
+    plain = dataclasses.replace(options, run_steps=0)
+    assert all(c.run_steps == 0 for c in search.candidates(plain))
     # and keeps what the search does not vary (#55: --attention-kernel splash)
     splash = dataclasses.replace(options, attention_kernel="splash")
     assert {c.attention_kernel for c in search.candidates(splash)} == {"splash"}
@@ -213,3 +216,85 @@ def test_an_axis_the_mesh_leaves_out_holds_one_device():
     assert search.data_parallel(dataclasses.replace(v5e8, mesh={"data": 2, "tensor": 4})) == 2
     assert search.data_parallel(dataclasses.replace(v5e8, mesh={"tensor": 8})) == 1
     assert search.data_parallel(dataclasses.replace(v5e8, mesh={"fsdp": 4, "tensor": 2})) == 4
+
+
+def _chip(seconds: dict, refuse: set = frozenset(), seen=None):
+    """A chip's run of a candidate: ``seconds[(remat, batch)]`` a step; (remat, batch) in
+    ``refuse``: out of memory."""
+
+    def measure_fn(options):
+        key = (options.remat, options.per_device_batch_size)
+        if seen is not None:
+            seen.append((*key, options.run_steps))
+        if key in refuse:
+            return types.SimpleNamespace(fits=False, step_seconds=0.0, error="RESOURCE_EXHAUSTED")
+        return types.SimpleNamespace(fits=True, step_seconds=seconds[key], error="")
+
+    return measure_fn
+
+
+@pytest.mark.host
+def test_with_run_steps_each_fitting_candidate_runs_and_the_chips_fastest_wins():
+    """The estimate ranks none first (0.5 s a row); the chip runs full's two rows fastest
+    (0.6 s a step, 3.33 rows/s). Every candidate the plan fits is run, with the search's
+    steps, and nothing else; one the chip refuses does not fit and stops its policy."""
+    plan_fn = _fake_plan({"none": 1, "save_dots": 4, "full": 4}, lambda r, b: 0.5 * b)
+    chip = {("none", 1): 1.0, ("save_dots", 1): 0.9, ("full", 1): 0.4, ("full", 2): 0.6}
+    seen = []
+    measure_fn = _chip(chip, refuse={("save_dots", 2), ("full", 4)}, seen=seen)
+    options = dataclasses.replace(BASE, search_max_batch=4, run_steps=3)
+    found = search.search(options, plan_fn, measure_fn)
+    assert seen == [
+        ("none", 1, 3),
+        ("save_dots", 1, 3),
+        ("save_dots", 2, 3),
+        ("full", 1, 3),
+        ("full", 2, 3),
+        ("full", 4, 3),
+    ]
+    by = {(c.remat, c.per_device_batch_size): c for c in found}
+    assert ("none", 2) in by and by[("none", 2)].measured_seconds == 0.0  # the plan refused it
+    assert ("save_dots", 4) not in by  # the chip refused 2: its policy stops there
+    refused = by[("save_dots", 2)]
+    assert not refused.fits and refused.refusal == "the chip refused it: RESOURCE_EXHAUSTED"
+    best = search.fastest(found)
+    assert (best.remat, best.per_device_batch_size) == ("full", 2)
+    assert best.rows_per_second == pytest.approx(2 / 0.6)
+    assert best.measured_mfu == pytest.approx(0.2 * 1.0 / 0.6)  # the plan's MFU x est / chip
+    assert search.advice(found) == (
+        "fastest that fits, on the chip: --remat full --per-device-batch-size 2 "
+        "(600.0 ms a step, MFU 33.3%)"
+    )
+    header, *rows = search.table(found, 16).splitlines()
+    assert header.split()[-5:] == ["chip", "ms", "chip", "MFU", "verdict"]
+    star = next(r for r in rows if r.startswith("*"))
+    assert star.split() == [
+        "*",
+        "full",
+        "2",
+        "2.00",
+        "1000.0",
+        "53",
+        "20.0%",
+        "600.0",
+        "33.3%",
+        "fits",
+    ]
+    assert search.close_calls(found) == []  # measured: nothing left to tell apart
+
+
+@pytest.mark.host
+def test_the_advice_names_the_candidates_the_estimate_cannot_tell_from_the_fastest():
+    """Without the chip: full at 2 rows 0.85 of none's rate is within the estimate's 15%
+    (named), save_dots at 0.80 is not; with none within it, the advice says only the
+    fastest."""
+    times = {"none": 0.5, "save_dots": 0.625, "full": 0.5 / 0.85}
+    plan_fn = _fake_plan({"none": 1, "save_dots": 1, "full": 1}, lambda r, b: times[r] * b)
+    found = search.search(dataclasses.replace(BASE, search_max_batch=1), plan_fn)
+    assert [(c.remat, c.per_device_batch_size) for c in search.close_calls(found)] == [("full", 1)]
+    assert search.advice(found).endswith(
+        "; within the estimate's 15% of it: --remat full --per-device-batch-size 1 "
+        "(--run-steps N on the slice's chips runs each and picks by their steps)"
+    )
+    alone = [c for c in found if c.remat != "full"]
+    assert search.close_calls(alone) == [] and search.advice(alone).endswith("estimated)")

@@ -55,8 +55,10 @@ def run(options: PlanOptions) -> int:
 
 def run_search(options: PlanOptions) -> int:
     """``posttrain plan --search``: the table of candidates and the fastest that fits
-    (:mod:`posttrain.plan.search`); with ``--run-steps`` the fastest is then run on the
-    chip. Returns 0 when one fits, 1 (one line on stderr) when none does."""
+    (:mod:`posttrain.plan.search`); with ``--run-steps`` every candidate that fits is run
+    on the chip, the fastest chosen by its step, and then planned and run once more for
+    its table beside the chip's (and ``--json``). Returns 0 when one fits, 1 (one line on
+    stderr) when none does."""
     options.check()
     found = search.search(options)
     print(search.table(found, search.tokens_per_row(options)))

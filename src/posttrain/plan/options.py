@@ -69,7 +69,8 @@ class PlanOptions:
       search: plan every rematerialisation policy x per-device batch (1, 2, 4, ... up to
         ``search_max_batch``) and print the fastest that fits
         (:mod:`posttrain.plan.search`); ``remat`` and ``per_device_batch_size`` are then
-        the search's, and ``run_steps`` runs the fastest on the chip.
+        the search's, and ``run_steps`` runs each candidate that fits on the chip, picks
+        the fastest by its steps and runs it once more for the chip's table.
       search_max_batch: the largest per-device batch ``search`` tries.
 
     Each field is also a flag of ``posttrain plan`` (:mod:`posttrain.flags`); the values
@@ -136,7 +137,8 @@ class PlanOptions:
     search: bool = option(
         False,
         "plan each remat policy x per-device batch (1, 2, 4, ...) and print the fastest "
-        "that fits (--remat and --per-device-batch-size are the search's)",
+        "that fits (--remat and --per-device-batch-size are the search's); with "
+        "--run-steps N, run each that fits on this host's chips and pick by their steps",
     )
     search_max_batch: int = option(64, "--search: the largest per-device batch tried")
 

@@ -4,13 +4,20 @@ policies and per-device batch sizes, by compiling each candidate for the slice.
 For each policy of :data:`REMATS` the per-device batch doubles from 1 up to
 ``search_max_batch`` and stops at the first that does not fit (a larger batch needs at
 least as much memory). Each candidate is a whole :func:`posttrain.plan.plan`: its peak
-decides whether it fits, its estimate (the compiled costs at the chip's measured
-efficiencies, :func:`posttrain.plan.report.judge`) how fast it runs. The fastest is the
-one with the most rows per second (per-device rows x data-parallel devices / estimate);
-a tie goes to the smaller peak.
+decides whether it fits, its estimate (the model's FLOPs and the compiled bytes at the
+chip's measured rates, :func:`posttrain.plan.report.judge`) how fast it runs. The fastest
+is the one with the most rows per second (per-device rows x data-parallel devices / step
+time); a tie goes to the smaller peak.
+
+The estimate is within :data:`ESTIMATE_ERROR` of the v5e's steps, and the settings worth
+choosing between are often closer than that (remat full at 8 x 1024 ran 17% more tokens a
+second than none at 4 on the v5e, where the estimate ranks them level): the advice names
+the candidates within that margin of the fastest. With ``--run-steps N`` on the slice's
+own chips every candidate that fits is also run (:func:`posttrain.plan.measure.measure`),
+and the fastest is the chip's: a candidate the chip cannot hold does not fit.
 
 MaxText's v5e configurations pick remat and batch by hand (``configs/v5e/*.yml``); here
-the compiler's own figures choose, and ``--run-steps`` then checks the choice on the chip.
+the compiler's figures, or the chip's, choose.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from posttrain.plan.options import PlanOptions
 
 #: the policies searched, least recomputation first
 REMATS = ("none", "save_dots", "full")
+#: how far the step estimate may be off: the v5e's thirteen chip steps are within it in
+#: MFU (tests/test_plan_chip.py, docs/scale.md)
+ESTIMATE_ERROR = 0.15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +47,10 @@ class Candidate:
       estimate_seconds: the estimated step time (0 when it does not fit).
       rows_per_second: global rows over the estimate (0 when it does not fit).
       mfu: the plan's MFU at the estimate.
-      refusal: the compiler's or the verdict's line when it does not fit, else ``""``.
+      refusal: the compiler's, the verdict's or the chip's line when it does not fit,
+        else ``""``.
+      measured_seconds: the chip's step time (``--run-steps``; 0 when not run). When set,
+        ``rows_per_second`` is the chip's.
     """
 
     remat: str
@@ -48,6 +61,15 @@ class Candidate:
     rows_per_second: float
     mfu: float
     refusal: str = ""
+    measured_seconds: float = 0.0
+
+    @property
+    def measured_mfu(self) -> float:
+        """The MFU of the chip's step (0 when not run): the plan's MFU scaled by
+        estimate / measured time (the same model FLOPs)."""
+        if self.measured_seconds <= 0:
+            return 0.0
+        return self.mfu * self.estimate_seconds / self.measured_seconds
 
 
 def candidates(options: PlanOptions) -> Iterator[PlanOptions]:
@@ -57,7 +79,7 @@ def candidates(options: PlanOptions) -> Iterator[PlanOptions]:
         batch = 1
         while batch <= options.search_max_batch:
             yield dataclasses.replace(
-                options, remat=remat, per_device_batch_size=batch, search=False, run_steps=0
+                options, remat=remat, per_device_batch_size=batch, search=False
             )
             batch *= 2
 
@@ -92,24 +114,48 @@ def data_parallel(options: PlanOptions) -> int:
     return mesh.get("data", 1) * mesh.get("fsdp", 1)
 
 
-def search(options: PlanOptions, plan_fn: Callable | None = None) -> list[Candidate]:
-    """Plans :func:`candidates` in order; a policy's larger batches are skipped after its
-    first that does not fit.
+def run_candidate(candidate: Candidate, options: PlanOptions, measure_fn: Callable) -> Candidate:
+    """``candidate`` (which fits by its plan) with its step run on the chips
+    (``measure_fn(options)``, a :class:`~posttrain.plan.measure.Measured`): its measured
+    time and rows per second; one the chip cannot hold does not fit."""
+    measured = measure_fn(options)
+    if not measured.fits:
+        refusal = f"the chip refused it: {measured.error[:120]}"
+        return dataclasses.replace(candidate, fits=False, rows_per_second=0.0, refusal=refusal)
+    rows = options.per_device_batch_size * data_parallel(options)
+    return dataclasses.replace(
+        candidate,
+        measured_seconds=measured.step_seconds,
+        rows_per_second=rows / measured.step_seconds,
+    )
+
+
+def search(
+    options: PlanOptions, plan_fn: Callable | None = None, measure_fn: Callable | None = None
+) -> list[Candidate]:
+    """Plans :func:`candidates` in order, and with ``options.run_steps`` runs each that
+    fits on the chips; a policy's larger batches are skipped after its first that does not
+    fit (by the plan or on the chip).
 
     Args:
       plan_fn: the planner (default :func:`posttrain.plan.plan`).
+      measure_fn: the chip's run (default :func:`posttrain.plan.measure.measure`).
 
     Returns:
       The candidates planned, in search order.
     """
     if plan_fn is None:
         plan_fn = plan
+    if measure_fn is None:
+        from posttrain.plan.measure import measure as measure_fn
     seen: list[Candidate] = []
     stopped: set[str] = set()
     for candidate in candidates(options):
         if candidate.remat in stopped:
             continue
         judged = judge_candidate(candidate, plan_fn)
+        if judged.fits and options.run_steps:
+            judged = run_candidate(judged, candidate, measure_fn)
         seen.append(judged)
         if not judged.fits:
             stopped.add(candidate.remat)
@@ -117,8 +163,8 @@ def search(options: PlanOptions, plan_fn: Callable | None = None) -> list[Candid
 
 
 def fastest(found: list[Candidate]) -> Candidate | None:
-    """The fitting candidate with the most rows per second (a tie: the smaller peak), or
-    ``None`` when none fits."""
+    """The fitting candidate with the most rows per second (the chip's where it ran them;
+    a tie: the smaller peak), or ``None`` when none fits."""
     fitting = [c for c in found if c.fits]
     if not fitting:
         return None
@@ -138,26 +184,41 @@ def tokens_per_row(options: PlanOptions) -> int:
     return options.new_tokens
 
 
+def close_calls(found: list[Candidate]) -> list[Candidate]:
+    """The fitting candidates not run on the chip, other than the fastest, whose rows per
+    second are within :data:`ESTIMATE_ERROR` of the fastest's: the estimate cannot tell
+    them from it."""
+    best = fastest(found)
+    if best is None or best.measured_seconds > 0:
+        return []
+    near = best.rows_per_second * (1 - ESTIMATE_ERROR)
+    return [c for c in found if c is not best and c.fits and c.rows_per_second >= near]
+
+
 def table(found: list[Candidate], seq: int) -> str:
     """The searched settings, one line each, the fastest marked ``*`` (``seq``: tokens a
-    row, :func:`tokens_per_row`)."""
+    row, :func:`tokens_per_row`); the chip's step and MFU beside the estimate's where it
+    ran them, and tokens a second from the chip's step then."""
     best = fastest(found)
+    ran = any(c.measured_seconds > 0 for c in found)
+    chip = f" {'chip ms':>9} {'chip MFU':>8}" if ran else ""
     lines = [
         f"{'':1} {'remat':9} {'batch/dev':>9} {'peak GiB':>9} {'step ms':>9} "
-        f"{'tokens/s':>11} {'MFU':>6}  verdict"
+        f"{'tokens/s':>11} {'MFU':>6}{chip}  verdict"
     ]
     for c in found:
         mark = "*" if c is best else ""
+        head = f"{mark:1} {c.remat:9} {c.per_device_batch_size:>9}"
         if c.fits:
+            measured = f" {c.measured_seconds * 1e3:>9.1f} {c.measured_mfu:>8.1%}" if ran else ""
             lines.append(
-                f"{mark:1} {c.remat:9} {c.per_device_batch_size:>9} "
-                f"{c.peak_bytes / 2**30:>9.2f} {c.estimate_seconds * 1e3:>9.1f} "
-                f"{c.rows_per_second * seq:>11,.0f} {c.mfu:>6.1%}  fits"
+                f"{head} {c.peak_bytes / 2**30:>9.2f} {c.estimate_seconds * 1e3:>9.1f} "
+                f"{c.rows_per_second * seq:>11,.0f} {c.mfu:>6.1%}{measured}  fits"
             )
         else:
+            blank = f" {'':>9} {'':>8}" if ran else ""
             lines.append(
-                f"{mark:1} {c.remat:9} {c.per_device_batch_size:>9} {'':>9} {'':>9} {'':>11} "
-                f"{'':>6}  does not fit ({c.refusal[:120]})"
+                f"{head} {'':>9} {'':>9} {'':>11} {'':>6}{blank}  does not fit ({c.refusal[:120]})"
             )
     return "\n".join(lines)
 
@@ -167,8 +228,23 @@ def advice(found: list[Candidate]) -> str:
     best = fastest(found)
     if best is None:
         return "no searched setting fits: try --lora-rank, a wider mesh or a shorter --seq"
-    return (
-        f"fastest that fits: --remat {best.remat} --per-device-batch-size "
-        f"{best.per_device_batch_size} ({best.estimate_seconds * 1e3:.1f} ms a step, "
+    flags = f"--remat {best.remat} --per-device-batch-size {best.per_device_batch_size}"
+    if best.measured_seconds > 0:
+        return (
+            f"fastest that fits, on the chip: {flags} ({best.measured_seconds * 1e3:.1f} ms "
+            f"a step, MFU {best.measured_mfu:.1%})"
+        )
+    line = (
+        f"fastest that fits: {flags} ({best.estimate_seconds * 1e3:.1f} ms a step, "
         f"MFU {best.mfu:.1%} estimated)"
     )
+    near = close_calls(found)
+    if near:
+        named = "; ".join(
+            f"--remat {c.remat} --per-device-batch-size {c.per_device_batch_size}" for c in near
+        )
+        line += (
+            f"; within the estimate's {ESTIMATE_ERROR:.0%} of it: {named} "
+            "(--run-steps N on the slice's chips runs each and picks by their steps)"
+        )
+    return line
