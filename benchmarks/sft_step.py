@@ -207,6 +207,26 @@ def _time_form(
     return compile_s, median, ours
 
 
+def _mfu_line(ours, median: dict, positions: int) -> str:
+    """Each trainer's MFU: our model's FLOPs a step (``6 N`` a position, ``4 N`` with LoRA:
+    :func:`posttrain.plan.abstract.active_matmul_params`, attention's own left out, as
+    docs/benchmarks.md counts them) over its median step x the chips' peak
+    (:func:`posttrain.plan.chips.peak_flops`); a device with no peak in the table says so."""
+    import jax
+
+    from posttrain.plan import abstract, chips
+
+    peak = chips.peak_flops(jax.devices()[0]) * jax.device_count()
+    if peak <= 0:
+        return f"  MFU: no peak FLOP/s known for {jax.devices()[0].device_kind!r}"
+    n = abstract.active_matmul_params(ours.model)
+    flops = 2 * n * (2 if ours._lora_enabled else 3) * positions
+    rates = ", ".join(f"{name} {flops / (s * peak):.1%}" for name, s in median.items())
+    return (
+        f"  MFU ({2 if ours._lora_enabled else 3} x 2 N a position over {peak:.3g} FLOP/s): {rates}"
+    )
+
+
 def _on_own_mesh(args, theirs, theirs_step, their_mesh, tunix_batch) -> tuple:
     """``(Tunix's step, {"PeftTrainer": its placed batch} or {})``: Tunix's Qwen3 with its
     own splash traced under its own mesh and fed on it; otherwise the step as it is."""
@@ -279,6 +299,7 @@ def main(argv=None) -> int:
                 f"  SFTTrainer: {tokens / median['SFTTrainer']:,.0f} tokens/s "
                 f"({tokens} non-padding tokens per micro-step)"
             )
+            print(_mfu_line(ours, median, batch_size * args.seq))
             del ours
             gc.collect()
     return 0

@@ -230,3 +230,16 @@ def test_only_a_deviceless_compile_turns_the_compilation_cache_off(
     # it compiled (a TPU keeps this tiny step's temporaries at 0 bytes: not a witness)
     assert stages["step"].arguments > 0 and stages["step"].live_peak >= stages["step"].arguments
     assert entered == ([True] if cache_off else [])
+
+
+def test_a_chips_peak_is_the_tables_by_its_kind_and_other_devices_have_none():
+    """The denominator of a measured MFU: each TPU generation's kinds map to its table
+    row (v5e 197e12, v5p 459e12, whichever case the runtime writes); a CPU, a GPU or no
+    kind at all give 0."""
+    assert chips.peak_flops(_Chip(0, "TPU v5 lite")) == 197e12
+    assert chips.peak_flops(_Chip(0, "tpu V5E")) == 197e12
+    assert chips.peak_flops(_Chip(0, "TPU v5")) == topology.CHIPS["v5p"].peak_flops == 459e12
+    assert chips.peak_flops(_Chip(0, "TPU v6 lite")) == topology.CHIPS["v6e"].peak_flops
+    assert chips.peak_flops(_Chip(0, "NVIDIA H200")) == 0.0
+    assert chips.peak_flops(jax.devices("cpu")[0]) == 0.0
+    assert chips.peak_flops(object()) == 0.0

@@ -29,13 +29,15 @@ PLAN_TARGETS: dict[str, list[str]] = {
     ],
     "src/posttrain/plan/profile.py": ["tests/test_plan_profile.py"],
     "src/posttrain/plan/headroom.py": ["tests/test_plan_headroom.py"],
-    # --run-steps' chips: the backend, the count and the generation refused in one line each
+    # --run-steps' chips: the backend, the count and the generation refused in one line each;
+    # a chip's peak by its kind (a measured MFU's denominator)
     "src/posttrain/plan/chips.py": [
         "tests/test_plan_chip.py::test_run_steps_runs_only_on_the_topologys_own_chips",
         "tests/test_plan_chip.py::test_the_topologys_chips_come_back_in_id_order",
         "tests/test_plan_measure.py::test_a_one_chip_slice_runs_on_its_one_chip",
         "tests/test_plan_measure.py::test_the_first_chip_in_id_order_names_the_generation",
         "tests/test_plan_measure.py::test_a_chip_with_no_tpu_kind_is_refused_naming_none",
+        "tests/test_plan_measure.py::test_a_chips_peak_is_the_tables_by_its_kind_and_other_devices_have_none",
     ],
     "src/posttrain/plan/options.py": ["tests/test_plan.py", "-k", _NO_COMPILE],
     # #55: the remat x batch search, against fake planners (and one real v5e search)

@@ -42,3 +42,16 @@ def chip_devices(topology) -> list:
             f"({' or '.join(map(repr, expected)) or 'unknown kind'})"
         )
     return devices
+
+
+def peak_flops(device) -> float:
+    """Peak dense bf16 FLOP/s of ``device``'s chip (``device_kind``, :data:`DEVICE_KINDS`,
+    the figures of :data:`posttrain.plan.topology.CHIPS`): the denominator of an MFU
+    measured on it; 0.0 for a device of no kind the table knows (a CPU, a GPU)."""
+    from posttrain.plan.topology import CHIPS
+
+    kind = getattr(device, "device_kind", "").lower()
+    for name, kinds in DEVICE_KINDS.items():
+        if any(kind == k.lower() for k in kinds):
+            return CHIPS[name].peak_flops
+    return 0.0
