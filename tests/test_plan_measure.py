@@ -232,6 +232,7 @@ def test_only_a_deviceless_compile_turns_the_compilation_cache_off(
     assert entered == ([True] if cache_off else [])
 
 
+@pytest.mark.host  # a table lookup: no program
 def test_a_chips_peak_is_the_tables_by_its_kind_and_other_devices_have_none():
     """The denominator of a measured MFU: each TPU generation's kinds map to its table
     row (v5e 197e12, v5p 459e12, whichever case the runtime writes); a CPU, a GPU or no
