@@ -7,7 +7,11 @@ least as much memory). Each candidate is a whole :func:`posttrain.plan.plan`: it
 decides whether it fits, its estimate (the model's FLOPs and the compiled bytes at the
 chip's measured rates, :func:`posttrain.plan.report.judge`) how fast it runs. The fastest
 is the one with the most rows per second (per-device rows x data-parallel devices / step
-time); a tie goes to the smaller peak.
+time); where the estimate is level (every compute-bound candidate of a length runs the
+model's FLOPs at the same rate), the one moving the fewest bytes a row: the memory
+traffic the roofline's ``max`` hides behind the FLOPs is what still separates them (a
+larger batch spreads the weights' and optimizer's traffic over more rows). Then the
+smaller peak.
 
 The estimate is within :data:`ESTIMATE_ERROR` of the v5e's steps, and the settings worth
 choosing between are often closer than that (remat full at 8 x 1024 ran 17% more tokens a
@@ -34,6 +38,8 @@ REMATS = ("none", "save_dots", "full")
 #: how far the step estimate may be off: the v5e's thirteen chip steps are within it in
 #: MFU (tests/test_plan_chip.py, docs/scale.md)
 ESTIMATE_ERROR = 0.15
+#: the advice names up to this many close calls; more it counts (the table marks them)
+NAMED_CLOSE_CALLS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +57,8 @@ class Candidate:
         else ``""``.
       measured_seconds: the chip's step time (``--run-steps``; 0 when not run). When set,
         ``rows_per_second`` is the chip's.
+      bytes_per_row: the plan's bytes accessed per device over its rows per device (0
+        when it does not fit).
     """
 
     remat: str
@@ -62,6 +70,7 @@ class Candidate:
     mfu: float
     refusal: str = ""
     measured_seconds: float = 0.0
+    bytes_per_row: float = 0.0
 
     @property
     def measured_mfu(self) -> float:
@@ -104,6 +113,9 @@ def judge_candidate(options: PlanOptions, plan_fn: Callable) -> Candidate:
         rows_per_second=rows / verdict.estimate_seconds if fast else 0.0,
         mfu=verdict.mfu,
         refusal="" if verdict.fits else f"peak {result.figures.peak / 2**30:.2f} GiB",
+        bytes_per_row=result.figures.bytes_accessed / options.per_device_batch_size
+        if verdict.fits
+        else 0.0,
     )
 
 
@@ -164,11 +176,14 @@ def search(
 
 def fastest(found: list[Candidate]) -> Candidate | None:
     """The fitting candidate with the most rows per second (the chip's where it ran them;
-    a tie: the smaller peak), or ``None`` when none fits."""
+    level to 6 significant digits: the fewer bytes a row, then the smaller peak), or
+    ``None`` when none fits."""
     fitting = [c for c in found if c.fits]
     if not fitting:
         return None
-    return max(fitting, key=lambda c: (c.rows_per_second, -c.peak_bytes))
+    return max(
+        fitting, key=lambda c: (float(f"{c.rows_per_second:.6g}"), -c.bytes_per_row, -c.peak_bytes)
+    )
 
 
 def tokens_per_row(options: PlanOptions) -> int:
@@ -196,10 +211,12 @@ def close_calls(found: list[Candidate]) -> list[Candidate]:
 
 
 def table(found: list[Candidate], seq: int) -> str:
-    """The searched settings, one line each, the fastest marked ``*`` (``seq``: tokens a
-    row, :func:`tokens_per_row`); the chip's step and MFU beside the estimate's where it
-    ran them, and tokens a second from the chip's step then."""
+    """The searched settings, one line each, the fastest marked ``*`` and its
+    :func:`close_calls` ``~`` (``seq``: tokens a row, :func:`tokens_per_row`); the chip's
+    step and MFU beside the estimate's where it ran them, and tokens a second from the
+    chip's step then."""
     best = fastest(found)
+    near = close_calls(found)
     ran = any(c.measured_seconds > 0 for c in found)
     chip = f" {'chip ms':>9} {'chip MFU':>8}" if ran else ""
     lines = [
@@ -207,7 +224,7 @@ def table(found: list[Candidate], seq: int) -> str:
         f"{'tokens/s':>11} {'MFU':>6}{chip}  verdict"
     ]
     for c in found:
-        mark = "*" if c is best else ""
+        mark = "*" if c is best else "~" if any(c is n for n in near) else ""
         head = f"{mark:1} {c.remat:9} {c.per_device_batch_size:>9}"
         if c.fits:
             measured = f" {c.measured_seconds * 1e3:>9.1f} {c.measured_mfu:>8.1%}" if ran else ""
@@ -239,12 +256,15 @@ def advice(found: list[Candidate]) -> str:
         f"MFU {best.mfu:.1%} estimated)"
     )
     near = close_calls(found)
-    if near:
+    if len(near) > NAMED_CLOSE_CALLS:
+        line += (
+            f"; {len(near)} others are within the estimate's {ESTIMATE_ERROR:.0%} of it (marked ~)"
+        )
+    elif near:
         named = "; ".join(
             f"--remat {c.remat} --per-device-batch-size {c.per_device_batch_size}" for c in near
         )
-        line += (
-            f"; within the estimate's {ESTIMATE_ERROR:.0%} of it: {named} "
-            "(--run-steps N on the slice's chips runs each and picks by their steps)"
-        )
+        line += f"; within the estimate's {ESTIMATE_ERROR:.0%} of it: {named}"
+    if near:
+        line += " (--run-steps N on the slice's chips runs each and picks by their steps)"
     return line
