@@ -189,6 +189,8 @@ def test_the_table_gives_each_fitting_row_in_gib_ms_tokens_and_percent():
         *("remat", "batch/dev", "peak", "GiB", "step", "ms", "tokens/s", "MFU", "verdict")
     ]
     assert header.startswith("  remat ")  # the mark's column is blank
+    at = header.index("verdict")  # the verdicts line up under the header's
+    assert all(r.find("fits") == at or r.find("does not fit") == at for r in rows), rows
     assert rows[0].split() == ["*", "none", "1", "1.00", "500.0", "32", "10.0%", "fits"]
     assert rows[1].split() == ["none", "2", "does", "not", "fit", "(peak", "2.00", "GiB)"]
     assert rows[2].split() == ["save_dots", "1", "does", "not", "fit", f"({'x' * 120})"]
@@ -293,6 +295,9 @@ def test_with_run_steps_each_fitting_candidate_runs_and_the_chips_fastest_wins()
     # the verdicts line up under the header's, measured columns or blanks before them
     at = header.index("verdict")
     assert all(r.find("fits") == at or r.find("does not fit") == at for r in rows), rows
+    for r in rows:  # a row that does not fit: its setting, then blanks up to the verdict
+        if "does not fit" in r:
+            assert len(r[:at].split()) == 2, r
 
 
 @pytest.mark.host
@@ -318,10 +323,23 @@ def test_the_advice_names_the_candidates_the_estimate_cannot_tell_from_the_faste
     found = search.search(dataclasses.replace(BASE, search_max_batch=2), plan_fn)
     near = [(c.remat, c.per_device_batch_size) for c in search.close_calls(found)]
     assert near == [("full", 1), ("full", 2)]
-    assert search.advice(found).endswith(
-        "; within the estimate's 15% of it: --remat full --per-device-batch-size 1; "
-        "--remat full --per-device-batch-size 2 "
+    assert search.advice(found) == (
+        "fastest that fits: --remat none --per-device-batch-size 1 (500.0 ms a step, MFU "
+        "10.0% estimated); within the estimate's 15% of it: --remat full "
+        "--per-device-batch-size 1; --remat full --per-device-batch-size 2 "
         "(--run-steps N on the slice's chips runs each and picks by their steps)"
+    )
+    # three are still named (full's two rows and save_dots' at 0.90), four are counted
+    best = search.fastest(found)
+    three = [
+        dataclasses.replace(c, rows_per_second=0.9 * best.rows_per_second)
+        if (c.remat, c.per_device_batch_size) == ("save_dots", 1)
+        else c
+        for c in found
+    ]
+    assert len(search.close_calls(three)) == 3
+    assert "15% of it: --remat save_dots --per-device-batch-size 1; --remat full" in (
+        search.advice(three)
     )
     alone = [c for c in found if c.remat != "full" and c.fits]
     assert search.close_calls(alone) == [] and search.advice(alone).endswith("estimated)")
