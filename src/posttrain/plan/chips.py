@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import jax
 
+from posttrain.plan.topology import CHIPS
+
 #: ``Device.device_kind`` of each chip generation, as the TPU runtime names it
 DEVICE_KINDS: dict[str, tuple[str, ...]] = {
     "v4": ("TPU v4",),
@@ -48,8 +50,6 @@ def peak_flops(device) -> float:
     """Peak dense bf16 FLOP/s of ``device``'s chip (``device_kind``, :data:`DEVICE_KINDS`,
     the figures of :data:`posttrain.plan.topology.CHIPS`): the denominator of an MFU
     measured on it; 0.0 for a device of no kind the table knows (a CPU, a GPU)."""
-    from posttrain.plan.topology import CHIPS
-
     kind = getattr(device, "device_kind", "").lower()
     for name, kinds in DEVICE_KINDS.items():
         if any(kind == k.lower() for k in kinds):
