@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 
-from posttrain.plan import measure, plan, topology
+from posttrain.plan import plan, topology
 from posttrain.plan.compile import DoesNotFit
 from posttrain.plan.options import PlanOptions
 
@@ -159,7 +159,7 @@ def search(
     if plan_fn is None:
         plan_fn = plan
     if measure_fn is None:
-        measure_fn = measure.measure
+        from posttrain.plan.measure import measure as measure_fn
     seen: list[Candidate] = []
     stopped: set[str] = set()
     for candidate in candidates(options):
